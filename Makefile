@@ -1,0 +1,23 @@
+# The two commands of the README: `make rl` (the main job) and `make test` (the tests).
+# Both create or update .venv on their own, keyed on a stamp file.
+PY ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.stamp
+BIN := $(VENV)/bin
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the local CPU wheel; a looser spec could pull a CUDA build.
+	$(BIN)/pip install -q -c constraints.txt torch
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+.PHONY: venv rl test
+venv: $(STAMP)
+
+rl: $(STAMP)
+	$(BIN)/tandem rl @ examples/reverse_text/rl.toml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x tests

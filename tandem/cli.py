@@ -1,0 +1,107 @@
+"""The `tandem` command: one entry point, one subcommand per process or tool.
+
+Configs are parsed and validated before any heavy import (torch), so a typo costs
+milliseconds and shows a clear message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+
+from tandem.config.loader import ConfigError, parse_args, valid_keys
+
+
+@dataclass(frozen=True)
+class Command:
+    config: str
+    """`module:Class` of the config the subcommand takes."""
+    entry: str
+    """`module:function` run with the validated config; returns an exit code."""
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "rl": Command("tandem.config.rl:RLConfig", "tandem.launch.rl:main",
+                  "Run async RL: inference server, orchestrator and trainer together."),
+    "sft": Command("tandem.config.sft:SFTConfig", "tandem.trainer.sft.train:main",
+                   "Supervised fine-tuning on local chat or prompt/completion data."),
+    "eval": Command("tandem.config.eval:EvalConfig", "tandem.orchestrator.eval:main",
+                    "Evaluate a model on environments against an inference server."),
+    "trainer": Command("tandem.config.trainer:TrainerConfig", "tandem.trainer.rl.train:main",
+                       "The RL trainer process (FSDP2)."),
+    "orchestrator": Command("tandem.config.orchestrator:OrchestratorConfig", "tandem.orchestrator.main:main",
+                            "The orchestrator process: rollouts, advantages, batches."),
+    "inference": Command("tandem.config.inference:InferenceConfig", "tandem.inference.server:main",
+                         "The OpenAI-compatible inference server."),
+}
+
+
+def _load(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _usage() -> str:
+    lines = ["usage: tandem <command> [@ file.toml ...] [--key value ...] [--dry-run]", "", "commands:"]
+    for name, cmd in COMMANDS.items():
+        lines.append(f"  {name:<13} {cmd.help}")
+    lines.append(f"  {'model':<13} Model tools: `tandem model init --preset tiny --out DIR`.")
+    lines += ["", "Later files override earlier ones, then TANDEM_<SECTION>__<KEY> variables, then flags.",
+              "`tandem <command> --help` lists the command's keys."]
+    return "\n".join(lines)
+
+
+def _help_of(config_cls) -> str:
+    from tandem.config.dump import describe
+
+    return describe(config_cls)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "model":
+        from tandem.models.cli import main as model_main
+
+        return model_main(rest)
+    if name not in COMMANDS:
+        print(f"tandem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    cmd = COMMANDS[name]
+    try:
+        config_cls = _load(cmd.config)
+    except ModuleNotFoundError:
+        print(f"tandem {name}: not built yet", file=sys.stderr)
+        return 2
+    if "-h" in rest or "--help" in rest:
+        print(f"tandem {name}: {cmd.help}\n\n{_help_of(config_cls)}")
+        return 0
+    dry_run = "--dry-run" in rest
+    rest = [a for a in rest if a != "--dry-run"]
+    try:
+        config = parse_args(config_cls, rest)
+    except ConfigError as err:
+        print(f"tandem {name}: config error: {err}", file=sys.stderr)
+        return 2
+    if dry_run:
+        from tandem.config.dump import dump_process_configs
+
+        print(dump_process_configs(config))
+        return 0
+    try:
+        entry = _load(cmd.entry)
+    except ModuleNotFoundError as err:
+        if err.name and err.name.startswith("tandem"):
+            print(f"tandem {name}: not built yet ({err.name} is missing)", file=sys.stderr)
+            return 2
+        raise
+    return int(entry(config) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Compose a config from TOML files, environment variables and command-line overrides.
+
+Precedence, lowest first: field defaults, `@ file.toml` files in order, environment variables
+`TANDEM_<SECTION>__<KEY>`, then `--a.b value` flags in order. Every leaf value remembers where it
+came from, so an error can name the key, the value and its source, never a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+ENV_PREFIX = "TANDEM_"
+
+
+class ConfigError(Exception):
+    """A user-facing config problem; the message is complete and is printed as is."""
+
+
+def parse_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, str] | None = None) -> BaseModel:
+    """Build `config_cls` from `argv` (without the subcommand) and the environment."""
+    sources: dict[str, str] = {}
+    data: dict[str, Any] = {}
+    overrides: list[tuple[str, Any, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "@" or arg.startswith("@"):
+            path, i = (argv[i + 1] if arg == "@" and i + 1 < len(argv) else arg[1:] or None), i + (2 if arg == "@" else 1)
+            if not path:
+                raise ConfigError("`@` must be followed by a TOML file path")
+            _merge(data, load_toml(Path(path)), sources, source=path)
+            continue
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: use `@ file.toml` or `--key value`")
+        key = arg[2:]
+        value: Any
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            value, i = _parse_value(raw), i + 1
+        elif key.startswith("no-"):
+            key, value, i = key[3:], False, i + 1
+        elif i + 1 < len(argv) and argv[i + 1] == "@" and i + 2 < len(argv):
+            path = argv[i + 2]
+            overrides.append((_normalize(key), load_toml(Path(path)), path))
+            i += 3
+            continue
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value, i = _parse_value(argv[i + 1]), i + 2
+        else:
+            value, i = True, i + 1
+        overrides.append((_normalize(key), value, "the command line"))
+
+    for name, raw in sorted((environ if environ is not None else os.environ).items()):
+        # Only variables whose first segment is a top-level field count: TANDEM_HOME and the
+        # like stay free for other uses.
+        parts = name[len(ENV_PREFIX):].lower().split("__") if name.startswith(ENV_PREFIX) else []
+        if parts and parts[0] in config_cls.model_fields:
+            key = ".".join(parts)
+            _merge(data, _nest(key, _parse_value(raw)), sources, source=f"environment variable {name}")
+    for key, value, source in overrides:
+        _merge(data, _nest(key, value), sources, source=source)
+    return validate(config_cls, data, sources)
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """Read one TOML file, turning a missing file or a syntax error into a `ConfigError`."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+
+
+def validate(config_cls: type[BaseModel], data: dict[str, Any], sources: dict[str, str]) -> BaseModel:
+    """Validate `data` against `config_cls`, explaining the first errors in user terms."""
+    try:
+        return config_cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError("\n".join(_explain(config_cls, data, sources, e) for e in err.errors())) from None
+
+
+def valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of `model`, sections and leaves."""
+    keys = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        keys.append(key)
+        for sub in _models_in(field.annotation):
+            keys.extend(valid_keys(sub, key + "."))
+    return sorted(set(keys))
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+    return []
+
+
+def _explain(config_cls: type[BaseModel], data: dict[str, Any], sources: dict[str, str], error: dict) -> str:
+    key, value = _key_of(data, error["loc"])
+    if not key:  # a whole-config check (a model validator): its message says it all
+        return error["msg"].removeprefix("Value error, ")
+    source = _source_of(sources, key)
+    where = f" (from {source})" if source else ""
+    if error["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(key, valid_keys(config_cls), n=1, cutoff=0.5)
+        hint = f"; did you mean `{close[0]}`?" if close else ""
+        return f"unknown key `{key}`{where}{hint}"
+    if error["type"] == "missing":
+        return f"missing required key `{key}`{where}"
+    return f"invalid value for `{key}`{where}: {value!r}: {error['msg']}"
+
+
+def _key_of(data: dict[str, Any], loc: tuple) -> tuple[str, Any]:
+    """Map a pydantic error location onto the user's dotted key, skipping union tags."""
+    parts: list[str] = []
+    node: Any = data
+    for item in loc:
+        if isinstance(node, dict) and item in node:
+            parts.append(str(item))
+            node = node[item]
+        elif isinstance(node, list) and isinstance(item, int) and item < len(node):
+            parts[-1] += f"[{item}]"
+            node = node[item]
+        elif not isinstance(node, dict) or isinstance(item, int):
+            continue
+        else:
+            parts.append(str(item))
+            node = None
+    return ".".join(parts), node
+
+
+def _source_of(sources: dict[str, str], key: str) -> str | None:
+    while key:
+        if key in sources:
+            return sources[key]
+        key = key.rpartition(".")[0].split("[")[0] if "." in key else ""
+    return None
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any], sources: dict[str, str], source: str, prefix: str = "") -> None:
+    for key, value in new.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value, sources, source, dotted + ".")
+            continue
+        into[key] = value
+        sources[dotted] = source
+        if isinstance(value, dict):
+            for leaf in _leaves(value, dotted + "."):
+                sources[leaf] = source
+
+
+def _leaves(d: dict[str, Any], prefix: str) -> list[str]:
+    out = []
+    for key, value in d.items():
+        out.append(prefix + key)
+        if isinstance(value, dict):
+            out.extend(_leaves(value, f"{prefix}{key}."))
+    return out
+
+
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def _normalize(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _parse_value(raw: str) -> Any:
+    """Read a command-line value as a TOML literal (int, float, bool, list), else a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw

@@ -1,0 +1,23 @@
+"""`tandem model ...`: tools for model folders."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem.models.presets import PRESETS
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem model", description="Model folder tools.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    init = sub.add_parser("init", help="Write a Qwen3-architecture model folder with random weights and a byte tokenizer.")
+    init.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    init.add_argument("--out", required=True, help="Folder to write (created if missing).")
+    init.add_argument("--seed", type=int, default=0, help="Seed of the random weights.")
+    args = parser.parse_args(argv)
+    from tandem.models.presets import init_model
+
+    out = init_model(args.preset, args.out, args.seed)
+    print(f"wrote {args.preset} model to {out}", file=sys.stderr)
+    return 0

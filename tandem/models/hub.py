@@ -1,0 +1,19 @@
+"""Find a model folder: a local path, or a hub name fetched once into the HF cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def resolve_model_path(name: str) -> Path:
+    """A folder holding `config.json`; hub names need network access the first time."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {path} has no config.json")
+        return path
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"model {name!r} is neither a model folder nor a hub name (org/model)")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))

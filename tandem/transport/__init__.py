@@ -1,0 +1,1 @@
+"""Wire formats and transports between the three processes (see ARCHITECTURE.md)."""
