@@ -1,0 +1,44 @@
+"""Where the processes of a run meet on disk (the run folder of ARCHITECTURE.md).
+
+Trainer writes `weights/step_N/` then an empty `STABLE` file; the orchestrator writes
+`rollouts/step_N/rank_R.msgpack`. Both sides build these paths here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+STABLE = "STABLE"
+
+
+def weights_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "weights" / f"step_{step}"
+
+
+def rollouts_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "rollouts" / f"step_{step}"
+
+
+def rollout_file(run_dir: Path, step: int, rank: int) -> Path:
+    return rollouts_dir(run_dir, step) / f"rank_{rank}.msgpack"
+
+
+def checkpoint_dir(run_dir: Path, step: int, process: str) -> Path:
+    """`checkpoints/step_N/{trainer,orchestrator}/`."""
+    return Path(run_dir) / "checkpoints" / f"step_{step}" / process
+
+
+def is_stable(folder: Path) -> bool:
+    return (Path(folder) / STABLE).is_file()
+
+
+def latest_stable_step(run_dir: Path) -> int | None:
+    """The newest step whose weights folder is complete, or None."""
+    steps = [_step_of(p) for p in (Path(run_dir) / "weights").glob("step_*") if is_stable(p)]
+    return max((s for s in steps if s is not None), default=None)
+
+
+def _step_of(path: Path) -> int | None:
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    return int(match.group(1)) if match else None
