@@ -1,0 +1,1 @@
+"""Metrics, progress and the run report."""

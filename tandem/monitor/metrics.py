@@ -1,0 +1,55 @@
+"""`metrics.jsonl`: one JSON object per line, appended by every process of a run.
+
+Each line carries `process`, `step` and a wall-clock `time`. Lines are written with one
+`write()` on a file opened with O_APPEND, so lines of concurrent processes never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, process: str):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.process = process
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"process": self.process, "step": step, "time": time.time(), **{k: _clean(v) for k, v in metrics.items()}}
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+def read_metrics(run_dir: Path, process: str | None = None) -> Iterator[dict[str, Any]]:
+    """Records of the run, optionally of one process; a torn last line is skipped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if process is None or record.get("process") == process:
+            yield record
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null (so a NaN step stays visible, not a crash)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,125 @@
+"""Config composition: files, environment, flags, shared fields, and every bad-input message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.config.base import ProcessConfig, Section
+from tandem.config.loader import ConfigError, parse_args
+from tandem.config.rl import RLConfig
+
+
+class Optim(Section):
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: list[float] = [0.9, 0.99]
+    """Adam betas."""
+
+
+class Ckpt(Section):
+    enabled: bool = True
+    """Write checkpoints."""
+    interval: int = 10
+    """Steps between checkpoints."""
+
+
+class Demo(ProcessConfig):
+    optim: Optim = Optim()
+    """Optimizer."""
+    ckpt: Ckpt = Ckpt()
+    """Checkpoints."""
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_later_files_then_env_then_flags_win(tmp_path):
+    a = write(tmp_path, "a.toml", "seq_len = 100\nmax_steps = 5\n[optim]\nlr = 0.1\n")
+    b = write(tmp_path, "b.toml", "max_steps = 7\n[optim]\nlr = 0.2\n")
+    cfg = parse_args(Demo, ["@", a, "@", b], environ={})
+    assert (cfg.seq_len, cfg.max_steps, cfg.optim.lr) == (100, 7, 0.2)
+    cfg = parse_args(Demo, ["@", a, "@", b], environ={"TANDEM_OPTIM__LR": "0.3", "TANDEM_MAX_STEPS": "9"})
+    assert (cfg.optim.lr, cfg.max_steps) == (0.3, 9)
+    cfg = parse_args(Demo, ["@", a, "--optim.lr", "3e-6", "@", b], environ={"TANDEM_OPTIM__LR": "0.3"})
+    assert cfg.optim.lr == 3e-6  # flags beat files given after them and the environment
+
+
+def test_flag_forms(tmp_path):
+    cfg = parse_args(Demo, ["--no-ckpt.enabled", "--ckpt.interval=3", "--optim.betas", "[0.8, 0.9]", "--run.name", "x"], environ={})
+    assert cfg.ckpt.enabled is False and cfg.ckpt.interval == 3 and cfg.optim.betas == [0.8, 0.9]
+    assert cfg.run_dir == Path("outputs/x")
+    cfg = parse_args(Demo, ["--ckpt.enabled"], environ={})
+    assert cfg.ckpt.enabled is True
+    cfg = parse_args(Demo, ["--seq-len", "64", "--output-dir", "/tmp/o"], environ={})
+    assert cfg.seq_len == 64 and cfg.run_dir == Path("/tmp/o")
+
+
+def test_section_from_file(tmp_path):
+    opt = write(tmp_path, "opt.toml", "lr = 0.5\nbetas = [0.1, 0.2]\n")
+    cfg = parse_args(Demo, ["--optim", "@", opt], environ={})
+    assert cfg.optim.lr == 0.5 and cfg.optim.betas == [0.1, 0.2]
+
+
+def test_unrelated_environment_is_ignored():
+    cfg = parse_args(Demo, [], environ={"TANDEM_HOME": "/x", "PATH": "/bin"})
+    assert cfg.seq_len == Demo().seq_len
+
+
+def test_unknown_key_names_key_file_and_suggestion(tmp_path):
+    bad = write(tmp_path, "bad.toml", "[optim]\nlrr = 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(Demo, ["@", bad], environ={})
+    assert str(err.value) == f"unknown key `optim.lrr` (from {bad}); did you mean `optim.lr`?"
+    with pytest.raises(ConfigError, match=r"unknown key `ckpt.intervall` \(from the command line\); did you mean `ckpt.interval`\?"):
+        parse_args(Demo, ["--ckpt.intervall", "3"], environ={})
+    with pytest.raises(ConfigError, match=r"unknown key `optim.beta` \(from environment variable TANDEM_OPTIM__BETA\)"):
+        parse_args(Demo, [], environ={"TANDEM_OPTIM__BETA": "1"})
+
+
+def test_wrong_type_names_key_value_and_type(tmp_path):
+    bad = write(tmp_path, "bad.toml", "[ckpt]\ninterval = \"often\"\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(Demo, ["@", bad], environ={})
+    msg = str(err.value)
+    assert msg.startswith(f"invalid value for `ckpt.interval` (from {bad}): 'often'") and "valid integer" in msg
+    with pytest.raises(ConfigError, match=r"invalid value for `optim.lr` \(from the command line\): 'fast'.*valid number"):
+        parse_args(Demo, ["--optim.lr", "fast"], environ={})
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: /nonexistent/x.toml"):
+        parse_args(Demo, ["@", "/nonexistent/x.toml"], environ={})
+    broken = write(tmp_path, "broken.toml", "seq_len = = 3\n")
+    with pytest.raises(ConfigError, match=f"{broken}: invalid TOML"):
+        parse_args(Demo, ["@", broken], environ={})
+    with pytest.raises(ConfigError, match="unexpected argument 'stray'"):
+        parse_args(Demo, ["stray"], environ={})
+
+
+def test_shared_fields_propagate_to_every_process():
+    cfg = parse_args(RLConfig, ["--model.name", "m", "--seq-len", "128", "--max-steps", "4", "--seed", "3", "--run.name", "r"], environ={})
+    for sub in (cfg.trainer, cfg.orchestrator, cfg.inference):
+        assert (sub.model.name, sub.seq_len, sub.max_steps, sub.seed, sub.run.name) == ("m", 128, 4, 3, "r")
+        assert sub.run_dir == Path("outputs/r")
+    # dtype is not shared: each process keeps its own
+    cfg = parse_args(RLConfig, ["--trainer.model.dtype", "bfloat16"], environ={})
+    assert cfg.trainer.model.dtype == "bfloat16" and cfg.inference.model.dtype == "auto"
+
+
+def test_shared_field_conflict_is_an_error(tmp_path):
+    f = write(tmp_path, "rl.toml", "seq_len = 256\n[trainer]\nseq_len = 512\n")
+    with pytest.raises(ConfigError, match=r"`trainer.seq_len` = 512 contradicts the shared `seq_len` = 256"):
+        parse_args(RLConfig, ["@", f], environ={})
+    # the same value twice is fine
+    same = write(tmp_path, "same.toml", "seq_len = 256\n[trainer]\nseq_len = 256\n")
+    assert parse_args(RLConfig, ["@", same], environ={}).trainer.seq_len == 256
+
+
+def test_defaults_are_not_shared_objects():
+    a, b = RLConfig(), RLConfig(model={"name": "x"})
+    assert a.trainer.model.name != b.trainer.model.name

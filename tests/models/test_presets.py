@@ -1,0 +1,73 @@
+"""`tandem model init`: deterministic folders that transformers loads and tandem's model matches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem.models.byte_tokenizer import SPECIAL_TOKENS
+from tandem.models.loading import load_causal_lm
+from tandem.models.presets import init_model
+
+
+def digest(folder) -> str:
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_init_is_deterministic_given_seed(tmp_path):
+    a = init_model("tiny", tmp_path / "a", seed=1)
+    b = init_model("tiny", tmp_path / "b", seed=1)
+    c = init_model("tiny", tmp_path / "c", seed=2)
+    assert digest(a) == digest(b) != digest(c)
+
+
+def test_tiny_round_trips_through_transformers(tmp_path):
+    folder = init_model("tiny", tmp_path / "m", seed=0)
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    n_params = sum(p.numel() for p in hf.parameters())
+    assert 350_000 < n_params < 500_000
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [256, 257, 258, 259]
+    text = "héllo, wörld"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = hf.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 4 or out[0, -1].item() in (256, 258)
+
+    ours = load_causal_lm(str(folder))
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        logits = ours.lm_head(ours(ids, positions))
+        torch.testing.assert_close(logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_rows_equal_separate_sequences(tmp_path):
+    model = load_causal_lm(str(init_model("tiny", tmp_path / "m", seed=0)))
+    a, b = torch.randint(0, 256, (1, 9)), torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        ha = model(a, torch.arange(9)[None])
+        hb = model(b, torch.arange(5)[None])
+        packed = model(torch.cat([a, b], 1), torch.cat([torch.arange(9), torch.arange(5)])[None])
+    torch.testing.assert_close(packed[:, :9], ha, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[:, 9:], hb, atol=1e-5, rtol=1e-5)
+
+
+def test_small_preset_shape(tmp_path):
+    folder = init_model("small", tmp_path / "s", seed=0)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["model_type"]) == (256, 4, "qwen3")
+    model = load_causal_lm(str(folder))
+    assert 2.5e6 < sum(p.numel() for p in model.parameters()) < 4e6
+
+
+def test_unknown_preset_and_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        init_model("huge", tmp_path / "x")
+    with pytest.raises(FileNotFoundError, match="neither a model folder nor a hub name"):
+        load_causal_lm(str(tmp_path / "nope"))

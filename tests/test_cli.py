@@ -1,0 +1,48 @@
+"""The `tandem` command itself: help, dry-run output, errors without tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+from tandem.cli import COMMANDS, main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in [*COMMANDS, "model"]:
+        assert f"  {name} " in out
+
+
+def test_dry_run_prints_each_process_config_as_toml(capsys):
+    assert main(["rl", "--dry-run", "--seq-len", "96", "--model.name", "some/model"]) == 0
+    out = capsys.readouterr().out
+    sections = out.split("# ---- ")[1:]
+    assert [s.split(" ----")[0] for s in sections] == ["inference", "orchestrator", "trainer"]
+    for section in sections:
+        parsed = tomllib.loads(section.split("\n", 1)[1])
+        assert parsed["seq_len"] == 96 and parsed["model"]["name"] == "some/model"
+
+
+def test_config_error_is_one_clear_line_and_exit_2():
+    proc = run_cli("rl", "--seq_lenn", "3")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "unknown key `seq_lenn` (from the command line); did you mean `seq_len`?" in proc.stderr
+
+
+def test_unknown_command():
+    proc = run_cli("fly")
+    assert proc.returncode == 2 and "unknown command 'fly'" in proc.stderr
+
+
+def test_command_help_lists_keys(capsys):
+    assert main(["rl", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--seq_len = 2048" in out and "--inference.server.port = 8000" in out
