@@ -6,9 +6,12 @@ sub-config that sets a shared field to another value is an error, not a silent o
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Literal
+
 from pydantic import model_validator
 
-from tandem.config.base import ModelConfig, ProcessConfig, RunConfig
+from tandem.config.base import ModelConfig, ProcessConfig, RunConfig, Section
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.config.trainer import TrainerConfig
@@ -16,6 +19,49 @@ from tandem.config.loader import ConfigError
 
 SHARED_KEYS = ("model.name", "run.name", "seq_len", "max_steps", "output_dir", "seed")
 """Dotted keys that `tandem rl` sets once for all three processes."""
+
+
+class DeploymentConfig(Section):
+    """Where each process runs."""
+
+    type: Literal["cpu", "gpu"] = "cpu"
+    """`cpu`: everything on the CPU; `gpu`: inference and trainer on the CUDA devices below."""
+
+    num_trainer_processes: int = 1
+    """Trainer ranks on CPU (gloo, under torchrun when more than one)."""
+
+    inference_devices: list[int] = [0]
+    """CUDA devices of the inference server (`gpu` only)."""
+
+    trainer_devices: list[int] = [1]
+    """CUDA devices of the trainer, one rank each (`gpu` only). Listing the inference device
+    here too shares that GPU; the engine then takes `shared_gpu_memory_fraction` of it."""
+
+    shared_gpu_memory_fraction: float = 0.4
+    """Share of a GPU the engine may use when it shares the GPU with the trainer."""
+
+    @property
+    def num_trainer_ranks(self) -> int:
+        return len(self.trainer_devices) if self.type == "gpu" else self.num_trainer_processes
+
+
+class WarmupConfig(Section):
+    """How `tandem rl` makes the starting model when `model.name` does not exist yet."""
+
+    sft: Path | None = None
+    """SFT config to run first (`tandem sft @ <this>`); it must write the folder `model.name`."""
+
+    base_preset: str | None = None
+    """If the SFT config's base model folder is missing, create it with `tandem model init`."""
+
+    data_env: str | None = None
+    """If the SFT config's `data.path` is missing, generate it from this environment's SFT examples."""
+
+    num_examples: int = 2000
+    """Number of generated SFT examples (train split)."""
+
+    num_eval_examples: int = 100
+    """Number of generated SFT examples written next to it for eval loss (`eval.jsonl`)."""
 
 
 class RLConfig(ProcessConfig):
@@ -28,8 +74,25 @@ class RLConfig(ProcessConfig):
     inference: InferenceConfig = InferenceConfig()
     """The inference server."""
 
+    deployment: DeploymentConfig = DeploymentConfig()
+    """Devices and ranks of the processes."""
+
+    warmup: WarmupConfig = WarmupConfig()
+    """SFT warm-up run before RL when the starting model does not exist."""
+
+    resume: bool = False
+    """Continue the run in `output_dir` from its newest complete checkpoints."""
+
+    clean: bool = False
+    """Delete the results of an earlier run in `output_dir` before starting."""
+
+    health_timeout_s: float = 300.0
+    """How long to wait for the inference server's `/health` before giving up."""
+
     @model_validator(mode="after")
     def _propagate_shared(self) -> "RLConfig":
+        if self.resume and self.clean:
+            raise ValueError("`resume` and `clean` exclude each other: choose one")
         for name in ("trainer", "orchestrator", "inference"):
             propagate_shared(self, getattr(self, name), name)
         return self

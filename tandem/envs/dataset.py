@@ -33,7 +33,9 @@ def format_example(
     elif "question" in row:
         prompt = build_prompt(row["question"], system_prompt, few_shot)
     else:
-        raise ValueError(f"dataset row needs a 'prompt' or a 'question' key, got keys {sorted(row)}")
+        raise ValueError(
+            f"dataset row needs a 'prompt' or a 'question' key, got keys {sorted(row)}"
+        )
     return Example(
         prompt=prompt,
         answer=str(row.get("answer", "")),

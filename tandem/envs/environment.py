@@ -93,18 +93,12 @@ class Environment(ABC):
         sampling_args: dict[str, Any] | None = None,
     ) -> ScoredRollout:
         """Roll out one example and score it with the rubric."""
+        prompt, answer = example["prompt"], example["answer"]
+        task, info = example["task"], example["info"]
         completion, state = await self.rollout(
-            client,
-            model,
-            example["prompt"],
-            example["answer"],
-            example["task"],
-            example["info"],
-            sampling_args,
+            client, model, prompt, answer, task, info, sampling_args
         )
-        score = await self.rubric.score_rollout(
-            example["prompt"], completion, example["answer"], state, example["task"], example["info"]
-        )
+        score = await self.rubric.score_rollout(prompt, completion, answer, state, task, info)
         return ScoredRollout(completion=completion, state=state, score=score)
 
     async def evaluate(

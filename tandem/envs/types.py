@@ -47,4 +47,4 @@ class RolloutScore:
     metrics: dict[str, float]
     """Every reward function's unweighted score, by function name (zero-weight ones included)."""
     errors: list[str] = field(default_factory=list)
-    """`"<function name>: <ExceptionType>: <message>"` for each function that raised (it scored 0)."""
+    """`"<function name>: <ExceptionType>: <message>"` per function that failed (it scored 0)."""

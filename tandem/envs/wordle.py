@@ -1,0 +1,153 @@
+"""wordle: find a hidden 5-letter word in at most 6 guesses.
+
+The model writes each guess inside `<guess>` tags; the environment answers with Wordle
+feedback, one mark per letter: G (right letter, right spot), Y (in the word, elsewhere),
+X (not in the word, or no copies left). Duplicates follow the game: greens are matched
+first, then yellows left to right while unmatched copies of the letter remain. A guess that
+is missing, not 5 letters, or not in `data/wordle_guesses.txt` gets an error message and
+still uses up one of the 6 turns.
+
+Reward, with k = the number of guesses (turns) used up to the correct one:
+
+    reward = solved + efficiency + 0.2 * partial
+    solved     = 1 if some guess equals the answer, else 0
+    efficiency = (7 - k) / 6 if solved, else 0          (1 for k = 1 ... 1/6 for k = 6)
+    partial    = (greens + 0.5 * yellows) / 5 of the last valid guess, 0 if none
+
+so a first-guess solve scores 2.2, a sixth-guess solve 1.3667, and an unsolved game at most
+0.16 (four greens). The format score is reported as a metric only.
+"""
+
+import random
+from collections import Counter
+from functools import cache
+from typing import Any
+
+from tandem.envs.multi_turn import MultiTurnEnv
+from tandem.envs.parsers import XMLParser, assistant_contents
+from tandem.envs.rubric import Rubric
+from tandem.envs.types import Messages, State
+from tandem.envs.word_lists import load_word_list
+
+MAX_GUESSES = 6
+SYSTEM_PROMPT = (
+    "You are playing Wordle. Find the hidden 5-letter English word in at most 6 guesses. "
+    "Write each guess inside <guess> tags, e.g. <guess>crane</guess>. After each guess you "
+    "get one mark per letter: G = right letter in the right spot, Y = in the word but in "
+    "another spot, X = not in the word (or no more copies of it)."
+)
+QUESTION = "Guess the hidden 5-letter word. You have 6 guesses."
+PARSER = XMLParser(["guess"])
+
+
+def score_guess(guess: str, answer: str) -> str:
+    """Five marks, G/Y/X, for `guess` against `answer` (both lowercase, 5 letters)."""
+    marks = ["X"] * 5
+    unmatched = Counter(a for g, a in zip(guess, answer) if g != a)
+    for i, (g, a) in enumerate(zip(guess, answer)):
+        if g == a:
+            marks[i] = "G"
+        elif unmatched[g] > 0:
+            marks[i] = "Y"
+            unmatched[g] -= 1
+    return "".join(marks)
+
+
+@cache
+def allowed_guesses() -> frozenset[str]:
+    return frozenset(load_word_list("wordle_guesses.txt"))
+
+
+def read_guess(text: str) -> str | None:
+    """The guess written in `text`, lowercase, if it is an allowed word; else None."""
+    guess = PARSER.parse(text).guess
+    if guess is None:
+        return None
+    guess = guess.lower()
+    return guess if guess in allowed_guesses() else None
+
+
+def feedback(text: str, answer: str, guesses_left: int) -> str:
+    """The environment's reply to one model turn."""
+    guess = read_guess(text)
+    left = f"{guesses_left} guess{'es' if guesses_left != 1 else ''} left."
+    if guess is None:
+        return (
+            "Invalid guess: write one 5-letter English word inside <guess> tags. "
+            f"This counts as a guess. {left}"
+        )
+    return f"{guess.upper()}\n{' '.join(score_guess(guess, answer))}\n{left}"
+
+
+class WordleEnv(MultiTurnEnv):
+    """Ends on the correct guess or after `MAX_GUESSES` turns."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(max_turns=MAX_GUESSES, **kwargs)
+
+    def is_completed(self, messages: Messages, state: State, **kwargs: Any) -> bool:
+        last = messages[-1]
+        return last["role"] == "assistant" and read_guess(last["content"]) == state["answer"]
+
+    def env_response(
+        self, messages: Messages, state: State, **kwargs: Any
+    ) -> tuple[Messages, State]:
+        text = feedback(messages[-1]["content"], state["answer"], self.max_turns - state["turn"])
+        return [{"role": "user", "content": text}], state
+
+
+def _guesses(completion: Messages) -> list[str | None]:
+    return [read_guess(text) for text in assistant_contents(completion)]
+
+
+def _solved_at(completion: Messages, answer: str) -> int | None:
+    """The 1-based turn of the correct guess, None if unsolved."""
+    guesses = _guesses(completion)
+    return guesses.index(answer) + 1 if answer in guesses else None
+
+
+def solved_reward(completion: Messages, answer: str) -> float:
+    return float(_solved_at(completion, answer) is not None)
+
+
+def efficiency_reward(completion: Messages, answer: str) -> float:
+    turn = _solved_at(completion, answer)
+    return 0.0 if turn is None else (MAX_GUESSES + 1 - turn) / MAX_GUESSES
+
+
+def partial_reward(completion: Messages, answer: str) -> float:
+    valid = [guess for guess in _guesses(completion) if guess is not None]
+    if not valid:
+        return 0.0
+    marks = score_guess(valid[-1], answer)
+    return (marks.count("G") + 0.5 * marks.count("Y")) / 5
+
+
+def load_environment(
+    num_train_examples: int = -1, num_eval_examples: int = 100, seed: int = 0, **kwargs: Any
+) -> WordleEnv:
+    """Answers are split by `seed` into disjoint eval and train words; `num_train_examples`
+    -1 takes every answer not in the eval set."""
+    answers = list(load_word_list("wordle_answers.txt"))
+    num_train = len(answers) - num_eval_examples if num_train_examples < 0 else num_train_examples
+    if num_eval_examples < 0 or num_train + num_eval_examples > len(answers):
+        raise ValueError(
+            f"wordle has {len(answers)} answer words; num_train_examples={num_train_examples} "
+            f"and num_eval_examples={num_eval_examples} do not fit"
+        )
+    random.Random(seed).shuffle(answers)
+    rows = [{"question": QUESTION, "answer": word, "task": "wordle"} for word in answers]
+    format_reward_func = PARSER.get_format_reward_func()
+    rubric = Rubric(
+        funcs=[solved_reward, efficiency_reward, partial_reward, format_reward_func],
+        weights=[1.0, 1.0, 0.2, 0.0],
+        parser=PARSER,
+    )
+    return WordleEnv(
+        dataset=rows[num_eval_examples : num_eval_examples + num_train],
+        eval_dataset=rows[:num_eval_examples],
+        system_prompt=SYSTEM_PROMPT,
+        parser=PARSER,
+        rubric=rubric,
+        **kwargs,
+    )

@@ -1,0 +1,1 @@
+"""Launchers: `tandem rl` runs the three processes locally; Slurm rendering comes later."""

@@ -1,0 +1,85 @@
+"""A child process of a run: its own process group, output teed into its log file.
+
+Each child starts a new session so that stopping it reaches its whole tree (torchrun's
+workers, uvicorn's threads): SIGTERM to the group, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+
+class ManagedProcess:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str], echo: bool = False):
+        self.name = name
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._log = open(self.log_path, "a", buffering=1)
+        self._echo = echo
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, text=True, errors="replace",
+        )
+        self._reader = threading.Thread(target=self._pump, name=f"tee-{name}", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._tail.append(line.rstrip("\n"))
+            if self._echo:
+                print(f"[{self.name}] {line}", end="", flush=True)
+        self._log.flush()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def tail(self, n: int = 20) -> list[str]:
+        self._reader.join(timeout=1.0)
+        return list(self._tail)[-n:]
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(timeout=5.0)
+        return code
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the whole group, wait `grace` seconds, then SIGKILL whatever is left."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not _group_alive(self.proc.pid):
+                    break
+                time.sleep(0.1)
+            else:
+                continue
+            break
+        self.proc.poll()
+        self._reader.join(timeout=5.0)
+        self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
