@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field, model_validator
+
 from tandem.config.base import ProcessConfig, Section
 
 
@@ -13,9 +17,54 @@ class ServerConfig(Section):
     """TCP port of the OpenAI-compatible API."""
 
     api_key: str | None = None
-    """When set, every request must carry `Authorization: Bearer <api_key>`."""
+    """When set, every request but `GET /health` must carry `Authorization: Bearer <api_key>`."""
+
+    access_log: bool = False
+    """Log one line per HTTP request (an RL run sends thousands; off keeps the log readable)."""
+
+
+class EngineConfig(Section):
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`. The dtype is `model.dtype`."""
+
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences in one engine step; more requests wait their turn."""
+
+    max_num_batched_tokens: int = Field(4096, ge=1)
+    """Token budget of one engine step: one per decoding sequence plus prefill chunks (long prompts are split)."""
+
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV-cache block."""
+
+    num_blocks: int | None = Field(None, ge=1)
+    """KV-cache blocks; unset sizes the cache from `memory_fraction` (CUDA) or `cpu_kv_cache_gib` (CPU)."""
+
+    memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    """CUDA: fraction of the GPU's memory the engine may fill (weights, activations, KV cache)."""
+
+    cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
+    """CPU: KV-cache size in GiB when `num_blocks` is unset."""
+
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest sequence, prompt plus completion; unset = the model's `max_position_embeddings`."""
 
 
 class InferenceConfig(ProcessConfig):
+    backend: Literal["tandem", "vllm"] = "tandem"
+    """`tandem`: the embedded engine (CPU and CUDA). `vllm`: vLLM's server (scale-out, CUDA only)."""
+
     server: ServerConfig = ServerConfig()
     """HTTP server settings."""
+
+    engine: EngineConfig = EngineConfig()
+    """Settings of tandem's own engine (backend `tandem`)."""
+
+    @model_validator(mode="after")
+    def _check_cache_fits_a_sequence(self) -> "InferenceConfig":
+        e = self.engine
+        if e.num_blocks is not None and e.max_model_len is not None and e.num_blocks * e.block_size < e.max_model_len:
+            raise ValueError(
+                f"`engine.num_blocks` * `engine.block_size` = {e.num_blocks * e.block_size} tokens cannot hold one "
+                f"sequence of `engine.max_model_len` = {e.max_model_len}; raise `engine.num_blocks` or lower `engine.max_model_len`"
+            )
+        return self

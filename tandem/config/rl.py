@@ -57,6 +57,10 @@ class WarmupConfig(Section):
     data_env: str | None = None
     """If the SFT config's `data.path` is missing, generate it from this environment's SFT examples."""
 
+    data_args: dict = {}
+    """Keyword arguments of the environment's `sft_examples` (seed, word counts...): keep them equal
+    to the RL environment's args, so SFT examples come from its train split, never its eval split."""
+
     num_examples: int = 2000
     """Number of generated SFT examples (train split)."""
 

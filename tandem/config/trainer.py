@@ -1,9 +1,235 @@
-"""Config of the RL trainer (`tandem trainer`)."""
+"""Config of the RL trainer (`tandem trainer`), and the sections it shares with `tandem sft`.
+
+`TrainingProcessConfig` holds what both trainers need (device, parallelism, optimizer, schedule,
+checkpoints, weight publishing); `TrainerConfig` adds the RL loss and the rollout input. Variants
+(loss, optimizer, scheduler) are discriminated unions on `type`, so `--loss.type ppo_clip` picks
+a section whose other keys are checked against that variant only.
+"""
 
 from __future__ import annotations
 
-from tandem.config.base import ProcessConfig
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, model_validator
+
+from tandem.config.base import ProcessConfig, Section
 
 
-class TrainerConfig(ProcessConfig):
+class AIPOLoss(Section):
+    """Truncated importance sampling: per token `-min(r, delta) * A`, r = pi_theta / mu."""
+
+    type: Literal["aipo"] = "aipo"
+    """Loss variant."""
+
+    delta: float = Field(8.0, gt=0)
+    """Upper bound of the importance ratio; tokens above it give no gradient."""
+
+
+class DPPOKLLoss(Section):
+    """Token masking by probability difference, plus a `kl_tau * (log r)^2` penalty."""
+
+    type: Literal["dppo_kl"] = "dppo_kl"
+    """Loss variant."""
+
+    delta: float = Field(0.2, gt=0, lt=1)
+    """Mask a token with A > 0 when p_theta - p_mu > delta, and one with A <= 0 when p_theta - p_mu < -delta."""
+
+    kl_tau: float = Field(1e-3, ge=0)
+    """Weight of the `(log r)^2` penalty, applied to every loss token."""
+
+
+class PPOClipLoss(Section):
+    """PPO's clipped surrogate: per token `-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)`."""
+
+    type: Literal["ppo_clip"] = "ppo_clip"
+    """Loss variant."""
+
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """The ratio is clipped below at `1 - clip_low`."""
+
+    clip_high: float = Field(0.2, ge=0)
+    """The ratio is clipped above at `1 + clip_high` (0.28 is DAPO's clip-higher)."""
+
+
+class CustomLoss(Section):
+    """A user function `fn(inputs: tandem.trainer.loss.LossInputs, **kwargs) -> LossOutput`."""
+
+    type: Literal["custom"] = "custom"
+    """Loss variant."""
+
+    path: str
+    """Import path of the function, `package.module:function`."""
+
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments passed to the function on every call."""
+
+
+LossConfig = Annotated[Union[AIPOLoss, DPPOKLLoss, PPOClipLoss, CustomLoss], Field(discriminator="type")]
+
+
+class _OptimBase(Section):
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate (reached at the end of the scheduler's warmup)."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+
+class AdamWConfig(_OptimBase):
+    type: Literal["adamw"] = "adamw"
+    """Optimizer variant."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's moment decay rates."""
+
+    eps: float = Field(1e-8, gt=0)
+    """Adam's denominator epsilon."""
+
+
+class SGDConfig(_OptimBase):
+    type: Literal["sgd"] = "sgd"
+    """Optimizer variant."""
+
+    momentum: float = Field(0.0, ge=0, lt=1)
+    """SGD momentum (0: plain SGD)."""
+
+
+OptimConfig = Annotated[Union[AdamWConfig, SGDConfig], Field(discriminator="type")]
+
+
+class ConstantSchedule(Section):
+    type: Literal["constant"] = "constant"
+    """Schedule variant: linear warmup, then the peak learning rate."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from 0 to the peak learning rate."""
+
+
+class LinearSchedule(Section):
+    type: Literal["linear"] = "linear"
+    """Schedule variant: linear warmup, then linear decay until `max_steps`."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from 0 to the peak learning rate."""
+
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Learning rate at `max_steps`, as a fraction of the peak."""
+
+
+class CosineSchedule(Section):
+    type: Literal["cosine"] = "cosine"
+    """Schedule variant: linear warmup, then cosine decay until `max_steps`."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from 0 to the peak learning rate."""
+
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Learning rate at `max_steps`, as a fraction of the peak."""
+
+
+SchedulerConfig = Annotated[Union[ConstantSchedule, LinearSchedule, CosineSchedule], Field(discriminator="type")]
+
+
+class ActivationCheckpointConfig(Section):
+    mode: Literal["off", "full", "every_k"] = "off"
+    """`full` recomputes every transformer block in backward; `every_k` blocks 0, k, 2k, ...; `off` none."""
+
+    k: int = Field(2, ge=1)
+    """With `mode = "every_k"`, checkpoint one block in `k`."""
+
+
+class ParallelConfig(Section):
+    reshard_after_forward: bool = True
+    """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward)."""
+
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduce-scatter."""
+
+    activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
+    """Recompute activations in backward to save memory."""
+
+
+class CkptConfig(Section):
+    enabled: bool = False
+    """Write a DCP checkpoint (model, optimizer, scheduler, data position, RNG) every `interval` steps."""
+
+    interval: int = Field(50, ge=1)
+    """Steps between checkpoints (the last step is always checkpointed when enabled)."""
+
+    resume: bool = False
+    """Continue from the newest complete checkpoint under `<run_dir>/checkpoints/step_N/trainer/`."""
+
+    keep: int | None = Field(2, ge=1)
+    """Complete checkpoints to keep (oldest deleted first); unset keeps all."""
+
+
+class WeightsConfig(Section):
+    interval: int = Field(1, ge=1)
+    """Publish `weights/step_N/` every `interval` steps (and at the last step)."""
+
+    keep: int | None = Field(3, ge=2)
+    """Weight folders to keep, newest first (at least 2: the orchestrator may still be loading the previous one); unset keeps all."""
+
+
+class TrainingProcessConfig(ProcessConfig):
+    """Fields shared by the RL trainer and the SFT trainer."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when available, else CPU. Under torchrun, `cuda` uses the device LOCAL_RANK."""
+
+    optim: OptimConfig = AdamWConfig()
+    """Optimizer."""
+
+    scheduler: SchedulerConfig = ConstantSchedule()
+    """Learning-rate schedule over `max_steps`."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    """FSDP2 and activation checkpointing."""
+
+    ckpt: CkptConfig = CkptConfig()
+    """Checkpoints to resume from."""
+
+    weights: WeightsConfig = WeightsConfig()
+    """Publishing of HF-format policy weights (`weights/step_N/`)."""
+
+    logprob_chunk_size: int = Field(1024, ge=1)
+    """Tokens per chunk of the LM-head log-softmax: bounds the fp32 [tokens x vocab] logits held at once."""
+
+
+class RolloutDataConfig(Section):
+    fake: bool = False
+    """Train on random batches instead of waiting for the orchestrator's rollouts (benchmarks, smoke tests)."""
+
+    fake_rows: int = Field(2, ge=1)
+    """Fake mode: rows (micro-batches) per step over all ranks; a multiple of the world size."""
+
+    fake_samples_per_row: int = Field(1, ge=1)
+    """Fake mode: samples packed in each row of `seq_len` tokens (half prompt, half completion)."""
+
+    poll_interval_s: float = Field(0.05, gt=0)
+    """How often to look for `rollouts/step_N/rank_R.msgpack` while waiting."""
+
+    wait_timeout_s: float | None = Field(None, gt=0)
+    """Give up (exit non-zero) after waiting this long for one step's batch; unset waits forever."""
+
+
+class TrainerConfig(TrainingProcessConfig):
     """Root config of the RL trainer."""
+
+    loss: LossConfig = AIPOLoss()
+    """The off-policy RL loss."""
+
+    data: RolloutDataConfig = RolloutDataConfig()
+    """Where batches come from."""
+
+    @model_validator(mode="after")
+    def _check_fake_shape(self) -> "TrainerConfig":
+        if self.data.fake and self.seq_len // self.data.fake_samples_per_row < 2:
+            raise ValueError(
+                f"`data.fake_samples_per_row` = {self.data.fake_samples_per_row} leaves fewer than 2 tokens per sample "
+                f"at `seq_len` = {self.seq_len}; lower it"
+            )
+        return self

@@ -118,7 +118,7 @@ def sorted_list_reward(completion: Messages, info: Info) -> float:
     expected = expected_lists(info)
     answers = assistant_contents(completion)
     total = 0.0
-    for text, names in zip(answers, expected):
+    for text, names in zip(answers, expected, strict=False):
         parsed = PARSER.parse(text).alphabetical_sorted
         if parsed is None:
             continue

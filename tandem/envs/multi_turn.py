@@ -17,6 +17,7 @@ Hooks (`setup_state`, `is_completed`, `env_response`) may be sync or async.
 
 import copy
 from abc import abstractmethod
+from collections.abc import Awaitable
 from typing import Any
 
 from tandem.envs.callables import maybe_await
@@ -42,24 +43,29 @@ def assistant_message(response: Any) -> ChatMessage:
 
 
 class MultiTurnEnv(Environment):
+    """Subclasses say when the episode is over (`is_completed`) and what the environment
+    answers in between (`env_response`)."""
+
     def __init__(self, max_turns: int = 10, **kwargs: Any):
         super().__init__(**kwargs)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_turns = max_turns
 
-    def setup_state(self, state: State, **kwargs: Any) -> State:
+    def setup_state(self, state: State, **kwargs: Any) -> State | Awaitable[State]:
         """Add environment-specific keys to a fresh state."""
         return state
 
     @abstractmethod
-    def is_completed(self, messages: Messages, state: State, **kwargs: Any) -> bool:
+    def is_completed(
+        self, messages: Messages, state: State, **kwargs: Any
+    ) -> bool | Awaitable[bool]:
         """Whether the episode is over, given the whole conversation so far."""
 
     @abstractmethod
     def env_response(
         self, messages: Messages, state: State, **kwargs: Any
-    ) -> tuple[Messages, State]:
+    ) -> tuple[Messages, State] | Awaitable[tuple[Messages, State]]:
         """The environment's reply to the last model turn (user or tool messages)."""
 
     async def get_model_response(

@@ -12,7 +12,7 @@ from typing import Any
 
 from tandem.envs.types import Messages
 
-RewardFunc = Callable[..., float]
+FormatRewardFunc = Callable[..., float]
 
 
 def assistant_contents(completion: Messages | str) -> list[str]:
@@ -39,7 +39,7 @@ class Parser:
         content = last_assistant_content(completion)
         return None if content is None else self.parse(content)
 
-    def get_format_reward_func(self) -> RewardFunc:
+    def get_format_reward_func(self) -> FormatRewardFunc:
         """A reward function for format adherence; any text is well-formed here."""
 
         def format_reward_func(completion: Messages | str) -> float:
@@ -107,7 +107,7 @@ class XMLParser(Parser):
             outside = pattern.sub("", outside)
         return 0.5 + 0.25 * tags_once + 0.25 * (outside.strip() == "")
 
-    def get_format_reward_func(self) -> RewardFunc:
+    def get_format_reward_func(self) -> FormatRewardFunc:
         """Mean `format_score` over the assistant turns; 0 when there are none."""
 
         def format_reward_func(completion: Messages | str) -> float:
@@ -132,7 +132,7 @@ class ThinkParser(Parser):
             text = ""
         return self.extract_fn(text.strip())
 
-    def get_format_reward_func(self) -> RewardFunc:
+    def get_format_reward_func(self) -> FormatRewardFunc:
         """Fraction of assistant turns shaped `<think>...</think>answer`: one think block, at
         the start, with a non-empty answer after it."""
 

@@ -26,8 +26,9 @@ def load_environment(env_id: str, **kwargs: Any) -> Any:
     try:
         module = importlib.import_module(builtin or module_name)
     except ModuleNotFoundError as error:
-        if error.name != module_name:  # the module exists but one of its imports is missing
-            raise
+        missing = error.name or ""
+        if module_name != missing and not module_name.startswith(f"{missing}."):
+            raise  # the module exists, but one of its own imports is missing
         raise ValueError(
             f"unknown environment {env_id!r}: not a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}) "
             f"and no installed module named {module_name!r}"

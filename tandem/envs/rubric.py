@@ -38,7 +38,7 @@ class Rubric:
         self.parser = parser or Parser()
         self.funcs: list[RewardFunc] = []
         self.weights: list[float] = []
-        for func, weight in zip(funcs, weights):
+        for func, weight in zip(funcs, weights, strict=True):
             self.add_reward_func(func, weight)
 
     def add_reward_func(self, func: RewardFunc, weight: float = 1.0) -> None:
@@ -70,9 +70,9 @@ class Rubric:
             "parser": self.parser,
         }
         results = await asyncio.gather(*(_call_reward(func, available) for func in self.funcs))
-        names = self.get_reward_func_names()
-        metrics = {name: score for name, (score, _) in zip(names, results)}
-        reward = sum(weight * score for weight, (score, _) in zip(self.weights, results))
+        scores = [score for score, _ in results]
+        metrics = dict(zip(self.get_reward_func_names(), scores, strict=True))
+        reward = sum(weight * score for weight, score in zip(self.weights, scores, strict=True))
         errors = [error for _, error in results if error is not None]
         return RolloutScore(reward=reward, metrics=metrics, errors=errors)
 

@@ -31,20 +31,20 @@ from tandem.envs.word_lists import load_word_list
 
 MAX_GUESSES = 6
 SYSTEM_PROMPT = (
-    "You are playing Wordle. Find the hidden 5-letter English word in at most 6 guesses. "
-    "Write each guess inside <guess> tags, e.g. <guess>crane</guess>. After each guess you "
-    "get one mark per letter: G = right letter in the right spot, Y = in the word but in "
-    "another spot, X = not in the word (or no more copies of it)."
+    f"You are playing Wordle. Find the hidden 5-letter English word in at most {MAX_GUESSES} "
+    "guesses. Write each guess inside <guess> tags, e.g. <guess>crane</guess>. After each "
+    "guess you get one mark per letter: G = right letter in the right spot, Y = in the word "
+    "but in another spot, X = not in the word (or no more copies of it)."
 )
-QUESTION = "Guess the hidden 5-letter word. You have 6 guesses."
+QUESTION = f"Guess the hidden 5-letter word. You have {MAX_GUESSES} guesses."
 PARSER = XMLParser(["guess"])
 
 
 def score_guess(guess: str, answer: str) -> str:
     """Five marks, G/Y/X, for `guess` against `answer` (both lowercase, 5 letters)."""
     marks = ["X"] * 5
-    unmatched = Counter(a for g, a in zip(guess, answer) if g != a)
-    for i, (g, a) in enumerate(zip(guess, answer)):
+    unmatched = Counter(a for g, a in zip(guess, answer, strict=True) if g != a)
+    for i, (g, a) in enumerate(zip(guess, answer, strict=True)):
         if g == a:
             marks[i] = "G"
         elif unmatched[g] > 0:
@@ -130,7 +130,7 @@ def load_environment(
     -1 takes every answer not in the eval set."""
     answers = list(load_word_list("wordle_answers.txt"))
     num_train = len(answers) - num_eval_examples if num_train_examples < 0 else num_train_examples
-    if num_eval_examples < 0 or num_train + num_eval_examples > len(answers):
+    if num_eval_examples < 0 or num_train < 0 or num_train + num_eval_examples > len(answers):
         raise ValueError(
             f"wordle has {len(answers)} answer words; num_train_examples={num_train_examples} "
             f"and num_eval_examples={num_eval_examples} do not fit"

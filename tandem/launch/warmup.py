@@ -39,7 +39,7 @@ def run_warmup(config: RLConfig, log: logging.Logger) -> None:
     data_path = Path(sft.data.path)
     if not data_path.exists() and warmup.data_env:
         log.info("warm-up: writing %d SFT examples of %s to %s", warmup.num_examples, warmup.data_env, data_path)
-        write_sft_data(warmup.data_env, data_path, warmup.num_examples, warmup.num_eval_examples, config.seed)
+        write_sft_data(warmup.data_env, data_path, warmup.num_examples, warmup.num_eval_examples, warmup.data_args)
     log_path = config.run_dir / "logs" / "sft.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"PYTHONUNBUFFERED": "1"}
     proc = ManagedProcess("sft", [sys.executable, "-m", "tandem.cli", "sft", "@", sft_file], log_path, env, echo=True)
@@ -54,12 +54,15 @@ def run_warmup(config: RLConfig, log: logging.Logger) -> None:
         raise RunFailed(f"the SFT warm-up finished but did not write the starting model {config.model.name}; check `model.name` against the SFT output")
 
 
-def write_sft_data(env_id: str, path: Path, num_examples: int, num_eval_examples: int, seed: int) -> None:
+def write_sft_data(env_id: str, path: Path, num_examples: int, num_eval_examples: int, data_args: dict) -> None:
     """Write `path` (train) and `eval.jsonl` beside it from the environment's `sft_examples`."""
-    module = importlib.import_module(f"tandem.envs.{env_id.replace('-', '_')}")
+    from tandem.envs.registry import BUILTIN_ENVIRONMENTS
+
+    name = env_id.replace("-", "_")
+    module = importlib.import_module(BUILTIN_ENVIRONMENTS.get(name, name))
     if not hasattr(module, "sft_examples"):
         raise ValueError(f"environment {env_id!r} has no sft_examples(); give the SFT config a data.path that exists")
-    rows = module.sft_examples(num_examples + num_eval_examples, seed=seed)
+    rows = module.sft_examples(num_examples + num_eval_examples, **data_args)
     train, held_out = rows[:num_examples], rows[num_examples:]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in train))
     atomic_write_text(path.with_name("eval.jsonl"), "".join(json.dumps(r) + "\n" for r in held_out))

@@ -1,0 +1,1 @@
+"""The inference server: an OpenAI-compatible HTTP API over tandem's own engine (or vLLM)."""

@@ -1,0 +1,127 @@
+"""Paged KV-cache blocks: allocation, reference counts and prefix caching.
+
+Plain Python, no tensors: the block manager only decides which block ids a sequence owns.
+
+Prefix caching: a full block whose KV has been computed is registered under a chained hash of
+all tokens up to its end. A later sequence whose prompt starts with the same tokens shares the
+block (reference count + 1) instead of recomputing it; this is how the `n` samples of a request
+share the prompt's prefill, and how the next turn of a conversation reuses the previous one.
+Invariants:
+- a block is registered only after its KV is written, and only while the weights that wrote it
+  are live (`cache_epoch`): a weight update starts a new epoch and forgets every registration;
+- shared blocks are full and never written again; the block holding a sequence's last prompt
+  token is never taken from the cache, so every sequence computes at least one token;
+- a freed block keeps its registration until it is reused, so a finished sequence's prefix can
+  still be hit; free blocks are reused oldest first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tandem.inference.engine.sequence import Sequence
+
+
+def chain_hash(parent: int | None, tokens: list[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}
+        """Chained hash -> block id of computed blocks of the current epoch."""
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cache_epoch = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        # Conservative: cache hits would need fewer free blocks.
+        return self.num_blocks_for(seq.num_tokens) <= len(self.free)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached leading blocks."""
+        assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        seq.cache_epoch = self.cache_epoch
+        seq.block_hashes = []
+        bs = self.block_size
+        shareable = (seq.num_tokens - 1) // bs
+        parent: int | None = None
+        for i in range(shareable):
+            h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        for _ in range(self.num_blocks_for(seq.num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.block_hash[block]
+        if old is not None:
+            if self.cached.get(old) == block:
+                del self.cached[old]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def free_blocks(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def num_missing_blocks(self, seq: Sequence) -> int:
+        """Blocks a running sequence lacks to hold all its tokens (0, or 1 after a sampled token)."""
+        return self.num_blocks_for(seq.num_tokens) - len(seq.block_table)
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self.num_missing_blocks(seq) <= len(self.free)
+
+    def append_blocks(self, seq: Sequence) -> None:
+        for _ in range(self.num_missing_blocks(seq)):
+            seq.block_table.append(self._take_free_block())
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Make the sequence's newly computed full blocks available to later sequences."""
+        if seq.cache_epoch != self.cache_epoch:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self.cached and self.block_hash[block] is None:
+                self.cached[h] = block
+                self.block_hash[block] = h
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registration (after a weight update: cached KV belongs to old weights)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.cache_epoch += 1

@@ -1,0 +1,108 @@
+"""Turn a scheduled batch into logits: input prep, one forward pass, the LM head on last tokens.
+
+Two runners share the interface `run(batch) -> logits [S, V]` (float32, one row per sequence
+that samples this step, in batch order):
+- `PagedModelRunner`: tandem's native models; every token is computed once and its keys and
+  values kept in the paged cache;
+- `RecomputeModelRunner`: any transformers model (the slow path); no cache, each sampling
+  sequence is run again from its first token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.inference.engine.kv_cache import KVCache
+from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
+from tandem.inference.engine.scheduler import ScheduledBatch
+
+
+class PagedModelRunner:
+    def __init__(self, model: nn.Module, cache: KVCache, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.device = device
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        input_ids, positions, metadata, sample_index = self.prepare(batch)
+        hidden = self.model(input_ids[None], positions[None], attention=PagedAttention(self.cache, metadata))
+        return self.model.lm_head(hidden[0, sample_index]).float()
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flattened input ids and positions [N], attention metadata, and the rows to sample from."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decode_index: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        sample_index: list[int] = []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end, offset = seq.num_computed_tokens, seq.num_computed_tokens + num_new, len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(seq.block_table, start, end))
+            if num_new == 1 and start > 0:
+                decode_index.append(offset)
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+            else:
+                context = None
+                if start > 0:
+                    context = torch.tensor(self._slots(seq.block_table, 0, end), device=self.device)
+                prefills.append(PrefillSpan(offset, num_new, end, context))
+            if batch.samples(i):
+                sample_index.append(offset + num_new - 1)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            prefills=prefills,
+            decode_token_index=torch.tensor(decode_index, dtype=torch.long, device=self.device),
+            **self._decode_slots(decode_tables, decode_lens),
+        )
+        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), metadata,
+                torch.tensor(sample_index, dtype=torch.long, device=self.device))
+
+    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> dict[str, torch.Tensor]:
+        """Padded slots [Bd, L] and mask [Bd, 1, 1, L] of the decode contexts."""
+        if not tables:
+            empty = torch.zeros(0, 1, dtype=torch.long, device=self.device)
+            return {"decode_slots": empty, "decode_mask": empty.bool()[:, None, None]}
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], device=self.device)
+        bs = self.block_size
+        length = max(lens)
+        slots = (padded[:, :, None] * bs + torch.arange(bs, device=self.device)).view(len(tables), -1)[:, :length]
+        mask = torch.arange(length, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
+        return {"decode_slots": slots, "decode_mask": mask[:, None, None]}
+
+
+class RecomputeModelRunner:
+    """No KV cache: packs each sampling sequence's full tokens into one row (positions restart)."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        ids: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        for i, seq in enumerate(batch.seqs):
+            if batch.samples(i):  # a chunk that does not reach the end leaves nothing to keep
+                ids.extend(seq.token_ids)
+                positions.extend(range(seq.num_tokens))
+                last.append(len(ids) - 1)
+        if not ids:
+            return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
+        input_ids = torch.tensor([ids], device=self.device)
+        hidden = self.model(input_ids, torch.tensor([positions], device=self.device))
+        return self.model.lm_head(hidden[0, last]).float()

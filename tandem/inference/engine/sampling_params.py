@@ -1,0 +1,63 @@
+"""How one request samples: every knob the API exposes, checked once here.
+
+The server builds a `SamplingParams` from the request and turns the `ValueError` of a bad value
+into a 400 response, so each message names the request field it is about.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TOP_LOGPROBS = 20
+"""Largest `top_logprobs` a request may ask for (OpenAI's limit)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    """Most completion tokens; the server fills it from the context left when a request omits it."""
+    temperature: float = 1.0
+    """0 is greedy decoding."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) keeps the whole vocabulary."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """Seeds a generator of this sequence alone, so its samples do not depend on the batch."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra tokens that end the completion (kept in its token ids, as EOS is)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the completion; the text is cut before the first one."""
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    """Whether special tokens (EOS, chat markers) are left out of the text (never of the token ids)."""
+    num_top_logprobs: int = 0
+    """How many most likely alternatives to report per sampled token."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"`max_tokens` must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"`temperature` must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"`top_k` must be -1 (off) or a positive count, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"`min_p` must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.num_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {self.num_top_logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("`stop` strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"`stop_token_ids` must be token ids (>= 0), got {list(self.stop_token_ids)}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_filtering(self) -> bool:
+        """Whether top-k, top-p or min-p cut the distribution (greedy needs none)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)

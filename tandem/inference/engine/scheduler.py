@@ -1,0 +1,125 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step is one mixed batch under a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`): first one token per decoding sequence, then the next chunk of each running
+prefill, then waiting sequences in arrival order, each given blocks for all its tokens.
+
+Admission control: a waiting sequence is admitted only when the blocks for all its tokens are
+free; otherwise it (and everything behind it) waits, so memory pressure delays requests instead
+of failing them. When a running sequence needs a new block and none is free, the most recently
+admitted sequence is preempted (blocks freed, recomputed later from its tokens), never an error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    """Tokens each sequence computes this step, from its `num_computed_tokens` on."""
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last token this step, so it samples the next one."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        num_preemptions = self.num_preemptions
+        # Decodes first (one token each), then prefill chunks: a long prompt never stalls decoding.
+        for decoding in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed_tokens == 1) != decoding:
+                    continue
+                if not self._make_room(seq):
+                    continue
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                batch.add(seq, num_new)
+                budget -= num_new
+        if self.num_preemptions == num_preemptions:  # memory is short: admit nobody new this step
+            self._admit(batch, budget)
+        return batch
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Get `seq` the block it needs, preempting later sequences; False if `seq` itself went."""
+        bm = self.block_manager
+        while not bm.can_append(seq):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        bm.append_blocks(seq)
+        return True
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        kept: deque[Sequence] = deque()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            parent = seq.prefix_parent
+            if parent is not None and not (parent.has_prefilled_prompt or parent.is_finished):
+                kept.append(seq)  # its sibling is computing the shared prompt: wait one step, then reuse it
+                continue
+            if not self.block_manager.can_allocate(seq):
+                self.waiting.appendleft(seq)
+                break
+            seq.prefix_parent = None
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            batch.add(seq, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(kept))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the engine (finished or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free_blocks(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,195 @@
+"""The OpenAI-shaped client environments talk to, keeping the exact tokens of every turn.
+
+An environment calls `await client.chat.completions.create(model=..., messages=..., tools=...,
+**sampling_args)` as it would on `openai.AsyncOpenAI`. This client renders the conversation
+with the tokenizer's chat template, sends the token ids to `POST /v1/generate` (token in,
+token out, so nothing is re-tokenized between turns), and records a `Turn` with the prompt ids,
+the sampled ids, their logprobs and the policy version. Its answer is an OpenAI-like object
+(with vLLM's extra fields `prompt_token_ids`, `choices[i].token_ids`,
+`choices[i].logprobs.content[j].logprob`, plus `weight_version`); Hermes `<tool_call>` blocks
+become `message.tool_calls` when tools were offered.
+
+One client serves one rollout: `turns` is that rollout's record, in call order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.orchestrator.hermes import parse_tool_calls
+from tandem.orchestrator.inference_pool import InferencePool
+from tandem.orchestrator.samples import Turn
+
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
+# Keys that only shape an OpenAI response; this client always returns tokens and logprobs.
+_IGNORED_KEYS = {
+    "logprobs", "top_logprobs", "return_token_ids", "return_tokens_as_token_ids", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "parallel_tool_calls", "tool_choice",
+    "user", "timeout", "extra_headers", "modalities", "stream_options",
+}
+
+
+@dataclass
+class FunctionCall:
+    name: str
+    arguments: str
+
+
+@dataclass
+class ToolCall:
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+@dataclass
+class ChatMessage:
+    content: str
+    tool_calls: list[ToolCall] | None = None
+    role: str = "assistant"
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+
+
+@dataclass
+class ChoiceLogprobs:
+    content: list[TokenLogprob]
+
+
+@dataclass
+class Choice:
+    index: int
+    message: ChatMessage
+    finish_reason: str
+    token_ids: list[int]
+    logprobs: ChoiceLogprobs
+    weight_version: int | None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass
+class ChatCompletion:
+    id: str
+    model: str
+    choices: list[Choice]
+    prompt_token_ids: list[int]
+    usage: Usage
+    weight_version: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+    object: str = "chat.completion"
+
+
+class _Completions:
+    def __init__(self, client: "TokenChatClient"):
+        self._client = client
+
+    async def create(self, *, model: str, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                     **kwargs: Any) -> ChatCompletion:
+        return await self._client.complete(model, messages, tools, kwargs)
+
+
+class _Chat:
+    def __init__(self, client: "TokenChatClient"):
+        self.completions = _Completions(client)
+
+
+class TokenChatClient:
+    def __init__(self, pool: InferencePool, tokenizer: Any, server: int, seq_len: int):
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.server = server
+        self.seq_len = seq_len
+        self.chat = _Chat(self)
+        self.turns: list[Turn] = []
+        self.inference_s = 0.0
+        """Seconds spent waiting on the inference servers."""
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """Token ids of the conversation plus the assistant generation prompt."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def complete(self, model: str, messages: list[dict[str, Any]], tools: list[dict] | None,
+                       kwargs: dict[str, Any]) -> ChatCompletion:
+        request = _generate_request(kwargs)
+        prompt_ids = self.render(messages, tools)
+        budget = self.seq_len - len(prompt_ids)
+        if budget <= 0:
+            # The conversation already fills a training row: end the episode as cut off.
+            return _completion(model, "", prompt_ids, [], [], "length", None, [], self.tokenizer)
+        request["max_tokens"] = min(request.get("max_tokens", budget), budget)
+        request["prompt_token_ids"] = prompt_ids
+        start = time.monotonic()
+        response = await self.pool.generate(request, self.server)
+        self.inference_s += time.monotonic() - start
+        choice = response["choices"][0]
+        version = choice.get("weight_version", response.get("weight_version"))
+        if version is None:
+            raise ValueError("inference server answered without `weight_version`; is it a tandem-compatible server?")
+        completion_ids = list(choice["token_ids"])
+        self.turns.append(Turn(prompt_ids, completion_ids, [float(x) for x in choice["logprobs"]], int(version),
+                               float(request.get("temperature", 1.0))))
+        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+        finish_reason = choice.get("finish_reason") or "stop"
+        content, calls = parse_tool_calls(text) if tools else (text, [])
+        tool_calls = [ToolCall(f"call_{len(self.turns)}_{i}", FunctionCall(c.name, c.arguments)) for i, c in enumerate(calls)]
+        if tool_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return _completion(model, content, prompt_ids, completion_ids, self.turns[-1].logprobs, finish_reason,
+                           int(version), tool_calls, self.tokenizer, response.get("id"))
+
+
+def _generate_request(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The `/v1/generate` fields of OpenAI-style keyword arguments (`extra_body` merged in)."""
+    kwargs = dict(kwargs)
+    kwargs.update(kwargs.pop("extra_body", None) or {})
+    if kwargs.pop("stream", False):
+        raise ValueError("streaming is not supported by the orchestrator's client")
+    n = kwargs.pop("n", 1)
+    if n != 1:
+        raise ValueError(f"n = {n}: the orchestrator's client samples one choice per call (groups are separate rollouts)")
+    request: dict[str, Any] = {"n": 1}
+    max_completion_tokens, max_tokens = kwargs.pop("max_completion_tokens", None), kwargs.pop("max_tokens", None)
+    limit = max_completion_tokens if max_completion_tokens is not None else max_tokens
+    if limit is not None:
+        request["max_tokens"] = int(limit)
+    unknown = sorted(set(kwargs) - _SAMPLING_KEYS - _IGNORED_KEYS)
+    if unknown:
+        raise TypeError(f"chat.completions.create got unsupported argument(s) {unknown}; "
+                        f"supported: max_tokens, n=1, {', '.join(sorted(_SAMPLING_KEYS))}")
+    for key in _SAMPLING_KEYS & set(kwargs):
+        if kwargs[key] is not None:
+            request[key] = kwargs[key]
+    if isinstance(request.get("stop"), str):
+        request["stop"] = [request["stop"]]
+    return request
+
+
+def _completion(model: str, content: str, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float],
+                finish_reason: str, version: int | None, tool_calls: list[ToolCall], tokenizer: Any,
+                response_id: str | None = None) -> ChatCompletion:
+    tokens = tokenizer.convert_ids_to_tokens(completion_ids) if completion_ids else []
+    choice = Choice(
+        index=0,
+        message=ChatMessage(content=content, tool_calls=tool_calls or None),
+        finish_reason=finish_reason,
+        token_ids=completion_ids,
+        logprobs=ChoiceLogprobs([TokenLogprob(str(t), lp) for t, lp in zip(tokens, logprobs)]),
+        weight_version=version,
+    )
+    usage = Usage(len(prompt_ids), len(completion_ids), len(prompt_ids) + len(completion_ids))
+    return ChatCompletion(id=f"chatcmpl-{response_id or int(time.time() * 1e6)}", model=model, choices=[choice],
+                          prompt_token_ids=prompt_ids, usage=usage, weight_version=version)

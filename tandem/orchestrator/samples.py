@@ -1,0 +1,74 @@
+"""From the model turns of one rollout to training samples, keeping the exact sampled tokens.
+
+Invariant: a sample is one token sequence in which every model turn's completion appears exactly
+as sampled (loss tokens) and every other token (prompts, environment replies, chat-template
+glue) is context (no loss). Turn k+1 joins the sample of turn k when its prompt starts with that
+sample's tokens (the re-rendered conversation reproduced them); otherwise it starts a new sample,
+because training on a re-tokenized copy of the model's output would train on tokens it never
+sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Turn:
+    """One model call as the inference server answered it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    version: int
+    """Oldest policy version that sampled any of the completion's tokens."""
+    temperature: float
+
+
+@dataclass
+class Sample:
+    """One training sequence; position t describes token `token_ids[t]` (see transport/types.py)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Policy version of each model turn in this sample."""
+    advantage: float = 0.0
+    """The rollout's advantage, given to every loss token."""
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def _extend(self, ids: list[int], is_loss: bool, logprobs: list[float] | None, temperature: float) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([int(is_loss)] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.temperatures.extend([temperature] * len(ids))
+
+
+def build_samples(turns: list[Turn]) -> list[Sample]:
+    """Merge consecutive turns into samples while each prompt extends the previous sample."""
+    samples: list[Sample] = []
+    for turn in turns:
+        if len(turn.logprobs) != len(turn.completion_ids):
+            raise ValueError(
+                f"server returned {len(turn.logprobs)} logprobs for {len(turn.completion_ids)} completion tokens"
+            )
+        current = samples[-1] if samples else None
+        if current is None or turn.prompt_ids[: len(current)] != current.token_ids:
+            current = Sample()
+            samples.append(current)
+        current._extend(turn.prompt_ids[len(current):], False, None, turn.temperature)
+        current._extend(turn.completion_ids, True, turn.logprobs, turn.temperature)
+        current.versions.append(turn.version)
+    return samples

@@ -1,0 +1,1 @@
+"""The trainers: RL (`rl/`) and SFT (`sft/`) over shared parts (model, parallelism, loss, checkpoints)."""

@@ -1,0 +1,44 @@
+"""`MicroBatch`: one packed row as device tensors, the unit of one forward/backward pass.
+
+RL rows come from the orchestrator's `PackedRow`s; SFT builds `PackedRow`s too (zero inference
+logprobs and advantages, temperature 1), so both trainers share the conversion and the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.transport.types import PackedRow
+
+
+@dataclass
+class MicroBatch:
+    """All tensors [1, T]."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    """Bool."""
+    inference_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    temperatures: torch.Tensor
+
+    @classmethod
+    def from_row(cls, row: PackedRow, device: torch.device) -> "MicroBatch":
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).unsqueeze(0).to(device, non_blocking=True)
+
+        return cls(
+            input_ids=tensor(row.input_ids, torch.long),
+            position_ids=tensor(row.position_ids, torch.long),
+            loss_mask=tensor(row.loss_mask, torch.bool),
+            inference_logprobs=tensor(row.logprobs, torch.float32),
+            advantages=tensor(row.advantages, torch.float32),
+            temperatures=tensor(row.temperatures, torch.float32),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()

@@ -1,0 +1,139 @@
+"""The model the trainers train: a causal LM from `tandem/models/` with parallelism applied.
+
+`PolicyModel` wraps the causal LM and computes per-token logprobs inside its own `forward`, so
+the LM head runs inside the FSDP root's forward, where its (gathered) weight is valid.
+
+Loading (`build_policy`):
+- native models (Qwen3): built on the meta device, activation checkpointing and FSDP applied,
+  then `to_empty` on the target device, then each rank copies only its shard out of the
+  (memory-mapped) safetensors. No rank ever holds the whole model in memory, so this scales to
+  models larger than one device.
+- anything else falls back to transformers' model (`HFCausalLM`), loaded whole on the CPU, then
+  sharded; FSDP moves the shards to the device. Packed rows still never attend across samples:
+  transformers derives a block-diagonal mask from position ids when no attention mask is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tandem.config.base import ModelConfig
+from tandem.config.trainer import ParallelConfig
+from tandem.models.hf_fallback import HFCausalLM
+from tandem.models.hub import resolve_model_path
+from tandem.models.loading import build_native, is_native, read_hf_config, resolve_dtype
+from tandem.models.weights import load_state_dict
+from tandem.trainer.logprobs import token_logprobs
+from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpoint
+from tandem.trainer.parallel.dims import ParallelDims
+from tandem.trainer.parallel.fsdp import apply_fsdp
+
+
+@dataclass
+class TokenLogprobs:
+    """Per-token outputs aligned with the input tokens: position t is about token t, 0 where not computed."""
+
+    logprobs: torch.Tensor
+    """[B, T] fp32, log p(token t | tokens < t) at temperature `temperatures[t]`."""
+    entropy: torch.Tensor
+    """[B, T] fp32, entropy of the distribution token t was drawn from (no gradient)."""
+
+
+class PolicyModel(nn.Module):
+    def __init__(self, lm: nn.Module, chunk_size: int):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.lm.layers
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperatures: torch.Tensor,
+                loss_mask: torch.Tensor) -> TokenLogprobs:
+        """All inputs [B, T]; logprobs are computed only where `loss_mask` is true.
+
+        Token t is predicted from the hidden state at t-1, so column 0 is never computed. A row
+        without loss tokens still computes one position (then discarded by the mask of the loss)
+        so that every parameter takes part in backward: FSDP's reduce-scatters must run on every
+        rank for every micro-batch, padding rows included.
+        """
+        hidden = self.lm(input_ids, position_ids)
+        select = loss_mask[:, 1:].bool()
+        if not bool(select.any()):
+            select = torch.zeros_like(select)
+            select[0, 0] = True
+        head = self.lm.lm_head
+        lp, ent = token_logprobs(hidden[:, :-1][select], head.weight, head.bias, input_ids[:, 1:][select],
+                                 temperatures[:, 1:][select], self.chunk_size)
+        B, T = input_ids.shape
+        zeros = torch.zeros(B, T - 1, dtype=torch.float32, device=hidden.device)
+        first = torch.zeros(B, 1, dtype=torch.float32, device=hidden.device)
+        logprobs = torch.cat([first, zeros.masked_scatter(select, lp)], dim=1)
+        entropy = torch.cat([first, zeros.masked_scatter(select, ent)], dim=1)
+        return TokenLogprobs(logprobs, entropy)
+
+    def hf_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Parameters under their Hugging Face names (a tied LM head appears once, as the embedding)."""
+        inner = self.lm.hf_model if isinstance(self.lm, HFCausalLM) else self.lm
+        return list(inner.named_parameters())
+
+
+def compute_dtype(model: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype blocks compute in: `model.dtype`, where `auto` is bf16 on CUDA and fp32 on CPU."""
+    return resolve_dtype(model.dtype, device)
+
+
+def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, chunk_size: int) -> tuple[PolicyModel, dict]:
+    """Load `model.name`, apply activation checkpointing and FSDP; returns the model and its config.json."""
+    folder = resolve_model_path(model.name)
+    hf_config = read_hf_config(folder)
+    if is_native(hf_config):
+        lm = build_native(hf_config, "meta", torch.float32)
+    else:
+        lm = HFCausalLM.from_pretrained(folder, "cpu", torch.float32, model.trust_remote_code)
+    policy = PolicyModel(lm, chunk_size)
+    apply_activation_checkpoint(policy.blocks, parallel.activation_checkpoint)
+    apply_fsdp(policy, policy.blocks, dims.mesh, param_dtype=compute_dtype(model, dims.device),
+               reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward)
+    if is_native(hf_config):
+        policy.to_empty(device=dims.device)
+        if getattr(lm.args, "tie_word_embeddings", False) and lm.lm_head.weight is not lm.model.embed_tokens.weight:
+            raise RuntimeError("FSDP untied the embeddings of a tied model; this torch version needs a re-tie step")
+        load_shards(policy, load_state_dict(folder))
+    return policy.train(), hf_config
+
+
+def load_shards(policy: PolicyModel, state: dict[str, torch.Tensor]) -> None:
+    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter."""
+    params = policy.hf_named_parameters()
+    missing = [name for name, _ in params if name not in state]
+    if missing:
+        raise KeyError(f"the model folder's weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for name, param in params:
+            full = state[name]
+            if tuple(full.shape) != tuple(param.shape):
+                raise ValueError(f"shape mismatch for {name}: model {tuple(param.shape)}, weights {tuple(full.shape)}")
+            full = full.to(device=param.device, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                # src_data_rank=None: every rank read the full tensor itself, so no scatter is needed.
+                shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
+
+
+def gather_full_state(policy: PolicyModel, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
+    """The full HF-named state on CPU in `dtype`. Every rank must call it (it all-gathers one
+    parameter at a time); only ranks with `keep` hold the result, the others get `{}`."""
+    out = {}
+    for name, param in policy.hf_named_parameters():
+        full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+        if keep:
+            out[name] = full.to(device="cpu", dtype=dtype)
+    return out

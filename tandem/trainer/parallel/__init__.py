@@ -1,0 +1,1 @@
+"""Parallelism applied as functions over a single-device model: FSDP2, activation checkpointing."""

@@ -1,0 +1,1 @@
+"""The RL trainer process (`tandem trainer`)."""

@@ -1,0 +1,121 @@
+"""One optimizer step over a rank's micro-batches, shared by the RL and SFT trainers.
+
+Normalization: each micro-batch contributes `sum(per-token loss over its loss tokens) / N`, N the
+loss tokens of the whole step over all ranks. FSDP averages gradients over the `dp_size` ranks,
+so the backward scales by `dp_size / N`: the update is the gradient of the global token mean,
+the same at any world size.
+
+NaN guard: a step whose loss or gradient norm is not finite is skipped (no optimizer update, the
+gradients are dropped) and reported; the scheduler still advances so the schedule stays a
+function of the step index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tandem.trainer.batch import MicroBatch
+from tandem.trainer.model import PolicyModel, TokenLogprobs
+from tandem.trainer.parallel.dims import ParallelDims
+
+
+@dataclass
+class ObjectiveOutput:
+    loss_sum: torch.Tensor
+    """Sum of the per-token loss over the micro-batch's loss tokens (carries the gradient)."""
+    metric_sums: dict[str, torch.Tensor]
+    """Sums over loss tokens of per-token quantities to log as means (same keys on every call)."""
+
+
+Objective = Callable[[MicroBatch, TokenLogprobs], ObjectiveOutput]
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Global mean loss per loss token."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate this step used."""
+    skipped: bool
+    """True when the NaN guard skipped the update."""
+    metrics: dict[str, float]
+    """Global means over loss tokens: entropy and the objective's metrics."""
+
+
+def global_sum(values: list[float], dims: ParallelDims) -> list[float]:
+    """Element-wise sum over all ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=dims.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def count_loss_tokens(micro_batches: list[MicroBatch], dims: ParallelDims) -> int:
+    """Loss tokens of the step over all ranks."""
+    local = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
+    return int(global_sum([local], dims)[0])
+
+
+def forward_objective(model: PolicyModel, mb: MicroBatch, objective: Objective) -> tuple[ObjectiveOutput, torch.Tensor]:
+    """Objective and entropy sum of one micro-batch."""
+    out = model(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask)
+    result = objective(mb, out)
+    entropy_sum = torch.where(mb.loss_mask, out.entropy, 0.0).sum()
+    return result, entropy_sum
+
+
+def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               micro_batches: list[MicroBatch], objective: Objective, num_loss_tokens: int, max_grad_norm: float,
+               dims: ParallelDims) -> StepResult:
+    """Forward/backward every micro-batch, clip, guard, step. Every rank must pass the same number of micro-batches."""
+    scale = dims.dp_size / max(num_loss_tokens, 1)
+    totals: dict[str, torch.Tensor] = {}
+    for mb in micro_batches:
+        result, entropy_sum = forward_objective(model, mb, objective)
+        (result.loss_sum * scale).backward()
+        sums = {"loss": result.loss_sum.detach(), "entropy": entropy_sum, **result.metric_sums}
+        for key, value in sums.items():
+            totals[key] = totals.get(key, 0.0) + value.detach().double()
+    grad_norm = clip_grad_norm(model, max_grad_norm)
+    keys = sorted(totals)
+    reduced = global_sum([float(totals[k]) for k in keys], dims)
+    means = {k: v / max(num_loss_tokens, 1) for k, v in zip(keys, reduced)}
+    loss = means.pop("loss")
+    skipped = not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    return StepResult(loss=loss, grad_norm=float(grad_norm), lr=lr, skipped=skipped, metrics=means)
+
+
+@torch.no_grad()
+def evaluate(model: PolicyModel, micro_batches: list[MicroBatch], objective: Objective, dims: ParallelDims) -> float:
+    """Global mean loss per loss token, without gradients. Every rank must pass the same number of micro-batches."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for mb in micro_batches:
+        result, _ = forward_objective(model, mb, objective)
+        total += float(result.loss_sum)
+    model.train(was_training)
+    loss_sum, tokens = global_sum([total, float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))], dims)
+    return loss_sum / max(tokens, 1)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the (sharded) gradients, clipped to `max_norm` when it is > 0 and finite."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(norm, DTensor):  # sharded grads: the local norms are combined over the mesh
+        norm = norm.full_tensor()
+    if max_norm > 0 and torch.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.detach().float().cpu()

@@ -1,0 +1,102 @@
+import asyncio
+import re
+
+import pytest
+
+from tandem.envs import wordle
+from tandem.envs.word_lists import load_word_list
+
+
+def guess(word: str) -> str:
+    return f"<guess>{word}</guess>"
+
+
+def play(answer: str, replies, scripted_client):
+    env = wordle.load_environment(num_train_examples=10, num_eval_examples=10)
+    prompt = env.get_dataset(1)[0]["prompt"]
+    client = scripted_client(replies)
+    completion, state = asyncio.run(env.rollout(client, "m", prompt, answer, "wordle"))
+    score = asyncio.run(env.rubric.score_rollout(prompt, completion, answer, state))
+    return completion, state, score
+
+
+def test_feedback_marks_duplicates_like_the_game():
+    assert wordle.score_guess("crane", "crane") == "GGGGG"
+    assert wordle.score_guess("crane", "react") == "YYGXY"
+    assert wordle.score_guess("papal", "apple") == "YYGXY"
+    assert wordle.score_guess("eerie", "there") == "YXYXG"  # only one e left after the green
+    assert wordle.score_guess("speed", "abide") == "XXYXY"
+    assert wordle.score_guess("sassy", "glass") == "YYXGX"
+
+
+def test_reading_guesses():
+    assert wordle.read_guess("I think <guess> CRANE </guess>") == "crane"
+    assert wordle.read_guess("<guess>zzzzz</guess>") is None
+    assert wordle.read_guess("<guess>cranes</guess>") is None
+    assert wordle.read_guess("crane") is None
+
+
+def test_rewards_follow_the_documented_formula(scripted_client):
+    _, state, first_try = play("crane", [guess("crane")], scripted_client)
+    assert state["stop_reason"] == "completed" and state["turn"] == 1
+    assert first_try.reward == pytest.approx(2.2)
+    _, _, sixth = play("crane", [guess("slate")] * 5 + [guess("crane")], scripted_client)
+    assert sixth.reward == pytest.approx(1 + 1 / 6 + 0.2)
+    # never solved: 0.2 * partial of the last valid guess (trace vs crane: X G G Y G)
+    _, state, unsolved = play("crane", [guess("slate")] * 5 + [guess("trace")], scripted_client)
+    assert state["stop_reason"] == "max_turns" and state["turn"] == 6
+    assert unsolved.reward == pytest.approx(0.2 * (3 + 0.5) / 5)
+    _, _, malformed = play("crane", ["crane"] * 6, scripted_client)
+    assert malformed.reward == 0.0 and malformed.metrics["format_reward_func"] == 0.0
+    _, _, empty = play("crane", [""] * 6, scripted_client)
+    assert empty.reward == 0.0
+
+
+def test_scripted_game_with_an_invalid_guess(scripted_client):
+    replies = [guess("slate"), guess("qqqqq"), "no tags", guess("crane")]
+    completion, state, score = play("crane", replies, scripted_client)
+    assert (state["turn"], state["stop_reason"]) == (4, "completed")
+    feedback = [m["content"] for m in completion if m["role"] == "user"]
+    assert feedback[0] == "SLATE\nX X G X G\n5 guesses left."
+    assert feedback[1].startswith("Invalid guess") and feedback[1].endswith("4 guesses left.")
+    assert feedback[2].endswith("3 guesses left.")
+    assert score.metrics == {
+        "solved_reward": 1.0,
+        "efficiency_reward": pytest.approx(3 / 6),
+        "partial_reward": 1.0,
+        "format_reward_func": pytest.approx(0.75),
+    }
+    assert score.reward == pytest.approx(1 + 0.5 + 0.2)
+
+
+def test_last_turn_gets_no_feedback(scripted_client):
+    completion, _, _ = play("crane", [guess("slate")] * 6, scripted_client)
+    assert len(completion) == 11 and completion[-1]["role"] == "assistant"
+    assert "1 guess left." in completion[-2]["content"]
+
+
+def test_splits_are_disjoint_and_seeded():
+    env = wordle.load_environment(seed=2)
+    train = [e["answer"] for e in env.get_dataset()]
+    evals = [e["answer"] for e in env.get_eval_dataset()]
+    assert len(evals) == 100 and len(train) == len(load_word_list("wordle_answers.txt")) - 100
+    assert not set(train) & set(evals)
+    assert wordle.load_environment(seed=2).get_eval_dataset() == env.get_eval_dataset()
+    assert wordle.load_environment(seed=3).get_eval_dataset() != env.get_eval_dataset()
+    with pytest.raises(ValueError, match="answer words"):
+        wordle.load_environment(num_train_examples=10_000)
+
+
+def test_word_lists():
+    answers = load_word_list("wordle_answers.txt")
+    guesses = load_word_list("wordle_guesses.txt")
+    assert len(answers) >= 300 and len(guesses) > len(answers)
+    for words in (answers, guesses):
+        assert len(set(words)) == len(words)
+        assert all(re.fullmatch("[a-z]{5}", word) for word in words)
+    assert set(answers) <= set(guesses)
+
+
+def test_too_many_eval_words_is_an_error():
+    with pytest.raises(ValueError, match="answer words"):
+        wordle.load_environment(num_eval_examples=10_000)
