@@ -117,6 +117,8 @@ def _explain(config_cls: type[BaseModel], data: dict[str, Any], sources: dict[st
     if error["type"] == "extra_forbidden":
         close = difflib.get_close_matches(key, valid_keys(config_cls), n=1, cutoff=0.5)
         hint = f"; did you mean `{close[0]}`?" if close else ""
+        if close and close[0] == key:  # a key of another variant of a discriminated union
+            hint = f"; `{key}` belongs to another `type` of `{key.rpartition('.')[0]}`"
         return f"unknown key `{key}`{where}{hint}"
     if error["type"] == "missing":
         return f"missing required key `{key}`{where}"
@@ -127,10 +129,12 @@ def _key_of(data: dict[str, Any], loc: tuple) -> tuple[str, Any]:
     """Map a pydantic error location onto the user's dotted key, skipping union tags."""
     parts: list[str] = []
     node: Any = data
-    for item in loc:
+    for i, item in enumerate(loc):
         if isinstance(node, dict) and item in node:
             parts.append(str(item))
             node = node[item]
+        elif isinstance(node, dict) and i + 1 < len(loc) and isinstance(item, str):
+            continue  # a name absent from the data with more below it: a discriminated union's tag
         elif isinstance(node, list) and isinstance(item, int) and item < len(node):
             parts[-1] += f"[{item}]"
             node = node[item]

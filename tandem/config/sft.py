@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from tandem.config.base import Section
-from tandem.config.trainer import AdamWConfig, OptimConfig, TrainingProcessConfig
+from tandem.config.trainer import TrainingProcessConfig
 
 
 class SFTDataConfig(Section):
@@ -47,9 +47,6 @@ class SFTConfig(TrainingProcessConfig):
 
     eval: EvalConfig = EvalConfig()
     """Eval loss."""
-
-    optim: OptimConfig = AdamWConfig(lr=1e-5)
-    """Optimizer (SFT's default learning rate is higher than RL's)."""
 
     @model_validator(mode="after")
     def _check_eval(self) -> "SFTConfig":

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from tandem.config.base import ProcessConfig, Section
+
+
+def _default_tag(default: str) -> Discriminator:
+    """Discriminate on `type`, taking `default` when it is absent (`--optim.lr 1e-5` alone keeps AdamW)."""
+
+    def pick(value: Any) -> str:
+        return value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+
+    return Discriminator(pick)
 
 
 class AIPOLoss(Section):
@@ -64,7 +73,8 @@ class CustomLoss(Section):
     """Keyword arguments passed to the function on every call."""
 
 
-LossConfig = Annotated[Union[AIPOLoss, DPPOKLLoss, PPOClipLoss, CustomLoss], Field(discriminator="type")]
+LossConfig = Annotated[Union[Annotated[AIPOLoss, Tag("aipo")], Annotated[DPPOKLLoss, Tag("dppo_kl")],
+                             Annotated[PPOClipLoss, Tag("ppo_clip")], Annotated[CustomLoss, Tag("custom")]], _default_tag("aipo")]
 
 
 class _OptimBase(Section):
@@ -97,7 +107,7 @@ class SGDConfig(_OptimBase):
     """SGD momentum (0: plain SGD)."""
 
 
-OptimConfig = Annotated[Union[AdamWConfig, SGDConfig], Field(discriminator="type")]
+OptimConfig = Annotated[Union[Annotated[AdamWConfig, Tag("adamw")], Annotated[SGDConfig, Tag("sgd")]], _default_tag("adamw")]
 
 
 class ConstantSchedule(Section):
@@ -130,7 +140,8 @@ class CosineSchedule(Section):
     """Learning rate at `max_steps`, as a fraction of the peak."""
 
 
-SchedulerConfig = Annotated[Union[ConstantSchedule, LinearSchedule, CosineSchedule], Field(discriminator="type")]
+SchedulerConfig = Annotated[Union[Annotated[ConstantSchedule, Tag("constant")], Annotated[LinearSchedule, Tag("linear")],
+                                  Annotated[CosineSchedule, Tag("cosine")]], _default_tag("constant")]
 
 
 class ActivationCheckpointConfig(Section):

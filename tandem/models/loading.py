@@ -64,7 +64,9 @@ def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: 
 
 
 def _tied(model: nn.Module) -> bool:
-    return bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+    """Tied embeddings, from a native model's `args` or a transformers model's `config`."""
+    settings = getattr(model, "args", None) or getattr(model, "config", None)
+    return bool(getattr(settings, "tie_word_embeddings", False))
 
 
 def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "auto", trust_remote_code: bool = False) -> nn.Module:

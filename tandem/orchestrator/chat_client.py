@@ -23,6 +23,8 @@ from tandem.orchestrator.inference_pool import InferencePool
 from tandem.orchestrator.samples import Turn
 
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
+# The server's request schema is strict about types: `temperature=1` must go out as 1.0.
+_CASTS = {"temperature": float, "top_p": float, "min_p": float, "top_k": int, "seed": int}
 # Keys that only shape an OpenAI response; this client always returns tokens and logprobs.
 _IGNORED_KEYS = {
     "logprobs", "top_logprobs", "return_token_ids", "return_tokens_as_token_ids", "skip_special_tokens",
@@ -172,7 +174,7 @@ def _generate_request(kwargs: dict[str, Any]) -> dict[str, Any]:
                         f"supported: max_tokens, n=1, {', '.join(sorted(_SAMPLING_KEYS))}")
     for key in _SAMPLING_KEYS & set(kwargs):
         if kwargs[key] is not None:
-            request[key] = kwargs[key]
+            request[key] = _CASTS.get(key, lambda v: v)(kwargs[key])
     if isinstance(request.get("stop"), str):
         request["stop"] = [request["stop"]]
     return request

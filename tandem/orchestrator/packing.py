@@ -2,7 +2,7 @@
 
 Invariants of `pack_step` (tested): no row is longer than `seq_len`; every token of every
 (possibly truncated) sample appears in exactly one row, with `position_ids` restarting at 0 where
-its sample starts; every rank gets the same number of rows (short ranks get one-token padding
+its sample starts; every rank gets the same number of rows (short ranks get two-token padding
 rows whose loss mask is 0); `num_loss_tokens` is the count over all ranks.
 """
 
@@ -102,5 +102,6 @@ def _row(samples: list[Sample]) -> PackedRow:
 
 
 def _padding_row(pad_token_id: int) -> PackedRow:
-    return PackedRow(input_ids=[pad_token_id], position_ids=[0], loss_mask=[0], logprobs=[0.0], advantages=[0.0],
-                     temperatures=[1.0])
+    # Two tokens: the trainer predicts token t from t-1, so a row needs at least two.
+    return PackedRow(input_ids=[pad_token_id] * 2, position_ids=[0, 1], loss_mask=[0, 0], logprobs=[0.0, 0.0],
+                     advantages=[0.0, 0.0], temperatures=[1.0, 1.0])

@@ -57,8 +57,8 @@ def check_batch(batch: TrainingBatch, seq_len: int, vocab_size: int, source: str
         bad = {f: m for f, m in lengths.items() if m != n}
         if bad:
             raise BatchError(f"{where}: {n} input_ids but {', '.join(f'{m} {f}' for f, m in bad.items())}")
-        if n == 0 or n > seq_len:
-            raise BatchError(f"{where}: {n} tokens; rows hold 1 to seq_len = {seq_len} tokens")
+        if n < 2 or n > seq_len:
+            raise BatchError(f"{where}: {n} tokens; rows hold 2 to seq_len = {seq_len} tokens")
         if min(row.input_ids) < 0 or max(row.input_ids) >= vocab_size:
             raise BatchError(f"{where}: token ids must lie in [0, {vocab_size}) (the model's vocab_size)")
         if row.position_ids[0] != 0:
@@ -70,13 +70,27 @@ def check_batch(batch: TrainingBatch, seq_len: int, vocab_size: int, source: str
             raise BatchError(f"{where}: loss_mask values must be 0 or 1")
         if any(not (t > 0 and math.isfinite(t)) for t, m in zip(row.temperatures, row.loss_mask) if m):
             raise BatchError(f"{where}: temperatures of loss tokens must be finite and > 0 (logprobs of log_softmax(logits / T))")
+        for name in ("logprobs", "advantages"):
+            if not all(math.isfinite(v) for v in getattr(row, name)):
+                raise BatchError(f"{where}: {name} must be finite")
 
 
-def check_across_ranks(batch: TrainingBatch, dims: ParallelDims, source: str) -> None:
-    """Every rank has the same number of rows, and `num_loss_tokens` is the true global count."""
-    local_tokens = sum(sum(row.loss_mask) for row in batch.rows)
+def check_step_batch(batch: TrainingBatch, seq_len: int, vocab_size: int, source: str, dims: ParallelDims) -> None:
+    """Collective check of one step's batch: every rank raises if any rank's batch is bad.
+
+    Beyond the per-row rules, every rank must have the same number of rows (FSDP runs one
+    forward/backward per row in lockstep) and `num_loss_tokens` must be the true global count.
+    """
+    try:
+        check_batch(batch, seq_len, vocab_size, source)
+        error = ""
+    except BatchError as err:
+        error = str(err)
     rows = len(batch.rows)
-    total_rows, total_tokens, total_sq = global_sum([rows, local_tokens, rows * rows], dims)
+    local_tokens = sum(sum(row.loss_mask) for row in batch.rows)
+    num_bad, total_rows, total_sq, total_tokens = global_sum([float(bool(error)), rows, rows * rows, local_tokens], dims)
+    if num_bad:
+        raise BatchError(error or f"{int(num_bad)} other rank(s) received a bad batch for step {batch.step}")
     if total_sq * dims.world_size != total_rows * total_rows:  # equal iff every rank has the same count
         raise BatchError(f"{source}: ranks received different numbers of rows (this rank: {rows}); FSDP needs the same number on every rank")
     if int(total_tokens) != batch.num_loss_tokens:
@@ -94,7 +108,7 @@ def fake_batch(step: int, rank: int, world_size: int, config: RolloutDataConfig,
     uniform_logprob = -math.log(vocab_size)
     rows = []
     for g in range(rank * per_rank, (rank + 1) * per_rank):
-        gen = torch.Generator().manual_seed(hash((seed, step, g)) & 0x7FFF_FFFF)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_003 + g)
         ids = torch.randint(0, vocab_size, (config.fake_samples_per_row * sample_len,), generator=gen)
         advantages = torch.randn(config.fake_samples_per_row, generator=gen)
         positions, mask, adv = [], [], []

@@ -8,6 +8,10 @@ Admission control: a waiting sequence is admitted only when the blocks for all i
 free; otherwise it (and everything behind it) waits, so memory pressure delays requests instead
 of failing them. When a running sequence needs a new block and none is free, the most recently
 admitted sequence is preempted (blocks freed, recomputed later from its tokens), never an error.
+
+Shared prefills: a sequence whose prompt has the same full blocks as an earlier one still
+prefilling (the `n` samples of a request, the rollouts of a GRPO group sent as separate requests)
+waits until that prefill is done, then takes those blocks from the prefix cache.
 """
 
 from __future__ import annotations
@@ -47,9 +51,23 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefill_leaders: dict[tuple[int, ...], Sequence] = {}
+        """Shareable prompt prefix -> the sequence computing it; entries leave when their leader finishes."""
 
     def add(self, seq: Sequence) -> None:
+        prefix = self._shareable_prefix(seq)
+        if prefix:
+            leader = self.prefill_leaders.get(prefix)
+            if leader is not None and not (leader.has_prefilled_prompt or leader.is_finished):
+                seq.prefix_parent = leader
+            else:
+                self.prefill_leaders[prefix] = seq
         self.waiting.append(seq)
+
+    def _shareable_prefix(self, seq: Sequence) -> tuple[int, ...]:
+        """The prompt's full blocks before the one holding its last token (what the cache can share)."""
+        bs = self.block_manager.block_size
+        return tuple(seq.token_ids[:(seq.num_prompt_tokens - 1) // bs * bs])
 
     @property
     def has_unfinished(self) -> bool:
@@ -123,3 +141,6 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        prefix = self._shareable_prefix(seq)
+        if self.prefill_leaders.get(prefix) is seq:
+            del self.prefill_leaders[prefix]

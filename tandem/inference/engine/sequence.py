@@ -36,7 +36,6 @@ class Sequence:
         params: SamplingParams,
         tokenizer: Any,
         generator: torch.Generator | None = None,
-        prefix_parent: "Sequence | None" = None,
     ):
         self.request_id = request_id
         self.index = index
@@ -46,8 +45,8 @@ class Sequence:
         self.params = params
         self.generator = generator
         """Per-sequence generator when the request has a seed; else the engine's shared one is used."""
-        self.prefix_parent = prefix_parent
-        """A sibling whose prompt prefill this sequence waits for, to reuse its cached blocks."""
+        self.prefix_parent: Sequence | None = None
+        """An earlier sequence with the same prompt prefix whose prefill this one waits for (set by the scheduler)."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

@@ -1,0 +1,74 @@
+"""Routes around generation: health, model list, live weight updates, pause/resume, metrics.
+
+`POST /update_weights` reads the folder off the event loop, then hands the tensors to the engine
+thread, which swaps them in between two steps. Every name and shape is checked before the first
+copy, so a failed update leaves the previous weights serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from tandem.inference.errors import APIError
+from tandem.inference.metrics import render_metrics
+from tandem.inference.protocol import UpdateWeightsRequest
+from tandem.inference.serving import Served
+from tandem.models.weights import load_state_dict
+
+public = APIRouter()
+"""Routes served without the API key."""
+router = APIRouter()
+
+
+@public.get("/health")
+async def health() -> dict:
+    # The app starts serving only once the model is loaded, so answering at all means ready.
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    served: Served = request.app.state.served
+    return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": served.created,
+                                        "owned_by": "tandem", "max_model_len": served.max_model_len}]}
+
+
+@router.post("/update_weights")
+async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
+    served: Served = request.app.state.served
+    folder = Path(body.path)
+    if not folder.is_dir():
+        raise APIError(400, f"weights folder not found: {body.path}", "path")
+    try:
+        state = await asyncio.to_thread(load_state_dict, folder)
+    except Exception as err:  # missing or unreadable safetensors: the caller's folder is at fault
+        raise APIError(400, f"could not read weights from {body.path}: {err}", "path") from None
+    try:
+        version = await served.engine.update_weights(state, body.version)
+    except (KeyError, ValueError) as err:
+        raise APIError(400, f"weights in {body.path} do not fit the model: {err.args[0]}", "path") from None
+    return {"weight_version": version}
+
+
+@router.post("/pause")
+async def pause(request: Request) -> dict:
+    """Stop stepping (after the step in flight); requests keep queueing until `/resume`."""
+    await request.app.state.served.engine.pause()
+    return {"paused": True}
+
+
+@router.post("/resume")
+async def resume(request: Request) -> dict:
+    await request.app.state.served.engine.resume()
+    return {"paused": False}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> PlainTextResponse:
+    served: Served = request.app.state.served
+    return PlainTextResponse(render_metrics(served.engine.stats(), served.model_name),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,45 @@
+"""The FastAPI app: routes, OpenAI-style errors, the optional API key, the engine's lifetime."""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+
+from tandem.inference import admin_api, generate_api, openai_api
+from tandem.inference.errors import APIError, install_error_handlers
+from tandem.inference.serving import Served
+
+
+def require_api_key(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <api_key>`")
+
+    return check
+
+
+def build_app(served: Served, api_key: str | None = None) -> FastAPI:
+    """The app over a built engine; the engine thread runs while the app does."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        served.engine.start()
+        try:
+            yield
+        finally:
+            served.engine.shutdown()
+
+    app = FastAPI(title="tandem inference", lifespan=lifespan)
+    app.state.served = served
+    install_error_handlers(app)
+    guarded = [Depends(require_api_key(api_key))]
+    app.include_router(admin_api.public)
+    for router in (admin_api.router, openai_api.router, generate_api.router):
+        app.include_router(router, dependencies=guarded)
+    return app

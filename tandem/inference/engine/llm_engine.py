@@ -1,0 +1,196 @@
+"""The synchronous engine core: requests in, one token per running sequence per `step()` out.
+
+`step()` only does schedule -> run -> sample -> postprocess. Nothing here is thread-safe: one
+thread owns the engine (`async_engine.AsyncEngine`), and weight updates, like new requests, take
+effect between two steps. A token's logprob therefore always comes from the weights that sampled
+it, and `weight_version` of an output is the oldest version that sampled any of its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.sampler import Sampler
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
+from tandem.inference.engine.sequence import Sequence
+from tandem.models.loading import load_weights_into
+
+
+class ModelRunner(Protocol):
+    def run(self, batch: ScheduledBatch) -> torch.Tensor: ...
+
+
+@dataclass
+class SequenceOutput:
+    """What one sequence gained in one step (the server accumulates these per choice)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str
+    """New text; held back near the end while a stop string could still complete."""
+    finish_reason: str | None
+    """None while running; "stop" (EOS, stop token or stop string) or "length" at the end."""
+    weight_version: int
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+    weight_version: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        weight_target: nn.Module,
+        tokenizer: Any,
+        block_manager: BlockManager,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        vocab_size: int,
+        device: torch.device,
+    ):
+        self.runner = runner
+        self.weight_target = weight_target
+        """The module whose HF-named state dict `update_weights` loads into."""
+        self.tokenizer = tokenizer
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.device = device
+        self.weight_version = 0
+        self.requests: dict[str, list[Sequence]] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request cannot run; safe to call from any thread."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        n = len(prompt_token_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or of the completion (`max_tokens`)."
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> None:
+        """Queue `n` samples of one prompt (they share its prefill through the prefix cache)."""
+        self.check_request(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seqs: list[Sequence] = []
+        for i in range(n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seqs.append(Sequence(request_id, i, prompt_token_ids, params, self.tokenizer, generator))
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.num_prompt_tokens += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[SequenceOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits = self.runner.run(batch)
+        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.block_manager.register_computed_blocks(seq)
+        if not sampling:
+            return []
+        result = self.sampler(logits, sampling)
+        outputs = []
+        for j, seq in enumerate(sampling):
+            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], self.weight_version)
+            outputs.append(self._postprocess(seq))
+        self.num_generation_tokens += len(sampling)
+        return outputs
+
+    def _postprocess(self, seq: Sequence) -> SequenceOutput:
+        params, token = seq.params, seq.token_ids[-1]
+        new_text = seq.detokenizer.push(seq.completion_token_ids)
+        seq.text += new_text
+        stopped_by_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        stopped_by_string = not stopped_by_token and bool(params.stop) and bool(new_text) and self._cut_at_stop_string(seq, len(new_text))
+        reason = None
+        if stopped_by_token or stopped_by_string:
+            reason = "stop"
+        elif seq.num_completion_tokens >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            if not stopped_by_string:  # past a stop string, the held-back text is cut anyway
+                seq.text += seq.detokenizer.flush(seq.completion_token_ids)
+            self.scheduler.finish(seq, reason)
+            if all(s.is_finished for s in self.requests.get(seq.request_id, [])):
+                del self.requests[seq.request_id]
+        held = 0 if reason is not None or not params.stop else max(map(len, params.stop)) - 1
+        end = max(seq.num_text_sent, len(seq.text) - held)
+        text, seq.num_text_sent = seq.text[seq.num_text_sent:end], end
+        return SequenceOutput(seq.request_id, seq.index, [token], [seq.logprobs[-1]], [seq.top_logprobs[-1]],
+                              text, reason, seq.oldest_weight_version)
+
+    def _cut_at_stop_string(self, seq: Sequence, num_new_chars: int) -> bool:
+        """Cut `seq.text` at the first stop string that the new text completes."""
+        stops = seq.params.stop
+        start = max(0, len(seq.text) - num_new_chars - max(map(len, stops)) + 1)
+        found = [(pos, s) for s in stops if (pos := seq.text.find(s, start)) >= 0]
+        if not found:
+            return False
+        pos, stop = min(found)
+        seq.text = seq.text[:pos + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+        return True
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
+        """Load HF-named tensors into the live model; on any mismatch nothing is changed."""
+        load_weights_into(self.weight_target, state)  # checks every name and shape before copying
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.block_manager.reset_prefix_cache()
+        return self.weight_version
+
+    def stats(self) -> EngineStats:
+        """Counters for /metrics; plain reads, safe (if a step stale) from another thread."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            weight_version=self.weight_version,
+        )

@@ -1,0 +1,130 @@
+"""Build an `LLMEngine` from the config: device, model, tokenizer, KV-cache size, runner.
+
+Native models (tandem's Qwen3) get the paged KV cache; any other architecture loads through
+transformers and runs on the recompute path. On CUDA the cache takes what `memory_fraction`
+leaves after the weights and the activations of a full-budget warmup step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig
+from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.kv_cache import KVCache
+from tandem.inference.engine.llm_engine import LLMEngine
+from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
+from tandem.inference.engine.sampler import Sampler
+from tandem.inference.engine.scheduler import Scheduler
+from tandem.models.hub import resolve_model_path
+from tandem.models.loading import is_native, load_causal_lm
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"`engine.device` = {name!r} but CUDA is not available here; use `cpu` or `auto`")
+    return device
+
+
+def eos_token_ids(folder: Path, tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS plus every `eos_token_id` of generation_config.json (Qwen lists two)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
+
+
+def resolve_max_model_len(engine: EngineConfig, hf_config: dict) -> int:
+    limit = hf_config.get("max_position_embeddings")
+    if engine.max_model_len is None:
+        if limit is None:
+            raise ValueError("the model's config.json has no `max_position_embeddings`: set `engine.max_model_len`")
+        return int(limit)
+    if limit is not None and engine.max_model_len > limit:
+        raise ValueError(f"`engine.max_model_len` = {engine.max_model_len} exceeds the model's max_position_embeddings = {limit}")
+    return engine.max_model_len
+
+
+def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.device, bytes_per_block: int, max_model_len: int) -> int:
+    if engine.num_blocks is not None:
+        return engine.num_blocks
+    if device.type != "cuda":
+        return max(1, int(engine.cpu_kv_cache_gib * 2**30) // bytes_per_block)
+    # Peak activations of the largest step, measured with a causal prefill of the full token budget.
+    num_tokens = min(engine.max_num_batched_tokens, max_model_len)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
+        hidden = model(ids, torch.arange(num_tokens, device=device)[None])
+        model.lm_head(hidden[0, -engine.max_num_seqs:]).float().softmax(-1)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+    budget = int(total * engine.memory_fraction) - (total - free) - activations
+    del hidden
+    torch.cuda.empty_cache()
+    return max(0, budget // bytes_per_block)
+
+
+def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> LLMEngine:
+    device = resolve_device(engine.device)
+    folder = resolve_model_path(model_config.name)
+    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
+    max_model_len = resolve_max_model_len(engine, model.hf_config)
+    if is_native(model.hf_config):
+        args = model.args
+        dtype = model.lm_head.weight.dtype
+        per_block = KVCache.bytes_per_block(args.num_hidden_layers, engine.block_size, args.num_key_value_heads, args.head_dim, dtype)
+        num_blocks = plan_num_blocks(engine, model, device, per_block, max_model_len)
+        check_cache_fits(num_blocks, engine.block_size, max_model_len)
+        cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
+        runner = PagedModelRunner(model, cache, device)
+        weight_target = model
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, engine.block_size, num_blocks * per_block / 2**30, device)
+    else:
+        # No cache tensor on the recompute path; blocks still bound how many tokens run at once.
+        num_blocks = engine.num_blocks or engine.max_num_seqs * -(-max_model_len // engine.block_size)
+        check_cache_fits(num_blocks, engine.block_size, max_model_len)
+        runner = RecomputeModelRunner(model, device)
+        weight_target = model.hf_model
+        log.info("%s is not native to tandem: transformers model, recomputed every step (slow path)", model.hf_config.get("model_type"))
+    block_manager = BlockManager(num_blocks, engine.block_size)
+    return LLMEngine(
+        runner=runner,
+        weight_target=weight_target,
+        tokenizer=tokenizer,
+        block_manager=block_manager,
+        scheduler=Scheduler(block_manager, engine.max_num_seqs, engine.max_num_batched_tokens),
+        sampler=Sampler(device, seed),
+        eos_token_ids=eos_token_ids(folder, tokenizer),
+        max_model_len=max_model_len,
+        vocab_size=model.lm_head.weight.shape[0],
+        device=device,
+    )
+
+
+def check_cache_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of {block_size}), less than one "
+            f"sequence of max_model_len = {max_model_len}: lower `engine.max_model_len` or give the cache more memory "
+            "(`engine.num_blocks`, `engine.memory_fraction`, `engine.cpu_kv_cache_gib`)"
+        )

@@ -1,0 +1,36 @@
+"""`POST /v1/generate`: token ids in, token ids and logprobs out.
+
+For multi-turn rollouts that must not re-tokenize: the orchestrator sends the exact ids of the
+conversation so far and gets back the exact ids it will train on, each with the logprob of the
+distribution that sampled it and the weight version of the choice.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+
+from tandem.inference.protocol import GenerateRequest
+from tandem.inference.serving import Served
+
+router = APIRouter()
+
+
+@router.post("/v1/generate")
+async def generate(body: GenerateRequest, request: Request) -> dict:
+    served: Served = request.app.state.served
+    served.check_model(body.model)
+    params = served.sampling_params(body, body.max_tokens, body.prompt_token_ids)
+    choices = await served.complete(body.prompt_token_ids, params, body.n)
+    return {
+        "id": f"gen-{uuid.uuid4().hex}",
+        "prompt_token_ids": body.prompt_token_ids,
+        "choices": [
+            {"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs, "text": c.text,
+             "finish_reason": c.finish_reason, "weight_version": c.weight_version}
+            for c in choices
+        ],
+        "weight_version": served.weight_version,
+        "usage": {"prompt_tokens": len(body.prompt_token_ids), "completion_tokens": sum(len(c.token_ids) for c in choices)},
+    }

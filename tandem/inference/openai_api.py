@@ -1,0 +1,241 @@
+"""`POST /v1/completions` and `POST /v1/chat/completions`, OpenAI-compatible, streaming or not.
+
+Besides OpenAI's fields, responses carry vLLM's (`prompt_token_ids`, `choices[i].token_ids`
+when `return_token_ids`) and tandem's `weight_version` (top level: the server's version when
+answering; per choice: the oldest version that sampled any of its tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from tandem.inference.chat import parse_tool_calls, render_chat, streamable_content
+from tandem.inference.engine.llm_engine import SequenceOutput
+from tandem.inference.errors import APIError, error_body
+from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.inference.serving import Choice, Served
+
+router = APIRouter()
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---- completions -------------------------------------------------------------------------------
+
+
+def completion_prompts(served: Served, prompt: Any) -> list[list[int]]:
+    """Normalize `prompt` (text, texts, token ids, lists of token ids) into token id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "`prompt` is empty", "prompt")
+    return [served.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def legacy_logprobs(served: Served, choice_tokens: list[int], logprobs: list[float], top: list[list[tuple[int, float]]], with_top: bool) -> dict:
+    """The completions API's logprobs: parallel lists of tokens, their logprobs and text offsets."""
+    tokens = [served.token_text(t) for t in choice_tokens]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    top_maps = [{served.token_text(t): lp for t, lp in alts} for alts in top] if with_top else None
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_maps, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    served: Served = request.app.state.served
+    served.check_model(body.model)
+    prompts = completion_prompts(served, body.prompt)
+    params = [served.sampling_params(body, body.max_tokens, p, body.logprobs or 0) for p in prompts]
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    if body.stream:
+        return StreamingResponse(_completion_stream(served, body, prompts, params, meta), media_type="text/event-stream")
+    results = await asyncio.gather(*(served.complete(p, sp, body.n) for p, sp in zip(prompts, params)))
+    choices = []
+    for k, (prompt, prompt_choices) in enumerate(zip(prompts, results)):
+        for c in prompt_choices:
+            choice = {"index": k * body.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                      "logprobs": None, "weight_version": c.weight_version}
+            if body.logprobs is not None:
+                choice["logprobs"] = legacy_logprobs(served, c.token_ids, c.logprobs, c.top_logprobs, body.logprobs > 0)
+            if body.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = prompt, c.token_ids
+            choices.append(choice)
+    response = {**meta, "object": "text_completion", "choices": choices, "weight_version": served.weight_version,
+                "usage": usage(sum(map(len, prompts)), sum(len(c.token_ids) for r in results for c in r))}
+    if body.return_token_ids and len(prompts) == 1:
+        response["prompt_token_ids"] = prompts[0]
+    return response
+
+
+async def _merged(served: Served, prompts: list[list[int]], params: list, n: int) -> AsyncIterator[tuple[int, SequenceOutput]]:
+    """Outputs of several prompts' streams as they come, tagged with the prompt's position."""
+    if len(prompts) == 1:
+        async for out in served.stream(prompts[0], params[0], n):
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int) -> None:
+        try:
+            async for out in served.stream(prompts[k], params[k], n):
+                await queue.put((k, out))
+        except Exception as err:
+            await queue.put((k, err))
+        await queue.put((k, None))
+
+    tasks = [asyncio.create_task(pump(k)) for k in range(len(prompts))]
+    try:
+        remaining = len(prompts)
+        while remaining:
+            k, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _completion_stream(served: Served, body: CompletionRequest, prompts, params, meta) -> AsyncIterator[str]:
+    chunk = {**meta, "object": "text_completion"}
+    counts = [0] * len(prompts)
+    try:
+        async for k, out in _merged(served, prompts, params, body.n):
+            counts[k] += len(out.token_ids)
+            choice: dict[str, Any] = {"index": k * body.n + out.index, "text": out.text, "logprobs": None,
+                                      "finish_reason": out.finish_reason}
+            if body.logprobs is not None:
+                choice["logprobs"] = legacy_logprobs(served, out.token_ids, out.logprobs, out.top_logprobs, body.logprobs > 0)
+            if body.return_token_ids:
+                choice["token_ids"] = out.token_ids
+                if counts[k] == len(out.token_ids):  # the choice's first chunk
+                    choice["prompt_token_ids"] = prompts[k]
+            if out.finish_reason is not None:
+                choice["weight_version"] = out.weight_version
+            yield sse({**chunk, "choices": [choice]})
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse({**chunk, "choices": [], "usage": usage(sum(map(len, prompts)), sum(counts))})
+    except APIError as err:
+        yield sse(error_body(err.status, err.message, err.param))
+    yield sse("[DONE]")
+
+
+# ---- chat --------------------------------------------------------------------------------------
+
+
+def chat_logprobs(served: Served, token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = served.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                        for t, lp, alts in zip(token_ids, logprobs, top)]}
+
+
+def chat_prompt(served: Served, body: ChatCompletionRequest) -> list[int]:
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.uses_tools else None
+    return render_chat(served.tokenizer, [m.for_template() for m in body.messages], tools,
+                       body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+
+
+def chat_message(body: ChatCompletionRequest, choice: Choice) -> tuple[dict, str | None]:
+    """The assistant message and finish reason of one choice, tool calls parsed out when tools are on."""
+    if body.uses_tools:
+        content, calls = parse_tool_calls(choice.text)
+        if calls:
+            reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+            return {"role": "assistant", "content": content, "tool_calls": calls}, reason
+    return {"role": "assistant", "content": choice.text}, choice.finish_reason
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    served: Served = request.app.state.served
+    served.check_model(body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    prompt = chat_prompt(served, body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = served.sampling_params(body, max_tokens, prompt, (body.top_logprobs or 0) if body.logprobs else 0)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    if body.stream:
+        return StreamingResponse(_chat_stream(served, body, prompt, params, meta), media_type="text/event-stream")
+    choices = []
+    results = await served.complete(prompt, params, body.n)
+    for c in results:
+        message, reason = chat_message(body, c)
+        choice = {"index": c.index, "message": message, "finish_reason": reason, "logprobs": None,
+                  "weight_version": c.weight_version}
+        if body.logprobs:
+            choice["logprobs"] = chat_logprobs(served, c.token_ids, c.logprobs, c.top_logprobs)
+        if body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
+    response = {**meta, "object": "chat.completion", "choices": choices, "weight_version": served.weight_version,
+                "usage": usage(len(prompt), sum(len(c.token_ids) for c in results))}
+    if body.return_token_ids:
+        response["prompt_token_ids"] = prompt
+    return response
+
+
+async def _chat_stream(served: Served, body: ChatCompletionRequest, prompt: list[int], params, meta) -> AsyncIterator[str]:
+    chunk = {**meta, "object": "chat.completion.chunk"}
+    choices = [Choice(i) for i in range(body.n)]
+    sent = [0] * body.n  # characters of content already streamed, per choice
+    for i in range(body.n):
+        first = {**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+        if body.return_token_ids and i == 0:
+            first["prompt_token_ids"] = prompt
+        yield sse(first)
+    try:
+        async for out in served.stream(prompt, params, body.n):
+            c = choices[out.index]
+            c.add(out)
+            delta: dict[str, Any] = {}
+            reason = None
+            if out.finish_reason is None:
+                visible = streamable_content(c.text) if body.uses_tools else c.text
+            else:
+                message, reason = chat_message(body, c)
+                visible = (message["content"] or "") if "tool_calls" in message else c.text
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            if len(visible) > sent[out.index]:
+                delta["content"] = visible[sent[out.index]:]
+                sent[out.index] = len(visible)
+            choice: dict[str, Any] = {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if body.logprobs:
+                choice["logprobs"] = chat_logprobs(served, out.token_ids, out.logprobs, out.top_logprobs)
+            if body.return_token_ids:
+                choice["token_ids"] = out.token_ids
+            if reason is not None:
+                choice["weight_version"] = out.weight_version
+            if delta or reason is not None or body.logprobs or body.return_token_ids:  # else: text held back
+                yield sse({**chunk, "choices": [choice]})
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse({**chunk, "choices": [], "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices))})
+    except APIError as err:
+        yield sse(error_body(err.status, err.message, err.param))
+    yield sse("[DONE]")

@@ -1,0 +1,101 @@
+"""What every endpoint shares: the served model, request -> SamplingParams, outputs -> choices."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.inference.engine.async_engine import AsyncEngine, EngineError
+from tandem.inference.engine.llm_engine import SequenceOutput
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.errors import APIError
+from tandem.inference.protocol import SamplingFields
+
+
+@dataclass
+class Choice:
+    """One of a request's `n` samples, accumulated from the engine's per-step outputs."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    weight_version: int | None = None
+    """The oldest weight version that sampled any of the tokens."""
+
+    def add(self, out: SequenceOutput) -> None:
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.top_logprobs += out.top_logprobs
+        self.text += out.text
+        self.finish_reason = out.finish_reason
+        self.weight_version = out.weight_version
+
+
+class Served:
+    """The model behind the API: engine handle, tokenizer, names it answers to, context length."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.names = {model_name, Path(model_name).name}
+        """Requests may name the model as configured or by its folder's basename."""
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.stats().weight_version
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.model_name}`.", "model")
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, prompt: list[int], num_top_logprobs: int = 0) -> SamplingParams:
+        """The request's sampling settings, checked against the prompt (a 400 before anything streams)."""
+        if max_tokens is None:
+            if len(prompt) >= self.max_model_len:
+                raise APIError(400, f"the prompt has {len(prompt)} tokens, more than fit in the model's context of "
+                                    f"{self.max_model_len} tokens with room for a completion")
+            max_tokens = self.max_model_len - len(prompt)
+        try:
+            params = body.sampling_params(max_tokens, num_top_logprobs)
+            self.engine.check_request(prompt, params)
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        return params
+
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> AsyncIterator[SequenceOutput]:
+        """The engine's outputs for one prompt; bad requests become 400s, engine failures 500s."""
+        request_id = uuid.uuid4().hex
+        outputs = self.engine.generate(request_id, prompt_token_ids, params, n)
+        try:
+            async for out in outputs:
+                yield out
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        except EngineError as err:
+            raise APIError(500, str(err)) from None
+        finally:
+            await outputs.aclose()
+
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> list[Choice]:
+        choices = [Choice(i) for i in range(n)]
+        async for out in self.stream(prompt_token_ids, params, n):
+            choices[out.index].add(out)
+        return choices
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as logprobs report it (special tokens included)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

@@ -1,0 +1,1 @@
+"""The orchestrator process: rollouts, advantages, the off-policy bound, packing, evals (ARCHITECTURE.md)."""

@@ -1,0 +1,107 @@
+"""The policy version the inference servers hold, and the watcher that moves it forward.
+
+`PolicyTracker.version` is the newest policy loaded into *every* server: the trainer published
+`weights/step_N/STABLE`, the watcher called `POST /update_weights` on each server, and only then
+recorded N. The async gate reads it; a watcher failure is stored and re-raised to every waiter,
+so a run whose servers cannot load weights stops instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from tandem.orchestrator.inference_pool import InferencePool
+from tandem.transport.paths import latest_stable_step, weights_dir
+
+log = logging.getLogger("tandem.orchestrator")
+
+
+class PolicyTracker:
+    def __init__(self, version: int = 0):
+        self.version = version
+        self._changed = asyncio.Condition()
+        self._error: BaseException | None = None
+
+    async def set(self, version: int) -> None:
+        async with self._changed:
+            self.version = version
+            self._changed.notify_all()
+
+    async def fail(self, error: BaseException) -> None:
+        async with self._changed:
+            self._error = error
+            self._changed.notify_all()
+
+    async def wait_newer_than(self, version: int, timeout_s: float | None = None) -> int:
+        """Block until a policy newer than `version` is loaded; returns it."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.version > version or self._error is not None),
+                                       timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"no policy newer than {version} was published within {timeout_s:.0f}s "
+                                   "(`weights.wait_timeout_s`); is the trainer running?") from None
+            if self._error is not None:
+                raise RuntimeError("loading new weights into the inference servers failed") from self._error
+            return self.version
+
+
+class WeightWatcher:
+    """Polls the run folder for new `STABLE` policies and loads them into the servers.
+
+    `on_loaded(version)` runs after each load (and once at start for the current version), inside
+    the watcher: no newer weights are loaded while it runs, so an eval sees one policy.
+    """
+
+    def __init__(self, run_dir: Path, pool: InferencePool, policy: PolicyTracker, poll_interval_s: float,
+                 on_loaded: Callable[[int], Awaitable[None]]):
+        self.run_dir = Path(run_dir)
+        self.pool = pool
+        self.policy = policy
+        self.poll_interval_s = poll_interval_s
+        self.on_loaded = on_loaded
+        self.handled_version = -1
+        self._handled = asyncio.Condition()
+        self.update_s = 0.0
+        """Seconds spent in `/update_weights` so far."""
+
+    async def load_newest(self) -> bool:
+        """Load the newest stable policy if it is newer than the servers'; True when it loaded one."""
+        newest = latest_stable_step(self.run_dir)
+        if newest is None or newest <= self.policy.version:
+            return False
+        start = time.monotonic()
+        await self.pool.update_weights(str(weights_dir(self.run_dir, newest).resolve()), newest)
+        self.update_s += time.monotonic() - start
+        log.info("loaded policy %d into %d server(s) in %.2fs", newest, self.pool.num_servers, time.monotonic() - start)
+        await self.policy.set(newest)
+        return True
+
+    async def run(self) -> None:
+        try:
+            await self._handle(self.policy.version)
+            while True:
+                if await self.load_newest():
+                    await self._handle(self.policy.version)
+                else:
+                    await asyncio.sleep(self.poll_interval_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            await self.policy.fail(err)
+            raise
+
+    async def wait_handled(self, version: int) -> None:
+        """Block until policy `version` (or a newer one) was loaded and `on_loaded` finished for it."""
+        async with self._handled:
+            await self._handled.wait_for(lambda: self.handled_version >= version)
+
+    async def _handle(self, version: int) -> None:
+        await self.on_loaded(version)
+        async with self._handled:
+            self.handled_version = version
+            self._handled.notify_all()

@@ -1,0 +1,112 @@
+"""Checkpoints to resume from: `checkpoints/step_N/trainer/`, complete or absent.
+
+Content: a DCP (`torch.distributed.checkpoint`) save of the sharded model and optimizer state
+(DCP reshards on load, so a run can resume at another world size), plus `state.pt` (scheduler,
+step, data position, world size) and one `rng_rank_R.pt` per rank.
+
+Atomicity: every rank writes into `checkpoints/step_N/.trainer.tmp/`; after a barrier rank 0
+renames it to `trainer/`. A folder named `trainer/` is therefore complete, and a crash mid-save
+leaves only a tmp folder, which the next save of that step replaces. Multi-node runs need the
+run folder on a shared file system.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tandem.trainer.parallel.dims import ParallelDims
+from tandem.transport.paths import checkpoint_dir
+
+PROCESS = "trainer"
+
+
+@dataclass
+class Resumed:
+    step: int
+    """The last completed step; training continues at step + 1."""
+    data: dict[str, Any]
+    """The data position saved with it."""
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete trainer checkpoint, oldest first."""
+    found = []
+    for step_dir in (Path(run_dir) / "checkpoints").glob("step_*"):
+        match = re.fullmatch(r"step_(\d+)", step_dir.name)
+        folder = step_dir / PROCESS
+        if match and (folder / "state.pt").is_file():
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, data: dict[str, Any], dims: ParallelDims) -> Path:
+    """Collective: every rank calls it. Returns the complete folder."""
+    final = checkpoint_dir(run_dir, step, PROCESS)
+    tmp = final.with_name(f".{PROCESS}.tmp")
+    if dims.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    torch.save(rng_state(dims.device), tmp / f"rng_rank_{dims.rank}.pt")
+    if dims.is_main:
+        torch.save({"step": step, "world_size": dims.world_size, "scheduler": scheduler.state_dict(), "data": data}, tmp / "state.pt")
+    dist.barrier()
+    if dims.is_main:
+        tmp.rename(final)
+    dist.barrier()
+    return final
+
+
+def prune_checkpoints(run_dir: Path, keep: int | None) -> list[int]:
+    """Delete all but the newest `keep` complete checkpoints; returns the deleted steps (rank 0 only)."""
+    if keep is None:
+        return []
+    doomed = complete_checkpoints(run_dir)[:-keep]
+    for step, folder in doomed:
+        (folder / "state.pt").unlink()  # incomplete from here on: never picked for a resume
+        shutil.rmtree(folder)
+        if not any(folder.parent.iterdir()):
+            folder.parent.rmdir()
+    return [step for step, _ in doomed]
+
+
+def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, dims: ParallelDims) -> Resumed:
+    """Collective: restore model, optimizer, scheduler and (same world size only) each rank's RNG."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = torch.load(folder / "state.pt", weights_only=True)
+    scheduler.load_state_dict(meta["scheduler"])
+    rng_file = folder / f"rng_rank_{dims.rank}.pt"
+    # At another world size rank R's stream has no predecessor: it keeps its seeded start.
+    if meta["world_size"] == dims.world_size and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=True), dims.device)
+    return Resumed(step=meta["step"], data=meta["data"])

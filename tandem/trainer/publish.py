@@ -1,0 +1,74 @@
+"""Publish a policy as `weights/step_N/`: HF-named safetensors, config, tokenizer, then `STABLE`.
+
+Order matters to the readers (orchestrator, inference server): `STABLE` is written last, after
+every other file is complete (each written tmp + rename), and it is removed first when a folder is
+rewritten (after a resume) or deleted, so a folder with `STABLE` is always whole. Old folders are
+pruned to the newest `keep`, never fewer than 2: the orchestrator may still be loading the
+previous policy while the trainer publishes the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from tandem.models.weights import save_state_dict
+from tandem.transport.files import atomic_write_bytes, atomic_write_text
+from tandem.transport.paths import STABLE, weights_dir
+
+WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth)$|.*\.safetensors\.index\.json$")
+"""Files of a model folder that are weights, which publishing writes itself instead of copying."""
+
+FINAL = "final"
+"""`weights/final`: a symlink to the last step's folder (written by SFT, the folder RL starts from)."""
+
+
+def published_dtype(hf_config: dict) -> torch.dtype:
+    """Weights are published in the dtype of the model folder they started from."""
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name), torch.float32)
+
+
+def side_files(model_folder: Path) -> list[Path]:
+    """The non-weight files of a model folder (config, generation config, tokenizer), copied as is."""
+    return sorted(p for p in Path(model_folder).iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.name != STABLE and not WEIGHT_FILE.match(p.name))
+
+
+def write_weights_folder(run_dir: Path, step: int, state: dict[str, torch.Tensor], model_folder: Path, tied_embeddings: bool) -> Path:
+    """Write `weights/step_N/` in the order readers rely on; returns the folder."""
+    folder = weights_dir(run_dir, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / STABLE).unlink(missing_ok=True)
+    save_state_dict(state, folder, tied_embeddings=tied_embeddings)
+    for src in side_files(model_folder):
+        atomic_write_bytes(folder / src.name, src.read_bytes())
+    atomic_write_text(folder / STABLE, "")
+    return folder
+
+
+def prune_weights(run_dir: Path, keep: int | None) -> list[int]:
+    """Delete all but the newest `keep` step folders (STABLE first); returns the deleted steps."""
+    if keep is None:
+        return []
+    steps = sorted(int(m.group(1)) for p in (Path(run_dir) / "weights").glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name)))
+    doomed = steps[:-max(keep, 2)]
+    for step in doomed:
+        folder = weights_dir(run_dir, step)
+        (folder / STABLE).unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    return doomed
+
+
+def link_final(run_dir: Path, step: int) -> Path:
+    """Point `weights/final` at `step_N` (replaced atomically)."""
+    link = Path(run_dir) / "weights" / FINAL
+    tmp = link.with_name(f".{FINAL}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(weights_dir(run_dir, step).name, target_is_directory=True)
+    os.replace(tmp, link)
+    return link

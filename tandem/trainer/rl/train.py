@@ -1,0 +1,96 @@
+"""The RL trainer (`tandem trainer`): batch N trains policy N-1 into policy N.
+
+Per step: wait for this rank's batch (or make a fake one), check it, forward/backward over its
+rows, clip, NaN-guard, step, publish `weights/step_N/`, checkpoint when due, log metrics. Exit 0
+after `max_steps`; a bad batch or a missing model stops every rank with a message, exit 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.config.trainer import TrainerConfig
+from tandem.trainer.batch import MicroBatch
+from tandem.trainer.data import BatchError, check_step_batch, fake_batch, wait_for_batch
+from tandem.trainer.loss import LossFn, LossInputs, build_loss, mismatch_kl
+from tandem.trainer.model import TokenLogprobs
+from tandem.trainer.session import Session, open_session, peak_memory_gib
+from tandem.trainer.step import Objective, ObjectiveOutput, train_step
+from tandem.transport.paths import rollout_file
+from tandem.transport.types import TrainingBatch
+
+
+def rl_objective(loss_fn: LossFn) -> Objective:
+    """Sums over loss tokens of the loss and its metrics (mismatch KL, clipped/masked fractions)."""
+
+    def objective(mb: MicroBatch, out: TokenLogprobs) -> ObjectiveOutput:
+        x = LossInputs(out.logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask)
+        result = loss_fn(x)
+        mask = mb.loss_mask
+
+        def masked_sum(t: torch.Tensor) -> torch.Tensor:
+            return torch.where(mask, t, 0.0).sum()
+
+        sums = {"mismatch_kl": masked_sum(mismatch_kl(x))} | {k: masked_sum(v).detach() for k, v in result.fractions.items()}
+        return ObjectiveOutput(masked_sum(result.per_token), sums)
+
+    return objective
+
+
+def next_batch(config: TrainerConfig, session: Session, step: int) -> TrainingBatch:
+    dims = session.dims
+    if config.data.fake:
+        return fake_batch(step, dims.rank, dims.world_size, config.data, config.seq_len, session.vocab_size, config.seed)
+    return wait_for_batch(config.run_dir, step, dims.rank, config.data.poll_interval_s, config.data.wait_timeout_s)
+
+
+def train(config: TrainerConfig, session: Session, objective: Objective) -> None:
+    dims = session.dims
+    for step in range(session.start_step + 1, config.max_steps + 1):
+        t0 = time.perf_counter()
+        batch = next_batch(config, session, step)
+        t_batch = time.perf_counter()
+        source = "fake batch" if config.data.fake else str(rollout_file(config.run_dir, step, dims.rank))
+        check_step_batch(batch, config.seq_len, session.vocab_size, source, dims)
+        micro_batches = [MicroBatch.from_row(row, dims.device) for row in batch.rows]
+        result = train_step(session.model, session.optimizer, session.scheduler, micro_batches, objective,
+                            batch.num_loss_tokens, config.optim.max_grad_norm, dims)
+        t_train = time.perf_counter()
+        if session.should_publish(step):
+            session.publish(step)
+        t_publish = time.perf_counter()
+        session.maybe_checkpoint(step, {"step": step})
+        num_tokens = sum(len(row.input_ids) for row in batch.rows) * dims.world_size
+        if result.skipped:
+            session.log.warning("step %d: non-finite loss or gradient norm (loss %s, grad_norm %s): update skipped",
+                                step, result.loss, result.grad_norm)
+        session.log_step(step, {
+            "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, **result.metrics,
+            "skipped": int(result.skipped), "num_tokens": num_tokens, "num_loss_tokens": batch.num_loss_tokens,
+            "tokens_per_s": num_tokens / max(t_train - t_batch, 1e-9), "time_step": t_train - t_batch,
+            "time_wait_batch": t_batch - t0, "time_publish": t_publish - t_train,
+            "peak_memory_gib": peak_memory_gib(dims.device),
+        })
+        session.log.info("step %d: loss %.4g grad_norm %.3g lr %.3g entropy %.3g %.0f tok/s", step, result.loss,
+                         result.grad_norm, result.lr, result.metrics.get("entropy", float("nan")), num_tokens / max(t_train - t_batch, 1e-9))
+
+
+def main(config: TrainerConfig) -> int:
+    from tandem.monitor.logging import setup_logging
+
+    try:
+        objective = rl_objective(build_loss(config.loss))
+        session = open_session(config, "trainer")
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        setup_logging("trainer").error("cannot start the trainer: %s", err)
+        return 1
+    try:
+        train(config, session, objective)
+    except BatchError as err:
+        session.log.error("bad input, stopping: %s", err)
+        return 1
+    finally:
+        session.close()
+    return 0

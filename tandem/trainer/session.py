@@ -1,0 +1,124 @@
+"""What both trainers set up and tear down the same way: ranks, model, optimizer, schedule,
+resume, weight publishing, checkpoints and per-step metrics.
+
+The RL and SFT loops differ only in where micro-batches come from and in their objective; they
+drive a `Session` and never touch FSDP, DCP or the run folder layout themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.config.trainer import TrainingProcessConfig
+from tandem.models.hub import resolve_model_path
+from tandem.monitor.metrics import MetricsWriter
+from tandem.trainer.ckpt import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
+from tandem.trainer.model import PolicyModel, build_policy, gather_full_state
+from tandem.trainer.optim import build_optimizer, build_scheduler
+from tandem.trainer.parallel.dims import ParallelDims, close_parallel, init_parallel
+from tandem.trainer.publish import prune_weights, published_dtype, write_weights_folder
+
+
+@dataclass
+class Session:
+    config: TrainingProcessConfig
+    dims: ParallelDims
+    model: PolicyModel
+    hf_config: dict
+    model_folder: Path
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    log: logging.Logger
+    metrics: MetricsWriter | None
+    start_step: int = 0
+    """The last step already done (0 for a fresh run, the checkpoint's step after a resume)."""
+    data_position: dict[str, Any] = field(default_factory=dict)
+    """Data position restored from the checkpoint (empty for a fresh run)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    def publish(self, step: int) -> Path | None:
+        """Write `weights/step_N/` (collective gather; rank 0 writes) and prune old folders."""
+        state = gather_full_state(self.model, published_dtype(self.hf_config), keep=self.dims.is_main)
+        if not self.dims.is_main:
+            return None
+        tied = bool(self.hf_config.get("tie_word_embeddings", False))
+        folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, tied)
+        prune_weights(self.config.run_dir, self.config.weights.keep)
+        return folder
+
+    def should_publish(self, step: int) -> bool:
+        return step % self.config.weights.interval == 0 or step == self.config.max_steps
+
+    def maybe_checkpoint(self, step: int, data_position: dict[str, Any]) -> Path | None:
+        ckpt = self.config.ckpt
+        if not ckpt.enabled or not (step % ckpt.interval == 0 or step == self.config.max_steps):
+            return None
+        folder = save_checkpoint(self.config.run_dir, step, self.model, self.optimizer, self.scheduler, data_position, self.dims)
+        if self.dims.is_main:
+            prune_checkpoints(self.config.run_dir, ckpt.keep)
+            self.log.info("step %d: checkpoint %s", step, folder)
+        return folder
+
+    def log_step(self, step: int, values: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.log(step, values)
+
+    def close(self) -> None:
+        close_parallel()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory since the last reset on CUDA; peak resident memory of the process on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is in KiB on Linux
+
+
+def open_session(config: TrainingProcessConfig, process: str) -> Session:
+    """Join the ranks, build the model and optimizer, and resume if asked."""
+    from tandem.monitor.logging import setup_logging
+
+    log = setup_logging(process)
+    dims = init_parallel(config.device)
+    if not dims.is_main:  # one rank tells the story; the others speak up only when something is wrong
+        log.setLevel(logging.WARNING)
+    try:
+        torch.manual_seed(config.seed + dims.rank)
+        model, hf_config = build_policy(config.model, config.parallel, dims, config.logprob_chunk_size)
+        optimizer = build_optimizer(model, config.optim)
+        scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
+        metrics = MetricsWriter(config.run_dir, process) if dims.is_main else None
+        session = Session(config, dims, model, hf_config, resolve_model_path(config.model.name), optimizer, scheduler, log, metrics)
+        if config.ckpt.resume:
+            _resume(session)
+    except BaseException:
+        close_parallel()
+        raise
+    log.info("%s: %d rank(s) on %s, model %s, starting after step %d", process, dims.world_size, dims.device,
+             config.model.name, session.start_step)
+    return session
+
+
+def _resume(session: Session) -> None:
+    found = complete_checkpoints(session.config.run_dir) if session.dims.is_main else []
+    choice = [found[-1][1] if found else None]
+    dist.broadcast_object_list(choice, src=0)  # every rank loads the folder rank 0 picked
+    if choice[0] is None:
+        session.log.warning("ckpt.resume is set but %s holds no complete checkpoint: starting from step 0",
+                            session.config.run_dir / "checkpoints")
+        return
+    resumed = load_checkpoint(Path(choice[0]), session.model, session.optimizer, session.scheduler, session.dims)
+    session.start_step, session.data_position = resumed.step, resumed.data
+    session.log.info("resumed from %s (step %d)", choice[0], resumed.step)

@@ -1,0 +1,199 @@
+"""SFT data: local JSONL/Parquet rows -> tokenized samples with loss masks -> packed rows per step.
+
+Row formats:
+- `messages`: a chat, rendered with the tokenizer's chat template. The loss tokens of message i
+  (when its role is in `loss_roles`) are the tokens between the rendering of messages[:i] and
+  that of messages[:i+1]; for an assistant message the prefix is rendered with the generation
+  prompt, so the `<|im_start|>assistant\\n` header is not a loss token, and the closing
+  `<|im_end|>` is. Each prefix must tokenize to a prefix of the whole chat, or the row is refused.
+- `prompt` / `completion`: strings; the loss tokens are the completion's, followed by EOS.
+
+Samples are packed first-fit-decreasing into rows of at most `seq_len` tokens (positions restart
+at each sample, so attention never crosses samples). Epoch e's rows are a function of (seed, e),
+and step n takes rows [(n-1) R, n R) of the epochs laid end to end: the data position of a
+checkpoint is the step, and a resumed run (at any world size) sees exactly the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.transport.types import PackedRow
+
+
+class SFTDataError(ValueError):
+    """Bad SFT data; the message names the file and row."""
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` (one JSON object a line) or `.parquet` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SFTDataError(f"SFT data file not found: {path}")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise SFTDataError(f"{path}: unknown data format {path.suffix!r}; use .jsonl or .parquet")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SFTDataError(f"{path}:{n}: invalid JSON: {err}") from None
+        if not isinstance(record, dict):
+            raise SFTDataError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    if not records:
+        raise SFTDataError(f"{path}: no rows")
+    return records
+
+
+def tokenize_record(record: dict[str, Any], tokenizer, loss_roles: list[str], where: str) -> Sample:
+    if "messages" in record:
+        return _tokenize_chat(record["messages"], tokenizer, loss_roles, where)
+    if "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise SFTDataError(f"{where}: `prompt` and `completion` must be strings")
+        p = _encode(tokenizer, prompt)
+        c = _encode(tokenizer, completion) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        return Sample(p + c, [0] * len(p) + [1] * len(c))
+    raise SFTDataError(f"{where}: a row needs `messages`, or `prompt` and `completion` (keys: {sorted(record)})")
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _tokenize_chat(messages: Any, tokenizer, loss_roles: list[str], where: str) -> Sample:
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise SFTDataError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
+
+    def render(msgs: list[dict], generation_prompt: bool) -> list[int]:
+        return _encode(tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt))
+
+    ids = render(messages, False)
+    mask = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] not in loss_roles:
+            continue
+        start_ids = render(messages[:i], message["role"] == "assistant") if i else []
+        end_ids = render(messages[: i + 1], False)
+        if ids[: len(start_ids)] != start_ids or ids[: len(end_ids)] != end_ids:
+            raise SFTDataError(f"{where}: the chat template does not render message {i}'s prefix as a prefix of the chat, "
+                               "so its loss tokens cannot be located (a template that rewrites earlier turns?)")
+        mask[len(start_ids): len(end_ids)] = [1] * (len(end_ids) - len(start_ids))
+    return Sample(ids, mask)
+
+
+def load_samples(path: Path, tokenizer, loss_roles: list[str], seq_len: int) -> tuple[list[Sample], dict[str, int]]:
+    """Tokenized samples cut to `seq_len` tokens; samples left without loss tokens are dropped. Returns counts too."""
+    samples, counts = [], {"rows": 0, "truncated": 0, "dropped_no_loss_tokens": 0}
+    for n, record in enumerate(read_records(path), 1):
+        counts["rows"] += 1
+        sample = tokenize_record(record, tokenizer, loss_roles, f"{path}: row {n}")
+        if len(sample.input_ids) > seq_len:
+            counts["truncated"] += 1
+            sample = Sample(sample.input_ids[:seq_len], sample.loss_mask[:seq_len])
+        sample.loss_mask[0] = 0  # nothing predicts a sample's first token
+        if len(sample.input_ids) < 2 or not any(sample.loss_mask):
+            counts["dropped_no_loss_tokens"] += 1
+            continue
+        samples.append(sample)
+    if not samples:
+        raise SFTDataError(f"{path}: no row has loss tokens for roles {loss_roles}")
+    return samples, counts
+
+
+def split_eval(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """(train, eval): a seeded random `fraction` of the samples held out (at least one)."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(samples) * fraction))
+    if n_eval >= len(samples):
+        raise SFTDataError(f"`data.eval_fraction` = {fraction} leaves no training samples out of {len(samples)}")
+    held = set(order[:n_eval])
+    return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
+
+
+def pack(samples: list[Sample], seq_len: int) -> list[PackedRow]:
+    """First-fit-decreasing packing into rows of at most `seq_len` tokens (stable for equal lengths)."""
+    bins: list[list[Sample]] = []
+    room: list[int] = []
+    for sample in sorted(samples, key=lambda s: len(s.input_ids), reverse=True):
+        n = len(sample.input_ids)
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(sample)
+                room[b] -= n
+                break
+        else:
+            bins.append([sample])
+            room.append(seq_len - n)
+    return [_row(b) for b in bins]
+
+
+def _row(samples: list[Sample]) -> PackedRow:
+    ids, pos, mask = [], [], []
+    for s in samples:
+        ids += s.input_ids
+        pos += list(range(len(s.input_ids)))
+        mask += s.loss_mask
+    n = len(ids)
+    return PackedRow(ids, pos, mask, [0.0] * n, [0.0] * n, [1.0] * n)
+
+
+def padding_row(pad_id: int) -> PackedRow:
+    """A row without loss tokens, for ranks that have fewer eval rows than others."""
+    return PackedRow([pad_id, pad_id], [0, 1], [0, 0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0])
+
+
+class StepRows:
+    """The packed rows of each training step, as a function of the step alone.
+
+    Every epoch has the same number of rows: first-fit-decreasing sees the same sorted lengths
+    whatever the shuffle, so row g of the run is row g % n of epoch g // n.
+    """
+
+    def __init__(self, samples: list[Sample], seq_len: int, rows_per_step: int, shuffle: bool, seed: int):
+        self.samples, self.seq_len, self.rows_per_step, self.shuffle, self.seed = samples, seq_len, rows_per_step, shuffle, seed
+        self._cached: tuple[int, list[PackedRow]] | None = None
+        self.rows_per_epoch = len(self.epoch_rows(0))
+
+    def epoch_rows(self, epoch: int) -> list[PackedRow]:
+        if self._cached is None or self._cached[0] != epoch:
+            rng = random.Random(self.seed * 1_000_003 + epoch)
+            samples = list(self.samples)
+            if self.shuffle:
+                rng.shuffle(samples)
+            rows = pack(samples, self.seq_len)
+            if self.shuffle:
+                rng.shuffle(rows)
+            self._cached = (epoch, rows)
+        return self._cached[1]
+
+    def rows_for(self, step: int, rank: int, world_size: int) -> tuple[list[PackedRow], float]:
+        """This rank's rows of `step` (1-indexed), and the epochs done at the end of the step."""
+        if self.rows_per_step % world_size:
+            raise SFTDataError(f"`data.rows_per_step` = {self.rows_per_step} is not a multiple of the world size {world_size}")
+        per_rank = self.rows_per_step // world_size
+        first = (step - 1) * self.rows_per_step + rank * per_rank
+        rows = []
+        for g in range(first, first + per_rank):
+            epoch, index = divmod(g, self.rows_per_epoch)
+            rows.append(self.epoch_rows(epoch)[index])
+        return rows, step * self.rows_per_step / self.rows_per_epoch

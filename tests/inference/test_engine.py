@@ -1,0 +1,128 @@
+"""The engine without HTTP: logprob parity, prefix sharing, stops, weight updates."""
+
+import random
+
+import pytest
+import torch
+
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.setup import build_engine
+from tandem.models.weights import load_state_dict
+
+from inference_helpers import teacher_forced_logprobs
+
+
+def engine_for(model_dir, **settings):
+    config = {"num_blocks": 256, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 512, **settings}
+    return build_engine(ModelConfig(name=str(model_dir)), EngineConfig(**config), seed=0)
+
+
+def run(engine) -> dict[tuple[str, int], dict]:
+    """Step until idle; per (request, index): token ids, logprobs, text, finish reason."""
+    results: dict[tuple[str, int], dict] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            r = results.setdefault((out.request_id, out.index), {"ids": [], "logprobs": [], "text": "", "finish": None})
+            r["ids"] += out.token_ids
+            r["logprobs"] += out.logprobs
+            r["text"] += out.text
+            r["finish"] = out.finish_reason
+    return results
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    # A cache of 12 blocks and a 40-token budget: chunked prefills and preemptions all along.
+    {"num_blocks": 12, "max_num_batched_tokens": 40, "max_model_len": 160},
+], ids=["roomy", "memory-starved"])
+def test_logprobs_match_a_teacher_forced_pass(tiny_dir, tiny_model, settings):
+    engine = engine_for(tiny_dir, **settings)
+    rng = random.Random(0)
+    prompts = {}
+    for i in range(12):
+        prompts[str(i)] = [rng.randrange(256) for _ in range(rng.randint(1, 100))]
+        temperature = [0.0, 0.7, 1.0, 1.5][i % 4]
+        params = SamplingParams(max_tokens=24, temperature=temperature, top_k=[-1, 20][i % 2], seed=i, ignore_eos=True)
+        engine.add_request(str(i), prompts[str(i)], params, n=2)
+    results = run(engine)
+    assert len(results) == 24
+    for (rid, _), r in results.items():
+        temperature = engine_params_temperature = [0.0, 0.7, 1.0, 1.5][int(rid) % 4]
+        expected = teacher_forced_logprobs(tiny_model, prompts[rid], r["ids"], engine_params_temperature)
+        assert len(r["ids"]) == 24 and temperature >= 0
+        assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
+    if settings:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_n_samples_share_the_prompt_prefill(tiny_dir):
+    engine = engine_for(tiny_dir)
+    computed = []
+    run_batch = engine.runner.run
+    engine.runner.run = lambda batch: (computed.append(batch.num_tokens), run_batch(batch))[1]
+    engine.add_request("r", list(range(100)), SamplingParams(max_tokens=1), n=4)
+    results = run(engine)
+    assert len(results) == 4
+    # The first sample prefills 100 tokens; the others reuse its 6 full blocks and compute 4 each.
+    assert sum(computed) == 100 + 3 * 4
+
+
+def test_stop_strings_cut_the_text_and_stop_tokens_end_the_completion(tiny_dir):
+    engine = engine_for(tiny_dir)
+    engine.add_request("free", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    free = run(engine)[("free", 0)]
+    ids = free["ids"]
+    # A stop token: the completion ends at its first occurrence, the token kept.
+    stop_token = ids[10]
+    engine.add_request("tok", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,)))
+    tok = run(engine)[("tok", 0)]
+    assert tok["ids"] == ids[:ids.index(stop_token) + 1] and tok["finish"] == "stop"
+    # A stop string: the text is cut before it; token ids run up to the token that completed it.
+    stop = next(ch for ch in free["text"][5:] if ch.isascii() and ch.isprintable())
+    engine.add_request("str", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,)))
+    cut = run(engine)[("str", 0)]
+    assert cut["finish"] == "stop" and cut["text"] == free["text"][:free["text"].index(stop)]
+    assert ids[:len(cut["ids"])] == cut["ids"] and len(cut["ids"]) < 40
+
+
+def test_eos_ends_the_completion_unless_ignored(tiny_dir):
+    engine = engine_for(tiny_dir)
+    eos = min(engine.eos_token_ids)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    ids = run(engine)[("r", 0)]["ids"]
+    engine.eos_token_ids = {ids[5]}
+    engine.add_request("eos", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0))
+    stopped = run(engine)[("eos", 0)]
+    assert stopped["finish"] == "stop" and stopped["ids"] == ids[:ids.index(ids[5]) + 1]
+    assert eos in build_engine_eos(tiny_dir)
+
+
+def build_engine_eos(model_dir) -> set[int]:
+    return engine_for(model_dir).eos_token_ids
+
+
+def test_weight_update_with_wrong_shapes_changes_nothing(tiny_dir, tiny_model):
+    engine = engine_for(tiny_dir)
+    state = load_state_dict(tiny_dir)
+    bad = dict(state, **{"model.norm.weight": torch.ones(7)})
+    before = {k: v.clone() for k, v in engine.weight_target.state_dict().items()}
+    with pytest.raises(ValueError, match="shape mismatch for model.norm.weight"):
+        engine.update_weights(bad)
+    with pytest.raises(KeyError, match="missing"):
+        engine.update_weights({k: v for k, v in state.items() if "layers.1." not in k})
+    assert engine.weight_version == 0
+    after = engine.weight_target.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_weight_update_forgets_the_prefix_cache(tiny_dir, tiny_other_dir):
+    engine = engine_for(tiny_dir)
+    prompt = list(range(60))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=1))
+    run(engine)
+    assert engine.block_manager.cached
+    assert engine.update_weights(load_state_dict(tiny_other_dir)) == 1
+    assert not engine.block_manager.cached
+    assert engine.update_weights(load_state_dict(tiny_other_dir), version=7) == 7

@@ -1,0 +1,81 @@
+"""Packing invariants: row lengths, token accounting, rank balance, truncation."""
+
+import random
+
+import pytest
+
+from tandem.orchestrator.packing import balance, first_fit_decreasing, pack_step
+from tandem.orchestrator.samples import Sample
+
+PAD = 259
+
+
+def make_sample(rng: random.Random, uid: int, length: int) -> Sample:
+    prompt = rng.randint(1, max(1, length - 1))
+    s = Sample(token_ids=[uid] * length, loss_mask=[0] * prompt + [1] * (length - prompt),
+               logprobs=[0.0] * prompt + [-1.0] * (length - prompt), temperatures=[0.9] * length,
+               versions=[uid % 3], advantage=rng.uniform(-1, 1))
+    return s
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_invariants_hold_for_random_batches(seed):
+    rng = random.Random(seed)
+    seq_len, num_ranks = rng.choice([16, 64, 100]), rng.choice([1, 2, 3, 4])
+    lengths = [rng.randint(2, int(seq_len * 1.3)) for _ in range(rng.randint(0, 40))]
+    samples = [make_sample(rng, uid, n) for uid, n in enumerate(lengths)]
+    expected = {i: min(n, seq_len) for i, n in enumerate(lengths)}
+    expected_loss = sum(sum(s.loss_mask[:seq_len]) for s in samples)
+
+    batches, stats = pack_step(7, samples, seq_len, num_ranks, PAD)
+
+    assert [b.rank for b in batches] == list(range(num_ranks)) and {b.step for b in batches} == {7}
+    assert len({len(b.rows) for b in batches}) == 1, "every rank gets the same number of rows"
+    assert stats.num_truncated == sum(n > seq_len for n in lengths)
+    seen: dict[int, int] = {}
+    for batch in batches:
+        assert batch.num_loss_tokens == expected_loss
+        for row in batch.rows:
+            n = len(row.input_ids)
+            assert 2 <= n <= seq_len
+            assert all(len(getattr(row, f)) == n for f in ("position_ids", "loss_mask", "logprobs", "advantages", "temperatures"))
+            assert row.position_ids[0] == 0
+            if set(row.input_ids) == {PAD}:
+                assert row.loss_mask == [0, 0]  # padding row
+                continue
+            # split the row back into samples at position resets: each is one whole sample
+            starts = [t for t, p in enumerate(row.position_ids) if p == 0] + [n]
+            for a, b in zip(starts, starts[1:]):
+                uid = row.input_ids[a]
+                assert row.input_ids[a:b] == [uid] * (b - a) and uid not in seen
+                assert row.position_ids[a:b] == list(range(b - a))
+                assert row.loss_mask[a] == 0
+                seen[uid] = b - a
+                sample = samples[uid]
+                assert row.advantages[a:b] == [sample.advantage * m for m in sample.loss_mask]
+    assert seen == expected, "every token of every sample is in exactly one row"
+    assert sum(b.num_loss_tokens for b in batches[:1]) == sum(sum(r.loss_mask) for b in batches for r in b.rows)
+    if stats.num_rows >= num_ranks:
+        assert max(stats.tokens_per_rank) - min(stats.tokens_per_rank) <= seq_len
+    assert sorted(v for b in batches for v in b.policy_versions) == sorted(s.versions[0] for s in samples)
+
+
+def test_first_fit_decreasing_fills_bins_tightly():
+    bins = first_fit_decreasing([6, 5, 4, 3, 2], capacity=10)
+    assert [sorted(b) for b in bins] == [[0, 2], [1, 3, 4]]
+    with pytest.raises(ValueError, match="exceeds the bin capacity"):
+        first_fit_decreasing([11], capacity=10)
+
+
+def test_balance_keeps_counts_equal_and_loads_close():
+    ranks = balance([10, 9, 8, 1, 1, 1], num_ranks=2)
+    assert sorted(len(r) for r in ranks) == [3, 3]
+    loads = [sum([10, 9, 8, 1, 1, 1][i] for i in r) for r in ranks]
+    assert abs(loads[0] - loads[1]) <= 10
+
+
+def test_an_empty_step_gives_each_rank_one_padding_row():
+    batches, stats = pack_step(3, [], 32, 2, PAD)
+    assert [len(b.rows) for b in batches] == [1, 1]
+    assert all(b.num_loss_tokens == 0 and b.rows[0].loss_mask == [0, 0] for b in batches)
+    assert stats.num_padding_rows == 2

@@ -1,0 +1,28 @@
+"""Fixtures of the trainer tests: tiny model folders made once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.models.presets import init_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_model(tmp_path_factory) -> Path:
+    """A transformers-only architecture (Llama), to exercise the fallback path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128)
+    folder = tmp_path_factory.mktemp("models") / "llama"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder

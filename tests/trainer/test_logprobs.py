@@ -1,0 +1,106 @@
+"""Logprobs: chunked == full logits, packed == separate sequences, native and transformers fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config.base import ModelConfig
+from tandem.config.trainer import ParallelConfig
+from tandem.trainer.logprobs import token_logprobs
+from tandem.trainer.model import build_policy
+from tandem.trainer.parallel.dims import close_parallel, init_parallel
+
+
+def full_logits_reference(hidden, weight, targets, temperatures):
+    logp = torch.log_softmax((hidden @ weight.T).double() / temperatures.double()[:, None], dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
+def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(300, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 300, (50,), generator=gen)
+    temperatures = torch.rand(50, generator=gen, dtype=torch.float64) + 0.5
+    upstream = torch.randn(50, generator=gen, dtype=torch.float64)
+
+    lp, ent = token_logprobs(hidden, weight, None, targets, temperatures, chunk_size)
+    grads = torch.autograd.grad((lp * upstream).sum(), [hidden, weight])
+    ref_lp, ref_ent = full_logits_reference(hidden, weight, targets, temperatures)
+    ref_grads = torch.autograd.grad((ref_lp * upstream).sum(), [hidden, weight])
+
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert not ent.requires_grad
+
+
+def test_chunks_checkpoint_the_logits():
+    """The forward keeps no [tokens x vocab] tensor alive: only inputs are saved per chunk."""
+    hidden = torch.randn(64, 8, requires_grad=True)
+    weight = torch.randn(1000, 8, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, _ = token_logprobs(hidden, weight, None, torch.zeros(64, dtype=torch.long), torch.ones(64), chunk_size=16)
+    assert max(saved) < 16 * 1000  # the largest saved tensor is smaller than one chunk's logits
+    lp.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None
+
+
+@pytest.fixture
+def world_of_one():
+    dims = init_parallel("cpu")
+    yield dims
+    close_parallel()
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "llama_model"])
+def test_packed_rows_give_the_logprobs_of_separate_sequences(model_fixture, request, world_of_one):
+    folder = request.getfixturevalue(model_fixture)
+    policy, hf_config = build_policy(ModelConfig(name=str(folder)), ParallelConfig(), world_of_one, chunk_size=5)
+    vocab = hf_config["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    lengths = [9, 4, 12]
+    seqs = [torch.randint(0, vocab, (1, n), generator=gen) for n in lengths]
+    temps = [torch.full((1, n), t) for n, t in zip(lengths, [1.0, 0.5, 1.3])]
+
+    def run(ids, temperatures):
+        pos = torch.cat([torch.arange(n) for n in [s.shape[1] for s in ids]])[None]
+        cat_ids = torch.cat(ids, dim=1)
+        mask = torch.ones_like(cat_ids, dtype=torch.bool)
+        mask[0, pos[0] == 0] = False
+        with torch.no_grad():
+            return policy(cat_ids, pos, torch.cat(temperatures, dim=1), mask)
+
+    packed = run(seqs, temps)
+    offset = 0
+    for seq, temp in zip(seqs, temps):
+        alone = run([seq], [temp])
+        n = seq.shape[1]
+        torch.testing.assert_close(packed.logprobs[:, offset:offset + n], alone.logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed.entropy[:, offset:offset + n], alone.entropy, rtol=1e-5, atol=1e-5)
+        offset += n
+    assert (packed.logprobs[0, 1:9] < 0).all() and packed.logprobs[0, 0] == 0 and packed.logprobs[0, 9] == 0
+
+
+def test_logprobs_match_transformers_logits(tiny_model, world_of_one):
+    """The trainer's logprob of token t is log_softmax(logits[t-1] / T)[token t], as the sampler reports it."""
+    from transformers import AutoModelForCausalLM
+
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), world_of_one, chunk_size=3)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = torch.randint(0, 260, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits[0, :-1] / 0.8, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        mask[0, 0] = False
+        out = policy(ids, torch.arange(12)[None], torch.full((1, 12), 0.8), mask)
+    torch.testing.assert_close(out.logprobs[0, 1:], ref, rtol=1e-5, atol=1e-5)
