@@ -242,9 +242,10 @@ def check_envs(envs: list[EnvConfig]) -> None:
     """Raise a `ValueError` naming the bad `envs` entry: none, a weight <= 0, or a repeated label."""
     if not envs:
         raise ValueError("`envs` is empty: give at least one environment, e.g. envs = [{id = \"reverse_text\"}]")
-    labels = [env.label for env in envs]
+    seen: set[str] = set()
     for i, env in enumerate(envs):
         if env.weight <= 0:
             raise ValueError(f"`envs[{i}].weight` must be > 0, got {env.weight}")
-        if labels.count(env.label) > 1:
+        if env.label in seen:
             raise ValueError(f"`envs[{i}]`: the label {env.label!r} appears twice; give each a distinct `name`")
+        seen.add(env.label)

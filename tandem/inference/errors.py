@@ -38,32 +38,33 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 def describe_validation_error(err: RequestValidationError) -> tuple[str, str | None]:
     """One readable clause per bad field: `field.path`: what is wrong (got what)."""
-    by_field: dict[str, list[str]] = {}
+    clauses: dict[str, list[str]] = {}
     inputs: dict[str, object] = {}
     for e in err.errors():
         if e["type"] == "json_invalid":
             return f"malformed JSON body: {e.get('ctx', {}).get('error', e['msg'])}", None
-        loc = [str(p) for p in e["loc"][1:]]  # [0] is "body"
-        if not loc:
+        # loc[0] is "body"; a union reports each member it tried, tagged with its type (`stop.str`).
+        field = ".".join(str(p) for p in e["loc"][1:] if not _is_type_tag(str(p)))
+        if not field and e["type"] in ("model_attributes_type", "dict_type", "model_type"):
             return "the request body must be a JSON object (sent with `Content-Type: application/json`)", None
-        # A union reports each member it tried, tagged with the member's type (`stop.str`): drop the tag.
-        loc = [p for p in loc if not _is_type_tag(p)]
-        field = ".".join(loc)
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        elif e["type"] == "missing":
-            msg = "missing field"
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
+            clauses.setdefault(field, []).append(f"unknown field `{field}`")
+            continue
+        if e["type"] == "missing":
+            clauses.setdefault(field, []).append(f"missing field `{field}`")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if field:
             inputs.setdefault(field, e.get("input"))
-        by_field.setdefault(field, [])
-        if msg not in by_field[field]:
-            by_field[field].append(msg)
-    clauses = []
-    for field, msgs in by_field.items():
-        got = f" (got {json.dumps(inputs[field], default=str)[:100]})" if field in inputs else ""
-        clauses.append(f"`{field}`: {' or '.join(msgs)}{got}" if field else " or ".join(msgs))
-    return "; ".join(clauses), next(iter(by_field)) or None
+        if msg not in clauses.setdefault(field, []):
+            clauses[field].append(msg)
+    parts = []
+    for field, msgs in clauses.items():
+        text = " or ".join(msgs)
+        if field in inputs:
+            text = f"`{field}`: {text} (got {json.dumps(inputs[field], default=str)[:100]})"
+        parts.append(text)
+    return "; ".join(parts), next(iter(clauses)) or None
 
 
 def _is_type_tag(part: str) -> bool:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
+import threading
+import time
 
 import uvicorn
 
@@ -20,6 +23,33 @@ def build_served(config: InferenceConfig) -> Served:
     """The engine and everything the routes need, built from the config (loads the model)."""
     engine = build_engine(config.model, config.engine, config.seed)
     return Served(AsyncEngine(engine), engine.tokenizer, config.model.name, engine.max_model_len)
+
+
+class BackgroundServer:
+    """The whole server in a thread of this process, on a free loopback port (tests, benchmarks)."""
+
+    def __init__(self, config: InferenceConfig, start_timeout_s: float = 60.0):
+        self.served = build_served(config)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        app = build_app(self.served, config.server.api_key)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the background inference server did not start")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
 
 
 def main(config: InferenceConfig) -> int:

@@ -2,8 +2,12 @@
 
 Transport errors (refused or dropped connections, timeouts) and 5xx answers are retried with
 exponential backoff, each retry on the next server; a 4xx is the caller's mistake and raises
-at once. The pool never decides a run's fate: a request that still fails raises
-`InferenceUnavailableError`, and the caller records its rollout as failed.
+at once. A request that still fails raises `InferenceUnavailableError`, and the caller records
+its rollout as failed.
+
+Invariant: no request goes to a server that holds other weights than the run's current
+policy. A server that misses a weight update (it died, say) is excluded until `readmit` loads
+the current policy into it; a weight update that reaches no server at all raises.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class InferencePool:
             headers=headers, timeout=config.timeout_s, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
         )
         self._round_robin = itertools.count()
+        self.excluded: set[int] = set()
+        """Servers that missed a weight update: no requests go there until `readmit`."""
         self.num_retries = 0
         """Retried attempts so far (a metric)."""
 
@@ -56,11 +62,34 @@ class InferencePool:
         return await self._post("/v1/generate", payload, first_server=server, failover=True)
 
     async def update_weights(self, path: str, version: int) -> None:
-        """Load `path` as policy `version` on every server; raises if one of them cannot."""
-        payload = {"path": path, "version": version}
-        await asyncio.gather(
-            *(self._post("/update_weights", payload, first_server=i, failover=False) for i in range(self.num_servers))
-        )
+        """Load `path` as policy `version` on every server. Servers that cannot are excluded;
+        raises `InferenceUnavailableError` when none could."""
+        servers = list(range(self.num_servers))
+        results = await asyncio.gather(*(self._update(i, path, version, self.config.max_retries) for i in servers),
+                                       return_exceptions=True)
+        failed = {i: r for i, r in zip(servers, results) if isinstance(r, BaseException)}
+        for error in failed.values():
+            if not isinstance(error, InferenceUnavailableError):
+                raise error
+        if len(failed) == self.num_servers:
+            raise InferenceUnavailableError(f"no server loaded policy {version}: {next(iter(failed.values()))}")
+        for i, error in failed.items():
+            log.warning("excluding %s until it loads policy %d: %s", self.base_urls[i], version, error)
+        self.excluded = set(failed)
+
+    async def readmit(self, path: str, version: int) -> None:
+        """Try once to load the current policy into each excluded server; those that take it serve again."""
+        for i in sorted(self.excluded):
+            try:
+                await self._update(i, path, version, max_retries=0)
+            except InferenceUnavailableError:
+                continue
+            self.excluded.discard(i)
+            log.info("%s is back with policy %d", self.base_urls[i], version)
+
+    async def _update(self, server: int, path: str, version: int, max_retries: int) -> None:
+        await self._post("/update_weights", {"path": path, "version": version}, first_server=server, failover=False,
+                         max_retries=max_retries)
 
     async def wait_healthy(self) -> None:
         """Block until every server answers `GET /health` with 200, or `client.health_timeout_s` passes."""
@@ -82,11 +111,19 @@ class InferencePool:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _post(self, path: str, payload: dict[str, Any], first_server: int, failover: bool) -> dict[str, Any]:
-        attempts = self.config.max_retries + 1
+    async def _post(self, path: str, payload: dict[str, Any], first_server: int, failover: bool,
+                    max_retries: int | None = None) -> dict[str, Any]:
+        attempts = (self.config.max_retries if max_retries is None else max_retries) + 1
+        if failover:
+            live = [(first_server + i) % self.num_servers for i in range(self.num_servers)]
+            live = [i for i in live if i not in self.excluded]
+            if not live:
+                raise InferenceUnavailableError("every inference server is excluded (they missed a weight update)")
+        else:
+            live = [first_server]
         last_error = ""
         for attempt in range(attempts):
-            server = (first_server + attempt) % self.num_servers if failover else first_server
+            server = live[attempt % len(live)]
             url = f"{self.base_urls[server]}{path}"
             if attempt:
                 self.num_retries += 1

@@ -53,6 +53,12 @@ class Orchestrator:
         self._retries_logged = 0
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            await self.pool.aclose()
+
+    async def _run(self) -> None:
         cfg = self.config
         first_step = self._resume() + 1
         await self.pool.wait_healthy()
@@ -71,12 +77,15 @@ class Orchestrator:
             async for finished in scheduler.steps():
                 self._finish_step(finished)
             log.info("all %d batches sent; waiting for policy %d", cfg.max_steps, cfg.max_steps)
-            await _unless_failed(asyncio.wait_for(watcher.wait_handled(cfg.max_steps), cfg.weights.wait_timeout_s),
-                                 watcher_task)
+            try:
+                await _unless_failed(asyncio.wait_for(watcher.wait_handled(cfg.max_steps), cfg.weights.wait_timeout_s),
+                                     watcher_task)
+            except TimeoutError:
+                raise TimeoutError(f"the trainer did not publish policy {cfg.max_steps} within "
+                                   f"{cfg.weights.wait_timeout_s:.0f}s (`weights.wait_timeout_s`)") from None
         finally:
             watcher_task.cancel()
             await asyncio.gather(watcher_task, return_exceptions=True)
-            await self.pool.aclose()
 
     def _resume(self) -> int:
         """The last finished step of the checkpoint resumed from (0 for a fresh run)."""

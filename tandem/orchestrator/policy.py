@@ -75,7 +75,7 @@ class WeightWatcher:
         if newest is None or newest <= self.policy.version:
             return False
         start = time.monotonic()
-        await self.pool.update_weights(str(weights_dir(self.run_dir, newest).resolve()), newest)
+        await self.pool.update_weights(self._path(newest), newest)
         self.update_s += time.monotonic() - start
         log.info("loaded policy %d into %d server(s) in %.2fs", newest, self.pool.num_servers, time.monotonic() - start)
         await self.policy.set(newest)
@@ -87,13 +87,18 @@ class WeightWatcher:
             while True:
                 if await self.load_newest():
                     await self._handle(self.policy.version)
-                else:
-                    await asyncio.sleep(self.poll_interval_s)
+                    continue
+                if self.pool.excluded:
+                    await self.pool.readmit(self._path(self.policy.version), self.policy.version)
+                await asyncio.sleep(self.poll_interval_s)
         except asyncio.CancelledError:
             raise
         except Exception as err:
             await self.policy.fail(err)
             raise
+
+    def _path(self, version: int) -> str:
+        return str(weights_dir(self.run_dir, version).resolve())
 
     async def wait_handled(self, version: int) -> None:
         """Block until policy `version` (or a newer one) was loaded and `on_loaded` finished for it."""

@@ -68,6 +68,10 @@ class FinishedStep:
     """Seconds from the previous step's hand-off to this one's."""
     wait_trainer_s: float
     """Of those, seconds with nothing to sample because the gate waited on a newer policy."""
+    num_rollouts_done: int
+    """Rollouts that finished in that window, whatever step they belong to (for throughput)."""
+    num_tokens_done: int
+    """Tokens sampled by those rollouts."""
 
 
 class GroupScheduler:
@@ -95,14 +99,16 @@ class GroupScheduler:
         """Yield each step's groups in order; in-flight groups keep running while the caller works."""
         step = self.first_step
         step_start = time.monotonic()
-        wait_trainer_s = 0.0
+        wait_trainer_s, rollouts_done, tokens_done = 0.0, 0, 0
         try:
             while step <= self.last_step:
                 self._launch(step)
                 current = self._steps[step] if step in self._steps else None
                 if current is not None and current.is_done():
-                    yield FinishedStep(self._steps.pop(step), time.monotonic() - step_start, wait_trainer_s)
-                    step, step_start, wait_trainer_s = step + 1, time.monotonic(), 0.0
+                    yield FinishedStep(self._steps.pop(step), time.monotonic() - step_start, wait_trainer_s,
+                                       rollouts_done, tokens_done)
+                    step, step_start = step + 1, time.monotonic()
+                    wait_trainer_s, rollouts_done, tokens_done = 0.0, 0, 0
                     continue
                 if not self._tasks:  # the gate holds everything back: wait on the trainer
                     start = time.monotonic()
@@ -116,7 +122,10 @@ class GroupScheduler:
                 else:
                     newer.cancel()
                 for task in done - {newer}:
-                    self._steps[self._tasks.pop(task)].add(task.result())
+                    group = task.result()
+                    self._steps[self._tasks.pop(task)].add(group)
+                    rollouts_done += len(group.rollouts)
+                    tokens_done += sum(r.num_completion_tokens for r in group.rollouts)
         finally:
             for task in self._tasks:
                 task.cancel()

@@ -1,7 +1,8 @@
 """The per-step line of `metrics.jsonl` for the orchestrator.
 
-Rewards describe the rollouts trained on; counts (failed, filtered) and throughput cover every
-rollout the step ran, replaced ones included. Off-policy gaps are `(step - 1) - version`: how many
+Rewards describe the rollouts trained on; counts (failed, filtered) cover every rollout the step
+ran, replaced ones included. Throughput counts what finished during the step's window, whichever
+step it belongs to (with async lookahead, step N+1's rollouts run while step N completes). Off-policy gaps are `(step - 1) - version`: how many
 policies behind the one being trained a sample's oldest turn is.
 """
 
@@ -45,7 +46,6 @@ def step_metrics(step: int, finished: FinishedStep, samples: list[Sample], num_d
         out[f"stop/{reason}"] = count
     lengths = [len(s) for s in samples]
     gaps = [step - 1 - s.oldest_version for s in samples]
-    completion_tokens = sum(r.num_completion_tokens for r in every)
     step_s = max(finished.step_s, 1e-9)
     out.update({
         "rollouts/num": len(every),
@@ -61,8 +61,8 @@ def step_metrics(step: int, finished: FinishedStep, samples: list[Sample], num_d
         "off_policy/mean": _mean(gaps),
         "off_policy/max": max(gaps, default=0),
         "off_policy/num_dropped": num_dropped,
-        "throughput/rollouts_per_s": len(every) / step_s,
-        "throughput/tokens_per_s": completion_tokens / step_s,
+        "throughput/rollouts_per_s": finished.num_rollouts_done / step_s,
+        "throughput/tokens_per_s": finished.num_tokens_done / step_s,
         "time/step_s": finished.step_s,
         "time/wait_trainer_s": finished.wait_trainer_s,
         "time/wait_inference_s": finished.step_s - finished.wait_trainer_s,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from inference_helpers import RunningServer, make_config
+from inference_helpers import make_config
 
+from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 from tandem.models.presets import init_model
 from tandem.models.weights import load_state_dict, save_state_dict
@@ -25,15 +27,23 @@ def tiny_other_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def sharp_dir(tmp_path_factory) -> Path:
-    """The tiny model with its final norm scaled 30x: peaked logits, so greedy argmaxes are clear.
+    """A tiny model whose greedy choices are clear and varied: a "counting" LM head.
 
-    A randomly initialized model has near-ties between its top tokens; float rounding, which
-    differs with batch shapes, could flip them. Trained models have clear winners; this mimics that.
+    Greedy decoding of a random model is a poor test: its top tokens nearly tie (float rounding,
+    which differs with batch shapes, could flip them), and it soon repeats one token. Here the
+    untied LM head maps token t's embedding to token t + 1, and embeddings are halved so that
+    context (attention) still moves about a third of the choices: varied outputs, top-2 logit
+    margins above 1e-3, a thousand times float32 rounding.
     """
     folder = init_model("tiny", tmp_path_factory.mktemp("sharp"), seed=2)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(config))
     state = load_state_dict(folder)
-    state["model.norm.weight"] = state["model.norm.weight"] * 30
-    save_state_dict(state, folder, tied_embeddings=True)
+    embed = state["model.embed_tokens.weight"] * 0.5
+    state["model.embed_tokens.weight"] = embed
+    state["lm_head.weight"] = 10 * torch.roll(embed / embed.norm(dim=-1, keepdim=True), 1, 0)
+    save_state_dict(state, folder)
     return folder
 
 
@@ -45,6 +55,6 @@ def tiny_model(tiny_dir) -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def server(tiny_dir):
     """The shared server over the tiny model; tests that change its weights use their own."""
-    running = RunningServer(make_config(tiny_dir))
+    running = BackgroundServer(make_config(tiny_dir))
     yield running
     running.stop()

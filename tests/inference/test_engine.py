@@ -4,14 +4,13 @@ import random
 
 import pytest
 import torch
+from inference_helpers import teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.weights import load_state_dict
-
-from inference_helpers import teacher_forced_logprobs
 
 
 def engine_for(model_dir, **settings):
@@ -40,18 +39,18 @@ def run(engine) -> dict[tuple[str, int], dict]:
 def test_logprobs_match_a_teacher_forced_pass(tiny_dir, tiny_model, settings):
     engine = engine_for(tiny_dir, **settings)
     rng = random.Random(0)
-    prompts = {}
+    requests = {}
     for i in range(12):
-        prompts[str(i)] = [rng.randrange(256) for _ in range(rng.randint(1, 100))]
-        temperature = [0.0, 0.7, 1.0, 1.5][i % 4]
-        params = SamplingParams(max_tokens=24, temperature=temperature, top_k=[-1, 20][i % 2], seed=i, ignore_eos=True)
-        engine.add_request(str(i), prompts[str(i)], params, n=2)
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 100))]
+        params = SamplingParams(max_tokens=24, temperature=[0.0, 0.7, 1.0, 1.5][i % 4], top_k=[-1, 20][i % 2], seed=i, ignore_eos=True)
+        requests[str(i)] = (prompt, params)
+        engine.add_request(str(i), prompt, params, n=2)
     results = run(engine)
     assert len(results) == 24
     for (rid, _), r in results.items():
-        temperature = engine_params_temperature = [0.0, 0.7, 1.0, 1.5][int(rid) % 4]
-        expected = teacher_forced_logprobs(tiny_model, prompts[rid], r["ids"], engine_params_temperature)
-        assert len(r["ids"]) == 24 and temperature >= 0
+        prompt, params = requests[rid]
+        expected = teacher_forced_logprobs(tiny_model, prompt, r["ids"], params.temperature)
+        assert len(r["ids"]) == 24
         assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
     if settings:
         assert engine.scheduler.num_preemptions > 0
@@ -71,36 +70,39 @@ def test_n_samples_share_the_prompt_prefill(tiny_dir):
 
 def test_stop_strings_cut_the_text_and_stop_tokens_end_the_completion(tiny_dir):
     engine = engine_for(tiny_dir)
-    engine.add_request("free", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    free = run(engine)[("free", 0)]
+    prompt = list(b"Once upon a time")
+
+    def complete(request_id: str, **params) -> dict:
+        # Seeded, so every run draws the same tokens until it stops.
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=40, seed=3, ignore_eos=True, **params))
+        return run(engine)[(request_id, 0)]
+
+    free = complete("free")
     ids = free["ids"]
-    # A stop token: the completion ends at its first occurrence, the token kept.
-    stop_token = ids[10]
-    engine.add_request("tok", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,)))
-    tok = run(engine)[("tok", 0)]
-    assert tok["ids"] == ids[:ids.index(stop_token) + 1] and tok["finish"] == "stop"
-    # A stop string: the text is cut before it; token ids run up to the token that completed it.
-    stop = next(ch for ch in free["text"][5:] if ch.isascii() and ch.isprintable())
-    engine.add_request("str", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,)))
-    cut = run(engine)[("str", 0)]
+    # A stop token ends the completion at its first occurrence, and is kept.
+    tok = complete("tok", stop_token_ids=(ids[10],))
+    assert tok["ids"] == ids[:ids.index(ids[10]) + 1] and tok["finish"] == "stop"
+    # A stop string cuts the text before it; the token ids run up to the token that completed it.
+    stop = next(ch for ch in free["text"][5:] if ch.isascii() and ch.isalnum())
+    cut = complete("str", stop=(stop,))
     assert cut["finish"] == "stop" and cut["text"] == free["text"][:free["text"].index(stop)]
     assert ids[:len(cut["ids"])] == cut["ids"] and len(cut["ids"]) < 40
+    kept = complete("kept", stop=(stop,), include_stop_str_in_output=True)
+    assert kept["text"] == cut["text"] + stop
 
 
 def test_eos_ends_the_completion_unless_ignored(tiny_dir):
     engine = engine_for(tiny_dir)
-    eos = min(engine.eos_token_ids)
-    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    ids = run(engine)[("r", 0)]["ids"]
-    engine.eos_token_ids = {ids[5]}
-    engine.add_request("eos", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0))
+    assert engine.eos_token_ids == {256, 258}  # generation_config.json lists <|im_end|> and <|endoftext|>
+    prompt = list(b"Once upon a time")
+    engine.add_request("free", prompt, SamplingParams(max_tokens=40, seed=3, ignore_eos=True))
+    ids = run(engine)[("free", 0)]["ids"]
+    engine.eos_token_ids = {ids[5]}  # pretend a token the model samples is EOS
+    engine.add_request("eos", prompt, SamplingParams(max_tokens=40, seed=3))
     stopped = run(engine)[("eos", 0)]
     assert stopped["finish"] == "stop" and stopped["ids"] == ids[:ids.index(ids[5]) + 1]
-    assert eos in build_engine_eos(tiny_dir)
-
-
-def build_engine_eos(model_dir) -> set[int]:
-    return engine_for(model_dir).eos_token_ids
+    engine.add_request("ignored", prompt, SamplingParams(max_tokens=40, seed=3, ignore_eos=True))
+    assert run(engine)[("ignored", 0)]["finish"] == "length"
 
 
 def test_weight_update_with_wrong_shapes_changes_nothing(tiny_dir, tiny_model):

@@ -69,3 +69,31 @@ def test_waiting_for_health_times_out_naming_the_server():
     config = ClientConfig(base_urls=[dead], health_timeout_s=0.3)
     with pytest.raises(InferenceUnavailableError, match=f"{dead} not healthy"):
         asyncio.run(call(config, lambda pool: pool.wait_healthy()))
+
+
+def test_a_server_that_misses_a_weight_update_gets_no_requests_until_readmitted(fake_servers):
+    (backend, url), = fake_servers()
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = ClientConfig(base_urls=[dead, url], max_retries=1, backoff_s=0.0)
+
+    async def body(pool):
+        await pool.update_weights("/w/step_1", 1)
+        excluded_after_update = set(pool.excluded)
+        retries_before = pool.num_retries
+        await pool.generate(REQUEST, 0)  # asks for the dead server first
+        no_retry = pool.num_retries == retries_before
+        await pool.readmit("/w/step_1", 1)  # still dead
+        still_excluded = set(pool.excluded)
+        pool.base_urls[0] = url  # "restarted": the same server answers there now
+        await pool.readmit("/w/step_1", 1)
+        return excluded_after_update, no_retry, still_excluded, set(pool.excluded)
+
+    _, (after_update, no_retry, still_excluded, after_readmit) = asyncio.run(call(config, body))
+    assert after_update == {0} and no_retry and still_excluded == {0} and after_readmit == set()
+    assert backend.updates == [("/w/step_1", 1), ("/w/step_1", 1)]
+
+
+def test_a_weight_update_that_reaches_no_server_raises():
+    config = ClientConfig(base_urls=[f"http://127.0.0.1:{free_port()}"], max_retries=0)
+    with pytest.raises(InferenceUnavailableError, match="no server loaded policy 2"):
+        asyncio.run(call(config, lambda pool: pool.update_weights("/w/step_2", 2)))

@@ -39,7 +39,9 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
         assert loss == pytest.approx(ref[step], abs=1e-5), step
     assert len(set(ref.values())) == 4  # the trajectory moves
     w1, w2 = load_file(weights_dir(one, 4) / "model.safetensors"), load_file(weights_dir(two, 4) / "model.safetensors")
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+    # Adam normalizes each element's update, so an element whose gradient is ~0 can move by a
+    # fraction of lr (3e-3) on fp32 rounding differences alone: compare weights at that scale.
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
     # The 1-rank checkpoint of step 2, resumed by 2 ranks: DCP reshards model and optimizer state.
     shutil.copytree(one / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")

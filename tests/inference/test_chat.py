@@ -1,0 +1,38 @@
+"""Tool calls out of a completion, and the incremental detokenizer."""
+
+import json
+
+from tandem.inference.chat import parse_tool_calls, streamable_content
+from tandem.inference.engine.detokenizer import IncrementalDetokenizer
+from tandem.models.byte_tokenizer import build_byte_tokenizer
+
+
+def test_hermes_tool_calls_become_openai_tool_calls():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert [(c["type"], c["function"]["name"]) for c in calls] == [("function", "get_weather"), ("function", "get_time")]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
+
+
+def test_text_without_valid_calls_stays_content():
+    for text in ("plain answer", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>'):
+        assert parse_tool_calls(text) == (text, [])
+    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>')[0] is None
+
+
+def test_streaming_holds_back_what_may_start_a_tool_call():
+    assert streamable_content("Sure, <tool_call>{") == "Sure, "
+    assert streamable_content("Sure, <tool_c") == "Sure, "
+    assert streamable_content("a < b") == "a < b"
+
+
+def test_incremental_text_equals_the_full_decode_across_split_characters():
+    tokenizer = build_byte_tokenizer()
+    ids = list("héllo → wörld 🙂".encode()) + [258]
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    pieces = [detok.push(ids[:i + 1]) for i in range(len(ids))]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.flush(ids) == "héllo → wörld 🙂"

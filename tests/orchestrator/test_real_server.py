@@ -1,0 +1,87 @@
+"""End to end against the real tandem inference server with the tiny model: a well-formed batch.
+
+The server runs as `tandem inference` in its own process; a fake trainer publishes real weight
+folders (copies of the model), which the server loads through `POST /update_weights`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from fake_inference_server import free_port
+from fake_trainer import FakeTrainer
+from test_orchestrator_run import make_config, samples_of
+
+from tandem.config.orchestrator import EnvConfig
+from tandem.monitor.metrics import read_metrics
+from tandem.orchestrator.environments import load_envs
+from tandem.orchestrator.orchestrator import Orchestrator
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def tandem_server(tiny_model, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "inference.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(tiny_model),
+                             "--server.port", str(port), "--engine.device", "cpu", "--seq_len", "512"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"tandem inference did not start:\n{(tmp_path / 'inference.log').read_text()[-3000:]}")
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+def test_the_real_server_yields_a_well_formed_batch(tmp_path, tiny_model, tokenizer, tandem_server):
+    from tandem.trainer.data import check_batch  # the trainer's own reader rules
+
+    config = make_config(tmp_path, tiny_model, [tandem_server], max_steps=2, batch_size=8, group_size=4,
+                         seq_len=512, sampling={"max_tokens": 24}, num_trainer_ranks=2,
+                         advantage={"filter_zero_groups": False}, client={"timeout_s": 120})
+    envs = load_envs([EnvConfig(id="reverse_text", args={"num_train_examples": 20, "num_eval_examples": 4})])
+    trainer = FakeTrainer(config.run_dir, config.max_steps, num_ranks=2, weights_from=tiny_model)
+    trainer.start()
+    try:
+        asyncio.run(asyncio.wait_for(Orchestrator(config, envs, tokenizer).run(), 120))
+    finally:
+        trainer.stop()
+    assert trainer.error is None and sorted(trainer.batches) == [1, 2]
+
+    for step, batches in trainer.batches.items():
+        assert len(batches[0].rows) == len(batches[1].rows)
+        total = 0
+        for batch in batches:
+            check_batch(batch, config.seq_len, len(tokenizer), f"step {step} rank {batch.rank}")
+            for row in batch.rows:
+                for m, lp, t in zip(row.loss_mask, row.logprobs, row.temperatures):
+                    assert (lp < 0 and math.isfinite(lp) and t == 1.0) if m else lp == 0.0
+                total += sum(row.loss_mask)
+        assert total == batches[0].num_loss_tokens > 0
+        records = [r for r in samples_of(config, step) if r["status"] == "trained"]
+        assert len(records) == config.batch_size
+        assert sum(r["completion_tokens"] for r in records) == total
+        assert all(v >= step - 2 for r in records for v in r["policy_versions"])
+    metrics = [m for m in read_metrics(config.run_dir, "orchestrator")]
+    assert [m["step"] for m in metrics] == [1, 2]
+    # The run ended once the server held the last policy.
+    reply = httpx.post(f"{tandem_server}/v1/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 2}).json()
+    assert reply["weight_version"] == config.max_steps

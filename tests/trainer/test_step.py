@@ -1,0 +1,72 @@
+"""One optimizer step: the update is the gradient of the global token mean; padding rows are harmless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config.base import ModelConfig
+from tandem.config.trainer import AIPOLoss, ParallelConfig, SGDConfig, ConstantSchedule
+from tandem.trainer.batch import MicroBatch
+from tandem.trainer.loss import build_loss
+from tandem.trainer.model import build_policy
+from tandem.trainer.optim import build_optimizer, build_scheduler
+from tandem.trainer.parallel.dims import close_parallel, init_parallel
+from tandem.trainer.rl.train import rl_objective
+from tandem.trainer.sft.data import padding_row
+from tandem.trainer.step import count_loss_tokens, evaluate, train_step
+
+from trainer_helpers import random_row
+
+
+@pytest.fixture
+def dims():
+    d = init_parallel("cpu")
+    yield d
+    close_parallel()
+
+
+def test_update_is_the_gradient_of_the_global_token_mean(tiny_model, dims):
+    gen = torch.Generator().manual_seed(0)
+    rows = [random_row(gen, [(3, 5), (2, 9)]), random_row(gen, [(4, 3)]), padding_row(259)]
+    micro_batches = [MicroBatch.from_row(r, dims.device) for r in rows]
+    objective = rl_objective(build_loss(AIPOLoss()))
+    n = count_loss_tokens(micro_batches, dims)
+    assert n == 5 + 9 + 3
+
+    reference, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=4)
+    total = sum(objective(mb, reference(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask)).loss_sum for mb in micro_batches)
+    (total / n).backward()
+    expected = {name: -p.grad.full_tensor() for name, p in reference.hf_named_parameters()}
+
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=4)
+    before = {name: p.detach().full_tensor().clone() for name, p in policy.hf_named_parameters()}
+    optimizer = build_optimizer(policy, SGDConfig(lr=1.0, max_grad_norm=0))
+    result = train_step(policy, optimizer, build_scheduler(optimizer, ConstantSchedule(), 1), micro_batches, objective, n, 0.0, dims)
+    assert not result.skipped and result.loss == pytest.approx(total.detach().item() / n, rel=1e-6)
+    for name, p in policy.hf_named_parameters():
+        torch.testing.assert_close(p.detach().full_tensor() - before[name], expected[name], rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_clipping_bounds_the_update(tiny_model, dims):
+    gen = torch.Generator().manual_seed(0)
+    micro_batches = [MicroBatch.from_row(random_row(gen, [(3, 20)], advantage_scale=100.0), dims.device)]
+    objective = rl_objective(build_loss(AIPOLoss()))
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=8)
+    before = torch.cat([p.detach().full_tensor().flatten() for _, p in policy.hf_named_parameters()])
+    optimizer = build_optimizer(policy, SGDConfig(lr=1.0))
+    result = train_step(policy, optimizer, build_scheduler(optimizer, ConstantSchedule(), 1), micro_batches, objective, 20, 0.5, dims)
+    after = torch.cat([p.detach().full_tensor().flatten() for _, p in policy.hf_named_parameters()])
+    assert result.grad_norm > 0.5
+    assert (after - before).norm().item() == pytest.approx(0.5, rel=1e-4)
+
+
+def test_evaluate_is_the_mean_over_loss_tokens_and_ignores_padding(tiny_model, dims):
+    from tandem.trainer.sft.train import sft_objective
+
+    gen = torch.Generator().manual_seed(1)
+    rows = [random_row(gen, [(2, 6)]), random_row(gen, [(3, 4)])]
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=8)
+    plain = evaluate(policy, [MicroBatch.from_row(r, dims.device) for r in rows], sft_objective, dims)
+    padded = evaluate(policy, [MicroBatch.from_row(r, dims.device) for r in rows + [padding_row(259)]], sft_objective, dims)
+    assert plain == pytest.approx(padded) and plain == pytest.approx(5.56, abs=0.3)
