@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the local CPU wheel; a looser spec could pull a CUDA build.
 	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,verifiers]'
 	touch $(STAMP)
 
 .PHONY: venv rl test

@@ -20,6 +20,9 @@ from tandem.config.loader import ConfigError
 SHARED_KEYS = ("model.name", "run.name", "seq_len", "max_steps", "output_dir", "seed")
 """Dotted keys that `tandem rl` sets once for all three processes."""
 
+CKPT_KEYS = ("ckpt.enabled", "ckpt.interval")
+"""Checkpoint keys that `tandem rl` sets once for trainer and orchestrator (they resume together)."""
+
 
 class DeploymentConfig(Section):
     """Where each process runs."""
@@ -68,6 +71,14 @@ class WarmupConfig(Section):
     """Number of generated SFT examples written next to it for eval loss (`eval.jsonl`)."""
 
 
+class RLCheckpointConfig(Section):
+    enabled: bool = False
+    """Checkpoint trainer and orchestrator (needed for `--resume`)."""
+
+    interval: int = 10
+    """Steps between checkpoints."""
+
+
 class RLConfig(ProcessConfig):
     trainer: TrainerConfig = TrainerConfig()
     """The RL trainer."""
@@ -84,6 +95,9 @@ class RLConfig(ProcessConfig):
     warmup: WarmupConfig = WarmupConfig()
     """SFT warm-up run before RL when the starting model does not exist."""
 
+    ckpt: RLCheckpointConfig = RLCheckpointConfig()
+    """Checkpoints of trainer and orchestrator, taken at the same steps."""
+
     resume: bool = False
     """Continue the run in `output_dir` from its newest complete checkpoints."""
 
@@ -98,13 +112,15 @@ class RLConfig(ProcessConfig):
         if self.resume and self.clean:
             raise ValueError("`resume` and `clean` exclude each other: choose one")
         for name in ("trainer", "orchestrator", "inference"):
-            propagate_shared(self, getattr(self, name), name)
+            propagate_shared(self, getattr(self, name), name, SHARED_KEYS)
+        for name in ("trainer", "orchestrator"):
+            propagate_shared(self, getattr(self, name), name, CKPT_KEYS)
         return self
 
 
-def propagate_shared(root: ProcessConfig, sub: ProcessConfig, sub_name: str) -> None:
-    """Copy every shared key of `root` into `sub`; raise if `sub` set one to another value."""
-    for key in SHARED_KEYS:
+def propagate_shared(root: ProcessConfig, sub: ProcessConfig, sub_name: str, keys: tuple[str, ...]) -> None:
+    """Copy every key of `keys` from `root` into `sub`; raise if `sub` set one to another value."""
+    for key in keys:
         *path, leaf = key.split(".")
         src, dst = root, sub
         for part in path:

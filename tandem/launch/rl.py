@@ -77,9 +77,9 @@ def _write_process_configs(config: RLConfig) -> dict[str, Path]:
     orch.num_trainer_ranks = config.deployment.num_trainer_ranks
     if config.deployment.type == "gpu":
         config.trainer.device = "cuda"
-        config.inference.device = "cuda"
+        config.inference.engine.device = "cuda"
         if set(config.deployment.inference_devices) & set(config.deployment.trainer_devices):
-            config.inference.engine.gpu_memory_fraction = config.deployment.shared_gpu_memory_fraction
+            config.inference.engine.memory_fraction = config.deployment.shared_gpu_memory_fraction
     if config.resume:
         config.trainer.ckpt.resume = True
         config.orchestrator.ckpt.resume = True

@@ -10,6 +10,7 @@ trainer ranks, logged and checkpointed. The run ends once batch `max_steps` is s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -74,8 +75,9 @@ class Orchestrator:
             filter_zero=cfg.advantage.filter_zero_groups, wait_timeout_s=cfg.weights.wait_timeout_s,
         )
         try:
-            async for finished in scheduler.steps():
-                self._finish_step(finished)
+            async with contextlib.aclosing(scheduler.steps()) as steps:  # stops in-flight groups on error
+                async for finished in steps:
+                    self._finish_step(finished)
             log.info("all %d batches sent; waiting for policy %d", cfg.max_steps, cfg.max_steps)
             try:
                 await _unless_failed(asyncio.wait_for(watcher.wait_handled(cfg.max_steps), cfg.weights.wait_timeout_s),

@@ -103,7 +103,7 @@ class GroupScheduler:
         try:
             while step <= self.last_step:
                 self._launch(step)
-                current = self._steps[step] if step in self._steps else None
+                current = self._steps.get(step)
                 if current is not None and current.is_done():
                     yield FinishedStep(self._steps.pop(step), time.monotonic() - step_start, wait_trainer_s,
                                        rollouts_done, tokens_done)

@@ -68,7 +68,6 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     tmp = final.with_name(f".{PROCESS}.tmp")
     if dims.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -78,6 +77,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         torch.save({"step": step, "world_size": dims.world_size, "scheduler": scheduler.state_dict(), "data": data}, tmp / "state.pt")
     dist.barrier()
     if dims.is_main:
+        if final.exists():  # an older save of this step (a run resumed from before it): the new one wins
+            (final / "state.pt").unlink(missing_ok=True)
+            shutil.rmtree(final)
         tmp.rename(final)
     dist.barrier()
     return final

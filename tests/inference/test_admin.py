@@ -1,5 +1,7 @@
 """Health, model list and Prometheus metrics."""
 
+import time
+
 import httpx
 
 
@@ -25,3 +27,20 @@ def test_metrics_count_tokens_and_show_the_engine_state(server):
     assert metric(after, "tandem_prompt_tokens_total") - metric(before.text, "tandem_prompt_tokens_total") == 4
     for name in ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem_kv_cache_usage_ratio", "tandem_weight_version"):
         assert metric(after, name) == 0
+
+
+def test_a_client_leaving_mid_stream_frees_its_sequences(server, tiny_dir):
+    engine = server.served.engine
+    before = engine.stats().num_generation_tokens
+    body = {"model": str(tiny_dir), "prompt": "abc", "n": 8, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"text"' in line:
+                break
+    deadline = time.monotonic() + 60
+    while engine.stats().num_running + engine.stats().num_waiting > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # Left alone, the request would have run to 8 x 1000 tokens before the engine went idle.
+    assert engine.stats().num_generation_tokens - before < 8 * 1000 / 2
+    assert engine.stats().kv_cache_usage == 0

@@ -120,3 +120,36 @@ def test_unsupported_arguments_are_named(fake_servers, tokenizer):
 
     response = run(with_client(url, tokenizer, body))
     assert response.choices[0].message.content == "x"
+
+
+def test_a_tool_env_rollout_keeps_its_tool_turns_in_one_sample(fake_servers, tokenizer):
+    from tandem.envs import ToolEnv
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    # The model writes its tool call exactly as the chat template renders one (as a model trained on
+    # that template does): the assistant turn of a rendered conversation, minus the end-of-turn.
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me add.", "tool_calls": [call]}],
+        tokenize=False)
+    tool_turn = rendered.rsplit("<|im_start|>assistant\n", 1)[1].split("<|im_end|>", 1)[0]
+
+    def respond(prompt, rng):
+        if "<tool_response>" not in prompt:
+            return tool_turn
+        return "The sum is " + prompt.rsplit("<tool_response>\n", 1)[1].split("\n", 1)[0]
+
+    (backend, url), = fake_servers(respond=respond)
+    env = ToolEnv(tools=[add], dataset=[{"question": "2+3?", "answer": "5"}])
+
+    async def body(client):
+        return client, await env.rollout(client, "m", env.get_dataset()[0]["prompt"])
+
+    client, (completion, state) = run(with_client(url, tokenizer, body))
+    assert [m["role"] for m in completion] == ["assistant", "tool", "assistant"]
+    assert completion[1]["content"] == "5" and completion[2]["content"] == "The sum is 5"
+    (sample,) = build_samples(client.turns)  # the re-rendered tool call reproduced the sampled tokens
+    assert sample.num_loss_tokens == sum(len(t.completion_ids) for t in client.turns)

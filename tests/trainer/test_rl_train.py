@@ -171,3 +171,17 @@ def test_bad_batch_stops_with_a_clear_message(tiny_model, tmp_path, caplog):
 def test_missing_model_is_a_clear_error(tmp_path, caplog):
     assert run_trainer("--model.name", str(tmp_path / "nope"), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path)) == 1
     assert "cannot start the trainer" in caplog.text and "nope" in caplog.text
+
+
+def test_resume_without_a_checkpoint_starts_at_step_1(tiny_model, tmp_path, caplog):
+    assert run_trainer("--model.name", str(tiny_model), "--data.fake", "--max-steps", "2", "--output-dir", str(tmp_path),
+                       "--seq-len", "32", "--ckpt.resume") == 0
+    assert "holds no complete checkpoint" in caplog.text
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_model, tmp_path, caplog):
+    assert run_trainer("--model.name", str(tiny_model), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path),
+                       "--device", "cuda") == 1
+    assert "torch sees no CUDA device" in caplog.text

@@ -57,7 +57,7 @@ class PagedModelRunner:
             else:
                 context = None
                 if start > 0:
-                    context = torch.tensor(self._slots(seq.block_table, 0, end), device=self.device)
+                    context = torch.tensor(seq.block_table[:-(-end // self.block_size)], device=self.device)
                 prefills.append(PrefillSpan(offset, num_new, end, context))
             if batch.samples(i):
                 sample_index.append(offset + num_new - 1)
@@ -65,23 +65,18 @@ class PagedModelRunner:
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
             prefills=prefills,
             decode_token_index=torch.tensor(decode_index, dtype=torch.long, device=self.device),
-            **self._decode_slots(decode_tables, decode_lens),
+            **self._decode_blocks(decode_tables, decode_lens),
         )
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), metadata,
                 torch.tensor(sample_index, dtype=torch.long, device=self.device))
 
-    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> dict[str, torch.Tensor]:
-        """Padded slots [Bd, L] and mask [Bd, 1, 1, L] of the decode contexts."""
-        if not tables:
-            empty = torch.zeros(0, 1, dtype=torch.long, device=self.device)
-            return {"decode_slots": empty, "decode_mask": empty.bool()[:, None, None]}
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], device=self.device)
-        bs = self.block_size
-        length = max(lens)
-        slots = (padded[:, :, None] * bs + torch.arange(bs, device=self.device)).view(len(tables), -1)[:, :length]
-        mask = torch.arange(length, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
-        return {"decode_slots": slots, "decode_mask": mask[:, None, None]}
+    def _decode_blocks(self, tables: list[list[int]], lens: list[int]) -> dict[str, torch.Tensor]:
+        """Padded block tables [Bd, M] and the mask [Bd, 1, 1, M * block_size] of the decode contexts."""
+        width = max((len(t) for t in tables), default=1)
+        padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+        positions = torch.arange(width * self.block_size, device=self.device)
+        mask = positions[None] < torch.tensor(lens, dtype=torch.long, device=self.device)[:, None]
+        return {"decode_blocks": padded.view(len(tables), width), "decode_mask": mask[:, None, None]}
 
 
 class RecomputeModelRunner:

@@ -45,9 +45,9 @@ def resolve_device(device: Literal["auto", "cpu", "cuda"], local_rank: int) -> t
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("`device` = 'cuda' but torch sees no CUDA device; use `--device cpu`")
+            raise ValueError("`device` = 'cuda' but torch sees no CUDA device; use `--device cpu`")
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
+            raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
