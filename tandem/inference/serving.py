@@ -73,10 +73,10 @@ class Served:
             raise APIError(400, str(err)) from None
         return params
 
-    async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> AsyncIterator[SequenceOutput]:
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool = True) -> AsyncIterator[SequenceOutput]:
         """The engine's outputs for one prompt; bad requests become 400s, engine failures 500s."""
         request_id = uuid.uuid4().hex
-        outputs = self.engine.generate(request_id, prompt_token_ids, params, n)
+        outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental)
         try:
             async for out in outputs:
                 yield out
@@ -89,7 +89,7 @@ class Served:
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> list[Choice]:
         choices = [Choice(i) for i in range(n)]
-        async for out in self.stream(prompt_token_ids, params, n):
+        async for out in self.stream(prompt_token_ids, params, n, incremental=False):
             choices[out.index].add(out)
         return choices
 

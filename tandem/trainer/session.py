@@ -121,4 +121,4 @@ def _resume(session: Session) -> None:
         return
     resumed = load_checkpoint(Path(choice[0]), session.model, session.optimizer, session.scheduler, session.dims)
     session.start_step, session.data_position = resumed.step, resumed.data
-    session.log.info("resumed from %s (step %d)", choice[0], resumed.step)
+    session.log.info("resumed from %s (step %d, data position %s)", choice[0], resumed.step, resumed.data)

@@ -12,6 +12,7 @@ function of the step index.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -87,7 +88,7 @@ def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: 
     reduced = global_sum([float(totals[k]) for k in keys], dims)
     means = {k: v / max(num_loss_tokens, 1) for k, v in zip(keys, reduced)}
     loss = means.pop("loss")
-    skipped = not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(grad_norm))
+    skipped = not (math.isfinite(loss) and math.isfinite(float(grad_norm)))
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -128,3 +128,18 @@ def test_weight_update_forgets_the_prefix_cache(tiny_dir, tiny_other_dir):
     assert engine.update_weights(load_state_dict(tiny_other_dir)) == 1
     assert not engine.block_manager.cached
     assert engine.update_weights(load_state_dict(tiny_other_dir), version=7) == 7
+
+
+def test_non_incremental_requests_get_one_output_with_everything(tiny_dir):
+    engine = engine_for(tiny_dir)
+    params = SamplingParams(max_tokens=30, seed=5, stop=("e",), ignore_eos=True)
+    engine.add_request("inc", list(b"Once upon a time"), params, n=2)
+    incremental = run(engine)
+    engine.add_request("whole", list(b"Once upon a time"), params, n=2, incremental=False)
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    assert sorted(o.index for o in outputs) == [0, 1] and all(o.finish_reason for o in outputs)
+    for out in outputs:
+        expected = incremental[("inc", out.index)]
+        assert (out.token_ids, out.logprobs, out.text, out.finish_reason) == (expected["ids"], expected["logprobs"], expected["text"], expected["finish"])

@@ -26,7 +26,7 @@ def digest(folder) -> str:
 
 def test_fake_mode_command_publishes_step_3(tiny_model, tmp_path):
     out = tmp_path / "out"
-    code = cli_main(["trainer", "--model.name", str(tiny_model), "--data.fake", "--max-steps", "3", "--output-dir", str(out),
+    code = cli_main(["trainer", "--device", "cpu", "--model.name", str(tiny_model), "--data.fake", "--max-steps", "3", "--output-dir", str(out),
                      "--seq-len", "64", "--optim.lr", "1e-3"])
     assert code == 0
     step3 = weights_dir(out, 3)

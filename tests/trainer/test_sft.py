@@ -80,6 +80,16 @@ def test_jsonl_and_parquet_read_the_same_rows(tmp_path):
         read_records(tmp_path / "d.csv")
 
 
+def test_long_samples_are_cut_and_samples_without_loss_tokens_dropped(tokenizer, tmp_path):
+    rows = [{"prompt": "p", "completion": "c" * 50}, {"messages": [{"role": "user", "content": "only a question"}]},
+            {"prompt": "q" * 60, "completion": "late"}, {"prompt": "ok ", "completion": "yes"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples, counts = load_samples(tmp_path / "d.jsonl", tokenizer, ["assistant"], seq_len=32)
+    assert counts == {"rows": 4, "truncated": 2, "dropped_no_loss_tokens": 2}
+    assert [len(s.input_ids) for s in samples] == [32, 3 + 3 + 1]
+    assert all(s.loss_mask[0] == 0 for s in samples)
+
+
 def test_packing_keeps_every_sample_once_within_seq_len():
     rng = random.Random(0)
     samples = [Sample(list(range(n)), [0] + [1] * (n - 1)) for n in (rng.randint(2, 30) for _ in range(50))]
@@ -119,7 +129,7 @@ def reverse_text_data(path, n, seed):
 
 
 def sft(*args: str) -> int:
-    return sft_main(parse_args(SFTConfig, list(args), environ={}))
+    return sft_main(parse_args(SFTConfig, ["--device", "cpu", *args], environ={}))
 
 
 def test_sft_on_a_tiny_task_lowers_the_loss(tiny_model, tmp_path):

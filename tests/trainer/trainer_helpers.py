@@ -19,9 +19,10 @@ from tandem.transport.types import PackedRow, TrainingBatch, encode_batch
 
 
 def run_trainer(*args: str) -> int:
+    """`tandem trainer ARGS` on the CPU (the tests' numbers are fp32 CPU numbers, also on a GPU host)."""
     from tandem.trainer.rl.train import main
 
-    return main(parse_args(TrainerConfig, list(args), environ={}))
+    return main(parse_args(TrainerConfig, ["--device", "cpu", *args], environ={}))
 
 
 def losses(run_dir: Path, process: str = "trainer") -> dict[int, float]:

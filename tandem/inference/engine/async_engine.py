@@ -62,15 +62,18 @@ class AsyncEngine:
         """Raise ValueError if the engine cannot run this request (from any thread)."""
         self.engine.check_request(prompt_token_ids, params)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> AsyncIterator[SequenceOutput]:
-        """Stream the outputs of the request's `n` sequences until all finish; closing the stream aborts it.
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
+                       incremental: bool = True) -> AsyncIterator[SequenceOutput]:
+        """The outputs of the request's `n` sequences until all finish; closing the stream aborts it.
+
+        `incremental`: one output per token; else one per sequence, holding its whole completion.
 
         A request the engine cannot run raises ValueError here, before anything is queued.
         """
         self.check_request(prompt_token_ids, params)
         stream: asyncio.Queue[SequenceOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._send(lambda: self._add(request_id, prompt_token_ids, params, n))
+        self._send(lambda: self._add(request_id, prompt_token_ids, params, n, incremental))
         num_finished = 0
         try:
             while num_finished < n:
@@ -93,9 +96,9 @@ class AsyncEngine:
     async def resume(self) -> None:
         await self._call(lambda: setattr(self, "_paused", False))
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int) -> None:
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool) -> None:
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, n)
+            self.engine.add_request(request_id, prompt_token_ids, params, n, incremental)
         except ValueError as err:
             self._deliver_error(request_id, err)
 

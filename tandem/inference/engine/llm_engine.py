@@ -28,7 +28,7 @@ class ModelRunner(Protocol):
 
 @dataclass
 class SequenceOutput:
-    """What one sequence gained in one step (the server accumulates these per choice)."""
+    """What a sequence gained in one step (incremental requests), or all of it at its end (the others)."""
 
     request_id: str
     index: int
@@ -98,8 +98,12 @@ class LLMEngine:
                 "Please reduce the length of the prompt or of the completion (`max_tokens`)."
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> None:
-        """Queue `n` samples of one prompt (they share its prefill through the prefix cache)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
+                    incremental: bool = True) -> None:
+        """Queue `n` samples of one prompt (they share its prefill through the prefix cache).
+
+        `incremental`: an output per sampled token (for streaming); else one per sequence, at its end.
+        """
         self.check_request(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -108,7 +112,7 @@ class LLMEngine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            seqs.append(Sequence(request_id, i, prompt_token_ids, params, self.tokenizer, generator))
+            seqs.append(Sequence(request_id, i, prompt_token_ids, params, self.tokenizer, generator, incremental))
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -138,16 +142,21 @@ class LLMEngine:
         outputs = []
         for j, seq in enumerate(sampling):
             seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], self.weight_version)
-            outputs.append(self._postprocess(seq))
+            out = self._postprocess(seq)
+            if out is not None:
+                outputs.append(out)
         self.num_generation_tokens += len(sampling)
         return outputs
 
-    def _postprocess(self, seq: Sequence) -> SequenceOutput:
+    def _postprocess(self, seq: Sequence) -> SequenceOutput | None:
         params, token = seq.params, seq.token_ids[-1]
-        new_text = seq.detokenizer.push(seq.completion_token_ids)
-        seq.text += new_text
+        new_text = ""
+        if seq.incremental or params.stop:  # text is needed now, to stream it or to look for stop strings
+            new_text = seq.detokenizer.push(seq.completion_token_ids)
+            seq.text += new_text
         stopped_by_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-        stopped_by_string = not stopped_by_token and bool(params.stop) and bool(new_text) and self._cut_at_stop_string(seq, len(new_text))
+        stopped_by_string = (not stopped_by_token and bool(params.stop) and bool(new_text)
+                             and self._cut_at_stop_string(seq, len(new_text)))
         reason = None
         if stopped_by_token or stopped_by_string:
             reason = "stop"
@@ -159,6 +168,11 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             if all(s.is_finished for s in self.requests.get(seq.request_id, [])):
                 del self.requests[seq.request_id]
+        if not seq.incremental:
+            if reason is None:
+                return None
+            return SequenceOutput(seq.request_id, seq.index, seq.completion_token_ids, seq.logprobs, seq.top_logprobs,
+                                  seq.text, reason, seq.oldest_weight_version)
         held = 0 if reason is not None or not params.stop else max(map(len, params.stop)) - 1
         end = max(seq.num_text_sent, len(seq.text) - held)
         text, seq.num_text_sent = seq.text[seq.num_text_sent:end], end

@@ -5,7 +5,7 @@ that samples this step, in batch order):
 - `PagedModelRunner`: tandem's native models; every token is computed once and its keys and
   values kept in the paged cache;
 - `RecomputeModelRunner`: any transformers model (the slow path); no cache, each sampling
-  sequence is run again from its first token.
+  sequence runs again from its first token.
 """
 
 from __future__ import annotations
@@ -80,7 +80,11 @@ class PagedModelRunner:
 
 
 class RecomputeModelRunner:
-    """No KV cache: packs each sampling sequence's full tokens into one row (positions restart)."""
+    """No KV cache: each sampling sequence runs again from its first token, one forward pass each.
+
+    One pass per sequence, not one packed row: a packed row's attention mask grows with the square
+    of the whole batch's tokens, a sequence's only with its own.
+    """
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.model = model
@@ -88,16 +92,12 @@ class RecomputeModelRunner:
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        ids: list[int] = []
-        positions: list[int] = []
-        last: list[int] = []
+        rows = []
         for i, seq in enumerate(batch.seqs):
             if batch.samples(i):  # a chunk that does not reach the end leaves nothing to keep
-                ids.extend(seq.token_ids)
-                positions.extend(range(seq.num_tokens))
-                last.append(len(ids) - 1)
-        if not ids:
+                ids = torch.tensor([seq.token_ids], device=self.device)
+                hidden = self.model(ids, torch.arange(seq.num_tokens, device=self.device)[None])
+                rows.append(hidden[0, -1])
+        if not rows:
             return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
-        input_ids = torch.tensor([ids], device=self.device)
-        hidden = self.model(input_ids, torch.tensor([positions], device=self.device))
-        return self.model.lm_head(hidden[0, last]).float()
+        return self.model.lm_head(torch.stack(rows)).float()

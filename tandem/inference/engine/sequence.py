@@ -36,6 +36,7 @@ class Sequence:
         params: SamplingParams,
         tokenizer: Any,
         generator: torch.Generator | None = None,
+        incremental: bool = True,
     ):
         self.request_id = request_id
         self.index = index
@@ -45,6 +46,8 @@ class Sequence:
         self.params = params
         self.generator = generator
         """Per-sequence generator when the request has a seed; else the engine's shared one is used."""
+        self.incremental = incremental
+        """Whether the engine reports every token as it comes (streaming) or the completion at its end."""
         self.prefix_parent: Sequence | None = None
         """An earlier sequence with the same prompt prefix whose prefill this one waits for (set by the scheduler)."""
         self.status = SequenceStatus.WAITING

@@ -1,0 +1,110 @@
+"""`tandem rl` end to end on CPU: warm-up, async RL, resume, and a killed trainer.
+
+These run the real three processes (inference server, orchestrator, trainer) on the tiny model,
+shortened from `examples/reverse_text` so that CI stays within minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.monitor.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "reverse_text"
+
+pytestmark = pytest.mark.slow
+
+
+def tandem(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sft_config(tmp_path_factory) -> Path:
+    """The example's SFT config, shortened and moved into a tmp folder."""
+    root = tmp_path_factory.mktemp("reverse")
+    text = (EXAMPLE / "sft.toml").read_text()
+    text = text.replace("outputs/reverse-text", str(root)).replace("max_steps = 250", "max_steps = 120")
+    path = root / "sft.toml"
+    path.write_text(text)
+    return path
+
+
+def rl_args(sft_config: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
+    root = sft_config.parent
+    return [
+        "rl", "@", str(EXAMPLE / "rl.toml"),
+        "--model.name", str(root / "sft" / "weights" / "final"),
+        "--warmup.sft", str(sft_config),
+        "--output-dir", str(out),
+        "--max-steps", str(max_steps),
+        "--ckpt.interval", "3",
+        "--orchestrator.eval.interval", "100",
+        "--orchestrator.eval.num-examples", "32",
+        *extra,
+    ]
+
+
+def steps_of(run_dir: Path, process: str, key: str) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir, process) if key in r]
+
+
+def test_rl_learns_then_resumes_without_repeating_steps(sft_config, tmp_path):
+    out = tmp_path / "rl"
+    first = tandem(*rl_args(sft_config, out, 6))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "running the SFT warm-up" in first.stderr
+    assert (out / "report.html").is_file()
+    trainer = list(read_metrics(out, "trainer"))
+    assert [r["step"] for r in trainer] == [1, 2, 3, 4, 5, 6]
+    kls = [r["mismatch_kl"] for r in trainer]
+    assert sum(kls) / len(kls) < 1e-3, kls
+    rewards = [r["reward_mean"] for r in read_metrics(out, "orchestrator") if "reward_mean" in r]
+    assert len(rewards) == 6
+
+    refused = tandem(*rl_args(sft_config, out, 9))
+    assert refused.returncode != 0 and "--resume" in refused.stderr
+
+    resumed = tandem(*rl_args(sft_config, out, 9, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "running the SFT warm-up" not in resumed.stderr
+    assert steps_of(out, "trainer", "loss") == list(range(1, 10))
+    assert steps_of(out, "orchestrator", "reward_mean") == list(range(1, 10))
+    rewards = [r["reward_mean"] for r in read_metrics(out, "orchestrator") if "reward_mean" in r]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+
+
+def test_killed_trainer_stops_the_run_and_names_it(sft_config, tmp_path):
+    out = tmp_path / "killed"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *rl_args(sft_config, out, 50)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not steps_of(out, "trainer", "loss") and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.5)
+        pids = json.loads((out / "logs" / "pids.json").read_text())
+        os.kill(pids["trainer"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "the trainer process failed" in stderr
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
