@@ -37,7 +37,8 @@ class EngineConfig(Section):
     """Tokens per KV-cache block."""
 
     num_blocks: int | None = Field(None, ge=1)
-    """KV-cache blocks; unset sizes the cache from `memory_fraction` (CUDA) or `cpu_kv_cache_gib` (CPU)."""
+    """KV-cache blocks; unset: what `memory_fraction` (CUDA) or `cpu_kv_cache_gib` (CPU) holds, at most
+    `max_num_seqs` sequences of `max_model_len`."""
 
     memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     """CUDA: fraction of the GPU's memory the engine may fill (weights, activations, KV cache)."""

@@ -75,7 +75,10 @@ def _write_process_configs(config: RLConfig) -> dict[str, Path]:
         orch.client.base_urls = [url]
     orch.client.api_key = orch.client.api_key or server.api_key
     orch.num_trainer_ranks = config.deployment.num_trainer_ranks
-    if config.deployment.type == "gpu":
+    if config.deployment.type == "cpu":
+        config.trainer.device = "cpu"
+        config.inference.engine.device = "cpu"
+    else:
         config.trainer.device = "cuda"
         config.inference.engine.device = "cuda"
         if set(config.deployment.inference_devices) & set(config.deployment.trainer_devices):

@@ -54,16 +54,16 @@ class ProgressPrinter:
 
     def _print_step(self, step: int, orch: dict[str, Any], trainer: dict[str, Any]) -> None:
         self._printed.add(step)
-        parts = [f"step {step:>4}/{self.max_steps}", f"reward {_fmt(orch.get('reward_mean'))}"]
+        parts = [f"step {step:>4}/{self.max_steps}", f"reward {_fmt(orch.get('reward/mean'))}"]
         if self._last_eval is not None:
             parts.append(f"eval {_fmt(self._last_eval)}")
         parts += [
             f"loss {_fmt(trainer.get('loss'), '.4f')}",
             f"mismatch_kl {_fmt(trainer.get('mismatch_kl'), '.1e')}",
             f"train {_fmt(trainer.get('tokens_per_s'), '.0f')} tok/s",
-            f"lag {_fmt(orch.get('off_policy_mean'), '.2f')}",
+            f"lag {_fmt(orch.get('off_policy/mean'), '.2f')}",
             f"wait trainer {_fmt(trainer.get('time_wait_batch'), '.1f')}s",
-            f"wait inference {_fmt(orch.get('time_wait_inference'), '.1f')}s",
+            f"wait inference {_fmt(orch.get('time/wait_inference_s'), '.1f')}s",
             f"{time.monotonic() - self._start:.0f}s",
         ]
         print(" | ".join(parts), file=self.stream, flush=True)

@@ -27,7 +27,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     """Headline numbers of a run: first/last rewards, eval before/after, mismatch KL, duration."""
     orch = list(read_metrics(run_dir, "orchestrator"))
     trainer = list(read_metrics(run_dir, "trainer"))
-    _, rewards = series(orch, "reward_mean")
+    _, rewards = series(orch, "reward/mean")
     eval_steps, evals = series(orch, "eval/reward_mean")
     _, kl = series(trainer, "mismatch_kl")
     times = [r["time"] for r in orch + trainer]
@@ -83,13 +83,13 @@ def write_report(run_dir: Path) -> Path:
     throughput = [
         ("trainer tokens/s", [r["time"] - t0 for r in trainer if r.get("tokens_per_s") is not None],
          [r["tokens_per_s"] for r in trainer if r.get("tokens_per_s") is not None]),
-        ("inference tokens/s", [r["time"] - t0 for r in orch if r.get("tokens_per_s") is not None],
-         [r["tokens_per_s"] for r in orch if r.get("tokens_per_s") is not None]),
+        ("inference tokens/s", [r["time"] - t0 for r in orch if r.get("throughput/tokens_per_s") is not None],
+         [r["throughput/tokens_per_s"] for r in orch if r.get("throughput/tokens_per_s") is not None]),
     ]
     figures = [
-        _plot([("train reward", *series(orch, "reward_mean")), ("eval reward", *series(orch, "eval/reward_mean"))], "Reward"),
+        _plot([("train reward", *series(orch, "reward/mean")), ("eval reward", *series(orch, "eval/reward_mean"))], "Reward"),
         _plot(throughput, "Throughput", xlabel="seconds since start"),
-        _plot([("mismatch KL", *series(trainer, "mismatch_kl"))], "Trainer-inference mismatch KL (k3)"),
+        _plot([("mismatch KL (on-policy tokens)", *series(trainer, "mismatch_kl")), ("off-policy KL", *series(trainer, "off_policy_kl"))], "KL to the sampling policy (k3)"),
         _plot([("loss", *series(trainer, "loss"))], "Loss"),
     ]
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in summary.items())

@@ -90,7 +90,8 @@ def pack_step(step: int, samples: list[Sample], seq_len: int, num_ranks: int,
 
 
 def _row(samples: list[Sample]) -> PackedRow:
-    row = PackedRow(input_ids=[], position_ids=[], loss_mask=[], logprobs=[], advantages=[], temperatures=[])
+    row = PackedRow(input_ids=[], position_ids=[], loss_mask=[], logprobs=[], advantages=[], temperatures=[],
+                    policy_versions=[])
     for s in samples:
         row.input_ids.extend(s.token_ids)
         row.position_ids.extend(range(len(s)))
@@ -98,10 +99,11 @@ def _row(samples: list[Sample]) -> PackedRow:
         row.logprobs.extend(s.logprobs)
         row.advantages.extend(s.advantage * m for m in s.loss_mask)
         row.temperatures.extend(s.temperatures)
+        row.policy_versions.extend([s.oldest_version] * len(s))
     return row
 
 
 def _padding_row(pad_token_id: int) -> PackedRow:
     # Two tokens: the trainer predicts token t from t-1, so a row needs at least two.
     return PackedRow(input_ids=[pad_token_id] * 2, position_ids=[0, 1], loss_mask=[0, 0], logprobs=[0.0, 0.0],
-                     advantages=[0.0, 0.0], temperatures=[1.0, 1.0])
+                     advantages=[0.0, 0.0], temperatures=[1.0, 1.0], policy_versions=[-1, -1])

@@ -24,9 +24,12 @@ class MicroBatch:
     inference_logprobs: torch.Tensor
     advantages: torch.Tensor
     temperatures: torch.Tensor
+    on_policy: torch.Tensor
+    """Bool: tokens sampled by the policy the trainer holds now (all, when versions are unknown)."""
 
     @classmethod
-    def from_row(cls, row: PackedRow, device: torch.device) -> "MicroBatch":
+    def from_row(cls, row: PackedRow, device: torch.device, policy_version: int | None = None) -> "MicroBatch":
+        """`policy_version`: the version of the weights being trained (step N trains N-1)."""
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).unsqueeze(0).to(device, non_blocking=True)
 
@@ -37,6 +40,8 @@ class MicroBatch:
             inference_logprobs=tensor(row.logprobs, torch.float32),
             advantages=tensor(row.advantages, torch.float32),
             temperatures=tensor(row.temperatures, torch.float32),
+            on_policy=(tensor(row.policy_versions, torch.long) == policy_version)
+            if row.policy_versions and policy_version is not None else tensor([True] * len(row.input_ids), torch.bool),
         )
 
     @property

@@ -6,7 +6,9 @@ rank and step (`rollouts/step_N/rank_R.msgpack`). Consumer: the trainer.
 Token alignment inside a `PackedRow`: position t describes token `input_ids[t]`.
 `loss_mask[t]` is 1 when the model sampled that token, `logprobs[t]` is the logprob the inference
 server reported for it (0 where not sampled), `advantages[t]` its advantage and `temperatures[t]`
-the sampling temperature used (the trainer divides logits by it before the log-softmax). The
+the sampling temperature used (the trainer divides logits by it before the log-softmax), and
+`policy_versions[t]` the policy version that sampled the sample holding token t (its oldest
+turn; -1 in padding), so the trainer can tell on-policy tokens from off-policy ones. The
 trainer predicts token t from the logits at t-1, so the first token of a sample is never a loss
 token. `position_ids` restart at 0 at each packed sample: attention never crosses samples.
 """
@@ -25,6 +27,8 @@ class PackedRow(msgspec.Struct, array_like=True):
     logprobs: list[float]
     advantages: list[float]
     temperatures: list[float]
+    policy_versions: list[int] = []
+    """Empty when unknown (SFT and fake data): every token then counts as on-policy."""
 
 
 class TrainingBatch(msgspec.Struct):

@@ -8,8 +8,8 @@ import torch
 
 from tandem.config.inference import InferenceConfig
 
-ENGINE = {"num_blocks": 512, "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
-"""Engine settings of the test servers: an 8k-token cache, small enough to allocate in no time."""
+ENGINE = {"device": "cpu", "num_blocks": 512, "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
+"""Engine settings of the test servers: CPU (fp32, exact parity), an 8k-token cache allocated in no time."""
 
 
 def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:

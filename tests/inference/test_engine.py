@@ -14,7 +14,7 @@ from tandem.models.weights import load_state_dict
 
 
 def engine_for(model_dir, **settings):
-    config = {"num_blocks": 256, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 512, **settings}
+    config = {"device": "cpu", "num_blocks": 256, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 512, **settings}
     return build_engine(ModelConfig(name=str(model_dir)), EngineConfig(**config), seed=0)
 
 

@@ -70,3 +70,30 @@ def test_evaluate_is_the_mean_over_loss_tokens_and_ignores_padding(tiny_model, d
     plain = evaluate(policy, [MicroBatch.from_row(r, dims.device) for r in rows], sft_objective, dims)
     padded = evaluate(policy, [MicroBatch.from_row(r, dims.device) for r in rows + [padding_row(259)]], sft_objective, dims)
     assert plain == pytest.approx(padded) and plain == pytest.approx(5.56, abs=0.3)
+
+
+def test_mismatch_kl_counts_only_tokens_of_the_trained_policy(tiny_model, dims):
+    """Tokens sampled by the weights being trained measure the numeric trainer-inference gap;
+    older tokens measure drift and go to `off_policy_kl`."""
+    from tandem.trainer.rl.train import kl_metrics
+    from tandem.trainer.loss import LossInputs, mismatch_kl
+
+    gen = torch.Generator().manual_seed(3)
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=8)
+    row = random_row(gen, [(3, 6), (2, 5)])
+    mb = MicroBatch.from_row(row, dims.device)
+    with torch.no_grad():
+        true_logprobs = policy(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask).logprobs
+    # sample 1 was sampled by policy 4 (the trained one) with exact logprobs; sample 2 by policy 3
+    row.logprobs = [lp if m else 0.0 for lp, m in zip(true_logprobs[0].tolist(), row.loss_mask)]
+    row.logprobs[9 + 2:] = [lp - 0.5 for lp in row.logprobs[9 + 2:]]
+    row.policy_versions = [4] * 9 + [3] * 7
+    mb = MicroBatch.from_row(row, dims.device, policy_version=4)
+    assert mb.on_policy[0].tolist() == [True] * 9 + [False] * 7
+    out = rl_objective(build_loss(AIPOLoss()))(mb, policy(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask))
+    n = 11
+    kls = kl_metrics({k: float(v) / n for k, v in out.metric_sums.items()})
+    assert kls["on_policy_fraction"] == pytest.approx(6 / 11)
+    assert kls["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    expected_off = mismatch_kl(LossInputs(torch.zeros(5), torch.full((5,), -0.5), torch.zeros(5), torch.ones(5, dtype=torch.bool))).mean()
+    assert kls["off_policy_kl"] == pytest.approx(float(expected_off), rel=1e-4)

@@ -59,10 +59,12 @@ def resolve_max_model_len(engine: EngineConfig, hf_config: dict) -> int:
 
 
 def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.device, bytes_per_block: int, max_model_len: int) -> int:
+    """`engine.num_blocks` if set; else what the memory budget holds, at most what a full batch can use."""
     if engine.num_blocks is not None:
         return engine.num_blocks
+    useful = engine.max_num_seqs * -(-max_model_len // engine.block_size)  # max_num_seqs sequences at max_model_len
     if device.type != "cuda":
-        return max(1, int(engine.cpu_kv_cache_gib * 2**30) // bytes_per_block)
+        return min(useful, max(1, int(engine.cpu_kv_cache_gib * 2**30) // bytes_per_block))
     # Peak activations of the largest step, measured with a causal prefill of the full token budget.
     num_tokens = min(engine.max_num_batched_tokens, max_model_len)
     torch.cuda.synchronize(device)
@@ -78,7 +80,7 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
     budget = int(total * engine.memory_fraction) - (total - free) - activations
     del hidden
     torch.cuda.empty_cache()
-    return max(0, budget // bytes_per_block)
+    return min(useful, max(0, budget // bytes_per_block))
 
 
 def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> LLMEngine:

@@ -33,10 +33,24 @@ def rl_objective(loss_fn: LossFn) -> Objective:
         def masked_sum(t: torch.Tensor) -> torch.Tensor:
             return torch.where(mask, t, 0.0).sum()
 
-        sums = {"mismatch_kl": masked_sum(mismatch_kl(x))} | {k: masked_sum(v).detach() for k, v in result.fractions.items()}
+        # Mismatch KL is measured on on-policy tokens only: there trainer and inference hold the
+        # same weights, so any gap is numerical. Off-policy tokens measure the policy's drift.
+        kl = mismatch_kl(x)
+        on = mb.on_policy.float()
+        sums = {"mismatch_kl_sum": masked_sum(kl * on), "on_policy_fraction": masked_sum(on),
+                "off_policy_kl_sum": masked_sum(kl * (1 - on))}
+        sums |= {k: masked_sum(v).detach() for k, v in result.fractions.items()}
         return ObjectiveOutput(masked_sum(result.per_token), sums)
 
     return objective
+
+
+def kl_metrics(means: dict[str, float]) -> dict[str, float | None]:
+    """Turn the objective's per-loss-token sums into KL means over on- and off-policy tokens."""
+    on = means.pop("on_policy_fraction")
+    kl_on, kl_off = means.pop("mismatch_kl_sum"), means.pop("off_policy_kl_sum")
+    return {"on_policy_fraction": on, "mismatch_kl": kl_on / on if on > 0 else None,
+            "off_policy_kl": kl_off / (1 - on) if on < 1 else None}
 
 
 def next_batch(config: TrainerConfig, session: Session, step: int) -> TrainingBatch:
@@ -54,10 +68,11 @@ def train(config: TrainerConfig, session: Session, objective: Objective) -> None
         t_batch = time.perf_counter()
         source = "fake batch" if config.data.fake else str(rollout_file(config.run_dir, step, dims.rank))
         check_step_batch(batch, config.seq_len, session.vocab_size, source, dims)
-        micro_batches = [MicroBatch.from_row(row, dims.device) for row in batch.rows]
+        micro_batches = [MicroBatch.from_row(row, dims.device, policy_version=step - 1) for row in batch.rows]
         result = train_step(session.model, session.optimizer, session.scheduler, micro_batches, objective,
                             batch.num_loss_tokens, config.optim.max_grad_norm, dims)
         t_train = time.perf_counter()
+        kl = kl_metrics(result.metrics)  # pops the raw KL sums out of the metrics
         if session.should_publish(step):
             session.publish(step)
         t_publish = time.perf_counter()
@@ -67,7 +82,7 @@ def train(config: TrainerConfig, session: Session, objective: Objective) -> None
             session.log.warning("step %d: non-finite loss or gradient norm (loss %s, grad_norm %s): update skipped",
                                 step, result.loss, result.grad_norm)
         session.log_step(step, {
-            "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, **result.metrics,
+            "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, **kl, **result.metrics,
             "skipped": int(result.skipped), "num_tokens": num_tokens, "num_loss_tokens": batch.num_loss_tokens,
             "tokens_per_s": num_tokens / max(t_train - t_batch, 1e-9), "time_step": t_train - t_batch,
             "time_wait_batch": t_batch - t0, "time_publish": t_publish - t_train,
