@@ -54,7 +54,7 @@ class PagedAttention:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, k_NHD)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, v_NHD)
         gqa = q_NHD.shape[1] != num_kv_heads
-        out = torch.empty_like(q_NHD)
+        out = torch.empty_like(q_NHD)  # [N, H, D]
         for span in self.meta.prefills:
             s, e = span.query_start, span.query_start + span.query_len
             q_i = q_NHD[s:e].transpose(0, 1)[None]
@@ -70,10 +70,13 @@ class PagedAttention:
             out[s:e] = o[0].transpose(0, 1)
         if self.meta.decode_token_index.numel():
             idx, blocks = self.meta.decode_token_index, self.meta.decode_blocks
+            only_decodes = not self.meta.prefills  # then the decode tokens are all N tokens, in order
             num_decodes = blocks.shape[0]
-            q_d = q_NHD[idx][:, :, None]  # [Bd, H, 1, D]
+            q_d = (q_NHD if only_decodes else q_NHD[idx])[:, :, None]  # [Bd, H, 1, D]
             k_d = k_cache.index_select(0, blocks.view(-1)).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
             v_d = v_cache.index_select(0, blocks.view(-1)).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=self.meta.decode_mask, enable_gqa=gqa)
+            if only_decodes:
+                return o[:, :, 0][None]
             out[idx] = o[:, :, 0]
         return out[None]

@@ -110,7 +110,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             parent = seq.prefix_parent
             if parent is not None and not (parent.has_prefilled_prompt or parent.is_finished):
-                kept.append(seq)  # its sibling is computing the shared prompt: wait one step, then reuse it
+                kept.append(seq)  # an earlier sequence is computing the shared prefix: wait, then reuse it
                 continue
             if not self.block_manager.can_allocate(seq):
                 self.waiting.appendleft(seq)
