@@ -7,12 +7,23 @@ workers, uvicorn's threads): SIGTERM to the group, a grace period, then SIGKILL.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+# Resolved here, in the parent: the child between fork and exec must take no loader locks.
+_prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ManagedProcess:
@@ -26,6 +37,7 @@ class ManagedProcess:
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, text=True, errors="replace",
+            preexec_fn=_die_with_parent if _prctl is not None else None,
         )
         self._reader = threading.Thread(target=self._pump, name=f"tee-{name}", daemon=True)
         self._reader.start()

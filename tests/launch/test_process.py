@@ -45,3 +45,25 @@ def test_stop_kills_the_whole_tree_even_if_sigterm_is_ignored(tmp_path):
     proc.stop(grace=1.0)
     assert time.monotonic() - start < 10
     assert proc.poll() is not None and not alive(child)
+
+
+def test_children_die_with_a_killed_launcher(tmp_path):
+    """A launcher killed by SIGKILL cannot clean up: its children must still not outlive it."""
+    launcher = (
+        "import os, sys, time\n"
+        "from tandem.launch.process import ManagedProcess\n"
+        f"p = ManagedProcess('child', [sys.executable, '-c', 'import time; time.sleep(600)'], {str(tmp_path / 'c.log')!r}, dict(os.environ))\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    assert alive(child)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
