@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 rl: $(STAMP)
-	$(BIN)/tandem rl @ examples/reverse_text/rl.toml
+	$(BIN)/tandem rl @ examples/reverse_text/rl.toml --clean
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x tests

@@ -1,44 +1,92 @@
-"""Trainer throughput on fake-data RL steps: tokens/s, MFU and peak memory.
+"""Trainer throughput on fake-data RL steps: tokens/s, MFU and peak memory, against a plain baseline.
 
-    python benchmarks/trainer.py --preset small --seq-len 2048 --samples-per-row 4 --rows 4 --steps 5
-    torchrun --nproc-per-node 8 benchmarks/trainer.py --preset qwen3-0.6b --device cuda --seq-len 8192
+    python benchmarks/trainer.py --preset small --device cpu --shapes 2048:4:4
+    python benchmarks/trainer.py --preset qwen3-0.6b --device cuda --shapes 16384:1:2 16384:8:2 65536:1:1 \\
+        --baseline 16384:1:2 --out benchmarks/results/trainer-h200-DATE.json
 
-A model folder of the preset (random weights) is written to a temporary folder, then the real
-trainer step runs (`open_session` + `train_step`: FSDP2, chunked logprobs, AIPO loss, AdamW) on
-fake batches (`tandem.trainer.data.fake_batch`: each row packs `samples-per-row` samples of
-`seq_len / samples-per-row` tokens, half prompt, half completion). Publishing and checkpoints
-are left out: this measures the training step alone. The first `warmup` steps are not timed.
+A shape `SEQ_LEN:SAMPLES:ROWS` is a step of ROWS rows of SEQ_LEN tokens, each row packing SAMPLES
+sequences of SEQ_LEN / SAMPLES tokens, half prompt and half completion
+(`tandem.trainer.data.fake_batch`). A model folder of the preset (random weights) is written to a
+temporary folder; every run reads it, and every run of a shape trains on the same rows.
 
-MFU = model FLOPs per second (formula in `tandem.trainer.flops`: 6 * params * tokens plus the
-attention FLOPs of the causal sequences actually in the rows) / peak FLOP/s of all ranks.
-Peak: 989e12 bf16 per H100/H200 on CUDA (`--peak-flops` overrides). On CPU the peak is measured:
-the best fp32 matmul FLOP/s of this process (2048^3, all its threads), printed with the result.
-Peak memory: max allocated CUDA memory, or the process's peak resident memory on CPU.
+- `tandem`: the real trainer step (`open_session` + `train_step`: FSDP2, the trainer's block
+  forward, document attention, fused chunked logprobs, AIPO, AdamW) with the config's defaults
+  unless a flag says otherwise; the result names the options used (compilation, activation
+  checkpointing mode, logprob chunk size, SDPA backends). A run that fails while compiled is run
+  again with `kernels.compile = off` and both results are kept.
+- `baseline` (`--baseline`, rows of one sequence only): transformers' Qwen3ForCausalLM from the
+  same folder with SDPA attention (at torch's default kernel order) and gradient checkpointing,
+  fp32 master weights under bf16 autocast (fp32 everywhere on a CPU), full fp32 logits
+  [tokens x vocab] and log_softmax over them, the same AIPO loss on the same rows, torch's AdamW
+  (default implementation) with the same hyper-parameters and gradient clipping.
+
+MFU = model FLOPs / step time / peak FLOP/s, the same count for both (`tandem.trainer.flops`):
+
+    FLOPs per step = 6 * P * (tokens of the step) + sum over sequences of 6 * layers * Hq * D * L^2
+
+P = every parameter (the tied embedding once: it is the LM head's matmul), L = each sequence's
+length: attention counts only the causal sequences actually in the rows, never across packed
+samples. The same per-step count for both runs makes their MFU ratio their tokens/s ratio.
+`mfu_trainer_flops` also gives tandem's MFU over the FLOPs it asks for (the LM head on loss
+tokens only, `training_flops`). Recomputation is never counted.
+Peak: 989e12 (dense bf16 of one H100/H200 by the datasheet) per GPU on CUDA (`--peak-flops`
+overrides); on a CPU, the best fp32 2048^3 matmul rate of this process, measured here.
+Peak memory: max allocated (and reserved) CUDA memory over all steps of the run, or the
+process's peak resident memory on a CPU. The first `--warmup` steps (compilation) are not timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tandem.config.trainer import ActivationCheckpointConfig, AdamWConfig, ParallelConfig, RolloutDataConfig, TrainerConfig
 from tandem.config.base import ModelConfig
+from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPOLoss, KernelsConfig, ParallelConfig,
+                                   RolloutDataConfig, TrainerConfig)
 from tandem.models.presets import PRESETS, init_model
 from tandem.trainer.batch import MicroBatch
 from tandem.trainer.data import fake_batch
-from tandem.trainer.flops import training_flops
-from tandem.trainer.loss import build_loss
+from tandem.trainer.flops import model_flops, training_flops
+from tandem.trainer.loss import LossInputs, build_loss
+from tandem.trainer.model import compute_dtype, should_compile
 from tandem.trainer.rl.train import rl_objective
 from tandem.trainer.session import open_session, peak_memory_gib
 from tandem.trainer.step import train_step
 
 H100_BF16_PEAK = 989e12
+
+
+@dataclass(frozen=True)
+class Shape:
+    seq_len: int
+    samples_per_row: int
+    rows: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        try:
+            seq_len, samples, rows = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"shape {text!r}: expected SEQ_LEN:SAMPLES:ROWS, e.g. 16384:1:2") from None
+        if seq_len // samples < 2 or rows < 1:
+            raise argparse.ArgumentTypeError(f"shape {text!r}: needs at least 2 tokens per sample and 1 row")
+        return cls(seq_len, samples, rows)
+
+    def __str__(self) -> str:
+        return f"{self.seq_len}:{self.samples_per_row}:{self.rows}"
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        return [self.seq_len // self.samples_per_row] * self.samples_per_row * self.rows
 
 
 def measured_cpu_peak(size: int = 2048, repeats: int = 5) -> float:
@@ -57,81 +105,219 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row")
-    parser.add_argument("--samples-per-row", type=int, default=4, help="sequences packed in each row")
-    parser.add_argument("--rows", type=int, default=4, help="rows (micro-batches) per step over all ranks")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="compute dtype")
-    parser.add_argument("--ac", choices=["off", "full", "every_k"], default="off", help="activation checkpointing")
-    parser.add_argument("--chunk-size", type=int, default=1024, help="logprob chunk (tokens)")
-    parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s per rank (default: see the docstring)")
-    args = parser.parse_args(argv)
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        # Each rank writes its own copy: the preset's weights are a function of the seed alone.
-        folder = init_model(args.preset, Path(tmp) / "model", seed=0)
+
+def memory_figures(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {"peak_memory_gib": peak_memory_gib(device)}
+
+
+def timing(times: list[float], shape: Shape, flops_per_step: float, peak: float) -> dict:
+    step_time = sum(times) / len(times)
+    return {"steps": len(times), "step_times_s": times, "step_time_s": step_time,
+            "tokens_per_s": shape.seq_len * shape.rows / step_time, "model_tflops_per_s": flops_per_step / step_time / 1e12,
+            "mfu": flops_per_step / step_time / peak}
+
+
+def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: float) -> dict:
+    """The real trainer step: the config's defaults, or the flags' options."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        parallel = ParallelConfig() if args.ac is None else ParallelConfig(activation_checkpoint=ActivationCheckpointConfig(mode=args.ac))
         config = TrainerConfig(
-            model=ModelConfig(name=str(folder), dtype=args.dtype), device=args.device, seq_len=args.seq_len,
-            max_steps=args.warmup + args.steps, output_dir=Path(tmp) / "run", optim=AdamWConfig(lr=1e-6),
-            parallel=ParallelConfig(activation_checkpoint=ActivationCheckpointConfig(mode=args.ac)),
-            data=RolloutDataConfig(fake=True, fake_rows=args.rows, fake_samples_per_row=args.samples_per_row),
-            logprob_chunk_size=args.chunk_size,
+            model=ModelConfig(name=str(folder), dtype=args.dtype), device=args.device, seq_len=shape.seq_len,
+            max_steps=args.warmup + args.steps, output_dir=Path(run_dir), optim=AdamWConfig(lr=1e-6), parallel=parallel,
+            data=RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row),
+            kernels=kernels, **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
         )
         session = open_session(config, "trainer")
         try:
-            result = run(config, session, args)
+            dims, model = session.dims, session.model
+            objective = rl_objective(build_loss(config.loss))
+            num_params = sum(p.numel() for p in model.parameters())
+            options = {"compile": should_compile(config.kernels, dims.device),
+                       "activation_checkpoint": config.parallel.activation_checkpoint.mode,
+                       "logprob_chunk_size": config.logprob_chunk_size, "sdpa_backends": config.kernels.sdpa_backends,
+                       "compute_dtype": str(compute_dtype(config.model, dims.device)), "optimizer": "AdamW (fused on CUDA)"}
+            reset_memory(dims.device)
+            times, losses = [], []
+            for step in range(1, config.max_steps + 1):
+                batch = fake_batch(step, dims.rank, dims.world_size, config.data, config.seq_len, session.vocab_size, config.seed)
+                micro_batches = [MicroBatch.from_row(row, dims.device) for row in batch.rows]
+                sync(dims.device)
+                start = time.perf_counter()
+                result = train_step(model, session.optimizer, session.scheduler, micro_batches, objective,
+                                    batch.num_loss_tokens, config.optim.max_grad_norm, dims)
+                sync(dims.device)
+                losses.append({"loss": result.loss, "grad_norm": result.grad_norm, "entropy": result.metrics["entropy"]})
+                if step > args.warmup:
+                    times.append(time.perf_counter() - start)
+            flops = model_flops(num_params, session.hf_config, shape.sequence_lengths)
+            trainer_flops = training_flops(model.blocks, model.lm.lm_head.weight.numel(), session.hf_config,
+                                           shape.sequence_lengths, batch.num_loss_tokens)
+            out = {"impl": "tandem", "options": options, **timing(times, shape, flops, peak),
+                   "mfu_trainer_flops": trainer_flops / (sum(times) / len(times)) / peak, **memory_figures(dims.device),
+                   "losses": losses}
         finally:
             session.close()
-    if result is not None:
-        print(json.dumps(result))
-    return 0
+    return out
 
 
-def run(config: TrainerConfig, session, args) -> dict | None:
-    dims = session.dims
-    objective = rl_objective(build_loss(config.loss))
-    head_params = session.model.lm.lm_head.weight.numel()
-    times, flops, tokens = [], 0.0, 0
-    for step in range(1, config.max_steps + 1):
-        batch = fake_batch(step, dims.rank, dims.world_size, config.data, config.seq_len, session.vocab_size, config.seed)
-        micro_batches = [MicroBatch.from_row(row, dims.device) for row in batch.rows]
-        sync(dims.device)
+def run_baseline(folder: Path, shape: Shape, args, peak: float) -> dict:
+    """transformers' model, gradient checkpointing, full fp32 logits, torch AdamW: see the docstring."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optim = AdamWConfig(lr=1e-6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    loss_fn = build_loss(AIPOLoss())
+    data = RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row)
+    vocab = model.config.vocab_size
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    reset_memory(device)
+    times, losses = [], []
+    for step in range(1, args.warmup + args.steps + 1):
+        batch = fake_batch(step, 0, 1, data, shape.seq_len, vocab, 0)
+        micro_batches = [MicroBatch.from_row(row, device) for row in batch.rows]
+        sync(device)
         start = time.perf_counter()
-        train_step(session.model, session.optimizer, session.scheduler, micro_batches, objective, batch.num_loss_tokens,
-                   config.optim.max_grad_norm, dims)
-        sync(dims.device)
+        loss_sum = entropy_sum = torch.zeros((), device=device)
+        for mb in micro_batches:
+            with autocast:
+                logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
+            logp = torch.log_softmax(logits.float() / mb.temperatures[..., None], dim=-1)
+            picked = logp[:, :-1].gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+            logprobs = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+            with torch.no_grad():
+                entropy = -(logp.exp() * logp).sum(-1)
+            per_token = loss_fn(LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask)).per_token
+            loss = torch.where(mb.loss_mask, per_token, 0.0).sum() / batch.num_loss_tokens
+            loss.backward()
+            loss_sum = loss_sum + loss.detach()
+            entropy_sum = entropy_sum + torch.where(mb.loss_mask, entropy, 0.0).sum()
+            del logits, logp, picked, logprobs, entropy, loss
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        losses.append({"loss": float(loss_sum), "grad_norm": float(grad_norm),
+                       "entropy": float(entropy_sum) / batch.num_loss_tokens})
         if step > args.warmup:
             times.append(time.perf_counter() - start)
-            lengths = [config.seq_len // args.samples_per_row] * args.samples_per_row * args.rows
-            flops += training_flops(session.model.blocks, head_params, session.hf_config, lengths, batch.num_loss_tokens)
-            tokens += config.seq_len // args.samples_per_row * args.samples_per_row * args.rows
-    if not dims.is_main:
-        return None
-    elapsed = sum(times)
+    num_params = sum(p.numel() for p in model.parameters())
+    flops = model_flops(num_params, model.config.to_dict(), shape.sequence_lengths)
+    out = {"impl": "baseline", "options": {"attention": "sdpa (default kernel order)", "gradient_checkpointing": True,
+                                           "logits": "full fp32", "optimizer": "torch AdamW (default implementation)",
+                                           "precision": "fp32 master, bf16 autocast" if device.type == "cuda" else "fp32"},
+           **timing(times, shape, flops, peak), **memory_figures(device), "losses": losses}
+    del model, optimizer
+    return out
+
+
+def attempt(label: str, fn, *fn_args) -> dict:
+    """Run one benchmark; an error (out of memory, a compile failure) is recorded, not raised."""
+    try:
+        return fn(*fn_args)
+    except Exception as err:  # the harness keeps going: the other shapes still measure
+        traceback.print_exc()
+        return {"error": f"{type(err).__name__}: {err}"[:2000], "label": label}
+    finally:
+        reset_memory(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+
+
+def environment(device: torch.device, commit: str | None) -> dict:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "commit": commit}
+    if device.type == "cuda":
+        env |= {"gpu": torch.cuda.get_device_name(device), "cudnn": torch.backends.cudnn.version()}
+    return env
+
+
+def summary(shape: Shape, result: dict) -> str:
+    if "error" in result:
+        return f"{shape} {result.get('impl', result['label'])}: FAILED {result['error'][:300]}"
+    return (f"{shape} {result['impl']}: {result['tokens_per_s']:.0f} tokens/s, {result['step_time_s'] * 1e3:.0f} ms/step, "
+            f"MFU {result['mfu']:.1%}, peak {result['peak_memory_gib']:.2f} GiB, options {result['options']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--shapes", type=Shape.parse, nargs="+", default=[Shape(2048, 4, 4)], help="SEQ_LEN:SAMPLES:ROWS of tandem runs")
+    parser.add_argument("--baseline", type=Shape.parse, nargs="*", default=[], help="shapes (one sample per row) of baseline runs")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="compute dtype of tandem")
+    parser.add_argument("--ac", choices=["off", "selective", "full", "every_k"], default=None,
+                        help="activation checkpointing (default: the config's)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="logprob chunk in tokens (default: the config's)")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default=KernelsConfig().compile)
+    parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: see the docstring)")
+    parser.add_argument("--commit", default=None, help="the commit measured, recorded in the results")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (rewritten after each run)")
+    args = parser.parse_args(argv)
+    bad = [str(s) for s in args.baseline if s.samples_per_row != 1]
+    if bad:
+        parser.error(f"--baseline {' '.join(bad)}: the baseline runs rows of one sequence only (SAMPLES = 1)")
+
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     if args.peak_flops is not None:
-        peak, peak_note = args.peak_flops * dims.world_size, "given"
-    elif dims.device.type == "cuda":
-        peak, peak_note = H100_BF16_PEAK * dims.world_size, "989e12 bf16 per GPU (H100/H200)"
+        peak, peak_note = args.peak_flops, "given"
+    elif device.type == "cuda":
+        peak, peak_note = H100_BF16_PEAK, "989e12 dense bf16 (H100/H200 datasheet)"
     else:
-        peak = measured_cpu_peak()
-        peak_note = f"measured fp32 matmul peak of this process, {torch.get_num_threads()} threads"
-    result = {
-        "preset": args.preset, "device": str(dims.device), "world_size": dims.world_size, "dtype": args.dtype, "ac": args.ac,
-        "seq_len": config.seq_len, "samples_per_row": args.samples_per_row, "rows_per_step": args.rows, "steps": len(times),
-        "step_time_s": elapsed / len(times), "tokens_per_s": tokens / elapsed, "model_tflops_per_s": flops / elapsed / 1e12,
-        "mfu": flops / elapsed / peak, "peak_tflops": peak / 1e12, "peak_note": peak_note,
-        "peak_memory_gib": peak_memory_gib(dims.device),
-    }
-    print(f"{args.preset} on {dims.device} x{dims.world_size}, seq_len {config.seq_len} ({args.samples_per_row} samples/row, "
-          f"{args.rows} rows/step): {result['tokens_per_s']:.0f} tokens/s, {result['step_time_s'] * 1e3:.0f} ms/step, "
-          f"MFU {result['mfu']:.1%} of {result['peak_tflops']:.3g} TFLOP/s ({peak_note}), "
-          f"peak memory {result['peak_memory_gib']:.2f} GiB", file=sys.stderr)
-    return result
+        peak, peak_note = measured_cpu_peak(), f"measured fp32 matmul peak of this process, {torch.get_num_threads()} threads"
+    results = {"preset": args.preset, "device": str(device), "peak_tflops": peak / 1e12, "peak_note": peak_note,
+               "warmup_steps": args.warmup, "environment": environment(device, args.commit), "runs": []}
+
+    def record(shape: Shape, result: dict) -> None:
+        results["runs"].append({"shape": str(shape), "seq_len": shape.seq_len, "samples_per_row": shape.samples_per_row,
+                                "rows_per_step": shape.rows, **result})
+        print(summary(shape, result), file=sys.stderr, flush=True)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(results, indent=1))
+            tmp.replace(args.out)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = init_model(args.preset, Path(tmp) / "model", seed=0)
+        # The first tandem shape, then the baselines (so the ratio exists early), then the rest.
+        order = args.shapes[:1] + [None] + args.shapes[1:]
+        for shape in order:
+            if shape is None:
+                for base in args.baseline:
+                    record(base, attempt("baseline", run_baseline, folder, base, args, peak))
+                continue
+            kernels = KernelsConfig(compile=args.compile)
+            result = attempt("tandem", run_tandem, folder, shape, args, kernels, peak)
+            record(shape, result)
+            if "error" in result and should_compile(kernels, device):
+                record(shape, {**attempt("tandem", run_tandem, folder, shape, args, KernelsConfig(compile="off"), peak),
+                               "note": "rerun with kernels.compile = off after the compiled run failed"})
+    ratios = {}
+    for base in (r for r in results["runs"] if r.get("impl") == "baseline"):
+        mine = [r for r in results["runs"] if r.get("impl") == "tandem" and r["shape"] == base["shape"] and "error" not in r]
+        if mine:
+            ratios[base["shape"]] = mine[0]["tokens_per_s"] / base["tokens_per_s"]
+            print(f"{base['shape']}: tandem / baseline = {ratios[base['shape']]:.2f}x tokens/s", file=sys.stderr)
+    results["ratio_to_baseline"] = ratios
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}))
+    return 0
 
 
 if __name__ == "__main__":

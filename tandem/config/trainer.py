@@ -145,8 +145,12 @@ SchedulerConfig = Annotated[Union[Annotated[ConstantSchedule, Tag("constant")], 
 
 
 class ActivationCheckpointConfig(Section):
-    mode: Literal["off", "full", "every_k"] = "off"
-    """`full` recomputes every transformer block in backward; `every_k` blocks 0, k, 2k, ...; `off` none."""
+    mode: Literal["off", "selective", "full", "every_k"] = "selective"
+    """What transformer blocks recompute in backward. `selective`: everything but attention, which
+    keeps its inputs and output (native models; for Qwen3-0.6B 14 KiB per token and block, the
+    recompute costs a third more block matmul FLOPs and no attention FLOPs); on models that fall
+    back to transformers it acts as `full`. `full`: every block entirely (least memory, attention
+    computed twice); `every_k`: blocks 0, k, 2k, ... entirely; `off`: nothing (most memory)."""
 
     k: int = Field(2, ge=1)
     """With `mode = "every_k"`, checkpoint one block in `k`."""
@@ -161,6 +165,28 @@ class ParallelConfig(Section):
 
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     """Recompute activations in backward to save memory."""
+
+
+SDPABackendName = Literal["cudnn", "flash", "efficient", "math"]
+
+
+class KernelsConfig(Section):
+    """How the native model's blocks and the logprob head run: speed only, the math is the same."""
+
+    compile: Literal["auto", "on", "off"] = "auto"
+    """`torch.compile` the pointwise work around attention in each block and the fp32 work of the
+    logprob head (one graph for all layers and row lengths). `auto`: on CUDA only (on a CPU the
+    compile time outweighs the gain)."""
+
+    sdpa_backends: list[SDPABackendName] = ["cudnn", "flash", "efficient", "math"]
+    """Fused SDPA kernels for rows of one document on CUDA, most preferred first (the first that
+    supports the inputs runs). Packed rows use variable-length FlashAttention."""
+
+    @model_validator(mode="after")
+    def _check_backends(self) -> "KernelsConfig":
+        if not self.sdpa_backends:
+            raise ValueError("`kernels.sdpa_backends` is empty; name at least one of cudnn, flash, efficient, math")
+        return self
 
 
 class CkptConfig(Section):
@@ -207,7 +233,11 @@ class TrainingProcessConfig(ProcessConfig):
     """Publishing of HF-format policy weights (`weights/step_N/`)."""
 
     logprob_chunk_size: int = Field(1024, ge=1)
-    """Tokens per chunk of the LM-head log-softmax: bounds the fp32 [tokens x vocab] logits held at once."""
+    """Tokens per chunk of the LM-head logprobs: bounds the [tokens x vocab] logits held at once
+    (chunk x vocab x 4 bytes compiled: bf16 logits and their gradient; about 5x that in eager mode)."""
+
+    kernels: KernelsConfig = KernelsConfig()
+    """Compilation and attention kernels."""
 
 
 class RolloutDataConfig(Section):

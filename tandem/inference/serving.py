@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.inference.engine.async_engine import AsyncEngine, EngineError
+from tandem.inference.engine.async_engine import AsyncEngine
 from tandem.inference.engine.llm_engine import SequenceOutput
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.errors import APIError
@@ -82,8 +82,8 @@ class Served:
                 yield out
         except ValueError as err:
             raise APIError(400, str(err)) from None
-        except EngineError as err:
-            raise APIError(500, str(err)) from None
+        except Exception as err:  # EngineError (a failed step), or the engine refusing the request
+            raise APIError(500, f"{type(err).__name__}: {err}") from None
         finally:
             await outputs.aclose()
 

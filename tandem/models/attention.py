@@ -1,17 +1,21 @@
 """Attention backends: how a layer's q, k, v become its output.
 
-The model code calls `backend.attend(layer_idx, q, k, v)` and knows nothing else: training uses
-`PackedCausalAttention` (documents packed in a row, positions restart at each one, no attention
-across documents); the inference engine passes its own backend that reads and writes a paged KV
-cache. Shapes: q [B, T, Hq, D], k and v [B, T, Hkv, D], output [B, T, Hq, D].
+The model code calls `backend.attend(layer_idx, q, k, v)` and knows nothing else. Packed rows
+(documents packed in a row, positions restart at each one) never attend across documents:
+`PackedCausalAttention` finds the documents from the position ids (the model's default),
+`DocumentCausalAttention` is told them by the trainer and uses variable-length kernels; the
+inference engine passes its own backend that reads and writes a paged KV cache.
+Shapes: q [B, T, Hq, D], k and v [B, T, Hkv, D], output [B, T, Hq, D].
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class AttentionBackend(Protocol):
@@ -48,3 +52,99 @@ class PackedCausalAttention:
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
         return out.transpose(1, 2)
+
+
+def document_lengths(position_ids: list[int]) -> list[int]:
+    """Lengths of the documents packed in one row: a new document starts where the position is 0."""
+    starts = [t for t, p in enumerate(position_ids) if p == 0]
+    if not starts or starts[0] != 0:
+        raise ValueError("a packed row must start with position 0 (the first token of a document)")
+    return [end - start for start, end in zip(starts, starts[1:] + [len(position_ids)])]
+
+
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+"""Names of the fused SDPA kernels `DocumentCausalAttention` may be told to prefer."""
+
+
+class DocumentCausalAttention:
+    """Causal attention inside each document of packed rows, for training; no mask tensor.
+
+    The document lengths of every row are known on the host (the trainer reads them from the
+    batch), so no step needs a device sync or a [T, T] mask:
+    - a row holding one document takes SDPA's `is_causal` path; on CUDA with the fused kernels of
+      `sdpa_backends` in that order of preference (cuDNN first: the fastest on Hopper);
+    - packed rows on CUDA in bf16 or fp16 go through `torch.nn.attention.varlen.varlen_attn`
+      (FlashAttention over the concatenated documents, cumulative lengths in `cu_seqlens`), which
+      handles GQA natively;
+    - other packed rows (CPU, fp32) run SDPA `is_causal` on each document's slice.
+    """
+
+    def __init__(self, row_lengths: list[list[int]], device: torch.device, sdpa_backends: list[str]):
+        """`row_lengths[b]`: the document lengths of row b (summing to T); `sdpa_backends`: names of
+        `SDPA_BACKENDS`, most preferred first."""
+        unknown = [b for b in sdpa_backends if b not in SDPA_BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown SDPA backends {unknown}; choose from {', '.join(SDPA_BACKENDS)}")
+        self.row_lengths = row_lengths
+        self.backends = [SDPA_BACKENDS[b] for b in sdpa_backends]
+        self.packed = any(len(lengths) > 1 for lengths in row_lengths)
+        self.cu_seqlens: torch.Tensor | None = None
+        if self.packed and device.type == "cuda" and _varlen_attn is not None:
+            flat = [n for lengths in row_lengths for n in lengths]
+            offsets = [0]
+            for n in flat:
+                offsets.append(offsets[-1] + n)
+            self.cu_seqlens = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+            self.max_len = max(flat)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cu_seqlens is not None and q.dtype in (torch.bfloat16, torch.float16):  # FlashAttention's dtypes
+            B, T, H, D = q.shape
+            out = _varlen_attn(q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
+                               self.cu_seqlens, self.max_len)
+            return out.view(B, T, H, D)
+        if not self.packed:
+            return self._causal(q, k, v)
+        rows = []
+        for b, lengths in enumerate(self.row_lengths):
+            docs, start = [], 0
+            for n in lengths:
+                docs.append(self._causal(q[b:b + 1, start:start + n], k[b:b + 1, start:start + n], v[b:b + 1, start:start + n]))
+                start += n
+            rows.append(torch.cat(docs, dim=1))
+        return torch.cat(rows, dim=0)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+        gqa = q.shape[1] != k.shape[1]
+        if q.is_cuda:
+            with sdpa_kernel(self.backends, set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+def _load_varlen_attn():
+    """`varlen_attn(q, k, v, cu_seqlens, max_len)`, causal, GQA allowed; None where torch lacks it.
+
+    Its keyword arguments changed across torch releases (`is_causal` in 2.9-2.10, `window_size`
+    later; `enable_gqa` once it checks head counts): the signature says which to pass.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+
+    def attend(q, k, v, cu_seqlens, max_len):
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+    return attend
+
+
+_varlen_attn = _load_varlen_attn()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.models.attention import document_lengths
 from tandem.transport.types import PackedRow
 
 
@@ -26,6 +27,8 @@ class MicroBatch:
     temperatures: torch.Tensor
     on_policy: torch.Tensor
     """Bool: tokens sampled by the policy the trainer holds now (all, when versions are unknown)."""
+    row_document_lengths: list[list[int]]
+    """Host-side lengths of the documents packed in the row, for attention without a mask or a sync."""
 
     @classmethod
     def from_row(cls, row: PackedRow, device: torch.device, policy_version: int | None = None) -> "MicroBatch":
@@ -42,6 +45,7 @@ class MicroBatch:
             temperatures=tensor(row.temperatures, torch.float32),
             on_policy=(tensor(row.policy_versions, torch.long) == policy_version)
             if row.policy_versions and policy_version is not None else tensor([True] * len(row.input_ids), torch.bool),
+            row_document_lengths=[document_lengths(row.position_ids)],
         )
 
     @property

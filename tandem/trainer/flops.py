@@ -1,5 +1,10 @@
-"""Model FLOPs of a training step, the numerator of MFU.
+"""Model FLOPs of a training step, the numerator of MFU, counted two ways.
 
+`model_flops`, the usual MFU count and the one benchmarks compare: 6 * P * tokens + attention,
+P every parameter of the model (a tied embedding once: it is the LM head's matmul), as if the
+LM head ran on every token; it depends on the model and the data only, not on the implementation.
+
+`training_flops`, the work the trainer actually asks for:
 flops = 6 * P_blocks * tokens + 6 * P_head * logprob_tokens + attention, where
 - P_blocks counts the matrix parameters of the transformer blocks (norms are negligible; the
   embedding lookup is no matmul), over every token of the step;
@@ -21,11 +26,18 @@ def matrix_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
 
 
-def training_flops(blocks: nn.Module, head_params: int, hf_config: dict, sequence_lengths: list[int], num_logprob_tokens: int) -> float:
+def attention_flops(hf_config: dict, sequence_lengths: list[int]) -> float:
+    """Forward and backward attention FLOPs of causal sequences: 6 * layers * Hq * D * L^2 each."""
     heads = hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
-    layers = hf_config["num_hidden_layers"]
-    tokens = sum(sequence_lengths)
-    dense = 6 * matrix_params(blocks) * tokens + 6 * head_params * num_logprob_tokens
-    attention = 6 * layers * heads * head_dim * sum(n * n for n in sequence_lengths)
-    return float(dense + attention)
+    return float(6 * hf_config["num_hidden_layers"] * heads * head_dim * sum(n * n for n in sequence_lengths))
+
+
+def model_flops(num_params: int, hf_config: dict, sequence_lengths: list[int]) -> float:
+    """6 * P per token of the sequences, plus their attention."""
+    return float(6 * num_params * sum(sequence_lengths)) + attention_flops(hf_config, sequence_lengths)
+
+
+def training_flops(blocks: nn.Module, head_params: int, hf_config: dict, sequence_lengths: list[int], num_logprob_tokens: int) -> float:
+    dense = 6 * matrix_params(blocks) * sum(sequence_lengths) + 6 * head_params * num_logprob_tokens
+    return float(dense) + attention_flops(hf_config, sequence_lengths)

@@ -1,7 +1,9 @@
 """The model the trainers train: a causal LM from `tandem/models/` with parallelism applied.
 
 `PolicyModel` wraps the causal LM and computes per-token logprobs inside its own `forward`, so
-the LM head runs inside the FSDP root's forward, where its (gathered) weight is valid.
+the LM head runs inside the FSDP root's forward, where its (gathered) weight is valid. Native
+models attend through `DocumentCausalAttention` (document lengths from the batch, no mask) and
+run the trainer's block forward (`tandem.trainer.block`: compiled halves, selective recompute).
 
 Loading (`build_policy`):
 - native models (Qwen3): built on the meta device, activation checkpointing and FSDP applied,
@@ -22,11 +24,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tandem.config.base import ModelConfig
-from tandem.config.trainer import ParallelConfig
+from tandem.config.trainer import ActivationCheckpointConfig, KernelsConfig, ParallelConfig
+from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
 from tandem.models.loading import build_native, is_native, read_hf_config, resolve_dtype
 from tandem.models.weights import load_state_dict
+from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from tandem.trainer.parallel.dims import ParallelDims
@@ -44,32 +48,46 @@ class TokenLogprobs:
 
 
 class PolicyModel(nn.Module):
-    def __init__(self, lm: nn.Module, chunk_size: int):
+    def __init__(self, lm: nn.Module, chunk_size: int, compile_head: bool = False,
+                 sdpa_backends: list[str] = KernelsConfig().sdpa_backends):
+        """`compile_head`: compile the logprob head's fp32 work; `sdpa_backends`: see `KernelsConfig`."""
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.compile_head = compile_head
+        self.sdpa_backends = sdpa_backends
+        self.native = not isinstance(lm, HFCausalLM)
 
     @property
     def blocks(self) -> nn.ModuleList:
         return self.lm.layers
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperatures: torch.Tensor,
-                loss_mask: torch.Tensor) -> TokenLogprobs:
+                loss_mask: torch.Tensor, row_document_lengths: list[list[int]] | None = None) -> TokenLogprobs:
         """All inputs [B, T]; logprobs are computed only where `loss_mask` is true.
+
+        `row_document_lengths`: the lengths of the documents packed in each row, as the host
+        knows them from the batch; read from `position_ids` (a device sync) when not given.
 
         Token t is predicted from the hidden state at t-1, so column 0 is never computed. A row
         without loss tokens still computes one position (then discarded by the mask of the loss)
         so that every parameter takes part in backward: FSDP's reduce-scatters must run on every
         rank for every micro-batch, padding rows included.
         """
-        hidden = self.lm(input_ids, position_ids)
+        if self.native:
+            if row_document_lengths is None:
+                row_document_lengths = [document_lengths(row) for row in position_ids.tolist()]
+            attention = DocumentCausalAttention(row_document_lengths, input_ids.device, self.sdpa_backends)
+            hidden = self.lm(input_ids, position_ids, attention=attention)
+        else:
+            hidden = self.lm(input_ids, position_ids)
         select = loss_mask[:, 1:].bool()
         if not bool(select.any()):
             select = torch.zeros_like(select)
             select[0, 0] = True
         head = self.lm.lm_head
         lp, ent = token_logprobs(hidden[:, :-1][select], head.weight, head.bias, input_ids[:, 1:][select],
-                                 temperatures[:, 1:][select], self.chunk_size)
+                                 temperatures[:, 1:][select], self.chunk_size, self.compile_head)
         B, T = input_ids.shape
         zeros = torch.zeros(B, T - 1, dtype=torch.float32, device=hidden.device)
         first = torch.zeros(B, 1, dtype=torch.float32, device=hidden.device)
@@ -88,16 +106,30 @@ def compute_dtype(model: ModelConfig, device: torch.device) -> torch.dtype:
     return resolve_dtype(model.dtype, device)
 
 
-def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, chunk_size: int) -> tuple[PolicyModel, dict]:
-    """Load `model.name`, apply activation checkpointing and FSDP; returns the model and its config.json."""
+def should_compile(kernels: KernelsConfig, device: torch.device) -> bool:
+    """`kernels.compile`, where `auto` compiles on CUDA only."""
+    return kernels.compile == "on" or (kernels.compile == "auto" and device.type == "cuda")
+
+
+def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, chunk_size: int,
+                 kernels: KernelsConfig = KernelsConfig()) -> tuple[PolicyModel, dict]:
+    """Load `model.name`, apply the training blocks, activation checkpointing and FSDP; returns the
+    model and its config.json."""
     folder = resolve_model_path(model.name)
     hf_config = read_hf_config(folder)
-    if is_native(hf_config):
+    native = is_native(hf_config)
+    if native:
         lm = build_native(hf_config, "meta", torch.float32)
     else:
         lm = HFCausalLM.from_pretrained(folder, "cpu", torch.float32, model.trust_remote_code)
-    policy = PolicyModel(lm, chunk_size)
-    apply_activation_checkpoint(policy.blocks, parallel.activation_checkpoint)
+    compile = should_compile(kernels, dims.device)
+    policy = PolicyModel(lm, chunk_size, compile_head=compile and native, sdpa_backends=kernels.sdpa_backends)
+    checkpointing = parallel.activation_checkpoint
+    if native:
+        apply_training_blocks(policy.blocks, compile=compile, recompute=checkpointing.mode == "selective")
+    elif checkpointing.mode == "selective":  # transformers' blocks cannot be split at attention
+        checkpointing = ActivationCheckpointConfig(mode="full")
+    apply_activation_checkpoint(policy.blocks, checkpointing)
     apply_fsdp(policy, policy.blocks, dims.mesh, param_dtype=compute_dtype(model, dims.device),
                reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward)
     if is_native(hf_config):

@@ -17,7 +17,10 @@ from tandem.config.trainer import AdamWConfig, ConstantSchedule, CosineSchedule,
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if isinstance(config, AdamWConfig):
-        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+        # CUDA: one fused kernel over all parameters; elsewhere the foreach implementation.
+        fused = all(p.device.type == "cuda" for p in params)
+        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+                                 fused=fused or None)
     if isinstance(config, SGDConfig):
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     raise ValueError(f"unknown optimizer type {getattr(config, 'type', config)!r}")

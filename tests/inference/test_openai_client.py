@@ -59,8 +59,9 @@ def test_completions_n4_streamed_and_not(client, tiny_dir):
     whole = client.completions.create(**args, logprobs=1)
     assert len(whole.choices) == 4
     for choice in whole.choices:
-        assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens) <= 10
-        assert "".join(choice.logprobs.tokens).startswith(choice.text[:1])
+        logprobs = choice.logprobs
+        assert len(logprobs.token_logprobs) == len(logprobs.tokens) == len(logprobs.text_offset) <= 10
+        assert all(lp <= 0 for lp in logprobs.token_logprobs) and len(logprobs.top_logprobs[0]) == 1
     texts = [""] * 4
     for chunk in client.completions.create(**args, stream=True):
         for choice in chunk.choices:

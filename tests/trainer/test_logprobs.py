@@ -12,8 +12,9 @@ from tandem.trainer.model import build_policy
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 
 
-def full_logits_reference(hidden, weight, targets, temperatures):
-    logp = torch.log_softmax((hidden @ weight.T).double() / temperatures.double()[:, None], dim=-1)
+def full_logits_reference(hidden, weight, targets, temperatures, bias=None):
+    logits = hidden @ weight.T + (0 if bias is None else bias)
+    logp = torch.log_softmax(logits.double() / temperatures.double()[:, None], dim=-1)
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
@@ -22,20 +23,41 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(300, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(300, generator=gen, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 300, (50,), generator=gen)
     temperatures = torch.rand(50, generator=gen, dtype=torch.float64) + 0.5
     upstream = torch.randn(50, generator=gen, dtype=torch.float64)
 
-    lp, ent = token_logprobs(hidden, weight, None, targets, temperatures, chunk_size)
-    grads = torch.autograd.grad((lp * upstream).sum(), [hidden, weight])
-    ref_lp, ref_ent = full_logits_reference(hidden, weight, targets, temperatures)
-    ref_grads = torch.autograd.grad((ref_lp * upstream).sum(), [hidden, weight])
+    lp, ent = token_logprobs(hidden, weight, bias, targets, temperatures, chunk_size)
+    grads = torch.autograd.grad((lp * upstream).sum(), [hidden, weight, bias])
+    ref_lp, ref_ent = full_logits_reference(hidden, weight, targets, temperatures, bias)
+    ref_grads = torch.autograd.grad((ref_lp * upstream).sum(), [hidden, weight, bias])
 
     torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
     assert not ent.requires_grad
+
+
+def test_compiled_head_equals_the_eager_one(monkeypatch):
+    """The compiled chunk kernels, traced with `aot_eager` (Dynamo and AOTAutograd, no code generation)."""
+    from tandem.trainer import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    compiled.compiled.cache_clear()
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(40, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(300, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 300, (40,), generator=gen)
+    temperatures = torch.rand(40, generator=gen, dtype=torch.float64) + 0.5
+    results = []
+    for compile in (False, True):
+        lp, ent = token_logprobs(hidden, weight, None, targets, temperatures, 16, compile=compile)
+        results.append((lp, ent, *torch.autograd.grad(lp.sum(), [hidden, weight])))
+    compiled.compiled.cache_clear()
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager, rtol=1e-10, atol=1e-10)
 
 
 def test_chunks_checkpoint_the_logits():
@@ -104,3 +126,23 @@ def test_logprobs_match_transformers_logits(tiny_model, world_of_one):
         mask[0, 0] = False
         out = policy(ids, torch.arange(12)[None], torch.full((1, 12), 0.8), mask)
     torch.testing.assert_close(out.logprobs[0, 1:], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_temperatures_reach_the_head_in_fp32_under_bf16_compute(tiny_model, world_of_one, monkeypatch):
+    """FSDP must not cast the root's inputs to the compute dtype: 0.7 in bf16 is 0.69921875."""
+    import tandem.trainer.model as model_module
+
+    seen = []
+
+    def spy(hidden, weight, bias, targets, temperatures, *args):
+        seen.append(temperatures)
+        return token_logprobs(hidden, weight, bias, targets, temperatures, *args)
+
+    monkeypatch.setattr(model_module, "token_logprobs", spy)
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model), dtype="bfloat16"), ParallelConfig(), world_of_one, chunk_size=4)
+    ids = torch.randint(0, 260, (1, 6))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, 0] = False
+    with torch.no_grad():
+        policy(ids, torch.arange(6)[None], torch.full((1, 6), 0.7), mask)
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0], torch.full((5,), 0.7))

@@ -112,12 +112,12 @@ def test_each_loss_and_optimizer_trains(tiny_model, tmp_path, monkeypatch, loss_
 
 def test_activation_checkpointing_changes_nothing_but_memory(tiny_model, tmp_path):
     runs = {}
-    for mode in ("off", "full", "every_k"):
+    for mode in ("off", "selective", "full", "every_k"):
         out = tmp_path / mode
         assert run_trainer("--model.name", str(tiny_model), "--data.fake", "--max-steps", "2", "--output-dir", str(out),
                            "--seq-len", "64", "--optim.lr", "1e-3", "--parallel.activation-checkpoint.mode", mode) == 0
         runs[mode] = ([(r["loss"], r["grad_norm"]) for r in metrics(out)], digest(weights_dir(out, 2)))
-    assert runs["off"] == runs["full"] == runs["every_k"]
+    assert runs["off"] == runs["selective"] == runs["full"] == runs["every_k"]
 
 
 def test_resume_continues_bit_for_bit(tiny_model, tmp_path):

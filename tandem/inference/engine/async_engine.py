@@ -99,7 +99,7 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool) -> None:
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, n, incremental)
-        except ValueError as err:
+        except Exception as err:  # the request fails, not the engine
             self._deliver_error(request_id, err)
 
     def _send(self, fn: Callable[[], Any], future: concurrent.futures.Future | None = None) -> None:

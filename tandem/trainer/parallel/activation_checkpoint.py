@@ -4,6 +4,9 @@ The block's `forward` is replaced by a checkpointed call of itself instead of wr
 in another module, so parameter names (the HF names the checkpoints and published weights use)
 do not change. Apply it before FSDP, as torchtitan does: FSDP's hooks then sit outside the
 checkpointed region and re-gather the block's parameters before the recompute.
+
+`selective` is not applied here: the trainer's block forward (`tandem.trainer.block`) does it
+inside the block, around attention.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from tandem.config.trainer import ActivationCheckpointConfig
 
 
 def apply_activation_checkpoint(blocks: nn.ModuleList, config: ActivationCheckpointConfig) -> list[int]:
-    """Checkpoint the blocks `config` selects, in place; returns their indices."""
-    if config.mode == "off":
+    """Checkpoint the blocks `config` selects entirely, in place; returns their indices."""
+    if config.mode in ("off", "selective"):
         return []
     step = 1 if config.mode == "full" else config.k
     chosen = list(range(0, len(blocks), step))

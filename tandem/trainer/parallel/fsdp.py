@@ -20,6 +20,9 @@ def apply_fsdp(root: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_d
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root's floating inputs stay as they are: casting them to `param_dtype` would round the
+    # temperatures (0.7 -> 0.69921875 in bf16) and so every logprob of a tempered sample.
+    root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     # The root's parameters are needed again right at the start of backward (the LM head):
     # keeping them gathered after forward saves one all-gather per micro-batch.
-    fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(root, mesh=mesh, mp_policy=root_policy, reshard_after_forward=False)
