@@ -198,8 +198,8 @@ def run_baseline(folder: Path, shape: Shape, args, peak: float) -> dict:
             logp = torch.log_softmax(logits.float() / mb.temperatures[..., None], dim=-1)
             picked = logp[:, :-1].gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
             logprobs = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-            with torch.no_grad():
-                entropy = -(logp.exp() * logp).sum(-1)
+            with torch.no_grad():  # entropy of the distribution token t was drawn from, as the trainer logs it
+                entropy = torch.cat([torch.zeros_like(picked[:, :1]), -(logp[:, :-1].exp() * logp[:, :-1]).sum(-1)], dim=1)
             per_token = loss_fn(LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask)).per_token
             loss = torch.where(mb.loss_mask, per_token, 0.0).sum() / batch.num_loss_tokens
             loss.backward()
@@ -222,6 +222,34 @@ def run_baseline(folder: Path, shape: Shape, args, peak: float) -> dict:
            **timing(times, shape, flops, peak), **memory_figures(device), "losses": losses}
     del model, optimizer
     return out
+
+
+def attention_kernel_rates(hf_config: dict, seq_len: int, repeats: int = 3) -> dict:
+    """Forward + backward TFLOP/s of each SDPA kernel alone on one causal bf16 sequence of the model's heads."""
+    from torch.nn.attention import sdpa_kernel
+
+    from tandem.models.attention import SDPA_BACKENDS
+
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    q = torch.randn(1, heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    flops = 6 * heads * head_dim * seq_len**2  # one layer, forward and backward, causal
+    rates = {}
+    for name in ("cudnn", "flash"):
+        try:
+            with sdpa_kernel([SDPA_BACKENDS[name]]):
+                for i in range(repeats + 1):
+                    if i == 1:
+                        sync(q.device)
+                        start = time.perf_counter()
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+                    out.backward(torch.ones_like(out))
+                sync(q.device)
+            rates[name] = flops * repeats / (time.perf_counter() - start) / 1e12
+        except RuntimeError as err:
+            rates[name] = f"unavailable: {err}"[:300]
+    return rates
 
 
 def attempt(label: str, fn, *fn_args) -> dict:
@@ -264,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="activation checkpointing (default: the config's)")
     parser.add_argument("--chunk-size", type=int, default=None, help="logprob chunk in tokens (default: the config's)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default=KernelsConfig().compile)
+    parser.add_argument("--sdpa-backends", nargs="+", choices=["cudnn", "flash", "efficient", "math"],
+                        default=KernelsConfig().sdpa_backends, help="SDPA kernels of one-document rows, most preferred first")
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: see the docstring)")
     parser.add_argument("--commit", default=None, help="the commit measured, recorded in the results")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (rewritten after each run)")
@@ -294,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = init_model(args.preset, Path(tmp) / "model", seed=0)
+        if device.type == "cuda":
+            hf_config = json.loads((folder / "config.json").read_text())
+            results["attention_tflops_fwd_bwd"] = {"seq_len": args.shapes[0].seq_len,
+                                                   **attention_kernel_rates(hf_config, args.shapes[0].seq_len)}
+            print(f"attention kernels alone: {results['attention_tflops_fwd_bwd']}", file=sys.stderr, flush=True)
         # The first tandem shape, then the baselines (so the ratio exists early), then the rest.
         order = args.shapes[:1] + [None] + args.shapes[1:]
         for shape in order:
@@ -301,11 +336,12 @@ def main(argv: list[str] | None = None) -> int:
                 for base in args.baseline:
                     record(base, attempt("baseline", run_baseline, folder, base, args, peak))
                 continue
-            kernels = KernelsConfig(compile=args.compile)
+            kernels = KernelsConfig(compile=args.compile, sdpa_backends=args.sdpa_backends)
             result = attempt("tandem", run_tandem, folder, shape, args, kernels, peak)
             record(shape, result)
             if "error" in result and should_compile(kernels, device):
-                record(shape, {**attempt("tandem", run_tandem, folder, shape, args, KernelsConfig(compile="off"), peak),
+                eager = KernelsConfig(compile="off", sdpa_backends=args.sdpa_backends)
+                record(shape, {**attempt("tandem", run_tandem, folder, shape, args, eager, peak),
                                "note": "rerun with kernels.compile = off after the compiled run failed"})
     ratios = {}
     for base in (r for r in results["runs"] if r.get("impl") == "baseline"):

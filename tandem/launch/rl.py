@@ -52,8 +52,7 @@ def main(config: RLConfig) -> int:
 
 def _check_run_folder(config: RLConfig) -> None:
     run_dir = config.run_dir
-    has_results = [m for m in RESULT_MARKERS if (run_dir / m).exists() and any((run_dir / m).iterdir()) if (run_dir / m).is_dir()]
-    has_results += [m for m in RESULT_MARKERS if (run_dir / m).is_file()]
+    has_results = [m for m in RESULT_MARKERS if _holds_results(run_dir / m)]
     if has_results and config.clean:
         for marker in RESULT_MARKERS + ("logs", "configs", "report.html"):
             path = run_dir / marker
@@ -62,6 +61,10 @@ def _check_run_folder(config: RLConfig) -> None:
         raise RunFailed(f"{run_dir} already holds a run ({', '.join(has_results)}); pass --resume to continue it or --clean to start over")
     for sub in ("configs", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+
+
+def _holds_results(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
 def _write_process_configs(config: RLConfig) -> dict[str, Path]:
