@@ -59,7 +59,7 @@ class ProgressPrinter:
             parts.append(f"eval {_fmt(self._last_eval)}")
         parts += [
             f"loss {_fmt(trainer.get('loss'), '.4f')}",
-            f"mismatch_kl {_fmt(trainer.get('mismatch_kl'), '.1e')}",
+            _kl_part(trainer),
             f"train {_fmt(trainer.get('tokens_per_s'), '.0f')} tok/s",
             f"lag {_fmt(orch.get('off_policy/mean'), '.2f')}",
             f"wait trainer {_fmt(trainer.get('time_wait_batch'), '.1f')}s",
@@ -71,6 +71,14 @@ class ProgressPrinter:
     def finish(self) -> None:
         self.update()
         print(f"done: {len(self._printed)} steps in {time.monotonic() - self._start:.0f} s", file=self.stream, flush=True)
+
+
+def _kl_part(trainer: dict[str, Any]) -> str:
+    """The trainer-inference mismatch KL when the step had on-policy tokens, else the off-policy KL
+    (mismatch plus the policy's drift since sampling, an upper bound of the mismatch in practice)."""
+    if trainer.get("mismatch_kl") is not None:
+        return f"mismatch_kl {_fmt(trainer['mismatch_kl'], '.1e')}"
+    return f"off_policy_kl {_fmt(trainer.get('off_policy_kl'), '.1e')}"
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:

@@ -30,6 +30,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     _, rewards = series(orch, "reward/mean")
     eval_steps, evals = series(orch, "eval/reward_mean")
     _, kl = series(trainer, "mismatch_kl")
+    _, off_kl = series(trainer, "off_policy_kl")
     times = [r["time"] for r in orch + trainer]
     k = max(1, len(rewards) // 4)
     return {
@@ -40,6 +41,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "eval_last": evals[-1] if evals else None,
         "eval_steps": eval_steps,
         "mismatch_kl_mean": sum(kl) / len(kl) if kl else None,
+        "off_policy_kl_mean": sum(off_kl) / len(off_kl) if off_kl else None,
         "duration_s": max(times) - min(times) if times else None,
     }
 

@@ -1,7 +1,7 @@
 """`tandem rl` end to end on CPU: warm-up, async RL, resume, and a killed trainer.
 
 These run the real three processes (inference server, orchestrator, trainer) on the tiny model,
-shortened from `examples/reverse_text` so that CI stays within minutes.
+with `examples/reverse_text`'s configs and fewer RL steps, so that CI stays within minutes.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def tandem(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def sft_config(tmp_path_factory) -> Path:
-    """The example's SFT config, shortened and moved into a tmp folder."""
+    """The example's SFT config (all 600 steps, so RL starts from a model that can reverse), its paths in a tmp folder."""
     root = tmp_path_factory.mktemp("reverse")
     text = (EXAMPLE / "sft.toml").read_text()
     text = text.replace("outputs/reverse-text", str(root))
@@ -70,6 +70,9 @@ def test_rl_learns_then_resumes_without_repeating_steps(sft_config, tmp_path):
     assert [r["step"] for r in trainer] == [1, 2, 3, 4, 5, 6]
     kls = [r["mismatch_kl"] for r in trainer if r["mismatch_kl"] is not None]
     assert sum(kls) / len(kls) < 1e-3, kls
+    # steps trained on rollouts of the previous policy: mismatch plus one step of drift, still small
+    off_kls = [r["off_policy_kl"] for r in trainer if r["off_policy_kl"] is not None]
+    assert off_kls and max(off_kls) < 1e-2, off_kls
     rewards = [r["reward/mean"] for r in read_metrics(out, "orchestrator") if "reward/mean" in r]
     assert len(rewards) == 6
 

@@ -1,0 +1,73 @@
+"""metrics.jsonl, the live progress line and the run report, on a real run folder."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+from tandem.monitor.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from tandem.monitor.progress import ProgressPrinter
+from tandem.monitor.report import summarize, write_report
+
+
+def write_run(run_dir, steps=4):
+    orch, trainer = MetricsWriter(run_dir, "orchestrator"), MetricsWriter(run_dir, "trainer")
+    for step in range(1, steps + 1):
+        record = {"reward/mean": 0.1 * step, "off_policy/mean": 1.0, "time/wait_inference_s": 0.5,
+                  "throughput/tokens_per_s": 100.0 * step}
+        if step in (1, steps):
+            record["eval/reward_mean"] = 0.05 * step
+        orch.log(step, record)
+        on_policy = step == 1
+        trainer.log(step, {"loss": -0.01 * step, "tokens_per_s": 1000.0, "time_wait_batch": 0.0,
+                           "mismatch_kl": 2e-9 if on_policy else None,
+                           "off_policy_kl": None if on_policy else 4e-5 * step})
+
+
+def test_metrics_lines_survive_nan_and_a_torn_last_line(tmp_path):
+    MetricsWriter(tmp_path, "trainer").log(3, {"loss": math.nan, "ok": 1.5})
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write('{"process": "trainer", "step": 4, "lo')  # a writer caught mid-line
+    records = list(read_metrics(tmp_path))
+    assert len(records) == 1
+    assert records[0]["step"] == 3 and records[0]["loss"] is None and records[0]["ok"] == 1.5
+
+
+def test_progress_prints_each_step_once_when_both_processes_reported(tmp_path):
+    out = io.StringIO()
+    printer = ProgressPrinter(tmp_path, max_steps=4, stream=out)
+    MetricsWriter(tmp_path, "orchestrator").log(1, {"reward/mean": 0.25, "eval/reward_mean": 0.2})
+    printer.update()
+    assert out.getvalue() == ""  # the trainer has not finished step 1 yet
+    MetricsWriter(tmp_path, "trainer").log(1, {"loss": -0.5, "mismatch_kl": 3e-9, "tokens_per_s": 10.0})
+    MetricsWriter(tmp_path, "trainer").log(2, {"loss": -0.4, "off_policy_kl": 7e-5, "tokens_per_s": 10.0})
+    MetricsWriter(tmp_path, "orchestrator").log(2, {"reward/mean": 0.5})
+    printer.update()
+    printer.update()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("step    1/4") and "reward 0.250" in lines[0] and "eval 0.200" in lines[0]
+    assert "mismatch_kl 3.0e-09" in lines[0]
+    # a step without on-policy tokens shows the off-policy KL instead, and the last eval stays shown
+    assert "off_policy_kl 7.0e-05" in lines[1] and "eval 0.200" in lines[1] and "reward 0.500" in lines[1]
+
+
+def test_summary_and_report_from_the_run_folder(tmp_path):
+    write_run(tmp_path, steps=8)
+    sample_dir = tmp_path / "rollouts" / "step_8"
+    sample_dir.mkdir(parents=True)
+    (sample_dir / "samples.jsonl").write_text(json.dumps({"reward": 0.75, "env": "reverse_text",
+                                                          "completion": "<b>olleh</b>"}) + "\n")
+    summary = summarize(tmp_path)
+    assert summary["steps"] == 8
+    assert math.isclose(summary["reward_first"], (0.1 + 0.2) / 2)
+    assert math.isclose(summary["reward_last"], (0.7 + 0.8) / 2)
+    assert summary["eval_steps"] == [1, 8]
+    assert math.isclose(summary["eval_first"], 0.05) and math.isclose(summary["eval_last"], 0.4)
+    assert math.isclose(summary["mismatch_kl_mean"], 2e-9)
+    assert math.isclose(summary["off_policy_kl_mean"], 4e-5 * sum(range(2, 9)) / 7)
+
+    page = write_report(tmp_path).read_text()
+    assert page.count('<img src="data:image/png;base64,') == 4
+    assert "reverse_text" in page and "&lt;b&gt;olleh&lt;/b&gt;" in page  # rollouts shown, escaped
