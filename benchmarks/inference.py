@@ -1,33 +1,55 @@
-"""Output tokens/s of tandem's server against transformers `generate`, same model, same run.
+"""tandem's inference engine against transformers on the same model, in the same run.
 
-    python benchmarks/inference.py --preset tiny --concurrency 32 --prompt-len 128 --output-len 128
-    python benchmarks/inference.py --model DIR --device cuda --concurrency 64
+    python benchmarks/inference.py --preset tiny --device cpu --scale 0.125       # a quick look on CPU
+    python benchmarks/inference.py --preset qwen3-0.6b --device cuda --out benchmarks/results/engine-h200-DATE.json
 
-The server runs in this process (its own thread, real HTTP on loopback); N requests of
-`prompt-len` random token ids each ask for exactly `output-len` tokens (EOS ignored), all sent at
-once. transformers gets the same N prompts as one batch (equal lengths: no padding, its best
-case) and `min_new_tokens = max_new_tokens = output-len`. Both sample at temperature 1. Each
-side runs once untimed first (warmup), then `--repeats` timed runs; the best one counts.
+Workloads (the GPU speed issue's), all sampling at temperature 1 with EOS ignored, so every
+sequence gets exactly its output length; random prompt token ids; `--scale` shrinks the counts:
+- A (throughput): 256 concurrent requests of 128 prompt tokens, 512 output tokens each;
+- B (RL-like): 64 prompts x n = 8 samples, 256 prompt tokens, 1024 output tokens.
+
+Figures:
+- engine (in process, `LLMEngine.step()` in a loop, as the server's engine thread runs it):
+  output tokens/s, median time to first token, median decode-only step time at the full batch,
+  KV-cache capacity, and for B the prompt tokens computed against those asked for (prefill
+  shared across n);
+- server (A): the same requests through HTTP `/v1/generate`, all sent at once;
+- transformers (A): one `generate` batch of the 256 prompts (equal lengths: no padding, its best
+  case) and continuous batching (`generate_batch`), and tandem's ratios over both;
+- mismatch (B): the engine's logprob of each sampled token against a teacher-forced forward of
+  the whole sequence by tandem's Qwen3 (what the trainer computes), same dtype and temperature:
+  the mean k3 estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine.
+
+Each part that fails is recorded in the result file with its error and the run goes on (GPU
+time is scarce; one broken baseline should not cost the others).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
+import statistics
+import subprocess
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import httpx
 import torch
 
-from tandem.config.inference import InferenceConfig
-from tandem.inference.engine.setup import resolve_device
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig, InferenceConfig
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.setup import build_engine, resolve_device
 from tandem.inference.server import BackgroundServer
-from tandem.models.loading import resolve_dtype
 from tandem.models.presets import PRESETS, init_model
+
+WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
+             "B": dict(num_prompts=64, n=8, prompt_len=256, output_len=1024)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,19 +57,108 @@ def parse_args() -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=list(PRESETS), default="tiny", help="build this preset in a temp folder")
     source.add_argument("--model", help="a model folder (instead of a preset)")
-    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (N)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per side; the best counts")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed engine runs of workload A; the best counts")
+    parser.add_argument("--parts", default="engine,server,generate,generate_batch,mismatch",
+                        help="comma-separated parts to run")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
 
-def prompts_for(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    return [[rng.randrange(min(vocab, 256)) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
+def scaled(args: argparse.Namespace, name: str) -> dict:
+    w = dict(WORKLOADS[name])
+    for key in ("num_prompts", "prompt_len", "output_len"):
+        w[key] = max(1, int(w[key] * args.scale))
+    return w
+
+
+def prompts_for(w: dict, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(min(vocab, 256)) for _ in range(w["prompt_len"])] for _ in range(w["num_prompts"])]
+
+
+def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int) -> EngineConfig:
+    return EngineConfig(device=args.device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        max_num_batched_tokens=max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
+                        compile_norms=args.compile_norms)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dict:
+    """Drive the engine to completion; throughput, TTFT, decode step times, prompt tokens computed."""
+    batches: list = []
+    schedule = engine.scheduler.schedule
+    counts = {"prompt_tokens_computed": 0}
+
+    def recording_schedule():
+        batch = schedule()
+        batches.append(batch)
+        counts["prompt_tokens_computed"] += sum(k for s, k in zip(batch.seqs, batch.num_new_tokens)
+                                                if s.num_computed_tokens < s.num_prompt_tokens)
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    params = SamplingParams(max_tokens=output_len, temperature=1.0, ignore_eos=True)
+    sync(engine.device)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params, n, incremental=False)
+    pending = [s for seqs in engine.requests.values() for s in seqs]
+    first_token: list[float] = []
+    decode_steps: list[tuple[int, float]] = []
+    outputs = []
+    while engine.has_unfinished:
+        t0 = time.perf_counter()
+        outputs.extend(engine.step())
+        t1 = time.perf_counter()
+        batch = batches[-1]
+        if batch.seqs and all(k == 1 for k in batch.num_new_tokens):
+            decode_steps.append((len(batch.seqs), t1 - t0))
+        if pending:
+            still = []
+            for s in pending:
+                (first_token.append(t1 - start) if s.num_completion_tokens > 0 else still.append(s))
+            pending = still
+    elapsed = time.perf_counter() - start
+    engine.scheduler.schedule = schedule
+    tokens = sum(len(o.token_ids) for o in outputs)
+    full = max((b for b, _ in decode_steps), default=0)
+    return {
+        "output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
+        "ttft_median_s": statistics.median(first_token), "steps": len(batches),
+        "decode_step_median_s_at_full_batch": statistics.median([t for b, t in decode_steps if b == full]) if full else None,
+        "full_decode_batch": full,
+        "decode_step_median_s_all": statistics.median([t for _, t in decode_steps]) if decode_steps else None,
+        "prompt_tokens_requested": sum(len(p) for p in prompts) * n,
+        "prompt_tokens_computed": counts["prompt_tokens_computed"],
+        "outputs": outputs,
+    }
+
+
+def mismatch_kl(model: torch.nn.Module, prompts: list[list[int]], outputs: list, temperature: float) -> dict:
+    """k3 of KL(engine || teacher-forced forward) over every sampled token, one sequence at a time."""
+    by_request = {f"r{i}": p for i, p in enumerate(prompts)}
+    r_all = []
+    with torch.no_grad():
+        for out in outputs:
+            prompt = by_request[out.request_id]
+            ids = torch.tensor([prompt + out.token_ids], device=model.lm_head.weight.device)
+            hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None])
+            logits = model.lm_head(hidden[0, len(prompt) - 1:-1]).float() / temperature
+            teacher = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+            r_all.append(teacher - torch.tensor(out.logprobs, device=ids.device))
+    r = torch.cat(r_all).double()
+    return {"tokens": r.numel(), "mean_k3": (r.exp() - 1 - r).mean().item(), "mean_abs_logprob_diff": r.abs().mean().item(),
+            "max_abs_logprob_diff": r.abs().max().item()}
 
 
 async def send_all(url: str, prompts: list[list[int]], output_len: int) -> int:
@@ -60,66 +171,145 @@ async def send_all(url: str, prompts: list[list[int]], output_len: int) -> int:
     return sum(len(r.json()["choices"][0]["token_ids"]) for r in responses)
 
 
-def bench_server(folder: Path, args: argparse.Namespace, prompts: list[list[int]]) -> float:
-    max_len = args.prompt_len + args.output_len
-    config = InferenceConfig.model_validate({
-        "model": {"name": str(folder), "dtype": args.dtype},
-        "engine": {"device": args.device, "max_num_seqs": args.concurrency, "max_model_len": max_len,
-                   "max_num_batched_tokens": max(4096, max_len),
-                   "num_blocks": args.concurrency * -(-max_len // 16) + 16},
-    })
+def bench_server(folder: Path, args: argparse.Namespace, w: dict, prompts: list[list[int]]) -> dict:
+    max_len = w["prompt_len"] + w["output_len"]
+    config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype},
+                                             "engine": engine_config(args, w["num_prompts"], max_len).model_dump()})
     server = BackgroundServer(config)
     try:
         asyncio.run(send_all(server.url, prompts[:2], 4))
-        best = 0.0
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            tokens = asyncio.run(send_all(server.url, prompts, args.output_len))
-            best = max(best, tokens / (time.perf_counter() - start))
-        return best
+        start = time.perf_counter()
+        tokens = asyncio.run(send_all(server.url, prompts, w["output_len"]))
+        elapsed = time.perf_counter() - start
+        return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
     finally:
         server.stop()
 
 
-def bench_transformers(folder: Path, args: argparse.Namespace, prompts: list[list[int]]) -> float:
+def load_transformers(folder: Path, args: argparse.Namespace, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    device = resolve_device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=resolve_dtype(args.dtype, device)).to(device).eval()
+    from tandem.models.loading import resolve_dtype
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=resolve_dtype(args.dtype, device),
+                                                attn_implementation="sdpa").to(device).eval()
+
+
+def bench_generate(model, device: torch.device, w: dict, prompts: list[list[int]]) -> dict:
     ids = torch.tensor(prompts, device=device)
-    mask = torch.ones_like(ids)
 
     def run(new_tokens: int) -> int:
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        sync(device)
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
     run(4)
-    best = 0.0
-    for _ in range(args.repeats):
+    start = time.perf_counter()
+    tokens = run(w["output_len"])
+    elapsed = time.perf_counter() - start
+    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+
+
+def bench_generate_batch(model, device: torch.device, w: dict, prompts: list[list[int]]) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=w["output_len"], do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad():
+        model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(**{**config.to_dict(), "max_new_tokens": 4}))
+        sync(device)
         start = time.perf_counter()
-        tokens = run(args.output_len)
-        best = max(best, tokens / (time.perf_counter() - start))
-    return best
+        results = model.generate_batch(inputs=prompts, generation_config=config)
+        sync(device)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(r.generated_tokens) for r in results.values())
+    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+
+
+def attempt(results: dict, name: str, fn) -> None:
+    print(f"--- {name}", flush=True)
+    try:
+        results[name] = fn()
+    except Exception as err:  # record and go on: see the module docstring
+        traceback.print_exc()
+        results[name] = {"error": f"{type(err).__name__}: {err}"}
+    shown = {k: v for k, v in results[name].items() if k != "outputs"} if isinstance(results[name], dict) else results[name]
+    print(json.dumps(shown, default=str), flush=True)
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "commit": commit, "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
 
 
 def main() -> None:
     args = parse_args()
+    parts = set(args.parts.split(","))
+    device = resolve_device(args.device)
+    a, b = scaled(args, "A"), scaled(args, "B")
+    results: dict = {"workloads": {"A": a, "B": b}, "environment": environment(device), "cuda_graphs": args.cuda_graphs,
+                     "compile_norms": args.compile_norms}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed)
+        results["model"] = args.model or f"preset {args.preset}"
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        prompts = prompts_for(args, vocab)
-        name = args.model or f"preset {args.preset}"
-        print(f"{name}: {args.concurrency} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
-              f"device {resolve_device(args.device)}, dtype {args.dtype}, torch threads {torch.get_num_threads()}")
-        server = bench_server(folder, args, prompts)
-        print(f"tandem server        : {server:10.1f} output tok/s")
-        hf = bench_transformers(folder, args, prompts)
-        print(f"transformers generate: {hf:10.1f} output tok/s")
-        print(f"ratio (tandem / transformers): {server / hf:.2f}x")
+        prompts_a, prompts_b = prompts_for(a, vocab, args.seed), prompts_for(b, vocab, args.seed + 1)
+        if parts & {"engine", "mismatch"}:
+            max_seqs = max(a["num_prompts"] * a["n"], b["num_prompts"] * b["n"])
+            max_len = max(a["prompt_len"] + a["output_len"], b["prompt_len"] + b["output_len"])
+            t0 = time.perf_counter()
+            engine = build_engine(ModelConfig(name=str(folder), dtype=args.dtype), engine_config(args, max_seqs, max_len), args.seed)
+            results["engine_build_s"] = time.perf_counter() - t0
+            results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
+                                   "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}
+            print(f"engine built in {results['engine_build_s']:.1f} s; KV cache {results['kv_cache']}", flush=True)
+            run_engine(engine, prompts_a[:4], 2, 8)  # warmup: prefill kernels compile
+            # Fresh prompts for every repeat: the same ones would hit the prefix cache of the last.
+            attempt(results, "engine_A", lambda: max((run_engine(engine, prompts_for(a, vocab, args.seed + 100 + r), a["n"], a["output_len"])
+                                                      for r in range(args.repeats)), key=lambda r: r["output_tokens_per_s"]))
+            attempt(results, "engine_B", lambda: run_engine(engine, prompts_b, b["n"], b["output_len"]))
+            if "mismatch" in parts and "outputs" in results["engine_B"]:
+                attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts_b, results["engine_B"]["outputs"], 1.0))
+            for key in ("engine_A", "engine_B"):
+                results[key].pop("outputs", None)
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if "server" in parts:
+            attempt(results, "server_A", lambda: bench_server(folder, args, a, prompts_a))
+        if parts & {"generate", "generate_batch"}:
+            model = load_transformers(folder, args, device)
+            if "generate" in parts:
+                attempt(results, "transformers_generate_A", lambda: bench_generate(model, device, a, prompts_a))
+            if "generate_batch" in parts:
+                attempt(results, "transformers_generate_batch_A", lambda: bench_generate_batch(model, device, a, prompts_a))
+    engine_a = results.get("engine_A", {}).get("output_tokens_per_s")
+    for base in ("transformers_generate_A", "transformers_generate_batch_A"):
+        rate = results.get(base, {}).get("output_tokens_per_s")
+        if engine_a and rate:
+            results[f"ratio_engine_A_over_{base.removeprefix('transformers_')}"] = engine_a / rate
+            server = results.get("server_A", {}).get("output_tokens_per_s")
+            if server:
+                results[f"ratio_server_A_over_{base.removeprefix('transformers_')}"] = server / rate
+    summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items() if k.startswith("ratio")}
+    for key in ("engine_A", "engine_B", "server_A", "transformers_generate_A", "transformers_generate_batch_A", "mismatch_B"):
+        r = results.get(key, {})
+        summary[key] = {k: r[k] for k in ("output_tokens_per_s", "ttft_median_s", "decode_step_median_s_at_full_batch",
+                                          "prompt_tokens_computed", "prompt_tokens_requested", "mean_k3", "error") if k in r}
+    print(json.dumps(summary, indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,14 @@ class EngineConfig(Section):
     max_model_len: int | None = Field(None, ge=1)
     """Longest sequence, prompt plus completion; unset = the model's `max_position_embeddings`."""
 
+    compile_norms: bool = True
+    """CUDA: fuse each RMS norm into one kernel with `torch.compile` (about half a decode step's
+    pointwise kernels; a few seconds of compilation at startup)."""
+
+    cuda_graphs: bool = True
+    """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,
+    16, 32, ... up to `max_num_seqs` (a few seconds and a little memory); prefill steps run eager."""
+
 
 class InferenceConfig(ProcessConfig):
     backend: Literal["tandem", "vllm"] = "tandem"

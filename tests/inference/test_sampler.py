@@ -55,7 +55,7 @@ def test_top_k_top_p_min_p_restrict_what_can_be_drawn():
 
 
 def test_filters_keep_the_top_token_even_at_the_smallest_settings():
-    out = filter_logits(LOGITS, torch.tensor([1]), torch.tensor([1e-6]), torch.tensor([1.0]))
+    out = filter_logits(LOGITS, [1], [1e-6], [1.0])
     assert torch.isfinite(out[0]).tolist() == [True, False, False, False, False, False]
 
 

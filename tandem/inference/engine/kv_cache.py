@@ -4,6 +4,8 @@ Token `offset` of block `b` lives at slot `b * block_size + offset` of the flat 
 use; reads gather whole blocks (one contiguous copy each, far cheaper than per-token gathers).
 The cache is zero-filled, so padded reads (a decode batch gathers as many blocks as its longest
 context) only ever see finite numbers, which the attention mask then weighs by exactly zero.
+One block more than the block manager hands out holds the writes of padding tokens (CUDA-graph
+batches are padded up to a captured size): `pad_slot` is its first slot.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import torch
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+        self.pad_slot = num_blocks * block_size
+        """A slot no sequence owns: padding tokens write their keys and values here."""
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [num_blocks, block_size, kv_heads, head_dim] of one layer (views, written in place)."""

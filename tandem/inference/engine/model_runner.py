@@ -3,7 +3,8 @@
 Two runners share the interface `run(batch) -> logits [S, V]` (float32, one row per sequence
 that samples this step, in batch order):
 - `PagedModelRunner`: tandem's native models; every token is computed once and its keys and
-  values kept in the paged cache;
+  values kept in the paged cache (`step_inputs.py` builds the step's tensors, `cuda_graphs.py`
+  replays decode steps);
 - `RecomputeModelRunner`: any transformers model (the slow path); no cache, each sampling
   sequence runs again from its first token.
 """
@@ -13,70 +14,55 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.kv_cache import KVCache
-from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
+from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
 from tandem.inference.engine.scheduler import ScheduledBatch
+from tandem.inference.engine.step_inputs import StepInputBuilder, decode_tiles
 
 
 class PagedModelRunner:
-    def __init__(self, model: nn.Module, cache: KVCache, device: torch.device):
+    """Every token is computed once; decode-only steps replay CUDA graphs where enabled (CUDA)."""
+
+    def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, max_num_seqs: int, max_model_len: int,
+                 cuda_graphs: bool):
         self.model = model
         self.cache = cache
-        self.block_size = cache.block_size
         self.device = device
+        self.inputs = StepInputBuilder(device, max_num_seqs, -(-max_model_len // cache.block_size), cache.block_size,
+                                       cache.pad_slot)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda":
+            self._static = torch.zeros(4, max_num_seqs, dtype=torch.long, device=device)
+            """Inputs the graphs read: token ids, positions, slots, context lengths (rows of the padded batch)."""
+            self._static[2] = cache.pad_slot  # the warmup and capture steps write nowhere that matters
+            self._query_start = torch.arange(max_num_seqs + 1, device=device)
+            self._tiles = {b: torch.tensor(decode_tiles(b), device=device) for b in graph_batch_sizes(max_num_seqs)}
+            with torch.no_grad():
+                self.graphs = DecodeGraphs(self._graph_forward, max_num_seqs)
+
+    def _graph_forward(self, b: int) -> torch.Tensor:
+        static = self._static
+        meta = AttentionMetadata(slot_mapping=static[2, :b], query_start=self._query_start[:b + 1], seq_lens=static[3, :b],
+                                 block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1)
+        hidden = self.model(static[0, :b][None], static[1, :b][None], attention=PagedAttention(self.cache, meta))
+        return self.model.lm_head(hidden[0]).float()
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        input_ids, positions, metadata, sample_index = self.prepare(batch)
-        hidden = self.model(input_ids[None], positions[None], attention=PagedAttention(self.cache, metadata))
-        return self.model.lm_head(hidden[0, sample_index]).float()
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flattened input ids and positions [N], attention metadata, and the rows to sample from."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        prefills: list[PrefillSpan] = []
-        decode_index: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        sample_index: list[int] = []
-        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end, offset = seq.num_computed_tokens, seq.num_computed_tokens + num_new, len(ids)
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slot_mapping.extend(self._slots(seq.block_table, start, end))
-            if num_new == 1 and start > 0:
-                decode_index.append(offset)
-                decode_tables.append(seq.block_table)
-                decode_lens.append(end)
-            else:
-                context = None
-                if start > 0:
-                    context = torch.tensor(seq.block_table[:-(-end // self.block_size)], device=self.device)
-                prefills.append(PrefillSpan(offset, num_new, end, context))
-            if batch.samples(i):
-                sample_index.append(offset + num_new - 1)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
-            prefills=prefills,
-            decode_token_index=torch.tensor(decode_index, dtype=torch.long, device=self.device),
-            **self._decode_blocks(decode_tables, decode_lens),
-        )
-        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), metadata,
-                torch.tensor(sample_index, dtype=torch.long, device=self.device))
-
-    def _decode_blocks(self, tables: list[list[int]], lens: list[int]) -> dict[str, torch.Tensor]:
-        """Padded block tables [Bd, M] and the mask [Bd, 1, 1, M * block_size] of the decode contexts."""
-        width = max((len(t) for t in tables), default=1)
-        padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
-        positions = torch.arange(width * self.block_size, device=self.device)
-        mask = positions[None] < torch.tensor(lens, dtype=torch.long, device=self.device)[:, None]
-        return {"decode_blocks": padded.view(len(tables), width), "decode_mask": mask[:, None, None]}
+        b = len(batch.seqs)
+        if self.graphs is not None and b <= self.graphs.max_batch and all(n == 1 for n in batch.num_new_tokens):
+            step = self.inputs.build(batch, pad_to=self.graphs.padded(b))
+            size = step.input_ids.shape[0]
+            for row, values in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
+                self._static[row, :size].copy_(values)
+            return self.graphs.replay(b)
+        step = self.inputs.build(batch)
+        meta = AttentionMetadata(slot_mapping=step.slot_mapping, query_start=step.query_start, seq_lens=step.seq_lens,
+                                 block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
+                                 query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host)
+        hidden = self.model(step.input_ids[None], step.positions[None], attention=PagedAttention(self.cache, meta))
+        return self.model.lm_head(hidden[0, step.sample_index]).float()
 
 
 class RecomputeModelRunner:

@@ -1,11 +1,12 @@
 """The engine's `AttentionBackend`: write this step's keys and values into the paged cache, then
 attend over each sequence's whole context.
 
-Legend: N = tokens of the step (all sequences, flattened), H = query heads, Hkv = KV heads,
-D = head dim, Bd = decoding sequences, M = most blocks of one of them, S = block size. Prefill chunks attend one sequence at a time (causal,
-offset by what the cache already held); decodes attend as one padded batch. This module is the
-seam a GPU speed issue replaces (varlen/flash attention, CUDA graphs): the model code and the
-runner only see `attend(layer_idx, q, k, v)`.
+Legend: N = tokens of the step (all sequences, flattened), B = sequences of the step, H = query
+heads, Hkv = KV heads, D = head dim, Bd = decoding sequences, M = most blocks of one of them,
+S = block size. On CUDA one Triton kernel (`attention_kernel.py`) reads the cache in place for
+every token of the step. Elsewhere the torch reference runs: prefill chunks one sequence at a
+time (causal, offset by what the cache already held), decodes as one padded batch of gathered
+blocks. The model code and the runner only see `attend(layer_idx, q, k, v)`.
 """
 
 from __future__ import annotations
@@ -15,31 +16,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.inference.engine import attention_kernel
 from tandem.inference.engine.kv_cache import KVCache
-
-
-@dataclass
-class PrefillSpan:
-    query_start: int
-    """Offset of the chunk's first token in the step's N tokens."""
-    query_len: int
-    context_len: int
-    """Tokens the chunk attends to: the cached ones before it plus itself."""
-    context_blocks: torch.Tensor | None
-    """Cache blocks holding the whole context; None when nothing was cached (plain causal)."""
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor
-    """[N] cache slot of each token of the step."""
-    prefills: list[PrefillSpan]
-    decode_token_index: torch.Tensor
-    """[Bd] offsets of the decode tokens in the step's N tokens."""
-    decode_blocks: torch.Tensor
-    """[Bd, M] block table of each decoding sequence, padded with its first block."""
-    decode_mask: torch.Tensor
-    """[Bd, 1, 1, M * S] True where a gathered position belongs to the context."""
+    """[N] cache slot of each token of the step (CUDA-graph padding writes to the cache's pad slot)."""
+    query_start: torch.Tensor
+    """[B + 1] offset of each sequence's first token in the step's N tokens."""
+    seq_lens: torch.Tensor
+    """[B] context of each sequence after the step (cached tokens plus its new ones)."""
+    block_tables: torch.Tensor
+    """[B, >= M] cache blocks of each sequence; entries past its context are never read unmasked."""
+    tiles: torch.Tensor
+    """[2, T] the kernel's work items: (sequence, offset of its first query token)."""
+    block_q: int
+    """Query tokens per tile (1 for a decode-only step)."""
+    query_lens_host: list[int] | None = None
+    """The same lengths on the host, for the torch reference; None on the CUDA-graph path."""
+    seq_lens_host: list[int] | None = None
 
 
 class PagedAttention:
@@ -53,30 +50,53 @@ class PagedAttention:
         num_kv_heads, head_dim = k_cache.shape[2:]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, k_NHD)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, v_NHD)
-        gqa = q_NHD.shape[1] != num_kv_heads
-        out = torch.empty_like(q_NHD)  # [N, H, D]
-        for span in self.meta.prefills:
-            s, e = span.query_start, span.query_start + span.query_len
-            q_i = q_NHD[s:e].transpose(0, 1)[None]
-            if span.context_blocks is None:
-                k_i, v_i = k_NHD[s:e].transpose(0, 1)[None], v_NHD[s:e].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, enable_gqa=gqa)
-            else:
-                k_i = k_cache.index_select(0, span.context_blocks).flatten(0, 1)[:span.context_len].transpose(0, 1)[None]
-                v_i = v_cache.index_select(0, span.context_blocks).flatten(0, 1)[:span.context_len].transpose(0, 1)[None]
-                mask = torch.ones(span.query_len, span.context_len, dtype=torch.bool, device=q.device)
-                mask = mask.tril(span.context_len - span.query_len)
-                o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, enable_gqa=gqa)
-            out[s:e] = o[0].transpose(0, 1)
-        if self.meta.decode_token_index.numel():
-            idx, blocks = self.meta.decode_token_index, self.meta.decode_blocks
-            only_decodes = not self.meta.prefills  # then the decode tokens are all N tokens, in order
-            num_decodes = blocks.shape[0]
-            q_d = (q_NHD if only_decodes else q_NHD[idx])[:, :, None]  # [Bd, H, 1, D]
-            k_d = k_cache.index_select(0, blocks.view(-1)).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v_d = v_cache.index_select(0, blocks.view(-1)).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=self.meta.decode_mask, enable_gqa=gqa)
-            if only_decodes:
-                return o[:, :, 0][None]
-            out[idx] = o[:, :, 0]
+        m = self.meta
+        if attention_kernel.is_available(q_NHD):
+            out = attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
+                                                   m.query_start, m.tiles, m.block_q)
+        else:
+            out = reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
         return out[None]
+
+
+def reference_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The torch path (CPU, and the GPU tests' reference): gathered blocks and SDPA, [N, H, D]."""
+    assert meta.query_lens_host is not None and meta.seq_lens_host is not None, "the torch path needs host lengths"
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    block_size = k_cache.shape[1]
+    gqa = q_NHD.shape[1] != num_kv_heads
+    out = torch.empty_like(q_NHD)  # [N, H, D]
+    decodes: list[int] = []
+    start = 0
+    for i, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        s, e = start, start + q_len
+        start = e
+        if q_len == 1 and ctx > 1:
+            decodes.append(i)
+            continue
+        q_i = q_NHD[s:e].transpose(0, 1)[None]
+        if q_len == ctx:  # nothing cached before the chunk: plain causal over its own keys
+            k_i, v_i = k_NHD[s:e].transpose(0, 1)[None], v_NHD[s:e].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, enable_gqa=gqa)
+        else:
+            blocks = meta.block_tables[i, :-(-ctx // block_size)]
+            k_i = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            v_i = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q_NHD.device).tril(ctx - q_len)
+            o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, enable_gqa=gqa)
+        out[s:e] = o[0].transpose(0, 1)
+    if decodes:
+        rows = torch.tensor(decodes, device=q_NHD.device)
+        lens = [meta.seq_lens_host[i] for i in decodes]
+        width = -(-max(lens) // block_size)
+        blocks = meta.block_tables[rows, :width]  # [Bd, M]
+        idx = meta.query_start[rows]
+        q_d = q_NHD[idx][:, :, None]  # [Bd, H, 1, D]
+        k_d = k_cache.index_select(0, blocks.reshape(-1)).view(len(decodes), -1, num_kv_heads, head_dim).transpose(1, 2)
+        v_d = v_cache.index_select(0, blocks.reshape(-1)).view(len(decodes), -1, num_kv_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(width * block_size, device=q_NHD.device)
+        mask = positions[None] < torch.tensor(lens, device=q_NHD.device)[:, None]  # [Bd, M * S]
+        o = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=mask[:, None, None], enable_gqa=gqa)
+        out[idx] = o[:, :, 0]
+    return out

@@ -27,27 +27,34 @@ class SampleResult:
     """Per row, the `num_top_logprobs` most likely (token, logprob) pairs; empty when not asked."""
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf what top-k ([B], <= 0 off), top-p and min-p ([B]) exclude; the top token always stays."""
-    if bool((min_p > 0).any()):
+def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Set to -inf what top-k (<= 0 off), top-p and min-p exclude, per row; the top token always stays.
+
+    The settings are host lists, so deciding which filters run needs no device sync.
+    """
+    device = logits.device
+    if any(m > 0 for m in min_p):
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
-    use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1).any())
+        floor = torch.tensor(min_p, device=device)[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    use_k, use_p = any(k > 0 for k in top_k), any(p < 1 for p in top_p)
     if not (use_k or use_p):
         return logits
     sorted_logits, order = logits.sort(-1, descending=True)
     if use_k:
-        k = torch.where(top_k > 0, top_k, logits.shape[-1])
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        k = torch.tensor([k if k > 0 else logits.shape[-1] for k in top_k], device=device)
+        ranks = torch.arange(logits.shape[-1], device=device)
         sorted_logits = sorted_logits.masked_fill(ranks[None] >= k[:, None], float("-inf"))
     if use_p:
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before > top_p[:, None], float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(before > torch.tensor(top_p, device=device)[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 class Sampler:
+    """Sampling on the device; the host reads the step's tokens and logprobs in one transfer."""
+
     def __init__(self, device: torch.device, seed: int):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -55,27 +62,37 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits [B, V] float32, one row per sequence."""
-        params = [s.params for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        greedy = temps == 0
-        logprobs = (logits / torch.where(greedy, 1.0, temps)[:, None]).log_softmax(-1)
-        tokens = logits.argmax(-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._draw(logprobs, seqs))
+        temps = [s.params.temperature for s in seqs]
+        num_greedy = sum(t == 0 for t in temps)
+        if any(t not in (0, 1) for t in temps):
+            scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits.device)
+            logprobs = (logits / scale[:, None]).log_softmax(-1)
+        else:
+            logprobs = logits.log_softmax(-1)
+        if num_greedy == len(seqs):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._draw(logprobs, seqs)
+            if num_greedy:
+                greedy = torch.tensor([t == 0 for t in temps], device=logits.device)
+                tokens = torch.where(greedy, logits.argmax(-1), tokens)
         chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+        # One transfer for both (float64 holds every token id exactly).
+        token_ids, chosen_logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
         top = self._top_logprobs(logprobs, seqs)
-        return SampleResult(tokens.tolist(), chosen.tolist(), top)
+        return SampleResult([int(t) for t in token_ids], chosen_logprobs, top)
 
     def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         if any(p.needs_filtering for p in params):
             logprobs = filter_logits(
                 logprobs,
-                torch.tensor([p.top_k if p.needs_filtering else -1 for p in params], device=logprobs.device),
-                torch.tensor([p.top_p if p.needs_filtering else 1.0 for p in params], device=logprobs.device),
-                torch.tensor([p.min_p if p.needs_filtering else 0.0 for p in params], device=logprobs.device),
+                [p.top_k if p.needs_filtering else -1 for p in params],
+                [p.top_p if p.needs_filtering else 1.0 for p in params],
+                [p.min_p if p.needs_filtering else 0.0 for p in params],
             )
-        probs = logprobs.softmax(-1)
+        # The race only compares p / E within a row, so the filtered mass needs no renormalizing.
+        probs = logprobs.exp()
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None:

@@ -17,6 +17,7 @@ import torch
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.fused_norms import apply_compiled_norms
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.llm_engine import LLMEngine
 from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
@@ -98,7 +99,9 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> 
         num_blocks = plan_num_blocks(engine, model, device, per_block, max_model_len)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
         cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
-        runner = PagedModelRunner(model, cache, device)
+        if engine.compile_norms and device.type == "cuda":
+            apply_compiled_norms(model)
+        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, engine.cuda_graphs)
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, engine.block_size, num_blocks * per_block / 2**30, device)
     else:

@@ -1,0 +1,55 @@
+"""CUDA graphs of decode-only steps, one per batch size of a fixed ladder.
+
+Why: a decode step of a small model is a thousand-odd short kernels; launched from Python each
+costs more host time than the GPU spends on it. A graph replays them all with one launch. The
+graphs are captured largest first into one memory pool (they never run at once), reading
+static input buffers; a step of B decodes replays the smallest captured size >= B, its rows
+past B padded (context 0, writes to the cache's pad slot). Prefill and mixed steps run eager.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including `max_batch`."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+def padded_batch_size(sizes: list[int], batch: int) -> int:
+    """The smallest of the (sorted) `sizes` that holds `batch` rows."""
+    return sizes[bisect.bisect_left(sizes, batch)]
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Callable[[int], torch.Tensor], max_batch: int):
+        """`forward(b)`: the decode step of b rows over the static buffers, returning its logits [b, V]."""
+        self.sizes = graph_batch_sizes(max_batch)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = None
+        for size in reversed(self.sizes):
+            forward(size)  # warmup: Triton compiles, the allocator settles, outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def padded(self, batch: int) -> int:
+        return padded_batch_size(self.sizes, batch)
+
+    def replay(self, batch: int) -> torch.Tensor:
+        """Run the graph of `padded(batch)` rows (static inputs already filled); its first `batch` logits."""
+        graph, out = self.graphs[self.padded(batch)]
+        graph.replay()
+        return out[:batch]

@@ -1,0 +1,161 @@
+"""A scheduled batch as device tensors, with one host-to-device copy per step.
+
+Why: building a dozen small tensors from Python lists costs a blocking copy each; here every
+integer the step needs (token ids, positions, slots, lengths, kernel tiles, sampled rows and
+block-table changes) goes into one pinned host buffer, is copied in one go, and read on the
+device as views.
+
+Block tables live on the device for the whole run ([max_num_seqs, blocks per max_model_len]),
+one row per batch position. A row is rewritten only when another sequence takes the position or
+its sequence gained blocks, so a steady decode batch sends a few entries per step, not whole
+tables. Invariant: `_row_owner[i]` is the very `block_table` list whose first `_row_len[i]`
+entries row i holds; the block manager only appends to a sequence's list and replaces it when
+it frees the blocks, so an owner that is still the same list has only gained entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.inference.engine.scheduler import ScheduledBatch
+
+PREFILL_BLOCK_Q = 16
+"""Query tokens per attention tile in steps that prefill (decode-only steps use 1)."""
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    """[N] (or [bucket] for a padded decode step)"""
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    """[B] (or [bucket]: padding rows have context 0)"""
+    query_start: torch.Tensor
+    """[B + 1]"""
+    tiles: torch.Tensor
+    """[2, T]"""
+    sample_index: torch.Tensor
+    """[S] rows of the step's tokens whose logits are sampled, in batch order"""
+    block_q: int
+    query_lens: list[int]
+    seq_lens_host: list[int]
+
+
+def decode_tiles(num_seqs: int) -> list[list[int]]:
+    return [list(range(num_seqs)), [0] * num_seqs]
+
+
+class StepInputBuilder:
+    def __init__(self, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, pad_slot: int):
+        self.device = device
+        self.block_size = block_size
+        self.pad_slot = pad_slot
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.long, device=device)
+        self._width = max_blocks_per_seq
+        self._row_owner: list[list[int] | None] = [None] * max_num_seqs
+        self._row_len = [0] * max_num_seqs
+        self._host = torch.empty(0, dtype=torch.long)
+        self._device_buffer = torch.empty(0, dtype=torch.long, device=device)
+        self._copied: torch.cuda.Event | None = None
+
+    def _table_updates(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+        """Flat indices into `block_tables` and the block ids to write there."""
+        index: list[int] = []
+        value: list[int] = []
+        for i, seq in enumerate(batch.seqs):
+            table = seq.block_table
+            known = self._row_len[i] if self._row_owner[i] is table else 0
+            if known == len(table):
+                continue
+            self._row_owner[i], self._row_len[i] = table, len(table)
+            base = i * self._width
+            index.extend(range(base + known, base + len(table)))
+            value.extend(table[known:])
+        return index, value
+
+    def build(self, batch: ScheduledBatch, pad_to: int | None = None) -> StepInputs:
+        """The step's tensors; `pad_to`: a decode-only step padded to a CUDA graph's batch size."""
+        bs = self.block_size
+        seqs, num_new = batch.seqs, batch.num_new_tokens
+        decode_only = all(n == 1 for n in num_new)
+        if decode_only:
+            positions = [s.num_computed_tokens for s in seqs]
+            ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
+            slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+            seq_lens = [p + 1 for p in positions]
+            query_lens = [1] * len(seqs)
+            sample_index = list(range(len(seqs)))
+            tiles = decode_tiles(len(seqs))
+            if pad_to is not None:
+                pad = pad_to - len(seqs)
+                ids, positions, slots, seq_lens = ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, seq_lens + [0] * pad
+        else:
+            assert pad_to is None, "only decode-only steps run as CUDA graphs"
+            id_parts: list[list[int]] = []
+            pos_parts: list[np.ndarray] = []
+            slot_parts: list[np.ndarray] = []
+            seq_lens, query_lens, sample_index = [], [], []
+            tiles: list[list[int]] = [[], []]
+            offset = 0
+            for i, (seq, n) in enumerate(zip(seqs, num_new)):
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+                id_parts.append(seq.token_ids[start:end])
+                pos = np.arange(start, end)
+                pos_parts.append(pos)
+                slot_parts.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
+                seq_lens.append(end)
+                query_lens.append(n)
+                q_starts = range(0, n, PREFILL_BLOCK_Q)
+                tiles[0].extend([i] * len(q_starts))
+                tiles[1].extend(q_starts)
+                offset += n
+                if batch.samples(i):
+                    sample_index.append(offset - 1)
+            ids = [t for part in id_parts for t in part]
+            positions = np.concatenate(pos_parts)
+            slots = np.concatenate(slot_parts)
+        query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        update_index, update_value = self._table_updates(batch)
+        parts = [ids, positions, slots, seq_lens, query_start, tiles[0] + tiles[1], sample_index, update_index, update_value]
+        views = self._transfer(parts)
+        if update_index:
+            self.block_tables.view(-1).index_copy_(0, views[7], views[8])
+        return StepInputs(
+            input_ids=views[0], positions=views[1], slot_mapping=views[2], seq_lens=views[3], query_start=views[4],
+            tiles=views[5].view(2, -1), sample_index=views[6], block_q=1 if decode_only else PREFILL_BLOCK_Q,
+            query_lens=query_lens, seq_lens_host=seq_lens[:len(seqs)],
+        )
+
+    def _transfer(self, parts: list) -> list[torch.Tensor]:
+        """Pack the integer lists into one host buffer, copy it to the device once, return views."""
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy may still read the buffer
+        if total > self._host.numel():
+            capacity = max(total, 2 * self._host.numel(), 4096)
+            self._host = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            if self.device.type == "cuda":
+                self._device_buffer = torch.empty(capacity, dtype=torch.long, device=self.device)
+        host = self._host.numpy()
+        offset = 0
+        for part, size in zip(parts, sizes):
+            host[offset:offset + size] = part
+            offset += size
+        if self.device.type == "cuda":
+            buffer = self._device_buffer
+            buffer[:total].copy_(self._host[:total], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            buffer = self._host[:total].clone()  # the next step reuses the host buffer
+        views, offset = [], 0
+        for size in sizes:
+            views.append(buffer[offset:offset + size])
+            offset += size
+        return views

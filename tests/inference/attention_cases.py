@@ -1,0 +1,83 @@
+"""A random mixed step over a paged cache, to compare the Triton kernel with the torch reference."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.inference.engine.paged_attention import AttentionMetadata, reference_attention
+from tandem.inference.engine.step_inputs import PREFILL_BLOCK_Q
+
+
+MIXED = [(7, 7), (5, 13), (1, 1), (1, 9), (1, 40), (1, 0)]
+"""(tokens this step, context after it): a fresh prefill, a chunk after cached tokens, decodes with
+short and long contexts, and a CUDA-graph padding row (context 0, last)."""
+DECODES = [(1, 3), (1, 17), (1, 40), (1, 0)]
+
+
+def mixed_step(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+               block_size: int = 4, seed: int = 0, shapes: list[tuple[int, int]] = MIXED) -> tuple:
+    """(q, k, v, k_cache, v_cache, metadata) of a step of sequences of these `shapes`."""
+    gen = torch.Generator().manual_seed(seed)
+    block_q = 1 if all(q_len == 1 for q_len, _ in shapes) else PREFILL_BLOCK_Q
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = 12
+    tables = torch.zeros(len(shapes), width, dtype=torch.long)
+    slots: list[int] = []
+    tiles: list[list[int]] = [[], []]
+    for i, (q_len, ctx) in enumerate(shapes):
+        need = -(-ctx // block_size)
+        tables[i, :need] = torch.tensor(order[:need], dtype=torch.long)
+        order = order[need:]
+        if ctx == 0:
+            slots.append(num_blocks * block_size)
+        else:
+            slots.extend(int(tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx - q_len, ctx))
+        q_starts = range(0, q_len, block_q)
+        tiles[0].extend([i] * len(q_starts))
+        tiles[1].extend(q_starts)
+    n = sum(q for q, _ in shapes)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device, dtype)
+    slot_mapping = torch.tensor(slots, device=device)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    query_lens = [q_len for q_len, _ in shapes]
+    query_start = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), device=device)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping, query_start=query_start, seq_lens=torch.tensor([c for _, c in shapes], device=device),
+        block_tables=tables.to(device), tiles=torch.tensor(tiles, device=device), block_q=block_q,
+        query_lens_host=query_lens, seq_lens_host=[c for _, c in shapes],
+    )
+    return q, k, v, k_cache, v_cache, meta
+
+
+def reference(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+    """The torch path's output; the padding row (context 0) is defined as zeros."""
+    real = slice(0, q.shape[0] - 1)
+    meta_real = AttentionMetadata(meta.slot_mapping[real], meta.query_start[:-1], meta.seq_lens[:-1], meta.block_tables[:-1],
+                                  meta.tiles, meta.block_q, meta.query_lens_host[:-1], meta.seq_lens_host[:-1])
+    out = reference_attention(q[real], k[real], v[real], k_cache, v_cache, meta_real)
+    return torch.cat([out, torch.zeros_like(q[-1:])])
+
+
+def dense_reference(q, k_cache, v_cache, meta) -> torch.Tensor:
+    """Each query token against its context, one softmax at a time, in float64 (no kernels involved)."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    start = 0
+    for i, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        slots = [int(meta.block_tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx)]
+        keys = k_cache.reshape(-1, *k_cache.shape[2:])[slots].double().cpu()
+        values = v_cache.reshape(-1, *v_cache.shape[2:])[slots].double().cpu()
+        for j in range(q_len):
+            pos = ctx - q_len + j
+            for h in range(q.shape[1]):
+                scores = keys[:pos + 1, h // group] @ q[start + j, h].double().cpu() / q.shape[-1] ** 0.5
+                out[start + j, h] = scores.softmax(0) @ values[:pos + 1, h // group]
+        start += q_len
+    return out

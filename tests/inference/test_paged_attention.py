@@ -1,0 +1,13 @@
+"""Paged attention: the torch reference (the CPU path) against plain softmax attention. The Triton
+kernel is compared with the same dense attention on a GPU (test_gpu_engine.py)."""
+
+import pytest
+import torch
+from attention_cases import DECODES, MIXED, dense_reference, mixed_step, reference
+
+
+@pytest.mark.parametrize("shapes", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_reference_attention_equals_dense_softmax_attention(shapes):
+    q, k, v, k_cache, v_cache, meta = mixed_step("cpu", torch.float32, shapes=shapes)
+    out = reference(q, k, v, k_cache, v_cache, meta)
+    torch.testing.assert_close(out.double(), dense_reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,76 @@
+"""Step inputs: what reaches the device, block-table rows updated incrementally, graph buckets."""
+
+import torch
+
+from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.scheduler import Scheduler
+from tandem.inference.engine.sequence import Sequence
+from tandem.inference.engine.step_inputs import StepInputBuilder
+from tandem.models.byte_tokenizer import build_byte_tokenizer
+
+TOKENIZER = build_byte_tokenizer()
+
+
+def test_graph_sizes_cover_every_batch_with_little_padding():
+    sizes = graph_batch_sizes(100)
+    assert sizes == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    assert graph_batch_sizes(1) == [1] and graph_batch_sizes(16) == [1, 2, 4, 8, 16]
+    for b in range(1, 101):
+        padded = padded_batch_size(sizes, b)
+        assert b <= padded <= max(8, b + 15)
+
+
+def setup(num_seqs: int, prompt_len: int):
+    bm = BlockManager(64, 4)
+    scheduler = Scheduler(bm, 8, 256)
+    seqs = [Sequence("r", i, list(range(3 + i, 3 + i + prompt_len)), SamplingParams(max_tokens=20), TOKENIZER)
+            for i in range(num_seqs)]
+    for s in seqs:
+        scheduler.add(s)
+    return scheduler, seqs, StepInputBuilder(torch.device("cpu"), 8, 16, 4, pad_slot=64 * 4)
+
+
+def finish_step(batch) -> None:
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+
+
+def test_prefill_then_decode_inputs_and_block_tables():
+    scheduler, seqs, builder = setup(3, 6)
+    batch = scheduler.schedule()
+    step = builder.build(batch)
+    assert step.input_ids.tolist() == [t for s in seqs for t in s.token_ids]
+    assert step.positions.tolist() == list(range(6)) * 3
+    assert step.query_start.tolist() == [0, 6, 12, 18] and step.seq_lens.tolist() == [6, 6, 6]
+    assert step.sample_index.tolist() == [5, 11, 17] and step.tiles.tolist() == [[0, 1, 2], [0, 0, 0]]
+    slots = [s.block_table[p // 4] * 4 + p % 4 for s in seqs for p in range(6)]
+    assert step.slot_mapping.tolist() == slots
+    for i, s in enumerate(seqs):
+        assert builder.block_tables[i, :len(s.block_table)].tolist() == s.block_table
+    finish_step(batch)
+    # Decodes: positions 6, 6, 6 (each sequence's 7th token); padded to a graph size of 4.
+    batch = scheduler.schedule()
+    updates = builder._table_updates(batch)
+    assert updates == ([], [])  # the tables were sent with the prefill and have not grown
+    step = builder.build(batch, pad_to=4)
+    assert step.input_ids.tolist() == [7, 7, 7, 0] and step.positions.tolist() == [6, 6, 6, 0]
+    assert step.seq_lens.tolist() == [7, 7, 7, 0] and step.slot_mapping.tolist()[3] == 64 * 4
+    assert step.block_q == 1 and step.seq_lens_host == [7, 7, 7]
+
+
+def test_block_table_rows_send_only_what_changed():
+    scheduler, seqs, builder = setup(2, 4)
+    batch = scheduler.schedule()
+    builder.build(batch)
+    finish_step(batch)
+    batch = scheduler.schedule()  # the 5th token needs a second block of 4
+    index, value = builder._table_updates(batch)
+    assert index == [1, 16 + 1] and value == [seqs[0].block_table[1], seqs[1].block_table[1]]
+    # Another sequence in row 0 rewrites the row from its start.
+    batch.seqs.reverse()
+    index, value = builder._table_updates(batch)
+    assert index == [0, 1, 16, 17] and value == seqs[1].block_table + seqs[0].block_table
