@@ -10,6 +10,7 @@ from inference_helpers import teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
+from tandem.inference.engine import sampling_kernel
 from tandem.inference.engine.attention_kernel import paged_attention
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
@@ -30,8 +31,10 @@ def test_kernel_equals_dense_attention(dtype, tolerance, shapes, heads, kv_heads
         assert (out.double().cpu() - ref).abs().max().item() < tolerance
 
 
-def test_engine_with_cuda_graphs_matches_a_teacher_forced_pass(tiny_dir):
-    """fp32 on CUDA: prefill chunks through the kernel, decodes through the graphs, mixed lengths."""
+@pytest.mark.parametrize("seeded", [True, False], ids=["torch-sampler", "sampling-kernel"])
+def test_engine_with_cuda_graphs_matches_a_teacher_forced_pass(tiny_dir, seeded):
+    """fp32 on CUDA: prefill chunks through the kernel, decodes through the graphs, mixed lengths;
+    seeded requests sample through the torch path, the others through the sampling kernel."""
     engine = build_engine(ModelConfig(name=str(tiny_dir), dtype="float32"),
                           EngineConfig(device="cuda", max_num_seqs=24, max_model_len=256, max_num_batched_tokens=96), seed=0)
     assert engine.runner.graphs is not None
@@ -40,7 +43,8 @@ def test_engine_with_cuda_graphs_matches_a_teacher_forced_pass(tiny_dir):
     requests = {}
     for i in range(12):
         prompt = [rng.randrange(256) for _ in range(rng.randint(1, 120))]
-        params = SamplingParams(max_tokens=40, temperature=[0.0, 0.7, 1.0][i % 3], seed=i, ignore_eos=True)
+        params = SamplingParams(max_tokens=40, temperature=[0.0, 0.7, 1.0][i % 3], seed=i if seeded else None,
+                                ignore_eos=True)
         requests[str(i)] = (prompt, params)
         engine.add_request(str(i), prompt, params, n=2, incremental=False)
     outputs = []
@@ -51,3 +55,32 @@ def test_engine_with_cuda_graphs_matches_a_teacher_forced_pass(tiny_dir):
         prompt, params = requests[out.request_id]
         expected = teacher_forced_logprobs(model, prompt, out.token_ids, params.temperature)
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampling_kernel_draws_from_the_scaled_softmax_and_reports_its_logprob(dtype):
+    vocab, rows, temperature = 3000, 40000, 0.7
+    head = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    logits = torch.full((vocab,), -6.0)
+    logits[:6] = head
+    logits = logits.to(dtype).cuda()
+    batch = logits.repeat(rows, 1)
+    tokens, logprobs = sampling_kernel.sample(batch, [temperature] * rows, seed=123)
+    full = (logits.float() / temperature).log_softmax(-1)
+    torch.testing.assert_close(logprobs, full[tokens.long()], atol=2e-6, rtol=0)
+    counts = torch.bincount(tokens.long(), minlength=vocab).float() / rows
+    expected = full.exp()
+    assert (counts[:6] - expected[:6]).abs().max().item() < 0.01
+    assert abs(counts[6:].sum().item() - expected[6:].sum().item()) < 0.01  # the tail is drawn too
+    again, _ = sampling_kernel.sample(batch, [temperature] * rows, seed=123)
+    other, _ = sampling_kernel.sample(batch, [temperature] * rows, seed=124)
+    assert torch.equal(tokens, again) and not torch.equal(tokens, other)
+
+
+def test_sampling_kernel_greedy_rows_take_the_argmax_with_the_t1_logprob():
+    logits = torch.randn(8, 151936, device="cuda")
+    temps = [0.0, 1.0] * 4
+    tokens, logprobs = sampling_kernel.sample(logits, temps, seed=0)
+    greedy = logits.argmax(-1)
+    assert torch.equal(tokens[0::2].long(), greedy[0::2])
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1).gather(-1, tokens.long()[:, None])[:, 0], atol=1e-5, rtol=0)

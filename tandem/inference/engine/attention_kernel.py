@@ -93,6 +93,13 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+_PREFILL_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
+_DECODE_LAUNCH = dict(BLOCK_N=32, num_warps=1, num_stages=2)
+"""Decode tiles hold one token: one warp per (sequence, KV head) over 32-key chunks is the fastest
+of a sweep on an H200 (Qwen3-0.6B heads, 256 sequences of 192-640 tokens: 112 us against 129 us
+for the prefill setting at 384 tokens, about 3.6 TB/s of KV read)."""
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -113,7 +120,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tiles, num_tiles, head_dim ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p), BLOCK_N=64,
-        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p), PAGE=k_cache.shape[1],
+        HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, **(_DECODE_LAUNCH if block_q == 1 else _PREFILL_LAUNCH),
     )
     return out

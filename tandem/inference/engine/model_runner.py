@@ -1,6 +1,6 @@
 """Turn a scheduled batch into logits: input prep, one forward pass, the LM head on last tokens.
 
-Two runners share the interface `run(batch) -> logits [S, V]` (float32, one row per sequence
+Two runners share the interface `run(batch) -> logits [S, V]` (the model's dtype, one row per sequence
 that samples this step, in batch order):
 - `PagedModelRunner`: tandem's native models; every token is computed once and its keys and
   values kept in the paged cache (`step_inputs.py` builds the step's tensors, `cuda_graphs.py`
@@ -46,7 +46,7 @@ class PagedModelRunner:
         meta = AttentionMetadata(slot_mapping=static[2, :b], query_start=self._query_start[:b + 1], seq_lens=static[3, :b],
                                  block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1)
         hidden = self.model(static[0, :b][None], static[1, :b][None], attention=PagedAttention(self.cache, meta))
-        return self.model.lm_head(hidden[0]).float()
+        return self.model.lm_head(hidden[0])
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -62,7 +62,7 @@ class PagedModelRunner:
                                  block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
                                  query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host)
         hidden = self.model(step.input_ids[None], step.positions[None], attention=PagedAttention(self.cache, meta))
-        return self.model.lm_head(hidden[0, step.sample_index]).float()
+        return self.model.lm_head(hidden[0, step.sample_index])
 
 
 class RecomputeModelRunner:
@@ -86,4 +86,4 @@ class RecomputeModelRunner:
                 rows.append(hidden[0, -1])
         if not rows:
             return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
-        return self.model.lm_head(torch.stack(rows)).float()
+        return self.model.lm_head(torch.stack(rows))

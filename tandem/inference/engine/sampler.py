@@ -12,10 +12,12 @@ same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
+from tandem.inference.engine import sampling_kernel
 from tandem.inference.engine.sequence import Sequence
 
 
@@ -53,16 +55,28 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
 
 
 class Sampler:
-    """Sampling on the device; the host reads the step's tokens and logprobs in one transfer."""
+    """Sampling on the device; the host reads the step's tokens and logprobs in one transfer.
+
+    On CUDA, batches whose rows need no filter, own seed or top logprobs (the RL case) go through
+    one Triton kernel (`sampling_kernel.py`); the others through the torch path below.
+    """
 
     def __init__(self, device: torch.device, seed: int):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         """Draws the noise of sequences without a seed of their own."""
+        self.kernel_seeds = random.Random(seed)
+        """One Philox seed per step of the kernel path, drawn on the host (no device sync)."""
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits [B, V] float32, one row per sequence."""
+        """logits [B, V] (float32, or the model's dtype), one row per sequence."""
         temps = [s.params.temperature for s in seqs]
+        if sampling_kernel.is_available(logits) and all(
+                s.generator is None and not s.params.needs_filtering and s.params.num_top_logprobs == 0 for s in seqs):
+            tokens, chosen = sampling_kernel.sample(logits, temps, self.kernel_seeds.getrandbits(31))
+            token_ids, chosen_logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
+            return SampleResult([int(t) for t in token_ids], chosen_logprobs, [[] for _ in seqs])
+        logits = logits.float()
         num_greedy = sum(t == 0 for t in temps)
         if any(t not in (0, 1) for t in temps):
             scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits.device)
