@@ -117,6 +117,10 @@ class EvalSettings(Section):
     temperature: float | None = None
     """Sampling temperature of evals (0 = greedy); None = `sampling.temperature`."""
 
+    seeded: bool = True
+    """Give each eval rollout its own sampling seed (from the run seed, the example and the rollout),
+    so that the same policy gets the same eval reward however the server batches the requests."""
+
     @model_validator(mode="after")
     def _check(self) -> "EvalSettings":
         if self.rollouts_per_example < 1:

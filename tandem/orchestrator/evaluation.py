@@ -46,19 +46,23 @@ async def evaluate(ctx: RolloutContext, envs: list[LoadedEnv], settings: EvalSet
     semaphore = asyncio.Semaphore(max_concurrent)
     args = eval_sampling_args(sampling, settings)
 
-    async def bounded(env: LoadedEnv, example: dict[str, Any], server: int) -> RolloutResult:
+    async def bounded(env: LoadedEnv, example: dict[str, Any], server: int, rollout_seed: int) -> RolloutResult:
         async with semaphore:
-            return await run_rollout(ctx, env, example, server, args)
+            return await run_rollout(ctx, env, example, server, {**args, "seed": rollout_seed} if settings.seeded else args)
 
     metrics: dict[str, float] = {}
     results: list[RolloutResult] = []
     per_example: list[list[RolloutResult]] = []
+    rollout_index = 0  # over all envs: rollout k of the eval samples with seed (seed * 1_000_003 + k) mod 2^31
     for env in envs:
         examples = as_examples(env.env.get_eval_dataset(n=settings.num_examples, seed=seed), env.name)
         jobs = []
         for example in examples:
             server = ctx.pool.next_server()
-            jobs.append(asyncio.gather(*(bounded(env, example, server) for _ in range(settings.rollouts_per_example))))
+            first = rollout_index
+            rollout_index += settings.rollouts_per_example
+            jobs.append(asyncio.gather(*(bounded(env, example, server, (seed * 1_000_003 + first + j) % 2**31)
+                                         for j in range(settings.rollouts_per_example))))
         env_groups = [list(g) for g in await asyncio.gather(*jobs)]
         metrics.update(_summary(env_groups, settings, f"eval/{env.name}/"))
         per_example.extend(env_groups)

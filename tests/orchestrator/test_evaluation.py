@@ -40,6 +40,7 @@ def test_tandem_eval_scores_a_builtin_environment(tmp_path, tiny_model, fake_ser
     assert metrics["step"] == 7 and metrics["eval/reward_mean"] == 1.0 and metrics["eval/pass@2"] == 1.0
     assert metrics["eval/reverse_text/num_rollouts"] == 10 and metrics["eval/num_failed"] == 0
     assert {r["temperature"] for r in backend.requests} == {0.0}
+    assert sorted(r["seed"] for r in backend.requests) == list(range(10))  # run seed 0: one seed per rollout
     lines = (run_dir / "eval" / "step_7" / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 10 and json.loads(lines[0])["env"] == "reverse_text"
     assert "eval/pass@1" in capsys.readouterr().out

@@ -85,3 +85,29 @@ def test_the_real_server_yields_a_well_formed_batch(tmp_path, tiny_model, tokeni
     # The run ended once the server held the last policy.
     reply = httpx.post(f"{tandem_server}/v1/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 2}).json()
     assert reply["weight_version"] == config.max_steps
+
+
+def test_seeded_evals_score_a_policy_the_same_however_the_server_batches(tiny_model, tokenizer, tandem_server):
+    """At T = 1, the completions of one rollout at a time and of all at once are the same."""
+    from tandem.config.orchestrator import ClientConfig, EvalSettings, SamplingConfig
+    from tandem.orchestrator.evaluation import evaluate
+    from tandem.orchestrator.inference_pool import InferencePool
+    from tandem.orchestrator.rollout import RolloutContext
+
+    envs = load_envs([EnvConfig(id="reverse_text", args={"num_train_examples": 4, "num_eval_examples": 12})])
+    sampling = SamplingConfig(temperature=1.0, max_tokens=24)
+
+    async def completions(settings: EvalSettings, max_concurrent: int) -> list[list[int]]:
+        pool = InferencePool(ClientConfig(base_urls=[tandem_server], timeout_s=120))
+        try:
+            ctx = RolloutContext(pool, tokenizer, str(tiny_model), 512)
+            _, results = await evaluate(ctx, envs, settings, sampling, seed=3, max_concurrent=max_concurrent)
+        finally:
+            await pool.aclose()
+        return [[t for turn in r.turns for t in turn.completion_ids] for r in results]
+
+    settings = EvalSettings(num_examples=12, rollouts_per_example=2)
+    alone = asyncio.run(completions(settings, 1))
+    together = asyncio.run(completions(settings, 24))
+    assert alone == together
+    assert len({tuple(c) for c in alone[0::2]}) > 1 and alone[0::2] != alone[1::2]  # sampled: the 2 rollouts of an example differ
