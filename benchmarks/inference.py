@@ -16,6 +16,10 @@ Figures:
 - server (A): the same requests through HTTP `/v1/generate`, all sent at once;
 - transformers (A): one `generate` batch of the 256 prompts (equal lengths: no padding, its best
   case) and continuous batching (`generate_batch`), and tandem's ratios over both;
+- vLLM (part `vllm`, CUDA, not in the default parts): A with and without the sampled token's
+  logprob, B with it, through `benchmarks/vllm_workloads.py` in a child process on the same
+  model and prompts (`--vllm-site DIR` puts an offline vLLM install on its path), and the ratios
+  of tandem's engine over vLLM with logprobs;
 - mismatch (B): the engine's logprob of each sampled token against a teacher-forced forward of
   the whole sequence by tandem's Qwen3 (what the trainer computes), same dtype and temperature:
   the mean k3 estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine.
@@ -32,7 +36,9 @@ import gc
 import json
 import random
 import statistics
+import os
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -65,6 +71,7 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated parts to run")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -186,6 +193,19 @@ def bench_server(folder: Path, args: argparse.Namespace, w: dict, prompts: list[
         server.stop()
 
 
+def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts: dict, tmp: Path) -> dict:
+    spec, out = tmp / "vllm_spec.json", tmp / "vllm_result.json"
+    spec.write_text(json.dumps({"workloads": workloads, "prompts": prompts}))
+    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
+    if args.vllm_site:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.vllm_site, env.get("PYTHONPATH")) if p)
+    child = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_workloads.py")), "--model", str(folder),
+                            "--spec", str(spec), "--out", str(out)], env=env)
+    if child.returncode != 0:
+        raise RuntimeError(f"vllm_workloads.py exited with {child.returncode}")
+    return json.loads(out.read_text())
+
+
 def load_transformers(folder: Path, args: argparse.Namespace, device: torch.device):
     from transformers import AutoModelForCausalLM
 
@@ -244,6 +264,8 @@ def environment(device: torch.device) -> dict:
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+        commit += " + uncommitted changes" if changed.strip() else ""
     except OSError:
         commit = "unknown"
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "commit": commit, "device": str(device)}
@@ -286,6 +308,8 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if "vllm" in parts:
+            attempt(results, "vllm", lambda: bench_vllm(folder, args, {"A": a, "B": b}, {"A": prompts_a, "B": prompts_b}, Path(tmp)))
         if "server" in parts:
             attempt(results, "server_A", lambda: bench_server(folder, args, a, prompts_a))
         if parts & {"generate", "generate_batch"}:
@@ -302,11 +326,19 @@ def main() -> None:
             server = results.get("server_A", {}).get("output_tokens_per_s")
             if server:
                 results[f"ratio_server_A_over_{base.removeprefix('transformers_')}"] = server / rate
+    for key in ("A", "B"):
+        engine = results.get(f"engine_{key}", {}).get("output_tokens_per_s")
+        anchor = results.get("vllm", {}).get(f"vllm_{key}_logprobs", {}).get("output_tokens_per_s")
+        if engine and anchor:
+            results[f"ratio_engine_{key}_over_vllm_with_logprobs"] = engine / anchor
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items() if k.startswith("ratio")}
     for key in ("engine_A", "engine_B", "server_A", "transformers_generate_A", "transformers_generate_batch_A", "mismatch_B"):
         r = results.get(key, {})
         summary[key] = {k: r[k] for k in ("output_tokens_per_s", "ttft_median_s", "decode_step_median_s_at_full_batch",
                                           "prompt_tokens_computed", "prompt_tokens_requested", "mean_k3", "error") if k in r}
+    if "vllm" in results:
+        summary["vllm"] = {k: (v.get("output_tokens_per_s", v.get("error")) if isinstance(v, dict) else v)
+                           for k, v in results["vllm"].items()}
     print(json.dumps(summary, indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")

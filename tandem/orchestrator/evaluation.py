@@ -9,6 +9,7 @@ counted, so an outage reads as `num_failed`, not as a bad model.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 from tandem.config.orchestrator import EvalSettings, SamplingConfig
 from tandem.orchestrator.environments import LoadedEnv, as_examples
 from tandem.orchestrator.rollout import RolloutContext, RolloutResult, run_rollout
+
+log = logging.getLogger("tandem.orchestrator")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -56,6 +59,9 @@ async def evaluate(ctx: RolloutContext, envs: list[LoadedEnv], settings: EvalSet
     rollout_index = 0  # over all envs: rollout k of the eval samples with seed (seed * 1_000_003 + k) mod 2^31
     for env in envs:
         examples = as_examples(env.env.get_eval_dataset(n=settings.num_examples, seed=seed), env.name)
+        if settings.num_examples > len(examples):
+            log.warning("eval: environment %s has %d eval examples, fewer than eval.num_examples = %d; evaluating those %d",
+                        env.name, len(examples), settings.num_examples, len(examples))
         jobs = []
         for example in examples:
             server = ctx.pool.next_server()

@@ -44,3 +44,16 @@ def test_tandem_eval_scores_a_builtin_environment(tmp_path, tiny_model, fake_ser
     lines = (run_dir / "eval" / "step_7" / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 10 and json.loads(lines[0])["env"] == "reverse_text"
     assert "eval/pass@1" in capsys.readouterr().out
+
+
+def test_tandem_eval_says_when_the_eval_split_is_smaller_than_asked(tmp_path, tiny_model, fake_servers, caplog):
+    (_, url), = fake_servers(respond=lambda prompt, rng: "<reversed_text>x</reversed_text>")
+    run_dir = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="tandem.orchestrator"):
+        code = tandem_main(["eval", "--model.name", str(tiny_model), "--output_dir", str(run_dir),
+                            "--client.base_urls", f'["{url}"]', "--eval.num_examples", "8", "--eval.rollouts_per_example", "1",
+                            "--envs", '[{id = "reverse_text", args = {num_train_examples = 10, num_eval_examples = 3}}]'])
+    assert code == 0
+    (metrics,) = read_metrics(run_dir, "eval")
+    assert metrics["eval/reverse_text/num_rollouts"] == 3
+    assert "environment reverse_text has 3 eval examples, fewer than eval.num_examples = 8" in caplog.text

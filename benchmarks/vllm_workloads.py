@@ -1,0 +1,71 @@
+"""vLLM on the workloads of `benchmarks/inference.py`: the side-by-side anchor of tandem's engine.
+
+`benchmarks/inference.py --parts ...,vllm` runs this file in a child process (vLLM starts its own
+engine process and takes a fixed share of GPU memory, so it must not share a process with
+tandem's engine), on the same model folder, prompts and machine, and merges what it prints.
+Alone:
+
+    python benchmarks/vllm_workloads.py --model DIR --spec spec.json --out vllm.json
+
+`spec.json` holds `workloads` ({"A": {...}, "B": {...}} as in inference.py) and `prompts`
+({"A": [[ids...]], "B": [...]}). Weights are vLLM's dummy (random) ones: the figures are about
+speed, and the model folder needs only its config.json. Every run samples at temperature 1 with
+EOS ignored; `logprobs=0` asks for the sampled token's logprob only, what RL needs, and is the
+setting comparable to tandem's engine, which always returns it. Imports nothing from tandem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def run(llm, prompts: list[list[int]], w: dict, logprobs: int | None) -> dict:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(n=w["n"], temperature=1.0, top_p=1.0, top_k=0, max_tokens=w["output_len"], ignore_eos=True,
+                            logprobs=logprobs, detokenize=False, seed=None)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    result = {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed, "logprobs": logprobs}
+    if logprobs is not None:
+        result["logprobs_returned"] = all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+                                          for o in outputs for c in o.outputs)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model folder (config.json)")
+    parser.add_argument("--spec", required=True, help="JSON file with workloads and prompts")
+    parser.add_argument("--out", required=True, help="write the figures here")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    args = parser.parse_args()
+    import vllm
+    from vllm import LLM
+
+    spec = json.loads(Path(args.spec).read_text())
+    w_a, w_b = spec["workloads"]["A"], spec["workloads"]["B"]
+    max_len = max(w["prompt_len"] + w["output_len"] for w in (w_a, w_b))
+    max_seqs = max(w["num_prompts"] * w["n"] for w in (w_a, w_b))
+    start = time.perf_counter()
+    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              max_model_len=max_len, max_num_seqs=max_seqs, gpu_memory_utilization=args.gpu_memory_utilization)
+    results: dict = {"vllm": vllm.__version__, "build_s": time.perf_counter() - start}
+    run(llm, spec["prompts"]["A"][:4], {**w_a, "output_len": 8}, 0)  # warmup
+    # Fresh prompts per run (shifted ids), so the prefix cache of one run does not serve the next.
+    shifted = [[(t + 1) % 256 for t in p] for p in spec["prompts"]["A"]]
+    results["vllm_A_logprobs"] = run(llm, spec["prompts"]["A"], w_a, 0)
+    results["vllm_A_no_logprobs"] = run(llm, shifted, w_a, None)
+    results["vllm_B_logprobs"] = run(llm, spec["prompts"]["B"], w_b, 0)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
