@@ -69,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="timed engine runs of workload A; the best counts")
     parser.add_argument("--parts", default="engine,server,generate,generate_batch,mismatch",
                         help="comma-separated parts to run")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokens of one engine step (prefill chunking); default max(4096, longest sequence)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
@@ -91,7 +93,7 @@ def prompts_for(w: dict, vocab: int, seed: int) -> list[list[int]]:
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int) -> EngineConfig:
     return EngineConfig(device=args.device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                        max_num_batched_tokens=max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
+                        max_num_batched_tokens=args.max_num_batched_tokens or max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
                         compile_norms=args.compile_norms)
 
 
