@@ -3,10 +3,16 @@
     python benchmarks/trainer.py --preset small --device cpu --shapes 2048:4:4
     python benchmarks/trainer.py --preset qwen3-0.6b --device cuda --shapes 16384:1:2 16384:8:2 65536:1:1 \\
         --baseline 16384:1:2 --out benchmarks/results/trainer-h200-DATE.json
+    torchrun --nproc-per-node 4 benchmarks/trainer.py --preset qwen3-0.6b --shapes 16384:1:8 \\
+        --out benchmarks/results/trainer-h200x4-DATE.json      # FSDP2 over 4 GPUs, 2 rows a rank
 
 A shape `SEQ_LEN:SAMPLES:ROWS` is a step of ROWS rows of SEQ_LEN tokens, each row packing SAMPLES
 sequences of SEQ_LEN / SAMPLES tokens, half prompt and half completion
-(`tandem.trainer.data.fake_batch`). A model folder of the preset (random weights) is written to a
+(`tandem.trainer.data.fake_batch`). ROWS counts the rows of the whole step: under torchrun each
+rank trains ROWS / world size of them, so one shape is the same global batch (and the same loss
+trajectory) at every world size; tokens/s is over all ranks, MFU per GPU (the step's FLOPs over
+world size x peak), peak memory rank 0's. Under torchrun give one shape per launch and no
+baseline (the process group lives as long as one run). A model folder of the preset (random weights) is written to a
 temporary folder; every run reads it, and every run of a shape trains on the same rows.
 
 - `tandem`: the real trainer step (`open_session` + `train_step`: FSDP2, the trainer's block
@@ -40,6 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -119,11 +126,13 @@ def memory_figures(device: torch.device) -> dict:
     return {"peak_memory_gib": peak_memory_gib(device)}
 
 
-def timing(times: list[float], shape: Shape, flops_per_step: float, peak: float) -> dict:
+def timing(times: list[float], shape: Shape, flops_per_step: float, peak: float, world_size: int = 1) -> dict:
+    """`peak` is one device's; the step's FLOPs spread over `world_size` of them."""
     step_time = sum(times) / len(times)
-    return {"steps": len(times), "step_times_s": times, "step_time_s": step_time,
-            "tokens_per_s": shape.seq_len * shape.rows / step_time, "model_tflops_per_s": flops_per_step / step_time / 1e12,
-            "mfu": flops_per_step / step_time / peak}
+    tokens_per_s = shape.seq_len * shape.rows / step_time
+    return {"steps": len(times), "step_times_s": times, "step_time_s": step_time, "world_size": world_size,
+            "tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / world_size,
+            "model_tflops_per_s": flops_per_step / step_time / 1e12, "mfu": flops_per_step / step_time / (peak * world_size)}
 
 
 def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: float) -> dict:
@@ -161,8 +170,9 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
             flops = model_flops(num_params, session.hf_config, shape.sequence_lengths)
             trainer_flops = training_flops(model.blocks, model.lm.lm_head.weight.numel(), session.hf_config,
                                            shape.sequence_lengths, batch.num_loss_tokens)
-            out = {"impl": "tandem", "options": options, **timing(times, shape, flops, peak),
-                   "mfu_trainer_flops": trainer_flops / (sum(times) / len(times)) / peak, **memory_figures(dims.device),
+            out = {"impl": "tandem", "options": options, **timing(times, shape, flops, peak, dims.world_size),
+                   "mfu_trainer_flops": trainer_flops / (sum(times) / len(times)) / (peak * dims.world_size),
+                   **memory_figures(dims.device),
                    "losses": losses}
         finally:
             session.close()
@@ -301,6 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [str(s) for s in args.baseline if s.samples_per_row != 1]
     if bad:
         parser.error(f"--baseline {' '.join(bad)}: the baseline runs rows of one sequence only (SAMPLES = 1)")
+    world_size, is_main = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")) == 0
+    if world_size > 1 and (args.baseline or len(args.shapes) > 1):
+        parser.error(f"under torchrun (world size {world_size}) give one --shapes entry and no --baseline: "
+                     "the baseline is one process, and the process group lives as long as one run")
+    uneven = [str(s) for s in args.shapes if s.rows % world_size]
+    if uneven:
+        parser.error(f"--shapes {' '.join(uneven)}: ROWS must be a multiple of the world size {world_size}")
 
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     if args.peak_flops is not None:
@@ -313,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                "warmup_steps": args.warmup, "environment": environment(device, args.commit), "runs": []}
 
     def record(shape: Shape, result: dict) -> None:
+        if not is_main:  # rank 0 reports for all
+            return
         results["runs"].append({"shape": str(shape), "seq_len": shape.seq_len, "samples_per_row": shape.samples_per_row,
                                 "rows_per_step": shape.rows, **result})
         print(summary(shape, result), file=sys.stderr, flush=True)
@@ -324,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = init_model(args.preset, Path(tmp) / "model", seed=0)
-        if device.type == "cuda":
+        if device.type == "cuda" and is_main:
             hf_config = json.loads((folder / "config.json").read_text())
             results["attention_tflops_fwd_bwd"] = {"seq_len": args.shapes[0].seq_len,
                                                    **attention_kernel_rates(hf_config, args.shapes[0].seq_len)}
@@ -339,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             kernels = KernelsConfig(compile=args.compile, sdpa_backends=args.sdpa_backends)
             result = attempt("tandem", run_tandem, folder, shape, args, kernels, peak)
             record(shape, result)
-            if "error" in result and should_compile(kernels, device):
+            if "error" in result and should_compile(kernels, device) and world_size == 1:
                 eager = KernelsConfig(compile="off", sdpa_backends=args.sdpa_backends)
                 record(shape, {**attempt("tandem", run_tandem, folder, shape, args, eager, peak),
                                "note": "rerun with kernels.compile = off after the compiled run failed"})
@@ -350,9 +369,10 @@ def main(argv: list[str] | None = None) -> int:
             ratios[base["shape"]] = mine[0]["tokens_per_s"] / base["tokens_per_s"]
             print(f"{base['shape']}: tandem / baseline = {ratios[base['shape']]:.2f}x tokens/s", file=sys.stderr)
     results["ratio_to_baseline"] = ratios
-    if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=1))
-    print(json.dumps({k: v for k, v in results.items() if k != "runs"}))
+    if is_main:
+        if args.out is not None:
+            args.out.write_text(json.dumps(results, indent=1))
+        print(json.dumps({k: v for k, v in results.items() if k != "runs"}))
     return 0
 
 

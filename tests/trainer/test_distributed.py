@@ -1,11 +1,14 @@
-"""World size 2 (torchrun, gloo) trains exactly like world size 1, and resumes a 1-rank checkpoint."""
+"""World size 2 (torchrun, gloo) trains exactly like world size 1, resumes a 1-rank checkpoint, and
+the trainer benchmark measures the same global batch at both."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -50,3 +53,35 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
     assert sorted(losses(resumed)) == [3, 4]
     for step, loss in losses(resumed).items():
         assert loss == pytest.approx(ref[step], abs=1e-5), step
+
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer.py"
+
+
+def run_benchmark(out: Path, nproc: int | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else []
+    cmd = [sys.executable, *launcher, str(BENCHMARK), "--preset", "tiny", "--device", "cpu", "--shapes", "64:2:4",
+           "--steps", "2", "--warmup", "1", "--out", str(out)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_trainer_benchmark_under_torchrun_trains_the_same_global_batch(tmp_path):
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    for out, nproc in ((one, None), (two, 2)):
+        result = run_benchmark(out, nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+    (single,), (double,) = json.loads(one.read_text())["runs"], json.loads(two.read_text())["runs"]
+    assert single["world_size"] == 1 and double["world_size"] == 2
+    assert [x["loss"] for x in double["losses"]] == pytest.approx([x["loss"] for x in single["losses"]], abs=1e-5)
+    assert len({x["loss"] for x in single["losses"]}) == 3  # three steps of different rows
+    peak = json.loads(two.read_text())["peak_tflops"] * 1e12
+    assert double["tokens_per_s_per_rank"] == pytest.approx(double["tokens_per_s"] / 2)
+    assert double["mfu"] == pytest.approx(double["model_tflops_per_s"] * 1e12 / (2 * peak))
+
+
+def test_trainer_benchmark_refuses_a_baseline_under_torchrun(tmp_path):
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--shapes", "64:2:4", "--baseline", "64:1:4"],
+                            env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "under torchrun (world size 2) give one --shapes entry and no --baseline" in result.stderr
