@@ -1,4 +1,4 @@
-"""`tandem rl` end to end on CPU: warm-up, async RL, resume, and a killed trainer.
+"""`tandem rl` end to end on CPU: warm-up, async RL, resume, a killed trainer, two trainer ranks.
 
 These run the real three processes (inference server, orchestrator, trainer) on the tiny model,
 with `examples/reverse_text`'s configs and fewer RL steps, so that CI stays within minutes.
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tandem.monitor.metrics import read_metrics
+from tandem.transport.paths import rollout_file, weights_dir
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "reverse_text"
@@ -112,3 +113,16 @@ def test_killed_trainer_stops_the_run_and_names_it(sft_config, tmp_path):
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
+
+
+def test_two_trainer_ranks_run_under_torchrun(sft_config, tmp_path):
+    """`deployment.num_trainer_processes = 2`: the launcher starts the trainer under torchrun (gloo),
+    the orchestrator writes a batch file per rank, and the run ends like a one-rank run."""
+    out = tmp_path / "two-ranks"
+    result = tandem(*rl_args(sft_config, out, 3, "--deployment.num-trainer-processes", "2", "--ckpt.enabled", "false"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert steps_of(out, "trainer", "loss") == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert rollout_file(out, step, 0).is_file() and rollout_file(out, step, 1).is_file(), step
+    assert "2 rank(s) on cpu" in (out / "logs" / "trainer.log").read_text()
+    assert (weights_dir(out, 3) / "STABLE").exists()
