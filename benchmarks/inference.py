@@ -34,9 +34,9 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import random
 import statistics
-import os
 import subprocess
 import sys
 import tempfile
@@ -102,6 +102,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def throughput(tokens: int, seconds: float) -> dict:
+    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
+
+
 def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dict:
     """Drive the engine to completion; throughput, TTFT, decode step times, prompt tokens computed."""
     batches: list = []
@@ -130,7 +134,7 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dic
         outputs.extend(engine.step())
         t1 = time.perf_counter()
         batch = batches[-1]
-        if batch.seqs and all(k == 1 for k in batch.num_new_tokens):
+        if batch.seqs and batch.is_decode_only:
             decode_steps.append((len(batch.seqs), t1 - t0))
         if pending:
             still = []
@@ -142,7 +146,7 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dic
     tokens = sum(len(o.token_ids) for o in outputs)
     full = max((b for b, _ in decode_steps), default=0)
     return {
-        "output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
+        **throughput(tokens, elapsed),
         "ttft_median_s": statistics.median(first_token), "steps": len(batches),
         "decode_step_median_s_at_full_batch": statistics.median([t for b, t in decode_steps if b == full]) if full else None,
         "full_decode_batch": full,
@@ -189,8 +193,7 @@ def bench_server(folder: Path, args: argparse.Namespace, w: dict, prompts: list[
         asyncio.run(send_all(server.url, prompts[:2], 4))
         start = time.perf_counter()
         tokens = asyncio.run(send_all(server.url, prompts, w["output_len"]))
-        elapsed = time.perf_counter() - start
-        return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+        return throughput(tokens, time.perf_counter() - start)
     finally:
         server.stop()
 
@@ -230,8 +233,7 @@ def bench_generate(model, device: torch.device, w: dict, prompts: list[list[int]
     run(4)
     start = time.perf_counter()
     tokens = run(w["output_len"])
-    elapsed = time.perf_counter() - start
-    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+    return throughput(tokens, time.perf_counter() - start)
 
 
 def bench_generate_batch(model, device: torch.device, w: dict, prompts: list[list[int]]) -> dict:
@@ -246,8 +248,7 @@ def bench_generate_batch(model, device: torch.device, w: dict, prompts: list[lis
         results = model.generate_batch(inputs=prompts, generation_config=config)
         sync(device)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(r.generated_tokens) for r in results.values())
-    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+    return throughput(sum(len(r.generated_tokens) for r in results.values()), elapsed)
 
 
 def attempt(results: dict, name: str, fn) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tandem.monitor.metrics import read_metrics
-from tandem.transport.paths import rollout_file, weights_dir
+from tandem.transport.paths import is_stable, rollout_file, weights_dir
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "reverse_text"
@@ -125,4 +125,4 @@ def test_two_trainer_ranks_run_under_torchrun(sft_config, tmp_path):
     for step in (1, 2, 3):
         assert rollout_file(out, step, 0).is_file() and rollout_file(out, step, 1).is_file(), step
     assert "2 rank(s) on cpu" in (out / "logs" / "trainer.log").read_text()
-    assert (weights_dir(out, 3) / "STABLE").exists()
+    assert is_stable(weights_dir(out, 3))

@@ -51,7 +51,7 @@ class PagedModelRunner:
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         b = len(batch.seqs)
-        if self.graphs is not None and b <= self.graphs.max_batch and all(n == 1 for n in batch.num_new_tokens):
+        if self.graphs is not None and b <= self.graphs.max_batch and batch.is_decode_only:
             step = self.inputs.build(batch, pad_to=self.graphs.padded(b))
             size = step.input_ids.shape[0]
             for row, values in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):

@@ -54,6 +54,12 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Token ids and their logprobs as host lists, in one transfer (float64 holds every id exactly)."""
+    token_ids, values = torch.stack([tokens.double(), logprobs.double()]).tolist()
+    return [int(t) for t in token_ids], values
+
+
 class Sampler:
     """Sampling on the device; the host reads the step's tokens and logprobs in one transfer.
 
@@ -74,8 +80,7 @@ class Sampler:
         if sampling_kernel.is_available(logits) and all(
                 s.generator is None and not s.params.needs_filtering and s.params.num_top_logprobs == 0 for s in seqs):
             tokens, chosen = sampling_kernel.sample(logits, temps, self.kernel_seeds.getrandbits(31))
-            token_ids, chosen_logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
-            return SampleResult([int(t) for t in token_ids], chosen_logprobs, [[] for _ in seqs])
+            return SampleResult(*_to_host(tokens, chosen), [[] for _ in seqs])
         logits = logits.float()
         num_greedy = sum(t == 0 for t in temps)
         if any(t not in (0, 1) for t in temps):
@@ -91,10 +96,7 @@ class Sampler:
                 greedy = torch.tensor([t == 0 for t in temps], device=logits.device)
                 tokens = torch.where(greedy, logits.argmax(-1), tokens)
         chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-        # One transfer for both (float64 holds every token id exactly).
-        token_ids, chosen_logprobs = torch.stack([tokens.double(), chosen.double()]).tolist()
-        top = self._top_logprobs(logprobs, seqs)
-        return SampleResult([int(t) for t in token_ids], chosen_logprobs, top)
+        return SampleResult(*_to_host(tokens, chosen), self._top_logprobs(logprobs, seqs))
 
     def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

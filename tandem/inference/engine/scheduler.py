@@ -37,6 +37,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence computes one token: the step a CUDA graph can replay."""
+        return all(n == 1 for n in self.num_new_tokens)
+
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, so it samples the next one."""
         seq = self.seqs[i]

@@ -81,7 +81,7 @@ class StepInputBuilder:
         """The step's tensors; `pad_to`: a decode-only step padded to a CUDA graph's batch size."""
         bs = self.block_size
         seqs, num_new = batch.seqs, batch.num_new_tokens
-        decode_only = all(n == 1 for n in num_new)
+        decode_only = batch.is_decode_only
         if decode_only:
             positions = [s.num_computed_tokens for s in seqs]
             ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
