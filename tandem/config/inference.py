@@ -57,6 +57,11 @@ class EngineConfig(Section):
     """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,
     16, 32, ... up to `max_num_seqs` (a few seconds and a little memory); prefill steps run eager."""
 
+    overlap_steps: bool = True
+    """CUDA, native models: schedule and launch each step before reading the previous step's tokens,
+    so the host's work runs while the GPU computes. A sequence that stops at EOS or a stop string
+    computes one more token, which is dropped. (On CPU all work is the host's: nothing to overlap.)"""
+
 
 class InferenceConfig(ProcessConfig):
     backend: Literal["tandem", "vllm"] = "tandem"

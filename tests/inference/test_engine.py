@@ -13,15 +13,20 @@ from tandem.inference.engine.setup import build_engine
 from tandem.models.weights import load_state_dict
 
 
-def engine_for(model_dir, **settings):
+def engine_for(model_dir, overlap: bool = False, **settings):
+    """A CPU engine; `overlap` turns on what CUDA does by default (launch a step before reading the last)."""
     config = {"device": "cpu", "num_blocks": 256, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 512, **settings}
-    return build_engine(ModelConfig(name=str(model_dir)), EngineConfig(**config), seed=0)
+    engine = build_engine(ModelConfig(name=str(model_dir)), EngineConfig(**config), seed=0)
+    engine.overlap = overlap
+    return engine
 
 
-def run(engine) -> dict[tuple[str, int], dict]:
-    """Step until idle; per (request, index): token ids, logprobs, text, finish reason."""
-    results: dict[tuple[str, int], dict] = {}
-    while engine.has_unfinished:
+def run(engine, results: dict | None = None, max_steps: int | None = None) -> dict[tuple[str, int], dict]:
+    """Step until idle (or `max_steps`); per (request, index): token ids, logprobs, text, finish reason."""
+    results = {} if results is None else results
+    steps = 0
+    while engine.has_unfinished and (max_steps is None or steps < max_steps):
+        steps += 1
         for out in engine.step():
             r = results.setdefault((out.request_id, out.index), {"ids": [], "logprobs": [], "text": "", "finish": None})
             r["ids"] += out.token_ids
@@ -31,13 +36,14 @@ def run(engine) -> dict[tuple[str, int], dict]:
     return results
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
 @pytest.mark.parametrize("settings", [
     {},
     # A cache of 12 blocks and a 40-token budget: chunked prefills and preemptions all along.
     {"num_blocks": 12, "max_num_batched_tokens": 40, "max_model_len": 160},
 ], ids=["roomy", "memory-starved"])
-def test_logprobs_match_a_teacher_forced_pass(tiny_dir, tiny_model, settings):
-    engine = engine_for(tiny_dir, **settings)
+def test_logprobs_match_a_teacher_forced_pass(tiny_dir, tiny_model, settings, overlap):
+    engine = engine_for(tiny_dir, overlap, **settings)
     rng = random.Random(0)
     requests = {}
     for i in range(12):
@@ -56,11 +62,12 @@ def test_logprobs_match_a_teacher_forced_pass(tiny_dir, tiny_model, settings):
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_n_samples_share_the_prompt_prefill(tiny_dir):
-    engine = engine_for(tiny_dir)
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+def test_n_samples_share_the_prompt_prefill(tiny_dir, overlap):
+    engine = engine_for(tiny_dir, overlap)
     computed = []
     run_batch = engine.runner.run
-    engine.runner.run = lambda batch: (computed.append(batch.num_tokens), run_batch(batch))[1]
+    engine.runner.run = lambda batch, previous: (computed.append(batch.num_tokens), run_batch(batch, previous))[1]
     engine.add_request("r", list(range(100)), SamplingParams(max_tokens=1), n=4)
     results = run(engine)
     assert len(results) == 4
@@ -68,8 +75,9 @@ def test_n_samples_share_the_prompt_prefill(tiny_dir):
     assert sum(computed) == 100 + 3 * 4
 
 
-def test_stop_strings_cut_the_text_and_stop_tokens_end_the_completion(tiny_dir):
-    engine = engine_for(tiny_dir)
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+def test_stop_strings_cut_the_text_and_stop_tokens_end_the_completion(tiny_dir, overlap):
+    engine = engine_for(tiny_dir, overlap)
     prompt = list(b"Once upon a time")
 
     def complete(request_id: str, **params) -> dict:
@@ -91,8 +99,9 @@ def test_stop_strings_cut_the_text_and_stop_tokens_end_the_completion(tiny_dir):
     assert kept["text"] == cut["text"] + stop
 
 
-def test_eos_ends_the_completion_unless_ignored(tiny_dir):
-    engine = engine_for(tiny_dir)
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+def test_eos_ends_the_completion_unless_ignored(tiny_dir, overlap):
+    engine = engine_for(tiny_dir, overlap)
     assert engine.eos_token_ids == {256, 258}  # generation_config.json lists <|im_end|> and <|endoftext|>
     prompt = list(b"Once upon a time")
     engine.add_request("free", prompt, SamplingParams(max_tokens=40, seed=3, ignore_eos=True))
@@ -130,8 +139,9 @@ def test_weight_update_forgets_the_prefix_cache(tiny_dir, tiny_other_dir):
     assert engine.update_weights(load_state_dict(tiny_other_dir), version=7) == 7
 
 
-def test_non_incremental_requests_get_one_output_with_everything(tiny_dir):
-    engine = engine_for(tiny_dir)
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+def test_non_incremental_requests_get_one_output_with_everything(tiny_dir, overlap):
+    engine = engine_for(tiny_dir, overlap)
     params = SamplingParams(max_tokens=30, seed=5, stop=("e",), ignore_eos=True)
     engine.add_request("inc", list(b"Once upon a time"), params, n=2)
     incremental = run(engine)
@@ -143,3 +153,36 @@ def test_non_incremental_requests_get_one_output_with_everything(tiny_dir):
     for out in outputs:
         expected = incremental[("inc", out.index)]
         assert (out.token_ids, out.logprobs, out.text, out.finish_reason) == (expected["ids"], expected["logprobs"], expected["text"], expected["finish"])
+
+
+def test_overlap_gives_what_reading_each_step_gives(tiny_dir):
+    """Seeded requests that stop at EOS, stop tokens, stop strings and `max_tokens`, arriving while
+    others run, in a cache small enough to preempt: the same tokens, logprobs, texts and reasons."""
+    rng = random.Random(1)
+    requests = []
+    for i in range(16):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 60))]
+        params = SamplingParams(max_tokens=rng.randint(1, 30), temperature=[0.0, 1.0][i % 2], seed=i,
+                                stop=("e",) if i % 3 == 0 else (), stop_token_ids=(rng.randrange(256),) if i % 3 == 1 else ())
+        requests.append((str(i), prompt, params))
+    results = {}
+    for overlap in (False, True):
+        engine = engine_for(tiny_dir, overlap, num_blocks=14, max_num_batched_tokens=48, max_model_len=128)
+        engine.eos_token_ids = {7, 33}  # tokens the tiny model samples: some completions stop at EOS
+        out: dict = {}
+        for k, (rid, prompt, params) in enumerate(requests):
+            engine.add_request(rid, prompt, params, n=2)
+            if k % 4 == 3:  # later requests arrive while earlier ones run
+                run(engine, out, max_steps=3)
+        run(engine, out)
+        assert engine.block_manager.usage == 0 and engine.in_flight is None
+        results[overlap] = (out, engine.scheduler.num_preemptions)
+    (plain, plain_preempted), (overlapped, overlap_preempted) = results[False], results[True]
+    assert plain_preempted > 0 and overlap_preempted > 0
+    assert set(plain) == set(overlapped) and len(plain) == 32
+    reasons = {r["finish"] for r in plain.values()}
+    assert reasons == {"stop", "length"}
+    for key, r in plain.items():
+        o = overlapped[key]
+        assert (o["ids"], o["text"], o["finish"]) == (r["ids"], r["text"], r["finish"]), key
+        assert torch.allclose(torch.tensor(o["logprobs"]), torch.tensor(r["logprobs"]), atol=1e-5, rtol=0)

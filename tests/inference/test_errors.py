@@ -105,11 +105,11 @@ def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(tiny_di
     runner = running.served.engine.engine.runner
     real_run, calls = runner.run, []
 
-    def fail_once(batch):
+    def fail_once(batch, previous_tokens=None):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("kernel exploded")
-        return real_run(batch)
+        return real_run(batch, previous_tokens)
 
     runner.run = fail_once
     try:

@@ -23,6 +23,7 @@ def run_step(sched: Scheduler) -> dict[str, int]:
         s.num_computed_tokens += n
         sched.block_manager.register_computed_blocks(s)
         if samples:
+            s.mark_pending(0)
             s.append_token(7, -1.0, [], 0)
     return {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)}
 
@@ -83,8 +84,10 @@ def test_same_prefix_waits_for_the_first_prefill_then_shares_its_blocks():
     assert step1.seqs == [first, other]
     first.num_computed_tokens = 18
     sched.block_manager.register_computed_blocks(first)
+    first.mark_pending(0)
     first.append_token(7, -1.0, [], 0)
     other.num_computed_tokens = 18
+    other.mark_pending(1)
     other.append_token(7, -1.0, [], 0)
     step2 = sched.schedule()
     assert step2.seqs == [first, other, second]

@@ -74,3 +74,23 @@ def test_block_table_rows_send_only_what_changed():
     batch.seqs.reverse()
     index, value = builder._table_updates(batch)
     assert index == [0, 1, 16, 17] and value == seqs[1].block_table + seqs[0].block_table
+
+
+def test_pending_input_ids_are_copied_from_the_previous_steps_tokens_on_the_device():
+    for with_prefill in (False, True):
+        scheduler, seqs, builder = setup(3, 6)
+        batch = scheduler.schedule()
+        builder.build(batch)
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            seq.num_computed_tokens += n
+            seq.mark_pending(2 - row)  # rows in reverse order: the copy must follow the row, not the position
+        previous = torch.tensor([70, 71, 72])
+        if with_prefill:
+            scheduler.add(Sequence("p", 0, [40, 41, 42, 43, 44], SamplingParams(max_tokens=20), TOKENIZER))
+            step = builder.build(scheduler.schedule(), previous_tokens=previous)
+            assert step.input_ids.tolist() == [72, 71, 70, 40, 41, 42, 43, 44]
+            assert step.positions.tolist() == [6, 6, 6, 0, 1, 2, 3, 4]
+        else:
+            step = builder.build(scheduler.schedule(), pad_to=4, previous_tokens=previous)
+            assert step.input_ids.tolist() == [72, 71, 70, 0] and step.positions.tolist() == [6, 6, 6, 0]
+        assert [s.num_tokens for s in seqs] == [7, 7, 7] and [len(s.token_ids) for s in seqs] == [6, 6, 6]

@@ -13,9 +13,11 @@ from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 
 
-@pytest.fixture()
-def fresh_server(tiny_dir):
+@pytest.fixture(params=[False, True], ids=["read-each-step", "overlap"])
+def fresh_server(tiny_dir, request):
+    """A CPU server; with `overlap` its engine launches each step before reading the last, as on CUDA."""
     running = BackgroundServer(make_config(tiny_dir))
+    running.served.engine.engine.overlap = request.param
     yield running
     running.stop()
 

@@ -115,17 +115,18 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._apply_commands()
-            if self._paused or not self.engine.has_unfinished:
-                self._wakeup.wait()
-                self._wakeup.clear()
-                continue
+            idle = self._paused or not self.engine.has_unfinished
             try:
-                outputs = self.engine.step()
+                # Paused: the tokens of the step in flight still reach their requests.
+                outputs = self.engine.flush() if idle else self.engine.step()
             except Exception as err:  # a model or kernel failure must not take the server down
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(err)
                 continue
             self._deliver(outputs)
+            if idle:
+                self._wakeup.wait()
+                self._wakeup.clear()
 
     def _apply_commands(self) -> None:
         while True:

@@ -56,6 +56,7 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached leading blocks."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        assert not seq.num_pending, "allocate() before the host read the sequence's last token"
         seq.cache_epoch = self.cache_epoch
         seq.block_hashes = []
         bs = self.block_size
@@ -106,11 +107,11 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def register_computed_blocks(self, seq: Sequence) -> None:
-        """Make the sequence's newly computed full blocks available to later sequences."""
+        """Make the sequence's newly computed full blocks whose tokens the host knows available to later sequences."""
         if seq.cache_epoch != self.cache_epoch:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])

@@ -1,9 +1,18 @@
-"""The synchronous engine core: requests in, one token per running sequence per `step()` out.
+"""The synchronous engine core: requests in, one token per running sequence per step out.
 
-`step()` only does schedule -> run -> sample -> postprocess. Nothing here is thread-safe: one
-thread owns the engine (`async_engine.AsyncEngine`), and weight updates, like new requests, take
-effect between two steps. A token's logprob therefore always comes from the weights that sampled
-it, and `weight_version` of an output is the oldest version that sampled any of its tokens.
+A step is schedule -> run -> sample (launched on the device) -> read -> postprocess. With
+`overlap` (CUDA), `step()` schedules and launches step N+1 before it reads step N: the host's
+work (scheduling, inputs, postprocessing; a millisecond or more per step) then runs while the GPU
+computes, instead of the GPU waiting for it. Step N+1 is planned from what the host knows: each
+sequence of step N continues with its token still pending on the device (`sequence.py`), and
+`step_inputs.py` copies that token into step N+1's inputs on the device. The price: a sequence
+that stops at EOS, a stop token or a stop string computes one more token, which is dropped;
+one that ends at `max_tokens` is not scheduled again. Without `overlap` each step is read at once.
+
+Nothing here is thread-safe: one thread owns the engine (`async_engine.AsyncEngine`), and weight
+updates, like new requests, take effect between two `step()` calls, so for the steps launched
+after them. A token's logprob therefore always comes from the weights that sampled it, and
+`weight_version` of an output is the oldest version that sampled any of its tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import torch
 from torch import nn
 
 from tandem.inference.engine.block_manager import BlockManager
-from tandem.inference.engine.sampler import Sampler
+from tandem.inference.engine.sampler import PendingSample, Sampler
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.inference.engine.sequence import Sequence
@@ -23,7 +32,17 @@ from tandem.models.loading import load_weights_into
 
 
 class ModelRunner(Protocol):
-    def run(self, batch: ScheduledBatch) -> torch.Tensor: ...
+    def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@dataclass
+class LaunchedStep:
+    """A step on the device whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    """The sequences that sample, in the order of the sampled rows."""
+    sample: PendingSample
+    weight_version: int
 
 
 @dataclass
@@ -66,6 +85,7 @@ class LLMEngine:
         max_model_len: int,
         vocab_size: int,
         device: torch.device,
+        overlap: bool = False,
     ):
         self.runner = runner
         self.weight_target = weight_target
@@ -78,6 +98,9 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.device = device
+        self.overlap = overlap
+        """Launch each step before reading the previous one (see the module docstring)."""
+        self.in_flight: LaunchedStep | None = None
         self.weight_version = 0
         self.requests: dict[str, list[Sequence]] = {}
         self.num_prompt_tokens = 0
@@ -125,27 +148,54 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self.in_flight is not None
 
     def step(self) -> list[SequenceOutput]:
+        """Launch the next step; return the outputs of the step read now (this one, or with `overlap` the previous one)."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        logits = self.runner.run(batch)
+        try:
+            launched = self._launch(batch) if batch.seqs else None
+        except BaseException:
+            self.in_flight = None  # the caller fails the requests; nothing in flight survives a failed step
+            raise
+        if not self.overlap:
+            return self._read(launched)
+        previous, self.in_flight = self.in_flight, launched
+        return self._read(previous)
+
+    def flush(self) -> list[SequenceOutput]:
+        """Read the step in flight, if any, launching nothing (before a pause holds)."""
+        previous, self.in_flight = self.in_flight, None
+        return self._read(previous)
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
+        previous_tokens = self.in_flight.sample.tokens if self.in_flight is not None else None
+        logits = self.runner.run(batch, previous_tokens)
         sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
             self.block_manager.register_computed_blocks(seq)
         if not sampling:
+            return None
+        sample = self.sampler.sample(logits, sampling)
+        for row, seq in enumerate(sampling):
+            seq.mark_pending(row)
+        return LaunchedStep(sampling, sample, self.weight_version)
+
+    def _read(self, step: LaunchedStep | None) -> list[SequenceOutput]:
+        if step is None:
             return []
-        result = self.sampler(logits, sampling)
+        result = step.sample.result()
         outputs = []
-        for j, seq in enumerate(sampling):
-            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], self.weight_version)
+        for j, seq in enumerate(step.seqs):
+            if seq.is_finished:  # stopped by its previous token, or aborted, while this step ran
+                continue
+            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], step.weight_version)
+            self.block_manager.register_computed_blocks(seq)
+            self.num_generation_tokens += 1
             out = self._postprocess(seq)
             if out is not None:
                 outputs.append(out)
-        self.num_generation_tokens += len(sampling)
         return outputs
 
     def _postprocess(self, seq: Sequence) -> SequenceOutput | None:

@@ -1,7 +1,8 @@
 """Turn a scheduled batch into logits: input prep, one forward pass, the LM head on last tokens.
 
-Two runners share the interface `run(batch) -> logits [S, V]` (the model's dtype, one row per sequence
-that samples this step, in batch order):
+Two runners share the interface `run(batch, previous_tokens) -> logits [S, V]` (the model's dtype,
+one row per sequence that samples this step, in batch order; `previous_tokens`: the last launched
+step's sampled tokens on the device, where input ids the host has not read yet are):
 - `PagedModelRunner`: tandem's native models; every token is computed once and its keys and
   values kept in the paged cache (`step_inputs.py` builds the step's tensors, `cuda_graphs.py`
   replays decode steps);
@@ -49,15 +50,15 @@ class PagedModelRunner:
         return self.model.lm_head(hidden[0])
 
     @torch.no_grad()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         b = len(batch.seqs)
         if self.graphs is not None and b <= self.graphs.max_batch and batch.is_decode_only:
-            step = self.inputs.build(batch, pad_to=self.graphs.padded(b))
+            step = self.inputs.build(batch, pad_to=self.graphs.padded(b), previous_tokens=previous_tokens)
             size = step.input_ids.shape[0]
             for row, values in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
                 self._static[row, :size].copy_(values)
             return self.graphs.replay(b)
-        step = self.inputs.build(batch)
+        step = self.inputs.build(batch, previous_tokens=previous_tokens)
         meta = AttentionMetadata(slot_mapping=step.slot_mapping, query_start=step.query_start, seq_lens=step.seq_lens,
                                  block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
                                  query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host)
@@ -68,6 +69,8 @@ class PagedModelRunner:
 class RecomputeModelRunner:
     """No KV cache: each sampling sequence runs again from its first token, one forward pass each.
 
+    It needs every token on the host, so its engine reads each step before the next (no overlap).
+
     One pass per sequence, not one packed row: a packed row's attention mask grows with the square
     of the whole batch's tokens, a sequence's only with its own.
     """
@@ -77,7 +80,8 @@ class RecomputeModelRunner:
         self.device = device
 
     @torch.no_grad()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        assert previous_tokens is None, "the recompute path reads every step before the next"
         rows = []
         for i, seq in enumerate(batch.seqs):
             if batch.samples(i):  # a chunk that does not reach the end leaves nothing to keep

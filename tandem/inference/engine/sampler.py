@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.inference.engine import sampling_kernel
+from tandem.inference.engine.host_copies import HostRead, to_device
 from tandem.inference.engine.sequence import Sequence
 
 
@@ -37,31 +38,46 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     device = logits.device
     if any(m > 0 for m in min_p):
         probs = logits.softmax(-1)
-        floor = torch.tensor(min_p, device=device)[:, None] * probs.max(-1, keepdim=True).values
+        floor = to_device(min_p, torch.float32, device)[:, None] * probs.max(-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     use_k, use_p = any(k > 0 for k in top_k), any(p < 1 for p in top_p)
     if not (use_k or use_p):
         return logits
     sorted_logits, order = logits.sort(-1, descending=True)
     if use_k:
-        k = torch.tensor([k if k > 0 else logits.shape[-1] for k in top_k], device=device)
+        k = to_device([k if k > 0 else logits.shape[-1] for k in top_k], torch.long, device)
         ranks = torch.arange(logits.shape[-1], device=device)
         sorted_logits = sorted_logits.masked_fill(ranks[None] >= k[:, None], float("-inf"))
     if use_p:
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before > torch.tensor(top_p, device=device)[:, None], float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(before > to_device(top_p, torch.float32, device)[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Token ids and their logprobs as host lists, in one transfer (float64 holds every id exactly)."""
-    token_ids, values = torch.stack([tokens.double(), logprobs.double()]).tolist()
-    return [int(t) for t in token_ids], values
+class PendingSample:
+    """A step's draws: `tokens` [S] (int64) stays on the device, where the next step reads its input ids;
+    the ids, logprobs and top logprobs travel to the host meanwhile and `result()` waits for them."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 num_top: list[int]):
+        self.tokens = tokens
+        # float64 holds every token id exactly, so ids and logprobs share one copy.
+        self._read = HostRead([torch.stack([tokens.double(), logprobs.double()]), *(top or ())])
+        self._num_top = num_top
+
+    def result(self) -> SampleResult:
+        host = self._read.values()
+        token_ids, values = host[0].tolist()
+        top: list[list[tuple[int, float]]] = [[] for _ in self._num_top]
+        if len(host) == 3:
+            top_values, top_ids = host[1].tolist(), host[2].tolist()
+            top = [list(zip(top_ids[i][:k], top_values[i][:k])) for i, k in enumerate(self._num_top)]
+        return SampleResult([int(t) for t in token_ids], values, top)
 
 
 class Sampler:
-    """Sampling on the device; the host reads the step's tokens and logprobs in one transfer.
+    """Sampling on the device, never waiting for it; the host reads the step's results in one transfer.
 
     On CUDA, batches whose rows need no filter, own seed or top logprobs (the RL case) go through
     one Triton kernel (`sampling_kernel.py`); the others through the torch path below.
@@ -74,17 +90,18 @@ class Sampler:
         self.kernel_seeds = random.Random(seed)
         """One Philox seed per step of the kernel path, drawn on the host (no device sync)."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """logits [B, V] (float32, or the model's dtype), one row per sequence."""
         temps = [s.params.temperature for s in seqs]
+        num_top = [s.params.num_top_logprobs for s in seqs]
         if sampling_kernel.is_available(logits) and all(
-                s.generator is None and not s.params.needs_filtering and s.params.num_top_logprobs == 0 for s in seqs):
+                s.generator is None and not s.params.needs_filtering and k == 0 for s, k in zip(seqs, num_top)):
             tokens, chosen = sampling_kernel.sample(logits, temps, self.kernel_seeds.getrandbits(31))
-            return SampleResult(*_to_host(tokens, chosen), [[] for _ in seqs])
+            return PendingSample(tokens, chosen, None, num_top)
         logits = logits.float()
         num_greedy = sum(t == 0 for t in temps)
         if any(t not in (0, 1) for t in temps):
-            scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits.device)
+            scale = to_device([t if t > 0 else 1.0 for t in temps], torch.float32, logits.device)
             logprobs = (logits / scale[:, None]).log_softmax(-1)
         else:
             logprobs = logits.log_softmax(-1)
@@ -93,10 +110,11 @@ class Sampler:
         else:
             tokens = self._draw(logprobs, seqs)
             if num_greedy:
-                greedy = torch.tensor([t == 0 for t in temps], device=logits.device)
+                greedy = to_device([t == 0 for t in temps], torch.bool, logits.device)
                 tokens = torch.where(greedy, logits.argmax(-1), tokens)
         chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-        return SampleResult(*_to_host(tokens, chosen), self._top_logprobs(logprobs, seqs))
+        top = logprobs.topk(max(num_top), dim=-1) if max(num_top) > 0 else None
+        return PendingSample(tokens, chosen, top, num_top)
 
     def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
@@ -114,11 +132,3 @@ class Sampler:
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
         return (probs / noise).argmax(-1)
-
-    def _top_logprobs(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
-        k = max(s.params.num_top_logprobs for s in seqs)
-        if k == 0:
-            return [[] for _ in seqs]
-        values, ids = logprobs.topk(k, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
-        return [list(zip(ids[i][:s.params.num_top_logprobs], values[i][:s.params.num_top_logprobs])) for i, s in enumerate(seqs)]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.inference.engine.host_copies import to_device
+
 try:
     import triton
     import triton.language as tl
@@ -87,7 +89,7 @@ if triton is not None:
         winner = tl.argmax(best, 0)
         chosen_x = tl.sum(tl.where(k == winner, tl.load(part + 3), 0.0), 0)
         token = tl.sum(tl.where(k == winner, tl.load(part + 4), 0.0), 0)
-        tl.store(tokens_ptr + row, token.to(tl.int32))
+        tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(logprobs_ptr + row, chosen_x - lse)
 
 
@@ -97,17 +99,17 @@ per row left most of the chip idle: 0.4 ms for 256 rows of 151,936 logits)."""
 
 
 def sample(logits: torch.Tensor, temperatures: list[float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [B] (int32) and their logprobs under softmax(logits / T) [B] (float32), on the device.
+    """Token ids [B] (int64, what the next step's input ids are) and their logprobs under softmax(logits / T) [B] (float32), on the device.
 
     `logits` [B, V] (any float dtype); T = 0 rows are greedy (T = 1 logprob).
     """
     rows, vocab = logits.shape
     assert vocab < 2**24, "token ids travel between the kernels as float32"
     device = logits.device
-    inv_temp = torch.tensor([1.0 / t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32).to(device, non_blocking=True)
-    noise = torch.tensor([t > 0 for t in temperatures], dtype=torch.int8).to(device, non_blocking=True)
+    inv_temp = to_device([1.0 / t if t > 0 else 1.0 for t in temperatures], torch.float32, device)
+    noise = to_device([t > 0 for t in temperatures], torch.int8, device)
     parts = torch.empty(rows, SPLITS, 5, dtype=torch.float32, device=device)
-    tokens = torch.empty(rows, dtype=torch.int32, device=device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

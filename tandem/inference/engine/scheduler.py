@@ -89,6 +89,8 @@ class Scheduler:
                     break
                 if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed_tokens == 1) != decoding:
                     continue
+                if seq.last_token_in_flight:  # its last token is being sampled; reading it finishes the sequence
+                    continue
                 if not self._make_room(seq):
                     continue
                 num_new = min(seq.num_uncomputed_tokens, budget)
@@ -146,6 +148,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_pending = 0  # a token sampled after the end is dropped
         prefix = self._shareable_prefix(seq)
         if self.prefill_leaders.get(prefix) is seq:
             del self.prefill_leaders[prefix]

@@ -1,9 +1,13 @@
 """Request state inside the engine: one `Sequence` per sample (a request with `n` = 4 is four).
 
 Invariants:
-- `token_ids` = prompt + completion; the KV cache holds the first `num_computed_tokens` of them.
-  A step computes `token_ids[num_computed_tokens:]` (or a chunk of it) and, when that reaches the
-  end, samples one token. So a decoding sequence has exactly one uncomputed token: the last one.
+- `token_ids` = prompt + completion as far as the host knows it; `num_pending` more tokens were
+  sampled on the device by steps whose results the host has not read yet (0, 1 or 2: the engine
+  launches a step before reading the previous one, see `llm_engine.py`). `num_tokens` counts both.
+- The KV cache holds the first `num_computed_tokens` tokens. A step computes tokens
+  [num_computed_tokens, num_tokens) (or a chunk) and, when that reaches the end, samples one
+  token. So a decoding sequence has exactly one uncomputed token: the last one, which may still be
+  pending (its id then comes from the previous step's tokens on the device, row `pending_row`).
 - `block_table[i]` is the cache block holding tokens [i * block_size, (i + 1) * block_size).
 - `logprobs[j]` belongs to completion token j and comes from the weights that sampled it.
 - Preemption (recompute) frees the blocks and resets `num_computed_tokens`; the completion so far,
@@ -52,6 +56,10 @@ class Sequence:
         """An earlier sequence with the same prompt prefix whose prefill this one waits for (set by the scheduler)."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0
+        """Tokens sampled by launched steps that the host has not read yet (they follow `token_ids`)."""
+        self.pending_row = -1
+        """Row of this sequence's token in the latest launched step's sampled tokens (while `num_pending`)."""
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         """Chained hashes of the leading full blocks, extended as blocks fill (prefix caching)."""
@@ -69,11 +77,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known and pending tokens: what the cache must hold."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_completion_tokens(self) -> int:
+        """Completion tokens the host knows (pending ones not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_in_flight(self) -> bool:
+        """A pending token already reaches `max_tokens`: nothing more to compute for this sequence."""
+        return self.num_pending > 0 and self.num_completion_tokens + self.num_pending >= self.params.max_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -81,7 +96,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -91,7 +106,15 @@ class Sequence:
     def has_prefilled_prompt(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
+    def mark_pending(self, row: int) -> None:
+        """A launched step samples this sequence's next token, into row `row` of its sampled tokens."""
+        self.num_pending += 1
+        self.pending_row = row
+
     def append_token(self, token_id: int, logprob: float, top: list[tuple[int, float]], weight_version: int) -> None:
+        """The host read the oldest pending token."""
+        assert self.num_pending > 0, "a token arrived that no step sampled"
+        self.num_pending -= 1
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         self.top_logprobs.append(top)

@@ -102,6 +102,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> 
         if engine.compile_norms and device.type == "cuda":
             apply_compiled_norms(model)
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, engine.cuda_graphs)
+        overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, engine.block_size, num_blocks * per_block / 2**30, device)
     else:
@@ -109,6 +110,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> 
         num_blocks = engine.num_blocks or engine.max_num_seqs * -(-max_model_len // engine.block_size)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
         runner = RecomputeModelRunner(model, device)
+        overlap = False
         weight_target = model.hf_model
         log.info("%s is not native to tandem: transformers model, recomputed every step (slow path)", model.hf_config.get("model_type"))
     block_manager = BlockManager(num_blocks, engine.block_size)
@@ -123,6 +125,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> 
         max_model_len=max_model_len,
         vocab_size=model.lm_head.weight.shape[0],
         device=device,
+        overlap=overlap,
     )
 
 

@@ -5,6 +5,9 @@ integer the step needs (token ids, positions, slots, lengths, kernel tiles, samp
 block-table changes) goes into one pinned host buffer, is copied in one go, and read on the
 device as views.
 
+A token the previous step sampled and the host has not read yet (see `sequence.py`) is sent as a
+placeholder with the row of that step's sampled tokens to copy it from, on the device.
+
 Block tables live on the device for the whole run ([max_num_seqs, blocks per max_model_len]),
 one row per batch position. A row is rewritten only when another sequence takes the position or
 its sequence gained blocks, so a steady decode batch sends a few entries per step, not whole
@@ -58,9 +61,11 @@ class StepInputBuilder:
         self._width = max_blocks_per_seq
         self._row_owner: list[list[int] | None] = [None] * max_num_seqs
         self._row_len = [0] * max_num_seqs
-        self._host = torch.empty(0, dtype=torch.long)
+        self._host = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]
+        """Two staging buffers, taken in turn: filling one never waits for the other's copy."""
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self._device_buffer = torch.empty(0, dtype=torch.long, device=device)
-        self._copied: torch.cuda.Event | None = None
 
     def _table_updates(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
         """Flat indices into `block_tables` and the block ids to write there."""
@@ -77,14 +82,27 @@ class StepInputBuilder:
             value.extend(table[known:])
         return index, value
 
-    def build(self, batch: ScheduledBatch, pad_to: int | None = None) -> StepInputs:
-        """The step's tensors; `pad_to`: a decode-only step padded to a CUDA graph's batch size."""
+    def build(self, batch: ScheduledBatch, pad_to: int | None = None, previous_tokens: torch.Tensor | None = None) -> StepInputs:
+        """The step's tensors; `pad_to`: a decode-only step padded to a CUDA graph's batch size.
+
+        `previous_tokens`: the last launched step's sampled tokens (device), where pending input ids are.
+        """
         bs = self.block_size
         seqs, num_new = batch.seqs, batch.num_new_tokens
         decode_only = batch.is_decode_only
+        # Input ids whose token is still pending, and the rows of `previous_tokens` that hold them.
+        gather_at: list[int] = []
+        gather_from: list[int] = []
         if decode_only:
             positions = [s.num_computed_tokens for s in seqs]
-            ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
+            ids = []
+            for i, (s, p) in enumerate(zip(seqs, positions)):
+                if p < len(s.token_ids):
+                    ids.append(s.token_ids[p])
+                else:
+                    ids.append(0)
+                    gather_at.append(i)
+                    gather_from.append(s.pending_row)
             slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
             seq_lens = [p + 1 for p in positions]
             query_lens = [1] * len(seqs)
@@ -103,7 +121,13 @@ class StepInputBuilder:
             offset = 0
             for i, (seq, n) in enumerate(zip(seqs, num_new)):
                 start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-                id_parts.append(seq.token_ids[start:end])
+                known = seq.token_ids[start:end]
+                if len(known) < n:  # only the newest token can be pending: the one a decode computes
+                    assert len(known) == n - 1, "an input token two steps old was never read"
+                    known = known + [0]
+                    gather_at.append(offset + n - 1)
+                    gather_from.append(seq.pending_row)
+                id_parts.append(known)
                 pos = np.arange(start, end)
                 pos_parts.append(pos)
                 slot_parts.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
@@ -121,10 +145,14 @@ class StepInputBuilder:
         query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
         update_index, update_value = self._table_updates(batch)
-        parts = [ids, positions, slots, seq_lens, query_start, tiles[0] + tiles[1], sample_index, update_index, update_value]
+        parts = [ids, positions, slots, seq_lens, query_start, tiles[0] + tiles[1], sample_index, update_index, update_value,
+                 gather_at, gather_from]
         views = self._transfer(parts)
         if update_index:
             self.block_tables.view(-1).index_copy_(0, views[7], views[8])
+        if gather_at:
+            assert previous_tokens is not None, "a pending input token needs the previous step's tokens"
+            views[0].index_copy_(0, views[9], previous_tokens[views[10]])
         return StepInputs(
             input_ids=views[0], positions=views[1], slot_mapping=views[2], seq_lens=views[3], query_start=views[4],
             tiles=views[5].view(2, -1), sample_index=views[6], block_q=1 if decode_only else PREFILL_BLOCK_Q,
@@ -135,25 +163,30 @@ class StepInputBuilder:
         """Pack the integer lists into one host buffer, copy it to the device once, return views."""
         sizes = [len(p) for p in parts]
         total = sum(sizes)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy may still read the buffer
-        if total > self._host.numel():
-            capacity = max(total, 2 * self._host.numel(), 4096)
-            self._host = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
-            if self.device.type == "cuda":
+        turn = self._turn
+        self._turn ^= 1
+        copied = self._copied[turn]
+        if copied is not None:
+            copied.synchronize()  # the step before last may still be copying from this buffer
+        if total > self._host[turn].numel():
+            capacity = max(total, 2 * self._host[turn].numel(), 4096)
+            self._host[turn] = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            if self.device.type == "cuda" and capacity > self._device_buffer.numel():
                 self._device_buffer = torch.empty(capacity, dtype=torch.long, device=self.device)
-        host = self._host.numpy()
+        staging = self._host[turn]
+        host = staging.numpy()
         offset = 0
         for part, size in zip(parts, sizes):
             host[offset:offset + size] = part
             offset += size
         if self.device.type == "cuda":
+            # One device buffer serves every step: the stream runs a step's copy after the previous step's kernels.
             buffer = self._device_buffer
-            buffer[:total].copy_(self._host[:total], non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            buffer[:total].copy_(staging[:total], non_blocking=True)
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
         else:
-            buffer = self._host[:total].clone()  # the next step reuses the host buffer
+            buffer = staging[:total].clone()  # a later step reuses the host buffer
         views, offset = [], 0
         for size in sizes:
             views.append(buffer[offset:offset + size])
