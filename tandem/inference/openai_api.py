@@ -48,7 +48,7 @@ def completion_prompts(served: Served, prompt: Any) -> list[list[int]]:
     return [served.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-def legacy_logprobs(served: Served, choice_tokens: list[int], logprobs: list[float], top: list[list[tuple[int, float]]], with_top: bool) -> dict:
+def legacy_logprobs(served: Served, choice_tokens: list[int], logprobs: list[float], top: list[tuple[tuple[int, float], ...]], with_top: bool) -> dict:
     """The completions API's logprobs: parallel lists of tokens, their logprobs and text offsets."""
     tokens = [served.token_text(t) for t in choice_tokens]
     offsets, at = [], 0
@@ -145,7 +145,7 @@ async def _completion_stream(served: Served, body: CompletionRequest, prompts, p
 # ---- chat --------------------------------------------------------------------------------------
 
 
-def chat_logprobs(served: Served, token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
+def chat_logprobs(served: Served, token_ids: list[int], logprobs: list[float], top: list[tuple[tuple[int, float], ...]]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = served.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

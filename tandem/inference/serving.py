@@ -23,7 +23,7 @@ class Choice:
     index: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     weight_version: int | None = None

@@ -70,4 +70,4 @@ def test_seeded_sequences_draw_the_same_tokens_in_any_batch():
 def test_top_logprobs_are_the_most_likely_tokens():
     result = Sampler(torch.device("cpu"), seed=0).sample(LOGITS, seqs(1, num_top_logprobs=3)).result()
     full = LOGITS[0].log_softmax(-1)
-    assert result.top_logprobs[0] == [(0, full[0].item()), (1, full[1].item()), (2, full[2].item())]
+    assert result.top_logprobs[0] == ((0, full[0].item()), (1, full[1].item()), (2, full[2].item()))

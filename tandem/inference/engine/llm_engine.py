@@ -53,7 +53,7 @@ class SequenceOutput:
     index: int
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
+    top_logprobs: list[tuple[tuple[int, float], ...]]
     text: str
     """New text; held back near the end while a stop string could still complete."""
     finish_reason: str | None

@@ -26,7 +26,7 @@ from tandem.inference.engine.sequence import Sequence
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
+    top_logprobs: list[tuple[tuple[int, float], ...]]
     """Per row, the `num_top_logprobs` most likely (token, logprob) pairs; empty when not asked."""
 
 
@@ -69,10 +69,11 @@ class PendingSample:
     def result(self) -> SampleResult:
         host = self._read.values()
         token_ids, values = host[0].tolist()
-        top: list[list[tuple[int, float]]] = [[] for _ in self._num_top]
+        # Tuples: the empty one is shared, so the usual case allocates nothing per token for the collector to scan.
+        top: list[tuple[tuple[int, float], ...]] = [()] * len(self._num_top)
         if len(host) == 3:
             top_values, top_ids = host[1].tolist(), host[2].tolist()
-            top = [list(zip(top_ids[i][:k], top_values[i][:k])) for i, k in enumerate(self._num_top)]
+            top = [tuple(zip(top_ids[i][:k], top_values[i][:k])) for i, k in enumerate(self._num_top)]
         return SampleResult([int(t) for t in token_ids], values, top)
 
 

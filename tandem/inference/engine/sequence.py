@@ -66,7 +66,7 @@ class Sequence:
         self.cache_epoch = -1
         """The block manager's cache epoch when this sequence's KV started; older KV is never shared."""
         self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.top_logprobs: list[tuple[tuple[int, float], ...]] = []
         self.oldest_weight_version: int | None = None
         self.finish_reason: str | None = None
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
@@ -111,7 +111,7 @@ class Sequence:
         self.num_pending += 1
         self.pending_row = row
 
-    def append_token(self, token_id: int, logprob: float, top: list[tuple[int, float]], weight_version: int) -> None:
+    def append_token(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...], weight_version: int) -> None:
         """The host read the oldest pending token."""
         assert self.num_pending > 0, "a token arrived that no step sampled"
         self.num_pending -= 1

@@ -1,0 +1,127 @@
+"""Where an engine step's time goes, on workload A of `benchmarks/inference.py`.
+
+    python benchmarks/profile_engine.py --preset qwen3-0.6b --device cuda --out profile.json
+
+Runs A once with per-step wall times and Python's garbage collections timed (`gc.callbacks`),
+reporting the slow steps (over twice the median decode step) and how much of them the
+collections explain; then profiles a few prefill and decode steps of a fresh A run with
+`torch.profiler` and prints the kernels and host functions that take the most time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from inference import WORKLOADS, engine_config, prompts_for, sync
+from tandem.config.base import ModelConfig
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.setup import build_engine, resolve_device
+from tandem.models.presets import PRESETS, init_model
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths")
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--out", help="write the figures to this JSON file")
+    args = parser.parse_args()
+    args.cuda_graphs = args.compile_norms = True
+    return args
+
+
+def add_requests(engine, w: dict, vocab: int, seed: int) -> None:
+    params = SamplingParams(max_tokens=w["output_len"], temperature=1.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts_for(w, vocab, seed)):
+        engine.add_request(f"s{seed}-{i}", prompt, params, incremental=False)
+
+
+def timed_run(engine, w: dict, vocab: int, seed: int) -> dict:
+    collections: list[tuple[int, float]] = []
+    started: dict[str, float] = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - started["t"]))
+
+    steps: list[tuple[int, float, float]] = []  # (running sequences, start, seconds)
+    add_requests(engine, w, vocab, seed)
+    gc.callbacks.append(on_gc)
+    sync(engine.device)
+    start = time.perf_counter()
+    while engine.has_unfinished:
+        t0 = time.perf_counter()
+        running = len(engine.scheduler.running)
+        engine.step()
+        steps.append((running, t0 - start, time.perf_counter() - t0))
+    elapsed = time.perf_counter() - start
+    gc.callbacks.remove(on_gc)
+    median = statistics.median(s for _, _, s in steps)
+    slow = [(i, s) for i, (_, _, s) in enumerate(steps) if s > 2 * median]
+    return {
+        "seconds": elapsed, "steps": len(steps), "step_median_s": median,
+        "slow_steps": len(slow), "slow_steps_s": sum(s for _, s in slow), "slowest": sorted(slow, key=lambda x: -x[1])[:10],
+        "gc": {f"gen{g}": {"count": sum(1 for gen, _ in collections if gen == g),
+                           "seconds": sum(d for gen, d in collections if gen == g)} for g in range(3)},
+    }
+
+
+def profiled_steps(engine, w: dict, vocab: int, seed: int, num_decode: int) -> dict:
+    add_requests(engine, w, vocab, seed)
+    out = {}
+    for phase in ("prefill", "decode"):
+        if phase == "decode":
+            while engine.scheduler.waiting or not all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running):
+                engine.step()
+            for _ in range(8):  # past the first decode steps
+                engine.step()
+        sync(engine.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            n = 2 if phase == "prefill" else num_decode
+            t0 = time.perf_counter()
+            for _ in range(n):
+                engine.step()
+            sync(engine.device)
+            wall = (time.perf_counter() - t0) / n
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
+        host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60)
+        print(f"--- {phase}: {wall * 1e3:.2f} ms per step\n{table}\n{host}", flush=True)
+        out[phase] = {"wall_per_step_s": wall}
+    while engine.has_unfinished:
+        engine.step()
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    device = resolve_device(args.device)
+    w = dict(WORKLOADS["A"])
+    for key in ("num_prompts", "prompt_len", "output_len"):
+        w[key] = max(1, int(w[key] * args.scale))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = init_model(args.preset, Path(tmp) / args.preset, seed=0)
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        engine = build_engine(ModelConfig(name=str(folder)), engine_config(args, w["num_prompts"], w["prompt_len"] + w["output_len"]), 0)
+        warm = dict(w, num_prompts=4, output_len=8)
+        timed_run(engine, warm, vocab, 1)
+        results = {"timed": timed_run(engine, w, vocab, 2)}
+        print(json.dumps(results["timed"], indent=1), flush=True)
+        results["profiled"] = profiled_steps(engine, w, vocab, 3, num_decode=10)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
