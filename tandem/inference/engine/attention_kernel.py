@@ -33,7 +33,9 @@ def is_available(q: torch.Tensor) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # Triton compiles a variant per value class of each int argument (1, multiple of 16, other); the tile
+    # count changes every step, and a new variant mid-run is a half-second stall.
+    @triton.jit(do_not_specialize=["num_tiles"])
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, tiles_ptr,
         num_tiles, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_ks, stride_kh,

@@ -32,7 +32,8 @@ def is_available(logits: torch.Tensor) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # The seed changes every step: no compiled variant per value class of it (a stall each time one is new).
+    @triton.jit(do_not_specialize=["seed"])
     def _sample_split_kernel(logits_ptr, inv_temp_ptr, noise_ptr, part_ptr, vocab, stride_row, split_len, seed,
                              SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         """One (row, vocabulary split): its max, sum of exp, and best (x + noise, x, token)."""
