@@ -14,7 +14,8 @@ Figures:
   KV-cache capacity, and for B the prompt tokens computed against those asked for (prefill
   shared across n); where the engine overlaps steps (CUDA), A again with each step read before
   the next is launched (`engine_A_read_each_step`), the baseline of that overlap;
-- server (A): the same requests through HTTP `/v1/generate`, all sent at once;
+- server (A): the same requests through HTTP `/v1/generate`, all sent at once, to `tandem
+  inference` started in its own process (as `tandem rl` runs it), best of `--repeats`;
 - transformers (A): one `generate` batch of the 256 prompts (equal lengths: no padding, its best
   case) and continuous batching (`generate_batch`), and tandem's ratios over both;
 - vLLM (part `vllm`, CUDA, not in the default parts): A with and without the sampled token's
@@ -52,7 +53,8 @@ from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig, InferenceConfig
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine, resolve_device
-from tandem.inference.server import BackgroundServer
+from tandem.config.dump import to_toml
+from tandem.launch.rl import free_port
 from tandem.models.presets import PRESETS, init_model
 
 WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
@@ -188,18 +190,43 @@ async def send_all(url: str, prompts: list[list[int]], output_len: int) -> int:
     return sum(len(r.json()["choices"][0]["token_ids"]) for r in responses)
 
 
-def bench_server(folder: Path, args: argparse.Namespace, w: dict, prompts: list[list[int]]) -> dict:
+def bench_server(folder: Path, args: argparse.Namespace, w: dict, vocab: int, tmp: Path) -> dict:
+    """Workload A over HTTP to `tandem inference` in a process of its own, as `tandem rl` runs it (the
+    client in this process would otherwise share the server's interpreter lock); best of `--repeats`."""
     max_len = w["prompt_len"] + w["output_len"]
-    config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype},
+    port = free_port()
+    config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype}, "server": {"port": port},
                                              "engine": engine_config(args, w["num_prompts"], max_len).model_dump()})
-    server = BackgroundServer(config)
+    (tmp / "inference.toml").write_text(to_toml(config))
+    log = tmp / "inference.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(send_all(server.url, prompts[:2], 4))
-        start = time.perf_counter()
-        tokens = asyncio.run(send_all(server.url, prompts, w["output_len"]))
-        return throughput(tokens, time.perf_counter() - start)
+        deadline = time.monotonic() + 900
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"tandem inference exited with {server.returncode}: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("tandem inference did not answer /health in 900 s")
+            time.sleep(0.5)
+        asyncio.run(send_all(url, prompts_for(dict(w, num_prompts=8), vocab, args.seed + 300), 8))  # warmup
+        runs = []
+        for r in range(args.repeats):  # fresh prompts each time: the same ones would hit the prefix cache
+            prompts = prompts_for(w, vocab, args.seed + 400 + r)
+            start = time.perf_counter()
+            tokens = asyncio.run(send_all(url, prompts, w["output_len"]))
+            runs.append(throughput(tokens, time.perf_counter() - start))
+        return max(runs, key=lambda r: r["output_tokens_per_s"])
     finally:
-        server.stop()
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts: dict, tmp: Path) -> dict:
@@ -325,7 +352,7 @@ def main() -> None:
         if "vllm" in parts:
             attempt(results, "vllm", lambda: bench_vllm(folder, args, {"A": a, "B": b}, {"A": prompts_a, "B": prompts_b}, Path(tmp)))
         if "server" in parts:
-            attempt(results, "server_A", lambda: bench_server(folder, args, a, prompts_a))
+            attempt(results, "server_A", lambda: bench_server(folder, args, a, vocab, Path(tmp)))
         if parts & {"generate", "generate_batch"}:
             model = load_transformers(folder, args, device)
             if "generate" in parts:

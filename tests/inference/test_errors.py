@@ -100,20 +100,24 @@ def test_api_key_guards_everything_but_health(tiny_dir):
         running.stop()
 
 
-def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(tiny_dir):
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(tiny_dir, overlap):
     running = BackgroundServer(make_config(tiny_dir))
+    running.served.engine.engine.overlap = overlap
     runner = running.served.engine.engine.runner
     real_run, calls = runner.run, []
 
     def fail_once(batch, previous_tokens=None):
         calls.append(1)
-        if len(calls) == 1:
+        if len(calls) == 3:  # the third step: with overlap, the second is still in flight
             raise RuntimeError("kernel exploded")
         return real_run(batch, previous_tokens)
 
     runner.run = fail_once
     try:
-        check_error(post(running, "/v1/generate", {"prompt_token_ids": [1, 2], "max_tokens": 3}), 500, "the engine failed: kernel exploded")
+        failing = {"prompt_token_ids": [1, 2], "max_tokens": 3, "ignore_eos": True}
+        check_error(post(running, "/v1/generate", failing), 500, "the engine failed: kernel exploded")
+        assert running.served.engine.engine.in_flight is None
         ok = post(running, "/v1/generate", {"prompt_token_ids": [1, 2], "max_tokens": 3, "ignore_eos": True})
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
         assert running.served.engine.stats().kv_cache_usage == 0
