@@ -49,6 +49,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig, InferenceConfig
 from tandem.inference.engine.sampling_params import SamplingParams
@@ -79,6 +80,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit", help="the commit measured (default: git's HEAD, which a copied tree may hold stale)")
     return parser.parse_args()
 
 
@@ -293,27 +295,12 @@ def attempt(results: dict, name: str, fn) -> None:
     print(json.dumps(shown, default=str), flush=True)
 
 
-def environment(device: torch.device) -> dict:
-    import transformers
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
-        commit += " + uncommitted changes" if changed.strip() else ""
-    except OSError:
-        commit = "unknown"
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "commit": commit, "device": str(device)}
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
-
-
 def main() -> None:
     args = parse_args()
     parts = set(args.parts.split(","))
     device = resolve_device(args.device)
     a, b = scaled(args, "A"), scaled(args, "B")
-    results: dict = {"workloads": {"A": a, "B": b}, "environment": environment(device), "cuda_graphs": args.cuda_graphs,
+    results: dict = {"workloads": {"A": a, "B": b}, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
                      "compile_norms": args.compile_norms}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed)

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPOLoss, KernelsConfig, ParallelConfig,
                                    RolloutDataConfig, TrainerConfig)
@@ -273,15 +274,6 @@ def attempt(label: str, fn, *fn_args) -> dict:
         reset_memory(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
 
 
-def environment(device: torch.device, commit: str | None) -> dict:
-    import transformers
-
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "commit": commit}
-    if device.type == "cuda":
-        env |= {"gpu": torch.cuda.get_device_name(device), "cudnn": torch.backends.cudnn.version()}
-    return env
-
-
 def summary(shape: Shape, result: dict) -> str:
     if "error" in result:
         return f"{shape} {result.get('impl', result['label'])}: FAILED {result['error'][:300]}"
@@ -305,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdpa-backends", nargs="+", choices=["cudnn", "flash", "efficient", "math"],
                         default=KernelsConfig().sdpa_backends, help="SDPA kernels of one-document rows, most preferred first")
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: see the docstring)")
-    parser.add_argument("--commit", default=None, help="the commit measured, recorded in the results")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, which a copied tree may hold stale)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (rewritten after each run)")
     args = parser.parse_args(argv)
     bad = [str(s) for s in args.baseline if s.samples_per_row != 1]
