@@ -51,11 +51,12 @@ import torch
 
 from provenance import environment
 from tandem.config.base import ModelConfig
+from tandem.config.dump import to_toml
 from tandem.config.inference import EngineConfig, InferenceConfig
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine, resolve_device
-from tandem.config.dump import to_toml
-from tandem.launch.rl import free_port
+from tandem.launch.process import ManagedProcess
+from tandem.launch.rl import free_port, wait_healthy
 from tandem.models.presets import PRESETS, init_model
 
 WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
@@ -161,6 +162,7 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dic
         "prompt_tokens_requested": sum(len(p) for p in prompts) * n,
         "prompt_tokens_computed": counts["prompt_tokens_computed"],
         "first_steps": [{"seqs": b, "tokens": n, "s": t} for b, n, t in step_times[:16]],
+        "step_seconds": [t for _, _, t in step_times],
         "outputs": outputs,
     }
 
@@ -200,24 +202,11 @@ def bench_server(folder: Path, args: argparse.Namespace, w: dict, vocab: int, tm
     config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype}, "server": {"port": port},
                                              "engine": engine_config(args, w["num_prompts"], max_len).model_dump()})
     (tmp / "inference.toml").write_text(to_toml(config))
-    log = tmp / "inference.log"
-    with log.open("w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")],
-                                  stdout=out, stderr=subprocess.STDOUT)
+    server = ManagedProcess("inference", [sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")],
+                            tmp / "inference.log", dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"tandem inference exited with {server.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("tandem inference did not answer /health in 900 s")
-            time.sleep(0.5)
+        wait_healthy(url, server, timeout_s=900)
         asyncio.run(send_all(url, prompts_for(dict(w, num_prompts=8), vocab, args.seed + 300), 8))  # warmup
         runs = []
         for r in range(args.repeats):  # fresh prompts each time: the same ones would hit the prefix cache
@@ -227,8 +216,7 @@ def bench_server(folder: Path, args: argparse.Namespace, w: dict, vocab: int, tm
             runs.append(throughput(tokens, time.perf_counter() - start))
         return max(runs, key=lambda r: r["output_tokens_per_s"])
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
 
 
 def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts: dict, tmp: Path) -> dict:
@@ -291,7 +279,8 @@ def attempt(results: dict, name: str, fn) -> None:
     except Exception as err:  # record and go on: see the module docstring
         traceback.print_exc()
         results[name] = {"error": f"{type(err).__name__}: {err}"}
-    shown = {k: v for k, v in results[name].items() if k != "outputs"} if isinstance(results[name], dict) else results[name]
+    shown = ({k: v for k, v in results[name].items() if k not in ("outputs", "step_seconds")}
+             if isinstance(results[name], dict) else results[name])
     print(json.dumps(shown, default=str), flush=True)
 
 
@@ -331,7 +320,8 @@ def main() -> None:
             if "mismatch" in parts and "outputs" in results["engine_B"]:
                 attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts_b, results["engine_B"]["outputs"], 1.0))
             for key in ("engine_A", "engine_A_read_each_step", "engine_B"):
-                results.get(key, {}).pop("outputs", None)
+                for bulky in ("outputs", "step_seconds"):
+                    results.get(key, {}).pop(bulky, None)
             del engine
             gc.collect()
             if device.type == "cuda":

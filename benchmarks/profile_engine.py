@@ -18,13 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
-from inference import WORKLOADS, engine_config, prompts_for, sync
+from inference import engine_config, prompts_for, run_engine, scaled, sync
 from tandem.config.base import ModelConfig
 from tandem.inference.engine.sampling_params import SamplingParams
-from tandem.inference.engine.setup import build_engine, resolve_device
+from tandem.inference.engine.setup import build_engine
 from tandem.models.presets import PRESETS, init_model
 
 
@@ -40,13 +39,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def add_requests(engine, w: dict, vocab: int, seed: int) -> None:
-    params = SamplingParams(max_tokens=w["output_len"], temperature=1.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts_for(w, vocab, seed)):
-        engine.add_request(f"s{seed}-{i}", prompt, params, incremental=False)
-
-
 def timed_run(engine, w: dict, vocab: int, seed: int) -> dict:
+    """One run of `w` (`inference.run_engine`) with the garbage collections timed; the slow steps."""
     collections: list[tuple[int, float]] = []
     started: dict[str, float] = {}
 
@@ -56,30 +50,26 @@ def timed_run(engine, w: dict, vocab: int, seed: int) -> dict:
         else:
             collections.append((info["generation"], time.perf_counter() - started["t"]))
 
-    steps: list[tuple[int, float, float]] = []  # (running sequences, start, seconds)
-    add_requests(engine, w, vocab, seed)
     gc.callbacks.append(on_gc)
-    sync(engine.device)
-    start = time.perf_counter()
-    while engine.has_unfinished:
-        t0 = time.perf_counter()
-        running = len(engine.scheduler.running)
-        engine.step()
-        steps.append((running, t0 - start, time.perf_counter() - t0))
-    elapsed = time.perf_counter() - start
-    gc.callbacks.remove(on_gc)
-    median = statistics.median(s for _, _, s in steps)
-    slow = [(i, s) for i, (_, _, s) in enumerate(steps) if s > 2 * median]
+    try:
+        run = run_engine(engine, prompts_for(w, vocab, seed), w["n"], w["output_len"])
+    finally:
+        gc.callbacks.remove(on_gc)
+    times = run["step_seconds"]
+    median = statistics.median(times)
+    slow = sorted(((i, t) for i, t in enumerate(times) if t > 2 * median), key=lambda x: -x[1])
     return {
-        "seconds": elapsed, "steps": len(steps), "step_median_s": median,
-        "slow_steps": len(slow), "slow_steps_s": sum(s for _, s in slow), "slowest": sorted(slow, key=lambda x: -x[1])[:10],
+        "seconds": run["seconds"], "steps": len(times), "step_median_s": median,
+        "slow_steps": len(slow), "slow_steps_s": sum(t for _, t in slow), "slowest": slow[:10],
         "gc": {f"gen{g}": {"count": sum(1 for gen, _ in collections if gen == g),
                            "seconds": sum(d for gen, d in collections if gen == g)} for g in range(3)},
     }
 
 
 def profiled_steps(engine, w: dict, vocab: int, seed: int, num_decode: int) -> dict:
-    add_requests(engine, w, vocab, seed)
+    params = SamplingParams(max_tokens=w["output_len"], temperature=1.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts_for(w, vocab, seed)):
+        engine.add_request(f"profiled-{i}", prompt, params, incremental=False)
     out = {}
     for phase in ("prefill", "decode"):
         if phase == "decode":
@@ -106,10 +96,7 @@ def profiled_steps(engine, w: dict, vocab: int, seed: int, num_decode: int) -> d
 
 def main() -> None:
     args = parse_args()
-    device = resolve_device(args.device)
-    w = dict(WORKLOADS["A"])
-    for key in ("num_prompts", "prompt_len", "output_len"):
-        w[key] = max(1, int(w[key] * args.scale))
+    w = scaled(args, "A")
     with tempfile.TemporaryDirectory() as tmp:
         folder = init_model(args.preset, Path(tmp) / args.preset, seed=0)
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]

@@ -10,7 +10,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 
-from tandem.config.loader import ConfigError, parse_args, valid_keys
+from tandem.config.loader import ConfigError, parse_args
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
         procs["inference"] = ManagedProcess("inference", argv, run_dir / "logs" / "inference.log", _child_env(devices))
         _write_pids(run_dir, procs)
         log.info("starting inference server (%s)", config.orchestrator.client.base_urls[0])
-        _wait_healthy(config, procs["inference"], stop_signal)
+        wait_healthy(config.orchestrator.client.base_urls[0], procs["inference"], config.health_timeout_s, stop_signal)
         for name in ("orchestrator", "trainer"):
             argv, devices = commands[name]
             procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
@@ -170,9 +170,12 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             signal.signal(s, handler)
 
 
-def _wait_healthy(config: RLConfig, proc: ManagedProcess, stop_signal: list[int]) -> None:
-    url = config.orchestrator.client.base_urls[0].rstrip("/") + "/health"
-    deadline = time.monotonic() + config.health_timeout_s
+def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None) -> None:
+    """Return once the server of `proc` answers `GET /health` with 200; RunFailed if it exits, a
+    signal was caught (`stop_signal`), or `timeout_s` passes."""
+    url = base_url.rstrip("/") + "/health"
+    stop_signal = stop_signal or []
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if stop_signal:
             raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
@@ -185,7 +188,7 @@ def _wait_healthy(config: RLConfig, proc: ManagedProcess, stop_signal: list[int]
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RunFailed(f"the inference server did not answer {url} within {config.health_timeout_s:.0f} s")
+    raise RunFailed(f"the inference server did not answer {url} within {timeout_s:.0f} s")
 
 
 def _write_pids(run_dir: Path, procs: dict[str, ManagedProcess]) -> None:
