@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = COMMANDS[name]
     try:
         config_cls = _load(cmd.config)
-    except ModuleNotFoundError:
-        print(f"tandem {name}: not built yet", file=sys.stderr)
+    except ModuleNotFoundError as err:
+        print(_missing_module(name, err), file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:
         print(f"tandem {name}: {cmd.help}\n\n{_help_of(config_cls)}")
@@ -96,11 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         entry = _load(cmd.entry)
     except ModuleNotFoundError as err:
-        if err.name and err.name.startswith("tandem"):
-            print(f"tandem {name}: not built yet ({err.name} is missing)", file=sys.stderr)
-            return 2
-        raise
+        print(_missing_module(name, err), file=sys.stderr)
+        return 2
     return int(entry(config) or 0)
+
+
+def _missing_module(command: str, err: ModuleNotFoundError) -> str:
+    """Name the module that failed to import: a missing dependency, not a missing command."""
+    return (f"tandem {command}: cannot import the Python module {err.name!r} ({err}); "
+            "install tandem with its dependencies (`pip install -e .` or `make venv`)")
 
 
 if __name__ == "__main__":

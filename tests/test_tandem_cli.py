@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tomllib
 
-from tandem.cli import COMMANDS, main
+from tandem.cli import COMMANDS, Command, main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -46,3 +46,12 @@ def test_command_help_lists_keys(capsys):
     assert main(["rl", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--seq_len = 2048" in out and "--inference.server.port = 8000" in out
+
+
+def test_a_missing_dependency_is_named_not_reported_as_unbuilt(tmp_path, monkeypatch, capsys):
+    (tmp_path / "entry_needing_a_package.py").write_text("import a_package_that_is_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(COMMANDS, "eval", Command("tandem.config.eval:EvalConfig", "entry_needing_a_package:main", "x"))
+    assert main(["eval"]) == 2
+    err = capsys.readouterr().err
+    assert "'a_package_that_is_not_installed'" in err and "not built" not in err

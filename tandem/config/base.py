@@ -61,6 +61,3 @@ class ProcessConfig(Section):
         """The run folder, resolved from `output_dir` or `run.name`."""
         return self.output_dir if self.output_dir is not None else Path("outputs") / self.run.name
 
-
-SHARED_FIELDS = ("model", "run", "seq_len", "max_steps", "output_dir", "seed")
-"""Fields of `ProcessConfig` that `tandem rl` sets once for all three processes."""

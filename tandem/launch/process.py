@@ -26,6 +26,10 @@ def _die_with_parent() -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class RunFailed(Exception):
+    """A process of the run failed; the message names it."""
+
+
 class ManagedProcess:
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str], echo: bool = False):
         self.name = name

@@ -20,7 +20,7 @@ import httpx
 
 from tandem.config.dump import to_toml
 from tandem.config.rl import RLConfig
-from tandem.launch.process import ManagedProcess
+from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.launch.warmup import run_warmup
 from tandem.monitor.logging import setup_logging
 from tandem.monitor.progress import ProgressPrinter
@@ -28,10 +28,6 @@ from tandem.monitor.report import summarize, write_report
 from tandem.transport.files import atomic_write_text
 
 RESULT_MARKERS = ("metrics.jsonl", "weights", "rollouts", "checkpoints")
-
-
-class RunFailed(Exception):
-    """A process of the run failed; the message names it."""
 
 
 def main(config: RLConfig) -> int:

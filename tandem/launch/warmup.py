@@ -15,13 +15,12 @@ from pathlib import Path
 
 from tandem.config.loader import ConfigError, parse_args
 from tandem.config.rl import RLConfig
-from tandem.launch.process import ManagedProcess
+from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.transport.files import atomic_write_text
 
 
 def run_warmup(config: RLConfig, log: logging.Logger) -> None:
     from tandem.config.sft import SFTConfig
-    from tandem.launch.rl import RunFailed
 
     warmup = config.warmup
     sft_file = str(warmup.sft)

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tandem.models.hub import read_hf_config
+
 
 class HFCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module, hf_config: dict):
@@ -22,8 +24,6 @@ class HFCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: Path, device, dtype: torch.dtype, trust_remote_code: bool) -> "HFCausalLM":
         from transformers import AutoModelForCausalLM
-
-        from tandem.models.loading import read_hf_config
 
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
         return cls(hf_model.to(device), read_hf_config(folder)).eval()

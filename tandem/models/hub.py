@@ -1,7 +1,8 @@
-"""Find a model folder: a local path, or a hub name fetched once into the HF cache."""
+"""Find a model folder (a local path, or a hub name fetched once into the HF cache) and read its config."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -17,3 +18,8 @@ def resolve_model_path(name: str) -> Path:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+
+
+def read_hf_config(folder: Path) -> dict:
+    """The folder's `config.json` as a dict."""
+    return json.loads((Path(folder) / "config.json").read_text())

@@ -7,13 +7,13 @@ and `hf_config` (the config.json dict).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tandem.models.hub import resolve_model_path
+from tandem.models.hf_fallback import HFCausalLM
+from tandem.models.hub import read_hf_config, resolve_model_path
 from tandem.models.qwen3 import Qwen3Args, Qwen3ForCausalLM
 from tandem.models.weights import load_state_dict
 
@@ -26,10 +26,6 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def read_hf_config(folder: Path) -> dict:
-    return json.loads((Path(folder) / "config.json").read_text())
 
 
 def is_native(hf_config: dict) -> bool:
@@ -81,6 +77,4 @@ def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "
             model.lm_head.weight = model.model.embed_tokens.weight
         load_weights_into(model, load_state_dict(folder, device))
         return model.eval()
-    from tandem.models.hf_fallback import HFCausalLM
-
     return HFCausalLM.from_pretrained(folder, device, torch_dtype, trust_remote_code)
