@@ -17,11 +17,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from tandem.inference.chat import parse_tool_calls, render_chat, streamable_content
+from tandem.inference.chat import parse_tool_calls, render_chat
 from tandem.inference.engine.llm_engine import SequenceOutput
 from tandem.inference.errors import APIError, error_body
 from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.inference.serving import Choice, Served
+from tandem.models.chat import streamable_content
 
 router = APIRouter()
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.orchestrator.hermes import parse_tool_calls
+from tandem.models.chat import parse_tool_calls, render_chat
 from tandem.orchestrator.inference_pool import InferencePool
 from tandem.orchestrator.samples import Turn
 
@@ -118,16 +118,10 @@ class TokenChatClient:
         self.inference_s = 0.0
         """Seconds spent waiting on the inference servers."""
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
-        """Token ids of the conversation plus the assistant generation prompt."""
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     async def complete(self, model: str, messages: list[dict[str, Any]], tools: list[dict] | None,
                        kwargs: dict[str, Any]) -> ChatCompletion:
         request = _generate_request(kwargs)
-        prompt_ids = self.render(messages, tools)
+        prompt_ids = render_chat(self.tokenizer, messages, tools)
         budget = self.seq_len - len(prompt_ids)
         if budget <= 0:
             # The conversation already fills a training row: end the episode as cut off.

@@ -1,8 +1,8 @@
-"""Tool calls out of a completion, and the incremental detokenizer."""
+"""The server's tool calls (OpenAI-shaped, with ids), and the incremental detokenizer."""
 
 import json
 
-from tandem.inference.chat import parse_tool_calls, streamable_content
+from tandem.inference.chat import parse_tool_calls
 from tandem.inference.engine.detokenizer import IncrementalDetokenizer
 from tandem.models.byte_tokenizer import build_byte_tokenizer
 
@@ -21,12 +21,6 @@ def test_text_without_valid_calls_stays_content():
     for text in ("plain answer", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>'):
         assert parse_tool_calls(text) == (text, [])
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>')[0] is None
-
-
-def test_streaming_holds_back_what_may_start_a_tool_call():
-    assert streamable_content("Sure, <tool_call>{") == "Sure, "
-    assert streamable_content("Sure, <tool_c") == "Sure, "
-    assert streamable_content("a < b") == "a < b"
 
 
 def test_incremental_text_equals_the_full_decode_across_split_characters():
