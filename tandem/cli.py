@@ -20,11 +20,15 @@ class Command:
     entry: str
     """`module:function` run with the validated config; returns an exit code."""
     help: str
+    parse: str | None = None
+    """`module:function(argv) -> config` where reading the config needs more than validation (`tandem rl`
+    resolves its processes' configs); None: `parse_args` of `config`."""
 
 
 COMMANDS: dict[str, Command] = {
     "rl": Command("tandem.config.rl:RLConfig", "tandem.launch.rl:main",
-                  "Run async RL: inference server, orchestrator and trainer together."),
+                  "Run async RL: inference server, orchestrator and trainer together.",
+                  parse="tandem.config.resolve:parse_rl_args"),
     "sft": Command("tandem.config.sft:SFTConfig", "tandem.trainer.sft.train:main",
                    "Supervised fine-tuning on local chat or prompt/completion data."),
     "eval": Command("tandem.config.eval:EvalConfig", "tandem.orchestrator.eval:main",
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     dry_run = "--dry-run" in rest
     rest = [a for a in rest if a != "--dry-run"]
     try:
-        config = parse_args(config_cls, rest)
+        config = _load(cmd.parse)(rest) if cmd.parse else parse_args(config_cls, rest)
     except ConfigError as err:
         print(f"tandem {name}: config error: {err}", file=sys.stderr)
         return 2

@@ -55,3 +55,23 @@ def test_a_missing_dependency_is_named_not_reported_as_unbuilt(tmp_path, monkeyp
     assert main(["eval"]) == 2
     err = capsys.readouterr().err
     assert "'a_package_that_is_not_installed'" in err and "not built" not in err
+
+
+def test_dry_run_shows_the_derived_values_the_processes_get(capsys):
+    assert main(["rl", "--dry-run", "--deployment.num-trainer-processes", "2", "--resume"]) == 0
+    sections = {s.split(" ----")[0]: s.split("\n", 1)[1] for s in capsys.readouterr().out.split("# ---- ")[1:]}
+    assert "# runs on: 2 rank(s) on the CPU" in sections["trainer"]
+    orchestrator, trainer = tomllib.loads(sections["orchestrator"]), tomllib.loads(sections["trainer"])
+    assert orchestrator["num_trainer_ranks"] == 2 and orchestrator["ckpt"]["resume"] and trainer["ckpt"]["resume"]
+    assert trainer["device"] == "cpu"
+
+
+def test_dry_run_fails_on_a_combination_the_trainer_would_refuse():
+    proc = run_cli("rl", "--dry-run", "--seq-len", "3", "--trainer.data.fake", "true", "--trainer.data.fake_samples_per_row", "2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "in `trainer`: `data.fake_samples_per_row` = 2 leaves fewer than 2 tokens per sample at `seq_len` = 3" in proc.stderr
+
+
+def test_a_flag_missing_its_value_is_an_error_not_true():
+    proc = run_cli("rl", "--max-steps", "--dry-run")
+    assert proc.returncode == 2 and "flag `--max-steps` (from the command line) has no value" in proc.stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
@@ -28,6 +28,17 @@ class ModelConfig(Section):
 
     trust_remote_code: bool = False
     """Passed to transformers when a model falls back to `AutoModelForCausalLM`."""
+
+
+class CheckpointConfig(Section):
+    """When a process checkpoints. `tandem rl` sets these keys once for trainer and orchestrator,
+    so that both hold checkpoints of the same steps and resume together."""
+
+    enabled: bool = False
+    """Checkpoint every `interval` steps, so that the run can resume."""
+
+    interval: int = Field(10, ge=1)
+    """Steps between checkpoints."""
 
 
 class RunConfig(Section):

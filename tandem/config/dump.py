@@ -9,8 +9,8 @@ from pydantic import BaseModel
 
 from tandem.config.base import ProcessConfig
 from tandem.config.loader import _models_in
-
-PROCESS_SECTIONS = ("inference", "orchestrator", "trainer")
+from tandem.config.resolve import PROCESSES
+from tandem.config.rl import DeploymentConfig, RLConfig
 
 
 def to_toml(config: BaseModel) -> str:
@@ -19,11 +19,19 @@ def to_toml(config: BaseModel) -> str:
 
 
 def dump_process_configs(config: ProcessConfig) -> str:
-    """Each process's resolved config under a `# <process>` heading (one if not an RL config)."""
-    parts = [(name, getattr(config, name)) for name in PROCESS_SECTIONS if isinstance(getattr(config, name, None), ProcessConfig)]
-    if not parts:
+    """Each process's resolved config under a `# ---- <process> ----` heading and a comment saying
+    where it runs (just the config when it is not an RL config)."""
+    if not isinstance(config, RLConfig):
         return to_toml(config)
-    return "\n".join(f"# ---- {name} ----\n{to_toml(sub)}" for name, sub in parts)
+    return "\n".join(f"# ---- {name} ----\n# runs on: {_placement(config.deployment, name)}\n{to_toml(getattr(config, name))}"
+                     for name in PROCESSES)
+
+
+def _placement(deployment: DeploymentConfig, process: str) -> str:
+    devices = {"inference": deployment.inference_devices, "trainer": deployment.trainer_devices}.get(process)
+    where = f"CUDA device(s) {devices}" if deployment.type == "gpu" and devices else "the CPU"
+    ranks = f"{deployment.num_trainer_ranks} rank(s) on " if process == "trainer" else ""
+    return ranks + where
 
 
 def describe(model: type[BaseModel], prefix: str = "") -> str:

@@ -14,13 +14,18 @@ class ServerConfig(Section):
     """Address to bind; loopback by default so a run never listens on the network unasked."""
 
     port: int = 8000
-    """TCP port of the OpenAI-compatible API."""
+    """TCP port of the OpenAI-compatible API; under `tandem rl`, 0 picks a free port when the run is resolved."""
 
     api_key: str | None = None
     """When set, every request but `GET /health` must carry `Authorization: Bearer <api_key>`."""
 
     access_log: bool = False
     """Log one line per HTTP request (an RL run sends thousands; off keeps the log readable)."""
+
+    @property
+    def url(self) -> str:
+        """The base URL clients reach this server at."""
+        return f"http://{self.host}:{self.port}"
 
 
 class EngineConfig(Section):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 import types
 import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,22 @@ class ConfigError(Exception):
     """A user-facing config problem; the message is complete and is printed as is."""
 
 
+@dataclass
+class RawConfig:
+    """What the user wrote, merged but not validated: nested `data` and the source of each dotted key."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+
 def parse_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, str] | None = None) -> BaseModel:
     """Build `config_cls` from `argv` (without the subcommand) and the environment."""
+    raw = read_args(config_cls, argv, environ)
+    return validate(config_cls, raw.data, raw.sources)
+
+
+def read_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, str] | None = None) -> RawConfig:
+    """Merge the files, environment variables and flags of `argv` for `config_cls`, in precedence order."""
     sources: dict[str, str] = {}
     data: dict[str, Any] = {}
     overrides: list[tuple[str, Any, str]] = []
@@ -47,6 +63,7 @@ def parse_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, 
             value, i = _parse_value(raw), i + 1
         elif key.startswith("no-"):
             key, value, i = key[3:], False, i + 1
+            _check_boolean_flag(config_cls, _normalize(key), arg)
         elif i + 1 < len(argv) and argv[i + 1] == "@" and i + 2 < len(argv):
             path = argv[i + 2]
             overrides.append((_normalize(key), load_toml(Path(path)), path))
@@ -56,6 +73,7 @@ def parse_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, 
             value, i = _parse_value(argv[i + 1]), i + 2
         else:
             value, i = True, i + 1
+            _check_boolean_flag(config_cls, _normalize(key), arg)
         overrides.append((_normalize(key), value, "the command line"))
 
     for name, raw in sorted((environ if environ is not None else os.environ).items()):
@@ -67,7 +85,32 @@ def parse_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, 
             _merge(data, _nest(key, _parse_value(raw)), sources, source=f"environment variable {name}")
     for key, value, source in overrides:
         _merge(data, _nest(key, value), sources, source=source)
-    return validate(config_cls, data, sources)
+    return RawConfig(data, sources)
+
+
+def _check_boolean_flag(config_cls: type[BaseModel], key: str, flag: str) -> None:
+    """A flag without a value (`--x`, `--no-x`) is only for a boolean key; an unknown key is left to validation."""
+    annotations = _annotations_at(config_cls, key)
+    if annotations and not any(_allows_bool(a) for a in annotations):
+        raise ConfigError(f"flag `{flag}` (from the command line) has no value, but `{key}` is not a boolean key: "
+                          f"write `{flag.replace('--no-', '--', 1)} VALUE`")
+
+
+def _annotations_at(model: type[BaseModel], key: str) -> list[Any]:
+    """The type annotations of dotted `key` in `model`, one per union variant that has it."""
+    models, parts = [model], key.split(".")
+    for depth, part in enumerate(parts):
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        if depth == len(parts) - 1:
+            return [f.annotation for f in fields]
+        models = [sub for f in fields for sub in _models_in(f.annotation)]
+    return []
+
+
+def _allows_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(_allows_bool(a) for a in typing.get_args(annotation))
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -110,8 +153,10 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 def _explain(config_cls: type[BaseModel], data: dict[str, Any], sources: dict[str, str], error: dict) -> str:
     key, value = _key_of(data, error["loc"])
-    if not key:  # a whole-config check (a model validator): its message says it all
-        return error["msg"].removeprefix("Value error, ")
+    if error["type"] == "value_error" and (not key or isinstance(value, dict)):
+        # A section's own check (a model validator): its message names the keys; say where each came from.
+        msg = error["msg"].removeprefix("Value error, ")
+        return f"{f'in `{key}`: ' if key else ''}{msg}{_sources_named(msg, key, sources)}"
     source = _source_of(sources, key)
     where = f" (from {source})" if source else ""
     if error["type"] == "extra_forbidden":
@@ -144,6 +189,16 @@ def _key_of(data: dict[str, Any], loc: tuple) -> tuple[str, Any]:
             parts.append(str(item))
             node = None
     return ".".join(parts), node
+
+
+def _sources_named(msg: str, section: str, sources: dict[str, str]) -> str:
+    """` (`a.b` from X; ...)` for each key quoted in `msg` that the user set, relative to `section`."""
+    named = []
+    for key in dict.fromkeys(re.findall(r"`([A-Za-z_][\w.]*)`", msg)):
+        full = f"{section}.{key}" if section else key
+        if full in sources:
+            named.append(f"`{full}` from {sources[full]}")
+    return f" ({'; '.join(named)})" if named else ""
 
 
 def _source_of(sources: dict[str, str], key: str) -> str | None:

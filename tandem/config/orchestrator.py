@@ -10,12 +10,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from tandem.config.base import ProcessConfig, Section
+from tandem.config.base import CheckpointConfig, ProcessConfig, Section
+from tandem.config.inference import ServerConfig
 
 
 class ClientConfig(Section):
-    base_urls: list[str] = ["http://127.0.0.1:8000"]
-    """Inference servers, as `http://host:port` (no `/v1`); requests are spread over all of them."""
+    base_urls: list[str] = Field(default_factory=lambda: [ServerConfig().url])
+    """Inference servers, as `http://host:port` (no `/v1`); requests are spread over all of them.
+    The default is the address a default `tandem inference` listens on."""
 
     api_key: str | None = None
     """Sent as `Authorization: Bearer <api_key>` when set (the server's `server.api_key`)."""
@@ -33,7 +35,8 @@ class ClientConfig(Section):
     """Longest delay between two retries."""
 
     health_timeout_s: float = 600.0
-    """How long to wait at start for every server's `GET /health` to answer 200."""
+    """How long to wait at start for every server's `GET /health` to answer 200 (`tandem rl` waits
+    as long for the server it starts)."""
 
     @model_validator(mode="after")
     def _check(self) -> "ClientConfig":
@@ -137,18 +140,16 @@ class OrchestratorEvalConfig(EvalSettings):
     """Evaluate every `interval` policy versions, at start (policy 0) and after the last step; 0 = never."""
 
 
-class CheckpointConfig(Section):
-    enabled: bool = False
-    """Save the orchestrator's progress (step, data position) under `checkpoints/step_N/orchestrator/`."""
-
-    interval: int = 10
-    """Save every `interval` steps (use the trainer's interval so both resume at the same step)."""
+class OrchestratorCheckpointConfig(CheckpointConfig):
+    """The orchestrator's progress (step, data position) under `checkpoints/step_N/orchestrator/`."""
 
     resume: bool = False
     """Continue from the newest complete orchestrator checkpoint of the run folder."""
 
 
-class WeightsConfig(Section):
+class WeightWatchConfig(Section):
+    """How the orchestrator notices the trainer's newly published policies."""
+
     poll_interval_s: float = 0.2
     """How often to look for a new `weights/step_N/STABLE`."""
 
@@ -197,10 +198,10 @@ class OrchestratorConfig(ProcessConfig):
     eval: OrchestratorEvalConfig = OrchestratorEvalConfig()
     """Evaluations during the run, on each environment's eval split."""
 
-    ckpt: CheckpointConfig = CheckpointConfig()
+    ckpt: OrchestratorCheckpointConfig = OrchestratorCheckpointConfig()
     """Checkpoints of the orchestrator's progress."""
 
-    weights: WeightsConfig = WeightsConfig()
+    weights: WeightWatchConfig = WeightWatchConfig()
     """Watching the trainer's published policies."""
 
     transport: FilesystemTransportConfig = FilesystemTransportConfig()
@@ -237,8 +238,6 @@ class OrchestratorConfig(ProcessConfig):
             raise ValueError("`advantage.max_replacement_ratio` must be >= 0")
         if self.eval.interval < 0:
             raise ValueError(f"`eval.interval` must be >= 0 (0 = never), got {self.eval.interval}")
-        if self.ckpt.interval < 1:
-            raise ValueError(f"`ckpt.interval` must be >= 1, got {self.ckpt.interval}")
         return self
 
 

@@ -1,7 +1,7 @@
-"""The RL config: the three process configs plus the fields they share.
+"""The RL config as the user writes it: the three process configs plus what they share.
 
-`resolve()` is the one explicit step that copies the shared fields into the sub-configs; a
-sub-config that sets a shared field to another value is an error, not a silent override.
+This module is the schema only. `tandem/config/resolve.py` turns it into what each process gets
+(shared keys copied in, derived values decided, each process config validated once).
 """
 
 from __future__ import annotations
@@ -9,19 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
-from tandem.config.base import ModelConfig, ProcessConfig, RunConfig, Section
+from tandem.config.base import CheckpointConfig, ProcessConfig, Section
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.config.trainer import TrainerConfig
-from tandem.config.loader import ConfigError
-
-SHARED_KEYS = ("model.name", "run.name", "seq_len", "max_steps", "output_dir", "seed")
-"""Dotted keys that `tandem rl` sets once for all three processes."""
-
-CKPT_KEYS = ("ckpt.enabled", "ckpt.interval")
-"""Checkpoint keys that `tandem rl` sets once for trainer and orchestrator (they resume together)."""
 
 
 class DeploymentConfig(Section):
@@ -30,22 +23,34 @@ class DeploymentConfig(Section):
     type: Literal["cpu", "gpu"] = "cpu"
     """`cpu`: everything on the CPU; `gpu`: inference and trainer on the CUDA devices below."""
 
-    num_trainer_processes: int = 1
+    num_trainer_processes: int = Field(1, ge=1)
     """Trainer ranks on CPU (gloo, under torchrun when more than one)."""
 
     inference_devices: list[int] = [0]
-    """CUDA devices of the inference server (`gpu` only)."""
+    """CUDA devices of the inference server (`gpu` only), as indices of the devices this machine shows."""
 
     trainer_devices: list[int] = [1]
-    """CUDA devices of the trainer, one rank each (`gpu` only). Listing the inference device
-    here too shares that GPU; the engine then takes `shared_gpu_memory_fraction` of it."""
+    """CUDA devices of the trainer, one rank each (`gpu` only). Listing the inference device here too
+    shares that GPU (on a one-GPU machine: `[0]`); the engine then takes `shared_gpu_memory_fraction` of it."""
 
-    shared_gpu_memory_fraction: float = 0.4
+    shared_gpu_memory_fraction: float = Field(0.4, gt=0.0, le=1.0)
     """Share of a GPU the engine may use when it shares the GPU with the trainer."""
+
+    @model_validator(mode="after")
+    def _check_devices(self) -> "DeploymentConfig":
+        for name in ("inference_devices", "trainer_devices"):
+            devices = getattr(self, name)
+            if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
+                raise ValueError(f"`deployment.{name}` = {devices} must list distinct CUDA device indices >= 0")
+        return self
 
     @property
     def num_trainer_ranks(self) -> int:
         return len(self.trainer_devices) if self.type == "gpu" else self.num_trainer_processes
+
+    @property
+    def shares_a_gpu(self) -> bool:
+        return self.type == "gpu" and bool(set(self.inference_devices) & set(self.trainer_devices))
 
 
 class WarmupConfig(Section):
@@ -71,15 +76,10 @@ class WarmupConfig(Section):
     """Number of generated SFT examples written next to it for eval loss (`eval.jsonl`)."""
 
 
-class RLCheckpointConfig(Section):
-    enabled: bool = False
-    """Checkpoint trainer and orchestrator (needed for `--resume`)."""
-
-    interval: int = 10
-    """Steps between checkpoints."""
-
-
 class RLConfig(ProcessConfig):
+    """Root config of `tandem rl`. Its shared keys and derived values reach the process configs
+    through `tandem.config.resolve.resolve`, never by validation alone."""
+
     trainer: TrainerConfig = TrainerConfig()
     """The RL trainer."""
 
@@ -95,8 +95,8 @@ class RLConfig(ProcessConfig):
     warmup: WarmupConfig = WarmupConfig()
     """SFT warm-up run before RL when the starting model does not exist."""
 
-    ckpt: RLCheckpointConfig = RLCheckpointConfig()
-    """Checkpoints of trainer and orchestrator, taken at the same steps."""
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Checkpoints of trainer and orchestrator, taken at the same steps (needed for `resume`)."""
 
     resume: bool = False
     """Continue the run in `output_dir` from its newest complete checkpoints."""
@@ -104,35 +104,8 @@ class RLConfig(ProcessConfig):
     clean: bool = False
     """Delete the results of an earlier run in `output_dir` before starting."""
 
-    health_timeout_s: float = 300.0
-    """How long to wait for the inference server's `/health` before giving up."""
-
     @model_validator(mode="after")
-    def _propagate_shared(self) -> "RLConfig":
+    def _check_resume_or_clean(self) -> "RLConfig":
         if self.resume and self.clean:
             raise ValueError("`resume` and `clean` exclude each other: choose one")
-        for name in ("trainer", "orchestrator", "inference"):
-            propagate_shared(self, getattr(self, name), name, SHARED_KEYS)
-        for name in ("trainer", "orchestrator"):
-            propagate_shared(self, getattr(self, name), name, CKPT_KEYS)
         return self
-
-
-def propagate_shared(root: ProcessConfig, sub: ProcessConfig, sub_name: str, keys: tuple[str, ...]) -> None:
-    """Copy every key of `keys` from `root` into `sub`; raise if `sub` set one to another value."""
-    for key in keys:
-        *path, leaf = key.split(".")
-        src, dst = root, sub
-        for part in path:
-            src, dst = getattr(src, part), getattr(dst, part)
-        value = getattr(src, leaf)
-        if leaf in dst.model_fields_set and getattr(dst, leaf) != value:
-            raise ValueError(
-                f"`{sub_name}.{key}` = {getattr(dst, leaf)!r} contradicts the shared `{key}` = {value!r}; "
-                f"set only the shared `{key}`"
-            )
-        # object.__setattr__ keeps `model_fields_set` as the user wrote it.
-        object.__setattr__(dst, leaf, value)
-
-
-__all__ = ["RLConfig", "SHARED_KEYS", "propagate_shared", "ModelConfig", "RunConfig", "ConfigError"]

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from tandem.config.base import ProcessConfig, Section
+from tandem.config.base import CheckpointConfig, ProcessConfig, Section
 
 
 def _default_tag(default: str) -> Discriminator:
@@ -189,12 +189,9 @@ class KernelsConfig(Section):
         return self
 
 
-class CkptConfig(Section):
-    enabled: bool = False
-    """Write a DCP checkpoint (model, optimizer, scheduler, data position, RNG) every `interval` steps."""
-
-    interval: int = Field(50, ge=1)
-    """Steps between checkpoints (the last step is always checkpointed when enabled)."""
+class TrainerCheckpointConfig(CheckpointConfig):
+    """DCP checkpoints (model, optimizer, scheduler, data position, RNG) under `checkpoints/step_N/trainer/`;
+    the last step is always checkpointed when enabled."""
 
     resume: bool = False
     """Continue from the newest complete checkpoint under `<run_dir>/checkpoints/step_N/trainer/`."""
@@ -203,7 +200,9 @@ class CkptConfig(Section):
     """Complete checkpoints to keep (oldest deleted first); unset keeps all."""
 
 
-class WeightsConfig(Section):
+class WeightPublishConfig(Section):
+    """When the trainer writes HF-format policy folders for the inference servers."""
+
     interval: int = Field(1, ge=1)
     """Publish `weights/step_N/` every `interval` steps (and at the last step)."""
 
@@ -226,10 +225,10 @@ class TrainingProcessConfig(ProcessConfig):
     parallel: ParallelConfig = ParallelConfig()
     """FSDP2 and activation checkpointing."""
 
-    ckpt: CkptConfig = CkptConfig()
+    ckpt: TrainerCheckpointConfig = TrainerCheckpointConfig()
     """Checkpoints to resume from."""
 
-    weights: WeightsConfig = WeightsConfig()
+    weights: WeightPublishConfig = WeightPublishConfig()
     """Publishing of HF-format policy weights (`weights/step_N/`)."""
 
     logprob_chunk_size: int = Field(1024, ge=1)

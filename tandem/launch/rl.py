@@ -1,17 +1,19 @@
 """`tandem rl`: run the three processes of an RL run on this machine and watch them.
 
-Order: warm-up (model init, SFT data, SFT) if the starting model is missing; inference, until
-`/health` answers; then orchestrator and trainer. The run ends when orchestrator and trainer
+It executes a config resolved by `tandem.config.resolve` as it is: every port, rank, device and
+URL was decided there (and shown by `--dry-run`); nothing here edits a config. Order: warm-up
+(model init, SFT data, SFT) if the starting model is missing; inference, until `/health`
+answers; then orchestrator and trainer. The run ends when orchestrator and trainer
 have exited 0, or at the first failure, Ctrl-C or SIGTERM: every process tree is then stopped
 and the culprit is named with the last lines of its log.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from tandem.config.dump import to_toml
+from tandem.config.resolve import PROCESSES, free_port
 from tandem.config.rl import RLConfig
 from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.launch.warmup import run_warmup
@@ -64,29 +67,9 @@ def _holds_results(path: Path) -> bool:
 
 
 def _write_process_configs(config: RLConfig) -> dict[str, Path]:
-    """Fill in what the launcher decides (ports, ranks, devices, resume) and write each config."""
-    server = config.inference.server
-    if server.port == 0:
-        server.port = free_port()
-    url = f"http://{server.host}:{server.port}"
-    orch = config.orchestrator
-    if "base_urls" not in orch.client.model_fields_set:
-        orch.client.base_urls = [url]
-    orch.client.api_key = orch.client.api_key or server.api_key
-    orch.num_trainer_ranks = config.deployment.num_trainer_ranks
-    if config.deployment.type == "cpu":
-        config.trainer.device = "cpu"
-        config.inference.engine.device = "cpu"
-    else:
-        config.trainer.device = "cuda"
-        config.inference.engine.device = "cuda"
-        if set(config.deployment.inference_devices) & set(config.deployment.trainer_devices):
-            config.inference.engine.memory_fraction = config.deployment.shared_gpu_memory_fraction
-    if config.resume:
-        config.trainer.ckpt.resume = True
-        config.orchestrator.ckpt.resume = True
+    """Write the resolved config of each process, and the whole RL config, under `configs/`."""
     paths = {}
-    for name in ("inference", "orchestrator", "trainer"):
+    for name in PROCESSES:
         paths[name] = config.run_dir / "configs" / f"{name}.toml"
         atomic_write_text(paths[name], to_toml(getattr(config, name)))
     atomic_write_text(config.run_dir / "configs" / "rl.toml", to_toml(config))
@@ -98,7 +81,10 @@ def _child_env(cuda_devices: list[int] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["PYTHONUNBUFFERED"] = "1"
     if cuda_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cuda_devices))
+        # `deployment.*_devices` index the devices this launcher sees, which CUDA_VISIBLE_DEVICES may already narrow.
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = seen.split(",") if seen else None
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[d] if ids else str(d) for d in cuda_devices)
     return env
 
 
@@ -133,7 +119,8 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
         procs["inference"] = ManagedProcess("inference", argv, run_dir / "logs" / "inference.log", _child_env(devices))
         _write_pids(run_dir, procs)
         log.info("starting inference server (%s)", config.orchestrator.client.base_urls[0])
-        wait_healthy(config.orchestrator.client.base_urls[0], procs["inference"], config.health_timeout_s, stop_signal)
+        wait_healthy(config.orchestrator.client.base_urls[0], procs["inference"], config.orchestrator.client.health_timeout_s,
+                     stop_signal)
         for name in ("orchestrator", "trainer"):
             argv, devices = commands[name]
             procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
@@ -189,12 +176,4 @@ def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_sig
 
 def _write_pids(run_dir: Path, procs: dict[str, ManagedProcess]) -> None:
     """`logs/pids.json`: the process-group leader of each process (for operators and tests)."""
-    import json
-
     atomic_write_text(run_dir / "logs" / "pids.json", json.dumps({n: p.pid for n, p in procs.items()}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -8,7 +8,7 @@ import pytest
 
 from tandem.config.base import ProcessConfig, Section
 from tandem.config.loader import ConfigError, parse_args
-from tandem.config.rl import RLConfig
+from tandem.config.orchestrator import OrchestratorConfig
 
 
 class Optim(Section):
@@ -101,25 +101,20 @@ def test_missing_and_malformed_files(tmp_path):
         parse_args(Demo, ["stray"], environ={})
 
 
-def test_shared_fields_propagate_to_every_process():
-    cfg = parse_args(RLConfig, ["--model.name", "m", "--seq-len", "128", "--max-steps", "4", "--seed", "3", "--run.name", "r"], environ={})
-    for sub in (cfg.trainer, cfg.orchestrator, cfg.inference):
-        assert (sub.model.name, sub.seq_len, sub.max_steps, sub.seed, sub.run.name) == ("m", 128, 4, 3, "r")
-        assert sub.run_dir == Path("outputs/r")
-    # dtype is not shared: each process keeps its own
-    cfg = parse_args(RLConfig, ["--trainer.model.dtype", "bfloat16"], environ={})
-    assert cfg.trainer.model.dtype == "bfloat16" and cfg.inference.model.dtype == "auto"
+def test_a_flag_without_a_value_is_only_for_boolean_keys():
+    with pytest.raises(ConfigError, match=r"flag `--max-steps` \(from the command line\) has no value, but `max_steps` is "
+                                          r"not a boolean key: write `--max-steps VALUE`"):
+        parse_args(Demo, ["--max-steps"], environ={})
+    with pytest.raises(ConfigError, match=r"flag `--no-optim.lr` .* `optim.lr` is not a boolean key"):
+        parse_args(Demo, ["--no-optim.lr"], environ={})
+    with pytest.raises(ConfigError, match=r"unknown key `ckpt.enable` \(from the command line\)"):
+        parse_args(Demo, ["--ckpt.enable"], environ={})
+    assert parse_args(Demo, ["--ckpt.enabled", "--max-steps", "3"], environ={}).max_steps == 3
 
 
-def test_shared_field_conflict_is_an_error(tmp_path):
-    f = write(tmp_path, "rl.toml", "seq_len = 256\n[trainer]\nseq_len = 512\n")
-    with pytest.raises(ConfigError, match=r"`trainer.seq_len` = 512 contradicts the shared `seq_len` = 256"):
-        parse_args(RLConfig, ["@", f], environ={})
-    # the same value twice is fine
-    same = write(tmp_path, "same.toml", "seq_len = 256\n[trainer]\nseq_len = 256\n")
-    assert parse_args(RLConfig, ["@", same], environ={}).trainer.seq_len == 256
-
-
-def test_defaults_are_not_shared_objects():
-    a, b = RLConfig(), RLConfig(model={"name": "x"})
-    assert a.trainer.model.name != b.trainer.model.name
+def test_a_section_check_names_the_flag_that_broke_it_not_the_whole_section(tmp_path):
+    f = write(tmp_path, "o.toml", "group_size = 4\nbatch_size = 8\n[sampling]\nmax_tokens = 9\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(OrchestratorConfig, ["@", f, "--batch_size", "-3"], environ={})
+    assert str(err.value) == (f"`batch_size` = -3 must be a positive multiple of `group_size` = 4 "
+                              f"(`batch_size` from the command line; `group_size` from {f})")

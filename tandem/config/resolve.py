@@ -1,0 +1,180 @@
+"""Resolution of `tandem rl`: what the user wrote -> the complete config of each process.
+
+`resolve()` is one pure step (the machine it asks about is an argument), in this order:
+
+1. the RL config's own keys (shared keys, `deployment`, `warmup`, `ckpt`, `resume`) are validated;
+2. every key of `SHARED_KEYS` is written into the sections of the processes that share it;
+3. the config is validated with the user's process sections, and every rule of `DERIVED_RULES`
+   decides its values from that draft and the machine (a rule may also refuse the config);
+4. the derived values are written in and the whole config, three process configs included, is
+   validated once more: that result is what `--dry-run` prints and what the launcher runs.
+
+A shared or derived value never overwrites one the user set: a different value is an error naming
+both. A new shared key is one line in `SHARED_KEYS`; a new derived value is one function added to
+`DERIVED_RULES` (its docstring is its documentation in `docs/configuration.md`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from tandem.config.loader import ConfigError, RawConfig, read_args, validate
+from tandem.config.rl import RLConfig
+
+PROCESSES = ("inference", "orchestrator", "trainer")
+"""The sections of `RLConfig` that are process configs."""
+
+SHARED_KEYS: dict[str, tuple[str, ...]] = {
+    "model.name": PROCESSES,
+    "run.name": PROCESSES,
+    "seq_len": PROCESSES,
+    "max_steps": PROCESSES,
+    "output_dir": PROCESSES,
+    "seed": PROCESSES,
+    "ckpt.enabled": ("orchestrator", "trainer"),  # both checkpoint the same steps, so they resume together
+    "ckpt.interval": ("orchestrator", "trainer"),
+}
+"""Dotted key of `RLConfig` -> the processes whose config gets its value."""
+
+
+class Machine(Protocol):
+    """What resolution needs to know about the machine the run starts on."""
+
+    def num_cuda_devices(self) -> int:
+        """CUDA devices this process can see (after `CUDA_VISIBLE_DEVICES`)."""
+
+    def free_port(self) -> int:
+        """A TCP port free on the loopback interface now."""
+
+
+class LocalMachine:
+    """This machine. Torch is imported only when a GPU deployment asks for its devices."""
+
+    def num_cuda_devices(self) -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    def free_port(self) -> int:
+        return free_port()
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One value a rule decides: dotted `key` of `RLConfig` gets `value` `because` (a phrase naming its cause)."""
+
+    key: str
+    value: Any
+    because: str
+    placeholder: Any = None
+    """A user value that means "decide for me" (port 0); None: any user value other than `value` conflicts."""
+
+
+Rule = Callable[[RLConfig, Machine], list[Derived]]
+
+
+def trainer_ranks(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`orchestrator.num_trainer_ranks` (one batch file per rank) is the trainer's world size:
+    `len(deployment.trainer_devices)` on `gpu`, `deployment.num_trainer_processes` on `cpu`."""
+    cause = "deployment.trainer_devices" if config.deployment.type == "gpu" else "deployment.num_trainer_processes"
+    return [Derived("orchestrator.num_trainer_ranks", config.deployment.num_trainer_ranks, f"`{cause}`")]
+
+
+def devices(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`deployment.type` sets `trainer.device` and `inference.engine.device` (`cpu` or `cuda`). On `gpu`,
+    every index in `deployment.inference_devices` and `deployment.trainer_devices` must be a CUDA device
+    this machine shows; when both lists name one GPU, `inference.engine.memory_fraction` is
+    `deployment.shared_gpu_memory_fraction` (on a one-GPU machine, `trainer_devices = [0]` shares GPU 0)."""
+    deployment = config.deployment
+    device = "cuda" if deployment.type == "gpu" else "cpu"
+    out = [Derived("trainer.device", device, f"`deployment.type` = {deployment.type!r}"),
+           Derived("inference.engine.device", device, f"`deployment.type` = {deployment.type!r}")]
+    if deployment.type == "cpu":
+        return out
+    visible = machine.num_cuda_devices()
+    for name in ("inference_devices", "trainer_devices"):
+        missing = [d for d in getattr(deployment, name) if d >= visible]
+        if missing:
+            share = "; to share GPU 0 with the inference server, set `deployment.trainer_devices = [0]`" if visible == 1 else ""
+            raise ConfigError(f"`deployment.{name}` = {getattr(deployment, name)} names CUDA device(s) {missing}, but this "
+                              f"machine shows {visible} CUDA device(s){share}")
+    if deployment.shares_a_gpu:
+        out.append(Derived("inference.engine.memory_fraction", deployment.shared_gpu_memory_fraction,
+                           "`deployment.shared_gpu_memory_fraction` (the server shares a GPU with the trainer)"))
+    return out
+
+
+def server_address(config: RLConfig, machine: Machine) -> list[Derived]:
+    """The orchestrator talks to the server the run starts: `orchestrator.client.base_urls` is
+    `["http://<inference.server.host>:<inference.server.port>"]` and `orchestrator.client.api_key` is
+    `inference.server.api_key`. `inference.server.port = 0` becomes a port free at resolution."""
+    server = config.inference.server
+    out = []
+    if server.port == 0:
+        server = server.model_copy(update={"port": machine.free_port()})
+        out.append(Derived("inference.server.port", server.port, "a free port (`inference.server.port` = 0)", placeholder=0))
+    return out + [
+        Derived("orchestrator.client.base_urls", [server.url], "`inference.server.host` and `inference.server.port`"),
+        Derived("orchestrator.client.api_key", server.api_key, "`inference.server.api_key`"),
+    ]
+
+
+def resume(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`resume` (`--resume`) sets `trainer.ckpt.resume` and `orchestrator.ckpt.resume`."""
+    return [Derived(f"{name}.ckpt.resume", config.resume, "`resume`") for name in ("orchestrator", "trainer")]
+
+
+DERIVED_RULES: tuple[Rule, ...] = (trainer_ranks, devices, server_address, resume)
+"""Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
+
+
+def parse_rl_args(argv: list[str], environ: dict[str, str] | None = None, machine: Machine | None = None) -> RLConfig:
+    """`tandem rl`'s config from its command line: read, then resolved."""
+    return resolve(read_args(RLConfig, argv, environ if environ is not None else dict(os.environ)), machine or LocalMachine())
+
+
+def resolve(raw: RawConfig, machine: Machine) -> RLConfig:
+    """The complete config of each process of an RL run (see the module docstring for the steps)."""
+    data, sources = copy.deepcopy(raw.data), dict(raw.sources)
+    root = validate(RLConfig, {k: v for k, v in data.items() if k not in PROCESSES}, sources)
+    shared = root.model_dump(mode="json")
+    for key, processes in SHARED_KEYS.items():
+        value = _get(shared, key)
+        for process in processes:
+            _apply(data, sources, Derived(f"{process}.{key}", value, f"the shared `{key}`"), fix=f"set only the shared `{key}`")
+    draft = validate(RLConfig, data, sources)
+    for rule in DERIVED_RULES:
+        for derived in rule(draft, machine):
+            _apply(data, sources, derived, fix=f"remove `{derived.key}`")
+    return validate(RLConfig, data, sources)
+
+
+def _apply(data: dict[str, Any], sources: dict[str, str], derived: Derived, fix: str) -> None:
+    """Write `derived` into the raw config, or raise if the user set that key to something else."""
+    *path, leaf = derived.key.split(".")
+    node = data
+    for part in path:
+        node = node.setdefault(part, {})
+    if leaf in node and node[leaf] != derived.value and node[leaf] != derived.placeholder:
+        where = f" (from {sources[derived.key]})" if derived.key in sources else ""
+        raise ConfigError(f"`{derived.key}` = {node[leaf]!r}{where} contradicts {derived.because}, which makes it "
+                          f"{derived.value!r}: {fix}")
+    node[leaf] = derived.value
+    sources.setdefault(derived.key, derived.because)
+
+
+def _get(tree: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree[part]
+    return tree

@@ -1,0 +1,126 @@
+"""`tandem rl`'s resolution: shared keys before validation, each derived rule, and every conflict an error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tandem.config.loader import ConfigError
+from tandem.config.resolve import DERIVED_RULES, SHARED_KEYS, parse_rl_args
+
+
+@dataclass
+class FakeMachine:
+    cuda_devices: int = 0
+    port: int = 43210
+
+    def num_cuda_devices(self) -> int:
+        return self.cuda_devices
+
+    def free_port(self) -> int:
+        return self.port
+
+
+def resolve(*argv: str, machine: FakeMachine | None = None):
+    return parse_rl_args(list(argv), environ={}, machine=machine or FakeMachine())
+
+
+def test_shared_keys_reach_every_process():
+    cfg = resolve("--model.name", "m", "--seq-len", "128", "--max-steps", "4", "--seed", "3", "--run.name", "r")
+    for sub in (cfg.trainer, cfg.orchestrator, cfg.inference):
+        assert (sub.model.name, sub.seq_len, sub.max_steps, sub.seed, sub.run.name) == ("m", 128, 4, 3, "r")
+        assert sub.run_dir == Path("outputs/r")
+    cfg = resolve("--trainer.model.dtype", "bfloat16")  # dtype is not shared: each process keeps its own
+    assert cfg.trainer.model.dtype == "bfloat16" and cfg.inference.model.dtype == "auto"
+
+
+def test_a_section_contradicting_a_shared_key_is_an_error_naming_both(tmp_path):
+    f = tmp_path / "rl.toml"
+    f.write_text("seq_len = 256\n[trainer]\nseq_len = 512\n")
+    with pytest.raises(ConfigError, match=rf"`trainer.seq_len` = 512 \(from {f}\) contradicts the shared `seq_len`, "
+                                          r"which makes it 256: set only the shared `seq_len`"):
+        resolve("@", str(f))
+    f.write_text("seq_len = 256\n[trainer]\nseq_len = 256\n")  # the same value twice is fine
+    assert resolve("@", str(f)).trainer.seq_len == 256
+
+
+def test_shared_keys_apply_before_the_processes_validate():
+    # The trainer's own default seq_len (2048) would pass; the shared 3 must be what it checks.
+    with pytest.raises(ConfigError, match=r"in `trainer`: `data.fake_samples_per_row` = 2 leaves fewer than 2 tokens .*"
+                                          r"`trainer.seq_len` from the shared `seq_len`"):
+        resolve("--seq-len", "3", "--trainer.data.fake", "true", "--trainer.data.fake_samples_per_row", "2")
+    # ... and a combination that is only valid with the shared value passes.
+    cfg = resolve("--seq-len", "4096", "--trainer.data.fake", "true", "--trainer.data.fake_samples_per_row", "1500")
+    assert cfg.trainer.seq_len == 4096
+
+
+def test_checkpoints_are_shared_by_trainer_and_orchestrator():
+    cfg = resolve("--ckpt.enabled", "--ckpt.interval", "3")
+    for sub in (cfg.trainer, cfg.orchestrator):
+        assert sub.ckpt.enabled and sub.ckpt.interval == 3
+    with pytest.raises(ConfigError, match=r"`orchestrator.ckpt.interval` = 5 \(from the command line\) contradicts the shared"):
+        resolve("--ckpt.interval", "3", "--orchestrator.ckpt.interval", "5")
+
+
+def test_trainer_ranks_follow_the_deployment():
+    assert resolve("--deployment.num-trainer-processes", "2").orchestrator.num_trainer_ranks == 2
+    cfg = resolve("--deployment.type", "gpu", "--deployment.trainer_devices", "[1, 2]", machine=FakeMachine(cuda_devices=3))
+    assert cfg.orchestrator.num_trainer_ranks == 2
+    with pytest.raises(ConfigError, match=r"`orchestrator.num_trainer_ranks` = 1 \(from the command line\) contradicts "
+                                          r"`deployment.num_trainer_processes`, which makes it 2: remove `orchestrator.num_trainer_ranks`"):
+        resolve("--deployment.num-trainer-processes", "2", "--orchestrator.num_trainer_ranks", "1")
+
+
+def test_devices_follow_the_deployment_type():
+    cfg = resolve()
+    assert (cfg.trainer.device, cfg.inference.engine.device) == ("cpu", "cpu")
+    cfg = resolve("--deployment.type", "gpu", machine=FakeMachine(cuda_devices=2))
+    assert (cfg.trainer.device, cfg.inference.engine.device) == ("cuda", "cuda")
+    assert cfg.inference.engine.memory_fraction == 0.9  # separate GPUs: the engine's own default
+    with pytest.raises(ConfigError, match=r"`trainer.device` = 'cuda' \(from the command line\) contradicts "
+                                          r"`deployment.type` = 'cpu', which makes it 'cpu'"):
+        resolve("--trainer.device", "cuda")
+
+
+def test_one_gpu_fails_at_once_unless_the_gpu_is_shared():
+    one_gpu = FakeMachine(cuda_devices=1)
+    with pytest.raises(ConfigError, match=r"`deployment.trainer_devices` = \[1\] names CUDA device\(s\) \[1\], but this "
+                                          r"machine shows 1 CUDA device\(s\); to share GPU 0 .* `deployment.trainer_devices = \[0\]`"):
+        resolve("--deployment.type", "gpu", machine=one_gpu)
+    cfg = resolve("--deployment.type", "gpu", "--deployment.trainer_devices", "[0]", machine=one_gpu)
+    assert cfg.inference.engine.memory_fraction == cfg.deployment.shared_gpu_memory_fraction == 0.4
+    with pytest.raises(ConfigError, match=r"`inference.engine.memory_fraction` = 0.8 \(from the command line\) contradicts "
+                                          r"`deployment.shared_gpu_memory_fraction`"):
+        resolve("--deployment.type", "gpu", "--deployment.trainer_devices", "[0]",
+                "--inference.engine.memory_fraction", "0.8", machine=one_gpu)
+
+
+def test_the_orchestrator_talks_to_the_server_the_run_starts():
+    cfg = resolve("--inference.server.port", "0", "--inference.server.api_key", "k", machine=FakeMachine(port=40001))
+    assert cfg.inference.server.port == 40001
+    assert cfg.orchestrator.client.base_urls == ["http://127.0.0.1:40001"] and cfg.orchestrator.client.api_key == "k"
+    assert resolve().orchestrator.client.base_urls == ["http://127.0.0.1:8000"]
+    with pytest.raises(ConfigError, match=r"`orchestrator.client.base_urls` = \['http://elsewhere:1'\] \(from the command "
+                                          r"line\) contradicts `inference.server.host` and `inference.server.port`"):
+        resolve("--orchestrator.client.base_urls", '["http://elsewhere:1"]')
+
+
+def test_resume_reaches_both_checkpointing_processes():
+    cfg = resolve("--resume")
+    assert cfg.trainer.ckpt.resume and cfg.orchestrator.ckpt.resume
+    with pytest.raises(ConfigError, match=r"`trainer.ckpt.resume` = True \(from the command line\) contradicts `resume`"):
+        resolve("--trainer.ckpt.resume")
+
+
+def test_every_rule_and_shared_key_is_exercised_above():
+    # A new rule or shared key must come with its own test in this file: this list is the reminder.
+    assert [r.__name__ for r in DERIVED_RULES] == ["trainer_ranks", "devices", "server_address", "resume"]
+    assert set(SHARED_KEYS) == {"model.name", "run.name", "seq_len", "max_steps", "output_dir", "seed",
+                                "ckpt.enabled", "ckpt.interval"}
+
+
+def test_resolution_is_pure():
+    args = ("--inference.server.port", "0", "--deployment.num-trainer-processes", "2")
+    assert resolve(*args) == resolve(*args)
