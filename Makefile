@@ -1,4 +1,5 @@
-# The two commands of the README: `make rl` (the main job) and `make test` (the tests).
+# The two commands of the README: `make rl` (the main job) and `make test` (the tests); `make docs`
+# regenerates the key reference of docs/configuration.md.
 # Both create or update .venv on their own, keyed on a stamp file.
 PY ?= python3.11
 VENV := .venv
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,verifiers]'
 	touch $(STAMP)
 
-.PHONY: venv rl test
+.PHONY: venv rl test docs
 venv: $(STAMP)
 
 rl: $(STAMP)
@@ -21,3 +22,6 @@ rl: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x tests
+
+docs: $(STAMP)
+	$(BIN)/python -m tandem.config.reference

@@ -47,7 +47,8 @@ class RunConfig(Section):
 
 
 class ProcessConfig(Section):
-    """Root of one process's config. Its shared fields are set once by `tandem rl`."""
+    """Root of one process's config. Under `tandem rl`, these keys are set once at the top and
+    shared by its three processes."""
 
     model: ModelConfig = ModelConfig()
     """The policy model."""

@@ -69,6 +69,8 @@ class EngineConfig(Section):
 
 
 class InferenceConfig(ProcessConfig):
+    """Root config of the inference server."""
+
     backend: Literal["tandem", "vllm"] = "tandem"
     """`tandem`: the embedded engine (CPU and CUDA). `vllm`: vLLM's server (scale-out, CUDA only)."""
 
