@@ -153,7 +153,7 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 def _explain(config_cls: type[BaseModel], data: dict[str, Any], sources: dict[str, str], error: dict) -> str:
     key, value = _key_of(data, error["loc"])
-    if error["type"] == "value_error" and (not key or isinstance(value, dict)):
+    if error["type"] == "value_error" and (not key or isinstance(error.get("input"), (dict, BaseModel))):
         # A section's own check (a model validator): its message names the keys; say where each came from.
         msg = error["msg"].removeprefix("Value error, ")
         return f"{f'in `{key}`: ' if key else ''}{msg}{_sources_named(msg, key, sources)}"

@@ -1,0 +1,38 @@
+"""The launcher runs the resolved config as it is: files written verbatim, devices mapped, nothing edited."""
+
+from __future__ import annotations
+
+import tomllib
+
+from tandem.config.resolve import parse_rl_args
+from tandem.launch.rl import _child_env, _commands, _write_process_configs
+
+
+class TwoGPUs:
+    def num_cuda_devices(self) -> int:
+        return 2
+
+    def free_port(self) -> int:
+        return 45678
+
+
+def test_written_configs_are_the_resolved_ones_and_the_config_is_untouched(tmp_path):
+    config = parse_rl_args(["--output-dir", str(tmp_path), "--inference.server.port", "0",
+                            "--deployment.num-trainer-processes", "2"], environ={}, machine=TwoGPUs())
+    before = config.model_dump()
+    (tmp_path / "configs").mkdir()
+    paths = _write_process_configs(config)
+    assert config.model_dump() == before
+    orchestrator = tomllib.loads(paths["orchestrator"].read_text())
+    assert orchestrator["client"]["base_urls"] == ["http://127.0.0.1:45678"] and orchestrator["num_trainer_ranks"] == 2
+    assert tomllib.loads(paths["inference"].read_text())["server"]["port"] == 45678
+    assert "torch.distributed.run" in _commands(config, paths)["trainer"][0]
+
+
+def test_gpu_indices_are_of_the_devices_the_launcher_sees(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert _child_env([1])["CUDA_VISIBLE_DEVICES"] == "6"
+    assert _child_env([])["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _child_env([0, 1])["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert "CUDA_VISIBLE_DEVICES" not in _child_env(None)
