@@ -41,6 +41,17 @@ class CheckpointConfig(Section):
     """Steps between checkpoints."""
 
 
+class ProcessCheckpointConfig(CheckpointConfig):
+    """One process's checkpoints, under `checkpoints/step_N/<process>/`, and where it resumes."""
+
+    resume: bool = False
+    """Continue from a complete checkpoint of this process in the run folder."""
+
+    resume_step: int | None = Field(None, ge=1)
+    """With `resume`: the step of the checkpoint to resume from; unset: the newest complete one.
+    `tandem rl --resume` sets it to the newest step that trainer and orchestrator both checkpointed."""
+
+
 class RunConfig(Section):
     name: str = "default"
     """Run name; the run folder defaults to `outputs/<name>`."""

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from tandem.config.base import CheckpointConfig, ProcessConfig, Section
+from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, Section
 from tandem.config.inference import ServerConfig
 
 
@@ -140,13 +140,6 @@ class OrchestratorEvalConfig(EvalSettings):
     """Evaluate every `interval` policy versions, at start (policy 0) and after the last step; 0 = never."""
 
 
-class OrchestratorCheckpointConfig(CheckpointConfig):
-    """The orchestrator's progress (step, data position) under `checkpoints/step_N/orchestrator/`."""
-
-    resume: bool = False
-    """Continue from the newest complete orchestrator checkpoint of the run folder."""
-
-
 class WeightWatchConfig(Section):
     """How the orchestrator notices the trainer's newly published policies."""
 
@@ -198,8 +191,8 @@ class OrchestratorConfig(ProcessConfig):
     eval: OrchestratorEvalConfig = OrchestratorEvalConfig()
     """Evaluations during the run, on each environment's eval split."""
 
-    ckpt: OrchestratorCheckpointConfig = OrchestratorCheckpointConfig()
-    """Checkpoints of the orchestrator's progress."""
+    ckpt: ProcessCheckpointConfig = ProcessCheckpointConfig()
+    """Checkpoints of the orchestrator's progress (step, data position)."""
 
     weights: WeightWatchConfig = WeightWatchConfig()
     """Watching the trainer's published policies."""

@@ -1,6 +1,7 @@
 """Resolution of `tandem rl`: what the user wrote -> the complete config of each process.
 
-`resolve()` is one pure step (the machine it asks about is an argument), in this order:
+`resolve()` is one step whose only inputs are the user's input, the machine it is given (CUDA devices,
+free ports) and the run folder (checkpoints to resume from), in this order:
 
 1. the RL config's own keys (shared keys, `deployment`, `warmup`, `ckpt`, `resume`) are validated;
 2. every key of `SHARED_KEYS` is written into the sections of the processes that share it;
@@ -24,6 +25,7 @@ from typing import Any, Callable, Protocol
 
 from tandem.config.loader import ConfigError, RawConfig, read_args, validate
 from tandem.config.rl import RLConfig
+from tandem.transport.paths import complete_checkpoint_steps
 
 PROCESSES = ("inference", "orchestrator", "trainer")
 """The sections of `RLConfig` that are process configs."""
@@ -131,8 +133,20 @@ def server_address(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 def resume(config: RLConfig, machine: Machine) -> list[Derived]:
-    """`resume` (`--resume`) sets `trainer.ckpt.resume` and `orchestrator.ckpt.resume`."""
-    return [Derived(f"{name}.ckpt.resume", config.resume, "`resume`") for name in ("orchestrator", "trainer")]
+    """`resume` (`--resume`) sets `trainer.ckpt.resume` and `orchestrator.ckpt.resume`, and both
+    `ckpt.resume_step` to the newest step that both checkpointed completely in the run folder, so they
+    continue from the same step. A run folder where only one of them has checkpoints cannot resume."""
+    processes = ("orchestrator", "trainer")
+    out = [Derived(f"{name}.ckpt.resume", config.resume, "`resume`") for name in processes]
+    if not config.resume:
+        return out
+    steps = {name: complete_checkpoint_steps(config.run_dir, name) for name in processes}
+    common = set(steps["orchestrator"]) & set(steps["trainer"])
+    if not common and any(steps.values()):
+        raise ConfigError(f"`resume`: {config.run_dir} holds no step that both processes checkpointed (orchestrator: "
+                          f"{steps['orchestrator']}, trainer: {steps['trainer']}); start over with `--clean`")
+    return out + [Derived(f"{name}.ckpt.resume_step", max(common), "`resume` (the newest step both checkpointed)")
+                  for name in processes if common]
 
 
 DERIVED_RULES: tuple[Rule, ...] = (trainer_ranks, devices, server_address, resume)

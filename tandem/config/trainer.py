@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from tandem.config.base import CheckpointConfig, ProcessConfig, Section
+from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, Section
 
 
 def _default_tag(default: str) -> Discriminator:
@@ -189,12 +189,9 @@ class KernelsConfig(Section):
         return self
 
 
-class TrainerCheckpointConfig(CheckpointConfig):
+class TrainerCheckpointConfig(ProcessCheckpointConfig):
     """DCP checkpoints (model, optimizer, scheduler, data position, RNG) under `checkpoints/step_N/trainer/`;
     the last step is always checkpointed when enabled."""
-
-    resume: bool = False
-    """Continue from the newest complete checkpoint under `<run_dir>/checkpoints/step_N/trainer/`."""
 
     keep: int | None = Field(2, ge=1)
     """Complete checkpoints to keep (oldest deleted first); unset keeps all."""

@@ -8,15 +8,14 @@ drawn for groups that were still in flight at step N are skipped (they were neve
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from tandem.transport.files import atomic_write_text
-from tandem.transport.paths import checkpoint_dir
+from tandem.transport.paths import CHECKPOINT_COMPLETE, checkpoint_dir, complete_checkpoint_steps
 
-STATE_FILE = "state.json"
 PROCESS = "orchestrator"
+STATE_FILE = CHECKPOINT_COMPLETE[PROCESS]
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
@@ -25,13 +24,11 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
     return path
 
 
-def latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    """The state of the newest complete orchestrator checkpoint, or None."""
-    steps = []
-    for folder in (Path(run_dir) / "checkpoints").glob("step_*"):
-        match = re.fullmatch(r"step_(\d+)", folder.name)
-        if match and (folder / PROCESS / STATE_FILE).is_file():
-            steps.append(int(match.group(1)))
-    if not steps:
+def load_checkpoint(run_dir: Path, step: int | None = None) -> dict[str, Any] | None:
+    """The state of the complete orchestrator checkpoint of `step` (None: the newest), or None if there is none."""
+    steps = complete_checkpoint_steps(run_dir, PROCESS)
+    if step is None and steps:
+        step = steps[-1]
+    if step not in steps:
         return None
-    return json.loads((checkpoint_dir(run_dir, max(steps), PROCESS) / STATE_FILE).read_text())
+    return json.loads((checkpoint_dir(run_dir, step, PROCESS) / STATE_FILE).read_text())

@@ -18,7 +18,7 @@ from typing import Any
 
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.monitor.metrics import MetricsWriter
-from tandem.orchestrator.checkpoint import latest_checkpoint, save_checkpoint
+from tandem.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from tandem.orchestrator.environments import LoadedEnv
 from tandem.orchestrator.evaluation import evaluate
 from tandem.orchestrator.inference_pool import InferencePool
@@ -93,7 +93,10 @@ class Orchestrator:
         """The last finished step of the checkpoint resumed from (0 for a fresh run)."""
         if not self.config.ckpt.resume:
             return 0
-        state = latest_checkpoint(self.run_dir)
+        wanted = self.config.ckpt.resume_step
+        state = load_checkpoint(self.run_dir, wanted)
+        if state is None and wanted is not None:
+            raise FileNotFoundError(f"`ckpt.resume_step` = {wanted}: {self.run_dir} holds no complete orchestrator checkpoint of that step")
         if state is None:
             log.warning("ckpt.resume: no orchestrator checkpoint in %s; starting at step 1", self.run_dir)
             return 0

@@ -112,9 +112,13 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
 
 
 def _resume(session: Session) -> None:
-    found = complete_checkpoints(session.config.run_dir) if session.dims.is_main else []
+    wanted = session.config.ckpt.resume_step
+    found = [(s, f) for s, f in complete_checkpoints(session.config.run_dir) if wanted in (None, s)] if session.dims.is_main else []
     choice = [found[-1][1] if found else None]
     dist.broadcast_object_list(choice, src=0)  # every rank loads the folder rank 0 picked
+    if choice[0] is None and wanted is not None:
+        raise FileNotFoundError(f"`ckpt.resume_step` = {wanted}: {session.config.run_dir} holds no complete trainer "
+                                "checkpoint of that step")
     if choice[0] is None:
         session.log.warning("ckpt.resume is set but %s holds no complete checkpoint: starting from step 0",
                             session.config.run_dir / "checkpoints")

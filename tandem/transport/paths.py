@@ -11,6 +11,9 @@ from pathlib import Path
 
 STABLE = "STABLE"
 
+CHECKPOINT_COMPLETE = {"trainer": "state.pt", "orchestrator": "state.json"}
+"""Process -> the file whose presence makes its `checkpoints/step_N/<process>/` complete (written last)."""
+
 
 def weights_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "weights" / f"step_{step}"
@@ -27,6 +30,13 @@ def rollout_file(run_dir: Path, step: int, rank: int) -> Path:
 def checkpoint_dir(run_dir: Path, step: int, process: str) -> Path:
     """`checkpoints/step_N/{trainer,orchestrator}/`."""
     return Path(run_dir) / "checkpoints" / f"step_{step}" / process
+
+
+def complete_checkpoint_steps(run_dir: Path, process: str) -> list[int]:
+    """Steps of the complete checkpoints of `process`, oldest first."""
+    marker = CHECKPOINT_COMPLETE[process]
+    steps = [_step_of(p) for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / process / marker).is_file()]
+    return sorted(s for s in steps if s is not None)
 
 
 def is_stable(folder: Path) -> bool:

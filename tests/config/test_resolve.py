@@ -9,6 +9,7 @@ import pytest
 
 from tandem.config.loader import ConfigError
 from tandem.config.resolve import DERIVED_RULES, SHARED_KEYS, parse_rl_args
+from tandem.transport.paths import CHECKPOINT_COMPLETE, checkpoint_dir
 
 
 @dataclass
@@ -107,11 +108,34 @@ def test_the_orchestrator_talks_to_the_server_the_run_starts():
         resolve("--orchestrator.client.base_urls", '["http://elsewhere:1"]')
 
 
-def test_resume_reaches_both_checkpointing_processes():
-    cfg = resolve("--resume")
-    assert cfg.trainer.ckpt.resume and cfg.orchestrator.ckpt.resume
+def checkpoint(run_dir: Path, step: int, process: str) -> None:
+    folder = checkpoint_dir(run_dir, step, process)
+    folder.mkdir(parents=True)
+    (folder / CHECKPOINT_COMPLETE[process]).touch()
+
+
+def test_resume_continues_both_processes_from_the_newest_step_both_checkpointed(tmp_path):
+    cfg = resolve("--resume", "--output-dir", str(tmp_path))  # nothing to resume yet: each starts at step 1
+    assert cfg.trainer.ckpt.resume and cfg.orchestrator.ckpt.resume and cfg.trainer.ckpt.resume_step is None
+    for step in (2, 4):
+        checkpoint(tmp_path, step, "orchestrator")
+    for step in (2, 4, 5):  # the trainer checkpoints its last step too; the orchestrator was stopped before 5
+        checkpoint(tmp_path, step, "trainer")
+    (checkpoint_dir(tmp_path, 6, "orchestrator")).mkdir(parents=True)  # incomplete on both sides
+    cfg = resolve("--resume", "--output-dir", str(tmp_path))
+    assert cfg.trainer.ckpt.resume_step == cfg.orchestrator.ckpt.resume_step == 4
+    assert resolve("--output-dir", str(tmp_path)).trainer.ckpt.resume_step is None
     with pytest.raises(ConfigError, match=r"`trainer.ckpt.resume` = True \(from the command line\) contradicts `resume`"):
         resolve("--trainer.ckpt.resume")
+    with pytest.raises(ConfigError, match=r"`trainer.ckpt.resume_step` = 2 \(from the command line\) contradicts `resume` "
+                                          r"\(the newest step both checkpointed\), which makes it 4"):
+        resolve("--resume", "--output-dir", str(tmp_path), "--trainer.ckpt.resume_step", "2")
+
+
+def test_resume_refuses_checkpoints_of_only_one_process(tmp_path):
+    checkpoint(tmp_path, 3, "trainer")
+    with pytest.raises(ConfigError, match=r"holds no step that both processes checkpointed \(orchestrator: \[\], trainer: \[3\]\)"):
+        resolve("--resume", "--output-dir", str(tmp_path))
 
 
 def test_every_rule_and_shared_key_is_exercised_above():

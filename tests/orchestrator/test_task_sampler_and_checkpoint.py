@@ -11,7 +11,7 @@ from fake_trainer import FakeTrainer
 from scripted_envs import right_or_wrong, say_env
 from test_orchestrator_run import make_config, run
 
-from tandem.orchestrator.checkpoint import latest_checkpoint, save_checkpoint
+from tandem.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from tandem.orchestrator.orchestrator import Orchestrator
 from tandem.orchestrator.task_sampler import TaskSampler
 from tandem.transport.paths import rollouts_dir
@@ -44,11 +44,13 @@ def test_the_stream_is_a_function_of_seed_and_counters():
 
 
 def test_the_newest_complete_checkpoint_wins(tmp_path):
-    assert latest_checkpoint(tmp_path) is None
+    assert load_checkpoint(tmp_path) is None
     save_checkpoint(tmp_path, 2, {"sampler": {"num_draws": 4}})
     save_checkpoint(tmp_path, 10, {"sampler": {"num_draws": 20}})
     (tmp_path / "checkpoints" / "step_12" / "orchestrator").mkdir(parents=True)  # incomplete: no state file
-    assert latest_checkpoint(tmp_path) == {"step": 10, "sampler": {"num_draws": 20}}
+    assert load_checkpoint(tmp_path) == {"step": 10, "sampler": {"num_draws": 20}}
+    assert load_checkpoint(tmp_path, 2) == {"step": 2, "sampler": {"num_draws": 4}}  # `ckpt.resume_step`
+    assert load_checkpoint(tmp_path, 12) is None and load_checkpoint(tmp_path, 3) is None
 
 
 def test_a_resumed_run_continues_after_its_checkpoint(tmp_path, tiny_model, tokenizer, fake_servers):
@@ -57,7 +59,7 @@ def test_a_resumed_run_continues_after_its_checkpoint(tmp_path, tiny_model, toke
     first = make_config(tmp_path, tiny_model, [url], max_steps=2, ckpt={"enabled": True, "interval": 2},
                         advantage={"filter_zero_groups": False})
     run(first, [say_env()], tokenizer)
-    state = latest_checkpoint(first.run_dir)
+    state = load_checkpoint(first.run_dir)
     assert state["step"] == 2 and state["sampler"]["num_draws"] >= 4
     seen = {json.loads(l)["prompt"][-1]["content"] for s in (1, 2)
             for l in (rollouts_dir(first.run_dir, s) / "samples.jsonl").read_text().splitlines()}

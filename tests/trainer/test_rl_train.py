@@ -160,6 +160,21 @@ def test_resume_picks_the_newest_complete_checkpoint(tiny_model, tmp_path):
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4]
 
 
+def test_resume_step_picks_that_checkpoint(tiny_model, tmp_path):
+    """`ckpt.resume_step` (set by `tandem rl --resume` to the step the orchestrator also holds) wins over the newest."""
+    args = ["--model.name", str(tiny_model), "--data.fake", "--seq-len", "32", "--output-dir", str(tmp_path),
+            "--ckpt.enabled", "--ckpt.interval", "1"]
+    assert run_trainer(*args, "--max-steps", "3") == 0
+    assert run_trainer(*args, "--max-steps", "4", "--ckpt.resume", "--ckpt.resume-step", "2") == 0
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 3, 4]
+
+
+def test_a_missing_resume_step_is_a_clear_error(tiny_model, tmp_path, caplog):
+    assert run_trainer("--model.name", str(tiny_model), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path),
+                       "--ckpt.resume", "--ckpt.resume-step", "9") == 1
+    assert "`ckpt.resume_step` = 9:" in caplog.text and "no complete trainer checkpoint of that step" in caplog.text
+
+
 def test_bad_batch_stops_with_a_clear_message(tiny_model, tmp_path, caplog):
     rows = [random_row(torch.Generator().manual_seed(0), [(4, 8)])]
     write_rollouts(tmp_path, 1, rows, num_loss_tokens=99)
