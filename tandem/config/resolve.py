@@ -180,6 +180,8 @@ def _apply(data: dict[str, Any], sources: dict[str, str], derived: Derived, fix:
     node = data
     for part in path:
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):  # the user wrote a value where a section belongs: validation will say so
+            return
     if leaf in node and node[leaf] != derived.value and node[leaf] != derived.placeholder:
         where = f" (from {sources[derived.key]})" if derived.key in sources else ""
         raise ConfigError(f"`{derived.key}` = {node[leaf]!r}{where} contradicts {derived.because}, which makes it "

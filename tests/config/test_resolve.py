@@ -145,6 +145,11 @@ def test_every_rule_and_shared_key_is_exercised_above():
                                 "ckpt.enabled", "ckpt.interval"}
 
 
+def test_a_value_where_a_section_belongs_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"invalid value for `trainer` \(from the command line\): 5"):
+        resolve("--trainer", "5")
+
+
 def test_resolution_is_pure():
     args = ("--inference.server.port", "0", "--deployment.num-trainer-processes", "2")
     assert resolve(*args) == resolve(*args)
