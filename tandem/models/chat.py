@@ -50,12 +50,13 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None =
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:
-    """(the text outside the valid call blocks, stripped; the valid calls in order).
+    """(the text outside the valid call blocks, trailing whitespace removed; the valid calls in order).
 
     Text after a call is kept, not dropped: it is what the model wrote (an answer or a remark after
     its call), an OpenAI message has one `content` for all of it, and an environment that scores or
     replays the message must see every word the model produced. A block whose JSON does not parse,
-    or lacks a string `name`, is no call: it stays in the text for the same reason.
+    or lacks a string `name`, is no call: it stays in the text for the same reason. The text keeps its
+    start as written, so a stream that sent the part before the first call can send the rest as a suffix.
     """
     calls: list[ParsedToolCall] = []
 
@@ -71,7 +72,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:
         return ""
 
     rest = _BLOCK.sub(take, text)
-    return (rest.strip() if calls else text), calls
+    return (rest.rstrip() if calls else text), calls
 
 
 def streamable_content(text: str) -> str:

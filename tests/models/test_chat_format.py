@@ -19,6 +19,12 @@ def test_text_after_a_call_is_kept():
     assert parse_tool_calls(text) == ("Let me check. Then I answer 42.", [ParsedToolCall("lookup", "{}")])
 
 
+def test_the_content_extends_what_a_stream_sent_before_the_first_call():
+    text = ' Sure. <tool_call>{"name": "f"}</tool_call>\nDone.'
+    content, _ = parse_tool_calls(text)
+    assert content == " Sure. Done." and content.startswith(streamable_content(text))
+
+
 def test_server_and_orchestrator_read_a_completion_alike():
     text = 'A <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\nB <tool_call>{"name": "g"}</tool_call>'
     content, calls = parse_tool_calls(text)
