@@ -12,6 +12,7 @@ BUILTIN_ENVIRONMENTS = {
     "alphabet_sort": "tandem.envs.alphabet_sort",
     "wordle": "tandem.envs.wordle",
     "math": "tandem.envs.math_problems",
+    "wiki_search": "tandem.envs.wiki_search",
 }
 
 
