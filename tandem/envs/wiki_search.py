@@ -11,11 +11,11 @@ about different facts of the same page.
 """
 
 import json
-import random
 from typing import Any
 
 from tandem.envs.parsers import XMLParser
 from tandem.envs.rubric import Rubric
+from tandem.envs.splits import split_items
 from tandem.envs.tool_env import ToolEnv
 from tandem.envs.tool_schema import tool_schema
 from tandem.envs.types import ChatMessage, Messages
@@ -46,9 +46,7 @@ def view_sections(page_id: str) -> str:
     Args:
         page_id: A page id from search_pages.
     """
-    page = build_corpus().pages.get(page_id)
-    if page is None:
-        raise ValueError(f"no page with id {page_id!r}; use a page_id that search_pages returned")
+    page = _lookup(build_corpus().pages, page_id, "page_id", "search_pages")
     return json.dumps([{"section_id": s.id, "title": s.title} for s in page.sections])
 
 
@@ -58,10 +56,13 @@ def read_section(section_id: str) -> str:
     Args:
         section_id: A section id from view_sections.
     """
-    section = build_corpus().sections.get(section_id)
-    if section is None:
-        raise ValueError(f"no section with id {section_id!r}; use a section_id that view_sections returned")
-    return section.text
+    return _lookup(build_corpus().sections, section_id, "section_id", "view_sections").text
+
+
+def _lookup(table: dict[str, Any], key: str, name: str, source: str) -> Any:
+    if key not in table:
+        raise ValueError(f"no {name} {key!r}; use one that {source} returned")
+    return table[key]
 
 
 TOOLS = [search_pages, view_sections, read_section]
@@ -77,15 +78,7 @@ def exact_match_reward(completion: Messages, answer: str) -> float:
 
 
 def _split_facts(num_train_examples: int, num_eval_examples: int, seed: int) -> tuple[list[Fact], list[Fact]]:
-    facts = list(build_corpus().facts)
-    num_train = len(facts) - num_eval_examples if num_train_examples < 0 else num_train_examples
-    if num_eval_examples < 0 or num_train < 0 or num_train + num_eval_examples > len(facts):
-        raise ValueError(
-            f"wiki_search has {len(facts)} questions; num_train_examples={num_train_examples} and "
-            f"num_eval_examples={num_eval_examples} do not fit"
-        )
-    random.Random(seed).shuffle(facts)
-    return facts[num_eval_examples : num_eval_examples + num_train], facts[:num_eval_examples]
+    return split_items(build_corpus().facts, num_train_examples, num_eval_examples, seed, "wiki_search has {} questions")
 
 
 def _row(fact: Fact) -> dict[str, Any]:

@@ -36,9 +36,9 @@ def test_tools_read_the_wiki_and_reject_unknown_ids():
     assert fact.section_id in [s["section_id"] for s in sections]
     assert fact.answer in wiki_search.read_section(fact.section_id)
     assert wiki_search.search_pages("qqqxqq") == "No page matches."
-    with pytest.raises(ValueError, match="no page with id 'nope'"):
+    with pytest.raises(ValueError, match="no page_id 'nope'"):
         wiki_search.view_sections("nope")
-    with pytest.raises(ValueError, match="no section"):
+    with pytest.raises(ValueError, match="no section_id"):
         wiki_search.read_section("nope:x")
 
 
