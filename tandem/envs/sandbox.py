@@ -25,6 +25,7 @@ import json
 import os
 import random
 import signal
+import stat
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,7 +61,7 @@ class SandboxResult:
     output: str
     violation: str | None = None
     """Why the run was stopped: `wall_time`, `output_size`, `cpu_time`, `file_size`,
-    `signal <n>`; None when it exited on its own."""
+    `signal <n>`; None when it exited on its own. Callers may add their own (`code_fix`: `memory`)."""
     enforced: dict[str, bool] = field(default_factory=dict)
     """Which root-only confinements held (`network`, `private_tmp`, `own_uid`, `max_processes`)."""
 
@@ -131,8 +132,13 @@ def _clean_env(workdir: Path) -> dict[str, str]:
 
 
 def _chown_tree(root: Path, uid: int) -> None:
+    """Hand the tree to the sandbox uid. Symlinks are not followed (lchown, and rglob does not
+    descend them), and a file with several hard links is skipped: it may be a link that an
+    earlier run made to a file outside."""
     for path in [root, *root.rglob("*")]:
-        os.lchown(path, uid, uid)
+        info = path.lstat()
+        if stat.S_ISDIR(info.st_mode) or info.st_nlink == 1:
+            os.lchown(path, uid, uid)
 
 
 def _kill_group(pgid: int) -> None:

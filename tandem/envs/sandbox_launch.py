@@ -30,14 +30,22 @@ def isolate(libc: ctypes.CDLL, tmpfs_bytes: int) -> dict[str, bool]:
     writable directories are private tmpfs. Each part is skipped when the kernel refuses it."""
     done = {"network": libc.unshare(CLONE_NEWNET) == 0, "private_tmp": False}
     # Mounts are made only after the whole tree is private, or they would reach the host.
-    if libc.unshare(CLONE_NEWNS) == 0 and libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-        options = f"size={tmpfs_bytes},mode=1777".encode()
-        mounted = [
-            libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) == 0
-            for path in SHARED_WRITABLE
-            if os.path.isdir(path)
-        ]
-        done["private_tmp"] = all(mounted)
+    if libc.unshare(CLONE_NEWNS) != 0 or libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return done
+    workdir = os.getcwd()
+    options = f"size={tmpfs_bytes},mode=1777".encode()
+    mounted = [
+        libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) == 0
+        for path in SHARED_WRITABLE
+        if os.path.isdir(path)
+    ]
+    if not os.path.isdir(workdir):
+        # The work directory was under a shadowed one: bind it back at its own path
+        # (/proc/self/cwd still leads to the real directory).
+        os.makedirs(workdir)
+        mounted.append(libc.mount(b"/proc/self/cwd", workdir.encode(), None, MS_BIND, None) == 0)
+    os.chdir(workdir)
+    done["private_tmp"] = all(mounted)
     return done
 
 

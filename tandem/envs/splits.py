@@ -29,9 +29,10 @@ def split_items(
 
 
 def draw_disjoint_splits(
-    sample_row: Callable[[random.Random], Row], num_train: int, num_eval: int, seed: int
+    sample_row: Callable[[random.Random], Row], num_train: int, num_eval: int, seed: int, key: str = "question"
 ) -> tuple[list[Row], list[Row]]:
-    """(train, eval) rows from `sample_row(rng)`, distinct by their `question`."""
+    """(train, eval) rows from `sample_row(rng)`, distinct by their `key` field (the question,
+    unless the task is more than its text)."""
     if num_train < 0 or num_eval < 0:
         raise ValueError(f"example counts must be >= 0, got {num_train=} and {num_eval=}")
     rng = random.Random(seed)
@@ -43,8 +44,8 @@ def draw_disjoint_splits(
         if len(rows) == wanted:
             break
         row = sample_row(rng)
-        if row["question"] not in seen:
-            seen.add(row["question"])
+        if row[key] not in seen:
+            seen.add(row[key])
             rows.append(row)
     if len(rows) < wanted:
         raise ValueError(

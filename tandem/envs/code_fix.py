@@ -1,0 +1,270 @@
+"""code_fix: repair the planted bug of a small Python repository, SWE-style.
+
+Each rollout gets its own temporary directory holding a generated repository
+(`code_fix_repos`) whose tests fail. Tools: `list_files`, `view_file`, `replace_text` (one exact
+occurrence; tests/ is read-only) and `run_tests`. The episode ends when the model replies without
+a tool call. Reward = 1 when the repository's original tests pass after the episode, else 0: test
+files are restored before that last run, so editing them gains nothing.
+
+Tests run in `sandbox.run_python_sandboxed` (limits and what is enforced: see there). A hostile
+completion (fork bomb, deleting files outside, endless loop, huge output, memory hog) is killed
+at its limit, fails the tests (reward 0), and each limit hit is recorded in
+`state["sandbox_violations"]` and the `num_sandbox_violations` metric. Tool paths are confined to
+the repository (no absolute paths, `..` or symlinks), so the tools, which run unconfined in this
+process, never touch anything else.
+
+The test harness runs in the same interpreter as the code it tests. It reads every test file
+before running any, prints a per-run secret with the counts, and a run passes only with that line,
+all `num_tests` tests run, none failed, and exit status 0: exiting early, printing a fake summary,
+or rewriting the tests fails. In-process tricks are not defended: code that patches `unittest`,
+returns an object equal to everything, or digs the secret out of the harness's frames could fake
+a pass. This guards against accidents and crude hacks, not a determined adversary.
+"""
+
+import json
+import re
+import secrets
+import shutil
+import tempfile
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.envs.code_fix_repos import Repository, generate_repository
+from tandem.envs.rubric import Rubric
+from tandem.envs.sandbox import SandboxLimits, SandboxResult, run_python_sandboxed
+from tandem.envs.splits import Row, draw_disjoint_splits
+from tandem.envs.tool_env import ToolEnv
+from tandem.envs.types import Info, Messages, State
+
+SYSTEM_PROMPT = (
+    "You fix bugs in Python repositories with the tools list_files, view_file, replace_text and "
+    "run_tests. Change the code in app/ (tests/ is read-only) until run_tests passes, then reply "
+    "without a tool call."
+)
+# Test sources are read before any of them runs (and so before the code under test is
+# imported): code that rewrites tests/ while the tests run changes nothing.
+HARNESS = """
+import pathlib, sys, types, unittest
+secret = sys.stdin.readline().strip()
+sources = [(p.stem, p.read_text()) for p in sorted(pathlib.Path("tests").glob("test_*.py"))]
+sys.path.insert(0, "")
+
+
+def failed_import(name, error):
+    def test():
+        raise error
+    return unittest.FunctionTestCase(test, description=f"import tests/{name}.py")
+
+
+suite = unittest.TestSuite()
+for name, source in sources:
+    module = types.ModuleType(f"tests.{name}")
+    try:
+        exec(compile(source, f"tests/{name}.py", "exec"), module.__dict__)
+    except Exception as error:
+        suite.addTest(failed_import(name, error))
+    else:
+        suite.addTests(unittest.defaultTestLoader.loadTestsFromModule(module))
+result = unittest.TextTestRunner(stream=sys.stdout, verbosity=1).run(suite)
+print(f"{secret} run={result.testsRun} failures={len(result.failures)} errors={len(result.errors)}", flush=True)
+"""
+MAX_VIEW_CHARS = 20_000
+MAX_REPORT_CHARS = 2_000
+_workdir: ContextVar[Path] = ContextVar("code_fix_workdir")
+
+
+@dataclass
+class TestRun:
+    passed: bool
+    report: str
+    """What the model reads: PASSED/FAILED, the counts or the limit hit, and the output's tail."""
+    sandbox: SandboxResult
+
+
+class Workspace:
+    """One rollout's repository on disk, and the test runs made in it."""
+
+    def __init__(self, root: Path, num_tests: int, limits: SandboxLimits):
+        self.root = root.resolve()
+        self.num_tests = num_tests
+        self.limits = limits
+        self.runs: list[TestRun] = []
+
+    def path(self, relative: str) -> Path:
+        """`relative` inside the repository; anything that would leave it is refused."""
+        candidate = Path(self.root, relative)
+        if Path(relative).is_absolute() or ".." in Path(relative).parts:
+            raise ValueError(f"path {relative!r} must be relative to the repository root, without '..'")
+        if candidate.resolve() != candidate or not candidate.is_relative_to(self.root):
+            raise ValueError(f"path {relative!r} leaves the repository (a symlink?)")
+        if candidate.is_file() and candidate.stat().st_nlink > 1:
+            raise ValueError(f"path {relative!r} is a hard link; only plain files of the repository are open")
+        return candidate
+
+    def write_files(self, files: dict[str, str]) -> None:
+        for relative, content in files.items():
+            target = self.path(relative)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content)
+
+    async def run_tests(self) -> TestRun:
+        secret = secrets.token_hex(16)
+        result = await run_python_sandboxed(["-c", HARNESS], self.root, self.limits, stdin=f"{secret}\n".encode())
+        summary = re.compile(rf"^{secret} run=(\d+) failures=(\d+) errors=(\d+)$", re.MULTILINE)
+        counts = summary.findall(result.output)
+        output = summary.sub("", result.output).replace(f"{self.root}/", "").strip()
+        if result.violation is None and "MemoryError" in output:
+            result.violation = "memory"  # RLIMIT_AS makes allocations fail rather than kill
+        if result.violation is not None:
+            passed, status = False, f"FAILED: stopped at the sandbox's {result.violation} limit"
+        elif not counts:
+            passed, status = False, f"FAILED: the test run ended early (exit status {result.returncode})"
+        else:
+            run, failures, errors = map(int, counts[-1])
+            passed = result.returncode == 0 and (run, failures, errors) == (self.num_tests, 0, 0)
+            status = f"{'PASSED' if passed else 'FAILED'}: {run} of {self.num_tests} tests ran, {failures} failed, {errors} errors"
+        tail = output[-MAX_REPORT_CHARS:]
+        run = TestRun(passed, f"{status}\n{tail}".strip(), result)
+        self.runs.append(run)
+        return run
+
+
+def list_files(workspace: Workspace) -> str:
+    """List the files of the repository."""
+    files = [p for p in workspace.root.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    return "\n".join(sorted(str(p.relative_to(workspace.root)) for p in files))
+
+
+def view_file(path: str, workspace: Workspace) -> str:
+    """Show the content of a file of the repository.
+
+    Args:
+        path: The file's path from the repository root, e.g. app/text.py.
+    """
+    text = workspace.path(path).read_text(errors="replace")
+    return text if len(text) <= MAX_VIEW_CHARS else text[:MAX_VIEW_CHARS] + "\n[... cut]"
+
+
+def replace_text(path: str, old: str, new: str, workspace: Workspace) -> str:
+    """Replace the one occurrence of a piece of text in a file of the repository.
+
+    Args:
+        path: The file's path from the repository root, e.g. app/text.py.
+        old: The exact text to replace; it must occur exactly once in the file.
+        new: The text to put in its place.
+    """
+    if Path(path).parts[:1] == ("tests",):
+        raise ValueError("tests/ is read-only: fix the code in app/")
+    target = workspace.path(path)
+    text = target.read_text()
+    count = text.count(old) if old else 0
+    if count != 1:
+        raise ValueError(f"the old text occurs {count} times in {path}; give text that occurs exactly once")
+    target.write_text(text.replace(old, new))
+    return f"Replaced 1 occurrence in {path}."
+
+
+async def run_tests(workspace: Workspace) -> str:
+    """Run the repository's tests."""
+    return (await workspace.run_tests()).report
+
+
+class CodeFixEnv(ToolEnv):
+    def __init__(self, limits: SandboxLimits, **kwargs: Any):
+        super().__init__(tools=[list_files, view_file, replace_text, run_tests], state_args=["workspace"], **kwargs)
+        self.limits = limits
+
+    def setup_state(self, state: State, **kwargs: Any) -> State:
+        state = super().setup_state(state)
+        info = state["info"]
+        workspace = Workspace(_workdir.get() / "repo", info["num_tests"], self.limits)
+        workspace.write_files(info["files"])
+        state["workspace"] = workspace
+        return state
+
+    def update_tool_args(self, name: str, args: dict[str, Any], state: State) -> dict[str, Any]:
+        return {**args, "workspace": state["workspace"]}
+
+    async def rollout(
+        self,
+        client: Any,
+        model: str,
+        prompt: Messages,
+        answer: str = "",
+        task: str = "default",
+        info: Info | None = None,
+        sampling_args: dict[str, Any] | None = None,
+    ) -> tuple[Messages, State]:
+        """The tool loop in a fresh temporary directory, then the final test run there; the
+        directory is gone when this returns, whatever happened."""
+        with tempfile.TemporaryDirectory(prefix="tandem-code-fix-", ignore_cleanup_errors=True) as workdir:
+            token = _workdir.set(Path(workdir))
+            try:
+                completion, state = await super().rollout(client, model, prompt, answer, task, info, sampling_args)
+            finally:
+                _workdir.reset(token)
+            await grade(state)
+        return completion, state
+
+
+async def grade(state: State) -> None:
+    """Restore the original tests, run them, and record the outcome and every limit hit."""
+    workspace: Workspace = state.pop("workspace")
+    tests = workspace.root / "tests"
+    if tests.is_symlink() or tests.is_file():
+        tests.unlink()
+    shutil.rmtree(tests, ignore_errors=True)
+    files = state["info"]["files"]
+    workspace.write_files({path: files[path] for path in state["info"]["test_files"]})
+    final = await workspace.run_tests()
+    state["tests_passed"] = final.passed
+    state["final_test_report"] = final.report
+    state["sandbox_violations"] = [run.sandbox.violation for run in workspace.runs if run.sandbox.violation]
+    state["sandbox_enforced"] = final.sandbox.enforced
+
+
+def tests_pass_reward(state: State) -> float:
+    return float(state.get("tests_passed", False))
+
+
+def num_sandbox_violations(state: State) -> float:
+    """Test runs (the model's and the final one) stopped at a sandbox limit."""
+    return float(len(state.get("sandbox_violations", [])))
+
+
+def _row(repo: Repository) -> Row:
+    modules = ", ".join(sorted(p for p in repo.files if p.startswith("app/") and p != "app/__init__.py"))
+    question = f"The test {repo.failing_test} fails. The package has {modules}. Fix the bug."
+    info = {"files": repo.files, "test_files": list(repo.test_files), "num_tests": repo.num_tests,
+            "buggy_function": repo.buggy_function, "bug_kind": repo.bug_kind}
+    # The repository itself makes a question distinct: two rows differ iff their files do.
+    return {"question": question, "answer": "", "task": "code_fix", "info": info,
+            "key": json.dumps(repo.files, sort_keys=True)}
+
+
+def load_environment(
+    num_train_examples: int = 1000,
+    num_eval_examples: int = 100,
+    seed: int = 0,
+    num_functions: int = 4,
+    max_turns: int = 12,
+    limits: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> CodeFixEnv:
+    """`limits`: `SandboxLimits` fields (cpu_s, memory_mb, wall_s, output_bytes, ...)."""
+    train, eval_rows = draw_disjoint_splits(
+        lambda rng: _row(generate_repository(rng, num_functions)), num_train_examples, num_eval_examples, seed,
+        key="key",
+    )
+    rubric = Rubric(funcs=[tests_pass_reward, num_sandbox_violations], weights=[1.0, 0.0])
+    return CodeFixEnv(
+        limits=SandboxLimits(**(limits or {})),
+        max_turns=max_turns,
+        dataset=train,
+        eval_dataset=eval_rows,
+        system_prompt=SYSTEM_PROMPT,
+        rubric=rubric,
+        **kwargs,
+    )
