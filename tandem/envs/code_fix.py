@@ -73,6 +73,7 @@ print(f"{secret} run={result.testsRun} failures={len(result.failures)} errors={l
 MAX_VIEW_CHARS = 20_000
 MAX_REPORT_CHARS = 2_000
 _workdir: ContextVar[Path] = ContextVar("code_fix_workdir")
+_LIMIT_ERRORS = {"MemoryError": "memory", "[Errno 27] File too large": "file_size"}
 
 
 @dataclass
@@ -111,12 +112,14 @@ class Workspace:
 
     async def run_tests(self) -> TestRun:
         secret = secrets.token_hex(16)
-        result = await run_python_sandboxed(["-c", HARNESS], self.root, self.limits, stdin=f"{secret}\n".encode())
+        # -B: no bytecode caches, which a same-size edit within the same second would leave stale
+        result = await run_python_sandboxed(["-B", "-c", HARNESS], self.root, self.limits, stdin=f"{secret}\n".encode())
         summary = re.compile(rf"^{secret} run=(\d+) failures=(\d+) errors=(\d+)$", re.MULTILINE)
         counts = summary.findall(result.output)
         output = summary.sub("", result.output).replace(f"{self.root}/", "").strip()
-        if result.violation is None and "MemoryError" in output:
-            result.violation = "memory"  # RLIMIT_AS makes allocations fail rather than kill
+        if result.violation is None:
+            # RLIMIT_AS and RLIMIT_FSIZE make Python raise (it ignores SIGXFSZ) rather than die.
+            result.violation = next((name for error, name in _LIMIT_ERRORS.items() if error in output), None)
         if result.violation is not None:
             passed, status = False, f"FAILED: stopped at the sandbox's {result.violation} limit"
         elif not counts:
@@ -216,6 +219,8 @@ async def grade(state: State) -> None:
     if tests.is_symlink() or tests.is_file():
         tests.unlink()
     shutil.rmtree(tests, ignore_errors=True)
+    for cache in workspace.root.rglob("__pycache__"):  # bytecode the code may have planted
+        shutil.rmtree(cache, ignore_errors=True)
     files = state["info"]["files"]
     workspace.write_files({path: files[path] for path in state["info"]["test_files"]})
     final = await workspace.run_tests()
@@ -238,7 +243,7 @@ def _row(repo: Repository) -> Row:
     modules = ", ".join(sorted(p for p in repo.files if p.startswith("app/") and p != "app/__init__.py"))
     question = f"The test {repo.failing_test} fails. The package has {modules}. Fix the bug."
     info = {"files": repo.files, "test_files": list(repo.test_files), "num_tests": repo.num_tests,
-            "buggy_function": repo.buggy_function, "bug_kind": repo.bug_kind}
+            "buggy_function": repo.buggy_function, "bug_kind": repo.bug_kind, "fix": list(repo.fix)}
     # The repository itself makes a question distinct: two rows differ iff their files do.
     return {"question": question, "answer": "", "task": "code_fix", "info": info,
             "key": json.dumps(repo.files, sort_keys=True)}

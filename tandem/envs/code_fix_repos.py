@@ -168,6 +168,9 @@ class Repository:
     bug_kind: str
     failing_test: str
     """`tests/test_<topic>.py::test_<function>`."""
+    fix: tuple[str, str, str]
+    """(path, old, new): the `replace_text` that undoes the bug. `old` is the whole buggy line(s),
+    which occur once in the module even where the bug's own text does not."""
 
 
 def module_source(functions: list[FunctionTemplate]) -> str:
@@ -184,10 +187,14 @@ def test_source(topic: str, functions: list[FunctionTemplate]) -> str:
     return "\n".join(lines)
 
 
-def plant(source: str, bug: Bug) -> str:
+def plant(source: str, bug: Bug) -> tuple[str, str, str]:
+    """(the buggy module, its buggy line(s), the correct line(s))."""
     if source.count(bug.correct) != 1:
         raise ValueError(f"bug text {bug.correct!r} must occur once in its module, found {source.count(bug.correct)}")
-    return source.replace(bug.correct, bug.buggy)
+    start = source.index(bug.correct)
+    line_start, line_end = source.rfind("\n", 0, start) + 1, source.index("\n", start + len(bug.correct))
+    correct_lines = source[line_start:line_end]
+    return source.replace(bug.correct, bug.buggy), correct_lines.replace(bug.correct, bug.buggy), correct_lines
 
 
 def generate_repository(rng: random.Random, num_functions: int = 4) -> Repository:
@@ -199,10 +206,11 @@ def generate_repository(rng: random.Random, num_functions: int = 4) -> Repositor
     tests = []
     for topic in sorted({f.topic for f in functions}):
         members = [f for f in functions if f.topic == topic]
-        source = module_source(members)
-        files[f"app/{topic}.py"] = plant(source, bug) if target in members else source
+        files[f"app/{topic}.py"] = module_source(members)
         files[f"tests/test_{topic}.py"] = test_source(topic, members)
         tests.append(f"tests/test_{topic}.py")
     files["tests/__init__.py"] = ""
+    path = f"app/{target.topic}.py"
+    files[path], buggy_lines, correct_lines = plant(files[path], bug)
     return Repository(files, tuple(tests + ["tests/__init__.py"]), num_functions, target.name, bug.kind,
-                      f"tests/test_{target.topic}.py::test_{target.name}")
+                      f"tests/test_{target.topic}.py::test_{target.name}", (path, buggy_lines, correct_lines))

@@ -13,6 +13,7 @@ BUILTIN_ENVIRONMENTS = {
     "wordle": "tandem.envs.wordle",
     "math": "tandem.envs.math_problems",
     "wiki_search": "tandem.envs.wiki_search",
+    "code_fix": "tandem.envs.code_fix",
 }
 
 

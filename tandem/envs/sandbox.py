@@ -61,7 +61,8 @@ class SandboxResult:
     output: str
     violation: str | None = None
     """Why the run was stopped: `wall_time`, `output_size`, `cpu_time`, `file_size`,
-    `signal <n>`; None when it exited on its own. Callers may add their own (`code_fix`: `memory`)."""
+    `signal <n>`; None when it exited on its own. Callers may add their own
+    (`code_fix`: `memory`, and `file_size` since Python ignores SIGXFSZ and raises instead)."""
     enforced: dict[str, bool] = field(default_factory=dict)
     """Which root-only confinements held (`network`, `private_tmp`, `own_uid`, `max_processes`)."""
 

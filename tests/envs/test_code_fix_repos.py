@@ -26,14 +26,9 @@ def test_every_bug_is_planted_once_fails_a_test_and_is_undone_by_the_reverse_edi
     assert failing_cases(module, template) == []
     assert len({bug.kind for bug in template.bugs}) == len(template.bugs)
     for bug in template.bugs:
-        buggy = plant(module, bug)  # raises unless the text occurs once in the whole module
+        buggy, old, new = plant(module, bug)  # raises unless the text occurs once in the whole module
         assert failing_cases(buggy, template), f"{template.name}: {bug.kind} fails no test"
-        # one replace_text of the buggy line(s), which are unique, undoes it
-        start = module.index(bug.correct)
-        line_start, line_end = module.rfind("\n", 0, start) + 1, module.index("\n", start + len(bug.correct))
-        correct_lines = module[line_start:line_end]
-        buggy_lines = correct_lines.replace(bug.correct, bug.buggy)
-        assert buggy.count(buggy_lines) == 1 and buggy.replace(buggy_lines, correct_lines) == module
+        assert buggy.count(old) == 1 and buggy.replace(old, new) == module  # one replace_text undoes it
 
 
 def test_repositories_are_a_function_of_the_seed():
@@ -41,5 +36,7 @@ def test_repositories_are_a_function_of_the_seed():
     assert generate_repository(random.Random(5)) == first
     assert generate_repository(random.Random(6)) != first
     assert first.failing_test.startswith("tests/test_") and first.num_tests == 4
+    path, old, new = first.fix
+    assert first.failing_test.startswith(f"tests/test_{path[4:-3]}.py") and first.files[path].count(old) == 1
     kinds = {generate_repository(random.Random(seed)).bug_kind for seed in range(200)}
     assert len(kinds) >= 6
