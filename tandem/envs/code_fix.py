@@ -21,6 +21,7 @@ returns an object equal to everything, or digs the secret out of the harness's f
 a pass. This guards against accidents and crude hacks, not a determined adversary.
 """
 
+import asyncio
 import json
 import re
 import secrets
@@ -35,7 +36,8 @@ from tandem.envs.code_fix_repos import Repository, generate_repository
 from tandem.envs.rubric import Rubric
 from tandem.envs.sandbox import SandboxLimits, SandboxResult, run_python_sandboxed
 from tandem.envs.splits import Row, draw_disjoint_splits
-from tandem.envs.tool_env import ToolEnv
+from tandem.envs.tool_env import ToolEnv, demo_tool_turn
+from tandem.envs.tool_schema import tool_schema
 from tandem.envs.types import Info, Messages, State
 
 SYSTEM_PROMPT = (
@@ -73,6 +75,7 @@ print(f"{secret} run={result.testsRun} failures={len(result.failures)} errors={l
 MAX_VIEW_CHARS = 20_000
 MAX_REPORT_CHARS = 2_000
 _workdir: ContextVar[Path] = ContextVar("code_fix_workdir")
+_TIMING = re.compile(r"^(Ran \d+ tests?) in [\d.]+s$", re.MULTILINE)
 _LIMIT_ERRORS = {"MemoryError": "memory", "[Errno 27] File too large": "file_size"}
 
 
@@ -116,7 +119,8 @@ class Workspace:
         result = await run_python_sandboxed(["-B", "-c", HARNESS], self.root, self.limits, stdin=f"{secret}\n".encode())
         summary = re.compile(rf"^{secret} run=(\d+) failures=(\d+) errors=(\d+)$", re.MULTILINE)
         counts = summary.findall(result.output)
-        output = summary.sub("", result.output).replace(f"{self.root}/", "").strip()
+        output = summary.sub("", result.output).replace(f"{self.root}/", "")
+        output = _TIMING.sub(r"\1", output).strip()  # the same run reads the same every time
         if result.violation is None:
             # RLIMIT_AS and RLIMIT_FSIZE make Python raise (it ignores SIGXFSZ) rather than die.
             result.violation = next((name for error, name in _LIMIT_ERRORS.items() if error in output), None)
@@ -174,9 +178,13 @@ async def run_tests(workspace: Workspace) -> str:
     return (await workspace.run_tests()).report
 
 
+TOOLS = [list_files, view_file, replace_text, run_tests]
+STATE_ARGS = ("workspace",)
+
+
 class CodeFixEnv(ToolEnv):
     def __init__(self, limits: SandboxLimits, **kwargs: Any):
-        super().__init__(tools=[list_files, view_file, replace_text, run_tests], state_args=["workspace"], **kwargs)
+        super().__init__(tools=TOOLS, state_args=STATE_ARGS, **kwargs)
         self.limits = limits
 
     def setup_state(self, state: State, **kwargs: Any) -> State:
@@ -249,6 +257,13 @@ def _row(repo: Repository) -> Row:
             "key": json.dumps(repo.files, sort_keys=True)}
 
 
+def _splits(num_train_examples: int, num_eval_examples: int, seed: int, num_functions: int) -> tuple[list[Row], list[Row]]:
+    return draw_disjoint_splits(
+        lambda rng: _row(generate_repository(rng, num_functions)), num_train_examples, num_eval_examples, seed,
+        key="key",
+    )
+
+
 def load_environment(
     num_train_examples: int = 1000,
     num_eval_examples: int = 100,
@@ -259,10 +274,7 @@ def load_environment(
     **kwargs: Any,
 ) -> CodeFixEnv:
     """`limits`: `SandboxLimits` fields (cpu_s, memory_mb, wall_s, output_bytes, ...)."""
-    train, eval_rows = draw_disjoint_splits(
-        lambda rng: _row(generate_repository(rng, num_functions)), num_train_examples, num_eval_examples, seed,
-        key="key",
-    )
+    train, eval_rows = _splits(num_train_examples, num_eval_examples, seed, num_functions)
     rubric = Rubric(funcs=[tests_pass_reward, num_sandbox_violations], weights=[1.0, 0.0])
     return CodeFixEnv(
         limits=SandboxLimits(**(limits or {})),
@@ -273,3 +285,44 @@ def load_environment(
         rubric=rubric,
         **kwargs,
     )
+
+
+async def _demonstration(row: Row, limits: SandboxLimits) -> Messages:
+    """Run the tests, read the bugged module, fix it, run the tests again: with real replies."""
+    info = row["info"]
+    path, old, new = info["fix"]
+    messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
+    with tempfile.TemporaryDirectory(prefix="tandem-code-fix-", ignore_cleanup_errors=True) as workdir:
+        workspace = Workspace(Path(workdir) / "repo", info["num_tests"], limits)
+        workspace.write_files(info["files"])
+        messages += demo_tool_turn("call_1", "run_tests", {}, await run_tests(workspace))
+        messages += demo_tool_turn("call_2", "view_file", {"path": path}, view_file(path, workspace))
+        edit = {"path": path, "old": old, "new": new}
+        messages += demo_tool_turn("call_3", "replace_text", edit, replace_text(path, old, new, workspace))
+        messages += demo_tool_turn("call_4", "run_tests", {}, await run_tests(workspace))
+        if not workspace.runs[-1].passed:
+            raise RuntimeError(f"the demonstration fix did not pass the tests:\n{workspace.runs[-1].report}")
+    messages.append({"role": "assistant", "content": "The tests pass."})
+    return messages
+
+
+def sft_examples(
+    n: int, seed: int = 0, num_eval_examples: int = 100, num_functions: int = 4, max_concurrent: int = 4
+) -> list[dict[str, Any]]:
+    """`n` chats `{"messages": [...], "tools": [...]}` demonstrating the fix of the first `n`
+    training repositories of `load_environment` with the same seed, `num_eval_examples` and
+    `num_functions` (never an eval one), with the tools' real replies (each test run is a real
+    sandboxed run, about 0.1 s)."""
+    train, _ = _splits(n, num_eval_examples, seed, num_functions)
+    schemas = [tool_schema(tool, hidden=STATE_ARGS) for tool in TOOLS]
+
+    async def all_demonstrations() -> list[Messages]:
+        semaphore = asyncio.Semaphore(max_concurrent)
+
+        async def bounded(row: Row) -> Messages:
+            async with semaphore:
+                return await _demonstration(row, SandboxLimits())
+
+        return await asyncio.gather(*(bounded(row) for row in train))
+
+    return [{"messages": messages, "tools": schemas} for messages in asyncio.run(all_demonstrations())]

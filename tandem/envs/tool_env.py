@@ -22,7 +22,7 @@ from tandem.envs.callables import maybe_await
 from tandem.envs.multi_turn import MultiTurnEnv
 from tandem.envs.rubric import Rubric, RubricGroup
 from tandem.envs.tool_schema import tool_schema
-from tandem.envs.types import Messages, State
+from tandem.envs.types import ChatMessage, Messages, State
 
 # What a Hermes-style call the client could not parse leaves in the text (see `num_tool_errors`).
 UNPARSED_CALL_MARK = "<tool_call>"
@@ -150,3 +150,14 @@ def num_tool_errors(state: State, completion: Messages) -> float:
         and UNPARSED_CALL_MARK in (message.get("content") or "")
     )
     return float(len(state.get("tool_errors", [])) + unparsed)
+
+
+def demo_tool_turn(call_id: str, name: str, arguments: dict[str, Any], reply: str) -> list[ChatMessage]:
+    """An assistant turn calling tool `name` and the tool's reply, shaped as a rollout records
+    them: the building block of tool-use SFT demonstrations."""
+    function = {"name": name, "arguments": json.dumps(arguments)}
+    call = {"id": call_id, "type": "function", "function": function}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": reply, "tool_call_id": call_id},
+    ]

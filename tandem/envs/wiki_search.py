@@ -16,9 +16,9 @@ from typing import Any
 from tandem.envs.parsers import XMLParser
 from tandem.envs.rubric import Rubric
 from tandem.envs.splits import split_items
-from tandem.envs.tool_env import ToolEnv
+from tandem.envs.tool_env import ToolEnv, demo_tool_turn
 from tandem.envs.tool_schema import tool_schema
-from tandem.envs.types import ChatMessage, Messages
+from tandem.envs.types import Messages
 from tandem.envs.wiki_corpus import Fact, build_corpus, search_index
 
 SYSTEM_PROMPT = (
@@ -104,13 +104,6 @@ def load_environment(
     )
 
 
-def _call(call_id: str, tool: Any, **arguments: str) -> tuple[ChatMessage, ChatMessage]:
-    """An assistant turn calling `tool` and the tool's real reply."""
-    function = {"name": tool.__name__, "arguments": json.dumps(arguments)}
-    request = {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function", "function": function}]}
-    return request, {"role": "tool", "content": tool(**arguments), "tool_call_id": call_id}
-
-
 def sft_examples(n: int, seed: int = 0, num_eval_examples: int = 100) -> list[dict[str, Any]]:
     """`n` chats `{"messages": [...], "tools": [...]}` that search for the question's page by its
     title, list its sections, read the one holding the fact and answer: the tool-use format, with
@@ -122,9 +115,10 @@ def sft_examples(n: int, seed: int = 0, num_eval_examples: int = 100) -> list[di
     examples = []
     for fact in train:
         messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": fact.question}]
-        messages += _call("call_1", search_pages, query=pages[fact.page_id].title)
-        messages += _call("call_2", view_sections, page_id=fact.page_id)
-        messages += _call("call_3", read_section, section_id=fact.section_id)
+        title = pages[fact.page_id].title
+        messages += demo_tool_turn("call_1", "search_pages", {"query": title}, search_pages(title))
+        messages += demo_tool_turn("call_2", "view_sections", {"page_id": fact.page_id}, view_sections(fact.page_id))
+        messages += demo_tool_turn("call_3", "read_section", {"section_id": fact.section_id}, read_section(fact.section_id))
         messages.append({"role": "assistant", "content": PARSER.format(answer=fact.answer)})
         examples.append({"messages": messages, "tools": [tool_schema(tool) for tool in TOOLS]})
     return examples

@@ -177,3 +177,20 @@ def test_splits_are_disjoint_and_seeded():
     train, evals = {key(e) for e in env.get_dataset()}, {key(e) for e in env.get_eval_dataset()}
     assert len(train) == 50 and len(evals) == 20 and not train & evals
     assert code_fix.load_environment(num_train_examples=50, num_eval_examples=20, seed=1).get_eval_dataset() == env.get_eval_dataset()
+
+
+def test_sft_examples_demonstrate_a_passing_fix_on_training_repositories_only(byte_tokenizer):
+    from tandem.trainer.sft.data import tokenize_record
+
+    env = code_fix.load_environment(num_train_examples=3, num_eval_examples=10, seed=2)
+    rows = code_fix.sft_examples(3, seed=2, num_eval_examples=10)
+    assert [r["messages"][1]["content"] for r in rows] == [e["prompt"][-1]["content"] for e in env.get_dataset()]
+    for row, example in zip(rows, env.get_dataset()):
+        messages = row["messages"]
+        assert [m["role"] for m in messages] == ["system", "user"] + ["assistant", "tool"] * 4 + ["assistant"]
+        replies = [m["content"] for m in messages if m["role"] == "tool"]
+        assert replies[0].startswith("FAILED: 4 of 4 tests ran, 1 failed") and replies[3].startswith("PASSED")
+        assert example["info"]["fix"][1] in replies[1]
+        assert row["tools"] == env.oai_tools
+        assert sum(tokenize_record(row, byte_tokenizer, ["assistant"], "row").loss_mask) > 0
+    assert rows == code_fix.sft_examples(3, seed=2, num_eval_examples=10)  # deterministic, timings included
