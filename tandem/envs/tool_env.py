@@ -1,7 +1,8 @@
 """Tool use: the model calls Python functions until it answers without a tool call.
 
 Invariant: a tool call never ends the rollout with an exception. Unknown tools, arguments
-that are not a JSON object, tools that raise and tools that run past `tool_timeout_s` all come
+that are not a JSON object, tools that raise (`sys.exit` included) and tools that run past
+`tool_timeout_s` all come
 back to the model as an `Error: ...` tool message, so it can correct itself; each such error is
 also appended to `state["tool_errors"]` and counted in the `num_tool_errors` metric.
 
@@ -81,14 +82,14 @@ class ToolEnv(MultiTurnEnv):
             replies.append({"role": "tool", "content": result, "tool_call_id": call["id"]})
         return replies, state
 
-    async def call_tool(self, name: str, arguments: str, state: State) -> tuple[str, str | None]:
+    async def call_tool(self, name: str, arguments: str | dict, state: State) -> tuple[str, str | None]:
         """(the text the model reads, the error or None). On error the text is `Error: ...`."""
         tool = self.tool_map.get(name)
         if tool is None:
             return _error(f"unknown tool {name!r}; available tools: {sorted(self.tool_map)}")
-        try:
-            kwargs = json.loads(arguments or "{}")
-        except json.JSONDecodeError as error:
+        try:  # clients other than ours may hand over the arguments already decoded
+            kwargs = arguments if isinstance(arguments, dict) else json.loads(arguments or "{}")
+        except (json.JSONDecodeError, TypeError) as error:
             return _error(f"arguments for {name!r} are not valid JSON ({error})")
         if not isinstance(kwargs, dict):
             return _error(f"arguments for {name!r} must be a JSON object, got {arguments!r}")
@@ -108,16 +109,26 @@ def _error(message: str) -> tuple[str, str]:
     return f"Error: {message}", message
 
 
+class ToolExited(Exception):
+    """A tool called `sys.exit`. Reported as this error: a SystemExit reaching the event loop
+    would stop it, and with it the run."""
+
+
 async def _invoke(tool: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     """Await an async tool on the loop; run a sync one in a daemon thread of its own."""
     if inspect.iscoroutinefunction(tool):
-        return await tool(**kwargs)
+        try:
+            return await tool(**kwargs)
+        except SystemExit as error:
+            raise ToolExited(f"SystemExit: {error}") from None
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
     def work() -> None:
         try:
             outcome = (future.set_result, tool(**kwargs))
+        except SystemExit as error:
+            outcome = (future.set_exception, ToolExited(f"SystemExit: {error}"))
         except BaseException as error:
             outcome = (future.set_exception, error)
         try:
