@@ -1,7 +1,7 @@
 """Running untrusted code (a model's edits and the tests that import them) in a subprocess with
 limits, inside one directory.
 
-On Linux, `run_sandboxed` enforces:
+On Linux, `run_python_sandboxed` enforces:
 - always: CPU time (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later), address space
   (RLIMIT_AS: allocations fail with MemoryError), size of any file written (RLIMIT_FSIZE), 64 open
   files, no core dumps, no privilege gain on exec (PR_SET_NO_NEW_PRIVS), wall-clock time and
@@ -11,13 +11,16 @@ On Linux, `run_sandboxed` enforces:
   (RLIMIT_NPROC, which counts per uid, so fork bombs stop there); every process of that uid is
   killed after the run, including ones that left the process group; a network namespace with
   no interface but a down loopback (no network); and a mount namespace in which /tmp, /var/tmp,
-  /dev/shm and /run/lock are private tmpfs that vanish with the run.
+  /dev/shm and /run/lock are private tmpfs that vanish with the run (the work directory, if it
+  was under one of them, is bound back at its path; the interpreter's installation is bound
+  read-only into the private /tmp, since the fresh uid may not reach it where it is, e.g. under
+  root's 0700 home).
 - when not root: none of the root-only parts. Such a sandbox can write wherever the user can
   and reach the network, and a fork bomb is bounded only by CPU and wall-clock time; the
   `enforced` dict of each result says which parts held, and tests needing them skip.
 Not enforced anywhere: reading files the uid may read (the code sees the file system), and a
 test harness in the same process as the code it tests can be subverted by code that inspects
-the harness (see `code_fix`).
+the harness (see `code_fix_workspace`).
 """
 
 import asyncio
@@ -107,7 +110,8 @@ def _split_report(output: bytes) -> tuple[dict[str, bool], bytes]:
     return json.loads(line[len(_REPORT_PREFIX):]), rest
 
 
-_SIGNAL_VIOLATIONS = {signal.SIGXCPU: "cpu_time", signal.SIGKILL: "cpu_time", signal.SIGXFSZ: "file_size"}
+# SIGKILL is left out: the hard CPU limit sends it, but so does the kernel's OOM killer.
+_SIGNAL_VIOLATIONS = {signal.SIGXCPU: "cpu_time", signal.SIGXFSZ: "file_size"}
 
 
 async def _communicate(proc: asyncio.subprocess.Process, stdin: bytes, output: bytearray, limit: int) -> bool:
