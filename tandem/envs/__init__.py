@@ -1,7 +1,7 @@
 """Environments: datasets, rollouts against an OpenAI-shaped client, and scoring.
 
 The API mirrors the classic `verifiers` library (up to 0.3) so its users feel at home; the
-built-in environments are `reverse_text`, `alphabet_sort`, `wordle` and `math`, loaded with
+built-in environments are `reverse_text`, `alphabet_sort`, `wordle`, `math` and `wiki_search`, loaded with
 `load_environment(env_id, **kwargs)`.
 """
 

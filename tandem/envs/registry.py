@@ -12,6 +12,8 @@ BUILTIN_ENVIRONMENTS = {
     "alphabet_sort": "tandem.envs.alphabet_sort",
     "wordle": "tandem.envs.wordle",
     "math": "tandem.envs.math_problems",
+    "wiki_search": "tandem.envs.wiki_search",
+    "code_fix": "tandem.envs.code_fix",
 }
 
 

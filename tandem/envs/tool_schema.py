@@ -2,13 +2,14 @@
 
 The function's name is the tool name, the first paragraph of its docstring the description,
 its annotations the JSON-schema types, and a Google-style `Args:` section the parameter
-descriptions. Parameters without a default are required.
+descriptions. Parameters without a default are required; `hidden` ones (filled in by the
+environment, not the model) are left out.
 """
 
 import inspect
 import re
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 _PRIMITIVES: dict[Any, str] = {
@@ -72,7 +73,7 @@ def parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return " ".join(first_paragraph.split()), arg_docs
 
 
-def tool_schema(func: Callable[..., Any]) -> dict[str, Any]:
+def tool_schema(func: Callable[..., Any], hidden: Collection[str] = ()) -> dict[str, Any]:
     """`{"type": "function", "function": {name, description, parameters}}` for `func`."""
     description, arg_docs = parse_docstring(inspect.getdoc(func) or "")
     hints = get_type_hints(func)
@@ -80,6 +81,8 @@ def tool_schema(func: Callable[..., Any]) -> dict[str, Any]:
     required: list[str] = []
     for param in inspect.signature(func).parameters.values():
         if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if param.name in hidden:
             continue
         try:
             schema = json_schema(hints.get(param.name, inspect.Parameter.empty))

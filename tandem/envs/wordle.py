@@ -18,7 +18,6 @@ so a first-guess solve scores 2.2, a sixth-guess solve 1.3667, and an unsolved g
 0.16 (four greens). The format score is reported as a metric only.
 """
 
-import random
 from collections import Counter
 from functools import cache
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 from tandem.envs.multi_turn import MultiTurnEnv
 from tandem.envs.parsers import XMLParser, assistant_contents
 from tandem.envs.rubric import Rubric
+from tandem.envs.splits import split_items
 from tandem.envs.types import Messages, State
 from tandem.envs.word_lists import load_word_list
 
@@ -123,20 +123,19 @@ def partial_reward(completion: Messages, answer: str) -> float:
     return (marks.count("G") + 0.5 * marks.count("Y")) / 5
 
 
+def _row(answer: str) -> dict[str, str]:
+    return {"question": QUESTION, "answer": answer, "task": "wordle"}
+
+
 def load_environment(
     num_train_examples: int = -1, num_eval_examples: int = 100, seed: int = 0, **kwargs: Any
 ) -> WordleEnv:
     """Answers are split by `seed` into disjoint eval and train words; `num_train_examples`
     -1 takes every answer not in the eval set."""
-    answers = list(load_word_list("wordle_answers.txt"))
-    num_train = len(answers) - num_eval_examples if num_train_examples < 0 else num_train_examples
-    if num_eval_examples < 0 or num_train < 0 or num_train + num_eval_examples > len(answers):
-        raise ValueError(
-            f"wordle has {len(answers)} answer words; num_train_examples={num_train_examples} "
-            f"and num_eval_examples={num_eval_examples} do not fit"
-        )
-    random.Random(seed).shuffle(answers)
-    rows = [{"question": QUESTION, "answer": word, "task": "wordle"} for word in answers]
+    train, eval_words = split_items(
+        load_word_list("wordle_answers.txt"), num_train_examples, num_eval_examples, seed,
+        "wordle has {} answer words",
+    )
     format_reward_func = PARSER.get_format_reward_func()
     rubric = Rubric(
         funcs=[solved_reward, efficiency_reward, partial_reward, format_reward_func],
@@ -144,8 +143,8 @@ def load_environment(
         parser=PARSER,
     )
     return WordleEnv(
-        dataset=rows[num_eval_examples : num_eval_examples + num_train],
-        eval_dataset=rows[:num_eval_examples],
+        dataset=[_row(word) for word in train],
+        eval_dataset=[_row(word) for word in eval_words],
         system_prompt=SYSTEM_PROMPT,
         parser=PARSER,
         rubric=rubric,

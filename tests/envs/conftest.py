@@ -46,3 +46,11 @@ class ScriptedClient:
 def scripted_client():
     """`scripted_client(replies)` builds a client that answers with `replies` in order."""
     return ScriptedClient
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    """The tiny preset's tokenizer (bytes + ChatML, Hermes tool calls), built without a model."""
+    from tandem.models.byte_tokenizer import build_byte_tokenizer
+
+    return build_byte_tokenizer()

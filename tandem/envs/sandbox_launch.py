@@ -1,0 +1,102 @@
+"""Run by path as `python -I sandbox_launch.py <limits json> <python args...>`: confine this
+process, report what was confined as the first line of stdout, then exec this Python
+interpreter with the args.
+
+Kept free of tandem imports (`-I` ignores PYTHONPATH) and of threads, so it can do what
+`preexec_fn` must not: the parent (`sandbox.py`) may have threads. Order matters: namespaces
+need root's capabilities, so they come before the uid drop, and RLIMIT_NPROC counts per uid, so
+it only means something once the uid is the sandbox's own.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+PR_SET_NO_NEW_PRIVS = 38
+# World-writable places a sandbox must not leave files in: each gets a private, small tmpfs.
+SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+# Where the interpreter's installation is bind-mounted (in the private /tmp) for a sandbox uid
+# that could not reach it at its own path (e.g. under root's 0700 home).
+PYTHON_MOUNT = "/tmp/.tandem-python"
+
+
+def isolate(libc: ctypes.CDLL, tmpfs_bytes: int) -> dict[str, bool]:
+    """A network namespace without interfaces but loopback, and a mount namespace whose shared
+    writable directories are private tmpfs. Each part is skipped when the kernel refuses it."""
+    done = {"network": libc.unshare(CLONE_NEWNET) == 0, "private_tmp": False}
+    # Mounts are made only after the whole tree is private, or they would reach the host.
+    if libc.unshare(CLONE_NEWNS) != 0 or libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return done
+    workdir = os.getcwd()
+    options = f"size={tmpfs_bytes},mode=1777".encode()
+    mounted = [
+        libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) == 0
+        for path in SHARED_WRITABLE
+        if os.path.isdir(path)
+    ]
+    if not os.path.isdir(workdir):
+        # The work directory was under a shadowed one: bind it back at its own path
+        # (/proc/self/cwd still leads to the real directory).
+        os.makedirs(workdir)
+        mounted.append(libc.mount(b"/proc/self/cwd", workdir.encode(), None, MS_BIND, None) == 0)
+    os.chdir(workdir)
+    done["private_tmp"] = all(mounted)
+    return done
+
+
+def reachable_python(libc: ctypes.CDLL) -> tuple[str, dict[str, str]] | None:
+    """(interpreter path, extra env) of this interpreter's installation mounted read-only at
+    `PYTHON_MOUNT`; None when the mounts fail."""
+    prefix = os.path.realpath(sys.base_prefix)
+    executable = os.path.relpath(os.path.realpath(sys.executable), prefix)
+    os.mkdir(PYTHON_MOUNT)
+    if libc.mount(prefix.encode(), PYTHON_MOUNT.encode(), None, MS_BIND, None) != 0:
+        return None
+    if libc.mount(None, PYTHON_MOUNT.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) != 0:
+        return None
+    return os.path.join(PYTHON_MOUNT, executable), {"LD_LIBRARY_PATH": os.path.join(PYTHON_MOUNT, "lib")}
+
+
+def set_limits(limits: dict, own_uid: bool) -> None:
+    cpu_s = limits["cpu_s"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    memory = limits["memory_mb"] * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"], limits["file_bytes"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if own_uid:  # RLIMIT_NPROC counts every process of the uid: it binds only a uid of our own
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
+
+
+def main() -> None:
+    limits, args = json.loads(sys.argv[1]), sys.argv[2:]
+    libc = ctypes.CDLL(None, use_errno=True)
+    enforced = {"network": False, "private_tmp": False, "own_uid": False}
+    if limits["isolate"]:
+        enforced.update(isolate(libc, limits["file_bytes"]))
+    python, env = sys.executable, dict(os.environ)
+    # A uid of its own needs the interpreter where that uid can run it: in the private /tmp.
+    mounted = reachable_python(libc) if limits["uid"] is not None and enforced["private_tmp"] else None
+    if mounted is not None:
+        python, extra_env = mounted
+        env.update(extra_env)
+        os.setgroups([])
+        os.setgid(limits["uid"])
+        os.setuid(limits["uid"])
+        enforced["own_uid"] = True
+    set_limits(limits, enforced["own_uid"])
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    enforced["max_processes"] = enforced["own_uid"]
+    sys.stdout.write(f"TANDEM_SANDBOX {json.dumps(enforced)}\n")
+    sys.stdout.flush()
+    os.execve(python, [python, *args], env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""wiki_search: answer questions about an offline wiki with search tools.
+
+The wiki (`wiki_corpus`) is invented, so the answers are in it and nowhere else. Tools:
+`search_pages(query)` lists the best BM25 matches, `view_sections(page_id)` a page's sections,
+`read_section(section_id)` one section's text. The model answers without a tool call, inside
+`<answer>` tags. Reward = 1 when the answer equals the fact exactly, ignoring case, surrounding
+spaces and a final period; else 0. Tool counts and the format score are metrics only.
+
+Train and eval questions are disjoint (eval drawn first, as in the other built-ins); they may ask
+about different facts of the same page.
+"""
+
+import json
+from typing import Any
+
+from tandem.envs.parsers import XMLParser
+from tandem.envs.rubric import Rubric
+from tandem.envs.splits import split_items
+from tandem.envs.tool_env import ToolEnv, demo_tool_turn
+from tandem.envs.tool_schema import tool_schema
+from tandem.envs.types import Messages
+from tandem.envs.wiki_corpus import Fact, build_corpus, search_index
+
+SYSTEM_PROMPT = (
+    "Answer the question with the wiki tools: search_pages finds pages, view_sections lists a "
+    "page's sections, read_section reads one. Give the final answer inside <answer> tags."
+)
+PARSER = XMLParser(["answer"])
+NUM_SEARCH_RESULTS = 3
+
+
+def search_pages(query: str) -> str:
+    """Search the wiki for pages matching a query.
+
+    Args:
+        query: Words to look for, e.g. a name or a place.
+    """
+    pages = build_corpus().pages
+    hits = [{"page_id": i, "title": pages[i].title} for i in search_index().search(query, NUM_SEARCH_RESULTS)]
+    return json.dumps(hits) if hits else "No page matches."
+
+
+def view_sections(page_id: str) -> str:
+    """List the sections of a wiki page.
+
+    Args:
+        page_id: A page id from search_pages.
+    """
+    page = _lookup(build_corpus().pages, page_id, "page_id", "search_pages")
+    return json.dumps([{"section_id": s.id, "title": s.title} for s in page.sections])
+
+
+def read_section(section_id: str) -> str:
+    """Read one section of a wiki page.
+
+    Args:
+        section_id: A section id from view_sections.
+    """
+    return _lookup(build_corpus().sections, section_id, "section_id", "view_sections").text
+
+
+def _lookup(table: dict[str, Any], key: str, name: str, source: str) -> Any:
+    if key not in table:
+        raise ValueError(f"no {name} {key!r}; use one that {source} returned")
+    return table[key]
+
+
+TOOLS = [search_pages, view_sections, read_section]
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.split()).lower().removesuffix(".")
+
+
+def exact_match_reward(completion: Messages, answer: str) -> float:
+    parsed = PARSER.parse_answer(completion)
+    return float(parsed is not None and normalize(parsed) == normalize(answer))
+
+
+def _split_facts(num_train_examples: int, num_eval_examples: int, seed: int) -> tuple[list[Fact], list[Fact]]:
+    return split_items(build_corpus().facts, num_train_examples, num_eval_examples, seed, "wiki_search has {} questions")
+
+
+def _row(fact: Fact) -> dict[str, Any]:
+    return {"question": fact.question, "answer": fact.answer, "task": "wiki_search",
+            "info": {"page_id": fact.page_id, "section_id": fact.section_id}}
+
+
+def load_environment(
+    num_train_examples: int = -1, num_eval_examples: int = 100, seed: int = 0, max_turns: int = 6, **kwargs: Any
+) -> ToolEnv:
+    """`num_train_examples` -1 takes every question not in the eval set."""
+    train, eval_facts = _split_facts(num_train_examples, num_eval_examples, seed)
+    rubric = Rubric(funcs=[exact_match_reward, PARSER.get_format_reward_func()], weights=[1.0, 0.0], parser=PARSER)
+    return ToolEnv(
+        tools=TOOLS,
+        max_turns=max_turns,
+        dataset=[_row(fact) for fact in train],
+        eval_dataset=[_row(fact) for fact in eval_facts],
+        system_prompt=SYSTEM_PROMPT,
+        parser=PARSER,
+        rubric=rubric,
+        **kwargs,
+    )
+
+
+def sft_examples(n: int, seed: int = 0, num_eval_examples: int = 100) -> list[dict[str, Any]]:
+    """`n` chats `{"messages": [...], "tools": [...]}` that search for the question's page by its
+    title, list its sections, read the one holding the fact and answer: the tool-use format, with
+    the tools' real replies. They are the first `n` training questions of `load_environment` with
+    the same seed and `num_eval_examples`, so they never contain its eval questions. `tools` holds
+    the schemas the chat template must render, as in RL."""
+    train, _ = _split_facts(n, num_eval_examples, seed)
+    pages = build_corpus().pages
+    examples = []
+    for fact in train:
+        messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": fact.question}]
+        title = pages[fact.page_id].title
+        messages += demo_tool_turn("call_1", "search_pages", {"query": title}, search_pages(title))
+        messages += demo_tool_turn("call_2", "view_sections", {"page_id": fact.page_id}, view_sections(fact.page_id))
+        messages += demo_tool_turn("call_3", "read_section", {"section_id": fact.section_id}, read_section(fact.section_id))
+        messages.append({"role": "assistant", "content": PARSER.format(answer=fact.answer)})
+        examples.append({"messages": messages, "tools": [tool_schema(tool) for tool in TOOLS]})
+    return examples

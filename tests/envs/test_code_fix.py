@@ -1,0 +1,196 @@
+"""code_fix end to end with a scripted model: real repositories, real sandboxed test runs.
+
+Hostile completions put their payload at the top of the bugged module, run the tests, and stop;
+the final grading imports the module again. Limits are small so each case ends in seconds.
+"""
+
+import asyncio
+import json
+import os
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tandem.envs import code_fix, load_environment
+from tandem.envs.sandbox import SandboxLimits, run_python_sandboxed
+
+LIMITS = {"cpu_s": 1, "wall_s": 1.5, "memory_mb": 512, "output_bytes": 20_000, "max_processes": 16}
+
+
+@pytest.fixture(scope="module")
+def env():
+    return load_environment("code-fix", num_train_examples=4, num_eval_examples=4, limits=LIMITS)
+
+
+@pytest.fixture(scope="module")
+def confined():
+    """Skip tests that need the root-only confinement (own uid, process limit, namespaces)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        result = asyncio.run(run_python_sandboxed(["-c", "pass"], Path(workdir), SandboxLimits()))
+    if not all(result.enforced.values()):
+        pytest.skip(f"the sandbox is not fully confined here: {result.enforced}")
+
+
+def play(env, scripted_client, calls: list[list[tuple[str, dict]]], example=None):
+    example = example or env.get_eval_dataset(1)[0]
+    replies = [{"tool_calls": [(f"c{i}{j}", name, args) for j, (name, args) in enumerate(turn)]} for i, turn in enumerate(calls)]
+    client = scripted_client(replies + ["done"])
+    return asyncio.run(env.run_rollout(client, "m", example))
+
+
+def tool_replies(rollout) -> list[str]:
+    return [m["content"] for m in rollout.completion if m["role"] == "tool"]
+
+
+def sandbox_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("tandem-code-fix-*")}
+
+
+def test_fixing_the_bug_passes_the_tests_and_scores_one(env, scripted_client):
+    before = sandbox_dirs()
+    example = env.get_eval_dataset(1)[0]
+    path, old, new = example["info"]["fix"]
+    rollout = play(env, scripted_client, [[("run_tests", {}), ("view_file", {"path": path})],
+                                          [("replace_text", {"path": path, "old": old, "new": new})],
+                                          [("run_tests", {})]], example)
+    first, source, replaced, second = tool_replies(rollout)
+    assert first.startswith("FAILED: 4 of 4 tests ran, 1 failed, 0 errors")
+    assert f"FAIL: test_{example['info']['buggy_function']} " in first
+    assert old in source
+    assert replaced == f"Replaced 1 occurrence in {path}."
+    assert second.startswith("PASSED: 4 of 4 tests ran, 0 failed, 0 errors")
+    assert rollout.score.reward == 1.0 and rollout.state["tests_passed"] is True
+    assert rollout.score.metrics["num_sandbox_violations"] == 0.0
+    assert "workspace" not in rollout.state
+    assert sandbox_dirs() == before  # the rollout's directory is gone
+
+
+def test_a_rollout_that_does_nothing_scores_zero(env, scripted_client):
+    rollout = play(env, scripted_client, [])
+    assert rollout.score.reward == 0.0 and rollout.state["final_test_report"].startswith("FAILED")
+
+
+def test_tools_stay_inside_the_repository(env, scripted_client):
+    example = env.get_eval_dataset(1)[0]
+    path = example["info"]["fix"][0]
+    test_file = example["info"]["test_files"][0]
+    rollout = play(env, scripted_client, [[
+        ("view_file", {"path": "/etc/hostname"}),
+        ("view_file", {"path": "../../etc/hostname"}),
+        ("replace_text", {"path": test_file, "old": "assert", "new": "pass"}),
+        ("replace_text", {"path": path, "old": "zzz-not-there", "new": ""}),
+        ("view_file", {"path": "app/missing.py"}),
+    ]], example)
+    replies = tool_replies(rollout)
+    assert "must be relative to the repository root" in replies[0] and "without '..'" in replies[1]
+    assert "tests/ is read-only" in replies[2] and "occurs 0 times" in replies[3]
+    assert replies[4].startswith("Error: view_file raised FileNotFoundError")
+    assert rollout.score.metrics["num_tool_errors"] == 5.0
+
+
+def payload_rollout(env, scripted_client, payload: str):
+    example = env.get_eval_dataset(1)[0]
+    path, function = example["info"]["fix"][0], example["info"]["buggy_function"]
+    anchor = f"def {function}("
+    return play(env, scripted_client, [[("replace_text", {"path": path, "old": anchor, "new": f"{payload}\n\n\n{anchor}"})],
+                                       [("run_tests", {})]], example)
+
+
+HOSTILE = {
+    "infinite_loop": ("while True:\n    pass", {"cpu_time", "wall_time"}),
+    "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", {"cpu_time", "wall_time"}),
+    "sleep": ("import time\ntime.sleep(600)", {"wall_time"}),
+    "huge_output": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", {"output_size"}),
+    "memory_hog": ("hog = bytearray(8 * 2**30)", {"memory"}),
+    "disk_filler": ("with open('big', 'wb') as f:\n    while True:\n        f.write(bytes(2**20))", {"file_size"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_code_is_stopped_scored_zero_and_recorded(env, scripted_client, confined, case):
+    payload, violations = HOSTILE[case]
+    rollout = payload_rollout(env, scripted_client, payload)
+    report = tool_replies(rollout)[1]
+    assert report.startswith("FAILED: stopped at the sandbox's"), report
+    state = rollout.state
+    assert len(state["sandbox_violations"]) == 2 and set(state["sandbox_violations"]) <= violations
+    assert rollout.score.reward == 0.0 and rollout.score.metrics["num_sandbox_violations"] == 2.0
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_live_sandbox_process(pid)]
+
+
+def _is_live_sandbox_process(pid: str) -> bool:
+    """A process of a sandbox uid (see sandbox._UID_RANGE) that is not a zombie."""
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return uid >= 1_900_000_000 and status != "Z"
+
+
+def test_code_cannot_delete_write_or_connect_outside(env, scripted_client, confined, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("still here")
+    escape = Path(tempfile.gettempdir()) / f"tandem-escape-{uuid.uuid4().hex}"
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    payload = "\n".join([
+        "import os, shutil, socket",
+        f"shutil.rmtree({str(victim)!r}, ignore_errors=True)",
+        "shutil.rmtree(os.path.abspath('..'), ignore_errors=True)",
+        f"open({str(escape)!r}, 'w').write('escaped')",
+        "try:",
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=0.5)",
+        "except OSError:",
+        "    pass",
+    ])
+    rollout = payload_rollout(env, scripted_client, payload)
+    assert (victim / "keep.txt").read_text() == "still here"
+    assert not escape.exists()
+    with pytest.raises(TimeoutError):
+        listener.accept()
+    listener.close()
+    assert rollout.score.reward == 0.0 and rollout.state["sandbox_violations"] == []
+
+
+def test_tests_rewritten_by_the_code_do_not_count(env, scripted_client):
+    example = env.get_eval_dataset(1)[0]
+    fake = "import unittest\\nclass T(unittest.TestCase):\\n    def test_a(self): pass\\n    def test_b(self): pass\\n    def test_c(self): pass\\n    def test_d(self): pass\\n"
+    payload = "\n".join([
+        "import pathlib",
+        "for test in pathlib.Path('tests').glob('test_*.py'):",
+        f"    test.write_text({json.dumps(fake)}.replace('\\\\n', chr(10)))",
+    ])
+    rollout = payload_rollout(env, scripted_client, payload)
+    assert tool_replies(rollout)[1].startswith("FAILED: 4 of 4 tests ran, 1 failed")
+    assert rollout.score.reward == 0.0
+
+
+def test_splits_are_disjoint_and_seeded():
+    env = code_fix.load_environment(num_train_examples=50, num_eval_examples=20, seed=1)
+    key = lambda e: json.dumps(e["info"]["files"], sort_keys=True)  # noqa: E731
+    train, evals = {key(e) for e in env.get_dataset()}, {key(e) for e in env.get_eval_dataset()}
+    assert len(train) == 50 and len(evals) == 20 and not train & evals
+    assert code_fix.load_environment(num_train_examples=50, num_eval_examples=20, seed=1).get_eval_dataset() == env.get_eval_dataset()
+
+
+def test_sft_examples_demonstrate_a_passing_fix_on_training_repositories_only(byte_tokenizer):
+    from tandem.trainer.sft.data import tokenize_record
+
+    env = code_fix.load_environment(num_train_examples=3, num_eval_examples=10, seed=2)
+    rows = code_fix.sft_examples(3, seed=2, num_eval_examples=10)
+    assert [r["messages"][1]["content"] for r in rows] == [e["prompt"][-1]["content"] for e in env.get_dataset()]
+    for row, example in zip(rows, env.get_dataset()):
+        messages = row["messages"]
+        assert [m["role"] for m in messages] == ["system", "user"] + ["assistant", "tool"] * 4 + ["assistant"]
+        replies = [m["content"] for m in messages if m["role"] == "tool"]
+        assert replies[0].startswith("FAILED: 4 of 4 tests ran, 1 failed") and replies[3].startswith("PASSED")
+        assert example["info"]["fix"][1] in replies[1]
+        assert row["tools"] == env.oai_tools
+        assert sum(tokenize_record(row, byte_tokenizer, ["assistant"], "row").loss_mask) > 0
+    assert rows == code_fix.sft_examples(3, seed=2, num_eval_examples=10)  # deterministic, timings included
