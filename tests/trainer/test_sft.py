@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from tandem.config.loader import parse_args
 from tandem.config.sft import SFTConfig
+from tandem.models.chat import render_chat
 from tandem.models.loading import load_causal_lm
 from tandem.trainer.sft.data import SFTDataError, Sample, StepRows, load_samples, pack, read_records, tokenize_record
 from tandem.trainer.sft.train import main as sft_main
@@ -44,6 +45,15 @@ def loss_text(tokenizer, sample: Sample) -> list[str]:
 def test_assistant_turns_are_the_loss_tokens_without_their_header(tokenizer):
     sample = tokenize_record(CHAT, tokenizer, ["assistant"], "row 1")
     assert tokenizer.decode(sample.input_ids) == tokenizer.apply_chat_template(CHAT["messages"], tokenize=False)
+    assert loss_text(tokenizer, sample) == ["cba<|im_end|>\n", "yx<|im_end|>\n"]
+
+
+def test_a_rows_tools_are_rendered_as_rl_prompts_render_them(tokenizer):
+    tool = {"type": "function", "function": {"name": "search", "description": "Search.", "parameters": {"type": "object"}}}
+    sample = tokenize_record({**CHAT, "tools": [tool]}, tokenizer, ["assistant"], "row 1")
+    prompt = render_chat(tokenizer, CHAT["messages"][:2], [tool], add_generation_prompt=True)
+    assert sample.input_ids[:len(prompt)] == prompt
+    assert '"name": "search"' in tokenizer.decode(sample.input_ids)
     assert loss_text(tokenizer, sample) == ["cba<|im_end|>\n", "yx<|im_end|>\n"]
 
 

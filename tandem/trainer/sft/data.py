@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.models.chat import ChatTemplateError, render_chat
 from tandem.transport.types import PackedRow
 
 
@@ -64,7 +65,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def tokenize_record(record: dict[str, Any], tokenizer, loss_roles: list[str], where: str) -> Sample:
     if "messages" in record:
-        return _tokenize_chat(record["messages"], tokenizer, loss_roles, where)
+        return _tokenize_chat(record["messages"], record.get("tools"), tokenizer, loss_roles, where)
     if "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
@@ -79,12 +80,17 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _tokenize_chat(messages: Any, tokenizer, loss_roles: list[str], where: str) -> Sample:
+def _tokenize_chat(messages: Any, tools: list[dict] | None, tokenizer, loss_roles: list[str], where: str) -> Sample:
+    """`tools`: the row's tool schemas, rendered as RL prompts render them (the same `render_chat`), so a
+    warm-up on tool-use demonstrations sees the tool list its RL prompts will carry."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise SFTDataError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
 
     def render(msgs: list[dict], generation_prompt: bool) -> list[int]:
-        return _encode(tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt))
+        try:
+            return render_chat(tokenizer, msgs, tools, add_generation_prompt=generation_prompt)
+        except ChatTemplateError as err:
+            raise SFTDataError(f"{where}: {err}") from None
 
     ids = render(messages, False)
     mask = [0] * len(ids)
