@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from tandem.models.hub import resolve_model_path
+from tandem.models.hf_config import UnsupportedConfig
 from tandem.models.qwen3 import Qwen3Args, Qwen3ForCausalLM
+from tandem.models.qwen3_moe import Qwen3MoeArgs, Qwen3MoeForCausalLM
 from tandem.models.weights import load_state_dict
 
-NATIVE = {"qwen3": (Qwen3Args, Qwen3ForCausalLM)}
+NATIVE = {"qwen3": (Qwen3Args, Qwen3ForCausalLM), "qwen3_moe": (Qwen3MoeArgs, Qwen3MoeForCausalLM)}
 """model_type -> (args class, model class) implemented natively."""
 
 
@@ -36,11 +38,17 @@ def is_native(hf_config: dict) -> bool:
     return hf_config.get("model_type") in NATIVE
 
 
-def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """An uninitialized native model (on `meta` by default: no memory until `to_empty`)."""
+def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
+                 source: str = "config.json") -> nn.Module:
+    """An uninitialized native model (on `meta` by default: no memory until `to_empty`); `source`
+    names the config file in errors."""
     args_cls, model_cls = NATIVE[hf_config["model_type"]]
+    try:
+        args = args_cls.from_hf(hf_config)
+    except UnsupportedConfig as err:
+        raise ValueError(f"{source}: {err}") from None
     with torch.device(device):
-        model = model_cls(args_cls.from_hf(hf_config))
+        model = model_cls(args)
     model.hf_config = hf_config
     return model.to(dtype)
 
@@ -63,6 +71,12 @@ def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: 
                 params[name].copy_(tensor)
 
 
+def retie(model: nn.Module) -> None:
+    """Tie the LM head to the embeddings again where the model is tied (`to_empty` unties them)."""
+    if _tied(model):
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
 def _tied(model: nn.Module) -> bool:
     """Tied embeddings, from a native model's `args` or a transformers model's `config`."""
     settings = getattr(model, "args", None) or getattr(model, "config", None)
@@ -75,10 +89,9 @@ def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "
     hf_config = read_hf_config(folder)
     torch_dtype = resolve_dtype(dtype, device)
     if is_native(hf_config):
-        model = build_native(hf_config, "meta", torch_dtype)
+        model = build_native(hf_config, "meta", torch_dtype, source=str(folder / "config.json"))
         model.to_empty(device=device)
-        if _tied(model):  # to_empty breaks parameter sharing; tie again
-            model.lm_head.weight = model.model.embed_tokens.weight
+        retie(model)
         load_weights_into(model, load_state_dict(folder, device))
         return model.eval()
     from tandem.models.hf_fallback import HFCausalLM

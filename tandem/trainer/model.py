@@ -119,7 +119,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     hf_config = read_hf_config(folder)
     native = is_native(hf_config)
     if native:
-        lm = build_native(hf_config, "meta", torch.float32)
+        lm = build_native(hf_config, "meta", torch.float32, source=str(folder / "config.json"))
     else:
         lm = HFCausalLM.from_pretrained(folder, "cpu", torch.float32, model.trust_remote_code)
     compile = should_compile(kernels, dims.device)

@@ -51,8 +51,7 @@ class Session:
         state = gather_full_state(self.model, published_dtype(self.hf_config), keep=self.dims.is_main)
         if not self.dims.is_main:
             return None
-        tied = bool(self.hf_config.get("tie_word_embeddings", False))
-        folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, tied)
+        folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
         prune_weights(self.config.run_dir, self.config.weights.keep)
         return folder
 

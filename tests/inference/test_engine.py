@@ -62,6 +62,26 @@ def test_logprobs_match_a_teacher_forced_pass(tiny_dir, tiny_model, settings, ov
         assert engine.scheduler.num_preemptions > 0
 
 
+def test_mixture_of_experts_logprobs_match_a_teacher_forced_pass(tiny_moe_dir):
+    """A sparse model runs through the paged path (chunked prefills, batched decodes) as it is."""
+    from tandem.models.loading import load_causal_lm
+
+    engine = engine_for(tiny_moe_dir, num_blocks=24, max_num_batched_tokens=48, max_model_len=160)
+    model = load_causal_lm(str(tiny_moe_dir))
+    rng = random.Random(1)
+    requests = {}
+    for i in range(6):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 80))]
+        requests[str(i)] = prompt
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True))
+    results = run(engine)
+    assert len(results) == 6
+    for (rid, _), r in results.items():
+        expected = teacher_forced_logprobs(model, requests[rid], r["ids"], 1.0)
+        assert len(r["ids"]) == 16
+        assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
 def test_n_samples_share_the_prompt_prefill(tiny_dir, overlap):
     engine = engine_for(tiny_dir, overlap)

@@ -71,3 +71,20 @@ def test_unknown_preset_and_missing_folder(tmp_path):
         init_model("huge", tmp_path / "x")
     with pytest.raises(FileNotFoundError, match="neither a model folder nor a hub name"):
         load_causal_lm(str(tmp_path / "nope"))
+
+
+def test_real_shape_config_only_cut_to_k_layers(tmp_path):
+    """`--config-only` writes no weights; the full Qwen3-30B-A3B shape has its 30.5B parameters."""
+    from tandem.models.cli import main
+    from tandem.models.loading import build_native, read_hf_config
+    from tandem.models.presets import preset_config
+
+    assert main(["init", "--preset", "qwen3-30b-a3b", "--num-layers", "2", "--config-only", "--out", str(tmp_path / "m")]) == 0
+    config = read_hf_config(tmp_path / "m")
+    assert (config["num_hidden_layers"], config["model_type"]) == (2, "qwen3_moe")
+    assert not list((tmp_path / "m").glob("*.safetensors"))
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").convert_tokens_to_ids("<|im_end|>") == 258
+    full = build_native(preset_config("qwen3-30b-a3b"), "meta")
+    assert 30.4e9 < sum(p.numel() for p in full.parameters()) < 30.6e9
+    with pytest.raises(ValueError, match="`--num-layers` = 49"):
+        preset_config("qwen3-30b-a3b", num_layers=49)

@@ -16,6 +16,12 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory) -> Path:
+    """Qwen3-MoE with 8 experts, 2 per token."""
+    return init_model("tiny-moe", tmp_path_factory.mktemp("models") / "tiny-moe", seed=0)
+
+
+@pytest.fixture(scope="session")
 def llama_model(tmp_path_factory) -> Path:
     """A transformers-only architecture (Llama), to exercise the fallback path."""
     from transformers import LlamaConfig, LlamaForCausalLM

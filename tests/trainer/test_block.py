@@ -1,5 +1,6 @@
-"""The trainer's block forward computes the model's blocks: values and gradients, with and without
-selective recompute, eager and traced by `torch.compile`, one graph for every layer and length."""
+"""The trainer's block forward computes the model's blocks (dense and mixture-of-experts): values and
+gradients, with and without selective recompute, eager and traced by `torch.compile`, one graph for
+every layer and length."""
 
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ def forward_backward(model, ids, lengths, attention=None):
     return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("folder", ["tiny_model", "tiny_moe_model"])
 @pytest.mark.parametrize("compile, recompute", [(False, False), (False, True), (True, True)])
-def test_training_blocks_compute_the_model(tiny_model, recompute, compile, traced):
-    reference = fp64_model(tiny_model)
+def test_training_blocks_compute_the_model(folder, recompute, compile, traced, request):
+    """Dense blocks compile their feed-forward into the second half; sparse ones run it eagerly after it."""
+    reference = fp64_model(request.getfixturevalue(folder))
     trained = copy.deepcopy(reference)
     apply_training_blocks(trained.layers, compile=compile, recompute=recompute)
     lengths = [11, 5, 8]

@@ -1,0 +1,106 @@
+"""Mixture-of-experts models: tandem's forward equals transformers' own classes on the same folder,
+experts round-trip between their stacked in-memory and per-expert on-disk layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.models.loading import load_causal_lm
+from tandem.models.moe import GroupedExperts, permute, unpermute
+from tandem.models.presets import init_model
+from tandem.models.weights import load_state_dict, save_state_dict
+
+DOCUMENTS = [11, 7, 14]
+"""Lengths of the documents packed in the test row."""
+
+
+def packed_row(vocab_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab_size, (1, sum(DOCUMENTS)), generator=torch.Generator().manual_seed(seed))
+    positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
+    return ids, positions
+
+
+def next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def assert_matches_transformers(folder) -> None:
+    """fp32 logprobs of a packed row (several documents) within 1e-5 of transformers' class."""
+    ours = load_causal_lm(str(folder), "cpu", "float32")
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    assert type(theirs).__name__ == json.loads((folder / "config.json").read_text())["architectures"][0]
+    ids, positions = packed_row(ours.args.vocab_size)
+    with torch.no_grad():
+        expected = next_token_logprobs(theirs(input_ids=ids, position_ids=positions, use_cache=False).logits, ids)
+        got = next_token_logprobs(ours.lm_head(ours(ids, positions)), ids)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return init_model("tiny-moe", tmp_path_factory.mktemp("tiny-moe"), seed=0)
+
+
+def test_tiny_moe_equals_transformers_qwen3_moe(tiny_moe):
+    assert_matches_transformers(tiny_moe)
+
+
+def test_experts_are_stacked_in_memory_and_per_expert_on_disk(tiny_moe, tmp_path):
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_moe / "model.safetensors"), "pt") as f:
+        on_disk = set(f.keys())
+    assert {"model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.1.mlp.experts.7.down_proj.weight"} <= on_disk
+    assert not any("gate_up_proj" in name for name in on_disk)
+    state = load_state_dict(tiny_moe)
+    assert state["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 2 * 64, 128)
+    assert state["model.layers.1.mlp.experts.down_proj"].shape == (8, 128, 64)
+    with safe_open(str(tiny_moe / "model.safetensors"), "pt") as f:
+        gate, up = f.get_tensor("model.layers.1.mlp.experts.3.gate_proj.weight"), f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight")
+    assert torch.equal(state["model.layers.1.mlp.experts.gate_up_proj"][3], torch.cat([gate, up]))  # gate rows first
+
+
+def test_saved_weights_load_back_into_transformers(tiny_moe, tmp_path):
+    """A folder written through `save_state_dict` (what published `weights/step_N` are) is one transformers reads."""
+    model = load_causal_lm(str(tiny_moe))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    config = json.loads((tiny_moe / "config.json").read_text())
+    out = tmp_path / "step_1"
+    save_state_dict(model.state_dict(), out, config)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((tiny_moe / name).read_bytes())
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids, positions = packed_row(260, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids, position_ids=positions, use_cache=False).logits,
+                                   model.lm_head(model(ids, positions)), atol=1e-5, rtol=0)
+
+
+def test_permute_groups_tokens_by_expert_and_unpermute_sums_their_copies():
+    expert_ids = torch.tensor([[2, 0], [0, 1], [2, 1]])
+    order, counts = permute(expert_ids, num_experts=4)
+    assert counts.tolist() == [2, 2, 2, 0]
+    assert (expert_ids.reshape(-1)[order]).tolist() == [0, 0, 1, 1, 2, 2]
+    x = torch.randn(3, 5)
+    rows = x[order // 2]  # identity experts
+    weights = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 2.0]])
+    torch.testing.assert_close(unpermute(rows, order, weights), x * weights.sum(1, keepdim=True))
+
+
+def test_grouped_experts_compute_each_experts_swiglu():
+    experts = GroupedExperts(num_experts=3, hidden_size=8, intermediate_size=4)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    counts = torch.tensor([2, 0, 3])
+    x = torch.randn(5, 8)
+    expected = []
+    for row, e in zip(x, [0, 0, 2, 2, 2]):
+        gate, up = experts.gate_up_proj[e][:4] @ row, experts.gate_up_proj[e][4:] @ row
+        expected.append(experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(experts(x, counts), torch.stack(expected))
