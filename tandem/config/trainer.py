@@ -163,6 +163,11 @@ class ParallelConfig(Section):
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter."""
 
+    ep: int = Field(1, ge=1)
+    """Expert parallelism: ranks each MoE block's routed experts are split over (all-to-all token
+    dispatch). EP borrows data-parallel ranks: it must divide the world size and the model's
+    `num_experts`. 1: every rank holds every expert (FSDP-sharded like any weight)."""
+
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     """Recompute activations in backward to save memory."""
 

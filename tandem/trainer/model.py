@@ -6,8 +6,8 @@ models attend through `DocumentCausalAttention` (document lengths from the batch
 run the trainer's block forward (`tandem.trainer.block`: compiled halves, selective recompute).
 
 Loading (`build_policy`):
-- native models (Qwen3): built on the meta device, activation checkpointing and FSDP applied,
-  then `to_empty` on the target device, then each rank copies only its shard out of the
+- native models (Qwen3, Qwen3-MoE): built on the meta device, activation checkpointing, expert
+  parallelism (`parallel.ep` > 1) and FSDP applied, then `to_empty` on the target device, then each rank copies only its shard out of the
   (memory-mapped) safetensors. No rank ever holds the whole model in memory, so this scales to
   models larger than one device.
 - anything else falls back to transformers' model (`HFCausalLM`), loaded whole on the CPU, then
@@ -33,7 +33,8 @@ from tandem.models.weights import load_state_dict
 from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpoint
-from tandem.trainer.parallel.dims import ParallelDims
+from tandem.trainer.parallel.dims import EP, ParallelDims
+from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp
 
 
@@ -130,14 +131,26 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     elif checkpointing.mode == "selective":  # transformers' blocks cannot be split at attention
         checkpointing = ActivationCheckpointConfig(mode="full")
     apply_activation_checkpoint(policy.blocks, checkpointing)
+    if dims.ep_size > 1:
+        apply_expert_parallel_to(policy, hf_config, dims, str(folder / "config.json"))
     apply_fsdp(policy, policy.blocks, dims.mesh, param_dtype=compute_dtype(model, dims.device),
-               reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward)
+               reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward,
+               expert_mesh=dims.expert_mesh)
     if is_native(hf_config):
         policy.to_empty(device=dims.device)
         if getattr(lm.args, "tie_word_embeddings", False) and lm.lm_head.weight is not lm.model.embed_tokens.weight:
             raise RuntimeError("FSDP untied the embeddings of a tied model; this torch version needs a re-tie step")
         load_shards(policy, load_state_dict(folder))
     return policy.train(), hf_config
+
+
+def apply_expert_parallel_to(policy: PolicyModel, hf_config: dict, dims: ParallelDims, source: str) -> None:
+    """`parallel.ep` > 1: split the routed experts of a native MoE model over the `ep` axis."""
+    check_expert_parallel(dims.ep_size, hf_config, source)
+    if not policy.native or not moe_blocks(policy.blocks):
+        raise ValueError(f"`parallel.ep` = {dims.ep_size} needs a mixture of experts tandem runs natively; {source} has "
+                         f"model_type {hf_config.get('model_type')!r} (transformers fallback); set `parallel.ep` = 1")
+    apply_expert_parallel(policy.blocks, dims.expert_mesh[EP])
 
 
 def load_shards(policy: PolicyModel, state: dict[str, torch.Tensor]) -> None:

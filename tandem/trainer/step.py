@@ -112,11 +112,20 @@ def evaluate(model: PolicyModel, micro_batches: list[MicroBatch], objective: Obj
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the (sharded) gradients, clipped to `max_norm` when it is > 0 and finite."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(norm, DTensor):  # sharded grads: the local norms are combined over the mesh
-        norm = norm.full_tensor()
+    """Global L2 norm of the (sharded) gradients, clipped to `max_norm` when it is > 0 and finite.
+
+    Gradients on different device meshes (expert parallelism puts the routed experts on their own
+    mesh) cannot meet in one DTensor op: each mesh's norm is completed over its mesh, then combined."""
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # local norms combined over the mesh
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0 and torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.detach().float().cpu()
