@@ -194,6 +194,20 @@ class KernelsConfig(Section):
         return self
 
 
+class RouterConfig(Section):
+    """Load balancing of mixture-of-experts routers (router statistics are always logged for MoE models)."""
+
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the load-balancing loss, alpha * sum_e f_e * P_e per MoE block (f_e: tokens of expert
+    e times E / (k N); P_e: its mean router score), summed over blocks. 0 (default): off, as RL
+    usually keeps the routing of the policy that sampled."""
+
+    bias_update_rate: float = Field(0.0, ge=0)
+    """Auxiliary-loss-free balancing (DeepSeek-V3) for routers with `e_score_correction_bias` (GLM-4.5,
+    MiniMax-M2): after each step, bias += rate * sign(mean load - load) over the step's tokens of all
+    ranks (DeepSeek-V3 used 1e-3). 0 (default): the bias stays as loaded."""
+
+
 class CkptConfig(Section):
     enabled: bool = False
     """Write a DCP checkpoint (model, optimizer, scheduler, data position, RNG) every `interval` steps."""
@@ -243,6 +257,9 @@ class TrainingProcessConfig(ProcessConfig):
 
     kernels: KernelsConfig = KernelsConfig()
     """Compilation and attention kernels."""
+
+    router: RouterConfig = RouterConfig()
+    """Load balancing of MoE routers."""
 
 
 class RolloutDataConfig(Section):

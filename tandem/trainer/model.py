@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tandem.config.base import ModelConfig
-from tandem.config.trainer import ActivationCheckpointConfig, KernelsConfig, ParallelConfig
+from tandem.config.trainer import ActivationCheckpointConfig, KernelsConfig, ParallelConfig, RouterConfig
 from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
@@ -36,6 +36,7 @@ from tandem.trainer.parallel.activation_checkpoint import apply_activation_check
 from tandem.trainer.parallel.dims import EP, ParallelDims
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp
+from tandem.trainer.router import RouterMonitor, build_router_monitor
 
 
 @dataclass
@@ -58,6 +59,8 @@ class PolicyModel(nn.Module):
         self.compile_head = compile_head
         self.sdpa_backends = sdpa_backends
         self.native = not isinstance(lm, HFCausalLM)
+        self.router: RouterMonitor | None = None
+        """Statistics and load balancing of the MoE routers (None for a dense model)."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -113,9 +116,9 @@ def should_compile(kernels: KernelsConfig, device: torch.device) -> bool:
 
 
 def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, chunk_size: int,
-                 kernels: KernelsConfig = KernelsConfig()) -> tuple[PolicyModel, dict]:
-    """Load `model.name`, apply the training blocks, activation checkpointing and FSDP; returns the
-    model and its config.json."""
+                 kernels: KernelsConfig = KernelsConfig(), router: RouterConfig = RouterConfig()) -> tuple[PolicyModel, dict]:
+    """Load `model.name`, apply the training blocks, activation checkpointing, expert parallelism, FSDP
+    and the router hooks; returns the model and its config.json."""
     folder = resolve_model_path(model.name)
     hf_config = read_hf_config(folder)
     native = is_native(hf_config)
@@ -141,6 +144,8 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         if getattr(lm.args, "tie_word_embeddings", False) and lm.lm_head.weight is not lm.model.embed_tokens.weight:
             raise RuntimeError("FSDP untied the embeddings of a tied model; this torch version needs a re-tie step")
         load_shards(policy, load_state_dict(folder))
+    policy.router = build_router_monitor(policy.blocks, router.aux_loss_coef, router.bias_update_rate, dims.device,
+                                         str(folder / "config.json"))
     return policy.train(), hf_config
 
 

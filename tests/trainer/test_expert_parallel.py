@@ -62,6 +62,8 @@ def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe
     assert len(set(ref.values())) == 3  # the trajectory moves
     assert losses(ep2) == pytest.approx(ref, abs=1e-5)
     assert [m["grad_norm"] for m in metrics(ep2)] == pytest.approx([m["grad_norm"] for m in metrics(one)], abs=1e-5)
+    # Router statistics are summed over the 4 ranks: the same counts as one rank holding every row.
+    assert [m["router/tokens_per_expert"] for m in metrics(ep2)] == [m["router/tokens_per_expert"] for m in metrics(one)]
     assert_same_weights(one, ep2, step=3)
 
     # EP = 2's checkpoint of step 1, resumed at EP = 4 (4 ranks) and at EP = 1 (one rank).
