@@ -109,3 +109,20 @@ def test_bias_update_needs_a_router_with_a_bias(tiny_moe_model, tmp_path):
     with pytest.raises(ValueError, match=r"`router.bias_update_rate` = 0.001 but the routers of test have no"):
         build_router_monitor(nn.ModuleList([SparseBlock(MoEArgs(num_experts=4, top_k=1, hidden_size=8, intermediate_size=4))]),
                              0.0, 1e-3, torch.device("cpu"), "test")
+
+
+def test_active_parameters_count_k_of_e_routed_experts(tiny_moe_model):
+    """MFU's P_active for tiny-moe: every parameter of transformers' model, less 6 of each block's 8 experts."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tandem.models.loading import build_native
+    from tandem.trainer.flops import active_params
+
+    config = AutoConfig.from_pretrained(tiny_moe_model)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    H, I, E, k = config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
+    inactive = config.num_hidden_layers * (E - k) * 3 * H * I  # gate, up and down of each idle expert
+    assert active_params(build_native(json.loads((tiny_moe_model / "config.json").read_text()))) == total - inactive
