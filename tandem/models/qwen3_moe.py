@@ -18,7 +18,7 @@ from tandem.models.moe import MoE, MoEArgs
 from tandem.models.qwen3 import Qwen3Args, qwen3_fields, qwen3_layer
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Qwen3MoeArgs(Qwen3Args):
     num_experts: int = 128
     num_experts_per_tok: int = 8

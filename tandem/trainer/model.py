@@ -136,21 +136,22 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         policy.to_empty(device=dims.device)
         if getattr(lm.args, "tie_word_embeddings", False) and lm.lm_head.weight is not lm.model.embed_tokens.weight:
             raise RuntimeError("FSDP untied the embeddings of a tied model; this torch version needs a re-tie step")
-        load_shards(policy, load_state_dict(folder))
+        load_shards(policy, load_state_dict(folder), source=str(folder))
     return policy.train(), hf_config
 
 
-def load_shards(policy: PolicyModel, state: dict[str, torch.Tensor]) -> None:
-    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter."""
+def load_shards(policy: PolicyModel, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter; errors name
+    `source`, the folder `state` was read from."""
     params = policy.hf_named_parameters()
     missing = [name for name, _ in params if name not in state]
     if missing:
-        raise KeyError(f"the model folder's weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise KeyError(f"the weights in {source} lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():
         for name, param in params:
             full = state[name]
             if tuple(full.shape) != tuple(param.shape):
-                raise ValueError(f"shape mismatch for {name}: model {tuple(param.shape)}, weights {tuple(full.shape)}")
+                raise ValueError(f"{source}: shape mismatch for {name}: model {tuple(param.shape)}, weights {tuple(full.shape)}")
             full = full.to(device=param.device, dtype=param.dtype)
             if isinstance(param, DTensor):
                 # src_data_rank=None: every rank read the full tensor itself, so no scatter is needed.
