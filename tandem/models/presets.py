@@ -33,6 +33,16 @@ PRESETS: dict[str, dict] = {
     "tiny-moe": dict(model_type="qwen3_moe", vocab_size=VOCAB_SIZE, intermediate_size=384, num_hidden_layers=2,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[], **_TINY_ATTENTION),
+    # GLM-4.5's routing at a CPU size: dense first block, 8 experts in 4 groups (2 chosen), 2 per token, 1 shared.
+    "tiny-glm4-moe": dict(model_type="glm4_moe", vocab_size=VOCAB_SIZE, intermediate_size=192, num_hidden_layers=3,
+                          moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                          n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                          attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=0,
+                          rope_parameters=dict(partial_rotary_factor=0.5), **_TINY_ATTENTION),
+    # MiniMax-M2's block at a CPU size: 8 experts, 2 per token, q/k norms over all heads, half the head rotary.
+    "tiny-minimax-m2": dict(model_type="minimax_m2", vocab_size=VOCAB_SIZE, intermediate_size=32, num_hidden_layers=2,
+                            num_local_experts=8, num_experts_per_tok=2, rope_parameters=dict(partial_rotary_factor=0.5),
+                            **_TINY_ATTENTION),
     # The real Qwen3-30B-A3B shape (48 layers, 128 experts, 8 per token).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,

@@ -40,18 +40,9 @@ def assert_matches_transformers(folder) -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-TINY = dict(vocab_size=260, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-            max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10_000.0, dtype="float32")
-
-PRESET_TINY_MOE = PRESETS["tiny-moe"]
-
-TINY_GLM = dict(model_type="glm4_moe", num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
-                n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                norm_topk_prob=True, first_k_dense_replace=1, attention_bias=True, use_qk_norm=False,
-                num_nextn_predict_layers=0, rope_parameters=dict(partial_rotary_factor=0.5), **TINY)
-
-TINY_MINIMAX = dict(model_type="minimax_m2", num_hidden_layers=2, intermediate_size=32, num_local_experts=8,
-                    num_experts_per_tok=2, rope_parameters=dict(partial_rotary_factor=0.5), **TINY)
+TINY_MOE = PRESETS["tiny-moe"]
+TINY_GLM = PRESETS["tiny-glm4-moe"]
+TINY_MINIMAX = PRESETS["tiny-minimax-m2"]
 
 
 def write_with_random_biases(shape: dict, out):
@@ -163,8 +154,8 @@ def test_grouped_experts_compute_each_experts_swiglu():
     ("minimax_m2", "quantization_config", {"quant_method": "fp8"}),
 ])
 def test_unsupported_config_values_name_the_field_and_file(model_type, field, value, tmp_path):
-    shape = {"qwen3_moe": dict(PRESET_TINY_MOE), "qwen3": dict(PRESET_TINY_MOE, model_type="qwen3"),
-             "glm4_moe": dict(TINY_GLM), "minimax_m2": dict(TINY_MINIMAX)}[model_type]
+    shape = {"qwen3_moe": TINY_MOE, "qwen3": dict(TINY_MOE, model_type="qwen3"), "glm4_moe": TINY_GLM,
+             "minimax_m2": TINY_MINIMAX}[model_type]
     folder = write_model(shape_config(shape), tmp_path / "m", weights=False)
     config = json.loads((folder / "config.json").read_text())
     config[field] = value
