@@ -7,6 +7,7 @@ expert and projection, with names each family chose (`ExpertLayout`), and transf
 them back that way. `weights.load_state_dict` and `weights.save_state_dict` call `to_memory` and
 `to_disk`, so every reader and writer of a model folder (`tandem model init`, the trainer's
 loading and published `weights/step_N`, the engine's loading and weight updates) agrees.
+Stacking copies: while a folder is loaded, its experts exist once more in host memory.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from tandem.models.hub import resolve_model_path
 from tandem.models.glm4_moe import Glm4MoeArgs, Glm4MoeForCausalLM
 from tandem.models.hf_config import UnsupportedConfig
 from tandem.models.minimax_m2 import MiniMaxM2Args, MiniMaxM2ForCausalLM
+from tandem.models.moe import keep_routers_fp32
 from tandem.models.qwen3 import Qwen3Args, Qwen3ForCausalLM
 from tandem.models.qwen3_moe import Qwen3MoeArgs, Qwen3MoeForCausalLM
 from tandem.models.weights import load_state_dict
@@ -57,7 +58,9 @@ def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: to
     with torch.device(device):
         model = model_cls(args)
     model.hf_config = hf_config
-    return model.to(dtype)
+    model.to(dtype)
+    keep_routers_fp32(model)
+    return model
 
 
 def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True, source: str | None = None) -> None:

@@ -6,10 +6,11 @@ models attend through `DocumentCausalAttention` (document lengths from the batch
 run the trainer's block forward (`tandem.trainer.block`: compiled halves, selective recompute).
 
 Loading (`build_policy`):
-- native models (Qwen3): built on the meta device, activation checkpointing and FSDP applied,
-  then `to_empty` on the target device, then each rank copies only its shard out of the
-  (memory-mapped) safetensors. No rank ever holds the whole model in memory, so this scales to
-  models larger than one device.
+- native models (`tandem.models.loading.NATIVE`): built on the meta device, activation
+  checkpointing and FSDP applied, then `to_empty` on the target device, then each rank copies
+  only its shard out of the (memory-mapped) safetensors. No rank ever holds the whole model in
+  device memory, so this scales to models larger than one device (host memory does hold the
+  experts of a mixture of experts whole while they are stacked: `tandem.models.checkpoint`).
 - anything else falls back to transformers' model (`HFCausalLM`), loaded whole on the CPU, then
   sharded; FSDP moves the shards to the device. Packed rows still never attend across samples:
   transformers derives a block-diagonal mask from position ids when no attention mask is given.

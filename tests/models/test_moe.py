@@ -185,3 +185,14 @@ def test_a_missing_expert_names_its_tensor(tiny_moe, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(KeyError, match="lacks model.layers.1.mlp.experts.7.up_proj.weight"):
         load_state_dict(folder)
+
+
+def test_glm_routers_stay_fp32_in_a_bf16_model(tmp_path):
+    """As transformers and vLLM keep them: the router weight and score bias choose experts in fp32."""
+    folder = write_model(shape_config(TINY_GLM), tmp_path / "m")
+    model = load_causal_lm(str(folder), "cpu", "bfloat16")
+    router = model.layers[1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None]).dtype == torch.bfloat16
