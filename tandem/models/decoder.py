@@ -118,7 +118,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); `mlp` is any `FeedForward`."""
 
-    def __init__(self, layer_idx: int, attention: Attention, mlp: nn.Module, hidden_size: int, eps: float):
+    def __init__(self, layer_idx: int, attention: Attention, mlp: FeedForward, hidden_size: int, eps: float):
         super().__init__()
         self.layer_idx = layer_idx
         self.eps = eps

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.models.hub import resolve_model_path
 from tandem.models.glm4_moe import Glm4MoeArgs, Glm4MoeForCausalLM
 from tandem.models.hf_config import UnsupportedConfig
+from tandem.models.hub import resolve_model_path
 from tandem.models.minimax_m2 import MiniMaxM2Args, MiniMaxM2ForCausalLM
 from tandem.models.moe import keep_routers_fp32
 from tandem.models.qwen3 import Qwen3Args, Qwen3ForCausalLM
