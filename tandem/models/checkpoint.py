@@ -31,17 +31,16 @@ class ExpertLayout:
 
 EXPERT_LAYOUTS = {"qwen3_moe": ExpertLayout(), "glm4_moe": ExpertLayout(),
                   "minimax_m2": ExpertLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
-"""model_type -> its on-disk layout; any other family uses `ExpertLayout()` (Qwen2-MoE's names)."""
-
-
-def layout_of(model_type: str | None) -> ExpertLayout:
-    return EXPERT_LAYOUTS.get(model_type or "", ExpertLayout())
+"""model_type -> its on-disk layout, for the native mixture-of-experts families. Other families'
+tensors pass unchanged: a transformers fallback model publishes and reloads its own in-memory names."""
 
 
 def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
     """On-disk names -> in-memory names: per-expert tensors stacked, the block renamed `mlp`, the
     multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`, after the last block) left out."""
-    layout = layout_of(hf_config.get("model_type"))
+    layout = EXPERT_LAYOUTS.get(hf_config.get("model_type", ""))
+    if layout is None:
+        return state
     state = {name: t for name, t in state.items() if not _is_mtp_layer(name, hf_config)}
     if layout.block != "mlp":
         state = {name.replace(f".{layout.block}.", ".mlp."): t for name, t in state.items()}
@@ -81,7 +80,9 @@ def _stack(tensors: dict[int, torch.Tensor], count: int, name: str) -> torch.Ten
 def to_disk(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
     """In-memory names -> on-disk names: stacked experts split into one tensor per expert (copies,
     as safetensors stores no shared memory), the block renamed as the family names it."""
-    layout = layout_of(hf_config.get("model_type"))
+    layout = EXPERT_LAYOUTS.get(hf_config.get("model_type", ""))
+    if layout is None:
+        return state
     out = {}
     for name, tensor in state.items():
         disk_name = name.replace(".mlp.", f".{layout.block}.")

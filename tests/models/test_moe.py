@@ -196,3 +196,17 @@ def test_glm_routers_stay_fp32_in_a_bf16_model(tmp_path):
     assert model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None]).dtype == torch.bfloat16
+
+
+def test_glm_multi_token_prediction_layers_are_left_out_and_nothing_else(tmp_path):
+    """GLM-4.5 checkpoints hold `num_nextn_predict_layers` extra blocks after the last one, which the
+    causal LM does not use; a tensor past them is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_model(shape_config(dict(TINY_GLM, num_nextn_predict_layers=1)), tmp_path / "m")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file(dict(tensors, **{"model.layers.3.eh_proj.weight": torch.zeros(2, 2)}), str(folder / "model.safetensors"))
+    assert "model.layers.3.eh_proj.weight" not in load_causal_lm(str(folder)).state_dict()
+    save_file(dict(tensors, **{"model.layers.4.eh_proj.weight": torch.zeros(2, 2)}), str(folder / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"unexpected \['model.layers.4.eh_proj.weight'\]"):
+        load_causal_lm(str(folder))
