@@ -37,13 +37,17 @@ class DecoderArgs:
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
+    """Query heads (Hq)."""
     num_key_value_heads: int
+    """Key/value heads (Hkv), shared by Hq / Hkv query heads each."""
     head_dim: int
     rms_norm_eps: float = 1e-6
+    """Epsilon of every RMS norm of the model."""
     rope_theta: float = 1_000_000.0
     partial_rotary_factor: float = 1.0
     """Fraction of each head's features that RoPE rotates (the first ones)."""
     tie_word_embeddings: bool = False
+    """The LM head is the embedding matrix."""
     max_position_embeddings: int = 40960
 
     @property

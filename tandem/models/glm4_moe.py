@@ -28,25 +28,32 @@ class Glm4MoeArgs(DecoderArgs):
     intermediate_size: int
     """Hidden features of the dense blocks' SwiGLU."""
     moe_intermediate_size: int
+    """Hidden features of each routed expert's SwiGLU (and of each shared expert)."""
     n_routed_experts: int
     n_shared_experts: int
     num_experts_per_tok: int
     n_group: int = 1
+    """Groups the routed experts are split into; a token chooses among its `topk_group` best groups."""
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    """Multiplies the routing weights."""
     norm_topk_prob: bool = True
+    """Renormalize the chosen experts' sigmoid scores to sum to 1."""
     first_k_dense_replace: int = 1
+    """The first this many blocks are dense."""
     attention_bias: bool = False
     """Biases on the q, k and v projections (o has none)."""
     use_qk_norm: bool = False
+    """RMS norms on each head of q and k."""
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Glm4MoeArgs":
         """Read a GLM-4.5 `config.json`; unsupported values raise `UnsupportedConfig`."""
         hf = transformers_config(config)
-        if hf.n_routed_experts % hf.n_group or not 1 <= hf.topk_group <= hf.n_group:
-            raise UnsupportedConfig("n_group", hf.n_group, f"must divide n_routed_experts = {hf.n_routed_experts} "
-                                    f"and be at least topk_group = {hf.topk_group}")
+        groups_fit = hf.n_routed_experts % hf.n_group == 0 and (hf.n_group == 1 or hf.n_routed_experts // hf.n_group >= 2)
+        if not groups_fit or not 1 <= hf.topk_group <= hf.n_group:
+            raise UnsupportedConfig("n_group", hf.n_group, f"must split n_routed_experts = {hf.n_routed_experts} into groups "
+                                    f"of 2 or more experts and be at least topk_group = {hf.topk_group}")
         return cls(**decoder_fields(hf), intermediate_size=hf.intermediate_size, moe_intermediate_size=hf.moe_intermediate_size,
                    n_routed_experts=hf.n_routed_experts, n_shared_experts=hf.n_shared_experts,
                    num_experts_per_tok=hf.num_experts_per_tok, n_group=hf.n_group, topk_group=hf.topk_group,

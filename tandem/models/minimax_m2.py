@@ -26,6 +26,7 @@ class MiniMaxM2Args(DecoderArgs):
     intermediate_size: int
     """Hidden features of each expert's SwiGLU."""
     num_local_experts: int
+    """Experts per block (every block is sparse)."""
     num_experts_per_tok: int
 
     @classmethod
