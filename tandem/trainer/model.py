@@ -6,10 +6,12 @@ models attend through `DocumentCausalAttention` (document lengths from the batch
 run the trainer's block forward (`tandem.trainer.block`: compiled halves, selective recompute).
 
 Loading (`build_policy`):
-- native models (Qwen3, Qwen3-MoE): built on the meta device, activation checkpointing, expert
-  parallelism (`parallel.ep` > 1) and FSDP applied, then `to_empty` on the target device, then each rank copies only its shard out of the
-  (memory-mapped) safetensors. No rank ever holds the whole model in memory, so this scales to
-  models larger than one device.
+- native models (`tandem.models.loading.NATIVE`): built on the meta device, activation
+  checkpointing, expert parallelism (`parallel.ep` > 1) and FSDP applied, then `to_empty` on the
+  target device, then each rank copies only its shard out of the (memory-mapped) safetensors. No
+  rank ever holds the whole model in device memory, so this scales to models larger than one
+  device (host memory does hold the experts of a mixture of experts whole while they are
+  stacked: `tandem.models.checkpoint`).
 - anything else falls back to transformers' model (`HFCausalLM`), loaded whole on the CPU, then
   sharded; FSDP moves the shards to the device. Packed rows still never attend across samples:
   transformers derives a block-diagonal mask from position ids when no attention mask is given.
@@ -143,7 +145,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         policy.to_empty(device=dims.device)
         if getattr(lm.args, "tie_word_embeddings", False) and lm.lm_head.weight is not lm.model.embed_tokens.weight:
             raise RuntimeError("FSDP untied the embeddings of a tied model; this torch version needs a re-tie step")
-        load_shards(policy, load_state_dict(folder))
+        load_shards(policy, load_state_dict(folder), source=str(folder))
     policy.router = build_router_monitor(policy.blocks, router.aux_loss_coef, router.bias_update_rate, dims.device,
                                          str(folder / "config.json"))
     return policy.train(), hf_config
@@ -158,17 +160,18 @@ def apply_expert_parallel_to(policy: PolicyModel, hf_config: dict, dims: Paralle
     apply_expert_parallel(policy.blocks, dims.expert_mesh[EP])
 
 
-def load_shards(policy: PolicyModel, state: dict[str, torch.Tensor]) -> None:
-    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter."""
+def load_shards(policy: PolicyModel, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter; errors name
+    `source`, the folder `state` was read from."""
     params = policy.hf_named_parameters()
     missing = [name for name, _ in params if name not in state]
     if missing:
-        raise KeyError(f"the model folder's weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise KeyError(f"the weights in {source} lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():
         for name, param in params:
             full = state[name]
             if tuple(full.shape) != tuple(param.shape):
-                raise ValueError(f"shape mismatch for {name}: model {tuple(param.shape)}, weights {tuple(full.shape)}")
+                raise ValueError(f"{source}: shape mismatch for {name}: model {tuple(param.shape)}, weights {tuple(full.shape)}")
             full = full.to(device=param.device, dtype=param.dtype)
             if isinstance(param, DTensor):
                 # src_data_rank=None: every rank read the full tensor itself, so no scatter is needed.

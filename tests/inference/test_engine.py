@@ -62,12 +62,14 @@ def test_logprobs_match_a_teacher_forced_pass(tiny_dir, tiny_model, settings, ov
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_mixture_of_experts_logprobs_match_a_teacher_forced_pass(tiny_moe_dir):
-    """A sparse model runs through the paged path (chunked prefills, batched decodes) as it is."""
+@pytest.mark.parametrize("folder", ["tiny_moe_dir", "tiny_glm_dir"])
+def test_mixture_of_experts_logprobs_match_a_teacher_forced_pass(folder, request):
+    """Sparse models run through the paged path (chunked prefills, batched decodes) as they are."""
     from tandem.models.loading import load_causal_lm
 
-    engine = engine_for(tiny_moe_dir, num_blocks=24, max_num_batched_tokens=48, max_model_len=160)
-    model = load_causal_lm(str(tiny_moe_dir))
+    folder = request.getfixturevalue(folder)
+    engine = engine_for(folder, num_blocks=24, max_num_batched_tokens=48, max_model_len=160)
+    model = load_causal_lm(str(folder))
     rng = random.Random(1)
     requests = {}
     for i in range(6):

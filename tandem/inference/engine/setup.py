@@ -1,7 +1,7 @@
 """Build an `LLMEngine` from the config: device, model, tokenizer, KV-cache size, runner.
 
-Native models (tandem's Qwen3) get the paged KV cache; any other architecture loads through
-transformers and runs on the recompute path. On CUDA the cache takes what `memory_fraction`
+Native models (`tandem.models.loading.NATIVE`: Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) get the
+paged KV cache; any other architecture loads through transformers and runs on the recompute path. On CUDA the cache takes what `memory_fraction`
 leaves after the weights and the activations of a full-budget warmup step.
 """
 
