@@ -23,10 +23,11 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.slow
-def test_expert_parallel_sizes_give_the_gradients_of_ep_1(tiny_moe_model, tmp_path):
+@pytest.mark.parametrize("model", ["tiny_moe_model", "tiny_glm_model"])  # GLM: shared expert, grouped sigmoid router
+def test_expert_parallel_sizes_give_the_gradients_of_ep_1(model, request, tmp_path):
     out = tmp_path / "grads.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(HERE / "ep_gradients.py"), str(tiny_moe_model), str(out)]
+           str(HERE / "ep_gradients.py"), str(request.getfixturevalue(model)), str(out)]
     result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = torch.load(out, weights_only=False)
@@ -76,6 +77,22 @@ def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe
         assert sorted(losses(out)) == [2, 3]
         assert losses(out) == pytest.approx({s: ref[s] for s in (2, 3)}, abs=1e-5), name
         assert_same_weights(one, out, step=3)
+
+
+@pytest.mark.slow
+def test_bias_update_is_the_same_on_two_expert_parallel_ranks_as_on_one(tiny_minimax_model, tmp_path):
+    """MiniMax-M2's block-level score correction bias, updated from the load of all ranks."""
+    common = ["--model.name", str(tiny_minimax_model), "--data.fake", "--data.fake-rows", "2", "--max-steps", "2",
+              "--seq-len", "32", "--device", "cpu", "--router.bias-update-rate", "0.01"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_trainer(*common, "--output-dir", str(one)) == 0
+    result = torchrun_trainer(*common, "--output-dir", str(two), "--parallel.ep", "2", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    wa, wb = (load_file(weights_dir(run, 2) / "model.safetensors") for run in (one, two))
+    biases = [k for k in wa if k.endswith("e_score_correction_bias")]
+    assert biases and all(wa[k].abs().max() > 0 for k in biases)  # the update moved them
+    for k in biases:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=0)
 
 
 def assert_same_weights(a: Path, b: Path, step: int) -> None:

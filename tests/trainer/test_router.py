@@ -66,6 +66,24 @@ def test_router_statistics_and_balance_loss_match_transformers(tiny_moe_model, t
         assert layer.mlp.gate.weight.grad.abs().max() > 1e-4
 
 
+def test_bias_update_in_training_follows_the_logged_load(tiny_minimax_model, tmp_path):
+    """One step with `router.bias_update_rate`: each block's bias moves by rate * sign(mean load - load)."""
+    from tandem.models.weights import load_state_dict
+
+    rate = 0.01
+    assert run_trainer("--model.name", str(tiny_minimax_model), "--data.fake", "--data.fake-rows", "2", "--max-steps", "1",
+                       "--seq-len", "32", "--router.bias-update-rate", str(rate), "--output-dir", str(tmp_path)) == 0
+    (step,) = metrics(tmp_path)
+    before, after = load_state_dict(tiny_minimax_model), load_state_dict(weights_dir(tmp_path, 1))
+    names = sorted((k for k in before if k.endswith("e_score_correction_bias")), key=lambda k: int(k.split(".")[2]))
+    assert len(names) == len(step["router/tokens_per_expert"]) == 2
+    for name, load in zip(names, step["router/tokens_per_expert"]):
+        load = torch.tensor(load, dtype=torch.float64)
+        expected = before[name] + (rate * torch.sign(load.mean() - load)).to(before[name].dtype)
+        torch.testing.assert_close(after[name], expected)
+        assert not torch.equal(after[name], before[name])
+
+
 class SparseBlock(nn.Module):
     def __init__(self, args: MoEArgs):
         super().__init__()
