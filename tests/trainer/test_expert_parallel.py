@@ -36,6 +36,9 @@ def test_expert_parallel_sizes_give_the_gradients_of_ep_1(model, request, tmp_pa
     expert_names = [n for n in ref["grads"] if "experts" in n]
     assert expert_names and all(ref["grads"][n].abs().max() > 0 for n in expert_names)  # the experts learn
     for ep in (2, 4):
+        assert runs[ep]["published"].keys() == ref["published"].keys()
+        for name, tensor in ref["published"].items():  # gathered from EP shards: the very same weights
+            assert torch.equal(runs[ep]["published"][name], tensor), (ep, name)
         assert runs[ep]["loss"] == pytest.approx(ref["loss"], abs=1e-5)
         assert runs[ep]["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5)
         assert runs[ep]["grads"].keys() == ref["grads"].keys()

@@ -61,11 +61,10 @@ def check_expert_parallel(ep: int, hf_config: dict, source: str) -> None:
                          f"in {source}); pick a divisor of {count}")
 
 
-def apply_expert_parallel(blocks: nn.ModuleList, ep_mesh: DeviceMesh) -> int:
-    """Shard the routed experts of every MoE block over `ep_mesh` and wrap their forward; returns the
-    number of MoE blocks. Call it on the meta-device model, before FSDP."""
-    sparse = moe_blocks(blocks)
-    for moe in sparse:
+def apply_expert_parallel(blocks: nn.ModuleList, ep_mesh: DeviceMesh) -> None:
+    """Shard the routed experts of every MoE block over `ep_mesh` and wrap their forward, in place.
+    Call it on the meta-device model, before FSDP."""
+    for moe in moe_blocks(blocks):
         experts = moe.experts
         local = copy.deepcopy(experts)  # a twin for the local math: outside the module tree, no hooks
         for name, param in list(experts.named_parameters(recurse=False)):
@@ -73,7 +72,6 @@ def apply_expert_parallel(blocks: nn.ModuleList, ep_mesh: DeviceMesh) -> int:
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         local.num_experts = experts.num_experts // ep_mesh.size()
         experts.forward = functools.partial(expert_parallel_forward, experts, local, ep_mesh)
-    return len(sparse)
 
 
 def expert_parallel_forward(experts: nn.Module, local: nn.Module, ep_mesh: DeviceMesh, x: torch.Tensor,
@@ -94,14 +92,14 @@ def expert_parallel_forward(experts: nn.Module, local: nn.Module, ep_mesh: Devic
     return all_to_all_single_autograd(out[back], send_splits, receive_splits, group)
 
 
-def local_weight(param: torch.Tensor, ep: int) -> torch.Tensor:
-    """This rank's experts of a gathered expert weight, their gradient scaled by 1 / ep.
+def local_weight(param: DTensor, ep: int) -> torch.Tensor:
+    """This rank's experts of a gathered expert weight (a DTensor `Shard(0)` over `ep`), their gradient scaled by 1 / ep.
 
     Each expert's gradient sums the tokens of its whole EP group (the backward of the all-to-all)
     and FSDP then averages it over the `efsdp` ranks (world / ep of them), while the loss is
     normalized for an average over all ranks: 1 / ep makes it the gradient every dense weight gets.
     (FSDP's own `set_gradient_divide_factor` would say the same, but gloo lacks its PREMUL_SUM.)"""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = param.to_local()  # a new autograd node per call: the hook lives as long as this forward's graph
     if local.requires_grad:
         local.register_hook(lambda grad: grad / ep)
     return local
