@@ -27,6 +27,7 @@ from torch import nn
 
 from tandem.models.attention import AttentionBackend, PackedCausalAttention
 from tandem.models.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin
+from tandem.models.random_init import initial_value
 
 
 @dataclass(kw_only=True)
@@ -185,13 +186,8 @@ class DecoderLM(nn.Module):
             h = layer(h, cos, sin, backend)
         return self.model.norm(h)
 
-    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """Random init: normal(0, std) matrices, unit norms, zero biases (deterministic given `generator`)."""
-        for name, p in sorted(self.named_parameters()):
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith((".bias", "e_score_correction_bias")):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32, device=p.device).to(p.dtype) * std)
+    def init_weights(self, seed: int = 0) -> None:
+        """Random weights in place (`tandem.models.random_init`: values set by seed, name and device kind)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(initial_value(name, p.shape, seed, p.device).to(p.dtype))

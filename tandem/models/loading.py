@@ -63,6 +63,14 @@ def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: to
     return model
 
 
+def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype, source: str = "config.json") -> nn.Module:
+    """A native model with uninitialized memory on `device` (built on `meta`: no init work), tied again."""
+    model = build_native(hf_config, "meta", dtype, source)
+    model.to_empty(device=device)
+    retie(model)
+    return model
+
+
 def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True, source: str | None = None) -> None:
     """Copy HF-named tensors into `model`; shapes must match; tied lm_head may be absent. Errors
     name `source` (the folder the state came from) where given; nothing is copied unless all fits."""
@@ -82,6 +90,16 @@ def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: 
                 params[name].copy_(tensor)
 
 
+DUMMY_SEED = 0
+"""Seed of `load_format = "dummy"` weights: one value, so trainer and engine make the same model."""
+
+
+def check_load_format(load_format: str, hf_config: dict) -> None:
+    if load_format == "dummy" and not is_native(hf_config):
+        raise ValueError(f"`model.load_format` = 'dummy' needs a native model; {hf_config.get('model_type')!r} loads "
+                         "through transformers, from its weights")
+
+
 def retie(model: nn.Module) -> None:
     """Tie the LM head to the embeddings again where the model is tied (`to_empty` unties them)."""
     if _tied(model):
@@ -94,16 +112,20 @@ def _tied(model: nn.Module) -> bool:
     return bool(getattr(settings, "tie_word_embeddings", False))
 
 
-def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "auto", trust_remote_code: bool = False) -> nn.Module:
-    """Load weights of `name` (folder or hub name) onto `device`: meta init, then weights."""
+def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "auto", trust_remote_code: bool = False,
+                   load_format: str = "safetensors") -> nn.Module:
+    """Load weights of `name` (folder or hub name) onto `device`: meta init, then weights (read,
+    or random ones made on the device with `load_format` "dummy")."""
     folder = resolve_model_path(name)
     hf_config = read_hf_config(folder)
     torch_dtype = resolve_dtype(dtype, device)
+    check_load_format(load_format, hf_config)
     if is_native(hf_config):
-        model = build_native(hf_config, "meta", torch_dtype, source=str(folder / "config.json"))
-        model.to_empty(device=device)
-        retie(model)
-        load_weights_into(model, load_state_dict(folder, device), source=f"the weights in {folder}")
+        model = empty_native(hf_config, device, torch_dtype, source=str(folder / "config.json"))
+        if load_format == "dummy":
+            model.init_weights(DUMMY_SEED)
+        else:
+            load_weights_into(model, load_state_dict(folder, device), source=f"the weights in {folder}")
         return model.eval()
     from tandem.models.hf_fallback import HFCausalLM
 

@@ -3,7 +3,8 @@
 The small presets use the byte tokenizer's vocabulary and learn on a CPU; the real shapes keep
 their family's vocabulary size (the byte tokenizer uses its first 260 ids) so that speed and
 memory are the real model's. Their weights need not be written: `init_model(..., weights=False)`
-writes the config and tokenizer only, and `random_model` builds the weights on the device.
+writes the config and tokenizer only, and `model.load_format = "dummy"` makes the weights on the
+device (`tandem.models.random_init`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from tandem.models.byte_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 
@@ -97,21 +97,9 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"
 """model_type -> the transformers class named in config.json's `architectures`."""
 
 
-def random_model(hf_config: dict, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A native model of `hf_config` with random weights made on `device` (no folder read or written)."""
-    from tandem.models.loading import build_native, retie
-
-    model = build_native(hf_config, "meta", dtype)
-    model.to_empty(device=device)
-    retie(model)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    model.init_weights(generator)
-    return model
-
-
 def init_model(preset: str, out: Path, seed: int = 0, num_layers: int | None = None, weights: bool = True) -> Path:
     """Write a Hugging Face folder (config, safetensors, tokenizer, generation config) for `preset`;
-    `weights=False` leaves the safetensors out (the caller builds weights with `random_model`)."""
+    `weights=False` leaves the safetensors out (load it with `model.load_format = "dummy"`)."""
     return write_model(preset_config(preset, num_layers), out, seed, weights)
 
 
@@ -120,6 +108,7 @@ def write_model(hf_config: dict, out: Path, seed: int = 0, weights: bool = True)
     from transformers import GenerationConfig
 
     from tandem.models.hf_config import transformers_config
+    from tandem.models.loading import empty_native
     from tandem.models.weights import save_state_dict
 
     out = Path(out)
@@ -128,7 +117,8 @@ def write_model(hf_config: dict, out: Path, seed: int = 0, weights: bool = True)
                      pad_token_id=hf_config["pad_token_id"]).save_pretrained(str(out))
     save_byte_tokenizer(out)
     if weights:
-        model = random_model(hf_config, "cpu", torch.float32, seed)
+        model = empty_native(hf_config, "cpu", torch.float32)
+        model.init_weights(seed)
         torch_dtype = getattr(torch, hf_config["dtype"])
         save_state_dict({k: v.to(torch_dtype) for k, v in model.state_dict().items()}, out, hf_config)
     transformers_config(hf_config).save_pretrained(str(out))

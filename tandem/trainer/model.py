@@ -11,7 +11,9 @@ Loading (`build_policy`):
   target device, then each rank copies only its shard out of the (memory-mapped) safetensors. No
   rank ever holds the whole model in device memory, so this scales to models larger than one
   device (host memory does hold the experts of a mixture of experts whole while they are
-  stacked: `tandem.models.checkpoint`).
+  stacked: `tandem.models.checkpoint`). With `model.load_format = "dummy"` each rank draws each
+  full tensor on its device instead (`tandem.models.random_init`, the engine's values too) and
+  keeps its shard.
 - anything else falls back to transformers' model (`HFCausalLM`), loaded whole on the CPU, then
   sharded; FSDP moves the shards to the device. Packed rows still never attend across samples:
   transformers derives a block-diagonal mask from position ids when no attention mask is given.
@@ -19,6 +21,7 @@ Loading (`build_policy`):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +33,8 @@ from tandem.config.trainer import ActivationCheckpointConfig, KernelsConfig, Par
 from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
-from tandem.models.loading import build_native, is_native, read_hf_config, resolve_dtype
+from tandem.models.loading import DUMMY_SEED, build_native, check_load_format, is_native, read_hf_config, resolve_dtype
+from tandem.models.random_init import RandomWeights
 from tandem.models.weights import load_state_dict
 from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
@@ -123,6 +127,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     and the router hooks; returns the model and its config.json."""
     folder = resolve_model_path(model.name)
     hf_config = read_hf_config(folder)
+    check_load_format(model.load_format, hf_config)
     native = is_native(hf_config)
     if native:
         lm = build_native(hf_config, "meta", torch.float32, source=str(folder / "config.json"))
@@ -145,7 +150,11 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         policy.to_empty(device=dims.device)
         if getattr(lm.args, "tie_word_embeddings", False) and lm.lm_head.weight is not lm.model.embed_tokens.weight:
             raise RuntimeError("FSDP untied the embeddings of a tied model; this torch version needs a re-tie step")
-        load_shards(policy, load_state_dict(folder), source=str(folder))
+        if model.load_format == "dummy":
+            shapes = {name: param.shape for name, param in policy.hf_named_parameters()}
+            load_shards(policy, RandomWeights(shapes, DUMMY_SEED, dims.device), source="the dummy weights")
+        else:
+            load_shards(policy, load_state_dict(folder), source=str(folder))
     policy.router = build_router_monitor(policy.blocks, router.aux_loss_coef, router.bias_update_rate, dims.device,
                                          str(folder / "config.json"))
     return policy.train(), hf_config
@@ -160,7 +169,7 @@ def apply_expert_parallel_to(policy: PolicyModel, hf_config: dict, dims: Paralle
     apply_expert_parallel(policy.blocks, dims.expert_mesh[EP])
 
 
-def load_shards(policy: PolicyModel, state: dict[str, torch.Tensor], source: str) -> None:
+def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: str) -> None:
     """Copy each full HF-named tensor of `state` into this rank's shard of the parameter; errors name
     `source`, the folder `state` was read from."""
     params = policy.hf_named_parameters()

@@ -84,6 +84,18 @@ def test_mixture_of_experts_logprobs_match_a_teacher_forced_pass(folder, request
         assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
 
 
+def test_dummy_weights_serve_a_folder_without_weights(tiny_moe_dir, tmp_path):
+    """`model.load_format = "dummy"` builds `tandem model init`'s weights on the device from a config-only folder."""
+    from tandem.models.presets import init_model
+
+    folder = init_model("tiny-moe", tmp_path / "config-only", weights=False)
+    engine = build_engine(ModelConfig(name=str(folder), load_format="dummy"),
+                          EngineConfig(device="cpu", num_blocks=64, max_model_len=256), seed=0)
+    expected = load_state_dict(tiny_moe_dir)
+    for name, tensor in engine.runner.model.state_dict().items():
+        assert torch.equal(tensor, expected.get(name, expected["model.embed_tokens.weight"])), name  # tied head
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
 def test_n_samples_share_the_prompt_prefill(tiny_dir, overlap):
     engine = engine_for(tiny_dir, overlap)

@@ -87,7 +87,7 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
 def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> LLMEngine:
     device = resolve_device(engine.device)
     folder = resolve_model_path(model_config.name)
-    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
+    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
