@@ -15,8 +15,11 @@ sequences of SEQ_LEN / SAMPLES tokens, half prompt and half completion
 rank trains ROWS / world size of them, so one shape is the same global batch (and the same loss
 trajectory) at every world size; tokens/s is over all ranks, MFU per GPU (the step's FLOPs over
 world size x peak), peak memory rank 0's. Under torchrun give one shape per launch and no
-baseline (the process group lives as long as one run). A model folder of the preset (random weights) is written to a
-temporary folder; every run reads it, and every run of a shape trains on the same rows.
+baseline (the process group lives as long as one run). No weights touch the disk: a folder of the
+preset's config.json and tokenizer is written to a temporary folder, and both runs make the same
+random weights on the device, each tensor drawn from its name (`tandem.models.random_init`:
+tandem's `model.load_format = "dummy"`), so every run of a shape trains the same model on the
+same rows and the first steps of tandem and the baseline agree.
 
 - `tandem`: the real trainer step (`open_session` + `train_step`: FSDP2, the trainer's block
   forward, document attention, fused chunked logprobs, AIPO, AdamW) with the config's defaults
@@ -24,9 +27,9 @@ temporary folder; every run reads it, and every run of a shape trains on the sam
   checkpointing mode, logprob chunk size, SDPA backends). A run that fails while compiled is run
   again with `kernels.compile = off` and both results are kept.
 - `baseline` (`--baseline`, rows of one sequence only): transformers' own model class of the
-  preset (Qwen3ForCausalLM, Qwen3MoeForCausalLM) built from the same config.json with random
-  weights made on the device (seed 0; no folder read: the first-step losses of the two runs differ
-  by their weights), its default experts implementation (grouped GEMM where it can dispatch it),
+  preset (Qwen3ForCausalLM, Qwen3MoeForCausalLM) built from the same config.json on the device,
+  with tandem's random weights (by name: transformers 5's in-memory names are tandem's), its
+  default experts implementation (grouped GEMM where it can dispatch it),
   SDPA attention (at torch's default kernel order) and gradient checkpointing,
   fp32 master weights under bf16 autocast (fp32 everywhere on a CPU), full fp32 logits
   [tokens x vocab] and log_softmax over them, the same AIPO loss on the same rows, torch's AdamW
@@ -68,8 +71,9 @@ from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPOLoss, KernelsConfig, ParallelConfig,
                                    RolloutDataConfig, TrainerConfig)
-from tandem.models.loading import build_native
+from tandem.models.loading import DUMMY_SEED, build_native
 from tandem.models.presets import PRESETS, init_model
+from tandem.models.random_init import initial_value
 from tandem.trainer.batch import MicroBatch
 from tandem.trainer.data import fake_batch
 from tandem.trainer.flops import active_params, model_flops, training_flops
@@ -153,7 +157,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
         checkpointing = {} if args.ac is None else {"activation_checkpoint": ActivationCheckpointConfig(mode=args.ac)}
         parallel = ParallelConfig(ep=args.ep, **checkpointing)
         config = TrainerConfig(
-            model=ModelConfig(name=str(folder), dtype=args.dtype), device=args.device, seq_len=shape.seq_len,
+            model=ModelConfig(name=str(folder), dtype=args.dtype, load_format="dummy"), device=args.device, seq_len=shape.seq_len,
             max_steps=args.warmup + args.steps, output_dir=Path(run_dir), optim=AdamWConfig(lr=1e-6), parallel=parallel,
             data=RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row),
             kernels=kernels, **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
@@ -199,9 +203,11 @@ def run_baseline(folder: Path, shape: Shape, args, peak: float) -> dict:
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     hf_config = json.loads((folder / "config.json").read_text())
     config = AutoConfig.from_pretrained(folder)
-    torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # tandem's dummy weights, drawn on this device from each tensor's name
+        for name, param in model.named_parameters():
+            param.copy_(initial_value(name, param.shape, DUMMY_SEED, device))
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -245,7 +251,7 @@ def run_baseline(folder: Path, shape: Shape, args, peak: float) -> dict:
     flops = model_flops(num_params, hf_config, shape.sequence_lengths)
     out = {"impl": "baseline", "options": {"model_class": type(model).__name__, "attention": "sdpa (default kernel order)",
                                            "experts": getattr(model.config, "_experts_implementation", None),
-                                           "weights": "random on the device (seed 0)", "gradient_checkpointing": True,
+                                           "weights": "tandem's dummy weights, made on the device", "gradient_checkpointing": True,
                                            "logits": "full fp32", "optimizer": "torch AdamW (default implementation)",
                                            "precision": "fp32 master, bf16 autocast" if device.type == "cuda" else "fp32"},
            **timing(times, shape, flops, peak), **memory_figures(device), "active_params": num_params, "losses": losses}
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.replace(args.out)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = init_model(args.preset, Path(tmp) / "model", seed=0, num_layers=args.num_layers)
+        folder = init_model(args.preset, Path(tmp) / "model", seed=0, num_layers=args.num_layers, weights=False)
         if device.type == "cuda" and is_main:
             hf_config = json.loads((folder / "config.json").read_text())
             results["attention_tflops_fwd_bwd"] = {"seq_len": args.shapes[0].seq_len,

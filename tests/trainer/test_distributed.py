@@ -100,3 +100,6 @@ def test_trainer_benchmark_runs_a_moe_preset_beside_transformers(tmp_path):
     assert baseline["options"]["model_class"] == "Qwen3MoeForCausalLM"
     assert tandem["active_params"] == baseline["active_params"]  # one count for both
     assert tandem["tokens_per_s"] > 0 and baseline["tokens_per_s"] > 0 and tandem["peak_memory_gib"] > 0
+    # The same dummy weights, made on the device by name, and the same rows: the same first step.
+    assert baseline["losses"][0]["loss"] == pytest.approx(tandem["losses"][0]["loss"], abs=1e-5)
+    assert baseline["losses"][0]["grad_norm"] == pytest.approx(tandem["losses"][0]["grad_norm"], rel=1e-4)
