@@ -5,6 +5,9 @@
         --baseline 16384:1:2 --out benchmarks/results/trainer-h200-DATE.json
     torchrun --nproc-per-node 4 benchmarks/trainer.py --preset qwen3-0.6b --shapes 16384:1:8 \\
         --out benchmarks/results/trainer-h200x4-DATE.json      # FSDP2 over 4 GPUs, 2 rows a rank
+    python benchmarks/trainer.py --preset qwen3-30b-a3b --num-layers 8 --device cuda --shapes 16384:1:1 \\
+        --baseline 16384:1:1 --out benchmarks/results/trainer-moe-h200-DATE.json   # MoE, cut to 8 blocks
+    torchrun --nproc-per-node 4 benchmarks/trainer.py --preset qwen3-30b-a3b --num-layers 8 --ep 4 --shapes 16384:1:4
 
 A shape `SEQ_LEN:SAMPLES:ROWS` is a step of ROWS rows of SEQ_LEN tokens, each row packing SAMPLES
 sequences of SEQ_LEN / SAMPLES tokens, half prompt and half completion
@@ -12,25 +15,33 @@ sequences of SEQ_LEN / SAMPLES tokens, half prompt and half completion
 rank trains ROWS / world size of them, so one shape is the same global batch (and the same loss
 trajectory) at every world size; tokens/s is over all ranks, MFU per GPU (the step's FLOPs over
 world size x peak), peak memory rank 0's. Under torchrun give one shape per launch and no
-baseline (the process group lives as long as one run). A model folder of the preset (random weights) is written to a
-temporary folder; every run reads it, and every run of a shape trains on the same rows.
+baseline (the process group lives as long as one run). No weights touch the disk: a folder of the
+preset's config.json and tokenizer is written to a temporary folder, and both runs make the same
+random weights on the device, each tensor drawn from its name (`tandem.models.random_init`:
+tandem's `model.load_format = "dummy"`), so every run of a shape trains the same model on the
+same rows and the first steps of tandem and the baseline agree.
 
 - `tandem`: the real trainer step (`open_session` + `train_step`: FSDP2, the trainer's block
   forward, document attention, fused chunked logprobs, AIPO, AdamW) with the config's defaults
   unless a flag says otherwise; the result names the options used (compilation, activation
   checkpointing mode, logprob chunk size, SDPA backends). A run that fails while compiled is run
   again with `kernels.compile = off` and both results are kept.
-- `baseline` (`--baseline`, rows of one sequence only): transformers' Qwen3ForCausalLM from the
-  same folder with SDPA attention (at torch's default kernel order) and gradient checkpointing,
+- `baseline` (`--baseline`, rows of one sequence only): transformers' own model class of the
+  preset (Qwen3ForCausalLM, Qwen3MoeForCausalLM) built from the same config.json on the device,
+  with tandem's random weights (by name: transformers 5's in-memory names are tandem's), its
+  default experts implementation (grouped GEMM where it can dispatch it),
+  SDPA attention (at torch's default kernel order) and gradient checkpointing,
   fp32 master weights under bf16 autocast (fp32 everywhere on a CPU), full fp32 logits
   [tokens x vocab] and log_softmax over them, the same AIPO loss on the same rows, torch's AdamW
   (default implementation) with the same hyper-parameters and gradient clipping.
 
 MFU = model FLOPs / step time / peak FLOP/s, the same count for both (`tandem.trainer.flops`):
 
-    FLOPs per step = 6 * P * (tokens of the step) + sum over sequences of 6 * layers * Hq * D * L^2
+    FLOPs per step = 6 * P_active * (tokens of the step) + sum over sequences of 6 * layers * Hq * D * L^2
+    P_active = all parameters - sum over MoE blocks of (E - k) / E * (routed expert parameters)
 
-P = every parameter (the tied embedding once: it is the LM head's matmul), L = each sequence's
+P_active = the parameters each token goes through (the tied embedding once: it is the LM head's
+matmul; k of the E routed experts of a MoE block; every parameter of a dense model), L = each sequence's
 length: attention counts only the causal sequences actually in the rows, never across packed
 samples. The same per-step count for both runs makes their MFU ratio their tokens/s ratio.
 `mfu_trainer_flops` also gives tandem's MFU over the FLOPs it asks for (the LM head on loss
@@ -60,10 +71,12 @@ from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPOLoss, KernelsConfig, ParallelConfig,
                                    RolloutDataConfig, TrainerConfig)
+from tandem.models.loading import DUMMY_SEED, build_native
 from tandem.models.presets import PRESETS, init_model
+from tandem.models.random_init import initial_value
 from tandem.trainer.batch import MicroBatch
 from tandem.trainer.data import fake_batch
-from tandem.trainer.flops import model_flops, training_flops
+from tandem.trainer.flops import active_params, model_flops, training_flops
 from tandem.trainer.loss import LossInputs, build_loss
 from tandem.trainer.model import compute_dtype, should_compile
 from tandem.trainer.rl.train import rl_objective
@@ -71,6 +84,8 @@ from tandem.trainer.session import open_session, peak_memory_gib
 from tandem.trainer.step import train_step
 
 H100_BF16_PEAK = 989e12
+MFU_FORMULA = ("(6 * P_active * tokens + sum over sequences of 6 * layers * Hq * D * L^2) / step time / peak; "
+               "P_active = all parameters - sum over MoE blocks of (E - k) / E * routed expert parameters")
 
 
 @dataclass(frozen=True)
@@ -139,9 +154,10 @@ def timing(times: list[float], shape: Shape, flops_per_step: float, peak: float,
 def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: float) -> dict:
     """The real trainer step: the config's defaults, or the flags' options."""
     with tempfile.TemporaryDirectory() as run_dir:
-        parallel = ParallelConfig() if args.ac is None else ParallelConfig(activation_checkpoint=ActivationCheckpointConfig(mode=args.ac))
+        checkpointing = {} if args.ac is None else {"activation_checkpoint": ActivationCheckpointConfig(mode=args.ac)}
+        parallel = ParallelConfig(ep=args.ep, **checkpointing)
         config = TrainerConfig(
-            model=ModelConfig(name=str(folder), dtype=args.dtype), device=args.device, seq_len=shape.seq_len,
+            model=ModelConfig(name=str(folder), dtype=args.dtype, load_format="dummy"), device=args.device, seq_len=shape.seq_len,
             max_steps=args.warmup + args.steps, output_dir=Path(run_dir), optim=AdamWConfig(lr=1e-6), parallel=parallel,
             data=RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row),
             kernels=kernels, **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
@@ -150,8 +166,8 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
         try:
             dims, model = session.dims, session.model
             objective = rl_objective(build_loss(config.loss))
-            num_params = sum(p.numel() for p in model.parameters())
-            options = {"compile": should_compile(config.kernels, dims.device),
+            num_params = active_params(model.lm)
+            options = {"ep": dims.ep_size, "compile": should_compile(config.kernels, dims.device),
                        "activation_checkpoint": config.parallel.activation_checkpoint.mode,
                        "logprob_chunk_size": config.logprob_chunk_size, "sdpa_backends": config.kernels.sdpa_backends,
                        "compute_dtype": str(compute_dtype(config.model, dims.device)), "optimizer": "AdamW (fused on CUDA)"}
@@ -173,7 +189,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
                                            shape.sequence_lengths, batch.num_loss_tokens)
             out = {"impl": "tandem", "options": options, **timing(times, shape, flops, peak, dims.world_size),
                    "mfu_trainer_flops": trainer_flops / (sum(times) / len(times)) / (peak * dims.world_size),
-                   **memory_figures(dims.device),
+                   **memory_figures(dims.device), "active_params": num_params,
                    "losses": losses}
         finally:
             session.close()
@@ -182,10 +198,16 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
 
 def run_baseline(folder: Path, shape: Shape, args, peak: float) -> dict:
     """transformers' model, gradient checkpointing, full fp32 logits, torch AdamW: see the docstring."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    hf_config = json.loads((folder / "config.json").read_text())
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # tandem's dummy weights, drawn on this device from each tensor's name
+        for name, param in model.named_parameters():
+            param.copy_(initial_value(name, param.shape, DUMMY_SEED, device))
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -225,12 +247,14 @@ def run_baseline(folder: Path, shape: Shape, args, peak: float) -> dict:
                        "entropy": float(entropy_sum) / batch.num_loss_tokens})
         if step > args.warmup:
             times.append(time.perf_counter() - start)
-    num_params = sum(p.numel() for p in model.parameters())
-    flops = model_flops(num_params, model.config.to_dict(), shape.sequence_lengths)
-    out = {"impl": "baseline", "options": {"attention": "sdpa (default kernel order)", "gradient_checkpointing": True,
+    num_params = active_params(build_native(hf_config))  # counted on tandem's model of the same config (meta device)
+    flops = model_flops(num_params, hf_config, shape.sequence_lengths)
+    out = {"impl": "baseline", "options": {"model_class": type(model).__name__, "attention": "sdpa (default kernel order)",
+                                           "experts": getattr(model.config, "_experts_implementation", None),
+                                           "weights": "tandem's dummy weights, made on the device", "gradient_checkpointing": True,
                                            "logits": "full fp32", "optimizer": "torch AdamW (default implementation)",
                                            "precision": "fp32 master, bf16 autocast" if device.type == "cuda" else "fp32"},
-           **timing(times, shape, flops, peak), **memory_figures(device), "losses": losses}
+           **timing(times, shape, flops, peak), **memory_figures(device), "active_params": num_params, "losses": losses}
     del model, optimizer
     return out
 
@@ -284,6 +308,8 @@ def summary(shape: Shape, result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--num-layers", type=int, default=None, help="cut the preset to this many blocks (one GPU)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of tandem (parallel.ep; under torchrun)")
     parser.add_argument("--shapes", type=Shape.parse, nargs="+", default=[Shape(2048, 4, 4)], help="SEQ_LEN:SAMPLES:ROWS of tandem runs")
     parser.add_argument("--baseline", type=Shape.parse, nargs="*", default=[], help="shapes (one sample per row) of baseline runs")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
@@ -318,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         peak, peak_note = H100_BF16_PEAK, "989e12 dense bf16 (H100/H200 datasheet)"
     else:
         peak, peak_note = measured_cpu_peak(), f"measured fp32 matmul peak of this process, {torch.get_num_threads()} threads"
-    results = {"preset": args.preset, "device": str(device), "peak_tflops": peak / 1e12, "peak_note": peak_note,
+    results = {"preset": args.preset, "num_layers": args.num_layers, "device": str(device), "mfu_formula": MFU_FORMULA, "peak_tflops": peak / 1e12, "peak_note": peak_note,
                "warmup_steps": args.warmup, "environment": environment(device, args.commit), "runs": []}
 
     def record(shape: Shape, result: dict) -> None:
@@ -334,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.replace(args.out)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = init_model(args.preset, Path(tmp) / "model", seed=0)
+        folder = init_model(args.preset, Path(tmp) / "model", seed=0, num_layers=args.num_layers, weights=False)
         if device.type == "cuda" and is_main:
             hf_config = json.loads((folder / "config.json").read_text())
             results["attention_tflops_fwd_bwd"] = {"seq_len": args.shapes[0].seq_len,
@@ -362,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{base['shape']}: tandem / baseline = {ratios[base['shape']]:.2f}x tokens/s", file=sys.stderr)
     results["ratio_to_baseline"] = ratios
     if is_main:
+        print(f"MFU = {MFU_FORMULA}", file=sys.stderr)
         if args.out is not None:
             args.out.write_text(json.dumps(results, indent=1))
         print(json.dumps({k: v for k, v in results.items() if k != "runs"}))

@@ -32,6 +32,7 @@ PROCESSES = ("inference", "orchestrator", "trainer")
 
 SHARED_KEYS: dict[str, tuple[str, ...]] = {
     "model.name": PROCESSES,
+    "model.load_format": PROCESSES,
     "run.name": PROCESSES,
     "seq_len": PROCESSES,
     "max_steps": PROCESSES,

@@ -163,6 +163,11 @@ class ParallelConfig(Section):
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter."""
 
+    ep: int = Field(1, ge=1)
+    """Expert parallelism: ranks each MoE block's routed experts are split over (all-to-all token
+    dispatch). EP borrows data-parallel ranks: it must divide the world size and the model's
+    `num_experts`. 1: every rank holds every expert (FSDP-sharded like any weight)."""
+
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     """Recompute activations in backward to save memory."""
 
@@ -187,6 +192,20 @@ class KernelsConfig(Section):
         if not self.sdpa_backends:
             raise ValueError("`kernels.sdpa_backends` is empty; name at least one of cudnn, flash, efficient, math")
         return self
+
+
+class RouterConfig(Section):
+    """Load balancing of mixture-of-experts routers (router statistics are always logged for MoE models)."""
+
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the load-balancing loss, alpha * sum_e f_e * P_e per MoE block (f_e: tokens of expert
+    e times E / (k N); P_e: its mean router score), summed over blocks. 0 (default): off, as RL
+    usually keeps the routing of the policy that sampled."""
+
+    bias_update_rate: float = Field(0.0, ge=0)
+    """Auxiliary-loss-free balancing (DeepSeek-V3) for routers with `e_score_correction_bias` (GLM-4.5,
+    MiniMax-M2): after each step, bias += rate * sign(mean load - load) over the step's tokens of all
+    ranks (DeepSeek-V3 used 1e-3). 0 (default): the bias stays as loaded."""
 
 
 class TrainerCheckpointConfig(ProcessCheckpointConfig):
@@ -234,6 +253,9 @@ class TrainingProcessConfig(ProcessConfig):
 
     kernels: KernelsConfig = KernelsConfig()
     """Compilation and attention kernels."""
+
+    router: RouterConfig = RouterConfig()
+    """Load balancing of MoE routers."""
 
 
 class RolloutDataConfig(Section):

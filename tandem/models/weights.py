@@ -1,5 +1,7 @@
 """Read and write Hugging Face-named safetensors weights of a model folder.
 
+Tensors are named as the models hold them in memory; experts are converted from and to their
+on-disk layout here (`tandem.models.checkpoint`), the one door every reader and writer goes through.
 Writers are atomic per file (tmp + rename) because another process (the inference server)
 reads these folders while the trainer writes the next one.
 """
@@ -12,6 +14,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from tandem.models.checkpoint import to_disk, to_memory
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -27,18 +31,23 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def load_state_dict(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the folder, keyed by its HF name."""
+    """Every tensor of the folder under its in-memory HF name (the family read from its config.json)."""
+    folder = Path(folder)
     state: dict[str, torch.Tensor] = {}
-    for file in weight_files(Path(folder)):
+    for file in weight_files(folder):
         state.update(load_file(str(file), device=str(device)))
-    return state
+    config = folder / "config.json"
+    return to_memory(state, json.loads(config.read_text()) if config.is_file() else {})
 
 
-def save_state_dict(state: dict[str, torch.Tensor], folder: Path, tied_embeddings: bool = False) -> Path:
-    """Write `model.safetensors` atomically; tied `lm_head.weight` is left out as HF does."""
+def save_state_dict(state: dict[str, torch.Tensor], folder: Path, hf_config: dict) -> Path:
+    """Write in-memory named `state` as `model.safetensors` atomically, in the on-disk layout of
+    `hf_config`'s family; a tied `lm_head.weight` is left out as HF does."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if not (tied_embeddings and k == "lm_head.weight")}
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    state = to_disk({k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}, hf_config)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     target = folder / "model.safetensors"
     tmp = folder / ".model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -31,6 +31,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     eval_steps, evals = series(orch, "eval/reward_mean")
     _, kl = series(trainer, "mismatch_kl")
     _, off_kl = series(trainer, "off_policy_kl")
+    _, imbalance = series(trainer, "router/max_over_mean_worst")
     times = [r["time"] for r in orch + trainer]
     k = max(1, len(rewards) // 4)
     return {
@@ -42,6 +43,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "eval_steps": eval_steps,
         "mismatch_kl_mean": sum(kl) / len(kl) if kl else None,
         "off_policy_kl_mean": sum(off_kl) / len(off_kl) if off_kl else None,
+        "expert_load_max_over_mean_last": imbalance[-1] if imbalance else None,
         "duration_s": max(times) - min(times) if times else None,
     }
 
@@ -94,6 +96,12 @@ def write_report(run_dir: Path) -> Path:
         _plot([("mismatch KL (on-policy tokens)", *series(trainer, "mismatch_kl")), ("off-policy KL", *series(trainer, "off_policy_kl"))], "KL to the sampling policy (k3)"),
         _plot([("loss", *series(trainer, "loss"))], "Loss"),
     ]
+    if any("router/entropy" in r for r in trainer):  # a mixture of experts
+        figures += [
+            _plot([("max / mean tokens per expert (worst MoE layer)", *series(trainer, "router/max_over_mean_worst"))],
+                  "Expert load"),
+            _plot([("router entropy (mean over MoE layers)", *series(trainer, "router/entropy"))], "Router entropy"),
+        ]
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in summary.items())
     samples = "".join(
         f"<details><summary>reward {html.escape(_fmt(s.get('reward')))} — {html.escape(str(s.get('env', '')))}</summary>"

@@ -1,7 +1,8 @@
 """Checkpoints to resume from: `checkpoints/step_N/trainer/`, complete or absent.
 
 Content: a DCP (`torch.distributed.checkpoint`) save of the sharded model and optimizer state
-(DCP reshards on load, so a run can resume at another world size), plus `state.pt` (scheduler,
+(DCP reshards on load, so a run can resume at another world size or expert-parallel size: tensors are
+saved by global name and shape, whatever mesh they were sharded over), plus `state.pt` (scheduler,
 step, data position, world size) and one `rng_rank_R.pt` per rank.
 
 Atomicity: every rank writes into `checkpoints/step_N/.trainer.tmp/`; after a barrier rank 0
@@ -20,13 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tandem.trainer.parallel.dims import ParallelDims
 from tandem.transport.paths import CHECKPOINT_COMPLETE, checkpoint_dir, complete_checkpoint_steps
 
 PROCESS = "trainer"
 STATE_FILE = CHECKPOINT_COMPLETE[PROCESS]
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer state keyed by parameter name, not by param group: the groups differ between expert-parallel
+sizes (one per device mesh, `tandem.trainer.optim.param_groups`) and a checkpoint must load at any."""
 
 
 @dataclass
@@ -64,7 +68,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     torch.save(rng_state(dims.device), tmp / f"rng_rank_{dims.rank}.pt")
     if dims.is_main:
@@ -92,15 +96,22 @@ def prune_checkpoints(run_dir: Path, keep: int | None) -> list[int]:
     return [step for step, _ in doomed]
 
 
+def scheduler_state_for(state: dict[str, Any], num_groups: int) -> dict[str, Any]:
+    """A saved scheduler state for an optimizer of `num_groups` param groups. The groups differ between
+    expert-parallel sizes but share one configured learning rate, so any group's entries stand for all."""
+    per_group = {k: [v[0]] * num_groups for k, v in state.items() if k in ("base_lrs", "_last_lr") and v}
+    return {**state, **per_group}
+
+
 def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, dims: ParallelDims) -> Resumed:
     """Collective: restore model, optimizer, scheduler and (same world size only) each rank's RNG."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=STATE_DICT_OPTIONS)
     meta = torch.load(folder / STATE_FILE, weights_only=True)
-    scheduler.load_state_dict(meta["scheduler"])
+    scheduler.load_state_dict(scheduler_state_for(meta["scheduler"], len(optimizer.param_groups)))
     rng_file = folder / f"rng_rank_{dims.rank}.pt"
     # At another world size rank R's stream has no predecessor: it keeps its seeded start.
     if meta["world_size"] == dims.world_size and rng_file.is_file():

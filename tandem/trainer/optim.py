@@ -14,15 +14,26 @@ from torch import nn
 from tandem.config.trainer import AdamWConfig, ConstantSchedule, CosineSchedule, LinearSchedule, OptimConfig, SGDConfig, SchedulerConfig
 
 
+def param_groups(model: nn.Module) -> list[dict]:
+    """Trainable parameters, one group per device mesh: a group's foreach kernels cannot mix
+    DTensors of different meshes (expert parallelism puts the routed experts on their own)."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return [{"params": params} for params in groups.values()]
+
+
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+    groups = param_groups(model)
+    params = [p for group in groups for p in group["params"]]
     if isinstance(config, AdamWConfig):
         # CUDA: one fused kernel over all parameters; elsewhere the foreach implementation.
         fused = all(p.device.type == "cuda" for p in params)
-        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
                                  fused=fused or None)
     if isinstance(config, SGDConfig):
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     raise ValueError(f"unknown optimizer type {getattr(config, 'type', config)!r}")
 
 

@@ -39,12 +39,13 @@ def side_files(model_folder: Path) -> list[Path]:
                   if p.is_file() and not p.name.startswith(".") and p.name != STABLE and not WEIGHT_FILE.match(p.name))
 
 
-def write_weights_folder(run_dir: Path, step: int, state: dict[str, torch.Tensor], model_folder: Path, tied_embeddings: bool) -> Path:
-    """Write `weights/step_N/` in the order readers rely on; returns the folder."""
+def write_weights_folder(run_dir: Path, step: int, state: dict[str, torch.Tensor], model_folder: Path, hf_config: dict) -> Path:
+    """Write `weights/step_N/` in the order readers rely on (`hf_config`: the model's config.json,
+    which says the on-disk layout); returns the folder."""
     folder = weights_dir(run_dir, step)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / STABLE).unlink(missing_ok=True)
-    save_state_dict(state, folder, tied_embeddings=tied_embeddings)
+    save_state_dict(state, folder, hf_config)
     for src in side_files(model_folder):
         atomic_write_bytes(folder / src.name, src.read_bytes())
     atomic_write_text(folder / STABLE, "")

@@ -18,11 +18,13 @@ import torch.distributed as dist
 
 from tandem.config.trainer import TrainingProcessConfig
 from tandem.models.hub import resolve_model_path
+from tandem.models.loading import read_hf_config
 from tandem.monitor.metrics import MetricsWriter
 from tandem.trainer.ckpt import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
 from tandem.trainer.model import PolicyModel, build_policy, gather_full_state
 from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.parallel.dims import ParallelDims, close_parallel, init_parallel
+from tandem.trainer.parallel.expert_parallel import check_expert_parallel
 from tandem.trainer.publish import prune_weights, published_dtype, write_weights_folder
 
 
@@ -51,8 +53,7 @@ class Session:
         state = gather_full_state(self.model, published_dtype(self.hf_config), keep=self.dims.is_main)
         if not self.dims.is_main:
             return None
-        tied = bool(self.hf_config.get("tie_word_embeddings", False))
-        folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, tied)
+        folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
         prune_weights(self.config.run_dir, self.config.weights.keep)
         return folder
 
@@ -91,16 +92,20 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
     from tandem.monitor.logging import setup_logging
 
     log = setup_logging(process)
-    dims = init_parallel(config.device)
+    folder = resolve_model_path(config.model.name)
+    # A bad expert-parallel size is found from config.json alone, before joining the ranks.
+    check_expert_parallel(config.parallel.ep, read_hf_config(folder), str(folder / "config.json"))
+    dims = init_parallel(config.device, config.parallel.ep)
     if not dims.is_main:  # one rank tells the story; the others speak up only when something is wrong
         log.setLevel(logging.WARNING)
     try:
         torch.manual_seed(config.seed + dims.rank)
-        model, hf_config = build_policy(config.model, config.parallel, dims, config.logprob_chunk_size, config.kernels)
+        model, hf_config = build_policy(config.model, config.parallel, dims, config.logprob_chunk_size, config.kernels,
+                                       config.router)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
         metrics = MetricsWriter(config.run_dir, process) if dims.is_main else None
-        session = Session(config, dims, model, hf_config, resolve_model_path(config.model.name), optimizer, scheduler, log, metrics)
+        session = Session(config, dims, model, hf_config, folder, optimizer, scheduler, log, metrics)
         if config.ckpt.resume:
             _resume(session)
     except BaseException:

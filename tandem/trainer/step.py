@@ -12,9 +12,10 @@ function of the step index.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,8 @@ class StepResult:
     """True when the NaN guard skipped the update."""
     metrics: dict[str, float]
     """Global means over loss tokens: entropy and the objective's metrics."""
+    router: dict[str, Any]
+    """MoE router statistics of the step over all ranks (`tandem.trainer.router`); empty for a dense model."""
 
 
 def global_sum(values: list[float], dims: ParallelDims) -> list[float]:
@@ -77,8 +80,12 @@ def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: 
     """Forward/backward every micro-batch, clip, guard, step. Every rank must pass the same number of micro-batches."""
     scale = dims.dp_size / max(num_loss_tokens, 1)
     totals: dict[str, torch.Tensor] = {}
+    router = model.router
+    if router is not None:
+        router.begin_step(len(micro_batches))
     for mb in micro_batches:
-        result, entropy_sum = forward_objective(model, mb, objective)
+        with router.collecting() if router is not None else contextlib.nullcontext():
+            result, entropy_sum = forward_objective(model, mb, objective)
         (result.loss_sum * scale).backward()
         sums = {"loss": result.loss_sum.detach(), "entropy": entropy_sum, **result.metric_sums}
         for key, value in sums.items():
@@ -92,9 +99,10 @@ def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: 
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    router_metrics = router.end_step(update_bias=not skipped) if router is not None else {}
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
-    return StepResult(loss=loss, grad_norm=float(grad_norm), lr=lr, skipped=skipped, metrics=means)
+    return StepResult(loss=loss, grad_norm=float(grad_norm), lr=lr, skipped=skipped, metrics=means, router=router_metrics)
 
 
 @torch.no_grad()
@@ -112,11 +120,20 @@ def evaluate(model: PolicyModel, micro_batches: list[MicroBatch], objective: Obj
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the (sharded) gradients, clipped to `max_norm` when it is > 0 and finite."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(norm, DTensor):  # sharded grads: the local norms are combined over the mesh
-        norm = norm.full_tensor()
+    """Global L2 norm of the (sharded) gradients, clipped to `max_norm` when it is > 0 and finite.
+
+    Gradients on different device meshes (expert parallelism puts the routed experts on their own
+    mesh) cannot meet in one DTensor op: each mesh's norm is completed over its mesh, then combined."""
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # local norms combined over the mesh
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0 and torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.detach().float().cpu()

@@ -37,6 +37,13 @@ def test_shared_keys_reach_every_process():
     assert cfg.trainer.model.dtype == "bfloat16" and cfg.inference.model.dtype == "auto"
 
 
+def test_the_load_format_is_shared_so_every_process_builds_the_same_random_weights():
+    cfg = resolve("--model.load_format", "dummy")
+    assert {sub.model.load_format for sub in (cfg.trainer, cfg.orchestrator, cfg.inference)} == {"dummy"}
+    with pytest.raises(ConfigError, match=r"`inference.model.load_format` = 'safetensors' .* contradicts the shared"):
+        resolve("--model.load_format", "dummy", "--inference.model.load_format", "safetensors")
+
+
 def test_a_section_contradicting_a_shared_key_is_an_error_naming_both(tmp_path):
     f = tmp_path / "rl.toml"
     f.write_text("seq_len = 256\n[trainer]\nseq_len = 512\n")
@@ -141,7 +148,7 @@ def test_resume_refuses_checkpoints_of_only_one_process(tmp_path):
 def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
     assert [r.__name__ for r in DERIVED_RULES] == ["trainer_ranks", "devices", "server_address", "resume"]
-    assert set(SHARED_KEYS) == {"model.name", "run.name", "seq_len", "max_steps", "output_dir", "seed",
+    assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "seq_len", "max_steps", "output_dir", "seed",
                                 "ckpt.enabled", "ckpt.interval"}
 
 

@@ -26,6 +26,18 @@ def tiny_other_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """Qwen3-MoE with 8 experts, 2 per token: the model code the engine shares with the trainer."""
+    return init_model("tiny-moe", tmp_path_factory.mktemp("tiny_moe"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_dir(tmp_path_factory) -> Path:
+    """GLM-4.5's block: partial rotary, q/k/v biases, a dense first block, group-limited routing."""
+    return init_model("tiny-glm4-moe", tmp_path_factory.mktemp("tiny_glm"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def sharp_dir(tmp_path_factory) -> Path:
     """A tiny model whose greedy choices are clear and varied: a "counting" LM head.
 
@@ -43,7 +55,7 @@ def sharp_dir(tmp_path_factory) -> Path:
     embed = state["model.embed_tokens.weight"] * 0.5
     state["model.embed_tokens.weight"] = embed
     state["lm_head.weight"] = 10 * torch.roll(embed / embed.norm(dim=-1, keepdim=True), 1, 0)
-    save_state_dict(state, folder)
+    save_state_dict(state, folder, config)
     return folder
 
 

@@ -67,12 +67,12 @@ def test_failed_weight_updates_keep_the_previous_weights(server, tiny_dir, tiny_
     check_error(post(server, "/update_weights", {"path": str(empty)}), 400, "no .safetensors files")
     state = load_state_dict(tiny_dir)
     state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(7, 7)
-    save_state_dict(state, tmp_path / "bad_shape", tied_embeddings=True)
+    save_state_dict(state, tmp_path / "bad_shape", {"tie_word_embeddings": True})
     check_error(post(server, "/update_weights", {"path": str(tmp_path / "bad_shape")}), 400,
                 "do not fit the model: shape mismatch for model.layers.0.mlp.up_proj.weight: model (384, 128), weights (7, 7)")
     state = load_state_dict(tiny_dir)
     del state["model.norm.weight"]
-    save_state_dict(state, tmp_path / "missing", tied_embeddings=True)
+    save_state_dict(state, tmp_path / "missing", {"tie_word_embeddings": True})
     check_error(post(server, "/update_weights", {"path": str(tmp_path / "missing")}), 400, "missing ['model.norm.weight']")
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")

@@ -71,3 +71,41 @@ def test_unknown_preset_and_missing_folder(tmp_path):
         init_model("huge", tmp_path / "x")
     with pytest.raises(FileNotFoundError, match="neither a model folder nor a hub name"):
         load_causal_lm(str(tmp_path / "nope"))
+
+
+def test_real_shape_config_only_cut_to_k_layers(tmp_path):
+    """`--config-only` writes no weights; the full Qwen3-30B-A3B shape has its 30.5B parameters."""
+    from tandem.models.cli import main
+    from tandem.models.loading import build_native, read_hf_config
+    from tandem.models.presets import preset_config
+
+    assert main(["init", "--preset", "qwen3-30b-a3b", "--num-layers", "2", "--config-only", "--out", str(tmp_path / "m")]) == 0
+    config = read_hf_config(tmp_path / "m")
+    assert (config["num_hidden_layers"], config["model_type"]) == (2, "qwen3_moe")
+    assert not list((tmp_path / "m").glob("*.safetensors"))
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").convert_tokens_to_ids("<|im_end|>") == 258
+    full = build_native(preset_config("qwen3-30b-a3b"), "meta")
+    assert 30.4e9 < sum(p.numel() for p in full.parameters()) < 30.6e9
+    with pytest.raises(ValueError, match="`--num-layers` = 49"):
+        preset_config("qwen3-30b-a3b", num_layers=49)
+
+
+def test_dummy_weights_are_the_weights_init_writes(tmp_path):
+    """`load_format = "dummy"` on a config-only folder makes, without reading or writing weights, the
+    model `tandem model init` writes for the same preset."""
+    written = load_causal_lm(str(init_model("tiny-glm4-moe", tmp_path / "w", seed=0)))
+    dummy = load_causal_lm(str(init_model("tiny-glm4-moe", tmp_path / "d", weights=False)), load_format="dummy")
+    assert not list((tmp_path / "d").glob("*.safetensors"))
+    expected = written.state_dict()
+    for name, tensor in dummy.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert dummy.state_dict()["model.layers.1.mlp.experts.gate_up_proj"].std() > 0.01
+
+
+def test_dummy_weights_need_a_native_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="`model.load_format` = 'dummy' needs a native model; 'llama'"):
+        load_causal_lm(str(tmp_path / "llama"), load_format="dummy")

@@ -71,3 +71,15 @@ def test_summary_and_report_from_the_run_folder(tmp_path):
     page = write_report(tmp_path).read_text()
     assert page.count('<img src="data:image/png;base64,') == 4
     assert "reverse_text" in page and "&lt;b&gt;olleh&lt;/b&gt;" in page  # rollouts shown, escaped
+
+
+def test_report_of_a_mixture_of_experts_shows_expert_load_and_router_entropy(tmp_path):
+    write_run(tmp_path, steps=3)
+    trainer = MetricsWriter(tmp_path, "trainer")
+    for step, ratio in ((4, 1.9), (5, 1.4)):
+        trainer.log(step, {"loss": 0.0, "router/max_over_mean_worst": ratio, "router/entropy": 2.0,
+                           "router/tokens_per_expert": [[3, 1], [2, 2]]})
+    assert summarize(tmp_path)["expert_load_max_over_mean_last"] == 1.4
+    page = write_report(tmp_path).read_text()
+    assert page.count('<img src="data:image/png;base64,') == 6
+    assert "expert_load_max_over_mean_last" in page

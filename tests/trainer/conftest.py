@@ -16,6 +16,24 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory) -> Path:
+    """Qwen3-MoE with 8 experts, 2 per token."""
+    return init_model("tiny-moe", tmp_path_factory.mktemp("models") / "tiny-moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_model(tmp_path_factory) -> Path:
+    """GLM-4.5's routing: a dense first block, grouped sigmoid top-k with a score correction bias, a shared expert."""
+    return init_model("tiny-glm4-moe", tmp_path_factory.mktemp("models") / "tiny-glm4-moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_minimax_model(tmp_path_factory) -> Path:
+    """MiniMax-M2's block: q/k norms over all heads, partial rotary, a score correction bias."""
+    return init_model("tiny-minimax-m2", tmp_path_factory.mktemp("models") / "tiny-minimax-m2", seed=0)
+
+
+@pytest.fixture(scope="session")
 def llama_model(tmp_path_factory) -> Path:
     """A transformers-only architecture (Llama), to exercise the fallback path."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -85,3 +85,21 @@ def test_trainer_benchmark_refuses_a_baseline_under_torchrun(tmp_path):
                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "under torchrun (world size 2) give one --shapes entry and no --baseline" in result.stderr
+
+
+def test_trainer_benchmark_runs_a_moe_preset_beside_transformers(tmp_path):
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, str(BENCHMARK), "--preset", "tiny-moe", "--num-layers", "1", "--device", "cpu", "--shapes", "32:1:1",
+           "--baseline", "32:1:1", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MFU = (6 * P_active * tokens" in result.stderr
+    report = json.loads(out.read_text())
+    tandem, baseline = report["runs"]
+    assert tandem["impl"] == "tandem" and baseline["impl"] == "baseline"
+    assert baseline["options"]["model_class"] == "Qwen3MoeForCausalLM"
+    assert tandem["active_params"] == baseline["active_params"]  # one count for both
+    assert tandem["tokens_per_s"] > 0 and baseline["tokens_per_s"] > 0 and tandem["peak_memory_gib"] > 0
+    # The same dummy weights, made on the device by name, and the same rows: the same first step.
+    assert baseline["losses"][0]["loss"] == pytest.approx(tandem["losses"][0]["loss"], abs=1e-5)
+    assert baseline["losses"][0]["grad_norm"] == pytest.approx(tandem["losses"][0]["grad_norm"], rel=1e-4)

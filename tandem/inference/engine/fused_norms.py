@@ -2,9 +2,9 @@
 
 Why: a decode step of a small model is mostly tiny pointwise kernels, and the four RMS norms of
 each block are eight each in eager mode (fp32 cast, square, mean, add, rsqrt, multiply, cast
-back, weight). `rms_norm` is the math of `tandem.models.qwen3.RMSNorm.forward` as a function of
-tensors, not modules, so one compilation (dimensions dynamic) serves every norm of every layer.
-Each norm keeps its parameter: names, shapes and in-place weight updates are unchanged.
+back, weight). `tandem.models.layers.rms_norm` is a function of tensors, not modules, so one
+compilation (dimensions dynamic) serves every norm of every layer. Each norm keeps its
+parameter: names, shapes and in-place weight updates are unchanged.
 """
 
 from __future__ import annotations
@@ -14,14 +14,7 @@ import functools
 import torch
 from torch import nn
 
-from tandem.models.qwen3 import RMSNorm
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+from tandem.models.layers import RMSNorm, rms_norm
 
 
 def apply_compiled_norms(model: nn.Module) -> None:

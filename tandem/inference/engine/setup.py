@@ -1,7 +1,7 @@
 """Build an `LLMEngine` from the config: device, model, tokenizer, KV-cache size, runner.
 
-Native models (tandem's Qwen3) get the paged KV cache; any other architecture loads through
-transformers and runs on the recompute path. On CUDA the cache takes what `memory_fraction`
+Native models (`tandem.models.loading.NATIVE`: Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) get the
+paged KV cache; any other architecture loads through transformers and runs on the recompute path. On CUDA the cache takes what `memory_fraction`
 leaves after the weights and the activations of a full-budget warmup step.
 """
 
@@ -87,7 +87,7 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
 def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> LLMEngine:
     device = resolve_device(engine.device)
     folder = resolve_model_path(model_config.name)
-    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
+    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)

@@ -86,7 +86,7 @@ def train(config: TrainerConfig, session: Session, objective: Objective) -> None
             "skipped": int(result.skipped), "num_tokens": num_tokens, "num_loss_tokens": batch.num_loss_tokens,
             "tokens_per_s": num_tokens / max(t_train - t_batch, 1e-9), "time_step": t_train - t_batch,
             "time_wait_batch": t_batch - t0, "time_publish": t_publish - t_train,
-            "peak_memory_gib": peak_memory_gib(dims.device),
+            "peak_memory_gib": peak_memory_gib(dims.device), **result.router,
         })
         session.log.info("step %d: loss %.4g grad_norm %.3g lr %.3g entropy %.3g %.0f tok/s", step, result.loss,
                          result.grad_norm, result.lr, result.metrics.get("entropy", float("nan")), num_tokens / max(t_train - t_batch, 1e-9))

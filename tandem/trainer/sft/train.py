@@ -76,7 +76,8 @@ def train(config: SFTConfig, session: Session, data: SFTData) -> None:
                             num_loss_tokens, config.optim.max_grad_norm, dims)
         t_train = time.perf_counter()
         values = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, **result.metrics,
-                  "skipped": int(result.skipped), "epoch": epochs, "num_loss_tokens": num_loss_tokens}
+                  "skipped": int(result.skipped), "epoch": epochs, "num_loss_tokens": num_loss_tokens,
+                  **result.router}
         if config.eval.interval and (step % config.eval.interval == 0 or step == config.max_steps):
             values["eval_loss"] = evaluate(session.model, evals, sft_objective, dims)
         if session.should_publish(step):

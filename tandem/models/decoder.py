@@ -1,0 +1,193 @@
+"""The pre-norm decoder block and causal LM every native family is built from.
+
+A block is split at attention, and each half is a plain function of tensors:
+
+    x -> before_attention (input norm, q/k/v projections, optional q/k norms, RoPE) -> q, k, v
+      -> the attention backend (training kernels, paged KV cache, ...)
+      -> after_attention (o projection, residual, post norm, the feed-forward, residual) -> x
+
+`DecoderLayer.forward` calls these functions with its parameters, and the trainer compiles and
+checkpoints the same functions (`tandem.trainer.block`), so the block's math exists once. The
+feed-forward is the block's `mlp` module (`FeedForward`): dense SwiGLU (`layers.MLP`) or a
+mixture of experts (`moe.MoE`); a new kind of feed-forward is one new module, nothing else.
+
+Families differ only in settings of these parts: attention biases, q/k norms per head (Qwen3), over
+all heads (MiniMax-M2) or none (GLM-4.5), partial rotary embeddings, which layers are sparse.
+Single-device code: parallelism is applied from outside, per block in `layers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.attention import AttentionBackend, PackedCausalAttention
+from tandem.models.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin
+from tandem.models.random_init import initial_value
+
+
+@dataclass(kw_only=True)
+class DecoderArgs:
+    """Settings every family shares; each family's args add their own (read from config.json by `from_hf`)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    """Query heads (Hq)."""
+    num_key_value_heads: int
+    """Key/value heads (Hkv), shared by Hq / Hkv query heads each."""
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMS norm of the model."""
+    rope_theta: float = 1_000_000.0
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's features that RoPE rotates (the first ones)."""
+    tie_word_embeddings: bool = False
+    """The LM head is the embedding matrix."""
+    max_position_embeddings: int = 40960
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+class FeedForward(Protocol):
+    """What a block's `mlp` is: a module mapping normed hidden states [B, T, hidden] to [B, T, hidden]."""
+
+    tensor_function: ClassVar[Callable[..., torch.Tensor] | None]
+    """`forward` as a function of (x, *self.tensor_args()) with shapes fixed by the input's, which
+    callers may compile; None where shapes depend on the data (a mixture of experts routes tokens).
+    Where it is set, the module also has `tensor_args()`: the tensors to pass after x."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def before_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
+                     wq: torch.Tensor, bq: torch.Tensor | None, wk: torch.Tensor, bk: torch.Tensor | None,
+                     wv: torch.Tensor, bv: torch.Tensor | None, q_norm_weight: torch.Tensor | None,
+                     k_norm_weight: torch.Tensor | None, eps: float, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, hidden] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (head counts from the weight shapes).
+
+    A q/k norm weight of `head_dim` features normalizes each head; a longer one (MiniMax-M2)
+    normalizes the whole projection, all heads together, before it is split into heads."""
+    B, T, _ = x.shape
+    h = rms_norm(x, norm_weight, eps)
+    q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+    if q_norm_weight is not None and q_norm_weight.shape[0] != head_dim:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    q, k, v = (t.view(B, T, -1, head_dim) for t in (q, k, v))
+    if q_norm_weight is not None and q_norm_weight.shape[0] == head_dim:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_residual(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None,
+                       norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, hidden] and the attention output [B, T, Hq, D] -> (x + o_proj(attended), its post norm)."""
+    B, T, _ = x.shape
+    x = x + F.linear(attended.reshape(B, T, -1), wo, bo)
+    return x, rms_norm(x, norm_weight, eps)
+
+
+def after_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None,
+                    norm_weight: torch.Tensor, eps: float, feed_forward: Callable[..., torch.Tensor],
+                    *ffn_args: torch.Tensor) -> torch.Tensor:
+    """The block's second half: `attention_residual`, then x + feed_forward(norm, *ffn_args)."""
+    x, h = attention_residual(x, attended, wo, bo, norm_weight, eps)
+    return x + feed_forward(h, *ffn_args)
+
+
+class Attention(nn.Module):
+    """Projections and norms of grouped-query attention; the math is `before_attention`."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 qkv_bias: bool, o_bias: bool, qk_norm: Literal["head", "all_heads", "none"]):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm != "none":
+            q_dim, k_dim = (head_dim, head_dim) if qk_norm == "head" else (num_heads * head_dim, num_kv_heads * head_dim)
+            self.q_norm, self.k_norm = RMSNorm(q_dim, eps), RMSNorm(k_dim, eps)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); `mlp` is any `FeedForward`."""
+
+    def __init__(self, layer_idx: int, attention: Attention, mlp: FeedForward, hidden_size: int, eps: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.eps = eps
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def before_attention_args(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors `before_attention` takes after (x, cos, sin), read now (FSDP swaps them)."""
+        a = self.self_attn
+        return (self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+                a.v_proj.weight, a.v_proj.bias, a.q_norm.weight if a.q_norm is not None else None,
+                a.k_norm.weight if a.k_norm is not None else None)
+
+    def residual_args(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors `attention_residual` takes after (x, attended)."""
+        return self.self_attn.o_proj.weight, self.self_attn.o_proj.bias, self.post_attention_layernorm.weight
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = before_attention(x, cos, sin, *self.before_attention_args(), self.eps, self.self_attn.head_dim)
+        attended = backend.attend(self.layer_idx, q, k, v)
+        return after_attention(x, attended, *self.residual_args(), self.eps, self.mlp)
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, blocks and final norm under Hugging Face's `model.` names."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: list[DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class DecoderLM(nn.Module):
+    """A causal LM of `DecoderLayer`s; `forward` gives final hidden states [B, T, hidden].
+
+    The caller applies `lm_head` where it needs logits (the engine on last tokens, the trainer in
+    chunks), so full logits never exist unasked."""
+
+    def __init__(self, args: DecoderArgs, layers: list[DecoderLayer]):
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args.vocab_size, args.hidden_size, args.rms_norm_eps, layers)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: AttentionBackend | None = None) -> torch.Tensor:
+        """input_ids, position_ids [B, T] -> hidden [B, T, hidden]. Positions restart per document."""
+        backend = attention if attention is not None else PackedCausalAttention(position_ids)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, backend)
+        return self.model.norm(h)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Random weights in place (`tandem.models.random_init`: values set by seed, name and device kind)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(initial_value(name, p.shape, seed, p.device).to(p.dtype))

@@ -1,0 +1,119 @@
+"""Expert parallelism on the CPU (gloo, torchrun, 4 ranks) with the tiny-moe preset: EP = 2 and 4 compute
+the losses and gradients of EP = 1, train the same trajectory, and DCP checkpoints taken at EP = 2
+resume at EP = 1 and EP = 4."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem.monitor.logging import setup_logging
+from tandem.transport.paths import weights_dir
+
+from test_distributed import torchrun_trainer
+from trainer_helpers import losses, metrics, run_trainer
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny_moe_model", "tiny_glm_model"])  # GLM: shared expert, grouped sigmoid router
+def test_expert_parallel_sizes_give_the_gradients_of_ep_1(model, request, tmp_path):
+    out = tmp_path / "grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(HERE / "ep_gradients.py"), str(request.getfixturevalue(model)), str(out)]
+    result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = torch.load(out, weights_only=False)
+    assert sorted(runs) == [1, 2, 4]
+    ref = runs[1]
+    expert_names = [n for n in ref["grads"] if "experts" in n]
+    assert expert_names and all(ref["grads"][n].abs().max() > 0 for n in expert_names)  # the experts learn
+    for ep in (2, 4):
+        assert runs[ep]["published"].keys() == ref["published"].keys()
+        for name, tensor in ref["published"].items():  # gathered from EP shards: the very same weights
+            assert torch.equal(runs[ep]["published"][name], tensor), (ep, name)
+        assert runs[ep]["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert runs[ep]["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5)
+        assert runs[ep]["grads"].keys() == ref["grads"].keys()
+        for name, grad in ref["grads"].items():
+            assert runs[ep]["grads"][name].shape == grad.shape, name
+            assert (runs[ep]["grads"][name] - grad).abs().max().item() < 1e-5, (ep, name)
+
+
+def torchrun_env() -> dict:
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.slow
+def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe_model, tmp_path):
+    common = ["--model.name", str(tiny_moe_model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
+              "--max-steps", "3", "--seq-len", "32", "--optim.lr", "3e-3", "--device", "cpu",
+              "--ckpt.enabled", "--ckpt.interval", "1", "--ckpt.keep", "3"]
+    one, ep2 = tmp_path / "one", tmp_path / "ep2"
+    assert run_trainer(*common, "--output-dir", str(one)) == 0
+    result = torchrun_trainer(*common, "--output-dir", str(ep2), "--parallel.ep", "2", nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ref = losses(one)
+    assert len(set(ref.values())) == 3  # the trajectory moves
+    assert losses(ep2) == pytest.approx(ref, abs=1e-5)
+    assert [m["grad_norm"] for m in metrics(ep2)] == pytest.approx([m["grad_norm"] for m in metrics(one)], abs=1e-5)
+    # Router statistics are summed over the 4 ranks: the same counts as one rank holding every row.
+    assert [m["router/tokens_per_expert"] for m in metrics(ep2)] == [m["router/tokens_per_expert"] for m in metrics(one)]
+    assert_same_weights(one, ep2, step=3)
+
+    # EP = 2's checkpoint of step 1, resumed at EP = 4 (4 ranks) and at EP = 1 (one rank).
+    for name, resume in (("ep4", lambda out: torchrun_trainer(*common, "--output-dir", str(out), "--ckpt.resume",
+                                                              "--parallel.ep", "4", nproc=4).returncode),
+                         ("ep1", lambda out: run_trainer(*common, "--output-dir", str(out), "--ckpt.resume"))):
+        out = tmp_path / name
+        shutil.copytree(ep2 / "checkpoints" / "step_1", out / "checkpoints" / "step_1")
+        assert resume(out) == 0, name
+        assert sorted(losses(out)) == [2, 3]
+        assert losses(out) == pytest.approx({s: ref[s] for s in (2, 3)}, abs=1e-5), name
+        assert_same_weights(one, out, step=3)
+
+
+@pytest.mark.slow
+def test_bias_update_is_the_same_on_two_expert_parallel_ranks_as_on_one(tiny_minimax_model, tmp_path):
+    """MiniMax-M2's block-level score correction bias, updated from the load of all ranks."""
+    common = ["--model.name", str(tiny_minimax_model), "--data.fake", "--data.fake-rows", "2", "--max-steps", "2",
+              "--seq-len", "32", "--device", "cpu", "--router.bias-update-rate", "0.01"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_trainer(*common, "--output-dir", str(one)) == 0
+    result = torchrun_trainer(*common, "--output-dir", str(two), "--parallel.ep", "2", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    wa, wb = (load_file(weights_dir(run, 2) / "model.safetensors") for run in (one, two))
+    biases = [k for k in wa if k.endswith("e_score_correction_bias")]
+    assert biases and all(wa[k].abs().max() > 0 for k in biases)  # the update moved them
+    for k in biases:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=0)
+
+
+def assert_same_weights(a: Path, b: Path, step: int) -> None:
+    """Published weights of two runs: same names and shapes, values within Adam's fp32 noise (see test_distributed)."""
+    wa, wb = load_file(weights_dir(a, step) / "model.safetensors"), load_file(weights_dir(b, step) / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    assert any("experts" in k for k in wa)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+
+
+@pytest.mark.parametrize("model, ep, message", [
+    ("tiny_moe_model", 3, "`parallel.ep` = 3 does not divide the model's expert count (`num_local_experts` = 8 in {folder}/config.json)"),
+    ("tiny_model", 2, "`parallel.ep` = 2 but {folder}/config.json has no routed experts"),
+    ("tiny_moe_model", 2, "`parallel.ep` = 2 must divide the world size 1"),
+])
+def test_bad_expert_parallel_size_is_a_clear_error(model, ep, message, request, tmp_path, caplog, monkeypatch):
+    folder = request.getfixturevalue(model)
+    monkeypatch.setattr(setup_logging("trainer").parent, "propagate", True)  # let caplog see tandem's records
+    args = ["--model.name", str(folder), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path), "--parallel.ep", str(ep)]
+    assert run_trainer(*args) == 1
+    assert message.format(folder=folder) in caplog.text
