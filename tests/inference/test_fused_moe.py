@@ -13,7 +13,7 @@ from tandem.inference.engine.moe_kernel import ExpertBlocks, align_to_blocks
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm
-from tandem.models.moe import MoE, MoEArgs
+from tandem.models.moe import MoE, MoEArgs, replayed_routing
 
 
 def grouped_matmul_reference(a, weight, blocks: ExpertBlocks, rows_per_copy, num_copies, routing=None):
@@ -107,6 +107,25 @@ def test_the_engine_reports_the_experts_that_sampled_each_token(tiny_moe_dir):
         expected = routing_of_a_forward(model, prompts[rid] + tokens)[len(prompts[rid]) - 1:-1]
         assert torch.tensor(routed).shape == (12, num_layers, top_k)
         assert torch.equal(torch.tensor(routed), expected)
+
+
+def test_replaying_the_reported_experts_routes_through_them_exactly():
+    """Replayed ids replace the router's choice where given (>= 0), and the weights are the router's own
+    scores of those experts: differentiable, and equal to the unreplayed weights where the ids agree."""
+    torch.manual_seed(0)
+    moe = MoE(MoEArgs(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8, norm_topk_prob=True))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(5, 16)
+    own_weights, own_ids = moe.gate(x)
+    forced = torch.tensor([[7, 6], [-1, -1], [0, 1], [-1, -1], [5, 4]])
+    with replayed_routing(torch.nn.Sequential(moe), forced[:, None]):
+        weights, ids = moe.gate(x)
+    assert torch.equal(ids[[0, 2, 4]], forced[[0, 2, 4]]) and torch.equal(ids[[1, 3]], own_ids[[1, 3]])
+    torch.testing.assert_close(weights[[1, 3]], own_weights[[1, 3]])
+    weights.sum().backward()
+    assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+    assert moe.gate.replayed_ids is None  # only within the block
 
 
 def test_routed_experts_of_a_dense_model_are_a_clear_error(tiny_dir):
