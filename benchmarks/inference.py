@@ -2,6 +2,14 @@
 
     python benchmarks/inference.py --preset tiny --device cpu --scale 0.125       # a quick look on CPU
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --out benchmarks/results/engine-h200-DATE.json
+    python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine,vllm --out ...  # random weights
+    python benchmarks/inference.py --preset tiny-moe --device cpu --scale 0.0625 --load-format dummy --parts engine
+
+Weights (`--load-format`): `auto` writes the preset's folder with its random weights; `dummy` (the default
+for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB) writes only its config and
+tokenizer, and the engine builds random weights directly on the device (`presets.random_model`), as vLLM
+does with `load_format="dummy"` from the same folder. Parts that load the weights folder (server,
+generate, generate_batch) then need `auto`, and are recorded as errors.
 
 Workloads (the GPU speed issue's), all sampling at temperature 1 with EOS ignored, so every
 sequence gets exactly its output length; random prompt token ids; `--scale` shrinks the counts:
@@ -57,7 +65,11 @@ from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine, resolve_device
 from tandem.launch.process import ManagedProcess
 from tandem.launch.rl import free_port, wait_healthy
-from tandem.models.presets import PRESETS, init_model
+from tandem.models.loading import read_hf_config, resolve_dtype
+from tandem.models.presets import PRESETS, init_model, random_model
+
+DUMMY_PRESETS = {"qwen3-30b-a3b"}
+"""Presets whose weights are built on the device by default: their folder would not fit the GPU host's disk."""
 
 WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
              "B": dict(num_prompts=64, n=8, prompt_len=256, output_len=1024)}
@@ -69,6 +81,9 @@ def parse_args() -> argparse.Namespace:
     source.add_argument("--preset", choices=list(PRESETS), default="tiny", help="build this preset in a temp folder")
     source.add_argument("--model", help="a model folder (instead of a preset)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="dummy: random weights built on the device, no weights folder (default for " + ", ".join(DUMMY_PRESETS) + ")")
+    parser.add_argument("--num-layers", type=int, help="cut the preset to this many layers")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)")
     parser.add_argument("--repeats", type=int, default=2, help="timed engine runs of workload A; the best counts")
@@ -235,8 +250,6 @@ def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts:
 def load_transformers(folder: Path, args: argparse.Namespace, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    from tandem.models.loading import resolve_dtype
-
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=resolve_dtype(args.dtype, device),
                                                 attn_implementation="sdpa").to(device).eval()
 
@@ -292,15 +305,22 @@ def main() -> None:
     results: dict = {"workloads": {"A": a, "B": b}, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
                      "compile_norms": args.compile_norms}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed)
-        results["model"] = args.model or f"preset {args.preset}"
+        dummy = args.load_format == "dummy" or (args.load_format is None and not args.model and args.preset in DUMMY_PRESETS)
+        folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed,
+                                                                 num_layers=args.num_layers, weights=not dummy)
+        results["model"] = args.model or f"preset {args.preset}" + (f", {args.num_layers} layers" if args.num_layers else "")
+        results["load_format"] = "dummy" if dummy else "auto"
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         prompts_a, prompts_b = prompts_for(a, vocab, args.seed), prompts_for(b, vocab, args.seed + 1)
         if parts & {"engine", "mismatch"}:
             max_seqs = max(a["num_prompts"] * a["n"], b["num_prompts"] * b["n"])
             max_len = max(a["prompt_len"] + a["output_len"], b["prompt_len"] + b["output_len"])
             t0 = time.perf_counter()
-            engine = build_engine(ModelConfig(name=str(folder), dtype=args.dtype), engine_config(args, max_seqs, max_len), args.seed)
+            model = (random_model(read_hf_config(folder), device, resolve_dtype(args.dtype, device), args.seed)
+                     if dummy else None)
+            engine = build_engine(ModelConfig(name=str(folder), dtype=args.dtype), engine_config(args, max_seqs, max_len),
+                                  args.seed, model)
+            del model
             results["engine_build_s"] = time.perf_counter() - t0
             results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
                                    "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}

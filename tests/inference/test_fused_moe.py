@@ -3,8 +3,10 @@ and the engine reports the experts that sampled each token (router replay's inpu
 
 import random
 
+import httpx
 import pytest
 import torch
+from inference_helpers import make_config
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
@@ -12,6 +14,7 @@ from tandem.inference.engine.fused_moe import moe_blocks
 from tandem.inference.engine.moe_kernel import ExpertBlocks, align_to_blocks
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
+from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 from tandem.models.moe import MoE, MoEArgs, replayed_routing
 
@@ -132,3 +135,20 @@ def test_routed_experts_of_a_dense_model_are_a_clear_error(tiny_dir):
     engine = build_engine(ModelConfig(name=str(tiny_dir)), EngineConfig(device="cpu", num_blocks=8, max_model_len=64), seed=0)
     with pytest.raises(ValueError, match="return_routed_experts"):
         engine.add_request("a", [1, 2], SamplingParams(max_tokens=2, return_routed_experts=True))
+
+
+def test_generate_returns_the_routed_experts_when_asked(tiny_moe_dir, server):
+    moe_server = BackgroundServer(make_config(tiny_moe_dir))
+    try:
+        body = {"prompt_token_ids": [5, 6, 7], "n": 2, "max_tokens": 4, "seed": 0}
+        plain = httpx.post(f"{moe_server.url}/v1/generate", json=body).json()
+        asked = httpx.post(f"{moe_server.url}/v1/generate", json={**body, "return_routed_experts": True}).json()
+    finally:
+        moe_server.stop()
+    assert all("routed_experts" not in c for c in plain["choices"])
+    for choice in asked["choices"]:
+        routed = torch.tensor(choice["routed_experts"])
+        assert routed.shape == (4, 2, 2) and 0 <= routed.min() and routed.max() < 8  # tiny-moe: 2 layers, top-2 of 8
+        assert all(len(set(r)) == 2 for token in choice["routed_experts"] for r in token)  # k distinct experts
+    dense = httpx.post(f"{server.url}/v1/generate", json={**body, "return_routed_experts": True})
+    assert dense.status_code == 400 and "return_routed_experts" in dense.text

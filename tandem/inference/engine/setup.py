@@ -85,10 +85,13 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
     return min(useful, max(0, budget // bytes_per_block))
 
 
-def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> LLMEngine:
+def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, model: torch.nn.Module | None = None) -> LLMEngine:
+    """`model`: one already built on the engine's device (benchmarks: random weights, as vLLM's dummy load
+    format), instead of the weights of `model_config.name`, whose folder still gives tokenizer and config."""
     device = resolve_device(engine.device)
     folder = resolve_model_path(model_config.name)
-    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
+    if model is None:
+        model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
