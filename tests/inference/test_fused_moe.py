@@ -1,9 +1,14 @@
 """The engine's MoE execution on CPU: the kernel's row layout computes what the model's MoE computes,
 and the engine reports the experts that sampled each token (router replay's input)."""
 
+import importlib.util
+import os
 import random
+import subprocess
+import sys
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from inference_helpers import make_config
@@ -152,3 +157,32 @@ def test_generate_returns_the_routed_experts_when_asked(tiny_moe_dir, server):
         assert all(len(set(r)) == 2 for token in choice["routed_experts"] for r in token)  # k distinct experts
     dense = httpx.post(f"{server.url}/v1/generate", json={**body, "return_routed_experts": True})
     assert dense.status_code == 400 and "return_routed_experts" in dense.text
+
+
+INTERPRETED_KERNEL = """
+import torch
+from tandem.inference.engine.fused_moe import fused_experts
+from tandem.models.moe import MoE, MoEArgs
+
+torch.manual_seed(0)
+moe = MoE(MoEArgs(num_experts=16, top_k=4, hidden_size=96, intermediate_size=80, norm_topk_prob=True))
+for p in moe.parameters():
+    torch.nn.init.normal_(p, std=0.1)
+for num_tokens in (1, 40, 150, 300):  # row blocks of 16, 16, 32 and 64 (4 of 16 experts per token)
+    x = torch.randn(num_tokens, 96)
+    with torch.no_grad():
+        weights, expert_ids = moe.gate(x)
+        out = fused_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, expert_ids)
+        torch.testing.assert_close(out, moe(x[None])[0], atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
+                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+def test_the_kernel_under_tritons_interpreter_computes_the_models_moe():
+    """The real kernel on CPU tensors (fp32, exact dot products), run by Triton's interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNEL], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -94,7 +94,7 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
                   expert_ids: torch.Tensor) -> torch.Tensor:
     """x [N, H] through each token's k experts (gate_up [E, 2I, H], down [E, H, I]), weighted and summed: [N, H]."""
     (num_tokens, top_k), num_experts = expert_ids.shape, gate_up_proj.shape[0]
-    config = moe_kernel.block_config(num_tokens, num_experts)
+    config = moe_kernel.block_config(num_tokens, top_k, num_experts)
     blocks = moe_kernel.align_to_blocks(expert_ids, num_experts, config["BLOCK_M"])
     num_copies = num_tokens * top_k
     gate_up = moe_kernel.grouped_matmul(x, gate_up_proj, blocks, top_k, num_copies, config)

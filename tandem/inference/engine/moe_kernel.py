@@ -63,10 +63,14 @@ def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     return ExpertBlocks(sorted_copies, block_experts, padded_end[-1:], block_m)
 
 
-def block_config(num_tokens: int, num_experts: int) -> dict:
-    """Tile sizes: small row blocks when few tokens reach each expert (decode), larger for prefill."""
-    if num_tokens <= num_experts:
+def block_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+    """Tile sizes from the mean rows per expert: each expert's group is padded to a row block, so
+    small blocks when few tokens reach each expert (decode), larger ones for prefill."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+    if rows_per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
