@@ -31,8 +31,11 @@ Figures:
   model and prompts (`--vllm-site DIR` puts an offline vLLM install on its path), and the ratios
   of tandem's engine over vLLM with logprobs;
 - mismatch (B): the engine's logprob of each sampled token against a teacher-forced forward of
-  the whole sequence by tandem's Qwen3 (what the trainer computes), same dtype and temperature:
-  the mean k3 estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine.
+  the whole sequence by tandem's model code (what the trainer computes: for a mixture of experts,
+  the model's own MoE path, not the engine's kernels), same dtype and temperature: the mean k3
+  estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine. For a mixture of
+  experts also `mismatch_B_router_replay`: a run of B's first 16 prompts asking for the routed
+  experts, its mismatch without and with the trainer replaying them (`loss.router_replay`).
 
 Each part that fails is recorded in the result file with its error and the run goes on (GPU
 time is scarce; one broken baseline should not cost the others).
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -61,11 +65,13 @@ from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.dump import to_toml
 from tandem.config.inference import EngineConfig, InferenceConfig
+from tandem.inference.engine.fused_moe import eager_moe, moe_blocks
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine, resolve_device
 from tandem.launch.process import ManagedProcess
 from tandem.launch.rl import free_port, wait_healthy
 from tandem.models.loading import read_hf_config, resolve_dtype
+from tandem.models.moe import replayed_routing
 from tandem.models.presets import PRESETS, init_model, random_model
 
 DUMMY_PRESETS = {"qwen3-30b-a3b"}
@@ -127,7 +133,7 @@ def throughput(tokens: int, seconds: float) -> dict:
     return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
 
 
-def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dict:
+def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return_routed_experts: bool = False) -> dict:
     """Drive the engine to completion; throughput, TTFT, decode step times, prompt tokens computed."""
     batches: list = []
     schedule = engine.scheduler.schedule
@@ -141,7 +147,7 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dic
         return batch
 
     engine.scheduler.schedule = recording_schedule
-    params = SamplingParams(max_tokens=output_len, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=1.0, ignore_eos=True, return_routed_experts=return_routed_experts)
     sync(engine.device)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -182,21 +188,38 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dic
     }
 
 
-def mismatch_kl(model: torch.nn.Module, prompts: list[list[int]], outputs: list, temperature: float) -> dict:
-    """k3 of KL(engine || teacher-forced forward) over every sampled token, one sequence at a time."""
+def mismatch_kl(model: torch.nn.Module, prompts: list[list[int]], outputs: list, temperature: float,
+                router_replay: bool = False) -> dict:
+    """k3 of KL(engine || teacher-forced forward) over every sampled token, one sequence at a time;
+    `router_replay`: the forward routes each sampling position through the experts the engine reported."""
     by_request = {f"r{i}": p for i, p in enumerate(prompts)}
     r_all = []
-    with torch.no_grad():
+    with torch.no_grad(), eager_moe(model):
         for out in outputs:
             prompt = by_request[out.request_id]
             ids = torch.tensor([prompt + out.token_ids], device=model.lm_head.weight.device)
-            hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None])
+            replay = contextlib.nullcontext()
+            if router_replay:
+                routed = torch.tensor(out.routed_experts, device=ids.device)
+                given = torch.full((ids.shape[1], *routed.shape[1:]), -1, device=ids.device)
+                given[len(prompt) - 1:-1] = routed
+                replay = replayed_routing(model, given)
+            with replay:
+                hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None])
             logits = model.lm_head(hidden[0, len(prompt) - 1:-1]).float() / temperature
             teacher = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
             r_all.append(teacher - torch.tensor(out.logprobs, device=ids.device))
     r = torch.cat(r_all).double()
     return {"tokens": r.numel(), "mean_k3": (r.exp() - 1 - r).mean().item(), "mean_abs_logprob_diff": r.abs().mean().item(),
             "max_abs_logprob_diff": r.abs().max().item()}
+
+
+def replay_mismatch(engine, prompts: list[list[int]], w: dict) -> dict:
+    """Mismatch KL of one run asking for the routed experts, without and with the trainer replaying them."""
+    outputs = run_engine(engine, prompts, w["n"], w["output_len"], return_routed_experts=True)["outputs"]
+    model = engine.runner.model
+    return {"without_replay": mismatch_kl(model, prompts, outputs, 1.0),
+            "with_replay": mismatch_kl(model, prompts, outputs, 1.0, router_replay=True)}
 
 
 async def send_all(url: str, prompts: list[list[int]], output_len: int) -> int:
@@ -339,6 +362,8 @@ def main() -> None:
             attempt(results, "engine_B", lambda: run_engine(engine, prompts_b, b["n"], b["output_len"]))
             if "mismatch" in parts and "outputs" in results["engine_B"]:
                 attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts_b, results["engine_B"]["outputs"], 1.0))
+            if "mismatch" in parts and moe_blocks(engine.runner.model):
+                attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts_b[:16], b))
             for key in ("engine_A", "engine_A_read_each_step", "engine_B"):
                 for bulky in ("outputs", "step_seconds"):
                     results.get(key, {}).pop(bulky, None)
@@ -377,6 +402,9 @@ def main() -> None:
         r = results.get(key, {})
         summary[key] = {k: r[k] for k in ("output_tokens_per_s", "ttft_median_s", "decode_step_median_s_at_full_batch",
                                           "prompt_tokens_computed", "prompt_tokens_requested", "mean_k3", "error") if k in r}
+    replay = results.get("mismatch_B_router_replay", {})
+    if replay:
+        summary["mismatch_B_router_replay"] = {k: v.get("mean_k3") if isinstance(v, dict) else v for k, v in replay.items()}
     if "vllm" in results:
         summary["vllm"] = {k: (v.get("output_tokens_per_s", v.get("error")) if isinstance(v, dict) else v)
                            for k, v in results["vllm"].items()}

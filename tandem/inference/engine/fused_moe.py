@@ -17,6 +17,7 @@ the model's eager path serves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -65,6 +66,17 @@ def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None) -
     for index, block in enumerate(blocks):
         block.forward = functools.partial(fused_moe_forward, block, router, recorder, index)
     return True
+
+
+@contextlib.contextmanager
+def eager_moe(model: nn.Module):
+    """Within this block the MoE blocks run the model's own path: a reference sharing the engine's weights."""
+    installed = {block: block.__dict__.pop("forward") for block in moe_blocks(model) if "forward" in block.__dict__}
+    try:
+        yield
+    finally:
+        for block, forward in installed.items():
+            block.forward = forward
 
 
 def _record_hook(recorder: RoutingRecorder, moe_index: int, router: nn.Module, inputs, output) -> None:
