@@ -5,11 +5,11 @@
     python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine,vllm --out ...  # random weights
     python benchmarks/inference.py --preset tiny-moe --device cpu --scale 0.0625 --load-format dummy --parts engine
 
-Weights (`--load-format`): `auto` writes the preset's folder with its random weights; `dummy` (the default
-for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB) writes only its config and
-tokenizer, and the engine builds random weights directly on the device (`presets.random_model`), as vLLM
-does with `load_format="dummy"` from the same folder. Parts that load the weights folder (server,
-generate, generate_batch) then need `auto`, and are recorded as errors.
+Weights (`--load-format`, as `model.load_format`): `safetensors` writes the preset's folder with its random
+weights; `dummy` (the default for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB)
+writes only its config and tokenizer, and engine and server build random weights directly on the device,
+as vLLM does with `load_format="dummy"` from the same folder. The transformers parts (generate,
+generate_batch) need `safetensors`, and are recorded as errors otherwise.
 
 Workloads (the GPU speed issue's), all sampling at temperature 1 with EOS ignored, so every
 sequence gets exactly its output length; random prompt token ids; `--scale` shrinks the counts:
@@ -70,9 +70,9 @@ from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine, resolve_device
 from tandem.launch.process import ManagedProcess
 from tandem.launch.rl import free_port, wait_healthy
-from tandem.models.loading import read_hf_config, resolve_dtype
+from tandem.models.loading import resolve_dtype
 from tandem.models.moe import replayed_routing
-from tandem.models.presets import PRESETS, init_model, random_model
+from tandem.models.presets import PRESETS, init_model
 
 DUMMY_PRESETS = {"qwen3-30b-a3b"}
 """Presets whose weights are built on the device by default: their folder would not fit the GPU host's disk."""
@@ -87,7 +87,7 @@ def parse_args() -> argparse.Namespace:
     source.add_argument("--preset", choices=list(PRESETS), default="tiny", help="build this preset in a temp folder")
     source.add_argument("--model", help="a model folder (instead of a preset)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--load-format", choices=["auto", "dummy"],
+    parser.add_argument("--load-format", choices=["safetensors", "dummy"],
                         help="dummy: random weights built on the device, no weights folder (default for " + ", ".join(DUMMY_PRESETS) + ")")
     parser.add_argument("--num-layers", type=int, help="cut the preset to this many layers")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -237,7 +237,8 @@ def bench_server(folder: Path, args: argparse.Namespace, w: dict, vocab: int, tm
     client in this process would otherwise share the server's interpreter lock); best of `--repeats`."""
     max_len = w["prompt_len"] + w["output_len"]
     port = free_port()
-    config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype}, "server": {"port": port},
+    config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype, "load_format": args.load_format},
+                                             "server": {"port": port},
                                              "engine": engine_config(args, w["num_prompts"], max_len).model_dump()})
     (tmp / "inference.toml").write_text(to_toml(config))
     server = ManagedProcess("inference", [sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")],
@@ -328,22 +329,20 @@ def main() -> None:
     results: dict = {"workloads": {"A": a, "B": b}, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
                      "compile_norms": args.compile_norms}
     with tempfile.TemporaryDirectory() as tmp:
-        dummy = args.load_format == "dummy" or (args.load_format is None and not args.model and args.preset in DUMMY_PRESETS)
+        if args.load_format is None:
+            args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
         folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed,
-                                                                 num_layers=args.num_layers, weights=not dummy)
+                                                                 num_layers=args.num_layers, weights=args.load_format != "dummy")
         results["model"] = args.model or f"preset {args.preset}" + (f", {args.num_layers} layers" if args.num_layers else "")
-        results["load_format"] = "dummy" if dummy else "auto"
+        results["load_format"] = args.load_format
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         prompts_a, prompts_b = prompts_for(a, vocab, args.seed), prompts_for(b, vocab, args.seed + 1)
         if parts & {"engine", "mismatch"}:
             max_seqs = max(a["num_prompts"] * a["n"], b["num_prompts"] * b["n"])
             max_len = max(a["prompt_len"] + a["output_len"], b["prompt_len"] + b["output_len"])
             t0 = time.perf_counter()
-            model = (random_model(read_hf_config(folder), device, resolve_dtype(args.dtype, device), args.seed)
-                     if dummy else None)
-            engine = build_engine(ModelConfig(name=str(folder), dtype=args.dtype), engine_config(args, max_seqs, max_len),
-                                  args.seed, model)
-            del model
+            model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
+            engine = build_engine(model_config, engine_config(args, max_seqs, max_len), args.seed)
             results["engine_build_s"] = time.perf_counter() - t0
             results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
                                    "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}

@@ -29,6 +29,11 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     """Passed to transformers when a model falls back to `AutoModelForCausalLM`."""
 
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
+    """`dummy`: random weights made on the device instead of read from the folder (native models only;
+    the same values in the trainer and the engine), for benchmarks of real shapes whose weights were
+    never written (`tandem model init --config-only`)."""
+
 
 class RunConfig(Section):
     name: str = "default"

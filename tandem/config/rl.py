@@ -17,7 +17,7 @@ from tandem.config.orchestrator import OrchestratorConfig
 from tandem.config.trainer import TrainerConfig
 from tandem.config.loader import ConfigError
 
-SHARED_KEYS = ("model.name", "run.name", "seq_len", "max_steps", "output_dir", "seed")
+SHARED_KEYS = ("model.name", "model.load_format", "run.name", "seq_len", "max_steps", "output_dir", "seed")
 """Dotted keys that `tandem rl` sets once for all three processes."""
 
 CKPT_KEYS = ("ckpt.enabled", "ckpt.interval")

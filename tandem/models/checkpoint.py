@@ -7,6 +7,7 @@ expert and projection, with names each family chose (`ExpertLayout`), and transf
 them back that way. `weights.load_state_dict` and `weights.save_state_dict` call `to_memory` and
 `to_disk`, so every reader and writer of a model folder (`tandem model init`, the trainer's
 loading and published `weights/step_N`, the engine's loading and weight updates) agrees.
+Stacking copies: while a folder is loaded, its experts exist once more in host memory.
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ class ExpertLayout:
 
 EXPERT_LAYOUTS = {"qwen3_moe": ExpertLayout(), "glm4_moe": ExpertLayout(),
                   "minimax_m2": ExpertLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
-"""model_type -> its on-disk layout; any other family uses `ExpertLayout()` (Qwen2-MoE's names)."""
+"""model_type -> its on-disk layout, for the native mixture-of-experts families. Other families'
+tensors pass unchanged: a transformers fallback model publishes and reloads its own in-memory names."""
 
 
-def layout_of(model_type: str | None) -> ExpertLayout:
-    return EXPERT_LAYOUTS.get(model_type or "", ExpertLayout())
-
-
-def to_memory(state: dict[str, torch.Tensor], model_type: str | None) -> dict[str, torch.Tensor]:
-    """On-disk names -> in-memory names: per-expert tensors stacked, the block renamed `mlp`."""
-    layout = layout_of(model_type)
+def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
+    """On-disk names -> in-memory names: per-expert tensors stacked, the block renamed `mlp`, the
+    multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`, after the last block) left out."""
+    layout = EXPERT_LAYOUTS.get(hf_config.get("model_type", ""))
+    if layout is None:
+        return state
+    state = {name: t for name, t in state.items() if not _is_mtp_layer(name, hf_config)}
     if layout.block != "mlp":
         state = {name.replace(f".{layout.block}.", ".mlp."): t for name, t in state.items()}
     pattern = re.compile(rf"(.*)\.mlp\.experts\.(\d+)\.({layout.gate}|{layout.up}|{layout.down})\.weight")
@@ -53,26 +55,34 @@ def to_memory(state: dict[str, torch.Tensor], model_type: str | None) -> dict[st
             prefix, j, proj = match.groups()
             per_expert.setdefault(prefix, {}).setdefault(proj, {})[int(j)] = tensor
     for prefix, projections in per_expert.items():
-        gate, up, down = (_stack(projections.get(p, {}), f"{prefix}.{layout.block}.experts.{{j}}.{p}.weight")
+        count = 1 + max(j for tensors in projections.values() for j in tensors)
+        gate, up, down = (_stack(projections.get(p, {}), count, f"{prefix}.{layout.block}.experts.{{j}}.{p}.weight")
                           for p in (layout.gate, layout.up, layout.down))
         out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[f"{prefix}.mlp.experts.down_proj"] = down
     return out
 
 
-def _stack(tensors: dict[int, torch.Tensor], name: str) -> torch.Tensor:
-    """The tensors of experts 0..E-1 stacked; a missing expert is an error naming its tensor."""
-    count = max(tensors, default=-1) + 1
-    missing = [j for j in range(max(count, 1)) if j not in tensors]
+def _is_mtp_layer(name: str, hf_config: dict) -> bool:
+    num_layers, num_mtp = hf_config.get("num_hidden_layers", 0), hf_config.get("num_nextn_predict_layers") or 0
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return match is not None and num_layers <= int(match.group(1)) < num_layers + num_mtp
+
+
+def _stack(tensors: dict[int, torch.Tensor], count: int, name: str) -> torch.Tensor:
+    """The tensors of experts 0..count-1 stacked; a missing expert is an error naming its tensor."""
+    missing = [j for j in range(count) if j not in tensors]
     if missing:
         raise KeyError(f"the checkpoint lacks {name.format(j=missing[0])}")
     return torch.stack([tensors[j] for j in range(count)])
 
 
-def to_disk(state: dict[str, torch.Tensor], model_type: str | None) -> dict[str, torch.Tensor]:
+def to_disk(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
     """In-memory names -> on-disk names: stacked experts split into one tensor per expert (copies,
     as safetensors stores no shared memory), the block renamed as the family names it."""
-    layout = layout_of(model_type)
+    layout = EXPERT_LAYOUTS.get(hf_config.get("model_type", ""))
+    if layout is None:
+        return state
     out = {}
     for name, tensor in state.items():
         disk_name = name.replace(".mlp.", f".{layout.block}.")

@@ -18,6 +18,7 @@ Single-device code: parallelism is applied from outside, per block in `layers`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Literal, Protocol
 
 import torch
@@ -26,6 +27,33 @@ from torch import nn
 
 from tandem.models.attention import AttentionBackend, PackedCausalAttention
 from tandem.models.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin
+from tandem.models.random_init import initial_value
+
+
+@dataclass(kw_only=True)
+class DecoderArgs:
+    """Settings every family shares; each family's args add their own (read from config.json by `from_hf`)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    """Query heads (Hq)."""
+    num_key_value_heads: int
+    """Key/value heads (Hkv), shared by Hq / Hkv query heads each."""
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMS norm of the model."""
+    rope_theta: float = 1_000_000.0
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's features that RoPE rotates (the first ones)."""
+    tie_word_embeddings: bool = False
+    """The LM head is the embedding matrix."""
+    max_position_embeddings: int = 40960
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 class FeedForward(Protocol):
@@ -95,7 +123,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); `mlp` is any `FeedForward`."""
 
-    def __init__(self, layer_idx: int, attention: Attention, mlp: nn.Module, hidden_size: int, eps: float):
+    def __init__(self, layer_idx: int, attention: Attention, mlp: FeedForward, hidden_size: int, eps: float):
         super().__init__()
         self.layer_idx = layer_idx
         self.eps = eps
@@ -135,11 +163,9 @@ class DecoderLM(nn.Module):
     """A causal LM of `DecoderLayer`s; `forward` gives final hidden states [B, T, hidden].
 
     The caller applies `lm_head` where it needs logits (the engine on last tokens, the trainer in
-    chunks), so full logits never exist unasked. `args` is the family's settings dataclass; it
-    names at least the fields read here and the engine's KV-cache shape (`num_hidden_layers`,
-    `num_key_value_heads`, `head_dim`)."""
+    chunks), so full logits never exist unasked."""
 
-    def __init__(self, args, layers: list[DecoderLayer]):
+    def __init__(self, args: DecoderArgs, layers: list[DecoderLayer]):
         super().__init__()
         self.args = args
         self.model = DecoderModel(args.vocab_size, args.hidden_size, args.rms_norm_eps, layers)
@@ -160,13 +186,8 @@ class DecoderLM(nn.Module):
             h = layer(h, cos, sin, backend)
         return self.model.norm(h)
 
-    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """Random init: normal(0, std) matrices, unit norms, zero biases (deterministic given `generator`)."""
-        for name, p in sorted(self.named_parameters()):
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith((".bias", "e_score_correction_bias")):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32, device=p.device).to(p.dtype) * std)
+    def init_weights(self, seed: int = 0) -> None:
+        """Random weights in place (`tandem.models.random_init`: values set by seed, name and device kind)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(initial_value(name, p.shape, seed, p.device).to(p.dtype))

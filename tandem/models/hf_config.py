@@ -44,8 +44,31 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return rope
 
 
-def check_dense_attention(config: Any) -> None:
-    """Full causal attention in every layer, SiLU-gated feed-forwards, no dropout."""
+def decoder_fields(config: Any) -> dict[str, Any]:
+    """The `DecoderArgs` fields of a transformers config object, after the checks every family shares."""
+    check_common(config)
+    rope = rope_parameters(config)
+    heads = config.num_attention_heads
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=config.num_key_value_heads or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=float(rope["rope_theta"]),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_position_embeddings,
+    )
+
+
+def check_common(config: Any) -> None:
+    """Full causal attention in every layer, SiLU-gated feed-forwards, no dropout, unquantized weights."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        raise UnsupportedConfig("quantization_config", quantization, "unquantized weights only")
     expect(config, "hidden_act", ("silu",), "silu")
     expect(config, "use_sliding_window", (False,), False)
     expect(config, "attention_dropout", (0, 0.0), 0.0)

@@ -13,13 +13,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.models.hub import resolve_model_path
+from tandem.models.glm4_moe import Glm4MoeArgs, Glm4MoeForCausalLM
 from tandem.models.hf_config import UnsupportedConfig
+from tandem.models.hub import resolve_model_path
+from tandem.models.minimax_m2 import MiniMaxM2Args, MiniMaxM2ForCausalLM
+from tandem.models.moe import keep_routers_fp32
 from tandem.models.qwen3 import Qwen3Args, Qwen3ForCausalLM
 from tandem.models.qwen3_moe import Qwen3MoeArgs, Qwen3MoeForCausalLM
 from tandem.models.weights import load_state_dict
 
-NATIVE = {"qwen3": (Qwen3Args, Qwen3ForCausalLM), "qwen3_moe": (Qwen3MoeArgs, Qwen3MoeForCausalLM)}
+NATIVE = {
+    "qwen3": (Qwen3Args, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeArgs, Qwen3MoeForCausalLM),
+    "glm4_moe": (Glm4MoeArgs, Glm4MoeForCausalLM),
+    "minimax_m2": (MiniMaxM2Args, MiniMaxM2ForCausalLM),
+}
 """model_type -> (args class, model class) implemented natively."""
 
 
@@ -50,25 +58,46 @@ def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: to
     with torch.device(device):
         model = model_cls(args)
     model.hf_config = hf_config
-    return model.to(dtype)
+    model.to(dtype)
+    keep_routers_fp32(model)
+    return model
 
 
-def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Copy HF-named tensors into `model`; shapes must match; tied lm_head may be absent."""
+def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype, source: str = "config.json") -> nn.Module:
+    """A native model with uninitialized memory on `device` (built on `meta`: no init work), tied again."""
+    model = build_native(hf_config, "meta", dtype, source)
+    model.to_empty(device=device)
+    retie(model)
+    return model
+
+
+def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True, source: str | None = None) -> None:
+    """Copy HF-named tensors into `model`; shapes must match; tied lm_head may be absent. Errors
+    name `source` (the folder the state came from) where given; nothing is copied unless all fits."""
     params = dict(model.state_dict())
     missing = [k for k in params if k not in state and not (k == "lm_head.weight" and "model.embed_tokens.weight" in state and _tied(model))]
     unexpected = [k for k in state if k not in params]
     if strict and (missing or unexpected):
-        raise KeyError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise KeyError(f"{source or 'the weights'} do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, tensor in state.items():
         if name not in params:
             continue
         if params[name].shape != tensor.shape:
-            raise ValueError(f"shape mismatch for {name}: model {tuple(params[name].shape)}, weights {tuple(tensor.shape)}")
+            raise ValueError(f"{source + ': ' if source else ''}shape mismatch for {name}: model {tuple(params[name].shape)}, weights {tuple(tensor.shape)}")
     with torch.no_grad():
         for name, tensor in state.items():
             if name in params:
                 params[name].copy_(tensor)
+
+
+DUMMY_SEED = 0
+"""Seed of `load_format = "dummy"` weights: one value, so trainer and engine make the same model."""
+
+
+def check_load_format(load_format: str, hf_config: dict) -> None:
+    if load_format == "dummy" and not is_native(hf_config):
+        raise ValueError(f"`model.load_format` = 'dummy' needs a native model; {hf_config.get('model_type')!r} loads "
+                         "through transformers, from its weights")
 
 
 def retie(model: nn.Module) -> None:
@@ -83,16 +112,20 @@ def _tied(model: nn.Module) -> bool:
     return bool(getattr(settings, "tie_word_embeddings", False))
 
 
-def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "auto", trust_remote_code: bool = False) -> nn.Module:
-    """Load weights of `name` (folder or hub name) onto `device`: meta init, then weights."""
+def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "auto", trust_remote_code: bool = False,
+                   load_format: str = "safetensors") -> nn.Module:
+    """Load weights of `name` (folder or hub name) onto `device`: meta init, then weights (read,
+    or random ones made on the device with `load_format` "dummy")."""
     folder = resolve_model_path(name)
     hf_config = read_hf_config(folder)
     torch_dtype = resolve_dtype(dtype, device)
+    check_load_format(load_format, hf_config)
     if is_native(hf_config):
-        model = build_native(hf_config, "meta", torch_dtype, source=str(folder / "config.json"))
-        model.to_empty(device=device)
-        retie(model)
-        load_weights_into(model, load_state_dict(folder, device))
+        model = empty_native(hf_config, device, torch_dtype, source=str(folder / "config.json"))
+        if load_format == "dummy":
+            model.init_weights(DUMMY_SEED)
+        else:
+            load_weights_into(model, load_state_dict(folder, device), source=f"the weights in {folder}")
         return model.eval()
     from tandem.models.hf_fallback import HFCausalLM
 

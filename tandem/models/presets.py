@@ -3,7 +3,8 @@
 The small presets use the byte tokenizer's vocabulary and learn on a CPU; the real shapes keep
 their family's vocabulary size (the byte tokenizer uses its first 260 ids) so that speed and
 memory are the real model's. Their weights need not be written: `init_model(..., weights=False)`
-writes the config and tokenizer only, and `random_model` builds the weights on the device.
+writes the config and tokenizer only, and `model.load_format = "dummy"` makes the weights on the
+device (`tandem.models.random_init`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from tandem.models.byte_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 
@@ -33,19 +33,41 @@ PRESETS: dict[str, dict] = {
     "tiny-moe": dict(model_type="qwen3_moe", vocab_size=VOCAB_SIZE, intermediate_size=384, num_hidden_layers=2,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[], **_TINY_ATTENTION),
+    # GLM-4.5's routing at a CPU size: dense first block, 8 experts in 4 groups (2 chosen), 2 per token, 1 shared.
+    "tiny-glm4-moe": dict(model_type="glm4_moe", vocab_size=VOCAB_SIZE, intermediate_size=192, num_hidden_layers=3,
+                          moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                          n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                          attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=0,
+                          rope_parameters=dict(partial_rotary_factor=0.5), **_TINY_ATTENTION),
+    # MiniMax-M2's block at a CPU size: 8 experts, 2 per token, q/k norms over all heads, half the head rotary.
+    "tiny-minimax-m2": dict(model_type="minimax_m2", vocab_size=VOCAB_SIZE, intermediate_size=32, num_hidden_layers=2,
+                            num_local_experts=8, num_experts_per_tok=2, rope_parameters=dict(partial_rotary_factor=0.5),
+                            **_TINY_ATTENTION),
     # The real Qwen3-30B-A3B shape (48 layers, 128 experts, 8 per token).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
                           max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0, dtype="bfloat16"),
+    # The real GLM-4.5-Air shape (46 layers, the first dense; 128 routed experts, 8 per token, 1 shared).
+    "glm-4.5-air": dict(model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+                        num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                        moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8,
+                        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, first_k_dense_replace=1,
+                        attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=0, tie_word_embeddings=False,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
+                        rope_parameters=dict(partial_rotary_factor=0.5), dtype="bfloat16"),
+    # The real MiniMax-M2 shape (62 layers, 256 experts, 8 per token, rotary on 64 of 128 features).
+    "minimax-m2": dict(model_type="minimax_m2", vocab_size=200064, hidden_size=3072, intermediate_size=1536,
+                       num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+                       num_local_experts=256, num_experts_per_tok=8, tie_word_embeddings=False,
+                       max_position_embeddings=196608, rms_norm_eps=1e-6, rope_theta=5_000_000.0,
+                       rope_parameters=dict(partial_rotary_factor=0.5), dtype="bfloat16"),
 }
 
 
 def preset_config(preset: str, num_layers: int | None = None) -> dict:
     """The complete config.json of `preset` (as transformers writes it), cut to `num_layers` blocks."""
-    from transformers import AutoConfig
-
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     shape = dict(PRESETS[preset])
@@ -53,47 +75,50 @@ def preset_config(preset: str, num_layers: int | None = None) -> dict:
         if not 1 <= num_layers <= shape["num_hidden_layers"]:
             raise ValueError(f"`--num-layers` = {num_layers}: preset {preset!r} has 1 to {shape['num_hidden_layers']} layers")
         shape["num_hidden_layers"] = num_layers
+    return shape_config(shape)
+
+
+def shape_config(shape: dict) -> dict:
+    """A complete config.json from a shape (`model_type`, `rope_theta`, optional `rope_parameters`, fields
+    of the family's transformers config), with the byte tokenizer's special token ids."""
+    from transformers import AutoConfig
+
+    shape = dict(shape)
     model_type = shape.pop("model_type")
-    theta = shape.pop("rope_theta")
-    rope = {"rope_type": "default", "rope_theta": theta, **shape.pop("rope_parameters", {})}
+    rope = {"rope_type": "default", "rope_theta": shape.pop("rope_theta"), **shape.pop("rope_parameters", {})}
     eos, pad, bos = 258, 259, 256  # <|im_end|>, <pad>, <|endoftext|>
     config = AutoConfig.for_model(model_type, **shape, rope_parameters=rope, bos_token_id=bos, eos_token_id=eos,
                                   pad_token_id=pad, architectures=[ARCHITECTURES[model_type]])
     return config.to_dict()
 
 
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "minimax_m2": "MiniMaxM2ForCausalLM"}
 """model_type -> the transformers class named in config.json's `architectures`."""
-
-
-def random_model(hf_config: dict, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A native model of `hf_config` with random weights made on `device` (no folder read or written)."""
-    from tandem.models.loading import build_native, retie
-
-    model = build_native(hf_config, "meta", dtype)
-    model.to_empty(device=device)
-    retie(model)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    model.init_weights(generator)
-    return model
 
 
 def init_model(preset: str, out: Path, seed: int = 0, num_layers: int | None = None, weights: bool = True) -> Path:
     """Write a Hugging Face folder (config, safetensors, tokenizer, generation config) for `preset`;
-    `weights=False` leaves the safetensors out (the caller builds weights with `random_model`)."""
+    `weights=False` leaves the safetensors out (load it with `model.load_format = "dummy"`)."""
+    return write_model(preset_config(preset, num_layers), out, seed, weights)
+
+
+def write_model(hf_config: dict, out: Path, seed: int = 0, weights: bool = True) -> Path:
+    """Write a model folder of `hf_config` with random weights (see `init_model`)."""
     from transformers import GenerationConfig
 
     from tandem.models.hf_config import transformers_config
+    from tandem.models.loading import empty_native
     from tandem.models.weights import save_state_dict
 
-    hf_config = preset_config(preset, num_layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     GenerationConfig(bos_token_id=hf_config["bos_token_id"], eos_token_id=[hf_config["eos_token_id"], hf_config["bos_token_id"]],
                      pad_token_id=hf_config["pad_token_id"]).save_pretrained(str(out))
     save_byte_tokenizer(out)
     if weights:
-        model = random_model(hf_config, "cpu", torch.float32, seed)
+        model = empty_native(hf_config, "cpu", torch.float32)
+        model.init_weights(seed)
         torch_dtype = getattr(torch, hf_config["dtype"])
         save_state_dict({k: v.to(torch_dtype) for k, v in model.state_dict().items()}, out, hf_config)
     transformers_config(hf_config).save_pretrained(str(out))

@@ -11,30 +11,16 @@ from typing import Any
 
 from torch import nn
 
-from tandem.models.decoder import Attention, DecoderLayer, DecoderLM
-from tandem.models.hf_config import check_dense_attention, expect, rope_parameters, transformers_config
+from tandem.models.decoder import Attention, DecoderArgs, DecoderLayer, DecoderLM
+from tandem.models.hf_config import decoder_fields, expect, transformers_config
 from tandem.models.layers import MLP
 
 
-@dataclass
-class Qwen3Args:
-    vocab_size: int
-    hidden_size: int
+@dataclass(kw_only=True)
+class Qwen3Args(DecoderArgs):
     intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    tie_word_embeddings: bool = False
     attention_bias: bool = False
-    max_position_embeddings: int = 40960
-
-    @property
-    def rotary_dim(self) -> int:
-        """Features of each head that RoPE rotates: all of them."""
-        return self.head_dim
+    """Biases on the q, k, v and o projections."""
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Qwen3Args":
@@ -44,24 +30,9 @@ class Qwen3Args:
 
 def qwen3_fields(config: Any) -> dict[str, Any]:
     """The `Qwen3Args` fields of a Qwen3 or Qwen3-MoE transformers config object."""
-    check_dense_attention(config)
-    rope = rope_parameters(config)
-    expect(rope, "partial_rotary_factor", (1, 1.0), 1.0)
-    heads = config.num_attention_heads
-    return dict(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=config.num_key_value_heads or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=float(rope["rope_theta"]),
-        tie_word_embeddings=config.tie_word_embeddings,
-        attention_bias=config.attention_bias,
-        max_position_embeddings=config.max_position_embeddings,
-    )
+    fields = decoder_fields(config)
+    expect(fields, "partial_rotary_factor", (1.0,))
+    return dict(fields, intermediate_size=config.intermediate_size, attention_bias=config.attention_bias)
 
 
 def qwen3_layer(args: Qwen3Args, layer_idx: int, mlp: nn.Module) -> DecoderLayer:

@@ -18,14 +18,18 @@ from tandem.models.moe import MoE, MoEArgs
 from tandem.models.qwen3 import Qwen3Args, qwen3_fields, qwen3_layer
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Qwen3MoeArgs(Qwen3Args):
     num_experts: int = 128
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
+    """Hidden features of each expert's SwiGLU (`intermediate_size` is the dense blocks')."""
     norm_topk_prob: bool = False
+    """Renormalize the chosen experts' softmax probabilities to sum to 1."""
     decoder_sparse_step: int = 1
+    """Every this many blocks is sparse (block i when (i + 1) is a multiple)."""
     mlp_only_layers: list[int] = field(default_factory=list)
+    """Blocks kept dense whatever `decoder_sparse_step` says."""
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Qwen3MoeArgs":

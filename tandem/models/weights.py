@@ -37,8 +37,7 @@ def load_state_dict(folder: Path, device: str | torch.device = "cpu") -> dict[st
     for file in weight_files(folder):
         state.update(load_file(str(file), device=str(device)))
     config = folder / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    return to_memory(state, model_type)
+    return to_memory(state, json.loads(config.read_text()) if config.is_file() else {})
 
 
 def save_state_dict(state: dict[str, torch.Tensor], folder: Path, hf_config: dict) -> Path:
@@ -47,7 +46,7 @@ def save_state_dict(state: dict[str, torch.Tensor], folder: Path, hf_config: dic
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    state = to_disk({k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}, hf_config.get("model_type"))
+    state = to_disk({k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}, hf_config)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     target = folder / "model.safetensors"
     tmp = folder / ".model.safetensors.tmp"

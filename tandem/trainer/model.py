@@ -6,10 +6,13 @@ models attend through `DocumentCausalAttention` (document lengths from the batch
 run the trainer's block forward (`tandem.trainer.block`: compiled halves, selective recompute).
 
 Loading (`build_policy`):
-- native models (Qwen3): built on the meta device, activation checkpointing and FSDP applied,
-  then `to_empty` on the target device, then each rank copies only its shard out of the
-  (memory-mapped) safetensors. No rank ever holds the whole model in memory, so this scales to
-  models larger than one device.
+- native models (`tandem.models.loading.NATIVE`): built on the meta device, activation
+  checkpointing and FSDP applied, then `to_empty` on the target device, then each rank copies
+  only its shard out of the (memory-mapped) safetensors. No rank ever holds the whole model in
+  device memory, so this scales to models larger than one device (host memory does hold the
+  experts of a mixture of experts whole while they are stacked: `tandem.models.checkpoint`).
+  With `model.load_format = "dummy"` each rank draws each full tensor on its device instead
+  (`tandem.models.random_init`, the engine's values too) and keeps its shard.
 - anything else falls back to transformers' model (`HFCausalLM`), loaded whole on the CPU, then
   sharded; FSDP moves the shards to the device. Packed rows still never attend across samples:
   transformers derives a block-diagonal mask from position ids when no attention mask is given.
@@ -17,6 +20,7 @@ Loading (`build_policy`):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +32,8 @@ from tandem.config.trainer import ActivationCheckpointConfig, KernelsConfig, Par
 from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
-from tandem.models.loading import build_native, is_native, read_hf_config, resolve_dtype
+from tandem.models.loading import DUMMY_SEED, build_native, check_load_format, is_native, read_hf_config, resolve_dtype
+from tandem.models.random_init import RandomWeights
 from tandem.models.weights import load_state_dict
 from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
@@ -117,6 +122,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     model and its config.json."""
     folder = resolve_model_path(model.name)
     hf_config = read_hf_config(folder)
+    check_load_format(model.load_format, hf_config)
     native = is_native(hf_config)
     if native:
         lm = build_native(hf_config, "meta", torch.float32, source=str(folder / "config.json"))
@@ -136,21 +142,26 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         policy.to_empty(device=dims.device)
         if getattr(lm.args, "tie_word_embeddings", False) and lm.lm_head.weight is not lm.model.embed_tokens.weight:
             raise RuntimeError("FSDP untied the embeddings of a tied model; this torch version needs a re-tie step")
-        load_shards(policy, load_state_dict(folder))
+        if model.load_format == "dummy":
+            shapes = {name: param.shape for name, param in policy.hf_named_parameters()}
+            load_shards(policy, RandomWeights(shapes, DUMMY_SEED, dims.device), source="the dummy weights")
+        else:
+            load_shards(policy, load_state_dict(folder), source=str(folder))
     return policy.train(), hf_config
 
 
-def load_shards(policy: PolicyModel, state: dict[str, torch.Tensor]) -> None:
-    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter."""
+def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter; errors name
+    `source`, the folder `state` was read from."""
     params = policy.hf_named_parameters()
     missing = [name for name, _ in params if name not in state]
     if missing:
-        raise KeyError(f"the model folder's weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise KeyError(f"the weights in {source} lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():
         for name, param in params:
             full = state[name]
             if tuple(full.shape) != tuple(param.shape):
-                raise ValueError(f"shape mismatch for {name}: model {tuple(param.shape)}, weights {tuple(full.shape)}")
+                raise ValueError(f"{source}: shape mismatch for {name}: model {tuple(param.shape)}, weights {tuple(full.shape)}")
             full = full.to(device=param.device, dtype=param.dtype)
             if isinstance(param, DTensor):
                 # src_data_rank=None: every rank read the full tensor itself, so no scatter is needed.

@@ -32,6 +32,12 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm_dir(tmp_path_factory) -> Path:
+    """GLM-4.5's block: partial rotary, q/k/v biases, a dense first block, group-limited routing."""
+    return init_model("tiny-glm4-moe", tmp_path_factory.mktemp("tiny_glm"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def sharp_dir(tmp_path_factory) -> Path:
     """A tiny model whose greedy choices are clear and varied: a "counting" LM head.
 

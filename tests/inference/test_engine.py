@@ -62,12 +62,14 @@ def test_logprobs_match_a_teacher_forced_pass(tiny_dir, tiny_model, settings, ov
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_mixture_of_experts_logprobs_match_a_teacher_forced_pass(tiny_moe_dir):
-    """A sparse model runs through the paged path (chunked prefills, batched decodes) as it is."""
+@pytest.mark.parametrize("folder", ["tiny_moe_dir", "tiny_glm_dir"])
+def test_mixture_of_experts_logprobs_match_a_teacher_forced_pass(folder, request):
+    """Sparse models run through the paged path (chunked prefills, batched decodes) as they are."""
     from tandem.models.loading import load_causal_lm
 
-    engine = engine_for(tiny_moe_dir, num_blocks=24, max_num_batched_tokens=48, max_model_len=160)
-    model = load_causal_lm(str(tiny_moe_dir))
+    folder = request.getfixturevalue(folder)
+    engine = engine_for(folder, num_blocks=24, max_num_batched_tokens=48, max_model_len=160)
+    model = load_causal_lm(str(folder))
     rng = random.Random(1)
     requests = {}
     for i in range(6):
@@ -80,6 +82,18 @@ def test_mixture_of_experts_logprobs_match_a_teacher_forced_pass(tiny_moe_dir):
         expected = teacher_forced_logprobs(model, requests[rid], r["ids"], 1.0)
         assert len(r["ids"]) == 16
         assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
+
+
+def test_dummy_weights_serve_a_folder_without_weights(tiny_moe_dir, tmp_path):
+    """`model.load_format = "dummy"` builds `tandem model init`'s weights on the device from a config-only folder."""
+    from tandem.models.presets import init_model
+
+    folder = init_model("tiny-moe", tmp_path / "config-only", weights=False)
+    engine = build_engine(ModelConfig(name=str(folder), load_format="dummy"),
+                          EngineConfig(device="cpu", num_blocks=64, max_model_len=256), seed=0)
+    expected = load_state_dict(tiny_moe_dir)
+    for name, tensor in engine.runner.model.state_dict().items():
+        assert torch.equal(tensor, expected.get(name, expected["model.embed_tokens.weight"])), name  # tied head
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.models.loading import load_causal_lm
 from tandem.models.moe import GroupedExperts, permute, unpermute
-from tandem.models.presets import init_model
+from tandem.models.presets import PRESETS, init_model, shape_config, write_model
 from tandem.models.weights import load_state_dict, save_state_dict
 
 DOCUMENTS = [11, 7, 14]
@@ -38,6 +38,44 @@ def assert_matches_transformers(folder) -> None:
         expected = next_token_logprobs(theirs(input_ids=ids, position_ids=positions, use_cache=False).logits, ids)
         got = next_token_logprobs(ours.lm_head(ours(ids, positions)), ids)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+TINY_MOE = PRESETS["tiny-moe"]
+TINY_GLM = PRESETS["tiny-glm4-moe"]
+TINY_MINIMAX = PRESETS["tiny-minimax-m2"]
+
+
+def write_with_random_biases(shape: dict, out):
+    """A model folder whose biases (attention, score correction) are random too: init leaves them 0,
+    which would let a model that ignores them pass."""
+    hf_config = shape_config(shape)
+    folder = write_model(hf_config, out, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    state = {name: t + 0.1 * torch.randn(t.shape, generator=generator) if name.endswith(("bias", "norm.weight")) else t
+             for name, t in load_state_dict(folder).items()}
+    save_state_dict(state, folder, hf_config)
+    return folder
+
+
+@pytest.mark.parametrize("shape", [
+    TINY_GLM,
+    dict(TINY_GLM, use_qk_norm=True, attention_bias=False, n_group=1, topk_group=1, norm_topk_prob=False, first_k_dense_replace=0),
+    TINY_MINIMAX,
+], ids=["glm4_moe", "glm4_moe-qk-norm", "minimax_m2"])
+def test_glm_and_minimax_equal_transformers(shape, tmp_path):
+    assert_matches_transformers(write_with_random_biases(shape, tmp_path / "m"))
+
+
+def test_minimax_checkpoints_name_the_block_and_experts_as_released(tmp_path):
+    from safetensors import safe_open
+
+    folder = write_model(shape_config(TINY_MINIMAX), tmp_path / "m")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.block_sparse_moe.e_score_correction_bias",
+            "model.layers.0.block_sparse_moe.experts.7.w1.weight", "model.layers.0.block_sparse_moe.experts.7.w3.weight",
+            "model.layers.0.block_sparse_moe.experts.7.w2.weight"} <= names
+    assert "model.layers.0.mlp.e_score_correction_bias" in load_state_dict(folder)
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +142,71 @@ def test_grouped_experts_compute_each_experts_swiglu():
         gate, up = experts.gate_up_proj[e][:4] @ row, experts.gate_up_proj[e][4:] @ row
         expected.append(experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(experts(x, counts), torch.stack(expected))
+
+
+@pytest.mark.parametrize("model_type, field, value", [
+    ("qwen3_moe", "use_sliding_window", True),
+    ("qwen3_moe", "hidden_act", "gelu"),
+    ("qwen3", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+    ("glm4_moe", "n_group", 3),
+    ("minimax_m2", "scoring_func", "softmax"),
+    ("minimax_m2", "attn_type_list", [0, 1]),
+    ("minimax_m2", "quantization_config", {"quant_method": "fp8"}),
+])
+def test_unsupported_config_values_name_the_field_and_file(model_type, field, value, tmp_path):
+    shape = {"qwen3_moe": TINY_MOE, "qwen3": dict(TINY_MOE, model_type="qwen3"), "glm4_moe": TINY_GLM,
+             "minimax_m2": TINY_MINIMAX}[model_type]
+    folder = write_model(shape_config(shape), tmp_path / "m", weights=False)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    reported = "rope_type" if field == "rope_parameters" else field
+    with pytest.raises(ValueError, match=f"{folder / 'config.json'}: `{reported}` = "):
+        load_causal_lm(str(folder))
+
+
+def test_weights_of_another_architecture_name_the_folder_and_tensors(tiny_moe, tmp_path):
+    """A dense Qwen3 checkpoint under a Qwen3-MoE config: the experts and routers are missing."""
+    dense = init_model("tiny", tmp_path / "dense")
+    (dense / "config.json").write_bytes((tiny_moe / "config.json").read_bytes())
+    with pytest.raises(KeyError, match=rf"the weights in {dense} do not match the model: missing \['model.layers.0.mlp.gate.weight'"):
+        load_causal_lm(str(dense))
+
+
+def test_a_missing_expert_names_its_tensor(tiny_moe, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_moe / name).read_bytes())
+    tensors = load_file(str(tiny_moe / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.7.up_proj.weight"]  # the last: counts come from all three projections
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(KeyError, match="lacks model.layers.1.mlp.experts.7.up_proj.weight"):
+        load_state_dict(folder)
+
+
+def test_glm_routers_stay_fp32_in_a_bf16_model(tmp_path):
+    """As transformers and vLLM keep them: the router weight and score bias choose experts in fp32."""
+    folder = write_model(shape_config(TINY_GLM), tmp_path / "m")
+    model = load_causal_lm(str(folder), "cpu", "bfloat16")
+    router = model.layers[1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None]).dtype == torch.bfloat16
+
+
+def test_glm_multi_token_prediction_layers_are_left_out_and_nothing_else(tmp_path):
+    """GLM-4.5 checkpoints hold `num_nextn_predict_layers` extra blocks after the last one, which the
+    causal LM does not use; a tensor past them is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_model(shape_config(dict(TINY_GLM, num_nextn_predict_layers=1)), tmp_path / "m")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file(dict(tensors, **{"model.layers.3.eh_proj.weight": torch.zeros(2, 2)}), str(folder / "model.safetensors"))
+    assert "model.layers.3.eh_proj.weight" not in load_causal_lm(str(folder)).state_dict()
+    save_file(dict(tensors, **{"model.layers.4.eh_proj.weight": torch.zeros(2, 2)}), str(folder / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"unexpected \['model.layers.4.eh_proj.weight'\]"):
+        load_causal_lm(str(folder))

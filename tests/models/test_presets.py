@@ -88,3 +88,24 @@ def test_real_shape_config_only_cut_to_k_layers(tmp_path):
     assert 30.4e9 < sum(p.numel() for p in full.parameters()) < 30.6e9
     with pytest.raises(ValueError, match="`--num-layers` = 49"):
         preset_config("qwen3-30b-a3b", num_layers=49)
+
+
+def test_dummy_weights_are_the_weights_init_writes(tmp_path):
+    """`load_format = "dummy"` on a config-only folder makes, without reading or writing weights, the
+    model `tandem model init` writes for the same preset."""
+    written = load_causal_lm(str(init_model("tiny-glm4-moe", tmp_path / "w", seed=0)))
+    dummy = load_causal_lm(str(init_model("tiny-glm4-moe", tmp_path / "d", weights=False)), load_format="dummy")
+    assert not list((tmp_path / "d").glob("*.safetensors"))
+    expected = written.state_dict()
+    for name, tensor in dummy.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert dummy.state_dict()["model.layers.1.mlp.experts.gate_up_proj"].std() > 0.01
+
+
+def test_dummy_weights_need_a_native_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="`model.load_format` = 'dummy' needs a native model; 'llama'"):
+        load_causal_lm(str(tmp_path / "llama"), load_format="dummy")

@@ -22,6 +22,12 @@ def tiny_moe_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_minimax_model(tmp_path_factory) -> Path:
+    """MiniMax-M2's block: q/k norms over all heads, partial rotary, a score correction bias."""
+    return init_model("tiny-minimax-m2", tmp_path_factory.mktemp("models") / "tiny-minimax-m2", seed=0)
+
+
+@pytest.fixture(scope="session")
 def llama_model(tmp_path_factory) -> Path:
     """A transformers-only architecture (Llama), to exercise the fallback path."""
     from transformers import LlamaConfig, LlamaForCausalLM

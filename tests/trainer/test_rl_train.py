@@ -185,3 +185,19 @@ def test_cuda_without_a_gpu_is_a_clear_error(tiny_model, tmp_path, caplog):
     assert run_trainer("--model.name", str(tiny_model), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path),
                        "--device", "cuda") == 1
     assert "torch sees no CUDA device" in caplog.text
+
+
+def test_mixture_of_experts_trains_and_publishes_steps_transformers_loads(tiny_moe_model, tmp_path):
+    """Stacked experts train under FSDP; `weights/step_N` stores them per expert, as transformers reads them."""
+    from transformers import AutoModelForCausalLM
+
+    assert run_trainer("--model.name", str(tiny_moe_model), "--data.fake", "--max-steps", "2", "--output-dir", str(tmp_path),
+                       "--seq-len", "48", "--optim.lr", "1e-2") == 0
+    step2 = weights_dir(tmp_path, 2)
+    ours, before = load_causal_lm(str(step2)), load_causal_lm(str(tiny_moe_model))
+    experts = "model.layers.1.mlp.experts.gate_up_proj"
+    assert not torch.equal(ours.state_dict()[experts], before.state_dict()[experts])
+    theirs = AutoModelForCausalLM.from_pretrained(step2, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, ours.lm_head(ours(ids, torch.arange(20)[None])), atol=1e-5, rtol=0)

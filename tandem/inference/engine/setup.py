@@ -1,7 +1,7 @@
 """Build an `LLMEngine` from the config: device, model, tokenizer, KV-cache size, runner.
 
-Native models (tandem's Qwen3) get the paged KV cache; any other architecture loads through
-transformers and runs on the recompute path. On CUDA the cache takes what `memory_fraction`
+Native models (`tandem.models.loading.NATIVE`: Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) get the
+paged KV cache; any other architecture loads through transformers and runs on the recompute path. On CUDA the cache takes what `memory_fraction`
 leaves after the weights and the activations of a full-budget warmup step.
 """
 
@@ -85,13 +85,10 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
     return min(useful, max(0, budget // bytes_per_block))
 
 
-def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, model: torch.nn.Module | None = None) -> LLMEngine:
-    """`model`: one already built on the engine's device (benchmarks: random weights, as vLLM's dummy load
-    format), instead of the weights of `model_config.name`, whose folder still gives tokenizer and config."""
+def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> LLMEngine:
     device = resolve_device(engine.device)
     folder = resolve_model_path(model_config.name)
-    if model is None:
-        model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
+    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
