@@ -22,6 +22,7 @@ from tandem.inference.engine.setup import build_engine
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 from tandem.models.moe import MoE, MoEArgs, replayed_routing
+from tandem.models.presets import init_model
 
 
 def grouped_matmul_reference(a, weight, blocks: ExpertBlocks, rows_per_copy, num_copies, routing=None):
@@ -87,13 +88,15 @@ def routing_of_a_forward(model, token_ids: list[int]) -> torch.Tensor:
     return torch.stack(found, 1)
 
 
-def test_the_engine_reports_the_experts_that_sampled_each_token(tiny_moe_dir):
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-glm4-moe"])
+def test_the_engine_reports_the_experts_that_sampled_each_token(preset, tmp_path):
     """Chunked prefills, batched decodes, preemptions: token j's experts are those of position prompt + j - 1
-    in a teacher-forced forward (fp32 CPU: no near-tie flips them)."""
-    engine = build_engine(ModelConfig(name=str(tiny_moe_dir)), EngineConfig(
+    in a teacher-forced forward (fp32 CPU: no near-tie flips them). GLM: dense first layers, grouped sigmoid router."""
+    folder = init_model(preset, tmp_path / preset, seed=0)
+    engine = build_engine(ModelConfig(name=str(folder)), EngineConfig(
         device="cpu", num_blocks=16, block_size=16, max_model_len=160, max_num_batched_tokens=40), seed=0)
     engine.overlap = True  # what CUDA does: the routing of step N is read after step N+1 is launched
-    model = load_causal_lm(str(tiny_moe_dir))
+    model = load_causal_lm(str(folder))
     rng = random.Random(2)
     prompts = {}
     for i in range(6):

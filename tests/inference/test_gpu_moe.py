@@ -14,23 +14,33 @@ from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm
 from tandem.models.moe import MoE, MoEArgs, replayed_routing
+from tandem.models.presets import init_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+ROUTERS = {
+    "qwen3-moe": dict(norm_topk_prob=True),
+    "glm-4.5": dict(score_func="sigmoid", norm_topk_prob=True, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                    score_bias="router", router_fp32=True, num_shared_experts=1),
+    "minimax-m2": dict(score_func="sigmoid", norm_topk_prob=True, score_bias="block"),
+}
 
 
 def random_moe(dtype: torch.dtype, **args) -> MoE:
     """16 experts, top-4; features that are not multiples of the kernel's tiles (masked edges)."""
     torch.manual_seed(0)
-    moe = MoE(MoEArgs(num_experts=16, top_k=4, hidden_size=96, intermediate_size=80, norm_topk_prob=True, **args))
+    moe = MoE(MoEArgs(**{"num_experts": 16, "top_k": 4, "hidden_size": 96, "intermediate_size": 80, **args}))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
     return moe.to("cuda", dtype)
 
 
+@pytest.mark.parametrize("router", list(ROUTERS))
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_tokens", [1, 5, 100, 300])  # row blocks of 16, 16, 32, 64
-def test_fused_experts_equal_the_models_moe(dtype, tolerance, num_tokens):
-    moe = random_moe(dtype, num_shared_experts=1)
+def test_fused_experts_equal_the_models_moe(router, dtype, tolerance, num_tokens):
+    moe = random_moe(dtype, **ROUTERS[router])
     x = torch.randn(1, num_tokens, 96, device="cuda", dtype=dtype)
     with torch.no_grad():
         expected = moe(x).float()
@@ -40,8 +50,8 @@ def test_fused_experts_equal_the_models_moe(dtype, tolerance, num_tokens):
 
 
 def test_fused_moe_replays_in_a_cuda_graph_whatever_the_routing():
-    moe = random_moe(torch.bfloat16)
-    reference = random_moe(torch.bfloat16)
+    moe = random_moe(torch.bfloat16, **ROUTERS["qwen3-moe"])
+    reference = random_moe(torch.bfloat16, **ROUTERS["qwen3-moe"])
     recorder = RoutingRecorder(1, 8, 4, torch.device("cuda"))
     apply_fused_moe(moe, recorder)
     static = torch.randn(1, 8, 96, device="cuda", dtype=torch.bfloat16)
@@ -59,15 +69,17 @@ def test_fused_moe_replays_in_a_cuda_graph_whatever_the_routing():
             assert torch.equal(recorder.expert_ids[0].long(), expected_ids)
 
 
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-glm4-moe"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
-def test_moe_engine_with_cuda_graphs_matches_a_teacher_forced_pass(tiny_moe_dir, dtype, atol):
+def test_moe_engine_with_cuda_graphs_matches_a_teacher_forced_pass(preset, dtype, atol, tmp_path):
     """Prefill chunks through the kernels, decodes through the graphs. The reference replays the experts
     the engine reports (bf16: a near tie routed differently would be a different model, not an error)."""
+    folder = init_model(preset, tmp_path / preset, seed=0)
     name = "float32" if dtype == torch.float32 else "bfloat16"
-    engine = build_engine(ModelConfig(name=str(tiny_moe_dir), dtype=name),
+    engine = build_engine(ModelConfig(name=str(folder), dtype=name),
                           EngineConfig(device="cuda", max_num_seqs=16, max_model_len=256, max_num_batched_tokens=96), seed=0)
     assert engine.runner.graphs is not None
-    model = load_causal_lm(str(tiny_moe_dir), torch.device("cuda"), name)
+    model = load_causal_lm(str(folder), torch.device("cuda"), name)
     rng = random.Random(0)
     prompts = {}
     for i in range(8):
