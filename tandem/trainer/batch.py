@@ -15,14 +15,12 @@ from tandem.transport.types import PackedRow
 
 
 def replay_tensor(row: PackedRow, device: torch.device) -> torch.Tensor | None:
-    """The row's routed experts as [T, L, k] (-1 where not given); None for a row without loss tokens."""
-    if not any(row.loss_mask):
+    """The row's routed experts as [T, L, k] (-1 where not given); None where it has none (`data.check_batch`
+    refuses rows with loss tokens and without them under router replay)."""
+    given = next((r for r in row.routed_experts if r), None)
+    if given is None:
         return None
-    given = [r for r in row.routed_experts if r]
-    if not given:
-        raise ValueError("`loss.router_replay` = true but a batch row carries no routed experts: set "
-                         "`orchestrator.sampling.return_routed_experts = true` (needs tandem's engine and an MoE model)")
-    shape = (len(given[0]), len(given[0][0]))
+    shape = (len(given), len(given[0]))
     return torch.tensor([r or [[-1] * shape[1]] * shape[0] for r in row.routed_experts]).to(device, non_blocking=True)
 
 
@@ -48,7 +46,7 @@ class MicroBatch:
     def from_row(cls, row: PackedRow, device: torch.device, policy_version: int | None = None,
                  router_replay: bool = False) -> "MicroBatch":
         """`policy_version`: the version of the weights being trained (step N trains N-1); `router_replay`:
-        keep the row's routed experts (a row with loss tokens must carry them)."""
+        keep the row's routed experts."""
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).unsqueeze(0).to(device, non_blocking=True)
 

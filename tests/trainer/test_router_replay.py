@@ -17,10 +17,11 @@ from tandem.models.moe import TopKRouter
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.samples import Turn, build_samples
 from tandem.trainer.batch import MicroBatch
+from tandem.trainer.data import BatchError, check_step_batch
 from tandem.trainer.model import build_policy
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.trainer.step import maybe_replayed_routing
-from tandem.transport.types import decode_batch, encode_batch
+from tandem.transport.types import TrainingBatch, decode_batch, encode_batch
 
 
 @pytest.fixture
@@ -90,8 +91,18 @@ def test_replayed_trainer_logprobs_equal_the_engines_with_its_experts(tiny_moe_m
 
 def test_router_replay_without_routed_experts_is_a_clear_error(sampled_turns, dims):
     turns = [[Turn(t.prompt_ids, t.completion_ids, t.logprobs, t.version, t.temperature) for t in r] for r in sampled_turns]
-    row = rows_on_the_wire(turns)[0]
-    assert row.routed_experts == []
-    assert MicroBatch.from_row(row, dims.device).routed_experts is None
-    with pytest.raises(ValueError, match="return_routed_experts"):
-        MicroBatch.from_row(row, dims.device, router_replay=True)
+    batch = TrainingBatch(step=1, rank=0, rows=rows_on_the_wire(turns), num_loss_tokens=60)
+    assert batch.rows[0].routed_experts == []
+    check_step_batch(batch, 256, 256, "step 1", dims)  # fine without replay
+    assert MicroBatch.from_row(batch.rows[0], dims.device).routed_experts is None
+    with pytest.raises(BatchError, match="orchestrator.sampling.return_routed_experts"):
+        check_step_batch(batch, 256, 256, "step 1", dims, router_replay=True)
+
+
+def test_routed_experts_not_aligned_with_the_tokens_are_refused(sampled_turns, dims):
+    row = rows_on_the_wire(sampled_turns)[0]
+    batch = TrainingBatch(step=1, rank=0, rows=[row], num_loss_tokens=60)
+    check_step_batch(batch, 256, 256, "step 1", dims, router_replay=True)
+    row.routed_experts.pop()
+    with pytest.raises(BatchError, match="routed_experts"):
+        check_step_batch(batch, 256, 256, "step 1", dims, router_replay=True)
