@@ -8,11 +8,12 @@ steps run inside CUDA graphs:
     -> align_to_blocks (sort copies by expert, padded to the kernel's row blocks)
     -> grouped matmul gate_up -> SiLU(gate) * up -> grouped matmul down, times the routing weight
     -> sum of each token's k copies (+ shared experts).
-Model code stays as it is; where the kernel cannot run (CPU, no Triton) nothing is installed and
-the model's eager path serves.
+Model code stays as it is; where the kernel cannot run (CPU, no Triton) the model's eager path
+serves.
 
-`RoutingRecorder`: each installed block also writes its expert ids into a buffer of the recorder
-(fixed addresses: graphs replay the writes), from which the engine reads what sampled each token.
+`RoutingRecorder`: each block also writes its expert ids into a buffer of the recorder (fixed
+addresses: graphs replay the writes; on the eager path a hook on each router), from which the
+engine reads the experts that sampled each token.
 """
 
 from __future__ import annotations
