@@ -2,6 +2,14 @@
 
     python benchmarks/inference.py --preset tiny --device cpu --scale 0.125       # a quick look on CPU
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --out benchmarks/results/engine-h200-DATE.json
+    python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine,vllm --out ...  # random weights
+    python benchmarks/inference.py --preset tiny-moe --device cpu --scale 0.0625 --load-format dummy --parts engine
+
+Weights (`--load-format`, as `model.load_format`): `safetensors` writes the preset's folder with its random
+weights; `dummy` (the default for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB)
+writes only its config and tokenizer, and engine and server build random weights directly on the device,
+as vLLM does with `load_format="dummy"` from the same folder. The transformers parts (generate,
+generate_batch) need `safetensors`, and are recorded as errors otherwise.
 
 Workloads (the GPU speed issue's), all sampling at temperature 1 with EOS ignored, so every
 sequence gets exactly its output length; random prompt token ids; `--scale` shrinks the counts:
@@ -23,8 +31,11 @@ Figures:
   model and prompts (`--vllm-site DIR` puts an offline vLLM install on its path), and the ratios
   of tandem's engine over vLLM with logprobs;
 - mismatch (B): the engine's logprob of each sampled token against a teacher-forced forward of
-  the whole sequence by tandem's Qwen3 (what the trainer computes), same dtype and temperature:
-  the mean k3 estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine.
+  the whole sequence by tandem's model code (what the trainer computes: for a mixture of experts,
+  the model's own MoE path, not the engine's kernels), same dtype and temperature: the mean k3
+  estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine. For a mixture of
+  experts also `mismatch_B_router_replay`: a run of B's first 16 prompts asking for the routed
+  experts, its mismatch without and with the trainer replaying them (`loss.router_replay`).
 
 Each part that fails is recorded in the result file with its error and the run goes on (GPU
 time is scarce; one broken baseline should not cost the others).
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -53,11 +65,17 @@ from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.dump import to_toml
 from tandem.config.inference import EngineConfig, InferenceConfig
+from tandem.inference.engine.fused_moe import eager_moe, moe_blocks
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine, resolve_device
 from tandem.launch.process import ManagedProcess
 from tandem.launch.rl import free_port, wait_healthy
+from tandem.models.loading import resolve_dtype
+from tandem.models.moe import replayed_routing
 from tandem.models.presets import PRESETS, init_model
+
+DUMMY_PRESETS = {"qwen3-30b-a3b"}
+"""Presets whose weights are built on the device by default: their folder would not fit the GPU host's disk."""
 
 WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
              "B": dict(num_prompts=64, n=8, prompt_len=256, output_len=1024)}
@@ -69,6 +87,9 @@ def parse_args() -> argparse.Namespace:
     source.add_argument("--preset", choices=list(PRESETS), default="tiny", help="build this preset in a temp folder")
     source.add_argument("--model", help="a model folder (instead of a preset)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--load-format", choices=["safetensors", "dummy"],
+                        help="dummy: random weights built on the device, no weights folder (default for " + ", ".join(DUMMY_PRESETS) + ")")
+    parser.add_argument("--num-layers", type=int, help="cut the preset to this many layers")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)")
     parser.add_argument("--repeats", type=int, default=2, help="timed engine runs of workload A; the best counts")
@@ -112,7 +133,7 @@ def throughput(tokens: int, seconds: float) -> dict:
     return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
 
 
-def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dict:
+def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return_routed_experts: bool = False) -> dict:
     """Drive the engine to completion; throughput, TTFT, decode step times, prompt tokens computed."""
     batches: list = []
     schedule = engine.scheduler.schedule
@@ -126,7 +147,7 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dic
         return batch
 
     engine.scheduler.schedule = recording_schedule
-    params = SamplingParams(max_tokens=output_len, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=1.0, ignore_eos=True, return_routed_experts=return_routed_experts)
     sync(engine.device)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -167,21 +188,38 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int) -> dic
     }
 
 
-def mismatch_kl(model: torch.nn.Module, prompts: list[list[int]], outputs: list, temperature: float) -> dict:
-    """k3 of KL(engine || teacher-forced forward) over every sampled token, one sequence at a time."""
+def mismatch_kl(model: torch.nn.Module, prompts: list[list[int]], outputs: list, temperature: float,
+                router_replay: bool = False) -> dict:
+    """k3 of KL(engine || teacher-forced forward) over every sampled token, one sequence at a time;
+    `router_replay`: the forward routes each sampling position through the experts the engine reported."""
     by_request = {f"r{i}": p for i, p in enumerate(prompts)}
     r_all = []
-    with torch.no_grad():
+    with torch.no_grad(), eager_moe(model):
         for out in outputs:
             prompt = by_request[out.request_id]
             ids = torch.tensor([prompt + out.token_ids], device=model.lm_head.weight.device)
-            hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None])
+            replay = contextlib.nullcontext()
+            if router_replay:
+                routed = torch.tensor(out.routed_experts, device=ids.device)
+                given = torch.full((ids.shape[1], *routed.shape[1:]), -1, device=ids.device)
+                given[len(prompt) - 1:-1] = routed
+                replay = replayed_routing(model, given)
+            with replay:
+                hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None])
             logits = model.lm_head(hidden[0, len(prompt) - 1:-1]).float() / temperature
             teacher = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
             r_all.append(teacher - torch.tensor(out.logprobs, device=ids.device))
     r = torch.cat(r_all).double()
     return {"tokens": r.numel(), "mean_k3": (r.exp() - 1 - r).mean().item(), "mean_abs_logprob_diff": r.abs().mean().item(),
             "max_abs_logprob_diff": r.abs().max().item()}
+
+
+def replay_mismatch(engine, prompts: list[list[int]], w: dict) -> dict:
+    """Mismatch KL of one run asking for the routed experts, without and with the trainer replaying them."""
+    outputs = run_engine(engine, prompts, w["n"], w["output_len"], return_routed_experts=True)["outputs"]
+    model = engine.runner.model
+    return {"without_replay": mismatch_kl(model, prompts, outputs, 1.0),
+            "with_replay": mismatch_kl(model, prompts, outputs, 1.0, router_replay=True)}
 
 
 async def send_all(url: str, prompts: list[list[int]], output_len: int) -> int:
@@ -199,7 +237,8 @@ def bench_server(folder: Path, args: argparse.Namespace, w: dict, vocab: int, tm
     client in this process would otherwise share the server's interpreter lock); best of `--repeats`."""
     max_len = w["prompt_len"] + w["output_len"]
     port = free_port()
-    config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype}, "server": {"port": port},
+    config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype, "load_format": args.load_format},
+                                             "server": {"port": port},
                                              "engine": engine_config(args, w["num_prompts"], max_len).model_dump()})
     (tmp / "inference.toml").write_text(to_toml(config))
     server = ManagedProcess("inference", [sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")],
@@ -234,8 +273,6 @@ def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts:
 
 def load_transformers(folder: Path, args: argparse.Namespace, device: torch.device):
     from transformers import AutoModelForCausalLM
-
-    from tandem.models.loading import resolve_dtype
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=resolve_dtype(args.dtype, device),
                                                 attn_implementation="sdpa").to(device).eval()
@@ -292,15 +329,20 @@ def main() -> None:
     results: dict = {"workloads": {"A": a, "B": b}, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
                      "compile_norms": args.compile_norms}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed)
-        results["model"] = args.model or f"preset {args.preset}"
+        if args.load_format is None:
+            args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
+        folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed,
+                                                                 num_layers=args.num_layers, weights=args.load_format != "dummy")
+        results["model"] = args.model or f"preset {args.preset}" + (f", {args.num_layers} layers" if args.num_layers else "")
+        results["load_format"] = args.load_format
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         prompts_a, prompts_b = prompts_for(a, vocab, args.seed), prompts_for(b, vocab, args.seed + 1)
         if parts & {"engine", "mismatch"}:
             max_seqs = max(a["num_prompts"] * a["n"], b["num_prompts"] * b["n"])
             max_len = max(a["prompt_len"] + a["output_len"], b["prompt_len"] + b["output_len"])
             t0 = time.perf_counter()
-            engine = build_engine(ModelConfig(name=str(folder), dtype=args.dtype), engine_config(args, max_seqs, max_len), args.seed)
+            model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
+            engine = build_engine(model_config, engine_config(args, max_seqs, max_len), args.seed)
             results["engine_build_s"] = time.perf_counter() - t0
             results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
                                    "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}
@@ -319,6 +361,8 @@ def main() -> None:
             attempt(results, "engine_B", lambda: run_engine(engine, prompts_b, b["n"], b["output_len"]))
             if "mismatch" in parts and "outputs" in results["engine_B"]:
                 attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts_b, results["engine_B"]["outputs"], 1.0))
+            if "mismatch" in parts and moe_blocks(engine.runner.model):
+                attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts_b[:16], b))
             for key in ("engine_A", "engine_A_read_each_step", "engine_B"):
                 for bulky in ("outputs", "step_seconds"):
                     results.get(key, {}).pop(bulky, None)
@@ -357,6 +401,9 @@ def main() -> None:
         r = results.get(key, {})
         summary[key] = {k: r[k] for k in ("output_tokens_per_s", "ttft_median_s", "decode_step_median_s_at_full_batch",
                                           "prompt_tokens_computed", "prompt_tokens_requested", "mean_k3", "error") if k in r}
+    replay = results.get("mismatch_B_router_replay", {})
+    if replay:
+        summary["mismatch_B_router_replay"] = {k: v.get("mean_k3") if isinstance(v, dict) else v for k, v in replay.items()}
     if "vllm" in results:
         summary["vllm"] = {k: (v.get("output_tokens_per_s", v.get("error")) if isinstance(v, dict) else v)
                            for k, v in results["vllm"].items()}

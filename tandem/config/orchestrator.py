@@ -69,9 +69,14 @@ class SamplingConfig(Section):
     stop: list[str] = []
     """Strings that end a model turn, on top of the tokenizer's end-of-turn token."""
 
+    return_routed_experts: bool = False
+    """Ask the servers for the experts that sampled each token (mixture-of-experts models on tandem's
+    engine) and ship them to the trainer, which replays them with `loss.router_replay = true`."""
+
     def request_args(self) -> dict[str, Any]:
-        """The keyword arguments an environment passes to `chat.completions.create`."""
-        return self.model_dump()
+        """The keyword arguments an environment passes to `chat.completions.create` (the rollout client
+        itself asks for routed experts)."""
+        return self.model_dump(exclude={"return_routed_experts"})
 
 
 class EnvConfig(Section):

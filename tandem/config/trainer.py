@@ -24,7 +24,15 @@ def _default_tag(default: str) -> Discriminator:
     return Discriminator(pick)
 
 
-class AIPOLoss(Section):
+class _LossBase(Section):
+    router_replay: bool = False
+    """Mixture of experts: route each token the trainer recomputes through the experts the inference server
+    used when it sampled the next token (the batch's `routed_experts`; needs
+    `orchestrator.sampling.return_routed_experts = true`), instead of the trainer's own top-k. The router's
+    weights of those experts stay differentiable."""
+
+
+class AIPOLoss(_LossBase):
     """Truncated importance sampling: per token `-min(r, delta) * A`, r = pi_theta / mu."""
 
     type: Literal["aipo"] = "aipo"
@@ -34,7 +42,7 @@ class AIPOLoss(Section):
     """Upper bound of the importance ratio; tokens above it give no gradient."""
 
 
-class DPPOKLLoss(Section):
+class DPPOKLLoss(_LossBase):
     """Token masking by probability difference, plus a `kl_tau * (log r)^2` penalty."""
 
     type: Literal["dppo_kl"] = "dppo_kl"
@@ -47,7 +55,7 @@ class DPPOKLLoss(Section):
     """Weight of the `(log r)^2` penalty, applied to every loss token."""
 
 
-class PPOClipLoss(Section):
+class PPOClipLoss(_LossBase):
     """PPO's clipped surrogate: per token `-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)`."""
 
     type: Literal["ppo_clip"] = "ppo_clip"
@@ -60,7 +68,7 @@ class PPOClipLoss(Section):
     """The ratio is clipped above at `1 + clip_high` (0.28 is DAPO's clip-higher)."""
 
 
-class CustomLoss(Section):
+class CustomLoss(_LossBase):
     """A user function `fn(inputs: tandem.trainer.loss.LossInputs, **kwargs) -> LossOutput`."""
 
     type: Literal["custom"] = "custom"

@@ -12,9 +12,17 @@ import uuid
 from fastapi import APIRouter, Request
 
 from tandem.inference.protocol import GenerateRequest
-from tandem.inference.serving import Served
+from tandem.inference.serving import Choice, Served
 
 router = APIRouter()
+
+
+def choice_json(c: Choice, with_routed_experts: bool) -> dict:
+    out = {"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs, "text": c.text,
+           "finish_reason": c.finish_reason, "weight_version": c.weight_version}
+    if with_routed_experts:
+        out["routed_experts"] = c.routed_experts
+    return out
 
 
 @router.post("/v1/generate")
@@ -26,11 +34,7 @@ async def generate(body: GenerateRequest, request: Request) -> dict:
     return {
         "id": f"gen-{uuid.uuid4().hex}",
         "prompt_token_ids": body.prompt_token_ids,
-        "choices": [
-            {"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs, "text": c.text,
-             "finish_reason": c.finish_reason, "weight_version": c.weight_version}
-            for c in choices
-        ],
+        "choices": [choice_json(c, body.return_routed_experts) for c in choices],
         "weight_version": served.weight_version,
         "usage": {"prompt_tokens": len(body.prompt_token_ids), "completion_tokens": sum(len(c.token_ids) for c in choices)},
     }

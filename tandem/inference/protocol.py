@@ -8,6 +8,7 @@ Value ranges (temperature, top_p, ...) are checked once, by `SamplingParams`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -154,6 +155,13 @@ class GenerateRequest(SamplingFields):
 
     prompt_token_ids: list[int]
     model: str | None = None
+    return_routed_experts: bool = False
+    """Add `routed_experts` to each choice: per completion token, [MoE layer][k] the expert ids that sampled
+    it (router replay); a 400 for a model without experts."""
+
+    def sampling_params(self, max_tokens: int, num_top_logprobs: int = 0) -> SamplingParams:
+        params = super().sampling_params(max_tokens, num_top_logprobs)
+        return dataclasses.replace(params, return_routed_experts=self.return_routed_experts)
 
 
 class UpdateWeightsRequest(Body):

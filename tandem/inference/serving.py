@@ -28,10 +28,13 @@ class Choice:
     finish_reason: str | None = None
     weight_version: int | None = None
     """The oldest weight version that sampled any of the tokens."""
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    """Per token, [MoE layer][k] expert ids (requests with `return_routed_experts`)."""
 
     def add(self, out: SequenceOutput) -> None:
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
+        self.routed_experts += out.routed_experts
         self.top_logprobs += out.top_logprobs
         self.text += out.text
         self.finish_reason = out.finish_reason

@@ -22,6 +22,7 @@ On CUDA in bf16 the experts run as grouped GEMMs with no host sync; elsewhere on
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,18 +60,40 @@ class MoEArgs:
     """Shared experts, as one dense SwiGLU of `num_shared_experts * intermediate_size` features."""
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, score_bias: torch.Tensor | None, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H] -> routing weights [N, k] (fp32) and expert ids [N, k] (int64)."""
+def route(x: torch.Tensor, weight: torch.Tensor, score_bias: torch.Tensor | None, args: MoEArgs,
+          replayed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H] -> routing weights [N, k] (fp32) and expert ids [N, k] (int64).
+
+    `replayed_ids` [N, k] (router replay): use these experts where a row's ids are >= 0 instead of the
+    top-k; the weights are still the router's scores of the experts used, so they stay differentiable."""
     logits = F.linear(x.float(), weight.float()) if args.router_fp32 else F.linear(x, weight)
     scores = logits.float().softmax(-1) if args.score_func == "softmax" else logits.float().sigmoid()
     choice = scores if score_bias is None else scores + score_bias.float()
     if args.n_group > 1:
         choice = limit_to_top_groups(choice, args.n_group, args.topk_group)
     expert_ids = torch.topk(choice, args.top_k, dim=-1).indices
+    if replayed_ids is not None:
+        expert_ids = torch.where(replayed_ids[:, :1] >= 0, replayed_ids.long(), expert_ids)
     weights = scores.gather(1, expert_ids)
     if args.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights * args.routed_scaling_factor, expert_ids
+
+
+@contextlib.contextmanager
+def replayed_routing(model: nn.Module, expert_ids: torch.Tensor):
+    """Within this block, the model's MoE layers use `expert_ids` [N, num_moe_layers, k] (N = the
+    forward's tokens, flattened; rows of -1 route as usual) instead of choosing their experts."""
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    if expert_ids.shape[1] != len(routers):
+        raise ValueError(f"replayed routing has {expert_ids.shape[1]} MoE layers, the model {len(routers)}")
+    for i, router in enumerate(routers):
+        router.replayed_ids = expert_ids[:, i]
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.replayed_ids = None
 
 
 def limit_to_top_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
@@ -89,14 +112,18 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.args = args
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+        self.replayed_ids: torch.Tensor | None = None
         if args.score_bias == "router":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(args.num_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor, score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (weights [N, k] fp32, expert ids [N, k]); `score_bias`: a bias owned by the block."""
+        """x [N, H] -> (weights [N, k] fp32, expert ids [N, k]); `score_bias`: a bias owned by the block.
+
+        `replayed_ids` [N, k] (None: route by the scores), set from outside for one forward by router
+        replay (`replayed_routing`); see `route`."""
         if self.args.score_bias == "router":
             score_bias = self.e_score_correction_bias
-        return route(x, self.weight, score_bias, self.args)
+        return route(x, self.weight, score_bias, self.args, self.replayed_ids)
 
 
 def keep_routers_fp32(model: nn.Module) -> None:

@@ -108,8 +108,10 @@ class _Chat:
 
 
 class TokenChatClient:
-    def __init__(self, pool: InferencePool, tokenizer: Any, server: int, seq_len: int):
+    def __init__(self, pool: InferencePool, tokenizer: Any, server: int, seq_len: int, return_routed_experts: bool = False):
         self.pool = pool
+        self.return_routed_experts = return_routed_experts
+        """Ask for each sampled token's experts (router replay) and keep them in the turns."""
         self.tokenizer = tokenizer
         self.server = server
         self.seq_len = seq_len
@@ -128,6 +130,8 @@ class TokenChatClient:
             return _completion(model, "", prompt_ids, [], [], "length", None, [], self.tokenizer)
         request["max_tokens"] = min(request.get("max_tokens", budget), budget)
         request["prompt_token_ids"] = prompt_ids
+        if self.return_routed_experts:
+            request["return_routed_experts"] = True
         start = time.monotonic()
         response = await self.pool.generate(request, self.server)
         self.inference_s += time.monotonic() - start
@@ -137,7 +141,7 @@ class TokenChatClient:
             raise ValueError("inference server answered without `weight_version`; is it a tandem-compatible server?")
         completion_ids = list(choice["token_ids"])
         self.turns.append(Turn(prompt_ids, completion_ids, [float(x) for x in choice["logprobs"]], int(version),
-                               float(request.get("temperature", 1.0))))
+                               float(request.get("temperature", 1.0)), choice.get("routed_experts", [])))
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
         finish_reason = choice.get("finish_reason") or "stop"
         content, calls = parse_tool_calls(text) if tools else (text, [])

@@ -43,7 +43,8 @@ class Orchestrator:
         self.run_dir = config.run_dir
         self.envs = envs
         self.pool = InferencePool(config.client)
-        self.ctx = RolloutContext(self.pool, tokenizer, config.model.name, config.seq_len)
+        self.ctx = RolloutContext(self.pool, tokenizer, config.model.name, config.seq_len,
+                                  config.sampling.return_routed_experts)
         self.sampler = TaskSampler(envs, config.seed)
         self.policy = PolicyTracker(0)
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")

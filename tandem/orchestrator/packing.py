@@ -30,7 +30,7 @@ def truncate(sample: Sample, seq_len: int) -> bool:
     """Cut `sample` to `seq_len` tokens in place; True when it was longer."""
     if len(sample) <= seq_len:
         return False
-    for name in ("token_ids", "loss_mask", "logprobs", "temperatures"):
+    for name in ("token_ids", "loss_mask", "logprobs", "temperatures", "routed_experts"):
         setattr(sample, name, getattr(sample, name)[:seq_len])
     return True
 
@@ -92,6 +92,7 @@ def pack_step(step: int, samples: list[Sample], seq_len: int, num_ranks: int,
 def _row(samples: list[Sample]) -> PackedRow:
     row = PackedRow(input_ids=[], position_ids=[], loss_mask=[], logprobs=[], advantages=[], temperatures=[],
                     policy_versions=[])
+    replay = any(s.has_routed_experts for s in samples)
     for s in samples:
         row.input_ids.extend(s.token_ids)
         row.position_ids.extend(range(len(s)))
@@ -100,6 +101,8 @@ def _row(samples: list[Sample]) -> PackedRow:
         row.advantages.extend(s.advantage * m for m in s.loss_mask)
         row.temperatures.extend(s.temperatures)
         row.policy_versions.extend([s.oldest_version] * len(s))
+        if replay:
+            row.routed_experts.extend(s.routed_experts)
     return row
 
 

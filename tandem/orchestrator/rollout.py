@@ -32,6 +32,8 @@ class RolloutContext:
     model: str
     """Model name sent to the servers (they serve one model and ignore it)."""
     seq_len: int
+    return_routed_experts: bool = False
+    """Ask the servers for each sampled token's experts (`sampling.return_routed_experts`)."""
 
 
 @dataclass
@@ -77,7 +79,7 @@ class GroupResult:
 
 async def run_rollout(ctx: RolloutContext, env: LoadedEnv, example: dict[str, Any], server: int,
                       sampling_args: dict[str, Any]) -> RolloutResult:
-    client = TokenChatClient(ctx.pool, ctx.tokenizer, server, ctx.seq_len)
+    client = TokenChatClient(ctx.pool, ctx.tokenizer, server, ctx.seq_len, ctx.return_routed_experts)
     result = RolloutResult(env=env.name, example=example, turns=client.turns, samples=[])
     prompt, answer, task, info = example["prompt"], example["answer"], example["task"], example["info"]
     try:

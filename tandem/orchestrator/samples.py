@@ -23,6 +23,8 @@ class Turn:
     version: int
     """Oldest policy version that sampled any of the completion's tokens."""
     temperature: float
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    """Per completion token, [MoE layer][k] the experts that sampled it; empty when not asked."""
 
 
 @dataclass
@@ -35,6 +37,8 @@ class Sample:
     temperatures: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     """Policy version of each model turn in this sample."""
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    """Per token t, the experts of the forward at t that sampled token t + 1 ([] where unknown)."""
     advantage: float = 0.0
     """The rollout's advantage, given to every loss token."""
 
@@ -54,6 +58,11 @@ class Sample:
         self.loss_mask.extend([int(is_loss)] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
         self.temperatures.extend([temperature] * len(ids))
+        self.routed_experts.extend([] for _ in ids)
+
+    @property
+    def has_routed_experts(self) -> bool:
+        return any(self.routed_experts)
 
 
 def build_samples(turns: list[Turn]) -> list[Sample]:
@@ -69,6 +78,9 @@ def build_samples(turns: list[Turn]) -> list[Sample]:
             current = Sample()
             samples.append(current)
         current._extend(turn.prompt_ids[len(current):], False, None, turn.temperature)
+        start = len(current)
         current._extend(turn.completion_ids, True, turn.logprobs, turn.temperature)
+        # Completion token j was sampled by the forward at the position before it.
+        current.routed_experts[start - 1:start - 1 + len(turn.routed_experts)] = turn.routed_experts
         current.versions.append(turn.version)
     return samples

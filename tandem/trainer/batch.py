@@ -14,6 +14,16 @@ from tandem.models.attention import document_lengths
 from tandem.transport.types import PackedRow
 
 
+def replay_tensor(row: PackedRow, device: torch.device) -> torch.Tensor | None:
+    """The row's routed experts as [T, L, k] (-1 where not given); None where it has none (`data.check_batch`
+    refuses rows with loss tokens and without them under router replay)."""
+    given = next((r for r in row.routed_experts if r), None)
+    if given is None:
+        return None
+    shape = (len(given), len(given[0]))
+    return torch.tensor([r or [[-1] * shape[1]] * shape[0] for r in row.routed_experts]).to(device, non_blocking=True)
+
+
 @dataclass
 class MicroBatch:
     """All tensors [1, T]."""
@@ -29,12 +39,18 @@ class MicroBatch:
     """Bool: tokens sampled by the policy the trainer holds now (all, when versions are unknown)."""
     row_document_lengths: list[list[int]]
     """Host-side lengths of the documents packed in the row, for attention without a mask or a sync."""
+    routed_experts: torch.Tensor | None = None
+    """Router replay: [T, num_moe_layers, k] expert ids per token, rows of -1 where the model routes itself."""
 
     @classmethod
-    def from_row(cls, row: PackedRow, device: torch.device, policy_version: int | None = None) -> "MicroBatch":
-        """`policy_version`: the version of the weights being trained (step N trains N-1)."""
+    def from_row(cls, row: PackedRow, device: torch.device, policy_version: int | None = None,
+                 router_replay: bool = False) -> "MicroBatch":
+        """`policy_version`: the version of the weights being trained (step N trains N-1); `router_replay`:
+        keep the row's routed experts."""
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).unsqueeze(0).to(device, non_blocking=True)
+
+        routed = replay_tensor(row, device) if router_replay else None
 
         return cls(
             input_ids=tensor(row.input_ids, torch.long),
@@ -46,6 +62,7 @@ class MicroBatch:
             on_policy=(tensor(row.policy_versions, torch.long) == policy_version)
             if row.policy_versions and policy_version is not None else tensor([True] * len(row.input_ids), torch.bool),
             row_document_lengths=[document_lengths(row.position_ids)],
+            routed_experts=routed,
         )
 
     @property

@@ -46,8 +46,9 @@ def wait_for_batch(run_dir: Path, step: int, rank: int, poll_interval_s: float, 
     return batch
 
 
-def check_batch(batch: TrainingBatch, seq_len: int, vocab_size: int, source: str) -> None:
-    """Raise `BatchError` on the first row that breaks the alignment rules."""
+def check_batch(batch: TrainingBatch, seq_len: int, vocab_size: int, source: str, router_replay: bool = False) -> None:
+    """Raise `BatchError` on the first row that breaks the alignment rules (`router_replay`: rows with loss
+    tokens must carry routed experts)."""
     if not batch.rows:
         raise BatchError(f"{source}: the batch has no rows (pad with all-zero loss_mask rows instead)")
     for i, row in enumerate(batch.rows):
@@ -73,16 +74,29 @@ def check_batch(batch: TrainingBatch, seq_len: int, vocab_size: int, source: str
         for name in ("logprobs", "advantages"):
             if not all(math.isfinite(v) for v in getattr(row, name)):
                 raise BatchError(f"{where}: {name} must be finite")
+        check_routed_experts(row, where, router_replay)
 
 
-def check_step_batch(batch: TrainingBatch, seq_len: int, vocab_size: int, source: str, dims: ParallelDims) -> None:
+def check_routed_experts(row: PackedRow, where: str, router_replay: bool) -> None:
+    if row.routed_experts and len(row.routed_experts) != len(row.input_ids):
+        raise BatchError(f"{where}: {len(row.input_ids)} input_ids but {len(row.routed_experts)} routed_experts")
+    shapes = {(len(r), len(r[0])) for r in row.routed_experts if r}
+    if len(shapes) > 1:
+        raise BatchError(f"{where}: routed_experts of different [layers, k] shapes {sorted(shapes)}")
+    if router_replay and any(row.loss_mask) and not shapes:
+        raise BatchError(f"{where}: `loss.router_replay` = true but the row carries no routed experts: set "
+                         "`orchestrator.sampling.return_routed_experts = true` (tandem's engine, a mixture-of-experts model)")
+
+
+def check_step_batch(batch: TrainingBatch, seq_len: int, vocab_size: int, source: str, dims: ParallelDims,
+                     router_replay: bool = False) -> None:
     """Collective check of one step's batch: every rank raises if any rank's batch is bad.
 
     Beyond the per-row rules, every rank must have the same number of rows (FSDP runs one
     forward/backward per row in lockstep) and `num_loss_tokens` must be the true global count.
     """
     try:
-        check_batch(batch, seq_len, vocab_size, source)
+        check_batch(batch, seq_len, vocab_size, source, router_replay)
         error = ""
     except BatchError as err:
         error = str(err)

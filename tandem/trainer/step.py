@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tandem.models.moe import replayed_routing
 from tandem.trainer.batch import MicroBatch
 from tandem.trainer.model import PolicyModel, TokenLogprobs
 from tandem.trainer.parallel.dims import ParallelDims
@@ -74,6 +75,13 @@ def forward_objective(model: PolicyModel, mb: MicroBatch, objective: Objective) 
     return result, entropy_sum
 
 
+def maybe_replayed_routing(model: PolicyModel, mb: MicroBatch) -> contextlib.AbstractContextManager:
+    """The micro-batch's routed experts replayed by the model's MoE layers (router replay), if it has any."""
+    if mb.routed_experts is None:
+        return contextlib.nullcontext()
+    return replayed_routing(model.lm, mb.routed_experts)
+
+
 def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                micro_batches: list[MicroBatch], objective: Objective, num_loss_tokens: int, max_grad_norm: float,
                dims: ParallelDims) -> StepResult:
@@ -84,9 +92,10 @@ def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: 
     if router is not None:
         router.begin_step(len(micro_batches))
     for mb in micro_batches:
-        with router.collecting() if router is not None else contextlib.nullcontext():
-            result, entropy_sum = forward_objective(model, mb, objective)
-        (result.loss_sum * scale).backward()
+        with maybe_replayed_routing(model, mb):  # backward too: activation checkpointing routes again
+            with router.collecting() if router is not None else contextlib.nullcontext():
+                result, entropy_sum = forward_objective(model, mb, objective)
+            (result.loss_sum * scale).backward()
         sums = {"loss": result.loss_sum.detach(), "entropy": entropy_sum, **result.metric_sums}
         for key, value in sums.items():
             totals[key] = totals.get(key, 0.0) + value.detach().double()
@@ -112,7 +121,8 @@ def evaluate(model: PolicyModel, micro_batches: list[MicroBatch], objective: Obj
     model.eval()
     total = 0.0
     for mb in micro_batches:
-        result, _ = forward_objective(model, mb, objective)
+        with maybe_replayed_routing(model, mb):
+            result, _ = forward_objective(model, mb, objective)
         total += float(result.loss_sum)
     model.train(was_training)
     loss_sum, tokens = global_sum([total, float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))], dims)

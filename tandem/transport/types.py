@@ -29,6 +29,10 @@ class PackedRow(msgspec.Struct, array_like=True):
     temperatures: list[float]
     policy_versions: list[int] = []
     """Empty when unknown (SFT and fake data): every token then counts as on-policy."""
+    routed_experts: list[list[list[int]]] = []
+    """Router replay: empty (no replay), or per token t the [MoE layer][k] expert ids the inference
+    server's forward at t used when it sampled token t + 1, and [] where it reported none (prompt
+    tokens: the trainer routes those itself). From `/v1/generate` with `return_routed_experts`."""
 
 
 class TrainingBatch(msgspec.Struct):

@@ -12,11 +12,12 @@ ENGINE = {"device": "cpu", "num_blocks": 512, "block_size": 16, "max_model_len":
 """Engine settings of the test servers: CPU (fp32, exact parity), an 8k-token cache allocated in no time."""
 
 
-def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of each completion token, from one forward pass over the whole sequence."""
-    ids = torch.tensor([prompt + completion])
+def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float,
+                            device: str = "cpu") -> torch.Tensor:
+    """log_softmax(logits / T) of each completion token, from one forward pass over the whole sequence (on the CPU)."""
+    ids = torch.tensor([prompt + completion], device=device)
     with torch.no_grad():
-        logits = model.lm_head(model(ids, torch.arange(ids.shape[1])[None])).float()[0]
+        logits = model.lm_head(model(ids, torch.arange(ids.shape[1], device=device)[None])).float()[0].cpu()
     scaled = logits / (temperature if temperature > 0 else 1.0)
     rows = scaled[len(prompt) - 1:-1].log_softmax(-1)
     return rows.gather(-1, torch.tensor(completion)[:, None])[:, 0]

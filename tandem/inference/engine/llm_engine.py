@@ -17,13 +17,15 @@ after them. A token's logprob therefore always comes from the weights that sampl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.fused_moe import RoutingRecorder
+from tandem.inference.engine.host_copies import HostRead
 from tandem.inference.engine.sampler import PendingSample, Sampler
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
@@ -32,6 +34,11 @@ from tandem.models.loading import load_weights_into
 
 
 class ModelRunner(Protocol):
+    recorder: RoutingRecorder | None
+    """Where the MoE blocks write their expert ids (mixtures of experts on the paged path), else None."""
+    routed_experts: torch.Tensor | None
+    """After `run`, for a mixture of experts: [S, num_moe_layers, k] expert ids of each sampled row; else None."""
+
     def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
@@ -43,6 +50,8 @@ class LaunchedStep:
     """The sequences that sample, in the order of the sampled rows."""
     sample: PendingSample
     weight_version: int
+    routed_experts: HostRead | None = None
+    """The sampled rows' expert ids on their way to the host, when a sequence asked for them."""
 
 
 @dataclass
@@ -59,6 +68,8 @@ class SequenceOutput:
     finish_reason: str | None
     """None while running; "stop" (EOS, stop token or stop string) or "length" at the end."""
     weight_version: int
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    """Per token of `token_ids`, [MoE layer][k] expert ids (requests with `return_routed_experts`)."""
 
 
 @dataclass
@@ -113,6 +124,8 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if params.return_routed_experts and self.runner.recorder is None:
+            raise ValueError("`return_routed_experts` needs a mixture-of-experts model served by the paged engine")
         n = len(prompt_token_ids)
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
@@ -180,17 +193,22 @@ class LLMEngine:
         sample = self.sampler.sample(logits, sampling)
         for row, seq in enumerate(sampling):
             seq.mark_pending(row)
-        return LaunchedStep(sampling, sample, self.weight_version)
+        routed = None
+        if self.runner.routed_experts is not None and any(s.params.return_routed_experts for s in sampling):
+            routed = HostRead([self.runner.routed_experts])
+        return LaunchedStep(sampling, sample, self.weight_version, routed)
 
     def _read(self, step: LaunchedStep | None) -> list[SequenceOutput]:
         if step is None:
             return []
         result = step.sample.result()
+        routed = step.routed_experts.values()[0].tolist() if step.routed_experts is not None else None
         outputs = []
         for j, seq in enumerate(step.seqs):
             if seq.is_finished:  # stopped by its previous token, or aborted, while this step ran
                 continue
-            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], step.weight_version)
+            experts = routed[j] if routed is not None and seq.params.return_routed_experts else None
+            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], step.weight_version, experts)
             self.block_manager.register_computed_blocks(seq)
             self.num_generation_tokens += 1
             out = self._postprocess(seq)
@@ -222,12 +240,12 @@ class LLMEngine:
             if reason is None:
                 return None
             return SequenceOutput(seq.request_id, seq.index, seq.completion_token_ids, seq.logprobs, seq.top_logprobs,
-                                  seq.text, reason, seq.oldest_weight_version)
+                                  seq.text, reason, seq.oldest_weight_version, seq.routed_experts)
         held = 0 if reason is not None or not params.stop else max(map(len, params.stop)) - 1
         end = max(seq.num_text_sent, len(seq.text) - held)
         text, seq.num_text_sent = seq.text[seq.num_text_sent:end], end
         return SequenceOutput(seq.request_id, seq.index, [token], [seq.logprobs[-1]], [seq.top_logprobs[-1]],
-                              text, reason, seq.oldest_weight_version)
+                              text, reason, seq.oldest_weight_version, seq.routed_experts[-1:])
 
     def _cut_at_stop_string(self, seq: Sequence, num_new_chars: int) -> bool:
         """Cut `seq.text` at the first stop string that the new text completes."""

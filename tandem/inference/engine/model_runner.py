@@ -5,7 +5,8 @@ one row per sequence that samples this step, in batch order; `previous_tokens`: 
 step's sampled tokens on the device, where input ids the host has not read yet are):
 - `PagedModelRunner`: tandem's native models; every token is computed once and its keys and
   values kept in the paged cache (`step_inputs.py` builds the step's tensors, `cuda_graphs.py`
-  replays decode steps);
+  replays decode steps); for a mixture of experts, `routed_experts` holds after each run the
+  expert ids that computed each sampled row (`fused_moe.RoutingRecorder`);
 - `RecomputeModelRunner`: any transformers model (the slow path); no cache, each sampling
   sequence runs again from its first token.
 """
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
 from tandem.inference.engine.scheduler import ScheduledBatch
@@ -26,10 +28,13 @@ class PagedModelRunner:
     """Every token is computed once; decode-only steps replay CUDA graphs where enabled (CUDA)."""
 
     def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 cuda_graphs: bool):
+                 cuda_graphs: bool, recorder: RoutingRecorder | None = None):
         self.model = model
         self.cache = cache
         self.device = device
+        self.recorder = recorder
+        self.routed_experts: torch.Tensor | None = None
+        """After `run`: [S, num_moe_layers, k] expert ids of each sampled row's forward (MoE models), else None."""
         self.inputs = StepInputBuilder(device, max_num_seqs, -(-max_model_len // cache.block_size), cache.block_size,
                                        cache.pad_slot)
         self.graphs: DecodeGraphs | None = None
@@ -57,13 +62,20 @@ class PagedModelRunner:
             size = step.input_ids.shape[0]
             for row, values in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
                 self._static[row, :size].copy_(values)
-            return self.graphs.replay(b)
+            logits = self.graphs.replay(b)
+            self._record_routing(self._query_start[:b])  # rows 0..b-1
+            return logits
         step = self.inputs.build(batch, previous_tokens=previous_tokens)
         meta = AttentionMetadata(slot_mapping=step.slot_mapping, query_start=step.query_start, seq_lens=step.seq_lens,
                                  block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
                                  query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host)
         hidden = self.model(step.input_ids[None], step.positions[None], attention=PagedAttention(self.cache, meta))
+        self._record_routing(step.sample_index)
         return self.model.lm_head(hidden[0, step.sample_index])
+
+    def _record_routing(self, sample_index: torch.Tensor) -> None:
+        # A gather, so a copy: the next step's forward overwrites the recorder, not this.
+        self.routed_experts = None if self.recorder is None else self.recorder.rows(sample_index)
 
 
 class RecomputeModelRunner:
@@ -74,6 +86,10 @@ class RecomputeModelRunner:
     One pass per sequence, not one packed row: a packed row's attention mask grows with the square
     of the whole batch's tokens, a sequence's only with its own.
     """
+
+    recorder = None
+    routed_experts = None
+    """No expert routing is reported on this path (see `PagedModelRunner`)."""
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.model = model

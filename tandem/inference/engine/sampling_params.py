@@ -34,6 +34,9 @@ class SamplingParams:
     """Whether special tokens (EOS, chat markers) are left out of the text (never of the token ids)."""
     num_top_logprobs: int = 0
     """How many most likely alternatives to report per sampled token."""
+    return_routed_experts: bool = False
+    """Report, per sampled token, the expert ids each MoE layer chose in the forward that sampled it
+    (router replay in the trainer)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -9,7 +9,8 @@ Invariants:
   token. So a decoding sequence has exactly one uncomputed token: the last one, which may still be
   pending (its id then comes from the previous step's tokens on the device, row `pending_row`).
 - `block_table[i]` is the cache block holding tokens [i * block_size, (i + 1) * block_size).
-- `logprobs[j]` belongs to completion token j and comes from the weights that sampled it.
+- `logprobs[j]` belongs to completion token j and comes from the weights that sampled it;
+  so does `routed_experts[j]` (when asked): the experts of the forward that sampled it.
 - Preemption (recompute) frees the blocks and resets `num_computed_tokens`; the completion so far,
   with its logprobs, is kept and prefilled again as if it were prompt.
 """
@@ -67,6 +68,8 @@ class Sequence:
         """The block manager's cache epoch when this sequence's KV started; older KV is never shared."""
         self.logprobs: list[float] = []
         self.top_logprobs: list[tuple[tuple[int, float], ...]] = []
+        self.routed_experts: list[list[list[int]]] = []
+        """Per completion token, [MoE layer][k] expert ids (`params.return_routed_experts` only)."""
         self.oldest_weight_version: int | None = None
         self.finish_reason: str | None = None
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
@@ -111,12 +114,15 @@ class Sequence:
         self.num_pending += 1
         self.pending_row = row
 
-    def append_token(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...], weight_version: int) -> None:
-        """The host read the oldest pending token."""
+    def append_token(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...], weight_version: int,
+                     routed_experts: list[list[int]] | None = None) -> None:
+        """The host read the oldest pending token (and, when asked, the experts that sampled it)."""
         assert self.num_pending > 0, "a token arrived that no step sampled"
         self.num_pending -= 1
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         self.top_logprobs.append(top)
+        if routed_experts is not None:
+            self.routed_experts.append(routed_experts)
         if self.oldest_weight_version is None or weight_version < self.oldest_weight_version:
             self.oldest_weight_version = weight_version

@@ -17,6 +17,7 @@ import torch
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe, moe_blocks
 from tandem.inference.engine.fused_norms import apply_compiled_norms
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.llm_engine import LLMEngine
@@ -101,7 +102,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> 
         cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
         if engine.compile_norms and device.type == "cuda":
             apply_compiled_norms(model)
-        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, engine.cuda_graphs)
+        recorder = moe_routing_recorder(model, engine, device)
+        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, engine.cuda_graphs, recorder)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, engine.block_size, num_blocks * per_block / 2**30, device)
@@ -127,6 +129,17 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> 
         device=device,
         overlap=overlap,
     )
+
+
+def moe_routing_recorder(model: torch.nn.Module, engine: EngineConfig, device: torch.device) -> RoutingRecorder | None:
+    """For a mixture of experts: the engine's MoE kernels installed (CUDA) and the recorder of their routing."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    max_tokens = max(engine.max_num_batched_tokens, engine.max_num_seqs)
+    recorder = RoutingRecorder(len(blocks), max_tokens, blocks[0].args.top_k, device)
+    apply_fused_moe(model, recorder)
+    return recorder
 
 
 def check_cache_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

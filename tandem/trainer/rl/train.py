@@ -67,8 +67,9 @@ def train(config: TrainerConfig, session: Session, objective: Objective) -> None
         batch = next_batch(config, session, step)
         t_batch = time.perf_counter()
         source = "fake batch" if config.data.fake else str(rollout_file(config.run_dir, step, dims.rank))
-        check_step_batch(batch, config.seq_len, session.vocab_size, source, dims)
-        micro_batches = [MicroBatch.from_row(row, dims.device, policy_version=step - 1) for row in batch.rows]
+        check_step_batch(batch, config.seq_len, session.vocab_size, source, dims, config.loss.router_replay)
+        micro_batches = [MicroBatch.from_row(row, dims.device, policy_version=step - 1,
+                                             router_replay=config.loss.router_replay) for row in batch.rows]
         result = train_step(session.model, session.optimizer, session.scheduler, micro_batches, objective,
                             batch.num_loss_tokens, config.optim.max_grad_norm, dims)
         t_train = time.perf_counter()

@@ -1,0 +1,117 @@
+"""The engine's execution of mixture-of-experts blocks, installed on the model from outside.
+
+Why: the model's `MoE.forward` (`tandem.models.moe`) is the reference, shared with the trainer,
+but on CUDA it gathers rows into sorted order and its CPU loop reads group sizes on the host.
+The engine's version keeps every shape fixed by the token count and never syncs, so decode
+steps run inside CUDA graphs:
+    route  (the model's `route`, compiled once into a few fused kernels)
+    -> align_to_blocks (sort copies by expert, padded to the kernel's row blocks)
+    -> grouped matmul gate_up -> SiLU(gate) * up -> grouped matmul down, times the routing weight
+    -> sum of each token's k copies (+ shared experts).
+Model code stays as it is; where the kernel cannot run (CPU, no Triton) the model's eager path
+serves.
+
+`RoutingRecorder`: each block also writes its expert ids into a buffer of the recorder (fixed
+addresses: graphs replay the writes; on the eager path a hook on each router), from which the
+engine reads the experts that sampled each token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.inference.engine import moe_kernel
+from tandem.models.moe import MoE, MoEArgs, route
+
+
+class RoutingRecorder:
+    """Expert ids [num_moe_layers, max_tokens, k] of the last forward's tokens, written by the MoE blocks."""
+
+    def __init__(self, num_moe_layers: int, max_tokens: int, top_k: int, device: torch.device):
+        self.expert_ids = torch.zeros(num_moe_layers, max_tokens, top_k, dtype=torch.int16, device=device)
+
+    def record(self, moe_index: int, expert_ids: torch.Tensor) -> None:
+        self.expert_ids[moe_index, :expert_ids.shape[0]].copy_(expert_ids)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The recorded expert ids of tokens `index` of the last forward: [len(index), num_moe_layers, k]."""
+        return self.expert_ids[:, index].transpose(0, 1)
+
+
+def moe_blocks(model: nn.Module) -> list[MoE]:
+    """The model's MoE feed-forwards, in layer order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None) -> bool:
+    """Serve every MoE block of `model` with the engine's kernels, in place, and record its routing into
+    `recorder`. Where the kernels cannot run (CPU, no Triton) the model's eager path serves and a hook on
+    each router records; returns whether the kernels serve."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return False
+    if not moe_kernel.is_available(blocks[0].gate.weight):
+        if recorder is not None:
+            for index, block in enumerate(blocks):
+                block.gate.register_forward_hook(functools.partial(_record_hook, recorder, index))
+        return False
+    args = blocks[0].args
+    if any(block.args != args for block in blocks):
+        raise ValueError("the engine's MoE path needs the same expert settings in every MoE layer")
+    router = torch.compile(functools.partial(route, args=args), dynamic=True, fullgraph=True)
+    for index, block in enumerate(blocks):
+        block.forward = functools.partial(fused_moe_forward, block, router, recorder, index)
+    return True
+
+
+@contextlib.contextmanager
+def eager_moe(model: nn.Module):
+    """Within this block the MoE blocks run the model's own path: a reference sharing the engine's weights."""
+    installed = {block: block.__dict__.pop("forward") for block in moe_blocks(model) if "forward" in block.__dict__}
+    try:
+        yield
+    finally:
+        for block, forward in installed.items():
+            block.forward = forward
+
+
+def _record_hook(recorder: RoutingRecorder, moe_index: int, router: nn.Module, inputs, output) -> None:
+    recorder.record(moe_index, output[1])
+
+
+def fused_moe_forward(block: MoE, router, recorder: RoutingRecorder | None, moe_index: int,
+                      x: torch.Tensor) -> torch.Tensor:
+    """What `MoE.forward` computes, with fixed shapes and no host sync: x [B, T, H] -> [B, T, H]."""
+    flat = x.reshape(-1, x.shape[-1])
+    args: MoEArgs = block.args
+    bias = None
+    if args.score_bias == "router":
+        bias = block.gate.e_score_correction_bias
+    elif args.score_bias == "block":
+        bias = block.e_score_correction_bias
+    weights, expert_ids = router(flat, block.gate.weight, bias)
+    if recorder is not None:
+        recorder.record(moe_index, expert_ids)
+    out = fused_experts(flat, block.experts.gate_up_proj, block.experts.down_proj, weights, expert_ids)
+    if block.shared_experts is not None:
+        out = out + block.shared_experts(flat)
+    return out.view(x.shape)
+
+
+def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
+                  expert_ids: torch.Tensor) -> torch.Tensor:
+    """x [N, H] through each token's k experts (gate_up [E, 2I, H], down [E, H, I]), weighted and summed: [N, H]."""
+    (num_tokens, top_k), num_experts = expert_ids.shape, gate_up_proj.shape[0]
+    config = moe_kernel.block_config(num_tokens, top_k, num_experts)
+    blocks = moe_kernel.align_to_blocks(expert_ids, num_experts, config["BLOCK_M"])
+    num_copies = num_tokens * top_k
+    gate_up = moe_kernel.grouped_matmul(x, gate_up_proj, blocks, top_k, num_copies, config)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = F.silu(gate) * up
+    down = moe_kernel.grouped_matmul(hidden, down_proj, blocks, 1, num_copies, config, routing=weights.reshape(-1))
+    return down.view(num_tokens, top_k, -1).sum(1)
