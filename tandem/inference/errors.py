@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def describe_validation_error(err: RequestValidationError) -> tuple[str, str | N
             return f"malformed JSON body: {e.get('ctx', {}).get('error', e['msg'])}", None
         # loc[0] is "body"; a union reports each member it tried, tagged with its type (`stop.str`).
         field = ".".join(str(p) for p in e["loc"][1:] if not _is_type_tag(str(p)))
+        if not field and e["type"] == "missing":
+            return "the request body is empty: send a JSON object (with `Content-Type: application/json`)", None
         if not field and e["type"] in ("model_attributes_type", "dict_type", "model_type"):
             return "the request body must be a JSON object (sent with `Content-Type: application/json`)", None
         if e["type"] == "extra_forbidden":
@@ -64,11 +67,12 @@ def describe_validation_error(err: RequestValidationError) -> tuple[str, str | N
         if field in inputs:
             text = f"`{field}`: {text} (got {json.dumps(inputs[field], default=str)[:100]})"
         parts.append(text)
-    return "; ".join(parts), next(iter(clauses)) or None
+    # `param` is the top-level field (`stop`, not `stop.0`): the argument the client set; the message has the path.
+    return "; ".join(parts), next(iter(clauses)).split(".")[0] or None
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "none") or "[" in part or part.startswith("function-")
+    return part in ("str", "int", "float", "bool", "none") or "[" in part or part.startswith(("function-", "constrained-"))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -85,7 +89,36 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
         return error_response(err.status_code, str(err.detail))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(err).__name__}: {err}")
+    app.add_middleware(AnswerUnexpectedErrors)
+
+
+class AnswerUnexpectedErrors:
+    """ASGI middleware: an unexpected exception becomes a 500 error response, and goes no further.
+
+    Starlette's last-resort handler answers, then re-raises, and uvicorn then closes the connection:
+    the client's next request on that keep-alive connection was reset. Here the exception ends with
+    the answer. Only one raised after the response started (mid-stream) goes on: closing the
+    connection is then the only way to tell the client the response is incomplete.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as err:
+            log.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            if started:
+                raise
+            await error_response(500, f"internal error: {type(err).__name__}: {err}")(scope, receive, send)

@@ -21,7 +21,7 @@ router = APIRouter()
 async def generate(body: GenerateRequest, request: Request) -> dict:
     served: Served = request.app.state.served
     served.check_model(body.model)
-    params = served.sampling_params(body, body.max_tokens, body.prompt_token_ids)
+    params = served.sampling_params(body, body.max_tokens, body.prompt_token_ids, names={"prompt": "prompt_token_ids"})
     choices = await served.complete(body.prompt_token_ids, params, body.n)
     return {
         "id": f"gen-{uuid.uuid4().hex}",

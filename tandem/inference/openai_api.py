@@ -43,8 +43,6 @@ def completion_prompts(served: Served, prompt: Any) -> list[list[int]]:
         prompt = [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
         prompt = [prompt]
-    if not prompt:
-        raise APIError(400, "`prompt` is empty", "prompt")
     return [served.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
@@ -121,17 +119,19 @@ async def _merged(served: Served, prompts: list[list[int]], params: list, n: int
 async def _completion_stream(served: Served, body: CompletionRequest, prompts, params, meta) -> AsyncIterator[str]:
     chunk = {**meta, "object": "text_completion"}
     counts = [0] * len(prompts)
+    started: set[int] = set()  # choices that had their first chunk
     try:
         async for k, out in _merged(served, prompts, params, body.n):
             counts[k] += len(out.token_ids)
-            choice: dict[str, Any] = {"index": k * body.n + out.index, "text": out.text, "logprobs": None,
-                                      "finish_reason": out.finish_reason}
+            index = k * body.n + out.index
+            choice: dict[str, Any] = {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
             if body.logprobs is not None:
                 choice["logprobs"] = legacy_logprobs(served, out.token_ids, out.logprobs, out.top_logprobs, body.logprobs > 0)
             if body.return_token_ids:
                 choice["token_ids"] = out.token_ids
-                if counts[k] == len(out.token_ids):  # the choice's first chunk
+                if index not in started:
                     choice["prompt_token_ids"] = prompts[k]
+            started.add(index)
             if out.finish_reason is not None:
                 choice["weight_version"] = out.weight_version
             yield sse({**chunk, "choices": [choice]})
@@ -147,8 +147,7 @@ async def _completion_stream(served: Served, body: CompletionRequest, prompts, p
 
 def chat_logprobs(served: Served, token_ids: list[int], logprobs: list[float], top: list[tuple[tuple[int, float], ...]]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        text = served.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": served.token_text(token_id), "logprob": logprob, "bytes": list(served.token_bytes(token_id))}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
                         for t, lp, alts in zip(token_ids, logprobs, top)]}
@@ -177,8 +176,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs")
     prompt = chat_prompt(served, body)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = served.sampling_params(body, max_tokens, prompt, (body.top_logprobs or 0) if body.logprobs else 0)
+    names = {"prompt": "messages"}
+    max_tokens = body.max_tokens
+    if body.max_completion_tokens is not None:
+        max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
+    params = served.sampling_params(body, max_tokens, prompt, (body.top_logprobs or 0) if body.logprobs else 0, names)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
     if body.stream:
         return StreamingResponse(_chat_stream(served, body, prompt, params, meta), media_type="text/event-stream")

@@ -3,55 +3,89 @@
 Strict on purpose: an unknown field or a value of the wrong type is a 400 naming the field, so a
 sampling setting the server does not honour is never silently ignored. OpenAI fields that tandem
 does not implement (penalties, logit bias, ...) are accepted only at their neutral value.
-Value ranges (temperature, top_p, ...) are checked once, by `SamplingParams`.
+
+These models are the API's schema: FastAPI generates `/openapi.json` from them, so every range the
+server enforces is a constraint here (numbers finite, counts bounded, strings and lists non-empty
+where the engine needs them), and the document states what the server accepts. What no JSON Schema
+can say (a prompt plus `max_tokens` within the context, token ids below the vocabulary size) the
+engine checks and reports with the field's name.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.sampling_params import (
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+    TEMPERATURE_RANGE,
+    SamplingParams,
+    is_valid_temperature,
+)
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
-           "best_of": None, "suffix": None, "echo": False, "min_tokens": 0}
-"""Fields accepted for compatibility only at these values (anything else is a 400)."""
+def _integral(value: Any) -> Any:
+    """JSON Schema calls 2.0 an integer, so the server does too (2.5 stays an error)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[Int, Field(ge=0)]
+"""Below the vocabulary size too, which the engine checks (the schema cannot know it)."""
+Seed = Annotated[Int, Field(ge=-(2**63), le=2**63 - 1)]
+"""A signed 64-bit seed (the generators' range)."""
+Version = Annotated[Int, Field(ge=0, le=2**63 - 1)]
+
+
+def _temperature(value: float) -> float:
+    if not is_valid_temperature(value):
+        raise ValueError(f"must be {TEMPERATURE_RANGE}")
+    return value
+
+
+Temperature = Annotated[float, AfterValidator(_temperature), WithJsonSchema(
+    {"anyOf": [{"const": 0}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": MAX_TEMPERATURE}]})]
+
+
+def neutral_only(kind: Any, neutral: Any) -> Any:
+    """A field accepted for compatibility, only at its neutral value (or null)."""
+
+    def check(value: Any) -> Any:
+        if value is not None and value != neutral:
+            raise ValueError(f"only {neutral!r} is supported by tandem's engine")
+        return value
+
+    values = [None] if neutral is None else [neutral, None]
+    return Annotated[kind | None, AfterValidator(check), WithJsonSchema({"enum": values})]
 
 
 class SamplingFields(Body):
-    n: int = Field(1, ge=1, le=256)
-    max_tokens: int | None = None
+    n: Int = Field(1, ge=1, le=256)
+    max_tokens: Int | None = Field(None, ge=1)
     """Unset: whatever context is left after the prompt."""
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    temperature: Temperature | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: Seed | None = None
+    stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
-
-    @model_validator(mode="after")
-    def _neutral_only(self) -> "SamplingFields":
-        for name, neutral in NEUTRAL.items():
-            value = getattr(self, name, neutral)
-            if value is not None and value != neutral:
-                raise ValueError(f"`{name}` = {value!r} is not supported by tandem's engine (only {neutral!r})")
-        return self
+    presence_penalty: neutral_only(float, 0.0) = None
+    frequency_penalty: neutral_only(float, 0.0) = None
+    repetition_penalty: neutral_only(float, 1.0) = None
+    logit_bias: neutral_only(dict[str, float], None) = None
+    min_tokens: neutral_only(Int, 0) = None
 
     def sampling_params(self, max_tokens: int, num_top_logprobs: int = 0) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -78,15 +112,17 @@ class StreamOptions(Body):
 
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    """A text, texts, token ids, or lists of token ids; each one a prompt."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Legacy completions logprobs: how many alternatives per token (0 = the sampled token only)."""
     return_token_ids: bool = False
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: neutral_only(bool, False) = False
+    best_of: neutral_only(Int, None) = None
+    suffix: neutral_only(str, None) = None
 
 
 class TextPart(Body):
@@ -131,10 +167,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["auto", "none"] | None = None
     """`required` and named tool choice need constrained decoding, which tandem does not do."""
     parallel_tool_calls: bool = True
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = Field(None, ge=1)
     """Takes precedence over the older `max_tokens`."""
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -152,12 +188,12 @@ class ChatCompletionRequest(SamplingFields):
 class GenerateRequest(SamplingFields):
     """`POST /v1/generate`: token ids in, token ids and logprobs out (no re-tokenization)."""
 
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
     model: str | None = None
 
 
 class UpdateWeightsRequest(Body):
-    path: str
+    path: str = Field(min_length=1)
     """A folder of HF-named safetensors (the trainer's `weights/step_N`)."""
-    version: int | None = None
+    version: Version | None = None
     """The new weight version; unset = the current one + 1."""

@@ -46,7 +46,11 @@ def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: to
 
 
 def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Copy HF-named tensors into `model`; shapes must match; tied lm_head may be absent."""
+    """Copy HF-named tensors into `model`; shapes must match; tied lm_head may be absent.
+
+    A floating parameter takes any floating dtype (cast on copy: fp32 weights into a bf16 model);
+    integers never pass for weights, and a non-floating tensor of the model needs its own dtype.
+    """
     params = dict(model.state_dict())
     missing = [k for k in params if k not in state and not (k == "lm_head.weight" and "model.embed_tokens.weight" in state and _tied(model))]
     unexpected = [k for k in state if k not in params]
@@ -57,10 +61,20 @@ def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: 
             continue
         if params[name].shape != tensor.shape:
             raise ValueError(f"shape mismatch for {name}: model {tuple(params[name].shape)}, weights {tuple(tensor.shape)}")
+        if not _dtype_fits(params[name].dtype, tensor.dtype):
+            raise ValueError(f"dtype mismatch for {name}: model {_dtype_name(params[name].dtype)}, weights {_dtype_name(tensor.dtype)}")
     with torch.no_grad():
         for name, tensor in state.items():
             if name in params:
                 params[name].copy_(tensor)
+
+
+def _dtype_fits(model_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point if model_dtype.is_floating_point else dtype == model_dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tied(model: nn.Module) -> bool:
