@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 409: "conflict_error", 500: "internal_server_error"}
+               405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+               500: "internal_server_error"}
 
 
 class APIError(Exception):

@@ -7,6 +7,7 @@ distribution that sampled it and the weight version of the choice.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter, Request
@@ -21,7 +22,9 @@ router = APIRouter()
 async def generate(body: GenerateRequest, request: Request) -> dict:
     served: Served = request.app.state.served
     served.check_model(body.model)
-    params = served.sampling_params(body, body.max_tokens, body.prompt_token_ids, names={"prompt": "prompt_token_ids"})
+    # Checking every prompt token is CPU work: in a thread, so other requests go on meanwhile.
+    params = await asyncio.to_thread(served.sampling_params, body, body.max_tokens, body.prompt_token_ids, 0,
+                                     {"prompt": "prompt_token_ids"})
     choices = await served.complete(body.prompt_token_ids, params, body.n)
     return {
         "id": f"gen-{uuid.uuid4().hex}",

@@ -61,8 +61,9 @@ def legacy_logprobs(served: Served, choice_tokens: list[int], logprobs: list[flo
 async def completions(body: CompletionRequest, request: Request):
     served: Served = request.app.state.served
     served.check_model(body.model)
-    prompts = completion_prompts(served, body.prompt)
-    params = [served.sampling_params(body, body.max_tokens, p, body.logprobs or 0) for p in prompts]
+    # Tokenizing and checking a long prompt takes seconds: in a thread, so other requests go on meanwhile.
+    prompts = await asyncio.to_thread(completion_prompts, served, body.prompt)
+    params = await asyncio.to_thread(lambda: [served.sampling_params(body, body.max_tokens, p, body.logprobs or 0) for p in prompts])
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
     if body.stream:
         return StreamingResponse(_completion_stream(served, body, prompts, params, meta), media_type="text/event-stream")
@@ -175,12 +176,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     served.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs")
-    prompt = chat_prompt(served, body)
+    prompt = await asyncio.to_thread(chat_prompt, served, body)  # the template and tokenizer: off the event loop
     names = {"prompt": "messages"}
     max_tokens = body.max_tokens
     if body.max_completion_tokens is not None:
         max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
-    params = served.sampling_params(body, max_tokens, prompt, (body.top_logprobs or 0) if body.logprobs else 0, names)
+    num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
+    params = await asyncio.to_thread(served.sampling_params, body, max_tokens, prompt, num_top_logprobs, names)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
     if body.stream:
         return StreamingResponse(_chat_stream(served, body, prompt, params, meta), media_type="text/event-stream")

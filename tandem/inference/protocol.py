@@ -15,7 +15,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    WrapValidator,
+)
 
 from tandem.inference.engine.sampling_params import (
     MAX_TEMPERATURE,
@@ -36,9 +46,26 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+def _integral_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """`_integral` for each item, only once the list failed: a prompt's many ids cost no Python call each."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if not isinstance(value, list):
+            raise
+        return handler([_integral(item) for item in value])
+
+
 Int = Annotated[int, BeforeValidator(_integral)]
-TokenId = Annotated[Int, Field(ge=0)]
-"""Below the vocabulary size too, which the engine checks (the schema cannot know it)."""
+
+
+def token_ids(min_length: int) -> Any:
+    """A list of token ids (each below the vocabulary size too, which the engine checks: the schema cannot know it).
+
+    fail_fast: a union tries each member, and a long list must not collect an error per id for each.
+    """
+    return Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=min_length, fail_fast=True),
+                     WrapValidator(_integral_items)]
 Seed = Annotated[Int, Field(ge=-(2**63), le=2**63 - 1)]
 """A signed 64-bit seed (the generators' range)."""
 Version = Annotated[Int, Field(ge=0, le=2**63 - 1)]
@@ -76,7 +103,7 @@ class SamplingFields(Body):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: Seed | None = None
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: token_ids(0) | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -112,8 +139,11 @@ class StreamOptions(Body):
 
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-             | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    # fail_fast: a union tries each member, and a long id list must not collect an error per id for `list[str]`.
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, fail_fast=True)]
+             | token_ids(1)
+             | Annotated[list[token_ids(1)], Field(min_length=1, fail_fast=True)])
     """A text, texts, token ids, or lists of token ids; each one a prompt."""
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -188,7 +218,7 @@ class ChatCompletionRequest(SamplingFields):
 class GenerateRequest(SamplingFields):
     """`POST /v1/generate`: token ids in, token ids and logprobs out (no re-tokenization)."""
 
-    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    prompt_token_ids: token_ids(1)
     model: str | None = None
 
 
