@@ -12,6 +12,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,8 +31,38 @@ class APIError(Exception):
         self.param = param
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    """What was wrong, naming the field and the value received."""
+    type: str
+    param: str | None
+    """The top-level request field at fault, if one is."""
+    code: int
+    """The HTTP status."""
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (the OpenAPI document declares it for each error status)."""
+
+    error: ErrorDetail
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": status}}
+    detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "invalid_request_error"), param=param, code=status)
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI `responses` of a route: its error statuses, and `default` (any other status) with the same body.
+
+    Declaring them also keeps FastAPI from declaring its own 422, a status this server never answers.
+    """
+    return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in (*statuses, "default")}
+
+
+ERROR_DESCRIPTIONS = {400: "Bad request: a field is missing, unknown, of the wrong type or out of range (`param` names it)",
+                      401: "Missing or wrong API key", 404: "Unknown model, or no weights where `path` says", 413: "Request body over `server.max_request_bytes`",
+                      500: "The engine failed while generating", "default": "Any other error"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -88,7 +119,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
-        return error_response(err.status_code, str(err.detail))
+        response = error_response(err.status_code, str(err.detail))
+        response.headers.update(err.headers or {})  # a 405 says which methods are allowed
+        return response
 
     app.add_middleware(AnswerUnexpectedErrors)
 

@@ -12,13 +12,14 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from tandem.inference.errors import error_responses
 from tandem.inference.protocol import GenerateRequest
 from tandem.inference.serving import Served
 
 router = APIRouter()
 
 
-@router.post("/v1/generate")
+@router.post("/v1/generate", responses=error_responses(400, 404, 413, 500))
 async def generate(body: GenerateRequest, request: Request) -> dict:
     served: Served = request.app.state.served
     served.check_model(body.model)

@@ -19,11 +19,18 @@ from fastapi.responses import StreamingResponse
 
 from tandem.inference.chat import parse_tool_calls, render_chat, streamable_content
 from tandem.inference.engine.llm_engine import SequenceOutput
-from tandem.inference.errors import APIError, error_body
+from tandem.inference.errors import APIError, error_body, error_responses
 from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.inference.serving import Choice, Served
 
 router = APIRouter()
+
+GENERATION_RESPONSES = {**error_responses(400, 404, 413, 500), 200: {
+    "description": "The completion: JSON, or with `stream: true` server-sent events (`data: <chunk JSON>`, last `data: [DONE]`)",
+    "content": {"text/event-stream": {"itemSchema": {  # OpenAPI 3.2's description of each event
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string", "description": "A chunk's JSON, an error's JSON, or `[DONE]`"},
+                       "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer", "minimum": 0}}}}}}}
 
 
 def sse(data: dict | str) -> str:
@@ -57,7 +64,7 @@ def legacy_logprobs(served: Served, choice_tokens: list[int], logprobs: list[flo
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_maps, "text_offset": offsets}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
     served: Served = request.app.state.served
     served.check_model(body.model)
@@ -170,12 +177,10 @@ def chat_message(body: ChatCompletionRequest, choice: Choice) -> tuple[dict, str
     return {"role": "assistant", "content": choice.text}, choice.finish_reason
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     served: Served = request.app.state.served
     served.check_model(body.model)
-    if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs")
     prompt = await asyncio.to_thread(chat_prompt, served, body)  # the template and tokenizer: off the event loop
     names = {"prompt": "messages"}
     max_tokens = body.max_tokens

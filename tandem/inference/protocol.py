@@ -22,9 +22,11 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     WithJsonSchema,
     WrapValidator,
+    field_validator,
 )
 
 from tandem.inference.engine.sampling_params import (
@@ -56,7 +58,16 @@ def _integral_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         return handler([_integral(item) for item in value])
 
 
-Int = Annotated[int, BeforeValidator(_integral)]
+MAX_SAFE_INTEGER = 2**53 - 1
+"""Integers JSON carries exactly whatever the client's language (I-JSON, RFC 7493): the bound of every integer field."""
+
+
+def integer(ge: int = -MAX_SAFE_INTEGER, le: int = MAX_SAFE_INTEGER) -> Any:
+    """An integer field in [ge, le]; the bounds sit on the int itself, so the JSON schema states them."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+Int = integer()
 
 
 def token_ids(min_length: int) -> Any:
@@ -64,11 +75,10 @@ def token_ids(min_length: int) -> Any:
 
     fail_fast: a union tries each member, and a long list must not collect an error per id for each.
     """
-    return Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=min_length, fail_fast=True),
+    return Annotated[list[Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]], Field(min_length=min_length, fail_fast=True),
                      WrapValidator(_integral_items)]
-Seed = Annotated[Int, Field(ge=-(2**63), le=2**63 - 1)]
-"""A signed 64-bit seed (the generators' range)."""
-Version = Annotated[Int, Field(ge=0, le=2**63 - 1)]
+Seed = integer()
+Version = integer(ge=0)
 
 
 def _temperature(value: float) -> float:
@@ -94,13 +104,13 @@ def neutral_only(kind: Any, neutral: Any) -> Any:
 
 
 class SamplingFields(Body):
-    n: Int = Field(1, ge=1, le=256)
-    max_tokens: Int | None = Field(None, ge=1)
+    n: integer(1, 256) = 1
+    max_tokens: integer(ge=1) | None = None
     """Unset: whatever context is left after the prompt."""
     temperature: Temperature | None = None
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: integer(ge=-1) | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: Seed | None = None
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
     stop_token_ids: token_ids(0) | None = None
@@ -147,7 +157,7 @@ class CompletionRequest(SamplingFields):
     """A text, texts, token ids, or lists of token ids; each one a prompt."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
     """Legacy completions logprobs: how many alternatives per token (0 = the sampled token only)."""
     return_token_ids: bool = False
     echo: neutral_only(bool, False) = False
@@ -191,16 +201,20 @@ class ResponseFormat(Body):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     """`required` and named tool choice need constrained decoding, which tandem does not do."""
     parallel_tool_calls: bool = True
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = None
     """Takes precedence over the older `max_tokens`."""
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
+    """Needs `logprobs: true` (the schema says so with `if`/`then`)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -209,6 +223,13 @@ class ChatCompletionRequest(SamplingFields):
     """Extra variables of the chat template (e.g. `{"enable_thinking": false}` for Qwen3)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs `logprobs: true`")
+        return value
 
     @property
     def uses_tools(self) -> bool:

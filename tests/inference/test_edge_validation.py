@@ -41,7 +41,7 @@ def check_400(response: httpx.Response, param: str | None, message: str) -> None
     ("top_p", "NaN", "`top_p`: Input should be a finite number"),
     ("top_p", "0", "`top_p`: Input should be greater than 0"),
     ("min_p", "Infinity", "`min_p`: Input should be a finite number"),
-    ("seed", str(2**64), "`seed`: Input should be less than or equal to 9223372036854775807"),
+    ("seed", str(2**64), "`seed`: Input should be less than or equal to 9007199254740991"),
     ("max_tokens", "0", "`max_tokens`: Input should be greater than or equal to 1"),
     ("top_k", "-2", "`top_k`: Input should be greater than or equal to -1"),
     ("n", "2.5", "`n`: Input should be a valid integer"),

@@ -40,12 +40,12 @@ def post(server, path: str, body=None, **kwargs) -> httpx.Response:
     ("/v1/chat/completions", {"model": "MODEL", **CHAT, "frequency_penalty": 0.5}, 400, "`frequency_penalty`: only 0.0 is supported by tandem's engine (got 0.5)"),
     ("/v1/chat/completions", {"model": "MODEL", **CHAT, "tool_choice": "required"}, 400, "`tool_choice`"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "robot", "content": "hi"}]}, 400, "`messages.0.role`"),
-    ("/v1/chat/completions", {"model": "MODEL", **CHAT, "top_logprobs": 2}, 400, "`top_logprobs` needs `logprobs: true`"),
+    ("/v1/chat/completions", {"model": "MODEL", **CHAT, "top_logprobs": 2}, 400, "`top_logprobs`: needs `logprobs: true` (got 2)"),
     ("/v1/chat/completions", {"model": "MODEL", **CHAT, "max_completion_tokens": 0}, 400, "`max_completion_tokens`: Input should be greater than or equal to 1"),
     ("/v1/chat/completions", {"model": "MODEL", **CHAT, "stream": True, "max_tokens": 5000}, 400, "maximum context length is 1024"),
     ("/v1/completions", {"model": "MODEL", "prompt": "hi", "stop": 5}, 400, "`stop`: Input should be a valid string or Input should be a valid list"),
     ("/v1/completions", {"model": "MODEL", "prompt": "hi", "echo": True}, 400, "`echo`: only False is supported by tandem's engine (got true)"),
-    ("/update_weights", {"path": "/no/such/folder"}, 400, "weights folder not found: /no/such/folder"),
+    ("/update_weights", {"path": "/no/such/folder"}, 404, "weights folder not found: /no/such/folder"),
     ("/update_weights", {}, 400, "missing field `path`"),
 ])
 def test_bad_request_is_a_4xx_naming_the_problem(server, tiny_dir, path, body, status, message):
@@ -64,7 +64,7 @@ def test_malformed_json(server):
 def test_failed_weight_updates_keep_the_previous_weights(server, tiny_dir, tiny_model, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    check_error(post(server, "/update_weights", {"path": str(empty)}), 400, "no .safetensors files")
+    check_error(post(server, "/update_weights", {"path": str(empty)}), 404, "no .safetensors files")
     state = load_state_dict(tiny_dir)
     state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(7, 7)
     save_state_dict(state, tmp_path / "bad_shape", tied_embeddings=True)
