@@ -21,6 +21,7 @@ import httpx
 from tandem.config.dump import to_toml
 from tandem.config.rl import RLConfig
 from tandem.launch.process import ManagedProcess
+from tandem.launch.resume import cut_run_records, resume_step
 from tandem.launch.warmup import run_warmup
 from tandem.monitor.logging import setup_logging
 from tandem.monitor.progress import ProgressPrinter
@@ -39,6 +40,8 @@ def main(config: RLConfig) -> int:
     run_dir = config.run_dir
     try:
         _check_run_folder(config)
+        if config.resume:
+            _cut_to_checkpoint(run_dir, log)
         if not Path(config.model.name).exists() and config.warmup.sft is not None:
             run_warmup(config, log)
         configs = _write_process_configs(config)
@@ -61,6 +64,13 @@ def _check_run_folder(config: RLConfig) -> None:
         raise RunFailed(f"{run_dir} already holds a run ({', '.join(has_results)}); pass --resume to continue it or --clean to start over")
     for sub in ("configs", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+
+
+def _cut_to_checkpoint(run_dir: Path, log) -> None:
+    """Records of steps after the checkpoint the processes resume from are recomputed: remove them first."""
+    step = resume_step(run_dir)
+    removed = cut_run_records(run_dir, step)
+    log.info("resuming after step %d%s", step, f"; removed the stopped run's later records: {', '.join(removed)}" if removed else "")
 
 
 def _holds_results(path: Path) -> bool:

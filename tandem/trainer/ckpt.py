@@ -27,6 +27,8 @@ from tandem.trainer.parallel.dims import ParallelDims
 from tandem.transport.paths import checkpoint_dir
 
 PROCESS = "trainer"
+STATE_FILE = "state.pt"
+"""Written last: a checkpoint folder holding it is complete."""
 
 
 @dataclass
@@ -43,7 +45,7 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     for step_dir in (Path(run_dir) / "checkpoints").glob("step_*"):
         match = re.fullmatch(r"step_(\d+)", step_dir.name)
         folder = step_dir / PROCESS
-        if match and (folder / "state.pt").is_file():
+        if match and (folder / STATE_FILE).is_file():
             found.append((int(match.group(1)), folder))
     return sorted(found)
 
@@ -74,11 +76,11 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     torch.save(rng_state(dims.device), tmp / f"rng_rank_{dims.rank}.pt")
     if dims.is_main:
-        torch.save({"step": step, "world_size": dims.world_size, "scheduler": scheduler.state_dict(), "data": data}, tmp / "state.pt")
+        torch.save({"step": step, "world_size": dims.world_size, "scheduler": scheduler.state_dict(), "data": data}, tmp / STATE_FILE)
     dist.barrier()
     if dims.is_main:
         if final.exists():  # an older save of this step (a run resumed from before it): the new one wins
-            (final / "state.pt").unlink(missing_ok=True)
+            (final / STATE_FILE).unlink(missing_ok=True)
             shutil.rmtree(final)
         tmp.rename(final)
     dist.barrier()
@@ -91,7 +93,7 @@ def prune_checkpoints(run_dir: Path, keep: int | None) -> list[int]:
         return []
     doomed = complete_checkpoints(run_dir)[:-keep]
     for step, folder in doomed:
-        (folder / "state.pt").unlink()  # incomplete from here on: never picked for a resume
+        (folder / STATE_FILE).unlink()  # incomplete from here on: never picked for a resume
         shutil.rmtree(folder)
         if not any(folder.parent.iterdir()):
             folder.parent.rmdir()
@@ -105,7 +107,7 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    meta = torch.load(folder / "state.pt", weights_only=True)
+    meta = torch.load(folder / STATE_FILE, weights_only=True)
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = folder / f"rng_rank_{dims.rank}.pt"
     # At another world size rank R's stream has no predecessor: it keeps its seeded start.

@@ -1,0 +1,85 @@
+"""Failure injection into `tandem rl` (issue 24): a process killed with SIGKILL, the launcher killed too.
+
+Stated bound: the run ends within END_S of the death, names the process that died, leaves no process
+running, and leaves nothing half-written that a resume would trust (weights marked STABLE are whole,
+checkpoints marked complete are, every rollout file decodes). The trainer's death is in test_rl_e2e.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from short_runs import rl_command, run_pids, start, wait_for_trainer_step
+
+from tandem.launch.process import group_alive
+from tandem.launch.resume import resume_step
+from tandem.models.presets import init_model
+from tandem.transport.paths import STABLE
+from tandem.transport.types import decode_batch
+
+END_S = 30
+"""Each process gets SIGTERM, then SIGKILL after 10 s: three processes take at most 30 s to stop."""
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return init_model("tiny", tmp_path_factory.mktemp("model"), seed=0)
+
+
+def check_nothing_half_written(out: Path) -> None:
+    for folder in (out / "weights").glob("step_*"):
+        if (folder / STABLE).exists():
+            assert any(folder.glob("*.safetensors")) and (folder / "config.json").is_file(), folder
+    for file in (out / "rollouts").glob("step_*/rank_*.msgpack"):
+        decode_batch(file.read_bytes())  # a torn file would not decode
+    step = resume_step(out)
+    if step:
+        assert any((out / "checkpoints" / f"step_{step}" / "trainer").glob("*.distcp"))
+
+
+@pytest.mark.parametrize("victim", ["inference", "orchestrator"])
+def test_a_killed_process_ends_the_run_naming_it(model, tmp_path, victim):
+    out = tmp_path / "run"
+    proc = start(rl_command(model, out, 50))
+    try:
+        wait_for_trainer_step(proc, out, 1)
+        pids = run_pids(out)
+        os.kill(pids[victim], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=120)
+        ended_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and ended_s < END_S, ended_s
+    assert f"the {victim} process failed" in stderr, stderr[-3000:]
+    assert not [name for name, pid in pids.items() if group_alive(pid)]
+    check_nothing_half_written(out)
+
+
+def test_a_killed_launcher_takes_every_process_with_it(model, tmp_path):
+    out = tmp_path / "run"
+    proc = start(rl_command(model, out, 50))
+    pids: dict[str, int] = {}
+    try:
+        wait_for_trainer_step(proc, out, 1)
+        pids = run_pids(out)
+        proc.kill()  # SIGKILL: the launcher cleans nothing up; its children must go by themselves
+        proc.wait()
+        deadline = time.monotonic() + END_S
+        while [pid for pid in pids.values() if group_alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        survivors = [name for name, pid in pids.items() if group_alive(pid)]
+        for name in survivors:  # they would outlive the test
+            os.killpg(pids[name], signal.SIGKILL)
+    assert not survivors
+    check_nothing_half_written(out)
