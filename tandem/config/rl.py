@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from tandem.config.base import ModelConfig, ProcessConfig, RunConfig, Section
 from tandem.config.inference import InferenceConfig
@@ -106,6 +106,10 @@ class RLConfig(ProcessConfig):
 
     health_timeout_s: float = 300.0
     """How long to wait for the inference server's `/health` before giving up."""
+
+    hang_timeout_s: float = Field(120.0, gt=0)
+    """A started inference server that answers no `GET /health` for this long (stopped, deadlocked, not
+    dead) ends the run, named: its clients would otherwise wait out their request timeouts."""
 
     @model_validator(mode="after")
     def _propagate_shared(self) -> "RLConfig":

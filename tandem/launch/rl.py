@@ -20,6 +20,7 @@ import httpx
 
 from tandem.config.dump import to_toml
 from tandem.config.rl import RLConfig
+from tandem.launch.hang import HangWatch
 from tandem.launch.process import ManagedProcess
 from tandem.launch.resume import cut_run_records, resume_step
 from tandem.launch.warmup import run_warmup
@@ -153,6 +154,7 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
         _write_pids(run_dir, procs)
         log.info("orchestrator and trainer started; logs in %s", run_dir / "logs")
+        hang_watch = HangWatch(config.orchestrator.client.base_urls[0], config.hang_timeout_s)
         while True:
             progress.update()
             if stop_signal:
@@ -166,6 +168,10 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
                 break
             if procs["inference"].poll() == 0:
                 raise RunFailed("the inference process exited before the run finished")
+            silent_s = hang_watch.silent_for()
+            if silent_s is not None and procs["inference"].poll() is None:
+                raise RunFailed(f"the inference server is hung: alive, but no answer to {hang_watch.url} for {silent_s:.0f} s "
+                                f"(`hang_timeout_s`); its log: {procs['inference'].log_path}")
             time.sleep(0.5)
         progress.finish()
         report = write_report(run_dir)

@@ -1,7 +1,8 @@
-"""Failure injection into `tandem rl` (issue 24): a process killed with SIGKILL, the launcher killed too.
+"""Failure injection into `tandem rl` (issue 24): a process killed with SIGKILL, the launcher killed too,
+an inference server that hangs (SIGSTOP) instead of dying, a write into the run folder that fails.
 
-Stated bound: the run ends within END_S of the death, names the process that died, leaves no process
-running, and leaves nothing half-written that a resume would trust (weights marked STABLE are whole,
+Stated bound: the run ends within END_S of the death (of `hang_timeout_s` + END_S for a hang), names the
+process at fault, leaves no process running, and leaves nothing half-written that a resume would trust (weights marked STABLE are whole,
 checkpoints marked complete are, every rollout file decodes). The trainer's death is in test_rl_e2e.py.
 """
 
@@ -59,6 +60,44 @@ def test_a_killed_process_ends_the_run_naming_it(model, tmp_path, victim):
             proc.kill()
     assert proc.returncode != 0 and ended_s < END_S, ended_s
     assert f"the {victim} process failed" in stderr, stderr[-3000:]
+    assert not [name for name, pid in pids.items() if group_alive(pid)]
+    check_nothing_half_written(out)
+
+
+def test_a_failed_write_in_the_run_folder_ends_the_run_naming_the_writer(model, tmp_path):
+    """Without a small file system to fill, a write fails where a folder should go: a file is there."""
+    out = tmp_path / "run"
+    proc = start(rl_command(model, out, 50))
+    try:
+        wait_for_trainer_step(proc, out, 1)
+        pids = run_pids(out)
+        for step in range(5, 51):  # the orchestrator's next batches cannot be written
+            (out / "rollouts" / f"step_{step}").write_text("not a folder")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "the orchestrator process failed" in stderr and "step_5" in stderr, stderr[-3000:]
+    assert not [name for name, pid in pids.items() if group_alive(pid)]
+    check_nothing_half_written(out)
+
+
+def test_a_hung_inference_server_ends_the_run_naming_it(model, tmp_path):
+    out, hang_timeout_s = tmp_path / "run", 5
+    proc = start(rl_command(model, out, 50, "--hang-timeout-s", str(hang_timeout_s)))
+    try:
+        wait_for_trainer_step(proc, out, 1)
+        pids = run_pids(out)
+        os.killpg(pids["inference"], signal.SIGSTOP)  # alive, holding its port, answering nothing
+        stopped_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=300)
+        ended_s = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and ended_s < hang_timeout_s + END_S, ended_s
+    assert "the inference server is hung: alive, but no answer to" in stderr, stderr[-3000:]
     assert not [name for name, pid in pids.items() if group_alive(pid)]
     check_nothing_half_written(out)
 
