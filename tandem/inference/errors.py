@@ -52,17 +52,22 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return ErrorResponse(error=detail).model_dump()
 
 
+ERROR_DESCRIPTIONS = {
+    400: "Bad request: a field is missing, unknown, of the wrong type or out of range (`param` names it)",
+    401: "Missing or wrong API key",
+    404: "Unknown model, or no weights where `path` says",
+    413: "Request body over `server.max_request_bytes`",
+    500: "The engine failed while generating",
+    "default": "Any other error",
+}
+
+
 def error_responses(*statuses: int) -> dict:
     """OpenAPI `responses` of a route: its error statuses, and `default` (any other status) with the same body.
 
     Declaring them also keeps FastAPI from declaring its own 422, a status this server never answers.
     """
     return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in (*statuses, "default")}
-
-
-ERROR_DESCRIPTIONS = {400: "Bad request: a field is missing, unknown, of the wrong type or out of range (`param` names it)",
-                      401: "Missing or wrong API key", 404: "Unknown model, or no weights where `path` says", 413: "Request body over `server.max_request_bytes`",
-                      500: "The engine failed while generating", "default": "Any other error"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -77,8 +77,6 @@ def token_ids(min_length: int) -> Any:
     """
     return Annotated[list[Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]], Field(min_length=min_length, fail_fast=True),
                      WrapValidator(_integral_items)]
-Seed = integer()
-Version = integer(ge=0)
 
 
 def _temperature(value: float) -> float:
@@ -111,7 +109,7 @@ class SamplingFields(Body):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: integer(ge=-1) | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: Seed | None = None
+    seed: integer() | None = None
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
     stop_token_ids: token_ids(0) | None = None
     ignore_eos: bool = False
@@ -246,5 +244,5 @@ class GenerateRequest(SamplingFields):
 class UpdateWeightsRequest(Body):
     path: str = Field(min_length=1)
     """A folder of HF-named safetensors (the trainer's `weights/step_N`)."""
-    version: Version | None = None
+    version: integer(ge=0) | None = None
     """The new weight version; unset = the current one + 1."""

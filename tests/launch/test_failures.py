@@ -44,62 +44,51 @@ def check_nothing_half_written(out: Path) -> None:
         assert any((out / "checkpoints" / f"step_{step}" / "trainer").glob("*.distcp"))
 
 
-@pytest.mark.parametrize("victim", ["inference", "orchestrator"])
-def test_a_killed_process_ends_the_run_naming_it(model, tmp_path, victim):
-    out = tmp_path / "run"
-    proc = start(rl_command(model, out, 50))
+def inject(model: Path, out: Path, fault, *extra: str) -> tuple[str, float]:
+    """Start a long run, apply `fault(pids)` after its first trainer step; the run's stderr and how long it
+    took to end after the fault. The run must have failed and left no process and nothing half-written."""
+    proc = start(rl_command(model, out, 50, *extra))
     try:
         wait_for_trainer_step(proc, out, 1)
         pids = run_pids(out)
-        os.kill(pids[victim], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, stderr = proc.communicate(timeout=120)
-        ended_s = time.monotonic() - killed_at
+        fault(pids)
+        faulted_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=300)
+        ended_s = time.monotonic() - faulted_at
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0 and ended_s < END_S, ended_s
-    assert f"the {victim} process failed" in stderr, stderr[-3000:]
+    assert proc.returncode != 0
     assert not [name for name, pid in pids.items() if group_alive(pid)]
     check_nothing_half_written(out)
+    return stderr, ended_s
+
+
+@pytest.mark.parametrize("victim", ["inference", "orchestrator"])
+def test_a_killed_process_ends_the_run_naming_it(model, tmp_path, victim):
+    stderr, ended_s = inject(model, tmp_path / "run", lambda pids: os.kill(pids[victim], signal.SIGKILL))
+    assert ended_s < END_S and f"the {victim} process failed" in stderr, (ended_s, stderr[-3000:])
 
 
 def test_a_failed_write_in_the_run_folder_ends_the_run_naming_the_writer(model, tmp_path):
     """Without a small file system to fill, a write fails where a folder should go: a file is there."""
     out = tmp_path / "run"
-    proc = start(rl_command(model, out, 50))
-    try:
-        wait_for_trainer_step(proc, out, 1)
-        pids = run_pids(out)
-        for step in range(5, 51):  # the orchestrator's next batches cannot be written
+
+    def block_next_batches(pids):
+        for step in range(5, 51):
             (out / "rollouts" / f"step_{step}").write_text("not a folder")
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
+
+    stderr, _ = inject(model, out, block_next_batches)
     assert "the orchestrator process failed" in stderr and "step_5" in stderr, stderr[-3000:]
-    assert not [name for name, pid in pids.items() if group_alive(pid)]
-    check_nothing_half_written(out)
 
 
 def test_a_hung_inference_server_ends_the_run_naming_it(model, tmp_path):
-    out, hang_timeout_s = tmp_path / "run", 5
-    proc = start(rl_command(model, out, 50, "--hang-timeout-s", str(hang_timeout_s)))
-    try:
-        wait_for_trainer_step(proc, out, 1)
-        pids = run_pids(out)
-        os.killpg(pids["inference"], signal.SIGSTOP)  # alive, holding its port, answering nothing
-        stopped_at = time.monotonic()
-        _, stderr = proc.communicate(timeout=300)
-        ended_s = time.monotonic() - stopped_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0 and ended_s < hang_timeout_s + END_S, ended_s
+    hang_timeout_s = 5
+    # SIGSTOP: alive, holding its port, answering nothing.
+    stderr, ended_s = inject(model, tmp_path / "run", lambda pids: os.killpg(pids["inference"], signal.SIGSTOP),
+                             "--hang-timeout-s", str(hang_timeout_s))
+    assert ended_s < hang_timeout_s + END_S, ended_s
     assert "the inference server is hung: alive, but no answer to" in stderr, stderr[-3000:]
-    assert not [name for name, pid in pids.items() if group_alive(pid)]
-    check_nothing_half_written(out)
 
 
 def test_a_killed_launcher_takes_every_process_with_it(model, tmp_path):
