@@ -64,7 +64,9 @@ def legacy_logprobs(served: Served, choice_tokens: list[int], logprobs: list[flo
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_maps, "text_offset": offsets}
 
 
-@router.post("/v1/completions", responses=GENERATION_RESPONSES)
+# response_model=dict: pydantic serializes the JSON answer in one Rust call; without it FastAPI walks it in Python
+# (jsonable_encoder), about 150 ms on the event loop for a 32k-token prompt echoed with its completion.
+@router.post("/v1/completions", response_model=dict, responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
     served: Served = request.app.state.served
     served.check_model(body.model)
@@ -177,7 +179,7 @@ def chat_message(body: ChatCompletionRequest, choice: Choice) -> tuple[dict, str
     return {"role": "assistant", "content": choice.text}, choice.finish_reason
 
 
-@router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
+@router.post("/v1/chat/completions", response_model=dict, responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     served: Served = request.app.state.served
     served.check_model(body.model)
