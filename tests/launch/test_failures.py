@@ -48,6 +48,7 @@ def inject(model: Path, out: Path, fault, *extra: str) -> tuple[str, float]:
     """Start a long run, apply `fault(pids)` after its first trainer step; the run's stderr and how long it
     took to end after the fault. The run must have failed and left no process and nothing half-written."""
     proc = start(rl_command(model, out, 50, *extra))
+    pids: dict[str, int] = {}
     try:
         wait_for_trainer_step(proc, out, 1)
         pids = run_pids(out)
@@ -58,10 +59,19 @@ def inject(model: Path, out: Path, fault, *extra: str) -> tuple[str, float]:
     finally:
         if proc.poll() is None:
             proc.kill()
+        survivors = kill_survivors(pids)
     assert proc.returncode != 0
-    assert not [name for name, pid in pids.items() if group_alive(pid)]
+    assert not survivors
     check_nothing_half_written(out)
     return stderr, ended_s
+
+
+def kill_survivors(pids: dict[str, int]) -> list[str]:
+    """The processes of the run still alive, killed (a stopped one too) so that they do not outlive the test."""
+    survivors = [name for name, pid in pids.items() if group_alive(pid)]
+    for name in survivors:
+        os.killpg(pids[name], signal.SIGKILL)
+    return survivors
 
 
 @pytest.mark.parametrize("victim", ["inference", "orchestrator"])
@@ -106,8 +116,6 @@ def test_a_killed_launcher_takes_every_process_with_it(model, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        survivors = [name for name, pid in pids.items() if group_alive(pid)]
-        for name in survivors:  # they would outlive the test
-            os.killpg(pids[name], signal.SIGKILL)
+        survivors = kill_survivors(pids)
     assert not survivors
     check_nothing_half_written(out)
