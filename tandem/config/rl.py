@@ -6,11 +6,12 @@ This module is the schema only. `tandem/config/resolve.py` turns it into what ea
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tandem.config.base import CheckpointConfig, ProcessConfig, Section
 from tandem.config.inference import InferenceConfig
@@ -90,6 +91,12 @@ class SlurmConfig(Section):
 
     time_limit: str = "04:00:00"
     """`#SBATCH --time`: Slurm ends the job (and frees its nodes) after this, whatever happens."""
+
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _time_as_text(cls, value: object) -> object:
+        # `--deployment.slurm.time-limit 01:30:00` reads as a TOML time; Slurm wants the text.
+        return value.isoformat() if isinstance(value, datetime.time) else value
 
     setup: list[str] = []
     """Shell lines run on each node before `tandem` (load modules, activate the virtual environment)."""
