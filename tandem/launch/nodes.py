@@ -104,7 +104,7 @@ class PeerWatch:
             if not missing:
                 return
             if time.monotonic() > deadline:
-                raise RunFailed(f"{', '.join(self.name(r) for r in missing)} did not join within {timeout_s:.0f} s "
+                raise RunFailed(f"{', '.join(self.name(r) for r in missing)} did not join within {timeout_s:g} s "
                                 f"(`deployment.cluster.join_timeout_s`); is `tandem rl` running there with that "
                                 f"`deployment.cluster.node_rank`, and is the run folder shared?")
             on_wait()
@@ -118,7 +118,7 @@ class PeerWatch:
             if seen.state == "failed":
                 return f"{self.name(rank)} failed: {seen.reason}"
             if seen.state != "ended" and now - seen.changed_at > self.peer_timeout_s:
-                return f"lost {self.name(rank)}: no heartbeat for {self.peer_timeout_s:.0f} s (`deployment.cluster.peer_timeout_s`)"
+                return f"lost {self.name(rank)}: no heartbeat for {self.peer_timeout_s:g} s (`deployment.cluster.peer_timeout_s`)"
         return None
 
     def check(self) -> None:
