@@ -5,7 +5,11 @@ the names the Services give the pods."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +75,17 @@ def test_the_validator_catches_a_broken_manifest():
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, "1.37.0", strict=True)
     assert to_documents([job]).startswith("---\n{")
+
+
+def test_tandem_rl_k8s_prints_or_writes_the_manifests(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    argv = [sys.executable, "-m", "tandem.cli", "rl", "--deployment.cluster.num-nodes", "2", "--k8s"]
+    printed = subprocess.run([*argv, "--dry-run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    assert "# ---- trainer ----" in printed.stdout and '"kind": "StatefulSet"' in printed.stdout
+    assert not (tmp_path / "outputs").exists()
+    written = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert written.returncode == 0, written.stderr
+    path = tmp_path / "outputs" / "default" / "k8s" / "manifests.yaml"
+    assert f"kubectl apply -f {Path('outputs/default/k8s/manifests.yaml')}" in written.stdout
+    assert path.read_text() == printed.stdout.split("# ---- k8s ----\n")[1]
