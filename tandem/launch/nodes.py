@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from tandem.launch.process import RunFailed
 from tandem.transport.files import atomic_write_text
@@ -135,3 +136,10 @@ class PeerWatch:
     def all_in(self, states: tuple[str, ...]) -> bool:
         self.poll()
         return all(seen.state in states for seen in self.peers.values())
+
+
+class Peers(NamedTuple):
+    """This node's side of a multi-node run: its own heartbeat and its view of the others."""
+
+    beacon: Beacon
+    watch: PeerWatch

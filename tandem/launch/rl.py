@@ -28,7 +28,7 @@ import httpx
 from tandem.config.dump import to_toml
 from tandem.config.resolve import PROCESSES, cluster_hosts
 from tandem.config.rl import RLConfig
-from tandem.launch.nodes import Beacon, PeerWatch
+from tandem.launch.nodes import Beacon, PeerWatch, Peers
 from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.launch.torchrun import trainer_argv
 from tandem.launch.warmup import run_warmup
@@ -129,7 +129,7 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
         stop_signal.append(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    peers: tuple[Beacon, PeerWatch] | None = None
+    peers: Peers | None = None
     procs: dict[str, ManagedProcess] = {}
     try:
         peers = _join(config, stop_signal, log) if cluster.num_nodes > 1 else None
@@ -141,11 +141,11 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             log.info("summary: %s", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
             log.info("report: %s", report)
         if peers:
-            peers[0].close("ended")
+            peers.beacon.close("ended")
         return 0
     except RunFailed as err:
         if peers:
-            peers[0].close("failed", str(err).splitlines()[0])
+            peers.beacon.close("failed", str(err).splitlines()[0])
         raise
     finally:
         for proc in procs.values():
@@ -154,7 +154,7 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             signal.signal(s, handler)
 
 
-def _join(config: RLConfig, stop_signal: list[int], log) -> tuple[Beacon, PeerWatch]:
+def _join(config: RLConfig, stop_signal: list[int], log) -> Peers:
     """Start this node's heartbeat and wait for every other node's (`deployment.cluster.join_timeout_s`)."""
     cluster = config.deployment.cluster
     hosts = cluster_hosts(config)
@@ -172,7 +172,7 @@ def _join(config: RLConfig, stop_signal: list[int], log) -> tuple[Beacon, PeerWa
         beacon.close("failed", str(err))
         raise
     log.info("all %d nodes joined", cluster.num_nodes)
-    return beacon, watch
+    return Peers(beacon, watch)
 
 
 def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: dict[str, ManagedProcess],
@@ -186,13 +186,15 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
         procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _child_env(devices))
         atomic_write_text(logs / f"pids{suffix}.json", json.dumps({n: p.pid for n, p in procs.items()}))
         if name == "inference":
-            url = config.orchestrator.client.base_urls[0] if not suffix else f"http://127.0.0.1:{config.inference.server.port}"
+            # On several nodes `base_urls` names the inference nodes; this node's server answers on loopback too.
+            one_node = config.deployment.cluster.num_nodes == 1
+            url = config.orchestrator.client.base_urls[0] if one_node else f"http://127.0.0.1:{config.inference.server.port}"
             log.info("starting inference server (%s)", url)
             wait_healthy(url, procs["inference"], config.orchestrator.client.health_timeout_s, stop_signal)
     log.info("%s started; logs in %s", " and ".join(roles), logs)
 
 
-def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: tuple[Beacon, PeerWatch] | None,
+def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None,
            stop_signal: list[int]) -> None:
     """Return once this node's orchestrator and trainer exited 0 (and, on several nodes, every node's);
     RunFailed at the first failure here or on another node, or at a signal."""
@@ -209,15 +211,15 @@ def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: tuple[Beac
             name, code = failed[0]
             tail = "\n".join(f"  | {line}" for line in procs[name].tail(20))
             here = f"the {name} process failed (exit code {code}); last lines of {procs[name].log_path}:\n{tail}"
-            cause = peers[1].explain(config.deployment.cluster.peer_timeout_s) if peers else None
+            cause = peers.watch.explain(config.deployment.cluster.peer_timeout_s) if peers else None
             raise RunFailed(f"{cause}; on this node {here}" if cause else here)
         if peers:
-            peers[1].check()
+            peers.watch.check()
         if not finished and all(procs[n].poll() == 0 for n in finite):
             finished = True
             if peers:
-                peers[0].set_state("finished")
-        if finished and (not peers or peers[1].all_in(("finished", "ended"))):
+                peers.beacon.set_state("finished")
+        if finished and (not peers or peers.watch.all_in(("finished", "ended"))):
             break
         if "inference" in procs and procs["inference"].poll() == 0:
             raise RunFailed("the inference process exited before the run finished")
