@@ -191,7 +191,7 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
             url = config.orchestrator.client.base_urls[0] if one_node else f"http://127.0.0.1:{config.inference.server.port}"
             log.info("starting inference server (%s)", url)
             wait_healthy(url, procs["inference"], config.orchestrator.client.health_timeout_s, stop_signal)
-    log.info("%s started; logs in %s", " and ".join(roles), logs)
+    log.info("%s started; logs in %s", ", ".join(roles), logs)
 
 
 def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None,
@@ -200,32 +200,40 @@ def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | No
     RunFailed at the first failure here or on another node, or at a signal."""
     finite = [n for n in ("orchestrator", "trainer") if n in procs]
     progress = ProgressPrinter(config.run_dir, config.max_steps) if "orchestrator" in procs else None
-    finished = False
-    while True:
+    try:
+        finished = False
+        while not finished or (peers and not peers.watch.all_in(("finished", "ended"))):
+            if progress:
+                progress.update()
+            if stop_signal:
+                raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
+            _raise_on_failure(config, procs, peers)
+            if not finished and all(procs[n].poll() == 0 for n in finite):
+                finished = True
+                if peers:
+                    peers.beacon.set_state("finished")
+                continue
+            time.sleep(0.5)
         if progress:
-            progress.update()
-        if stop_signal:
-            raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
-        failed = [(n, p.poll()) for n, p in procs.items() if p.poll() not in (None, 0)]
-        if failed:
-            name, code = failed[0]
-            tail = "\n".join(f"  | {line}" for line in procs[name].tail(20))
-            here = f"the {name} process failed (exit code {code}); last lines of {procs[name].log_path}:\n{tail}"
-            cause = peers.watch.explain(config.deployment.cluster.peer_timeout_s) if peers else None
-            raise RunFailed(f"{cause}; on this node {here}" if cause else here)
-        if peers:
-            peers.watch.check()
-        if not finished and all(procs[n].poll() == 0 for n in finite):
-            finished = True
-            if peers:
-                peers.beacon.set_state("finished")
-        if finished and (not peers or peers.watch.all_in(("finished", "ended"))):
-            break
-        if "inference" in procs and procs["inference"].poll() == 0:
-            raise RunFailed("the inference process exited before the run finished")
-        time.sleep(0.5)
-    if progress:
-        progress.finish()
+            progress.finish()
+    finally:
+        if progress:
+            progress.close()
+
+
+def _raise_on_failure(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None) -> None:
+    """RunFailed naming a failed process of this node (and the other node that explains it), or a failed or lost node."""
+    failed = [(n, p.poll()) for n, p in procs.items() if p.poll() not in (None, 0)]
+    if failed:
+        name, code = failed[0]
+        tail = "\n".join(f"  | {line}" for line in procs[name].tail(20))
+        here = f"the {name} process failed (exit code {code}); last lines of {procs[name].log_path}:\n{tail}"
+        cause = peers.watch.explain(config.deployment.cluster.peer_timeout_s) if peers else None
+        raise RunFailed(f"{cause}; on this node {here}" if cause else here)
+    if peers:
+        peers.watch.check()
+    if "inference" in procs and procs["inference"].poll() == 0:
+        raise RunFailed("the inference process exited before the run finished")
 
 
 def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None) -> None:

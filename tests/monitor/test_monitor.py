@@ -7,7 +7,7 @@ import json
 import math
 
 from tandem.monitor.metrics import METRICS_FILE, MetricsWriter, read_metrics
-from tandem.monitor.progress import ProgressPrinter
+from tandem.monitor.progress import ProgressPrinter, StepBar
 from tandem.monitor.report import summarize, write_report
 
 
@@ -83,3 +83,31 @@ def test_report_of_a_mixture_of_experts_shows_expert_load_and_router_entropy(tmp
     page = write_report(tmp_path).read_text()
     assert page.count('<img src="data:image/png;base64,') == 6
     assert "expert_load_max_over_mean_last" in page
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_step_lines_print_above_a_bar_with_rate_and_time_left(tmp_path):
+    out = Terminal()
+    printer = ProgressPrinter(tmp_path, max_steps=4, stream=out)
+    write_run(tmp_path, steps=2)
+    printer.update()
+    printer.bar._progress.refresh()
+    printer.finish()
+    printer.close()
+    text = out.getvalue()
+    assert "step    1/4" in text and "step    2/4" in text and "done: 2 steps" in text
+    assert "2/4" in text and "steps/s" in text and "left" in text  # the bar: done/total, rate, time left
+
+
+def test_off_a_terminal_a_step_bar_prints_a_plain_line_now_and_then():
+    out = io.StringIO()
+    bar = StepBar("sft", 600, stream=out, plain_every_s=3600)
+    for step in range(1, 601):
+        bar.update(step)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sft: step 600/600 (") and "steps/s" in lines[0]
