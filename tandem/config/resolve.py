@@ -92,8 +92,13 @@ def nodes(config: RLConfig, machine: Machine) -> list[Derived]:
     address: as written, or under `--k8s` the pods' DNS names (`<run>-trainer-<i>.<run>-trainer`, then
     `<run>-inference-<j>.<run>-inference`), or under `--slurm` placeholders that the job script replaces with
     the allocation's hosts at start. `inference.server.host` is then `0.0.0.0` (every interface, so that the
-    orchestrator's node reaches it), or `127.0.0.1` when every host is a loopback address."""
-    if config.deployment.cluster.num_nodes == 1:
+    orchestrator's node reaches it), or `127.0.0.1` when every host is a loopback address. Under `--k8s` each
+    role has its own pods, so `num_nodes` must be `num_trainer_nodes` + `num_inference_nodes`."""
+    cluster = config.deployment.cluster
+    if config.deployment.launcher == "k8s" and cluster.num_trainer_nodes + cluster.num_inference_nodes != cluster.num_nodes:
+        raise ConfigError("`deployment.launcher` = 'k8s' runs each node's role in its own pods: set `deployment.cluster.num_nodes` = "
+                          f"`num_trainer_nodes` + `num_inference_nodes` = {cluster.num_trainer_nodes + cluster.num_inference_nodes}")
+    if cluster.num_nodes == 1:
         return []
     hosts = cluster_hosts(config)
     bind = "127.0.0.1" if all(_is_loopback(h) for h in hosts) else "0.0.0.0"
@@ -109,9 +114,6 @@ def cluster_hosts(config: RLConfig) -> list[str]:
     if deployment.launcher == "slurm":
         return [f"slurm-node-{i}" for i in range(cluster.num_nodes)]
     if deployment.launcher == "k8s":
-        if cluster.num_trainer_nodes + cluster.num_inference_nodes != cluster.num_nodes:
-            raise ConfigError("`deployment.launcher` = 'k8s' runs each node's role in its own pods: set `deployment.cluster.num_nodes` = "
-                              f"`num_trainer_nodes` + `num_inference_nodes` = {cluster.num_trainer_nodes + cluster.num_inference_nodes}")
         k8s = deployment.k8s
         return ([k8s.pod_host(config.run.name, "trainer", i) for i in range(cluster.num_trainer_nodes)]
                 + [k8s.pod_host(config.run.name, "inference", i) for i in range(cluster.num_inference_nodes)])

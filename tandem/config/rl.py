@@ -92,14 +92,14 @@ class SlurmConfig(Section):
     time_limit: str = "04:00:00"
     """`#SBATCH --time`: Slurm ends the job (and frees its nodes) after this, whatever happens."""
 
+    setup: list[str] = []
+    """Shell lines run on each node before `tandem` (load modules, activate the virtual environment)."""
+
     @field_validator("time_limit", mode="before")
     @classmethod
     def _time_as_text(cls, value: object) -> object:
         # `--deployment.slurm.time-limit 01:30:00` reads as a TOML time; Slurm wants the text.
         return value.isoformat() if isinstance(value, datetime.time) else value
-
-    setup: list[str] = []
-    """Shell lines run on each node before `tandem` (load modules, activate the virtual environment)."""
 
 
 class K8sConfig(Section):
@@ -112,7 +112,8 @@ class K8sConfig(Section):
     """Container image with tandem installed (the same for every process)."""
 
     storage: str = "100Gi"
-    """Size of the shared run volume (a ReadWriteMany claim, mounted at `/run-folder` in every pod)."""
+    """Size of the shared run volume (a ReadWriteMany claim, mounted in every pod at the run folder's path,
+    under the working directory `/workspace` when `output_dir` is relative)."""
 
     storage_class: str | None = None
     """Storage class of the run volume (one that offers ReadWriteMany, e.g. NFS or CephFS); unset: the default."""
@@ -120,7 +121,7 @@ class K8sConfig(Section):
     @staticmethod
     def object_name(run_name: str, role: str) -> str:
         """The name of a role's objects: the run name made a DNS label, then the role."""
-        label = re.sub(r"[^a-z0-9-]+", "-", run_name.lower()).strip("-")[:40] or "tandem"
+        label = re.sub(r"[^a-z0-9-]+", "-", run_name.lower())[:40].strip("-") or "tandem"
         return f"{label}-{role}"
 
     @classmethod

@@ -179,8 +179,10 @@ def test_slurm_and_k8s_decide_the_hosts():
                                             "my-run-inference-0.my-run-inference"]
     # the render machine has no GPU: each pod checks its own
     assert k8s.orchestrator.client.base_urls == ["http://my-run-inference-0.my-run-inference:8000"]
-    with pytest.raises(ConfigError, match=r"runs each node's role in its own pods"):
-        resolve("--deployment.cluster.num-nodes", "2", "--deployment.cluster.num-trainer-nodes", "2", "--deployment.launcher", "k8s")
+    for nodes in (("2", "2"), ("1", "1")):  # one node cannot hold a trainer pod and a server pod
+        with pytest.raises(ConfigError, match=r"runs each node's role in its own pods: set `deployment.cluster.num_nodes` = "):
+            resolve("--deployment.cluster.num-nodes", nodes[0], "--deployment.cluster.num-trainer-nodes", nodes[1],
+                    "--deployment.launcher", "k8s")
 
 
 def test_the_orchestrator_talks_to_every_inference_node_and_the_trainer_spans_its_nodes():
