@@ -6,8 +6,12 @@ import io
 import json
 import math
 
+import httpx
+
+from tandem.config.resolve import free_port
 from tandem.monitor.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from tandem.monitor.progress import ProgressPrinter, StepBar
+from tandem.monitor.prometheus import serve_metrics
 from tandem.monitor.report import summarize, write_report
 
 
@@ -111,3 +115,16 @@ def test_off_a_terminal_a_step_bar_prints_a_plain_line_now_and_then():
     bar.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sft: step 600/600 (") and "steps/s" in lines[0]
+
+
+def test_what_a_process_logs_is_on_its_prometheus_metrics(tmp_path):
+    port = free_port()
+    writer = MetricsWriter(tmp_path, "orchestrator", serve_metrics("orchestrator", "127.0.0.1", port))
+    writer.log(1, {"reward/mean": 0.25, "eval/reward_mean": None, "note": "text"})
+    writer.log(2, {"reward/mean": 0.5, "throughput/tokens_per_s": 120})
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("tandem_")}
+    assert values == {"tandem_orchestrator_reward_mean": 0.5, "tandem_orchestrator_throughput_tokens_per_s": 120.0,
+                      "tandem_orchestrator_step": 2.0}
+    assert "# TYPE tandem_orchestrator_reward_mean gauge" in text
+    assert serve_metrics("trainer", "127.0.0.1", None) is None  # no port: off
