@@ -10,22 +10,20 @@ is released whether the run failed or finished; `#SBATCH --time` bounds the rest
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
 
 from tandem.config.rl import RLConfig
 
-SCRIPT_NAME = "job.sbatch"
 
-
-def render_sbatch(config: RLConfig, argv: list[str], python: str = sys.executable, workdir: Path | None = None) -> str:
-    """The batch script of the run; `argv` is the `tandem rl` command line the nodes re-resolve."""
+def render_sbatch(config: RLConfig, argv: list[str]) -> str:
+    """The batch script of the run; `argv` is the `tandem rl` command line the nodes re-resolve, from the
+    directory it ran in and with the same Python (both must be on the nodes' shared file system)."""
     deployment, slurm = config.deployment, config.deployment.slurm
     cluster = deployment.cluster
     n = cluster.num_nodes
-    workdir = Path(workdir or os.getcwd()).resolve()
+    workdir = Path.cwd().resolve()
     run_dir = (workdir / config.run_dir).resolve()
     directives = [f"--job-name={shlex.quote('tandem-' + config.run.name)}", f"--nodes={n}", "--ntasks-per-node=1",
                   f"--time={slurm.time_limit}", f"--chdir={shlex.quote(str(workdir))}",
@@ -36,7 +34,7 @@ def render_sbatch(config: RLConfig, argv: list[str], python: str = sys.executabl
         directives.append(f"--account={shlex.quote(slurm.account)}")
     if deployment.type == "gpu":
         directives.append(f"--gpus-per-node={max(deployment.inference_devices + deployment.trainer_devices) + 1}")
-    node_argv = [python, "-m", "tandem.cli", "rl", *argv, "--deployment.launcher", "local"]
+    node_argv = [sys.executable, "-m", "tandem.cli", "rl", *argv, "--deployment.launcher", "local"]
     wait_s = int(2 * cluster.peer_timeout_s + 60)
     lines = [
         "#!/bin/bash",
