@@ -87,25 +87,66 @@ class Derived:
 Rule = Callable[[RLConfig, Machine], list[Derived]]
 
 
+def nodes(config: RLConfig, machine: Machine) -> list[Derived]:
+    """On several nodes (`deployment.cluster.num_nodes` > 1), `deployment.cluster.hosts` lists every node's
+    address: as written, or under `--k8s` the pods' DNS names (`<run>-trainer-<i>.<run>-trainer`, then
+    `<run>-inference-<j>.<run>-inference`), or under `--slurm` placeholders that the job script replaces with
+    the allocation's hosts at start. `inference.server.host` is then `0.0.0.0` (every interface, so that the
+    orchestrator's node reaches it), or `127.0.0.1` when every host is a loopback address. Under `--k8s` each
+    role has its own pods, so `num_nodes` must be `num_trainer_nodes` + `num_inference_nodes`."""
+    cluster = config.deployment.cluster
+    if config.deployment.launcher == "k8s" and cluster.num_trainer_nodes + cluster.num_inference_nodes != cluster.num_nodes:
+        raise ConfigError("`deployment.launcher` = 'k8s' runs each node's role in its own pods: set `deployment.cluster.num_nodes` = "
+                          f"`num_trainer_nodes` + `num_inference_nodes` = {cluster.num_trainer_nodes + cluster.num_inference_nodes}")
+    if cluster.num_nodes == 1:
+        return []
+    hosts = cluster_hosts(config)
+    bind = "127.0.0.1" if all(_is_loopback(h) for h in hosts) else "0.0.0.0"
+    return [Derived("deployment.cluster.hosts", hosts, f"`deployment.launcher` = {config.deployment.launcher!r}", placeholder=[]),
+            Derived("inference.server.host", bind, "`deployment.cluster.hosts` (servers answer other nodes)")]
+
+
+def cluster_hosts(config: RLConfig) -> list[str]:
+    """The address of each node (see the rule `nodes`); one node is this machine."""
+    deployment, cluster = config.deployment, config.deployment.cluster
+    if cluster.hosts or cluster.num_nodes == 1:
+        return list(cluster.hosts) or ["127.0.0.1"]
+    if deployment.launcher == "slurm":
+        return [f"slurm-node-{i}" for i in range(cluster.num_nodes)]
+    if deployment.launcher == "k8s":
+        k8s = deployment.k8s
+        return ([k8s.pod_host(config.run.name, "trainer", i) for i in range(cluster.num_trainer_nodes)]
+                + [k8s.pod_host(config.run.name, "inference", i) for i in range(cluster.num_inference_nodes)])
+    raise ConfigError(f"`deployment.cluster.num_nodes` = {cluster.num_nodes} needs `deployment.cluster.hosts`: the address of each "
+                      "node in node-rank order (or `--slurm` / `--k8s`, which decide them)")
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.")
+
+
 def trainer_ranks(config: RLConfig, machine: Machine) -> list[Derived]:
     """`orchestrator.num_trainer_ranks` (one batch file per rank) is the trainer's world size:
-    `len(deployment.trainer_devices)` on `gpu`, `deployment.num_trainer_processes` on `cpu`."""
+    `len(deployment.trainer_devices)` on `gpu`, `deployment.num_trainer_processes` on `cpu`, on each of
+    `deployment.cluster.num_trainer_nodes` nodes."""
     cause = "deployment.trainer_devices" if config.deployment.type == "gpu" else "deployment.num_trainer_processes"
-    return [Derived("orchestrator.num_trainer_ranks", config.deployment.num_trainer_ranks, f"`{cause}`")]
+    nodes = " and `deployment.cluster.num_trainer_nodes`" if config.deployment.cluster.num_trainer_nodes > 1 else ""
+    return [Derived("orchestrator.num_trainer_ranks", config.deployment.num_trainer_ranks, f"`{cause}`{nodes}")]
 
 
 def devices(config: RLConfig, machine: Machine) -> list[Derived]:
     """`deployment.type` sets `trainer.device` and `inference.engine.device` (`cpu` or `cuda`). On `gpu`,
     every index in `deployment.inference_devices` and `deployment.trainer_devices` must be a CUDA device
-    this machine shows; when both lists name one GPU, `inference.engine.memory_fraction` is
-    `deployment.shared_gpu_memory_fraction` (on a one-GPU machine, `trainer_devices = [0]` shares GPU 0)."""
+    this machine shows (under `--slurm` and `--k8s`, each node checks its own at start); when both lists name
+    one GPU, `inference.engine.memory_fraction` is `deployment.shared_gpu_memory_fraction` (on a one-GPU
+    machine, `trainer_devices = [0]` shares GPU 0)."""
     deployment = config.deployment
     device = "cuda" if deployment.type == "gpu" else "cpu"
     out = [Derived("trainer.device", device, f"`deployment.type` = {deployment.type!r}"),
            Derived("inference.engine.device", device, f"`deployment.type` = {deployment.type!r}")]
     if deployment.type == "cpu":
         return out
-    visible = machine.num_cuda_devices()
+    visible = machine.num_cuda_devices() if deployment.launcher == "local" else float("inf")
     for name in ("inference_devices", "trainer_devices"):
         missing = [d for d in getattr(deployment, name) if d >= visible]
         if missing:
@@ -121,9 +162,20 @@ def devices(config: RLConfig, machine: Machine) -> list[Derived]:
 def server_address(config: RLConfig, machine: Machine) -> list[Derived]:
     """The orchestrator talks to the server the run starts: `orchestrator.client.base_urls` is
     `["http://<inference.server.host>:<inference.server.port>"]` and `orchestrator.client.api_key` is
-    `inference.server.api_key`. `inference.server.port = 0` becomes a port free at resolution."""
+    `inference.server.api_key`. `inference.server.port = 0` becomes a port free at resolution. On several
+    nodes, `base_urls` has one URL per inference node, `http://<its host>:<inference.server.port>`, and the
+    port must be set (each node resolves the config itself: a port free on one is unknown to the others)."""
     server = config.inference.server
+    cluster = config.deployment.cluster
     out = []
+    if cluster.num_nodes > 1:
+        if server.port == 0:
+            raise ConfigError("`inference.server.port` = 0 (a free port) cannot be agreed on by several nodes: "
+                              f"set a fixed port for `deployment.cluster.num_nodes` = {cluster.num_nodes}")
+        hosts = cluster_hosts(config)[cluster.num_nodes - cluster.num_inference_nodes:]
+        return [Derived("orchestrator.client.base_urls", [f"http://{h}:{server.port}" for h in hosts],
+                        "`deployment.cluster.hosts` of the inference nodes and `inference.server.port`"),
+                Derived("orchestrator.client.api_key", server.api_key, "`inference.server.api_key`")]
     if server.port == 0:
         server = server.model_copy(update={"port": machine.free_port()})
         out.append(Derived("inference.server.port", server.port, "a free port (`inference.server.port` = 0)", placeholder=0))
@@ -150,7 +202,7 @@ def resume(config: RLConfig, machine: Machine) -> list[Derived]:
                   for name in processes if common]
 
 
-DERIVED_RULES: tuple[Rule, ...] = (trainer_ranks, devices, server_address, resume)
+DERIVED_RULES: tuple[Rule, ...] = (nodes, trainer_ranks, devices, server_address, resume)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 
 

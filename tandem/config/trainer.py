@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, Section
+from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, PrometheusConfig, Section
 
 
 def _default_tag(default: str) -> Discriminator:
@@ -264,6 +264,9 @@ class TrainingProcessConfig(ProcessConfig):
 
     router: RouterConfig = RouterConfig()
     """Load balancing of MoE routers."""
+
+    prometheus: PrometheusConfig = PrometheusConfig()
+    """Prometheus `/metrics` of the trainer (its first rank)."""
 
 
 class RolloutDataConfig(Section):

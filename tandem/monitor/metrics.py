@@ -11,7 +11,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from tandem.monitor.prometheus import LatestMetrics
 
 from tandem.transport.files import atomic_write_text
 
@@ -19,10 +22,12 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, process: str):
+    def __init__(self, run_dir: Path, process: str, exporter: LatestMetrics | None = None):
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.process = process
+        self.exporter = exporter
+        """Also shows each logged step on Prometheus `/metrics` (`tandem.monitor.prometheus`)."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"process": self.process, "step": step, "time": time.time(), **{k: _clean(v) for k, v in metrics.items()}}
@@ -32,6 +37,8 @@ class MetricsWriter:
             os.write(fd, line)
         finally:
             os.close(fd)
+        if self.exporter is not None:
+            self.exporter.record(step, metrics)
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:
