@@ -176,6 +176,11 @@ class ParallelConfig(Section):
     dispatch). EP borrows data-parallel ranks: it must divide the world size and the model's
     `num_experts`. 1: every rank holds every expert (FSDP-sharded like any weight)."""
 
+    cp: int = Field(1, ge=1)
+    """Context parallelism: ranks each packed row's tokens are split over (zigzag shards, ring
+    attention). CP borrows data-parallel ranks: it must divide the world size; the `cp` ranks of a
+    group train the rows of all of them together. Native models only. 1: every rank holds whole rows."""
+
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     """Recompute activations in backward to save memory."""
 

@@ -95,7 +95,7 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
     folder = resolve_model_path(config.model.name)
     # A bad expert-parallel size is found from config.json alone, before joining the ranks.
     check_expert_parallel(config.parallel.ep, read_hf_config(folder), str(folder / "config.json"))
-    dims = init_parallel(config.device, config.parallel.ep)
+    dims = init_parallel(config.device, config.parallel.ep, config.parallel.cp)
     if not dims.is_main:  # one rank tells the story; the others speak up only when something is wrong
         log.setLevel(logging.WARNING)
     try:

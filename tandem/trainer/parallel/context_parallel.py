@@ -1,0 +1,209 @@
+"""Context parallelism: the tokens of each packed row split over the ranks of a `cp` group.
+
+Applied from outside the model: the trainer shards each row after reading it, and the model's
+attention backend (`backend.attend(layer_idx, q, k, v)`) becomes `RingAttention`, which passes
+k and v around the group and merges the partial results with their log-sum-exp. Everything else
+in a block is per token, so the model code does not know its tokens are a shard.
+
+Invariants:
+- The ranks of a `cp` group train the same rows: each contributes its row files (or fake rows),
+  all of them are gathered, and every rank keeps its shard of every row. The loss tokens of all
+  ranks together are the loss tokens of the step, once each, so the loss normalization (sum over
+  loss tokens / the step's loss tokens, FSDP averaging over all ranks) is CP = 1's.
+- Zigzag sharding balances the causal work: a row padded to a multiple of 2 x cp is cut into
+  2 x cp chunks and rank r holds chunks r and 2 cp - 1 - r (one early, one late chunk).
+- Position ids travel with the tokens (RoPE is per token) and document ids are taken from the
+  whole row, so packed documents never attend across each other.
+- Token t is predicted from the hidden state at t - 1, which may live on another rank: the
+  per-token fields of the loss (targets, loss mask, logprobs, advantages, temperatures) are
+  shifted by one before sharding, so position j of a shard holds what the model predicts there.
+- Padding tokens form their own document at the end of the row, carry no loss, and come after
+  every real token, so causal attention never lets a real token see them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from tandem.models.attention import document_ids
+
+if TYPE_CHECKING:
+    from tandem.trainer.batch import MicroBatch
+    from tandem.transport.types import PackedRow
+
+
+@dataclass
+class ContextShard:
+    """Where this rank's tokens sit in their row, and which document each token of the row is in."""
+
+    group: dist.ProcessGroup
+    """The `cp` group: ranks holding the other shards of the same rows."""
+    size: int
+    rank: int
+    """This rank's index in the group (its shard)."""
+    row_document_ids: torch.Tensor
+    """[T_padded] document index of every token of the whole (padded) row."""
+    targets: torch.Tensor
+    """[1, T_local] the token each local position predicts (the row's next token)."""
+
+    def token_index(self, cp_rank: int) -> torch.Tensor:
+        """Global indices in the padded row of the tokens shard `cp_rank` holds."""
+        return zigzag_indices(self.row_document_ids.numel(), self.size, cp_rank, self.row_document_ids.device)
+
+
+def zigzag_indices(length: int, cp_size: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Indices of chunks `cp_rank` and `2 cp_size - 1 - cp_rank` of a row of `length` (a multiple of 2 cp_size)."""
+    chunk = length // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    last_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([first, torch.arange(last_start, last_start + chunk, device=device)])
+
+
+def gather_group_rows(rows: list[PackedRow], group: dist.ProcessGroup) -> list[PackedRow]:
+    """The rows of every rank of the `cp` group, in group rank order: the rows the whole group trains."""
+    gathered: list[list[PackedRow] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, rows, group=group)
+    return [row for part in gathered for row in part]
+
+
+def shard_micro_batch(mb: MicroBatch, group: dist.ProcessGroup) -> MicroBatch:
+    """This rank's zigzag shard of a one-row micro-batch, with the loss fields shifted onto the predicting position."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if mb.input_ids.shape[0] != 1:
+        raise ValueError(f"context parallelism shards one row per micro-batch, got {mb.input_ids.shape[0]}")
+    length = mb.num_tokens
+    padded = math.ceil(length / (2 * size)) * 2 * size
+    pad = padded - length
+    device = mb.input_ids.device
+    positions = torch.cat([mb.position_ids, torch.arange(pad, device=device)[None]], dim=1)
+    index = zigzag_indices(padded, size, rank, device)
+
+    def shifted(t: torch.Tensor) -> torch.Tensor:  # value of token t + 1 at position t; the pad after the row is 0
+        return torch.cat([t[:, 1:], t.new_zeros(1, pad + 1)], dim=1)[:, index]
+
+    def padded_only(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(1, pad, *t.shape[2:])], dim=1)[:, index]
+
+    routed = None
+    if mb.routed_experts is not None:
+        routed = torch.cat([mb.routed_experts, mb.routed_experts.new_full((pad, *mb.routed_experts.shape[1:]), -1)])[index]
+    temperatures = shifted(mb.temperatures)
+    shard = ContextShard(group=group, size=size, rank=rank, row_document_ids=document_ids(positions)[0],
+                         targets=shifted(mb.input_ids))
+    return dataclasses.replace(
+        mb, input_ids=padded_only(mb.input_ids), position_ids=positions[:, index], loss_mask=shifted(mb.loss_mask),
+        inference_logprobs=shifted(mb.inference_logprobs), advantages=shifted(mb.advantages),
+        temperatures=torch.where(temperatures > 0, temperatures, 1.0), on_policy=shifted(mb.on_policy),
+        row_document_lengths=None, routed_experts=routed, context=shard)
+
+
+def ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Send each tensor to the next rank of the group, receive the previous rank's."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    send_to, recv_from = (dist.get_global_rank(group, (rank + d) % size) for d in (1, -1))
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, recv_from, group) for r in received]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+class RingAttention:
+    """Attention backend of a context-parallel shard: causal within each document of the whole row.
+
+    Step s of the ring attends the local queries to the k/v of shard (rank - s) mod cp, then k/v
+    move one rank on. Backward walks the ring again, and the k/v gradients travel with their k/v
+    until they are home. The masks (document and causal, from global token indices) are built once
+    per micro-batch and shared by all layers.
+    """
+
+    def __init__(self, shard: ContextShard):
+        self.shard = shard
+        q_index = shard.token_index(shard.rank)
+        q_doc = shard.row_document_ids[q_index]
+        self.masks = []  # masks[s]: local queries x keys of shard (rank - s) mod cp
+        for s in range(shard.size):
+            k_index = shard.token_index((shard.rank - s) % shard.size)
+            k_doc = shard.row_document_ids[k_index]
+            self.masks.append((q_doc[:, None] == k_doc[None, :]) & (q_index[:, None] >= k_index[None, :]))
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self.masks, self.shard.group)
+
+
+def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, T, Hq, D] -> [B, Hkv, G, T, D] fp32 (G query heads share one k/v head)."""
+    B, T, H, D = q.shape
+    return q.float().view(B, T, num_kv_heads, H // num_kv_heads, D).permute(0, 2, 3, 1, 4)
+
+
+def _kv(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, Hkv, D] -> [B, Hkv, 1, T, D] fp32."""
+    return x.float().transpose(1, 2)[:, :, None]
+
+
+def _block_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """exp(q k^T scale - lse) where the mask allows, else 0; lse [B, Hkv, G, Tq]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    return torch.where(mask, torch.exp(scores - safe[..., None]), 0.0)
+
+
+class _RingAttention(torch.autograd.Function):
+    """FlashAttention's recurrence over the ring's k/v blocks, in fp32, with its own backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, masks, group):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qg = _grouped(q, k.shape[2])
+        out = torch.zeros_like(qg)
+        lse = torch.full(qg.shape[:-1], -math.inf, device=q.device)
+        k_block, v_block = k, v
+        for s, mask in enumerate(masks):
+            if s:
+                k_block, v_block = ring_shift([k_block, v_block], group)
+            scores = torch.matmul(qg, _kv(k_block).transpose(-1, -2)) * scale
+            block_lse = torch.logsumexp(scores.masked_fill(~mask, -math.inf), dim=-1)
+            new_lse = torch.logaddexp(lse, block_lse)
+            probs = _block_probs(qg, _kv(k_block), mask, new_lse, scale)
+            keep = torch.where(torch.isfinite(new_lse), torch.exp(lse - new_lse), 0.0)
+            out = out * keep[..., None] + torch.matmul(probs, _kv(v_block))
+            lse = new_lse
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.masks, ctx.group, ctx.scale = masks, group, scale
+        B, Hkv, G, T, D = out.shape
+        return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, D).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, group = ctx.scale, ctx.group
+        qg = _grouped(q, k.shape[2])
+        grad = _grouped(grad_out, k.shape[2])
+        delta = (grad * out).sum(-1, keepdim=True)  # rowsum(dO * O)
+        grad_q = torch.zeros_like(qg)
+        k_block, v_block = k, v
+        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # travels with k_block
+        grad_v = torch.zeros_like(grad_k)
+        for s, mask in enumerate(ctx.masks):
+            if s:
+                k_block, v_block, grad_k, grad_v = ring_shift([k_block, v_block, grad_k, grad_v], group)
+            kb, vb = _kv(k_block), _kv(v_block)
+            probs = _block_probs(qg, kb, mask, lse, scale)
+            grad_scores = probs * (torch.matmul(grad, vb.transpose(-1, -2)) - delta)
+            grad_q += torch.matmul(grad_scores, kb) * scale
+            # sum over the G query heads of each k/v head: [B, Hkv, Tk, D] -> [B, Tk, Hkv, D]
+            grad_k += (torch.matmul(grad_scores.transpose(-1, -2), qg) * scale).sum(2).transpose(1, 2)
+            grad_v += torch.matmul(probs.transpose(-1, -2), grad).sum(2).transpose(1, 2)
+        if len(ctx.masks) > 1:  # the gradients of the last block held go one rank on: home
+            grad_k, grad_v = ring_shift([grad_k, grad_v], group)
+        B, Hkv, G, T, D = grad_q.shape
+        grad_q = grad_q.permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, D)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None

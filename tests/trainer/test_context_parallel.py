@@ -1,0 +1,75 @@
+"""Context parallelism on the CPU (gloo, torchrun, 4 ranks): CP = 2 (x FSDP 2) and CP = 4 compute the loss,
+entropy and gradients of CP = 1 on packed rows of odd-length documents, also with expert parallelism; the
+trainer at CP = 2 follows the 1-rank trajectory; bad sizes are clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.monitor.logging import setup_logging
+from tandem.trainer.parallel.context_parallel import zigzag_indices
+
+from test_distributed import torchrun_trainer
+from test_expert_parallel import torchrun_env
+from trainer_helpers import metrics, run_trainer
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_zigzag_shards_cover_the_row_once_with_balanced_causal_work():
+    length, cp = 48, 4
+    shards = [zigzag_indices(length, cp, r) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(shards)).values, torch.arange(length))
+    assert shards[1].tolist() == list(range(6, 12)) + list(range(36, 42))
+    # causal work of a shard: keys its queries see, the same on every rank
+    assert len({int((s + 1).sum()) for s in shards}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, sizes", [
+    ("tiny_model", ["1:1", "2:1", "4:1"]),     # CP:EP; CP = 2 on 4 ranks is CP x FSDP = 2 x 2
+    ("tiny_moe_model", ["1:1", "2:2", "4:2"]),  # with expert parallelism
+])
+def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, sizes, request, tmp_path):
+    out = tmp_path / "grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(HERE / "cp_gradients.py"), str(request.getfixturevalue(model)), str(out), *sizes]
+    result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = torch.load(out, weights_only=False)
+    ref = runs[(1, 1)]
+    assert ref["loss"] != 0 and all(g.abs().max() > 0 for g in ref["grads"].values())
+    for size in sizes[1:]:
+        run = runs[tuple(int(x) for x in size.split(":"))]
+        assert run["loss"] == pytest.approx(ref["loss"], abs=1e-5), size
+        assert run["entropy"] == pytest.approx(ref["entropy"], abs=1e-5), size
+        assert run["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5), size
+        assert run["grads"].keys() == ref["grads"].keys()
+        for name, grad in ref["grads"].items():
+            assert (run["grads"][name] - grad).abs().max().item() < 1e-5, (size, name)
+
+
+@pytest.mark.slow
+def test_cp_2_trains_like_one_rank(tiny_model, tmp_path):
+    """The loop's wiring: each rank reads its own fake rows, the `cp` group trains them all, sharded."""
+    common = ["--model.name", str(tiny_model), "--data.fake", "--data.fake-rows", "2", "--data.fake-samples-per-row", "3",
+              "--max-steps", "3", "--seq-len", "46", "--optim.lr", "3e-3", "--device", "cpu"]
+    one, cp2 = tmp_path / "one", tmp_path / "cp2"
+    assert run_trainer(*common, "--output-dir", str(one)) == 0
+    result = torchrun_trainer(*common, "--output-dir", str(cp2), "--parallel.cp", "2", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len({m["loss"] for m in metrics(one)}) == 3  # the trajectory moves
+    for key in ("loss", "grad_norm", "entropy", "num_loss_tokens"):
+        assert [m[key] for m in metrics(cp2)] == pytest.approx([m[key] for m in metrics(one)], abs=1e-5), key
+
+def test_cp_size_that_does_not_divide_the_world_is_a_clear_error(tiny_model, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(setup_logging("trainer").parent, "propagate", True)  # let caplog see tandem's records
+    args = ["--model.name", str(tiny_model), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path),
+            "--parallel.cp", "2"]
+    assert run_trainer(*args) == 1
+    assert "`parallel.cp` = 2 must divide the world size 1" in caplog.text
