@@ -181,6 +181,10 @@ class ParallelConfig(Section):
     attention). CP borrows data-parallel ranks: it must divide the world size; the `cp` ranks of a
     group train the rows of all of them together. Native models only. 1: every rank holds whole rows."""
 
+    cp_query_chunk: int = Field(1024, ge=1)
+    """Context parallelism: queries per chunk of ring attention. A chunk holds chunk x (row / cp)
+    fp32 scores per query head, in forward and again in backward."""
+
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     """Recompute activations in backward to save memory."""
 

@@ -68,6 +68,8 @@ class PolicyModel(nn.Module):
         self.native = not isinstance(lm, HFCausalLM)
         self.router: RouterMonitor | None = None
         """Statistics and load balancing of the MoE routers (None for a dense model)."""
+        self.cp_query_chunk = ParallelConfig().cp_query_chunk
+        """Context parallelism: queries per chunk of ring attention (`parallel.cp_query_chunk`)."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -90,7 +92,7 @@ class PolicyModel(nn.Module):
         must run on every rank for every micro-batch, padding rows included.
         """
         if context is not None:
-            hidden = self.lm(input_ids, position_ids, attention=RingAttention(context))
+            hidden = self.lm(input_ids, position_ids, attention=RingAttention(context, self.cp_query_chunk))
             return self._logprobs(hidden, context.targets, temperatures, loss_mask)
         if self.native:
             if row_document_lengths is None:
@@ -146,6 +148,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         lm = HFCausalLM.from_pretrained(folder, "cpu", torch.float32, model.trust_remote_code)
     compile = should_compile(kernels, dims.device)
     policy = PolicyModel(lm, chunk_size, compile_head=compile and native, sdpa_backends=kernels.sdpa_backends)
+    policy.cp_query_chunk = parallel.cp_query_chunk
     checkpointing = parallel.activation_checkpoint
     if native:
         apply_training_blocks(policy.blocks, compile=compile, recompute=checkpointing.mode == "selective")

@@ -44,7 +44,7 @@ def packed_row(lengths: list[int], seed: int, vocab_size: int) -> PackedRow:
 
 def gradients_at(folder: str, cp: int, ep: int) -> dict:
     dims = init_parallel("cpu", ep, cp)
-    policy, hf_config = build_policy(ModelConfig(name=folder), ParallelConfig(cp=cp, ep=ep), dims, 16,
+    policy, hf_config = build_policy(ModelConfig(name=folder), ParallelConfig(cp=cp, ep=ep, cp_query_chunk=4), dims, 16,
                                      KernelsConfig(compile="off"))
     rows = [packed_row(lengths, seed, hf_config["vocab_size"]) for seed, lengths in enumerate(DOCUMENTS)]
     num_loss_tokens = sum(sum(row.loss_mask) for row in rows)

@@ -119,23 +119,42 @@ class RingAttention:
     """Attention backend of a context-parallel shard: causal within each document of the whole row.
 
     Step s of the ring attends the local queries to the k/v of shard (rank - s) mod cp, then k/v
-    move one rank on. Backward walks the ring again, and the k/v gradients travel with their k/v
-    until they are home. The masks (document and causal, from global token indices) are built once
-    per micro-batch and shared by all layers.
+    move one rank on; backward walks the ring again, and the k/v gradients travel with their k/v
+    until they are home. Queries go in chunks of `query_chunk`, so a step holds chunk x T_local
+    scores per head, not T_local^2; a chunk that precedes every key it is shown is skipped (the
+    causal half of the zigzag blocks). Masks come from global token indices and document ids.
     """
 
-    def __init__(self, shard: ContextShard):
+    def __init__(self, shard: ContextShard, query_chunk: int):
         self.shard = shard
-        q_index = shard.token_index(shard.rank)
-        q_doc = shard.row_document_ids[q_index]
-        self.masks = []  # masks[s]: local queries x keys of shard (rank - s) mod cp
-        for s in range(shard.size):
-            k_index = shard.token_index((shard.rank - s) % shard.size)
-            k_doc = shard.row_document_ids[k_index]
-            self.masks.append((q_doc[:, None] == k_doc[None, :]) & (q_index[:, None] >= k_index[None, :]))
+        self.query_chunk = query_chunk
+        doc = shard.row_document_ids
+        self.q_index = shard.token_index(shard.rank)
+        self.q_doc = doc[self.q_index]
+        self.k_index = [shard.token_index((shard.rank - s) % shard.size) for s in range(shard.size)]
+        self.k_doc = [doc[index] for index in self.k_index]
+        # On the host: zigzag indices are known without reading the device.
+        length = doc.numel()
+        self.q_host = zigzag_indices(length, shard.size, shard.rank)
+        self.first_key = [int(zigzag_indices(length, shard.size, (shard.rank - s) % shard.size).min()) for s in range(shard.size)]
+
+    def mask(self, step: int, start: int, end: int) -> torch.Tensor | None:
+        """[end - start, T_local] bool: which keys of ring step `step` queries start:end see; None for none."""
+        if int(self.q_host[start:end].max()) < self.first_key[step]:
+            return None
+        q_index, q_doc = self.q_index[start:end], self.q_doc[start:end]
+        return (q_doc[:, None] == self.k_doc[step][None, :]) & (q_index[:, None] >= self.k_index[step][None, :])
+
+    def chunks(self, step: int, num_queries: int):
+        """(start, end, mask) of each query chunk that sees keys at ring step `step`."""
+        for start in range(0, num_queries, self.query_chunk):
+            end = min(start + self.query_chunk, num_queries)
+            mask = self.mask(step, start, end)
+            if mask is not None:
+                yield start, end, mask
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self.masks, self.shard.group)
+        return _RingAttention.apply(q, k, v, self)
 
 
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -144,66 +163,72 @@ def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.float().view(B, T, num_kv_heads, H // num_kv_heads, D).permute(0, 2, 3, 1, 4)
 
 
+def _ungrouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Hkv, G, T, D] -> [B, T, Hkv * G, D] in `dtype`."""
+    B, Hkv, G, T, D = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, D).to(dtype)
+
+
 def _kv(x: torch.Tensor) -> torch.Tensor:
     """[B, T, Hkv, D] -> [B, Hkv, 1, T, D] fp32."""
     return x.float().transpose(1, 2)[:, :, None]
 
 
-def _block_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
-    """exp(q k^T scale - lse) where the mask allows, else 0; lse [B, Hkv, G, Tq]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    safe = torch.where(torch.isfinite(lse), lse, 0.0)
-    return torch.where(mask, torch.exp(scores - safe[..., None]), 0.0)
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a query that has seen no key yet) replaced by 0, so exp(score - lse) stays finite."""
+    return torch.where(torch.isfinite(lse), lse, 0.0)
 
 
 class _RingAttention(torch.autograd.Function):
     """FlashAttention's recurrence over the ring's k/v blocks, in fp32, with its own backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, masks, group):
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    def forward(ctx, q, k, v, ring):
+        group, scale = ring.shard.group, 1.0 / math.sqrt(q.shape[-1])
         qg = _grouped(q, k.shape[2])
         out = torch.zeros_like(qg)
         lse = torch.full(qg.shape[:-1], -math.inf, device=q.device)
         k_block, v_block = k, v
-        for s, mask in enumerate(masks):
+        for s in range(ring.shard.size):
             if s:
                 k_block, v_block = ring_shift([k_block, v_block], group)
-            scores = torch.matmul(qg, _kv(k_block).transpose(-1, -2)) * scale
-            block_lse = torch.logsumexp(scores.masked_fill(~mask, -math.inf), dim=-1)
-            new_lse = torch.logaddexp(lse, block_lse)
-            probs = _block_probs(qg, _kv(k_block), mask, new_lse, scale)
-            keep = torch.where(torch.isfinite(new_lse), torch.exp(lse - new_lse), 0.0)
-            out = out * keep[..., None] + torch.matmul(probs, _kv(v_block))
-            lse = new_lse
+            kb, vb = _kv(k_block), _kv(v_block)
+            for start, end, mask in ring.chunks(s, qg.shape[-2]):
+                scores = torch.matmul(qg[..., start:end, :], kb.transpose(-1, -2)) * scale
+                old = lse[..., start:end]
+                new = torch.logaddexp(old, torch.logsumexp(scores.masked_fill(~mask, -math.inf), dim=-1))
+                probs = torch.where(mask, torch.exp(scores - _finite(new)[..., None]), 0.0)
+                keep = torch.where(torch.isfinite(new), torch.exp(old - _finite(new)), 0.0)
+                out[..., start:end, :] = out[..., start:end, :] * keep[..., None] + torch.matmul(probs, vb)
+                lse[..., start:end] = new
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.masks, ctx.group, ctx.scale = masks, group, scale
-        B, Hkv, G, T, D = out.shape
-        return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, D).to(q.dtype)
+        ctx.ring, ctx.scale = ring, scale
+        return _ungrouped(out, q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, group = ctx.scale, ctx.group
+        ring, scale = ctx.ring, ctx.scale
         qg = _grouped(q, k.shape[2])
         grad = _grouped(grad_out, k.shape[2])
         delta = (grad * out).sum(-1, keepdim=True)  # rowsum(dO * O)
         grad_q = torch.zeros_like(qg)
         k_block, v_block = k, v
-        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # travels with k_block
+        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # travel with k_block, v_block
         grad_v = torch.zeros_like(grad_k)
-        for s, mask in enumerate(ctx.masks):
+        for s in range(ring.shard.size):
             if s:
-                k_block, v_block, grad_k, grad_v = ring_shift([k_block, v_block, grad_k, grad_v], group)
+                k_block, v_block, grad_k, grad_v = ring_shift([k_block, v_block, grad_k, grad_v], ring.shard.group)
             kb, vb = _kv(k_block), _kv(v_block)
-            probs = _block_probs(qg, kb, mask, lse, scale)
-            grad_scores = probs * (torch.matmul(grad, vb.transpose(-1, -2)) - delta)
-            grad_q += torch.matmul(grad_scores, kb) * scale
-            # sum over the G query heads of each k/v head: [B, Hkv, Tk, D] -> [B, Tk, Hkv, D]
-            grad_k += (torch.matmul(grad_scores.transpose(-1, -2), qg) * scale).sum(2).transpose(1, 2)
-            grad_v += torch.matmul(probs.transpose(-1, -2), grad).sum(2).transpose(1, 2)
-        if len(ctx.masks) > 1:  # the gradients of the last block held go one rank on: home
-            grad_k, grad_v = ring_shift([grad_k, grad_v], group)
-        B, Hkv, G, T, D = grad_q.shape
-        grad_q = grad_q.permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, D)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+            for start, end, mask in ring.chunks(s, qg.shape[-2]):
+                qc, gc = qg[..., start:end, :], grad[..., start:end, :]
+                scores = torch.matmul(qc, kb.transpose(-1, -2)) * scale
+                probs = torch.where(mask, torch.exp(scores - _finite(lse[..., start:end])[..., None]), 0.0)
+                grad_scores = probs * (torch.matmul(gc, vb.transpose(-1, -2)) - delta[..., start:end, :])
+                grad_q[..., start:end, :] += torch.matmul(grad_scores, kb) * scale
+                # summed over the G query heads of each k/v head: [B, Hkv, Tk, D] -> [B, Tk, Hkv, D]
+                grad_k += (torch.matmul(grad_scores.transpose(-1, -2), qc) * scale).sum(2).transpose(1, 2)
+                grad_v += torch.matmul(probs.transpose(-1, -2), gc).sum(2).transpose(1, 2)
+        if ring.shard.size > 1:  # the gradients of the last block held go one rank on: home
+            grad_k, grad_v = ring_shift([grad_k, grad_v], ring.shard.group)
+        return _ungrouped(grad_q, q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
