@@ -4,13 +4,14 @@ logprobs within 1e-5, positions far past the original context), whichever way co
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.models.loading import load_causal_lm
-from tandem.models.presets import PRESETS, shape_config, write_model
+from tandem.models.presets import PRESETS, preset_config, shape_config, write_model
 
 ORIGINAL = 256
 """original_max_position_embeddings of the test configs; the test row is 4 x longer."""
@@ -67,3 +68,22 @@ def test_other_rope_types_name_the_field(tmp_path):
     folder = write_model(shape_config(dict(PRESETS["tiny"], rope_parameters=rope)), tmp_path / "m", weights=False)
     with pytest.raises(ValueError, match=f"{folder / 'config.json'}: `rope_type` = 'longrope' is not supported"):
         load_causal_lm(str(folder))
+
+
+def test_model_init_extends_a_preset_to_128k_with_yarn(tmp_path):
+    """`tandem model init --max-position-embeddings 131072`: Qwen3-0.6B's 40,960 positions through YaRN
+    factor 3.2, read back by tandem and by transformers; a shorter context changes no RoPE."""
+    from tandem.models.cli import main
+    from tandem.models.loading import build_native, read_hf_config
+
+    assert main(["init", "--preset", "qwen3-0.6b", "--num-layers", "1", "--config-only", "--max-position-embeddings",
+                 "131072", "--out", str(tmp_path / "m")]) == 0
+    config = read_hf_config(tmp_path / "m")
+    assert config["max_position_embeddings"] == 131072
+    assert config["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 3.2,
+                                         "original_max_position_embeddings": 40960}
+    yarn = build_native(config, "meta").args.rope_scaling
+    assert (yarn.factor, yarn.original_max_position_embeddings) == (3.2, 40960)
+    assert yarn.attention_factor == pytest.approx(0.1 * math.log(3.2) + 1)
+    short = preset_config("qwen3-0.6b", max_position_embeddings=8192)
+    assert short["max_position_embeddings"] == 8192 and short["rope_parameters"]["rope_type"] == "default"
