@@ -4,6 +4,7 @@ trainer at CP = 2 follows the 1-rank trajectory; bad sizes are clear errors."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from tandem.monitor.logging import setup_logging
 from tandem.trainer.parallel.context_parallel import zigzag_indices
 
-from test_distributed import torchrun_trainer
+from test_distributed import BENCHMARK, torchrun_trainer
 from test_expert_parallel import torchrun_env
 from trainer_helpers import metrics, run_trainer
 
@@ -73,3 +74,27 @@ def test_cp_size_that_does_not_divide_the_world_is_a_clear_error(tiny_model, tmp
             "--parallel.cp", "2"]
     assert run_trainer(*args) == 1
     assert "`parallel.cp` = 2 must divide the world size 1" in caplog.text
+
+
+@pytest.mark.slow
+def test_long_sequence_benchmark_runs_yarn_and_context_parallel_on_the_cpu(tmp_path):
+    """benchmarks/trainer.py's long-sequence options at a CPU size: a YaRN-extended preset trains the step
+    transformers' model trains, and `--cp 2` under torchrun trains the same rows."""
+    common = [str(BENCHMARK), "--preset", "tiny", "--device", "cpu", "--max-position-embeddings", "16384",
+              "--shapes", "1024:1:2", "--steps", "1", "--warmup", "1", "--ac", "selective", "--chunk-size", "256"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    result = subprocess.run([sys.executable, *common, "--baseline", "1024:1:2", "--out", str(one)], env=torchrun_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run([sys.executable, *launcher, *common, "--cp", "2", "--out", str(two)], env=torchrun_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(one.read_text())
+    assert report["max_position_embeddings"] == 16384
+    tandem, baseline = report["runs"]
+    (cp2,) = json.loads(two.read_text())["runs"]
+    assert cp2["options"]["cp"] == 2 and cp2["world_size"] == 2
+    assert baseline["losses"][0]["loss"] == pytest.approx(tandem["losses"][0]["loss"], abs=1e-5)
+    assert [x["loss"] for x in cp2["losses"]] == pytest.approx([x["loss"] for x in tandem["losses"]], abs=1e-5)
+    assert [x["grad_norm"] for x in cp2["losses"]] == pytest.approx([x["grad_norm"] for x in tandem["losses"]], abs=1e-5)
