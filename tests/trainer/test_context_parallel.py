@@ -1,6 +1,6 @@
 """Context parallelism on the CPU (gloo, torchrun, 4 ranks): CP = 2 (x FSDP 2) and CP = 4 compute the loss,
-entropy and gradients of CP = 1 on packed rows of odd-length documents, also with expert parallelism; the
-trainer at CP = 2 follows the 1-rank trajectory; bad sizes are clear errors."""
+entropy and gradients of CP = 1 on packed rows of odd-length documents, also with expert parallelism and
+router replay; the trainer at CP = 2 follows the 1-rank trajectory; bad sizes are clear errors."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_zigzag_shards_cover_the_row_once_with_balanced_causal_work():
 @pytest.mark.slow
 @pytest.mark.parametrize("model, sizes", [
     ("tiny_model", ["1:1", "2:1", "4:1"]),     # CP:EP; CP = 2 on 4 ranks is CP x FSDP = 2 x 2
-    ("tiny_moe_model", ["1:1", "2:2", "4:2"]),  # with expert parallelism
+    ("tiny_moe_model", ["1:1", "2:2", "4:2"]),  # with expert parallelism and router replay
 ])
 def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, sizes, request, tmp_path):
     out = tmp_path / "grads.pt"
