@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -103,16 +103,22 @@ def shard_micro_batch(mb: MicroBatch, group: dist.ProcessGroup) -> MicroBatch:
         row_document_lengths=None, routed_experts=routed, context=shard)
 
 
-def ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Send each tensor to the next rank of the group, receive the previous rank's."""
+def start_ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> Callable[[], list[torch.Tensor]]:
+    """Start sending each tensor to the next rank of the group and receiving the previous rank's;
+    the returned function waits and gives the received tensors (the caller computes meanwhile)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     send_to, recv_from = (dist.get_global_rank(group, (rank + d) % size) for d in (1, -1))
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, recv_from, group) for r in received]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
+    works = dist.batch_isend_irecv(ops)
+
+    def finish() -> list[torch.Tensor]:
+        for work in works:
+            work.wait()
+        return received
+
+    return finish
 
 
 class RingAttention:
@@ -188,10 +194,12 @@ class _RingAttention(torch.autograd.Function):
         qg = _grouped(q, k.shape[2])
         out = torch.zeros_like(qg)
         lse = torch.full(qg.shape[:-1], -math.inf, device=q.device)
-        k_block, v_block = k, v
+        k_block, v_block, pending = k, v, None
         for s in range(ring.shard.size):
             if s:
-                k_block, v_block = ring_shift([k_block, v_block], group)
+                k_block, v_block = pending()
+            if s < ring.shard.size - 1:  # the next block travels while this one is computed
+                pending = start_ring_shift([k_block, v_block], group)
             kb, vb = _kv(k_block), _kv(v_block)
             for start, end, mask in ring.chunks(s, qg.shape[-2]):
                 scores = torch.matmul(qg[..., start:end, :], kb.transpose(-1, -2)) * scale
@@ -213,12 +221,15 @@ class _RingAttention(torch.autograd.Function):
         grad = _grouped(grad_out, k.shape[2])
         delta = (grad * out).sum(-1, keepdim=True)  # rowsum(dO * O)
         grad_q = torch.zeros_like(qg)
-        k_block, v_block = k, v
+        group, k_block, v_block, pending = ring.shard.group, k, v, None
         grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # travel with k_block, v_block
         grad_v = torch.zeros_like(grad_k)
         for s in range(ring.shard.size):
-            if s:
-                k_block, v_block, grad_k, grad_v = ring_shift([k_block, v_block, grad_k, grad_v], ring.shard.group)
+            if s:  # the gradients of a block follow it once they hold this rank's part
+                k_block, v_block = pending()
+                grad_k, grad_v = start_ring_shift([grad_k, grad_v], group)()
+            if s < ring.shard.size - 1:
+                pending = start_ring_shift([k_block, v_block], group)
             kb, vb = _kv(k_block), _kv(v_block)
             for start, end, mask in ring.chunks(s, qg.shape[-2]):
                 qc, gc = qg[..., start:end, :], grad[..., start:end, :]
@@ -230,5 +241,5 @@ class _RingAttention(torch.autograd.Function):
                 grad_k += (torch.matmul(grad_scores.transpose(-1, -2), qc) * scale).sum(2).transpose(1, 2)
                 grad_v += torch.matmul(probs.transpose(-1, -2), gc).sum(2).transpose(1, 2)
         if ring.shard.size > 1:  # the gradients of the last block held go one rank on: home
-            grad_k, grad_v = ring_shift([grad_k, grad_v], ring.shard.group)
+            grad_k, grad_v = start_ring_shift([grad_k, grad_v], group)()
         return _ungrouped(grad_q, q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
