@@ -98,3 +98,23 @@ def test_long_sequence_benchmark_runs_yarn_and_context_parallel_on_the_cpu(tmp_p
     assert baseline["losses"][0]["loss"] == pytest.approx(tandem["losses"][0]["loss"], abs=1e-5)
     assert [x["loss"] for x in cp2["losses"]] == pytest.approx([x["loss"] for x in tandem["losses"]], abs=1e-5)
     assert [x["grad_norm"] for x in cp2["losses"]] == pytest.approx([x["grad_norm"] for x in tandem["losses"]], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_sft_at_cp_2_trains_and_evaluates_like_one_rank(tiny_model, tmp_path):
+    from test_sft import reverse_text_data, sft
+
+    train = reverse_text_data(tmp_path / "train.jsonl", 40, seed=0)
+    common = ["--model.name", str(tiny_model), "--data.path", str(train), "--seq-len", "90", "--data.rows-per-step", "2",
+              "--optim.lr", "3e-3", "--data.eval-fraction", "0.1", "--eval.interval", "3", "--max-steps", "3"]
+    one, cp2 = tmp_path / "one", tmp_path / "cp2"
+    assert sft(*common, "--output-dir", str(one)) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tandem.cli", "sft",
+           *common, "--device", "cpu", "--output-dir", str(cp2), "--parallel.cp", "2"]
+    result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ref, got = metrics(one, "sft"), metrics(cp2, "sft")
+    assert "eval_loss" in ref[-1]
+    for key in ("loss", "grad_norm", "num_loss_tokens"):
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in ref], abs=1e-5), key
+    assert got[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], abs=1e-5)
