@@ -39,7 +39,7 @@ from tandem.models.weights import load_state_dict
 from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpoint
-from tandem.trainer.parallel.context_parallel import ContextShard, RingAttention
+from tandem.trainer.parallel.context_parallel import ContextShard, check_context_parallel, context_attention
 from tandem.trainer.parallel.dims import EP, ParallelDims
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp
@@ -68,8 +68,8 @@ class PolicyModel(nn.Module):
         self.native = not isinstance(lm, HFCausalLM)
         self.router: RouterMonitor | None = None
         """Statistics and load balancing of the MoE routers (None for a dense model)."""
-        self.cp_query_chunk = ParallelConfig().cp_query_chunk
-        """Context parallelism: queries per chunk of ring attention (`parallel.cp_query_chunk`)."""
+        self.context_parallel = ParallelConfig()
+        """`parallel.cp_attention` and `parallel.cp_query_chunk`: how a context-parallel shard attends."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -92,7 +92,9 @@ class PolicyModel(nn.Module):
         must run on every rank for every micro-batch, padding rows included.
         """
         if context is not None:
-            hidden = self.lm(input_ids, position_ids, attention=RingAttention(context, self.cp_query_chunk))
+            attention = context_attention(context, self.context_parallel.cp_attention, self.context_parallel.cp_query_chunk,
+                                          self.sdpa_backends)
+            hidden = self.lm(input_ids, position_ids, attention=attention)
             return self._logprobs(hidden, context.targets, temperatures, loss_mask)
         if self.native:
             if row_document_lengths is None:
@@ -148,13 +150,14 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         lm = HFCausalLM.from_pretrained(folder, "cpu", torch.float32, model.trust_remote_code)
     compile = should_compile(kernels, dims.device)
     policy = PolicyModel(lm, chunk_size, compile_head=compile and native, sdpa_backends=kernels.sdpa_backends)
-    policy.cp_query_chunk = parallel.cp_query_chunk
+    policy.context_parallel = parallel
     checkpointing = parallel.activation_checkpoint
     if native:
         apply_training_blocks(policy.blocks, compile=compile, recompute=checkpointing.mode == "selective")
     elif checkpointing.mode == "selective":  # transformers' blocks cannot be split at attention
         checkpointing = ActivationCheckpointConfig(mode="full")
     apply_activation_checkpoint(policy.blocks, checkpointing)
+    check_context_parallel(dims.cp_size, parallel.cp_attention, hf_config, str(folder / "config.json"))
     if dims.cp_size > 1 and not native:
         raise ValueError(f"`parallel.cp` = {dims.cp_size} needs a model tandem runs natively; {folder / 'config.json'} has "
                          f"model_type {hf_config.get('model_type')!r} (transformers fallback); set `parallel.cp` = 1")

@@ -4,7 +4,9 @@ packed rows (several documents of odd lengths, mixed temperatures) at each conte
 For a mixture of experts the completion tokens replay given experts (router replay), the prompt
 tokens route themselves: a replay misaligned with its tokens would change the loss.
 
-    torchrun --nproc-per-node 4 tests/trainer/cp_gradients.py MODEL_FOLDER OUT.pt CP:EP [CP:EP ...]
+    torchrun --nproc-per-node 4 tests/trainer/cp_gradients.py MODEL_FOLDER OUT.pt CP:EP[:ATTENTION] ...
+
+(ATTENTION: `parallel.cp_attention`, ring by default.) Results are keyed by those strings.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ def packed_row(lengths: list[int], seed: int, vocab_size: int, moe: tuple[int, i
     return PackedRow(ids, positions, mask, logprobs, advantages, temperatures, routed_experts=routed)
 
 
-def gradients_at(folder: str, cp: int, ep: int) -> dict:
+def gradients_at(folder: str, cp: int, ep: int, attention: str) -> dict:
     dims = init_parallel("cpu", ep, cp)
-    policy, hf_config = build_policy(ModelConfig(name=folder), ParallelConfig(cp=cp, ep=ep, cp_query_chunk=4), dims, 16,
-                                     KernelsConfig(compile="off"))
+    parallel = ParallelConfig(cp=cp, ep=ep, cp_attention=attention, cp_query_chunk=4)
+    policy, hf_config = build_policy(ModelConfig(name=folder), parallel, dims, 16, KernelsConfig(compile="off"))
     moes = moe_blocks(policy.blocks)
     moe = (len(moes), moes[0].args.num_experts, moes[0].args.top_k) if moes else None
     rows = [packed_row(lengths, seed, hf_config["vocab_size"], moe) for seed, lengths in enumerate(DOCUMENTS)]
@@ -77,8 +79,8 @@ def gradients_at(folder: str, cp: int, ep: int) -> dict:
 def main(folder: str, out: str, *sizes: str) -> None:
     results = {}
     for size in sizes:
-        cp, ep = (int(x) for x in size.split(":"))
-        results[(cp, ep)] = gradients_at(folder, cp, ep)
+        cp, ep, *attention = size.split(":")
+        results[size] = gradients_at(folder, int(cp), int(ep), attention[0] if attention else "ring")
     if results[next(iter(results))]["rank"] == 0:
         torch.save(results, out)
     close_parallel()

@@ -33,8 +33,8 @@ def test_zigzag_shards_cover_the_row_once_with_balanced_causal_work():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, sizes", [
-    ("tiny_model", ["1:1", "2:1", "4:1"]),     # CP:EP; CP = 2 on 4 ranks is CP x FSDP = 2 x 2
-    ("tiny_moe_model", ["1:1", "2:2", "4:2"]),  # with expert parallelism and router replay
+    ("tiny_model", ["1:1", "2:1", "4:1", "2:1:ulysses"]),  # CP:EP[:attention]; CP = 2 on 4 ranks is CP x FSDP = 2 x 2
+    ("tiny_moe_model", ["1:1", "2:2", "4:2", "2:2:ulysses"]),  # with expert parallelism and router replay
 ])
 def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, sizes, request, tmp_path):
     out = tmp_path / "grads.pt"
@@ -43,10 +43,10 @@ def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, sizes
     result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = torch.load(out, weights_only=False)
-    ref = runs[(1, 1)]
+    ref = runs["1:1"]
     assert ref["loss"] != 0 and all(g.abs().max() > 0 for g in ref["grads"].values())
     for size in sizes[1:]:
-        run = runs[tuple(int(x) for x in size.split(":"))]
+        run = runs[size]
         assert run["loss"] == pytest.approx(ref["loss"], abs=1e-5), size
         assert run["entropy"] == pytest.approx(ref["entropy"], abs=1e-5), size
         assert run["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5), size
@@ -68,12 +68,17 @@ def test_cp_2_trains_like_one_rank(tiny_model, tmp_path):
     for key in ("loss", "grad_norm", "entropy", "num_loss_tokens"):
         assert [m[key] for m in metrics(cp2)] == pytest.approx([m[key] for m in metrics(one)], abs=1e-5), key
 
-def test_cp_size_that_does_not_divide_the_world_is_a_clear_error(tiny_model, tmp_path, caplog, monkeypatch):
+@pytest.mark.parametrize("options, message", [
+    (["--parallel.cp", "2"], "`parallel.cp` = 2 must divide the world size 1"),
+    (["--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],  # found from config.json before the ranks join
+     "`parallel.cp` = 4 with `parallel.cp_attention` = 'ulysses' splits the key/value heads, but `num_key_value_heads` = 2 "
+     "in {folder}/config.json does not divide by it"),
+])
+def test_bad_context_parallel_sizes_are_clear_errors(options, message, tiny_model, tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(setup_logging("trainer").parent, "propagate", True)  # let caplog see tandem's records
-    args = ["--model.name", str(tiny_model), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path),
-            "--parallel.cp", "2"]
+    args = ["--model.name", str(tiny_model), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path), *options]
     assert run_trainer(*args) == 1
-    assert "`parallel.cp` = 2 must divide the world size 1" in caplog.text
+    assert message.format(folder=tiny_model) in caplog.text
 
 
 @pytest.mark.slow

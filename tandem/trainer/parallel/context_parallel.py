@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from tandem.models.attention import document_ids
+from tandem.models.attention import DocumentCausalAttention, document_ids
 
 if TYPE_CHECKING:
     from tandem.trainer.batch import MicroBatch
@@ -49,6 +50,8 @@ class ContextShard:
     """This rank's index in the group (its shard)."""
     row_document_ids: torch.Tensor
     """[T_padded] document index of every token of the whole (padded) row."""
+    row_document_lengths: list[int]
+    """Host-side lengths of the documents of the padded row (the padding last)."""
     targets: torch.Tensor
     """[1, T_local] the token each local position predicts (the row's next token)."""
 
@@ -95,6 +98,7 @@ def shard_micro_batch(mb: MicroBatch, group: dist.ProcessGroup) -> MicroBatch:
         routed = torch.cat([mb.routed_experts, mb.routed_experts.new_full((pad, *mb.routed_experts.shape[1:]), -1)])[index]
     temperatures = shifted(mb.temperatures)
     shard = ContextShard(group=group, size=size, rank=rank, row_document_ids=document_ids(positions)[0],
+                         row_document_lengths=mb.row_document_lengths[0] + ([pad] if pad else []),
                          targets=shifted(mb.input_ids))
     return dataclasses.replace(
         mb, input_ids=padded_only(mb.input_ids), position_ids=positions[:, index], loss_mask=shifted(mb.loss_mask),
@@ -161,6 +165,66 @@ class RingAttention:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _RingAttention.apply(q, k, v, self)
+
+
+class UlyssesAttention:
+    """Attention backend of a context-parallel shard through all-to-alls over heads (DeepSpeed-Ulysses).
+
+    An all-to-all turns this rank's tokens of every head into every token of 1/cp of the heads
+    (each rank's q heads and the k/v heads they share: the key/value heads must divide by cp);
+    the tokens go back into row order and the single-device backend (`DocumentCausalAttention`:
+    the fused kernels on a GPU) attends them over the whole row; a second all-to-all brings each
+    rank its tokens back. Both all-to-alls are differentiable.
+    """
+
+    def __init__(self, shard: ContextShard, sdpa_backends: list[str]):
+        self.shard = shard
+        gathered = torch.cat([shard.token_index(r) for r in range(shard.size)])  # row index of each gathered token
+        self.gathered_index = gathered
+        self.row_order = torch.argsort(gathered)
+        self.row = DocumentCausalAttention([shard.row_document_lengths], shard.row_document_ids.device, sdpa_backends)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self.row.attend(layer_idx, *(self._to_heads(x) for x in (q, k, v)))
+        return self._to_tokens(out)
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, T_local, H, D] (this rank's tokens) -> [1, T_padded, H / cp, D] (every token, in row order)."""
+        _, T, H, D = x.shape
+        cp = self.shard.size
+        parts = x[0].view(T, cp, H // cp, D).transpose(0, 1).contiguous()  # [cp, T, H / cp, D]: head group r to rank r
+        received = all_to_all_single_autograd(parts.view(cp * T, H // cp, D), None, None, self.shard.group)
+        return received[self.row_order][None]
+
+    def _to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, T_padded, H / cp, D] in row order -> [1, T_local, H, D] (this rank's tokens, all heads)."""
+        _, _, h, D = x.shape
+        cp = self.shard.size
+        parts = x[0][self.gathered_index].contiguous()  # rank r's tokens to rank r
+        received = all_to_all_single_autograd(parts, None, None, self.shard.group)
+        T = received.shape[0] // cp
+        return received.view(cp, T, h, D).transpose(0, 1).reshape(1, T, cp * h, D)
+
+
+def context_attention(shard: ContextShard, kind: str, query_chunk: int,
+                      sdpa_backends: list[str]) -> RingAttention | UlyssesAttention:
+    """The attention backend of a shard: `parallel.cp_attention` = `ring` or `ulysses`."""
+    if kind == "ring":
+        return RingAttention(shard, query_chunk)
+    if kind == "ulysses":
+        return UlyssesAttention(shard, sdpa_backends)
+    raise ValueError(f"unknown `parallel.cp_attention` {kind!r}; choose 'ring' or 'ulysses'")
+
+
+def check_context_parallel(cp: int, attention: str, hf_config: dict, source: str) -> None:
+    """Ulysses splits the key/value heads over the `cp` ranks: they must divide (checked from config.json)."""
+    if cp == 1 or attention != "ulysses":
+        return
+    kv_heads = hf_config.get("num_key_value_heads") or hf_config.get("num_attention_heads")
+    if kv_heads is not None and kv_heads % cp:
+        raise ValueError(f"`parallel.cp` = {cp} with `parallel.cp_attention` = 'ulysses' splits the key/value heads, but "
+                         f"`num_key_value_heads` = {kv_heads} in {source} does not divide by it; use `parallel.cp_attention` "
+                         f"= 'ring' or a `parallel.cp` dividing {kv_heads}")
 
 
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
