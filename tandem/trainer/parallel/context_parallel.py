@@ -90,9 +90,6 @@ def shard_micro_batch(mb: MicroBatch, group: dist.ProcessGroup) -> MicroBatch:
     def shifted(t: torch.Tensor) -> torch.Tensor:  # value of token t + 1 at position t; the pad after the row is 0
         return torch.cat([t[:, 1:], t.new_zeros(1, pad + 1)], dim=1)[:, index]
 
-    def padded_only(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(1, pad, *t.shape[2:])], dim=1)[:, index]
-
     routed = None
     if mb.routed_experts is not None:
         routed = torch.cat([mb.routed_experts, mb.routed_experts.new_full((pad, *mb.routed_experts.shape[1:]), -1)])[index]
@@ -101,7 +98,7 @@ def shard_micro_batch(mb: MicroBatch, group: dist.ProcessGroup) -> MicroBatch:
                          row_document_lengths=mb.row_document_lengths[0] + ([pad] if pad else []),
                          targets=shifted(mb.input_ids))
     return dataclasses.replace(
-        mb, input_ids=padded_only(mb.input_ids), position_ids=positions[:, index], loss_mask=shifted(mb.loss_mask),
+        mb, input_ids=torch.cat([mb.input_ids, mb.input_ids.new_zeros(1, pad)], dim=1)[:, index], position_ids=positions[:, index], loss_mask=shifted(mb.loss_mask),
         inference_logprobs=shifted(mb.inference_logprobs), advantages=shifted(mb.advantages),
         temperatures=torch.where(temperatures > 0, temperatures, 1.0), on_policy=shifted(mb.on_policy),
         row_document_lengths=None, routed_experts=routed, context=shard)
