@@ -104,6 +104,10 @@ class RLConfig(ProcessConfig):
     clean: bool = False
     """Delete the results of an earlier run in `output_dir` before starting."""
 
+    hang_timeout_s: float = Field(120.0, gt=0)
+    """A started inference server that answers no `GET /health` for this long (stopped, deadlocked, not
+    dead) ends the run, named: its clients would otherwise wait out their request timeouts."""
+
     @model_validator(mode="after")
     def _check_resume_or_clean(self) -> "RLConfig":
         if self.resume and self.clean:

@@ -13,7 +13,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from tandem.inference.errors import APIError
+from tandem.inference.errors import APIError, error_responses
 from tandem.inference.metrics import render_metrics
 from tandem.inference.protocol import UpdateWeightsRequest
 from tandem.inference.serving import Served
@@ -37,15 +37,17 @@ async def models(request: Request) -> dict:
                                         "owned_by": "tandem", "max_model_len": served.max_model_len}]}
 
 
-@router.post("/update_weights")
+@router.post("/update_weights", responses=error_responses(400, 404, 413))
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     served: Served = request.app.state.served
     folder = Path(body.path)
     if not folder.is_dir():
-        raise APIError(400, f"weights folder not found: {body.path}", "path")
+        raise APIError(404, f"weights folder not found: {body.path}", "path")
     try:
         state = await asyncio.to_thread(load_state_dict, folder)
-    except Exception as err:  # missing or unreadable safetensors: the caller's folder is at fault
+    except FileNotFoundError as err:  # a folder without weights: what the request names is not there
+        raise APIError(404, f"could not read weights from {body.path}: {err}", "path") from None
+    except Exception as err:  # unreadable safetensors: the caller's folder is at fault
         raise APIError(400, f"could not read weights from {body.path}: {err}", "path") from None
     try:
         version = await served.engine.update_weights(state, body.version)

@@ -7,8 +7,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 
+from tandem.config.inference import ServerConfig
 from tandem.inference import admin_api, generate_api, openai_api
-from tandem.inference.errors import APIError, install_error_handlers
+from tandem.inference.body_limit import BodyLimit
+from tandem.inference.errors import APIError, error_responses, install_error_handlers
 from tandem.inference.serving import Served
 
 
@@ -24,7 +26,7 @@ def require_api_key(api_key: str | None):
     return check
 
 
-def build_app(served: Served, api_key: str | None = None) -> FastAPI:
+def build_app(served: Served, server: ServerConfig) -> FastAPI:
     """The app over a built engine; the engine thread runs while the app does."""
 
     @asynccontextmanager
@@ -38,8 +40,10 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="tandem inference", lifespan=lifespan)
     app.state.served = served
     install_error_handlers(app)
-    guarded = [Depends(require_api_key(api_key))]
+    app.add_middleware(BodyLimit, max_bytes=server.max_request_bytes)  # added last: runs first
+    guarded = [Depends(require_api_key(server.api_key))]
     app.include_router(admin_api.public)
+    responses = error_responses(401) if server.api_key is not None else {}
     for router in (admin_api.router, openai_api.router, generate_api.router):
-        app.include_router(router, dependencies=guarded)
+        app.include_router(router, dependencies=guarded, responses=responses)
     return app

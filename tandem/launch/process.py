@@ -80,7 +80,7 @@ class ManagedProcess:
                 pass
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not _group_alive(self.proc.pid):
+                if self.proc.poll() is not None and not group_alive(self.proc.pid):
                     break
                 time.sleep(0.1)
             else:
@@ -91,7 +91,7 @@ class ManagedProcess:
         self._log.close()
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True

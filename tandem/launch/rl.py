@@ -23,7 +23,9 @@ import httpx
 from tandem.config.dump import to_toml
 from tandem.config.resolve import PROCESSES, free_port
 from tandem.config.rl import RLConfig
+from tandem.launch.hang import HangWatch
 from tandem.launch.process import ManagedProcess, RunFailed
+from tandem.launch.resume import cut_run_records
 from tandem.launch.warmup import run_warmup
 from tandem.monitor.logging import setup_logging
 from tandem.monitor.progress import ProgressPrinter
@@ -38,6 +40,8 @@ def main(config: RLConfig) -> int:
     run_dir = config.run_dir
     try:
         _check_run_folder(config)
+        if config.resume:
+            _cut_to_checkpoint(run_dir, config.trainer.ckpt.resume_step or 0, log)
         if not Path(config.model.name).exists() and config.warmup.sft is not None:
             run_warmup(config, log)
         configs = _write_process_configs(config)
@@ -60,6 +64,13 @@ def _check_run_folder(config: RLConfig) -> None:
         raise RunFailed(f"{run_dir} already holds a run ({', '.join(has_results)}); pass --resume to continue it or --clean to start over")
     for sub in ("configs", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+
+
+def _cut_to_checkpoint(run_dir: Path, step: int, log) -> None:
+    """Records of steps after the checkpoint the processes resume from (the resolved `ckpt.resume_step`, 0
+    without one) are recomputed: remove them first."""
+    removed = cut_run_records(run_dir, step)
+    log.info("resuming after step %d%s", step, f"; removed the stopped run's later records: {', '.join(removed)}" if removed else "")
 
 
 def _holds_results(path: Path) -> bool:
@@ -126,6 +137,7 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
         _write_pids(run_dir, procs)
         log.info("orchestrator and trainer started; logs in %s", run_dir / "logs")
+        hang_watch = HangWatch(config.orchestrator.client.base_urls[0], config.hang_timeout_s)
         while True:
             progress.update()
             if stop_signal:
@@ -139,6 +151,10 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
                 break
             if procs["inference"].poll() == 0:
                 raise RunFailed("the inference process exited before the run finished")
+            silent_s = hang_watch.silent_for()
+            if silent_s is not None and procs["inference"].poll() is None:
+                raise RunFailed(f"the inference server is hung: alive, but no answer to {hang_watch.url} for {silent_s:.0f} s "
+                                f"(`hang_timeout_s`); its log: {procs['inference'].log_path}")
             time.sleep(0.5)
         progress.finish()
         report = write_report(run_dir)

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from tandem.transport.files import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -30,6 +32,27 @@ class MetricsWriter:
             os.write(fd, line)
         finally:
             os.close(fd)
+
+
+def truncate_metrics(run_dir: Path, step: int) -> int:
+    """Drop the records of steps after `step` (a resume recomputes them), atomically; returns how many."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, num_dropped = [], 0
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            record_step = json.loads(line).get("step")
+        except json.JSONDecodeError:
+            num_dropped += 1  # a torn last line of the stopped run
+            continue
+        if isinstance(record_step, int) and record_step > step:
+            num_dropped += 1
+        else:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if num_dropped:
+        atomic_write_text(path, "".join(kept))
+    return num_dropped
 
 
 def read_metrics(run_dir: Path, process: str | None = None) -> Iterator[dict[str, Any]]:
