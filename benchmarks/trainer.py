@@ -8,6 +8,11 @@
     python benchmarks/trainer.py --preset qwen3-30b-a3b --num-layers 8 --device cuda --shapes 16384:1:1 \\
         --baseline 16384:1:1 --out benchmarks/results/trainer-moe-h200-DATE.json   # MoE, cut to 8 blocks
     torchrun --nproc-per-node 4 benchmarks/trainer.py --preset qwen3-30b-a3b --num-layers 8 --ep 4 --shapes 16384:1:4
+    python benchmarks/trainer.py --preset qwen3-0.6b --device cuda --max-position-embeddings 262144 \
+        --shapes 65536:1:1 131072:1:1 262144:1:1 --ac selective --chunk-size 1024 --steps 2 --warmup 1 \
+        --out benchmarks/results/trainer-long-h200-DATE.json     # one long sequence per step, YaRN positions
+    torchrun --nproc-per-node 2 benchmarks/trainer.py --preset qwen3-0.6b --max-position-embeddings 262144 --cp 2 \
+        --shapes 131072:1:2                                     # context parallel: each 128k row over 2 GPUs
 
 A shape `SEQ_LEN:SAMPLES:ROWS` is a step of ROWS rows of SEQ_LEN tokens, each row packing SAMPLES
 sequences of SEQ_LEN / SAMPLES tokens, half prompt and half completion
@@ -74,7 +79,7 @@ from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPO
 from tandem.models.loading import DUMMY_SEED, build_native
 from tandem.models.presets import PRESETS, init_model
 from tandem.models.random_init import initial_value
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.batch import MicroBatch, prepare_micro_batches
 from tandem.trainer.data import fake_batch
 from tandem.trainer.flops import active_params, model_flops, training_flops
 from tandem.trainer.loss import LossInputs, build_loss
@@ -155,7 +160,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
     """The real trainer step: the config's defaults, or the flags' options."""
     with tempfile.TemporaryDirectory() as run_dir:
         checkpointing = {} if args.ac is None else {"activation_checkpoint": ActivationCheckpointConfig(mode=args.ac)}
-        parallel = ParallelConfig(ep=args.ep, **checkpointing)
+        parallel = ParallelConfig(ep=args.ep, cp=args.cp, **checkpointing)
         config = TrainerConfig(
             model=ModelConfig(name=str(folder), dtype=args.dtype, load_format="dummy"), device=args.device, seq_len=shape.seq_len,
             max_steps=args.warmup + args.steps, output_dir=Path(run_dir), optim=AdamWConfig(lr=1e-6), parallel=parallel,
@@ -167,7 +172,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
             dims, model = session.dims, session.model
             objective = rl_objective(build_loss(config.loss))
             num_params = active_params(model.lm)
-            options = {"ep": dims.ep_size, "compile": should_compile(config.kernels, dims.device),
+            options = {"ep": dims.ep_size, "cp": dims.cp_size, "compile": should_compile(config.kernels, dims.device),
                        "activation_checkpoint": config.parallel.activation_checkpoint.mode,
                        "logprob_chunk_size": config.logprob_chunk_size, "sdpa_backends": config.kernels.sdpa_backends,
                        "compute_dtype": str(compute_dtype(config.model, dims.device)), "optimizer": "AdamW (fused on CUDA)"}
@@ -175,7 +180,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
             times, losses = [], []
             for step in range(1, config.max_steps + 1):
                 batch = fake_batch(step, dims.rank, dims.world_size, config.data, config.seq_len, session.vocab_size, config.seed)
-                micro_batches = [MicroBatch.from_row(row, dims.device) for row in batch.rows]
+                micro_batches = prepare_micro_batches(batch.rows, dims)
                 sync(dims.device)
                 start = time.perf_counter()
                 result = train_step(model, session.optimizer, session.scheduler, micro_batches, objective,
@@ -310,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--num-layers", type=int, default=None, help="cut the preset to this many blocks (one GPU)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of tandem (parallel.ep; under torchrun)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size of tandem (parallel.cp; under torchrun)")
+    parser.add_argument("--max-position-embeddings", type=int, default=None,
+                        help="context length of the preset; past its own, RoPE is extended by YaRN")
     parser.add_argument("--shapes", type=Shape.parse, nargs="+", default=[Shape(2048, 4, 4)], help="SEQ_LEN:SAMPLES:ROWS of tandem runs")
     parser.add_argument("--baseline", type=Shape.parse, nargs="*", default=[], help="shapes (one sample per row) of baseline runs")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
@@ -344,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         peak, peak_note = H100_BF16_PEAK, "989e12 dense bf16 (H100/H200 datasheet)"
     else:
         peak, peak_note = measured_cpu_peak(), f"measured fp32 matmul peak of this process, {torch.get_num_threads()} threads"
-    results = {"preset": args.preset, "num_layers": args.num_layers, "device": str(device), "mfu_formula": MFU_FORMULA, "peak_tflops": peak / 1e12, "peak_note": peak_note,
+    results = {"preset": args.preset, "num_layers": args.num_layers, "max_position_embeddings": args.max_position_embeddings,
+               "device": str(device), "mfu_formula": MFU_FORMULA, "peak_tflops": peak / 1e12, "peak_note": peak_note,
                "warmup_steps": args.warmup, "environment": environment(device, args.commit), "runs": []}
 
     def record(shape: Shape, result: dict) -> None:
@@ -360,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             tmp.replace(args.out)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = init_model(args.preset, Path(tmp) / "model", seed=0, num_layers=args.num_layers, weights=False)
+        folder = init_model(args.preset, Path(tmp) / "model", seed=0, num_layers=args.num_layers, weights=False,
+                            max_position_embeddings=args.max_position_embeddings)
         if device.type == "cuda" and is_main:
             hf_config = json.loads((folder / "config.json").read_text())
             results["attention_tflops_fwd_bwd"] = {"seq_len": args.shapes[0].seq_len,

@@ -246,3 +246,12 @@ class RLConfig(ProcessConfig):
         if self.resume and self.clean:
             raise ValueError("`resume` and `clean` exclude each other: choose one")
         return self
+
+    @model_validator(mode="after")
+    def _check_context_parallel(self) -> "RLConfig":
+        """A `cp` group splits rows among trainer ranks: its size must divide them (found before any process starts)."""
+        ranks, cp = self.deployment.num_trainer_ranks, self.trainer.parallel.cp
+        if ranks % cp:
+            source = "len(deployment.trainer_devices)" if self.deployment.type == "gpu" else "deployment.num_trainer_processes"
+            raise ValueError(f"`trainer.parallel.cp` = {cp} must divide the trainer's ranks, `{source}` = {ranks}")
+        return self

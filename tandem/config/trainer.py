@@ -176,6 +176,21 @@ class ParallelConfig(Section):
     dispatch). EP borrows data-parallel ranks: it must divide the world size and the model's
     `num_experts`. 1: every rank holds every expert (FSDP-sharded like any weight)."""
 
+    cp: int = Field(1, ge=1)
+    """Context parallelism: ranks each packed row's tokens are split over (zigzag shards, ring
+    attention). CP borrows data-parallel ranks: it must divide the world size; the `cp` ranks of a
+    group train the rows of all of them together. Native models only. 1: every rank holds whole rows."""
+
+    cp_attention: Literal["ring", "ulysses"] = "ring"
+    """How a context-parallel shard attends. `ring`: k/v blocks passed around the `cp` ranks, partial
+    results merged by log-sum-exp (any head count; plain PyTorch math per block). `ulysses`: two
+    all-to-alls turn token shards into head shards, so each rank attends every token of 1/cp of the
+    heads with the single-device kernels (the key/value heads must divide by `cp`)."""
+
+    cp_query_chunk: int = Field(1024, ge=1)
+    """Context parallelism: queries per chunk of ring attention. A chunk holds chunk x (row / cp)
+    fp32 scores per query head, in forward and again in backward."""
+
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     """Recompute activations in backward to save memory."""
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.attention import AttentionBackend, PackedCausalAttention
-from tandem.models.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin
+from tandem.models.layers import RMSNorm, YarnScaling, apply_rope, rms_norm, rope_cos_sin
 from tandem.models.random_init import initial_value
 
 
@@ -45,6 +45,8 @@ class DecoderArgs:
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMS norm of the model."""
     rope_theta: float = 1_000_000.0
+    rope_scaling: YarnScaling | None = None
+    """YaRN scaling of RoPE (`rope_parameters.rope_type` = "yarn"); None: plain RoPE."""
     partial_rotary_factor: float = 1.0
     """Fraction of each head's features that RoPE rotates (the first ones)."""
     tie_word_embeddings: bool = False
@@ -181,7 +183,7 @@ class DecoderLM(nn.Module):
         """input_ids, position_ids [B, T] -> hidden [B, T, hidden]. Positions restart per document."""
         backend = attention if attention is not None else PackedCausalAttention(position_ids)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, h.dtype, self.args.rope_scaling)
         for layer in self.model.layers:
             h = layer(h, cos, sin, backend)
         return self.model.norm(h)

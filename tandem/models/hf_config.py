@@ -10,7 +10,10 @@ resolves them. Fields that do not change the forward (`initializer_range`, `use_
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+from tandem.models.layers import YarnScaling
 
 
 class UnsupportedConfig(ValueError):
@@ -38,10 +41,29 @@ def expect(config: Any, field: str, supported: tuple, default: Any = None) -> An
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
-    """The normalized `rope_parameters`; only default (unscaled) RoPE is implemented."""
+    """The normalized `rope_parameters` (transformers moves 4.x `rope_scaling` there); plain RoPE and YaRN are implemented."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    expect(rope, "rope_type", ("default",), "default")
+    expect(rope, "rope_type", ("default", "yarn"), "default")
     return rope
+
+
+def yarn_scaling(rope: dict[str, Any], max_position_embeddings: int) -> YarnScaling | None:
+    """YaRN's parameters as transformers resolves them (`_compute_yarn_parameters`), None for plain RoPE."""
+    if rope.get("rope_type", "default") != "yarn":
+        return None
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return YarnScaling(factor=float(factor), original_max_position_embeddings=int(original),
+                       attention_factor=float(attention_factor), beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)))
 
 
 def decoder_fields(config: Any) -> dict[str, Any]:
@@ -58,6 +80,7 @@ def decoder_fields(config: Any) -> dict[str, Any]:
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         rms_norm_eps=config.rms_norm_eps,
         rope_theta=float(rope["rope_theta"]),
+        rope_scaling=yarn_scaling(rope, config.max_position_embeddings),
         partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
         tie_word_embeddings=config.tie_word_embeddings,
         max_position_embeddings=config.max_position_embeddings,

@@ -7,6 +7,8 @@ three compute the same function by construction, not by a test holding copies eq
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
@@ -32,14 +34,57 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (arXiv 2309.00071) with transformers' conventions (`rope_type = "yarn"`): the
+    fast-rotating dimensions keep their frequencies (extrapolation), the slow ones are divided by
+    `factor` (interpolation), with a linear ramp between, and cos/sin are scaled by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    """The context length the model was pretrained with."""
+    attention_factor: float
+    """Multiplies cos and sin (so q.k by its square): resolved from `mscale`/`mscale_all_dim` when not given."""
+    beta_fast: float = 32.0
+    """Rotations over the original context above which a dimension extrapolates."""
+    beta_slow: float = 1.0
+    """Rotations below which a dimension interpolates."""
+    truncate: bool = True
+    """Round the ramp's bounds to whole dimensions."""
+
+    def inv_freq(self, rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+        pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim)
+
+        def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in the original context
+            return rotary_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        if low == high:
+            high += 0.001  # no division by zero
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+        extrapolate = 1 - ramp
+        return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+                 yarn: YarnScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, T, rotary_dim] for the given positions (computed in fp32, no buffers to init).
 
-    `rotary_dim` is the head dimension, or the part of it that rotates (`partial_rotary_factor`)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim)
+    `rotary_dim` is the head dimension, or the part of it that rotates (`partial_rotary_factor`);
+    `yarn`: YaRN scaling of the frequencies and of cos/sin, None for plain RoPE."""
+    if yarn is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim)
+    else:
+        inv_freq = yarn.inv_freq(rotary_dim, theta, position_ids.device)
     freqs = position_ids.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if yarn is not None:
+        cos, sin = cos * yarn.attention_factor, sin * yarn.attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,9 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def preset_config(preset: str, num_layers: int | None = None) -> dict:
-    """The complete config.json of `preset` (as transformers writes it), cut to `num_layers` blocks."""
+def preset_config(preset: str, num_layers: int | None = None, max_position_embeddings: int | None = None) -> dict:
+    """The complete config.json of `preset` (as transformers writes it), cut to `num_layers` blocks and,
+    with `max_position_embeddings` past the preset's, extended to it by YaRN (see `with_context`)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     shape = dict(PRESETS[preset])
@@ -75,7 +76,22 @@ def preset_config(preset: str, num_layers: int | None = None) -> dict:
         if not 1 <= num_layers <= shape["num_hidden_layers"]:
             raise ValueError(f"`--num-layers` = {num_layers}: preset {preset!r} has 1 to {shape['num_hidden_layers']} layers")
         shape["num_hidden_layers"] = num_layers
+    if max_position_embeddings is not None:
+        shape = with_context(shape, max_position_embeddings)
     return shape_config(shape)
+
+
+def with_context(shape: dict, max_position_embeddings: int) -> dict:
+    """`shape` with a context of `max_position_embeddings` tokens: past the shape's own, through YaRN with
+    factor = new / old and the old length as `original_max_position_embeddings` (Qwen3's recipe for 128k)."""
+    if max_position_embeddings < 2:
+        raise ValueError(f"`--max-position-embeddings` = {max_position_embeddings}: at least 2")
+    original = shape["max_position_embeddings"]
+    shape = dict(shape, max_position_embeddings=max_position_embeddings)
+    if max_position_embeddings > original:
+        shape["rope_parameters"] = {**shape.get("rope_parameters", {}), "rope_type": "yarn",
+                                    "factor": max_position_embeddings / original, "original_max_position_embeddings": original}
+    return shape
 
 
 def shape_config(shape: dict) -> dict:
@@ -97,10 +113,11 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"
 """model_type -> the transformers class named in config.json's `architectures`."""
 
 
-def init_model(preset: str, out: Path, seed: int = 0, num_layers: int | None = None, weights: bool = True) -> Path:
+def init_model(preset: str, out: Path, seed: int = 0, num_layers: int | None = None, weights: bool = True,
+               max_position_embeddings: int | None = None) -> Path:
     """Write a Hugging Face folder (config, safetensors, tokenizer, generation config) for `preset`;
     `weights=False` leaves the safetensors out (load it with `model.load_format = "dummy"`)."""
-    return write_model(preset_config(preset, num_layers), out, seed, weights)
+    return write_model(preset_config(preset, num_layers, max_position_embeddings), out, seed, weights)
 
 
 def write_model(hf_config: dict, out: Path, seed: int = 0, weights: bool = True) -> Path:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.models.attention import document_lengths
+from tandem.trainer.parallel.context_parallel import ContextShard, gather_group_rows, shard_micro_batch
+from tandem.trainer.parallel.dims import ParallelDims
 from tandem.transport.types import PackedRow
 
 
@@ -26,7 +28,7 @@ def replay_tensor(row: PackedRow, device: torch.device) -> torch.Tensor | None:
 
 @dataclass
 class MicroBatch:
-    """All tensors [1, T]."""
+    """All tensors [1, T]; a context-parallel shard's [1, T_local] (see `context`)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -37,10 +39,15 @@ class MicroBatch:
     temperatures: torch.Tensor
     on_policy: torch.Tensor
     """Bool: tokens sampled by the policy the trainer holds now (all, when versions are unknown)."""
-    row_document_lengths: list[list[int]]
-    """Host-side lengths of the documents packed in the row, for attention without a mask or a sync."""
+    row_document_lengths: list[list[int]] | None
+    """Host-side lengths of the documents packed in the row, for attention without a mask or a sync
+    (None for a context-parallel shard: its documents are in `context`)."""
     routed_experts: torch.Tensor | None = None
     """Router replay: [T, num_moe_layers, k] expert ids per token, rows of -1 where the model routes itself."""
+    context: ContextShard | None = None
+    """Context parallelism: where this shard's tokens sit in the row. The loss fields (loss mask,
+    logprobs, advantages, temperatures, on_policy) are then already shifted onto the position that
+    predicts their token; None: a whole row, token t predicted at t - 1."""
 
     @classmethod
     def from_row(cls, row: PackedRow, device: torch.device, policy_version: int | None = None,
@@ -68,3 +75,14 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+
+def prepare_micro_batches(rows: list[PackedRow], dims: ParallelDims, policy_version: int | None = None,
+                          router_replay: bool = False) -> list[MicroBatch]:
+    """This rank's micro-batches: one per row, or under context parallelism this rank's shard of
+    every row its `cp` group holds (all ranks of a group train the same rows)."""
+    if dims.cp_size == 1:
+        return [MicroBatch.from_row(row, dims.device, policy_version, router_replay) for row in rows]
+    group = dims.cp_mesh.get_group()
+    return [shard_micro_batch(MicroBatch.from_row(row, dims.device, policy_version, router_replay), group)
+            for row in gather_group_rows(rows, group)]

@@ -39,6 +39,7 @@ from tandem.models.weights import load_state_dict
 from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpoint
+from tandem.trainer.parallel.context_parallel import ContextShard, check_context_parallel, context_attention
 from tandem.trainer.parallel.dims import EP, ParallelDims
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp
@@ -67,23 +68,34 @@ class PolicyModel(nn.Module):
         self.native = not isinstance(lm, HFCausalLM)
         self.router: RouterMonitor | None = None
         """Statistics and load balancing of the MoE routers (None for a dense model)."""
+        self.context_parallel = ParallelConfig()
+        """`parallel.cp_attention` and `parallel.cp_query_chunk`: how a context-parallel shard attends."""
 
     @property
     def blocks(self) -> nn.ModuleList:
         return self.lm.layers
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperatures: torch.Tensor,
-                loss_mask: torch.Tensor, row_document_lengths: list[list[int]] | None = None) -> TokenLogprobs:
+                loss_mask: torch.Tensor, row_document_lengths: list[list[int]] | None = None,
+                context: ContextShard | None = None) -> TokenLogprobs:
         """All inputs [B, T]; logprobs are computed only where `loss_mask` is true.
 
         `row_document_lengths`: the lengths of the documents packed in each row, as the host
         knows them from the batch; read from `position_ids` (a device sync) when not given.
+        `context`: a context-parallel shard (`tandem.trainer.parallel.context_parallel`): attention
+        runs around the ring, and `temperatures` and `loss_mask` are already aligned with the
+        predicting position, whose target is `context.targets`.
 
-        Token t is predicted from the hidden state at t-1, so column 0 is never computed. A row
-        without loss tokens still computes one position (then discarded by the mask of the loss)
-        so that every parameter takes part in backward: FSDP's reduce-scatters must run on every
-        rank for every micro-batch, padding rows included.
+        Token t is predicted from the hidden state at t-1, so column 0 of a whole row is never
+        computed. A row without loss tokens still computes one position (then discarded by the
+        mask of the loss) so that every parameter takes part in backward: FSDP's reduce-scatters
+        must run on every rank for every micro-batch, padding rows included.
         """
+        if context is not None:
+            attention = context_attention(context, self.context_parallel.cp_attention, self.context_parallel.cp_query_chunk,
+                                          self.sdpa_backends)
+            hidden = self.lm(input_ids, position_ids, attention=attention)
+            return self._logprobs(hidden, context.targets, temperatures, loss_mask)
         if self.native:
             if row_document_lengths is None:
                 row_document_lengths = [document_lengths(row) for row in position_ids.tolist()]
@@ -91,19 +103,22 @@ class PolicyModel(nn.Module):
             hidden = self.lm(input_ids, position_ids, attention=attention)
         else:
             hidden = self.lm(input_ids, position_ids)
-        select = loss_mask[:, 1:].bool()
+        out = self._logprobs(hidden[:, :-1], input_ids[:, 1:], temperatures[:, 1:], loss_mask[:, 1:])
+        first = torch.zeros(input_ids.shape[0], 1, dtype=torch.float32, device=hidden.device)
+        return TokenLogprobs(torch.cat([first, out.logprobs], dim=1), torch.cat([first, out.entropy], dim=1))
+
+    def _logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor,
+                  loss_mask: torch.Tensor) -> TokenLogprobs:
+        """Logprobs and entropies [B, N] of `targets` predicted from `hidden` [B, N, H], where `loss_mask` is set."""
+        select = loss_mask.bool()
         if not bool(select.any()):
             select = torch.zeros_like(select)
             select[0, 0] = True
         head = self.lm.lm_head
-        lp, ent = token_logprobs(hidden[:, :-1][select], head.weight, head.bias, input_ids[:, 1:][select],
-                                 temperatures[:, 1:][select], self.chunk_size, self.compile_head)
-        B, T = input_ids.shape
-        zeros = torch.zeros(B, T - 1, dtype=torch.float32, device=hidden.device)
-        first = torch.zeros(B, 1, dtype=torch.float32, device=hidden.device)
-        logprobs = torch.cat([first, zeros.masked_scatter(select, lp)], dim=1)
-        entropy = torch.cat([first, zeros.masked_scatter(select, ent)], dim=1)
-        return TokenLogprobs(logprobs, entropy)
+        lp, ent = token_logprobs(hidden[select], head.weight, head.bias, targets[select], temperatures[select],
+                                 self.chunk_size, self.compile_head)
+        zeros = torch.zeros(select.shape, dtype=torch.float32, device=hidden.device)
+        return TokenLogprobs(zeros.masked_scatter(select, lp), zeros.masked_scatter(select, ent))
 
     def hf_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Parameters under their Hugging Face names (a tied LM head appears once, as the embedding)."""
@@ -135,12 +150,17 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         lm = HFCausalLM.from_pretrained(folder, "cpu", torch.float32, model.trust_remote_code)
     compile = should_compile(kernels, dims.device)
     policy = PolicyModel(lm, chunk_size, compile_head=compile and native, sdpa_backends=kernels.sdpa_backends)
+    policy.context_parallel = parallel
     checkpointing = parallel.activation_checkpoint
     if native:
         apply_training_blocks(policy.blocks, compile=compile, recompute=checkpointing.mode == "selective")
     elif checkpointing.mode == "selective":  # transformers' blocks cannot be split at attention
         checkpointing = ActivationCheckpointConfig(mode="full")
     apply_activation_checkpoint(policy.blocks, checkpointing)
+    check_context_parallel(dims.cp_size, parallel.cp_attention, hf_config, str(folder / "config.json"))
+    if dims.cp_size > 1 and not native:
+        raise ValueError(f"`parallel.cp` = {dims.cp_size} needs a model tandem runs natively; {folder / 'config.json'} has "
+                         f"model_type {hf_config.get('model_type')!r} (transformers fallback); set `parallel.cp` = 1")
     if dims.ep_size > 1:
         apply_expert_parallel_to(policy, hf_config, dims, str(folder / "config.json"))
     apply_fsdp(policy, policy.blocks, dims.mesh, param_dtype=compute_dtype(model, dims.device),

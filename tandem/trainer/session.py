@@ -24,6 +24,7 @@ from tandem.monitor.prometheus import serve_metrics
 from tandem.trainer.ckpt import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
 from tandem.trainer.model import PolicyModel, build_policy, gather_full_state
 from tandem.trainer.optim import build_optimizer, build_scheduler
+from tandem.trainer.parallel.context_parallel import check_context_parallel
 from tandem.trainer.parallel.dims import ParallelDims, close_parallel, init_parallel
 from tandem.trainer.parallel.expert_parallel import check_expert_parallel
 from tandem.trainer.publish import prune_weights, published_dtype, write_weights_folder
@@ -94,9 +95,11 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
 
     log = setup_logging(process)
     folder = resolve_model_path(config.model.name)
-    # A bad expert-parallel size is found from config.json alone, before joining the ranks.
-    check_expert_parallel(config.parallel.ep, read_hf_config(folder), str(folder / "config.json"))
-    dims = init_parallel(config.device, config.parallel.ep)
+    # A bad expert- or context-parallel size is found from config.json alone, before joining the ranks.
+    hf_config = read_hf_config(folder)
+    check_expert_parallel(config.parallel.ep, hf_config, str(folder / "config.json"))
+    check_context_parallel(config.parallel.cp, config.parallel.cp_attention, hf_config, str(folder / "config.json"))
+    dims = init_parallel(config.device, config.parallel.ep, config.parallel.cp)
     if not dims.is_main:  # one rank tells the story; the others speak up only when something is wrong
         log.setLevel(logging.WARNING)
     try:

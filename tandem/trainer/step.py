@@ -69,7 +69,7 @@ def count_loss_tokens(micro_batches: list[MicroBatch], dims: ParallelDims) -> in
 
 def forward_objective(model: PolicyModel, mb: MicroBatch, objective: Objective) -> tuple[ObjectiveOutput, torch.Tensor]:
     """Objective and entropy sum of one micro-batch."""
-    out = model(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths)
+    out = model(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths, mb.context)
     result = objective(mb, out)
     entropy_sum = torch.where(mb.loss_mask, out.entropy, 0.0).sum()
     return result, entropy_sum

@@ -204,3 +204,14 @@ def test_a_value_where_a_section_belongs_is_a_config_error():
 def test_resolution_is_pure():
     args = ("--inference.server.port", "0", "--deployment.num-trainer-processes", "2")
     assert resolve(*args) == resolve(*args)
+
+
+def test_a_context_parallel_size_that_does_not_divide_the_trainer_ranks_fails_before_any_process_starts():
+    assert resolve("--deployment.num-trainer-processes", "4", "--trainer.parallel.cp", "2").trainer.parallel.cp == 2
+    with pytest.raises(ConfigError, match=r"`trainer.parallel.cp` = 2 must divide the trainer's ranks, "
+                                          r"`deployment.num_trainer_processes` = 3"):
+        resolve("--deployment.num-trainer-processes", "3", "--trainer.parallel.cp", "2")
+    with pytest.raises(ConfigError, match=r"`trainer.parallel.cp` = 4 must divide the trainer's ranks, "
+                                          r"`len\(deployment.trainer_devices\)` = 2"):
+        resolve("--deployment.type", "gpu", "--deployment.trainer_devices", "[1, 2]", "--trainer.parallel.cp", "4",
+                machine=FakeMachine(cuda_devices=3))

@@ -147,7 +147,7 @@ def test_grouped_experts_compute_each_experts_swiglu():
 @pytest.mark.parametrize("model_type, field, value", [
     ("qwen3_moe", "use_sliding_window", True),
     ("qwen3_moe", "hidden_act", "gelu"),
-    ("qwen3", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+    ("qwen3", "rope_parameters", {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}),
     ("glm4_moe", "n_group", 3),
     ("minimax_m2", "scoring_func", "softmax"),
     ("minimax_m2", "attn_type_list", [0, 1]),

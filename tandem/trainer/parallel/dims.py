@@ -4,15 +4,18 @@ Every run has a process group, also at world size 1 without torchrun (an in-proc
 no port): FSDP, DCP and the collectives then take one code path whatever the world size, which is
 what makes a 1-rank run and an N-rank run comparable step by step.
 
-Meshes (torchtitan's layout): every rank is a data-parallel rank, and expert parallelism borrows
-its ranks from data parallelism instead of adding ranks.
+Meshes (torchtitan's layout): every rank is an FSDP rank, and expert and context parallelism
+borrow their ranks from it instead of adding ranks.
 
-    dense  mesh  (dp_shard,)      = (world,)               FSDP of everything outside the routed experts
-    expert mesh  (efsdp, ep)      = (world / ep, ep)       routed experts: Shard(0) over `ep`, FSDP over `efsdp`
+    dense   mesh  (dp_shard,)      = (world,)               FSDP of everything outside the routed experts
+    expert  mesh  (efsdp, ep)      = (world / ep, ep)       routed experts: Shard(0) over `ep`, FSDP over `efsdp`
+    context mesh  (dp, cp)         = (world / cp, cp)       each row's tokens split over `cp`; `dp` groups read different rows
 
-Both are views of the same world mesh, so a rank's `ep` group is `ep` consecutive ranks (one
-node's fast links carry the all-to-all) and FSDP can compose the two axes on one parameter. The
-expert mesh exists only when `ep` > 1; context parallelism adds its axis here, not in the loops.
+All are views of the same world mesh, so a rank's `ep` (or `cp`) group is consecutive ranks (one
+node's fast links carry the all-to-all or the ring) and FSDP can compose the axes on one
+parameter. The expert mesh exists only when `ep` > 1, the context mesh only when `cp` > 1. FSDP
+shards and averages over all ranks whatever `cp` is: the ranks of a `cp` group hold the
+gradients of different tokens of the same rows, which add up.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ EP = "ep"
 """Mesh axis over which each MoE block's routed experts are split (dim 0 of the expert weights)."""
 EFSDP = "efsdp"
 """Mesh axis over which FSDP shards the routed experts: the data-parallel ranks left once `ep` is taken."""
+CP = "cp"
+"""Mesh axis over which the tokens of each packed row are split (context parallelism, ring attention)."""
+DP = "dp"
+"""Mesh axis of the context mesh over which rows are split: the `cp` groups."""
 
 
 @dataclass
@@ -43,6 +50,8 @@ class ParallelDims:
     """The dense mesh, one axis `dp_shard` over all ranks."""
     expert_mesh: DeviceMesh | None = None
     """(efsdp, ep) over all ranks when `ep_size` > 1, else None (experts are dense parameters)."""
+    context_mesh: DeviceMesh | None = None
+    """(dp, cp) over all ranks when `cp_size` > 1, else None (every rank holds whole rows)."""
 
     @property
     def is_main(self) -> bool:
@@ -51,12 +60,21 @@ class ParallelDims:
 
     @property
     def dp_size(self) -> int:
-        """Ranks that split each step's batch: all of them (EP borrows data-parallel ranks)."""
+        """Ranks over which FSDP averages the gradients: all of them (EP and CP borrow FSDP's ranks)."""
         return self.mesh[DP_SHARD].size()
 
     @property
     def ep_size(self) -> int:
         return 1 if self.expert_mesh is None else self.expert_mesh[EP].size()
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.context_mesh is None else self.context_mesh[CP].size()
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The 1-D `cp` mesh of this rank's context-parallel group (None when `cp_size` is 1)."""
+        return None if self.context_mesh is None else self.context_mesh[CP]
 
 
 def resolve_device(device: Literal["auto", "cpu", "cuda"], local_rank: int) -> torch.device:
@@ -73,15 +91,17 @@ def resolve_device(device: Literal["auto", "cpu", "cuda"], local_rank: int) -> t
     return torch.device("cpu")
 
 
-def init_parallel(device: Literal["auto", "cpu", "cuda"], ep: int = 1) -> ParallelDims:
+def init_parallel(device: Literal["auto", "cpu", "cuda"], ep: int = 1, cp: int = 1) -> ParallelDims:
     """Join torchrun's process group (env://), or make a world of one; build the meshes.
 
-    `ep`: expert-parallel size (`parallel.ep`), a divisor of the world size."""
+    `ep`, `cp`: expert- and context-parallel sizes (`parallel.ep`, `parallel.cp`), divisors of the world size."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched else 0
     world_env = int(os.environ["WORLD_SIZE"]) if launched else 1
     if ep < 1 or world_env % ep:
         raise ValueError(f"`parallel.ep` = {ep} must divide the world size {world_env} (EP borrows data-parallel ranks)")
+    if cp < 1 or world_env % cp:
+        raise ValueError(f"`parallel.cp` = {cp} must divide the world size {world_env} (CP borrows data-parallel ranks)")
     dev = resolve_device(device, local_rank)
     # CUDA runs also get gloo for the CPU-side collectives that DCP and object gathers use.
     backend = "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
@@ -93,8 +113,9 @@ def init_parallel(device: Literal["auto", "cpu", "cuda"], ep: int = 1) -> Parall
     world = dist.get_world_size()
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=(DP_SHARD,))
     expert_mesh = mesh._unflatten(0, (world // ep, ep), (EFSDP, EP)) if ep > 1 else None
+    context_mesh = mesh._unflatten(0, (world // cp, cp), (DP, CP)) if cp > 1 else None
     return ParallelDims(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev, mesh=mesh,
-                        expert_mesh=expert_mesh)
+                        expert_mesh=expert_mesh, context_mesh=context_mesh)
 
 
 def close_parallel() -> None:

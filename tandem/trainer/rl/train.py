@@ -12,7 +12,7 @@ import time
 import torch
 
 from tandem.config.trainer import TrainerConfig
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.batch import MicroBatch, prepare_micro_batches
 from tandem.trainer.data import BatchError, check_step_batch, fake_batch, wait_for_batch
 from tandem.trainer.loss import LossFn, LossInputs, build_loss, mismatch_kl
 from tandem.trainer.model import TokenLogprobs
@@ -68,8 +68,8 @@ def train(config: TrainerConfig, session: Session, objective: Objective) -> None
         t_batch = time.perf_counter()
         source = "fake batch" if config.data.fake else str(rollout_file(config.run_dir, step, dims.rank))
         check_step_batch(batch, config.seq_len, session.vocab_size, source, dims, config.loss.router_replay)
-        micro_batches = [MicroBatch.from_row(row, dims.device, policy_version=step - 1,
-                                             router_replay=config.loss.router_replay) for row in batch.rows]
+        micro_batches = prepare_micro_batches(batch.rows, dims, policy_version=step - 1,
+                                              router_replay=config.loss.router_replay)
         result = train_step(session.model, session.optimizer, session.scheduler, micro_batches, objective,
                             batch.num_loss_tokens, config.optim.max_grad_norm, dims)
         t_train = time.perf_counter()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config.sft import SFTConfig
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.batch import MicroBatch, prepare_micro_batches
 from tandem.trainer.model import TokenLogprobs
 from tandem.trainer.publish import link_final
 from tandem.trainer.session import Session, open_session, peak_memory_gib
@@ -61,7 +61,7 @@ def eval_batches(data: SFTData, session: Session) -> list[MicroBatch]:
     per_rank = math.ceil(len(data.eval_rows) / dims.world_size)
     mine = data.eval_rows[dims.rank::dims.world_size]
     mine += [padding_row(data.pad_id)] * (per_rank - len(mine))
-    return [MicroBatch.from_row(row, dims.device) for row in mine]
+    return prepare_micro_batches(mine, dims)
 
 
 def train(config: SFTConfig, session: Session, data: SFTData) -> None:
@@ -69,7 +69,7 @@ def train(config: SFTConfig, session: Session, data: SFTData) -> None:
     evals = eval_batches(data, session) if config.eval.interval else []
     for step in range(session.start_step + 1, config.max_steps + 1):
         rows, epochs = data.train.rows_for(step, dims.rank, dims.world_size)
-        micro_batches = [MicroBatch.from_row(row, dims.device) for row in rows]
+        micro_batches = prepare_micro_batches(rows, dims)
         t0 = time.perf_counter()
         num_loss_tokens = count_loss_tokens(micro_batches, dims)
         result = train_step(session.model, session.optimizer, session.scheduler, micro_batches, sft_objective,
@@ -83,7 +83,7 @@ def train(config: SFTConfig, session: Session, data: SFTData) -> None:
         if session.should_publish(step):
             session.publish(step)
         session.maybe_checkpoint(step, {"step": step, "epochs": epochs})
-        num_tokens = sum(mb.num_tokens for mb in micro_batches) * dims.world_size
+        num_tokens = sum(len(row.input_ids) for row in rows) * dims.world_size
         values |= {"num_tokens": num_tokens, "tokens_per_s": num_tokens / max(t_train - t0, 1e-9), "time_step": t_train - t0,
                    "peak_memory_gib": peak_memory_gib(dims.device)}
         session.log_step(step, values)

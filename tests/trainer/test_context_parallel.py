@@ -1,0 +1,125 @@
+"""Context parallelism on the CPU (gloo, torchrun, 4 ranks): CP = 2 (x FSDP 2) and CP = 4 compute the loss,
+entropy and gradients of CP = 1 on packed rows of odd-length documents, also with expert parallelism and
+router replay; the trainer at CP = 2 follows the 1-rank trajectory; bad sizes are clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.monitor.logging import setup_logging
+from tandem.trainer.parallel.context_parallel import zigzag_indices
+
+from test_distributed import BENCHMARK, torchrun_trainer
+from test_expert_parallel import torchrun_env
+from trainer_helpers import metrics, run_trainer
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_zigzag_shards_cover_the_row_once_with_balanced_causal_work():
+    length, cp = 48, 4
+    shards = [zigzag_indices(length, cp, r) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(shards)).values, torch.arange(length))
+    assert shards[1].tolist() == list(range(6, 12)) + list(range(36, 42))
+    # causal work of a shard: keys its queries see, the same on every rank
+    assert len({int((s + 1).sum()) for s in shards}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, sizes", [
+    ("tiny_model", ["1:1", "2:1", "4:1", "2:1:ulysses"]),  # CP:EP[:attention]; CP = 2 on 4 ranks is CP x FSDP = 2 x 2
+    ("tiny_moe_model", ["1:1", "2:2", "4:2", "2:2:ulysses"]),  # with expert parallelism and router replay
+])
+def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, sizes, request, tmp_path):
+    out = tmp_path / "grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(HERE / "cp_gradients.py"), str(request.getfixturevalue(model)), str(out), *sizes]
+    result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = torch.load(out, weights_only=False)
+    ref = runs["1:1"]
+    assert ref["loss"] != 0 and all(g.abs().max() > 0 for g in ref["grads"].values())
+    for size in sizes[1:]:
+        run = runs[size]
+        assert run["loss"] == pytest.approx(ref["loss"], abs=1e-5), size
+        assert run["entropy"] == pytest.approx(ref["entropy"], abs=1e-5), size
+        assert run["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5), size
+        assert run["grads"].keys() == ref["grads"].keys()
+        for name, grad in ref["grads"].items():
+            assert (run["grads"][name] - grad).abs().max().item() < 1e-5, (size, name)
+
+
+@pytest.mark.slow
+def test_cp_2_trains_like_one_rank(tiny_model, tmp_path):
+    """The loop's wiring: each rank reads its own fake rows, the `cp` group trains them all, sharded."""
+    common = ["--model.name", str(tiny_model), "--data.fake", "--data.fake-rows", "2", "--data.fake-samples-per-row", "3",
+              "--max-steps", "3", "--seq-len", "46", "--optim.lr", "3e-3", "--device", "cpu"]
+    one, cp2 = tmp_path / "one", tmp_path / "cp2"
+    assert run_trainer(*common, "--output-dir", str(one)) == 0
+    result = torchrun_trainer(*common, "--output-dir", str(cp2), "--parallel.cp", "2", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len({m["loss"] for m in metrics(one)}) == 3  # the trajectory moves
+    for key in ("loss", "grad_norm", "entropy", "num_loss_tokens"):
+        assert [m[key] for m in metrics(cp2)] == pytest.approx([m[key] for m in metrics(one)], abs=1e-5), key
+
+@pytest.mark.parametrize("options, message", [
+    (["--parallel.cp", "2"], "`parallel.cp` = 2 must divide the world size 1"),
+    (["--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],  # found from config.json before the ranks join
+     "`parallel.cp` = 4 with `parallel.cp_attention` = 'ulysses' splits the key/value heads, but `num_key_value_heads` = 2 "
+     "in {folder}/config.json does not divide by it"),
+])
+def test_bad_context_parallel_sizes_are_clear_errors(options, message, tiny_model, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(setup_logging("trainer").parent, "propagate", True)  # let caplog see tandem's records
+    args = ["--model.name", str(tiny_model), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path), *options]
+    assert run_trainer(*args) == 1
+    assert message.format(folder=tiny_model) in caplog.text
+
+
+@pytest.mark.slow
+def test_long_sequence_benchmark_runs_yarn_and_context_parallel_on_the_cpu(tmp_path):
+    """benchmarks/trainer.py's long-sequence options at a CPU size: a YaRN-extended preset trains the step
+    transformers' model trains, and `--cp 2` under torchrun trains the same rows."""
+    common = [str(BENCHMARK), "--preset", "tiny", "--device", "cpu", "--max-position-embeddings", "16384",
+              "--shapes", "1024:1:2", "--steps", "1", "--warmup", "1", "--ac", "selective", "--chunk-size", "256"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    result = subprocess.run([sys.executable, *common, "--baseline", "1024:1:2", "--out", str(one)], env=torchrun_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run([sys.executable, *launcher, *common, "--cp", "2", "--out", str(two)], env=torchrun_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(one.read_text())
+    assert report["max_position_embeddings"] == 16384
+    tandem, baseline = report["runs"]
+    (cp2,) = json.loads(two.read_text())["runs"]
+    assert cp2["options"]["cp"] == 2 and cp2["world_size"] == 2
+    assert baseline["losses"][0]["loss"] == pytest.approx(tandem["losses"][0]["loss"], abs=1e-5)
+    assert [x["loss"] for x in cp2["losses"]] == pytest.approx([x["loss"] for x in tandem["losses"]], abs=1e-5)
+    assert [x["grad_norm"] for x in cp2["losses"]] == pytest.approx([x["grad_norm"] for x in tandem["losses"]], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_sft_at_cp_2_trains_and_evaluates_like_one_rank(tiny_model, tmp_path):
+    from test_sft import reverse_text_data, sft
+
+    train = reverse_text_data(tmp_path / "train.jsonl", 40, seed=0)
+    common = ["--model.name", str(tiny_model), "--data.path", str(train), "--seq-len", "90", "--data.rows-per-step", "2",
+              "--optim.lr", "3e-3", "--data.eval-fraction", "0.1", "--eval.interval", "3", "--max-steps", "3"]
+    one, cp2 = tmp_path / "one", tmp_path / "cp2"
+    assert sft(*common, "--output-dir", str(one)) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tandem.cli", "sft",
+           *common, "--device", "cpu", "--output-dir", str(cp2), "--parallel.cp", "2"]
+    result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ref, got = metrics(one, "sft"), metrics(cp2, "sft")
+    assert "eval_loss" in ref[-1]
+    for key in ("loss", "grad_norm", "num_loss_tokens"):
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in ref], abs=1e-5), key
+    assert got[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], abs=1e-5)
