@@ -54,7 +54,7 @@ class Session:
         if not self.dims.is_main:
             return None
         folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
-        prune_weights(self.config.run_dir, self.config.weights.keep)
+        prune_weights(self.config.run_dir, self.config.weights.keep, self.config.weights.keep_every)
         return folder
 
     def should_publish(self, step: int) -> bool:
