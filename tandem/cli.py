@@ -38,6 +38,8 @@ COMMANDS: dict[str, Command] = {
     "replay": Command("tandem.config.replay:ReplayConfig", "tandem.trainer.replay:main",
                       "Recompute one step of a run offline: `tandem replay RUN_DIR --step N [--loss.type ...]`.",
                       parse="tandem.config.replay:parse_replay_args"),
+    "trainer-preflight": Command("tandem.config.trainer:TrainerConfig", "tandem.trainer.preflight:main",
+                                 "The trainer's preflight mode, run by `tandem rl` before step 1 (probe logprobs, memory plan)."),
     "orchestrator": Command("tandem.config.orchestrator:OrchestratorConfig", "tandem.orchestrator.main:main",
                             "The orchestrator process: rollouts, advantages, batches."),
     "inference": Command("tandem.config.inference:InferenceConfig", "tandem.inference.server:main",

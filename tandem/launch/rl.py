@@ -23,6 +23,7 @@ import httpx
 from tandem.config.dump import to_toml
 from tandem.config.resolve import PROCESSES, free_port
 from tandem.config.rl import RLConfig
+from tandem.launch.preflight import run_preflight
 from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.launch.warmup import run_warmup
 from tandem.monitor.logging import setup_logging
@@ -53,7 +54,7 @@ def _check_run_folder(config: RLConfig) -> None:
     run_dir = config.run_dir
     has_results = [m for m in RESULT_MARKERS if _holds_results(run_dir / m)]
     if has_results and config.clean:
-        for marker in RESULT_MARKERS + ("logs", "configs", "report.html"):
+        for marker in RESULT_MARKERS + ("logs", "configs", "report.html", "preflight"):
             path = run_dir / marker
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     elif has_results and not config.resume:
@@ -91,16 +92,21 @@ def _child_env(cuda_devices: list[int] | None) -> dict[str, str]:
 def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[list[str], list[int] | None]]:
     py = [sys.executable, "-m", "tandem.cli"]
     gpu = config.deployment.type == "gpu"
-    ranks = config.deployment.num_trainer_ranks
-    trainer = [*py, "trainer", "@", str(configs["trainer"])]
-    if ranks > 1:
-        trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "tandem.cli", "trainer", "@", str(configs["trainer"])]
     return {
         "inference": ([*py, "inference", "@", str(configs["inference"])], config.deployment.inference_devices if gpu else None),
         "orchestrator": ([*py, "orchestrator", "@", str(configs["orchestrator"])], [] if gpu else None),
-        "trainer": (trainer, config.deployment.trainer_devices if gpu else None),
+        "trainer": (_trainer_argv(config, configs, "trainer"), config.deployment.trainer_devices if gpu else None),
+        "trainer-preflight": (_trainer_argv(config, configs, "trainer-preflight"), config.deployment.trainer_devices if gpu else None),
     }
+
+
+def _trainer_argv(config: RLConfig, configs: dict[str, Path], command: str) -> list[str]:
+    """`tandem <command> @ trainer.toml`, under torchrun when the trainer has several ranks."""
+    ranks = config.deployment.num_trainer_ranks
+    if ranks > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "-m", "tandem.cli", command, "@", str(configs["trainer"])]
+    return [sys.executable, "-m", "tandem.cli", command, "@", str(configs["trainer"])]
 
 
 def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
@@ -121,6 +127,10 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
         log.info("starting inference server (%s)", config.orchestrator.client.base_urls[0])
         wait_healthy(config.orchestrator.client.base_urls[0], procs["inference"], config.orchestrator.client.health_timeout_s,
                      stop_signal)
+        if config.preflight.enabled:
+            _preflight(config, commands)
+            if config.preflight_only:
+                return 0
         for name in ("orchestrator", "trainer"):
             argv, devices = commands[name]
             procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
@@ -151,6 +161,22 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             proc.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _preflight(config: RLConfig, commands: dict[str, tuple[list[str], list[int] | None]]) -> None:
+    """The checks of `tandem.launch.preflight`, the trainer's part in its own process (stopped on the way out)."""
+    argv, devices = commands["trainer-preflight"]
+    started: list[ManagedProcess] = []
+
+    def start_trainer() -> ManagedProcess:
+        started.append(ManagedProcess("preflight", argv, config.run_dir / "logs" / "preflight.log", _child_env(devices)))
+        return started[-1]
+
+    try:
+        run_preflight(config, config.orchestrator.client.base_urls[0], start_trainer)
+    finally:
+        for proc in started:
+            proc.stop()
 
 
 def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None) -> None:
