@@ -101,7 +101,7 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
     try:
         torch.manual_seed(config.seed + dims.rank)
         model, hf_config = build_policy(config.model, config.parallel, dims, config.logprob_chunk_size, config.kernels,
-                                       config.router)
+                                       config.router, config.run.exact)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
         metrics = MetricsWriter(config.run_dir, process) if dims.is_main else None
