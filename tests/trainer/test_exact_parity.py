@@ -21,6 +21,8 @@ from tandem.trainer.model import build_policy
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.transport.types import decode_batch, encode_batch
 
+from trainer_helpers import metrics, run_trainer
+
 NUM_TURNS = {0: 1, 1: 2, 2: 1, 3: 2}
 """Conversation -> model turns (1: single-turn, 2: multi-turn)."""
 
@@ -105,3 +107,12 @@ def test_exact_refuses_a_transformers_model(llama_model, dims):
     with pytest.raises(ValueError, match="falls back to transformers"):
         build_engine(ModelConfig(name=str(llama_model)), EngineConfig(device="cpu", num_blocks=8, max_model_len=64), seed=0,
                      exact=True)
+
+
+def test_the_trainer_trains_in_exact_mode(tiny_model, tmp_path):
+    """Backward runs through the token-by-token blocks and the row-wise head (whole-block recompute)."""
+    assert run_trainer("--model.name", str(tiny_model), "--run.exact", "true", "--data.fake", "--max-steps", "2",
+                       "--output-dir", str(tmp_path), "--seq-len", "32", "--optim.lr", "1e-3") == 0
+    records = metrics(tmp_path)
+    assert [r["skipped"] for r in records] == [0, 0] and records[1]["loss"] != records[0]["loss"]
+    assert all(r["grad_norm"] > 0 for r in records)
