@@ -155,17 +155,13 @@ def resume(config: RLConfig, machine: Machine) -> list[Derived]:
 
 def exact(config: RLConfig, machine: Machine) -> list[Derived]:
     """`run.exact = true` needs what can compute batch-invariantly, on both sides: the `tandem` backend (vLLM's
-    kernels are not batch-invariant), `deployment.type = "cpu"` (the CUDA kernels are not written yet) and a
-    model native to tandem (a `model_type` that falls back to transformers is refused when `model.name` is a
-    local folder; otherwise each process refuses it at start). It decides no value."""
+    kernels are not batch-invariant) and a model native to tandem (a `model_type` that falls back to transformers
+    is refused when `model.name` is a local folder; otherwise each process refuses it at start). It decides no value."""
     if not config.run.exact:
         return []
     if config.inference.backend != "tandem":
         raise ConfigError(f"`run.exact` = true needs `inference.backend` = \"tandem\", not {config.inference.backend!r}: "
                           "vLLM's kernels depend on the batch, so its logprobs cannot equal the trainer's bit for bit")
-    if config.deployment.type != "cpu":
-        raise ConfigError("`run.exact` = true runs on the CPU only for now (`deployment.type` = \"cpu\"): the GPU path "
-                          "needs batch-invariant Triton kernels, not written yet")
     hf_config = Path(config.model.name) / "config.json"
     if hf_config.is_file():
         from tandem.models.loading import is_native  # torch, only for exact runs

@@ -107,16 +107,13 @@ class ExactDocumentAttention:
         return torch.stack(rows)
 
 
-def check_exact(hf_config: dict, device: torch.device, source: str) -> None:
+def check_exact(hf_config: dict, source: str) -> None:
     """Refuse what exact mode cannot honour, saying why (the config's resolve step says it first, by key)."""
     from tandem.models.loading import is_native
 
     if not is_native(hf_config):
         raise ValueError(f"`run.exact` needs a model native to tandem; {source} says model_type "
                          f"{hf_config.get('model_type')!r}, which falls back to transformers, whose kernels are not batch-invariant")
-    if device.type != "cpu":
-        raise ValueError(f"`run.exact` runs on the CPU only for now (device {device}): the per-token CUDA path "
-                         "needs fixed-tile Triton kernels, not written yet")
 
 
 def exact_token_logprobs(hidden_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,

@@ -137,7 +137,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     hf_config = read_hf_config(folder)
     check_load_format(model.load_format, hf_config)
     if exact:
-        check_exact(hf_config, dims.device, str(folder / "config.json"))
+        check_exact(hf_config, str(folder / "config.json"))
     native = is_native(hf_config)
     if native:
         lm = build_native(hf_config, "meta", torch.float32, source=str(folder / "config.json"))

@@ -152,9 +152,6 @@ def test_exact_is_one_switch_and_refuses_what_cannot_honour_it(tmp_path):
         resolve("--run.exact", "true", "--inference.run.exact", "false")
     with pytest.raises(ConfigError, match=r"`inference.backend` = \"tandem\", not 'vllm'"):
         resolve("--run.exact", "true", "--inference.backend", "vllm")
-    with pytest.raises(ConfigError, match="runs on the CPU only"):
-        resolve("--run.exact", "true", "--deployment.type", "gpu", "--deployment.trainer-devices", "[0]",
-                machine=FakeMachine(cuda_devices=1))
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match="model_type 'llama', which falls back to transformers"):
         resolve("--run.exact", "true", "--model.name", str(tmp_path))

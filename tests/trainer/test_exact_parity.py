@@ -27,18 +27,22 @@ NUM_TURNS = {0: 1, 1: 2, 2: 1, 3: 2}
 """Conversation -> model turns (1: single-turn, 2: multi-turn)."""
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+"""fp32 on the CPU; bf16 (`model.dtype = auto`) on CUDA, where exact mode is not measured yet: this is its test."""
+
+
 @pytest.fixture
-def dims():
-    d = init_parallel("cpu")
+def dims(request):
+    d = init_parallel(getattr(request, "param", "cpu"))
     yield d
     close_parallel()
 
 
-def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: bool) -> dict[int, list[Turn]]:
+def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: bool, device: str = "cpu") -> dict[int, list[Turn]]:
     """Conversations from an exact engine; `staggered`: each new turn joins while others decode (mixed batches),
     else each request runs alone."""
     engine = build_engine(ModelConfig(name=str(model_folder)), EngineConfig(
-        device="cpu", num_blocks=128, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens), seed=0, exact=True)
+        device=device, num_blocks=128, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens), seed=0, exact=True)
     rng = random.Random(0)
     prompts = {c: [rng.randrange(256) for _ in range(rng.randint(3, 40))] for c in NUM_TURNS}
     turns: dict[int, list[Turn]] = {c: [] for c in NUM_TURNS}
@@ -60,9 +64,13 @@ def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: b
     return turns
 
 
-def test_engine_logprobs_equal_the_trainers_bitwise(tiny_model, dims):
-    mixed = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True)
-    alone = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False)
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_moe_model"])
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
+def test_engine_logprobs_equal_the_trainers_bitwise(model, dims, request):
+    tiny_model = request.getfixturevalue(model)  # dense, and a mixture of experts (routing token by token too)
+    device = dims.device.type
+    mixed = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device)
+    alone = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device)
     # Batch-invariant engine: the same seeds draw the same tokens with the same logprobs in any batch.
     for c in NUM_TURNS:
         assert [t.completion_ids for t in mixed[c]] == [t.completion_ids for t in alone[c]]
