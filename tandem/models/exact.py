@@ -11,10 +11,13 @@ token gets different roundings. Here every part runs on tensors whose shapes dep
   the same routine for the engine's paged cache and the trainer's packed rows;
 - the head: `exact_logprobs`, one row of logits at a time, log_softmax(logits / T) in fp32.
 
-Both processes install it with `apply_exact` and pass `exact=True` to their attention backend. It is
-written for the CPU in fp32 first (tested bitwise, `tests/models/test_exact.py`); the same structure holds
-on CUDA once the per-token matmuls are a fixed-tile kernel (see docs/models.md). Cost: one kernel call per
-token and operation, so it is for checking and small runs on the CPU, not for speed.
+Both processes install it with `apply_exact` and pass `exact=True` to their attention backend and head
+(the engine's sampler computes its logprobs with `exact_logprobs` too). Tested bitwise on the CPU in fp32,
+dense and mixture-of-experts models (`tests/trainer/test_exact_parity.py`). On CUDA the same torch ops run
+(without CUDA graphs, compiled norms or the fused sampling kernel); that case of the test skips without a
+GPU and has not run yet. Cost: one kernel call per token and operation, so this is for checking and small
+runs; a fast GPU path would replace the per-token calls by fixed-tile Triton kernels (a matmul whose K loop
+does not depend on M, attention with a fixed KV split) that keep each token's reduction order.
 """
 
 from __future__ import annotations

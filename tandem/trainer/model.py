@@ -21,7 +21,6 @@ Loading (`build_policy`):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -101,10 +100,11 @@ class PolicyModel(nn.Module):
             select = torch.zeros_like(select)
             select[0, 0] = True
         head = self.lm.lm_head
-        logprob_head = exact_token_logprobs if self.exact else functools.partial(
-            token_logprobs, chunk_size=self.chunk_size, compile=self.compile_head)
-        lp, ent = logprob_head(hidden[:, :-1][select], head.weight, head.bias, input_ids[:, 1:][select],
-                               temperatures[:, 1:][select])
+        inputs = (hidden[:, :-1][select], head.weight, head.bias, input_ids[:, 1:][select], temperatures[:, 1:][select])
+        if self.exact:
+            lp, ent = exact_token_logprobs(*inputs)
+        else:
+            lp, ent = token_logprobs(*inputs, self.chunk_size, self.compile_head)
         B, T = input_ids.shape
         zeros = torch.zeros(B, T - 1, dtype=torch.float32, device=hidden.device)
         first = torch.zeros(B, 1, dtype=torch.float32, device=hidden.device)
