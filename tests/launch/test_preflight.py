@@ -4,7 +4,10 @@ preflight process, real files; mismatch KL, the chat-template prefix check, the 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +99,17 @@ def test_a_dtype_mismatch_stops_the_run_naming_it(tiny, tmp_path):
     assert "`preflight.max_mismatch_kl` = 1e-07" in str(failed.value)
     assert "dtype: the server computes in bfloat16, the trainer in float32" in str(failed.value)
     assert not json.loads((preflight_dir(tmp_path) / "report.json").read_text())["kl_ok"]
+
+
+@pytest.mark.slow
+def test_preflight_only_runs_the_checks_and_nothing_else(tiny, tmp_path):
+    """`tandem rl --preflight-only`: the real launcher, server and trainer processes; no step is trained."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "rl", "--model.name", str(tiny), "--output-dir", str(out),
+                           "--preflight-only", "--seq-len", "256", "--orchestrator.batch-size", "8",
+                           "--orchestrator.group-size", "4", "--inference.server.port", "0"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "mismatch KL (probe)" in done.stdout and (preflight_dir(out) / "report.json").is_file()
+    assert not (out / "metrics.jsonl").exists() and not (out / "rollouts").exists()
