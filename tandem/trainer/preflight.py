@@ -87,6 +87,9 @@ def memory_plan(config: TrainerConfig, session: Session) -> dict[str, Any]:
 def main(config: TrainerConfig) -> int:
     from tandem.monitor.logging import setup_logging
 
+    # The server starts from `model.name` (a resumed run's orchestrator loads the newer policy only later):
+    # the preflight compares the two on that model, never on a checkpoint.
+    config = config.model_copy(update={"ckpt": config.ckpt.model_copy(update={"resume": False})})
     try:
         session = open_session(config, "trainer")
     except (FileNotFoundError, KeyError, ValueError) as err:
