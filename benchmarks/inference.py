@@ -99,6 +99,8 @@ def parse_args() -> argparse.Namespace:
                         help="tokens of one engine step (prefill chunking); default max(4096, longest sequence)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
+                        "(tandem.models.exact; tested on the CPU; CUDA untested)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
@@ -238,7 +240,7 @@ def bench_server(folder: Path, args: argparse.Namespace, w: dict, vocab: int, tm
     max_len = w["prompt_len"] + w["output_len"]
     port = free_port()
     config = InferenceConfig.model_validate({"model": {"name": str(folder), "dtype": args.dtype, "load_format": args.load_format},
-                                             "server": {"port": port},
+                                             "server": {"port": port}, "run": {"exact": args.exact},
                                              "engine": engine_config(args, w["num_prompts"], max_len).model_dump()})
     (tmp / "inference.toml").write_text(to_toml(config))
     server = ManagedProcess("inference", [sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")],
@@ -342,7 +344,7 @@ def main() -> None:
             max_len = max(a["prompt_len"] + a["output_len"], b["prompt_len"] + b["output_len"])
             t0 = time.perf_counter()
             model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
-            engine = build_engine(model_config, engine_config(args, max_seqs, max_len), args.seed)
+            engine = build_engine(model_config, engine_config(args, max_seqs, max_len), args.seed, exact=args.exact)
             results["engine_build_s"] = time.perf_counter() - t0
             results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
                                    "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}

@@ -73,7 +73,7 @@ from pathlib import Path
 import torch
 
 from provenance import environment
-from tandem.config.base import ModelConfig
+from tandem.config.base import ModelConfig, RunConfig
 from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPOLoss, KernelsConfig, ParallelConfig,
                                    RolloutDataConfig, TrainerConfig)
 from tandem.models.loading import DUMMY_SEED, build_native
@@ -165,7 +165,8 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
             model=ModelConfig(name=str(folder), dtype=args.dtype, load_format="dummy"), device=args.device, seq_len=shape.seq_len,
             max_steps=args.warmup + args.steps, output_dir=Path(run_dir), optim=AdamWConfig(lr=1e-6), parallel=parallel,
             data=RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row),
-            kernels=kernels, **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
+            kernels=kernels, run=RunConfig(exact=args.exact),
+            **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
         )
         session = open_session(config, "trainer")
         try:
@@ -175,7 +176,8 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
             options = {"ep": dims.ep_size, "cp": dims.cp_size, "compile": should_compile(config.kernels, dims.device),
                        "activation_checkpoint": config.parallel.activation_checkpoint.mode,
                        "logprob_chunk_size": config.logprob_chunk_size, "sdpa_backends": config.kernels.sdpa_backends,
-                       "compute_dtype": str(compute_dtype(config.model, dims.device)), "optimizer": "AdamW (fused on CUDA)"}
+                       "compute_dtype": str(compute_dtype(config.model, dims.device)), "optimizer": "AdamW (fused on CUDA)",
+                       "exact": config.run.exact}
             reset_memory(dims.device)
             times, losses = [], []
             for step in range(1, config.max_steps + 1):
@@ -330,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", choices=["auto", "on", "off"], default=KernelsConfig().compile)
     parser.add_argument("--sdpa-backends", nargs="+", choices=["cudnn", "flash", "efficient", "math"],
                         default=KernelsConfig().sdpa_backends, help="SDPA kernels of one-document rows, most preferred first")
+    parser.add_argument("--exact", action="store_true", help="`run.exact`: batch-invariant blocks, attention and head "
+                        "(tandem.models.exact; tested on the CPU; CUDA untested)")
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: see the docstring)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, which a copied tree may hold stale)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (rewritten after each run)")

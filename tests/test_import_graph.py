@@ -1,6 +1,7 @@
 """The module graph of ARCHITECTURE.md: no import circles, and the three processes never import each other.
 
-Imports inside functions count too: a lazy import hides a circle, it does not remove it.
+Imports inside functions count too: a lazy import hides a circle, it does not remove it. Imports under
+`if TYPE_CHECKING:` do not: they name a type for annotations and never run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ def import_graph() -> dict[str, set[str]]:
     files = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = _typing_only_nodes(tree)
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):
@@ -28,6 +33,12 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             graph[name].update(t for t in targets if t in files and t != name)
     return graph
+
+
+def _typing_only_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside `if TYPE_CHECKING:` blocks."""
+    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"]
+    return {id(n) for block in blocks for n in ast.walk(block)}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -53,6 +64,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_cycle_finder_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_type_checking_imports_are_not_edges(tmp_path):
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nimport b\n")
+    typing_only = _typing_only_nodes(tree)
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) and id(n) not in typing_only for a in n.names]
+    assert imported == ["b"]
 
 
 def test_no_import_circles():

@@ -72,6 +72,11 @@ class RunConfig(Section):
     name: str = "default"
     """Run name; the run folder defaults to `outputs/<name>`."""
 
+    exact: bool = False
+    """Bitwise parity of engine and trainer: both compute every token with batch-invariant kernels
+    (`tandem.models.exact`), so on-policy tokens get importance ratio 1 and mismatch KL 0 exactly.
+    Native models with the `tandem` backend on the CPU; far slower (one kernel call per token and op)."""
+
 
 class ProcessConfig(Section):
     """Root of one process's config. Under `tandem rl`, these keys are set once at the top and

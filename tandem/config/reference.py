@@ -17,11 +17,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tandem.config.base import ProcessConfig
+from tandem.config.base import ProcessConfig, Section
 from tandem.config.eval import EvalConfig
 from tandem.config.inference import InferenceConfig
 from tandem.config.loader import _models_in
 from tandem.config.orchestrator import OrchestratorConfig
+from tandem.config.replay import ReplayConfig
 from tandem.config.resolve import DERIVED_RULES, PROCESSES, SHARED_KEYS
 from tandem.config.rl import RLConfig
 from tandem.config.sft import SFTConfig
@@ -38,6 +39,7 @@ COMMANDS: tuple[tuple[str, type[BaseModel], type[BaseModel]], ...] = (
     ("tandem trainer", TrainerConfig, ProcessConfig),
     ("tandem sft", SFTConfig, TrainingProcessConfig),
     ("tandem eval", EvalConfig, ProcessConfig),
+    ("tandem replay", ReplayConfig, Section),
 )
 """(command, its config class, the base class whose keys are listed once elsewhere)."""
 
@@ -88,7 +90,11 @@ def _rows(model: type[BaseModel], prefix: str, skipped: tuple[str, ...] = (), va
         elif variants:
             tags = [typing.get_args(v.model_fields["type"].annotation)[0] for v in variants]
             kinds = ", ".join(f"`{t}` ({_cell(v.__doc__).rstrip('.')})" if v.__doc__ else f"`{t}`" for t, v in zip(tags, variants))
-            default = field.get_default(call_default_factory=True).type
+            default = field.get_default(call_default_factory=True)
+            if default is None:  # an optional copy of a union listed elsewhere (`tandem replay --loss.*`)
+                rows.append(f"| `{key}.*` | unset | {_cell(field.description or '')} The keys of `tandem trainer`'s `{name}`. |")
+                continue
+            default = default.type
             rows.append(f"| `{key}.type` | `{json.dumps(default)}` | {_cell(field.description or '')} One of {kinds}. |")
             for tag, sub in zip(tags, variants):
                 rows.extend(_rows(sub, key + ".", variant=f"(`{key}.type = \"{tag}\"`) "))

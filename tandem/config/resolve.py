@@ -18,9 +18,11 @@ both. A new shared key is one line in `SHARED_KEYS`; a new derived value is one 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from tandem.config.loader import ConfigError, RawConfig, read_args, validate
@@ -34,6 +36,7 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
     "model.name": PROCESSES,
     "model.load_format": PROCESSES,
     "run.name": PROCESSES,
+    "run.exact": PROCESSES,  # one switch: engine and trainer compute alike or not at all
     "seq_len": PROCESSES,
     "max_steps": PROCESSES,
     "output_dir": PROCESSES,
@@ -202,7 +205,30 @@ def resume(config: RLConfig, machine: Machine) -> list[Derived]:
                   for name in processes if common]
 
 
-DERIVED_RULES: tuple[Rule, ...] = (nodes, trainer_ranks, devices, server_address, resume)
+def exact(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`run.exact = true` needs what can compute batch-invariantly, on both sides: the `tandem` backend (vLLM's
+    kernels are not batch-invariant) and a model native to tandem (a `model_type` that falls back to transformers
+    is refused when `model.name` is a local folder; otherwise each process refuses it at start). It decides no value."""
+    if not config.run.exact:
+        return []
+    if config.trainer.parallel.cp > 1:
+        raise ConfigError(f"`run.exact` = true cannot split rows over ranks: `trainer.parallel.cp` = "
+                          f"{config.trainer.parallel.cp} attends in pieces whose reduction order the engine does not share")
+    if config.inference.backend != "tandem":
+        raise ConfigError(f"`run.exact` = true needs `inference.backend` = \"tandem\", not {config.inference.backend!r}: "
+                          "vLLM's kernels depend on the batch, so its logprobs cannot equal the trainer's bit for bit")
+    hf_config = Path(config.model.name) / "config.json"
+    if hf_config.is_file():
+        from tandem.models.loading import is_native  # torch, only for exact runs
+
+        model_type = json.loads(hf_config.read_text()).get("model_type")
+        if not is_native({"model_type": model_type}):
+            raise ConfigError(f"`run.exact` = true needs a model native to tandem; {hf_config} says model_type "
+                              f"{model_type!r}, which falls back to transformers, whose kernels are not batch-invariant")
+    return []
+
+
+DERIVED_RULES: tuple[Rule, ...] = (nodes, trainer_ranks, devices, server_address, resume, exact)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 
 

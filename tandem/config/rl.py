@@ -209,6 +209,24 @@ class WarmupConfig(Section):
     """Number of generated SFT examples written next to it for eval loss (`eval.jsonl`)."""
 
 
+class PreflightConfig(Section):
+    """Checks `tandem rl` runs before step 1, once the inference server is up (`tandem.launch.preflight`)."""
+
+    enabled: bool = True
+    """Run the preflight: a probe batch through server and trainer, a chat-template prefix check, a memory
+    plan and an async-overlap estimate, saved as `preflight/report.txt` and `.json` in the run folder."""
+
+    max_mismatch_kl: float = Field(1e-3, gt=0)
+    """Stop the run when the mismatch KL between trainer and server on the probe batch (k3, per token) is
+    above this: trainer and server then disagree on the policy, and importance ratios would be noise."""
+
+    num_conversations: int = Field(4, ge=1)
+    """Probe conversations, each of two model turns (the second turn tests the chat-template prefix rule)."""
+
+    max_tokens: int = Field(16, ge=1)
+    """Most tokens of each probe turn."""
+
+
 class RLConfig(ProcessConfig):
     """Root config of `tandem rl`. Its shared keys and derived values reach the process configs
     through `tandem.config.resolve.resolve`, never by validation alone."""
@@ -241,6 +259,12 @@ class RLConfig(ProcessConfig):
     """A started inference server that answers no `GET /health` for this long (stopped, deadlocked, not
     dead) ends the run, named: its clients would otherwise wait out their request timeouts."""
 
+    preflight: PreflightConfig = PreflightConfig()
+    """Checks before step 1."""
+
+    preflight_only: bool = False
+    """Run the preflight (`preflight`) and stop: no orchestrator, no training."""
+
     @model_validator(mode="after")
     def _check_resume_or_clean(self) -> "RLConfig":
         if self.resume and self.clean:
@@ -254,4 +278,10 @@ class RLConfig(ProcessConfig):
         if ranks % cp:
             source = "len(deployment.trainer_devices)" if self.deployment.type == "gpu" else "deployment.num_trainer_processes"
             raise ValueError(f"`trainer.parallel.cp` = {cp} must divide the trainer's ranks, `{source}` = {ranks}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_preflight_only(self) -> "RLConfig":
+        if self.preflight_only and not self.preflight.enabled:
+            raise ValueError("`preflight_only` runs the preflight, which `preflight.enabled` = false turns off: choose one")
         return self

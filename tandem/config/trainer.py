@@ -248,6 +248,19 @@ class WeightPublishConfig(Section):
     keep: int | None = Field(3, ge=2)
     """Weight folders to keep, newest first (at least 2: the orchestrator may still be loading the previous one); unset keeps all."""
 
+    keep_every: int | None = Field(None, ge=1)
+    """Also keep, beyond `keep`, every folder whose step is a multiple of this, so that step k * keep_every + 1
+    can be replayed (`tandem replay`: it needs the policy that step trained). Each kept folder costs the
+    model's size in its published dtype (Qwen3-0.6B in bf16: 1.2 GB; 100 steps at keep_every 10: 12 GB).
+    Unset: only `keep` decides. A multiple of `interval`, since other steps are never published."""
+
+    @model_validator(mode="after")
+    def _check_keep_every(self) -> "WeightPublishConfig":
+        if self.keep_every is not None and self.keep_every % self.interval:
+            raise ValueError(f"`weights.keep_every` = {self.keep_every} is not a multiple of `weights.interval` = "
+                             f"{self.interval}: those steps are never published")
+        return self
+
 
 class TrainingProcessConfig(ProcessConfig):
     """Fields shared by the RL trainer and the SFT trainer."""

@@ -21,7 +21,7 @@ log = logging.getLogger("tandem.inference")
 
 def build_served(config: InferenceConfig) -> Served:
     """The engine and everything the routes need, built from the config (loads the model)."""
-    engine = build_engine(config.model, config.engine, config.seed)
+    engine = build_engine(config.model, config.engine, config.seed, config.run.exact)
     return Served(AsyncEngine(engine), engine.tokenizer, config.model.name, engine.max_model_len)
 
 

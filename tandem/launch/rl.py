@@ -30,6 +30,7 @@ from tandem.config.resolve import PROCESSES, cluster_hosts
 from tandem.config.rl import RLConfig
 from tandem.launch.hang import HangWatch
 from tandem.launch.nodes import Beacon, PeerWatch, Peers
+from tandem.launch.preflight import run_preflight
 from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.launch.resume import cut_run_records
 from tandem.launch.torchrun import trainer_argv
@@ -69,7 +70,7 @@ def _check_run_folder(config: RLConfig) -> None:
     is_first_node = config.deployment.cluster.node_rank == 0
     has_results = [m for m in RESULT_MARKERS if _holds_results(run_dir / m)] if is_first_node else []
     if has_results and config.clean:
-        for marker in RESULT_MARKERS + ("logs", "configs", "report.html"):
+        for marker in RESULT_MARKERS + ("logs", "configs", "report.html", "preflight"):
             path = run_dir / marker
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     elif has_results and not config.resume:
@@ -127,6 +128,8 @@ def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[lis
         "inference": ([*py, "inference", "@", str(configs["inference"])], deployment.inference_devices if gpu else None),
         "orchestrator": ([*py, "orchestrator", "@", str(configs["orchestrator"])], [] if gpu else None),
         "trainer": (trainer, deployment.trainer_devices if gpu else None),
+        "trainer-preflight": (trainer_argv(deployment, str(configs["trainer"]), hosts[0], str(int(deployment.cluster.node_rank == 0)),
+                                           command="trainer-preflight"), deployment.trainer_devices if gpu else None),
     }
 
 
@@ -144,7 +147,8 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
     procs: dict[str, ManagedProcess] = {}
     try:
         peers = _join(config, stop_signal, log) if cluster.num_nodes > 1 else None
-        _start(config, configs, roles, procs, stop_signal, log)
+        if _start(config, configs, roles, procs, stop_signal, log):
+            return 0  # `preflight_only`: the preflight ran and passed
         _watch(config, procs, peers, stop_signal)
         if "orchestrator" in roles:
             report = write_report(config.run_dir)
@@ -187,8 +191,9 @@ def _join(config: RLConfig, stop_signal: list[int], log) -> Peers:
 
 
 def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: dict[str, ManagedProcess],
-           stop_signal: list[int], log) -> None:
-    """Start `roles` in order; the inference server first, until it answers `/health`."""
+           stop_signal: list[int], log) -> bool:
+    """Start `roles` in order; the inference server first, until it answers `/health`, then the preflight (one
+    node only: its probe runs the trainer beside the server). True when `preflight_only` ends the run there."""
     commands = _commands(config, configs)
     logs = config.run_dir / "logs"
     suffix = _node_suffix(config)
@@ -200,7 +205,12 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
             url = _local_server_url(config)
             log.info("starting inference server (%s)", url)
             wait_healthy(url, procs["inference"], config.orchestrator.client.health_timeout_s, stop_signal)
+            if config.preflight.enabled and config.deployment.cluster.num_nodes == 1:
+                _preflight(config, commands)
+                if config.preflight_only:
+                    return True
     log.info("%s started; logs in %s", ", ".join(roles), logs)
+    return False
 
 
 def _local_server_url(config: RLConfig) -> str:
@@ -261,6 +271,22 @@ def _raise_if_hung(hang_watch: HangWatch, server: ManagedProcess) -> None:
     if silent_s is not None and server.poll() is None:
         raise RunFailed(f"the inference server is hung: alive, but no answer to {hang_watch.url} for {silent_s:.0f} s "
                         f"(`hang_timeout_s`); its log: {server.log_path}")
+
+
+def _preflight(config: RLConfig, commands: dict[str, tuple[list[str], list[int] | None]]) -> None:
+    """The checks of `tandem.launch.preflight`, the trainer's part in its own process (stopped on the way out)."""
+    argv, devices = commands["trainer-preflight"]
+    started: list[ManagedProcess] = []
+
+    def start_trainer() -> ManagedProcess:
+        started.append(ManagedProcess("preflight", argv, config.run_dir / "logs" / "preflight.log", _child_env(devices)))
+        return started[-1]
+
+    try:
+        run_preflight(config, config.orchestrator.client.base_urls[0], start_trainer)
+    finally:
+        for proc in started:
+            proc.stop()
 
 
 def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None) -> None:

@@ -9,14 +9,14 @@ from tandem.config.rl import DeploymentConfig
 
 
 def trainer_argv(deployment: DeploymentConfig, config_path: str, rendezvous_host: str, is_host: str | None,
-                 python: str = sys.executable) -> list[str]:
+                 python: str = sys.executable, command: str = "trainer") -> list[str]:
     """The command that runs this node's trainer ranks.
 
     Several nodes meet in torchrun's c10d rendezvous on `rendezvous_host` (the first node): `is_host` says
     which agent serves its store (`"1"`, `"0"`, or shell text that expands to one; None: torchrun compares the
-    host name with its own), `join_timeout` bounds
+    host name with its own), `command` is `trainer` or `trainer-preflight`, `join_timeout` bounds
     the wait for the others, and no restarts: a lost rank ends the run, the launchers say which node went."""
-    trainer = ["-m", "tandem.cli", "trainer", "@", config_path]
+    trainer = ["-m", "tandem.cli", command, "@", config_path]
     cluster = deployment.cluster
     if cluster.num_trainer_nodes == 1 and deployment.ranks_per_node == 1:
         return [python, *trainer]

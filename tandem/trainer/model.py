@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import ActivationCheckpointConfig, KernelsConfig, ParallelConfig, RouterConfig
 from tandem.models.attention import DocumentCausalAttention, document_lengths
+from tandem.models.exact import ExactDocumentAttention, apply_exact, check_exact, exact_token_logprobs
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
 from tandem.models.loading import DUMMY_SEED, build_native, check_load_format, is_native, read_hf_config, resolve_dtype
@@ -58,10 +59,12 @@ class TokenLogprobs:
 
 class PolicyModel(nn.Module):
     def __init__(self, lm: nn.Module, chunk_size: int, compile_head: bool = False,
-                 sdpa_backends: list[str] = KernelsConfig().sdpa_backends):
-        """`compile_head`: compile the logprob head's fp32 work; `sdpa_backends`: see `KernelsConfig`."""
+                 sdpa_backends: list[str] = KernelsConfig().sdpa_backends, exact: bool = False):
+        """`compile_head`: compile the logprob head's fp32 work; `sdpa_backends`: see `KernelsConfig`; `exact`:
+        the model has `tandem.models.exact.apply_exact`, attention and head follow it (`[run] exact`)."""
         super().__init__()
         self.lm = lm
+        self.exact = exact
         self.chunk_size = chunk_size
         self.compile_head = compile_head
         self.sdpa_backends = sdpa_backends
@@ -99,7 +102,8 @@ class PolicyModel(nn.Module):
         if self.native:
             if row_document_lengths is None:
                 row_document_lengths = [document_lengths(row) for row in position_ids.tolist()]
-            attention = DocumentCausalAttention(row_document_lengths, input_ids.device, self.sdpa_backends)
+            attention = (ExactDocumentAttention(row_document_lengths) if self.exact else
+                         DocumentCausalAttention(row_document_lengths, input_ids.device, self.sdpa_backends))
             hidden = self.lm(input_ids, position_ids, attention=attention)
         else:
             hidden = self.lm(input_ids, position_ids)
@@ -115,8 +119,11 @@ class PolicyModel(nn.Module):
             select = torch.zeros_like(select)
             select[0, 0] = True
         head = self.lm.lm_head
-        lp, ent = token_logprobs(hidden[select], head.weight, head.bias, targets[select], temperatures[select],
-                                 self.chunk_size, self.compile_head)
+        inputs = (hidden[select], head.weight, head.bias, targets[select], temperatures[select])
+        if self.exact:
+            lp, ent = exact_token_logprobs(*inputs)
+        else:
+            lp, ent = token_logprobs(*inputs, self.chunk_size, self.compile_head)
         zeros = torch.zeros(select.shape, dtype=torch.float32, device=hidden.device)
         return TokenLogprobs(zeros.masked_scatter(select, lp), zeros.masked_scatter(select, ent))
 
@@ -137,22 +144,28 @@ def should_compile(kernels: KernelsConfig, device: torch.device) -> bool:
 
 
 def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, chunk_size: int,
-                 kernels: KernelsConfig = KernelsConfig(), router: RouterConfig = RouterConfig()) -> tuple[PolicyModel, dict]:
-    """Load `model.name`, apply the training blocks, activation checkpointing, expert parallelism, FSDP
-    and the router hooks; returns the model and its config.json."""
+                 kernels: KernelsConfig = KernelsConfig(), router: RouterConfig = RouterConfig(),
+                 exact: bool = False) -> tuple[PolicyModel, dict]:
+    """Load `model.name`, apply the training blocks (or, `exact`, the batch-invariant ones), activation
+    checkpointing, expert parallelism, FSDP and the router hooks; returns the model and its config.json."""
     folder = resolve_model_path(model.name)
     hf_config = read_hf_config(folder)
     check_load_format(model.load_format, hf_config)
+    if exact:
+        check_exact(hf_config, str(folder / "config.json"))
     native = is_native(hf_config)
     if native:
         lm = build_native(hf_config, "meta", torch.float32, source=str(folder / "config.json"))
     else:
         lm = HFCausalLM.from_pretrained(folder, "cpu", torch.float32, model.trust_remote_code)
-    compile = should_compile(kernels, dims.device)
-    policy = PolicyModel(lm, chunk_size, compile_head=compile and native, sdpa_backends=kernels.sdpa_backends)
+    compile = should_compile(kernels, dims.device) and not exact
+    policy = PolicyModel(lm, chunk_size, compile_head=compile and native, sdpa_backends=kernels.sdpa_backends, exact=exact)
     policy.context_parallel = parallel
     checkpointing = parallel.activation_checkpoint
-    if native:
+    if exact:  # the engine's forward, token by token; `selective` needs the training blocks: whole blocks instead
+        apply_exact(lm)
+        checkpointing = ActivationCheckpointConfig(mode="full") if checkpointing.mode == "selective" else checkpointing
+    elif native:
         apply_training_blocks(policy.blocks, compile=compile, recompute=checkpointing.mode == "selective")
     elif checkpointing.mode == "selective":  # transformers' blocks cannot be split at attention
         checkpointing = ActivationCheckpointConfig(mode="full")

@@ -52,12 +52,13 @@ def write_weights_folder(run_dir: Path, step: int, state: dict[str, torch.Tensor
     return folder
 
 
-def prune_weights(run_dir: Path, keep: int | None) -> list[int]:
-    """Delete all but the newest `keep` step folders (STABLE first); returns the deleted steps."""
+def prune_weights(run_dir: Path, keep: int | None, keep_every: int | None = None) -> list[int]:
+    """Delete all but the newest `keep` step folders (STABLE first), sparing steps that are multiples of
+    `keep_every` (kept for `tandem replay`); returns the deleted steps."""
     if keep is None:
         return []
     steps = sorted(int(m.group(1)) for p in (Path(run_dir) / "weights").glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name)))
-    doomed = steps[:-max(keep, 2)]
+    doomed = [s for s in steps[:-max(keep, 2)] if keep_every is None or s % keep_every]
     for step in doomed:
         folder = weights_dir(run_dir, step)
         (folder / STABLE).unlink(missing_ok=True)

@@ -56,7 +56,7 @@ class Session:
         if not self.dims.is_main:
             return None
         folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
-        prune_weights(self.config.run_dir, self.config.weights.keep)
+        prune_weights(self.config.run_dir, self.config.weights.keep, self.config.weights.keep_every)
         return folder
 
     def should_publish(self, step: int) -> bool:
@@ -105,7 +105,7 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
     try:
         torch.manual_seed(config.seed + dims.rank)
         model, hf_config = build_policy(config.model, config.parallel, dims, config.logprob_chunk_size, config.kernels,
-                                       config.router)
+                                       config.router, config.run.exact)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
         metrics = (MetricsWriter(config.run_dir, process, serve_metrics(process, config.prometheus.host, config.prometheus.port))

@@ -82,15 +82,26 @@ def maybe_replayed_routing(model: PolicyModel, mb: MicroBatch) -> contextlib.Abs
     return replayed_routing(model.lm, mb.routed_experts)
 
 
-def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               micro_batches: list[MicroBatch], objective: Objective, num_loss_tokens: int, max_grad_norm: float,
-               dims: ParallelDims) -> StepResult:
-    """Forward/backward every micro-batch, clip, guard, step. Every rank must pass the same number of micro-batches."""
+@dataclass
+class Gradients:
+    """What one forward/backward pass over a step's micro-batches leaves: the gradients sit in `.grad`."""
+
+    loss: float
+    """Global mean loss per loss token."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping."""
+    metrics: dict[str, float]
+    """Global means over loss tokens: entropy and the objective's metrics."""
+
+
+def accumulate_gradients(model: PolicyModel, micro_batches: list[MicroBatch], objective: Objective, num_loss_tokens: int,
+                         max_grad_norm: float, dims: ParallelDims) -> Gradients:
+    """Forward/backward every micro-batch and clip (max_grad_norm 0: no clipping); the update is the caller's.
+    Every rank must pass the same number of micro-batches. `tandem replay` calls it alone, so a replayed step
+    computes its loss and gradient norm through the very code of training."""
     scale = dims.dp_size / max(num_loss_tokens, 1)
     totals: dict[str, torch.Tensor] = {}
     router = model.router
-    if router is not None:
-        router.begin_step(len(micro_batches))
     for mb in micro_batches:
         with maybe_replayed_routing(model, mb):  # backward too: activation checkpointing routes again
             with router.collecting() if router is not None else contextlib.nullcontext():
@@ -103,15 +114,26 @@ def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: 
     keys = sorted(totals)
     reduced = global_sum([float(totals[k]) for k in keys], dims)
     means = {k: v / max(num_loss_tokens, 1) for k, v in zip(keys, reduced)}
-    loss = means.pop("loss")
-    skipped = not (math.isfinite(loss) and math.isfinite(float(grad_norm)))
+    return Gradients(loss=means.pop("loss"), grad_norm=grad_norm, metrics=means)
+
+
+def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               micro_batches: list[MicroBatch], objective: Objective, num_loss_tokens: int, max_grad_norm: float,
+               dims: ParallelDims) -> StepResult:
+    """Forward/backward every micro-batch, clip, guard, step. Every rank must pass the same number of micro-batches."""
+    router = model.router
+    if router is not None:
+        router.begin_step(len(micro_batches))
+    grads = accumulate_gradients(model, micro_batches, objective, num_loss_tokens, max_grad_norm, dims)
+    skipped = not (math.isfinite(grads.loss) and math.isfinite(float(grads.grad_norm)))
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     router_metrics = router.end_step(update_bias=not skipped) if router is not None else {}
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
-    return StepResult(loss=loss, grad_norm=float(grad_norm), lr=lr, skipped=skipped, metrics=means, router=router_metrics)
+    return StepResult(loss=grads.loss, grad_norm=float(grads.grad_norm), lr=lr, skipped=skipped, metrics=grads.metrics,
+                      router=router_metrics)
 
 
 @torch.no_grad()

@@ -27,6 +27,21 @@ def rollout_file(run_dir: Path, step: int, rank: int) -> Path:
     return rollouts_dir(run_dir, step) / f"rank_{rank}.msgpack"
 
 
+def preflight_dir(run_dir: Path) -> Path:
+    """`preflight/`: the launcher's probe batch in (`probe/rank_R.msgpack`), the trainer's `trainer.json` and the report out."""
+    return Path(run_dir) / "preflight"
+
+
+def probe_file(run_dir: Path, rank: int) -> Path:
+    """The preflight's probe batch of one trainer rank (a `TrainingBatch` of step 0)."""
+    return preflight_dir(run_dir) / "probe" / f"rank_{rank}.msgpack"
+
+
+def preflight_trainer_report(run_dir: Path) -> Path:
+    """The trainer's part of the preflight (JSON: mismatch KL, tokens/s, memory plan), written by rank 0."""
+    return preflight_dir(run_dir) / "trainer.json"
+
+
 def checkpoint_dir(run_dir: Path, step: int, process: str) -> Path:
     """`checkpoints/step_N/{trainer,orchestrator}/`."""
     return Path(run_dir) / "checkpoints" / f"step_{step}" / process

@@ -145,11 +145,28 @@ def test_resume_refuses_checkpoints_of_only_one_process(tmp_path):
         resolve("--resume", "--output-dir", str(tmp_path))
 
 
+def test_exact_is_one_switch_and_refuses_what_cannot_honour_it(tmp_path):
+    cfg = resolve("--run.exact", "true")
+    assert cfg.trainer.run.exact and cfg.inference.run.exact and cfg.orchestrator.run.exact
+    with pytest.raises(ConfigError, match=r"`inference.run.exact` = False .* contradicts the shared"):
+        resolve("--run.exact", "true", "--inference.run.exact", "false")
+    with pytest.raises(ConfigError, match=r"`inference.backend` = \"tandem\", not 'vllm'"):
+        resolve("--run.exact", "true", "--inference.backend", "vllm")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match="model_type 'llama', which falls back to transformers"):
+        resolve("--run.exact", "true", "--model.name", str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    assert resolve("--run.exact", "true", "--model.name", str(tmp_path)).trainer.run.exact
+    assert resolve("--inference.backend", "vllm").trainer.run.exact is False  # off: nothing to refuse
+    with pytest.raises(ConfigError, match=r"`run.exact` = true cannot split rows over ranks: `trainer.parallel.cp` = 2"):
+        resolve("--run.exact", "true", "--trainer.parallel.cp", "2", "--deployment.num-trainer-processes", "2")
+
+
 def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
-    assert [r.__name__ for r in DERIVED_RULES] == ["nodes", "trainer_ranks", "devices", "server_address", "resume"]
-    assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "seq_len", "max_steps", "output_dir", "seed",
-                                "ckpt.enabled", "ckpt.interval"}
+    assert [r.__name__ for r in DERIVED_RULES] == ["nodes", "trainer_ranks", "devices", "server_address", "resume", "exact"]
+    assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "run.exact", "seq_len", "max_steps",
+                                "output_dir", "seed", "ckpt.enabled", "ckpt.interval"}
 
 
 TWO_NODES = ("--deployment.cluster.num-nodes", "2", "--deployment.cluster.hosts", '["a.cluster", "b.cluster"]',

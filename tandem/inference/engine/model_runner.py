@@ -22,14 +22,17 @@ from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
 from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.inference.engine.step_inputs import StepInputBuilder, decode_tiles
+from tandem.models.exact import exact_logits
 
 
 class PagedModelRunner:
     """Every token is computed once; decode-only steps replay CUDA graphs where enabled (CUDA)."""
 
     def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 cuda_graphs: bool, recorder: RoutingRecorder | None = None):
+                 cuda_graphs: bool, recorder: RoutingRecorder | None = None, exact: bool = False):
+        """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (CPU, no graphs)."""
         self.model = model
+        self.exact = exact
         self.cache = cache
         self.device = device
         self.recorder = recorder
@@ -69,8 +72,10 @@ class PagedModelRunner:
         meta = AttentionMetadata(slot_mapping=step.slot_mapping, query_start=step.query_start, seq_lens=step.seq_lens,
                                  block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
                                  query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host)
-        hidden = self.model(step.input_ids[None], step.positions[None], attention=PagedAttention(self.cache, meta))
+        hidden = self.model(step.input_ids[None], step.positions[None], attention=PagedAttention(self.cache, meta, self.exact))
         self._record_routing(step.sample_index)
+        if self.exact:
+            return exact_logits(hidden[0, step.sample_index], self.model.lm_head.weight, self.model.lm_head.bias)
         return self.model.lm_head(hidden[0, step.sample_index])
 
     def _record_routing(self, sample_index: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tandem.inference.engine import attention_kernel
 from tandem.inference.engine.kv_cache import KVCache
+from tandem.models.exact import exact_causal_attention
 
 
 @dataclass
@@ -40,9 +41,11 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, cache: KVCache, metadata: AttentionMetadata):
+    def __init__(self, cache: KVCache, metadata: AttentionMetadata, exact: bool = False):
+        """`exact`: batch-invariant attention (`tandem.models.exact`), the trainer's routine in exact mode."""
         self.cache = cache
         self.meta = metadata
+        self.exact = exact
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_NHD, k_NHD, v_NHD = q[0], k[0], v[0]
@@ -51,12 +54,32 @@ class PagedAttention:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, k_NHD)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, v_NHD)
         m = self.meta
-        if attention_kernel.is_available(q_NHD):
+        if self.exact:
+            out = exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
+        elif attention_kernel.is_available(q_NHD):
             out = attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
                                                    m.query_start, m.tiles, m.block_q)
         else:
             out = reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
         return out[None]
+
+
+def exact_paged_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Each sequence's new tokens by `exact_causal_attention`, over the keys and values the cache held before
+    the step and the step's own (the same values the cache now holds), [N, H, D]."""
+    assert meta.query_lens_host is not None and meta.seq_lens_host is not None, "exact attention needs host lengths"
+    block_size = k_cache.shape[1]
+    out, start = [], 0
+    for i, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        cached = ctx - q_len
+        blocks = meta.block_tables[i, :-(-cached // block_size)] if cached else None
+        k_old = k_cache.index_select(0, blocks).flatten(0, 1)[:cached] if cached else None
+        v_old = v_cache.index_select(0, blocks).flatten(0, 1)[:cached] if cached else None
+        out.append(exact_causal_attention(q_NHD[start:start + q_len], k_NHD[start:start + q_len], v_NHD[start:start + q_len],
+                                          cached, k_old, v_old))
+        start += q_len
+    return torch.cat(out)
 
 
 def reference_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,

@@ -20,6 +20,7 @@ import torch
 from tandem.inference.engine import sampling_kernel
 from tandem.inference.engine.host_copies import HostRead, to_device
 from tandem.inference.engine.sequence import Sequence
+from tandem.models.exact import exact_logprobs
 
 
 @dataclass
@@ -84,8 +85,11 @@ class Sampler:
     one Triton kernel (`sampling_kernel.py`); the others through the torch path below.
     """
 
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(self, device: torch.device, seed: int, exact: bool = False):
+        """`exact`: logprobs row by row through `tandem.models.exact.exact_logprobs`, the trainer's function in exact
+        mode, and never the fused sampling kernel."""
         self.device = device
+        self.exact = exact
         self.generator = torch.Generator(device=device).manual_seed(seed)
         """Draws the noise of sequences without a seed of their own."""
         self.kernel_seeds = random.Random(seed)
@@ -95,13 +99,16 @@ class Sampler:
         """logits [B, V] (float32, or the model's dtype), one row per sequence."""
         temps = [s.params.temperature for s in seqs]
         num_top = [s.params.num_top_logprobs for s in seqs]
-        if sampling_kernel.is_available(logits) and all(
+        if not self.exact and sampling_kernel.is_available(logits) and all(
                 s.generator is None and not s.params.needs_filtering and k == 0 for s, k in zip(seqs, num_top)):
             tokens, chosen = sampling_kernel.sample(logits, temps, self.kernel_seeds.getrandbits(31))
             return PendingSample(tokens, chosen, None, num_top)
         logits = logits.float()
         num_greedy = sum(t == 0 for t in temps)
-        if any(t not in (0, 1) for t in temps):
+        if self.exact:
+            scales = to_device([t if t > 0 else 1.0 for t in temps], torch.float32, logits.device)
+            logprobs = torch.stack([exact_logprobs(logits[i], scales[i]) for i in range(len(seqs))])
+        elif any(t not in (0, 1) for t in temps):
             scale = to_device([t if t > 0 else 1.0 for t in temps], torch.float32, logits.device)
             logprobs = (logits / scale[:, None]).log_softmax(-1)
         else:

@@ -22,6 +22,7 @@ from tandem.inference.engine.fused_norms import apply_compiled_norms
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.llm_engine import LLMEngine
 from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
+from tandem.models.exact import apply_exact, check_exact
 from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
 from tandem.models.hub import resolve_model_path
@@ -85,10 +86,14 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
     return min(useful, max(0, budget // bytes_per_block))
 
 
-def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> LLMEngine:
+def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exact: bool = False) -> LLMEngine:
+    """`exact`: batch-invariant computation (`[run] exact`, `tandem.models.exact`)."""
     device = resolve_device(engine.device)
     folder = resolve_model_path(model_config.name)
     model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format)
+    if exact:
+        check_exact(model.hf_config, str(folder / "config.json"))
+        apply_exact(model)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
@@ -100,10 +105,11 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> 
         num_blocks = plan_num_blocks(engine, model, device, per_block, max_model_len)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
         cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
-        if engine.compile_norms and device.type == "cuda":
+        if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms, token by token
             apply_compiled_norms(model)
         recorder = moe_routing_recorder(model, engine, device)
-        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, engine.cuda_graphs, recorder)
+        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, engine.cuda_graphs and not exact,
+                                  recorder, exact)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, engine.block_size, num_blocks * per_block / 2**30, device)
@@ -122,7 +128,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int) -> 
         tokenizer=tokenizer,
         block_manager=block_manager,
         scheduler=Scheduler(block_manager, engine.max_num_seqs, engine.max_num_batched_tokens),
-        sampler=Sampler(device, seed),
+        sampler=Sampler(device, seed, exact),
         eos_token_ids=eos_token_ids(folder, tokenizer),
         max_model_len=max_model_len,
         vocab_size=model.lm_head.weight.shape[0],

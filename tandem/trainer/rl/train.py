@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from tandem.config.run_folder import prepare_run_folder
 from tandem.config.trainer import TrainerConfig
 from tandem.trainer.batch import MicroBatch, prepare_micro_batches
 from tandem.trainer.data import BatchError, check_step_batch, fake_batch, wait_for_batch
@@ -103,6 +104,8 @@ def main(config: TrainerConfig) -> int:
         setup_logging("trainer").error("cannot start the trainer: %s", err)
         return 1
     try:
+        if session.dims.is_main:  # what `tandem replay` reads back
+            prepare_run_folder(config, "trainer")
         train(config, session, objective)
     except BatchError as err:
         session.log.error("bad input, stopping: %s", err)
