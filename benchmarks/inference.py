@@ -69,7 +69,8 @@ from tandem.inference.engine.fused_moe import eager_moe, moe_blocks
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine, resolve_device
 from tandem.launch.process import ManagedProcess
-from tandem.launch.rl import free_port, wait_healthy
+from tandem.config.resolve import free_port
+from tandem.launch.rl import wait_healthy
 from tandem.models.loading import resolve_dtype
 from tandem.models.moe import replayed_routing
 from tandem.models.presets import PRESETS, init_model
