@@ -22,6 +22,10 @@ class ServerConfig(Section):
     access_log: bool = False
     """Log one line per HTTP request (an RL run sends thousands; off keeps the log readable)."""
 
+    weight_transfer_timeout_s: float = Field(300.0, gt=0)
+    """Broadcast weight transport: longest wait of this server for its group to form or for one
+    update's tensors to arrive, after which the call fails (and the run stops) instead of hanging."""
+
 
 class EngineConfig(Section):
     device: str = "auto"

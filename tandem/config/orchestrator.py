@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from tandem.config.base import ProcessConfig, Section
+from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
 
 class ClientConfig(Section):
@@ -206,6 +207,9 @@ class OrchestratorConfig(ProcessConfig):
     transport: FilesystemTransportConfig = FilesystemTransportConfig()
     """How batches reach the trainer."""
 
+    weight_transport: WeightTransportConfig = FilesystemWeightTransport()
+    """How new policies reach the inference servers (the trainer's `weight_transport`, same value)."""
+
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":
         if self.group_size < 1:
@@ -239,6 +243,12 @@ class OrchestratorConfig(ProcessConfig):
             raise ValueError(f"`eval.interval` must be >= 0 (0 = never), got {self.eval.interval}")
         if self.ckpt.interval < 1:
             raise ValueError(f"`ckpt.interval` must be >= 1, got {self.ckpt.interval}")
+        transport = self.weight_transport
+        if transport.type == "broadcast" and transport.num_inference_ranks % len(self.client.base_urls):
+            raise ValueError(
+                f"`weight_transport.num_inference_ranks` = {transport.num_inference_ranks} is not a multiple of the "
+                f"{len(self.client.base_urls)} `client.base_urls`: every server must hold the same number of ranks"
+            )
         return self
 
 

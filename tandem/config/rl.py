@@ -15,6 +15,7 @@ from tandem.config.base import ModelConfig, ProcessConfig, RunConfig, Section
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.config.trainer import TrainerConfig
+from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 from tandem.config.loader import ConfigError
 
 SHARED_KEYS = ("model.name", "run.name", "seq_len", "max_steps", "output_dir", "seed")
@@ -22,6 +23,9 @@ SHARED_KEYS = ("model.name", "run.name", "seq_len", "max_steps", "output_dir", "
 
 CKPT_KEYS = ("ckpt.enabled", "ckpt.interval")
 """Checkpoint keys that `tandem rl` sets once for trainer and orchestrator (they resume together)."""
+
+WEIGHT_TRANSPORT_KEYS = ("weight_transport",)
+"""The trainer sends and the orchestrator triggers loads over the same weight transport."""
 
 
 class DeploymentConfig(Section):
@@ -104,6 +108,10 @@ class RLConfig(ProcessConfig):
     clean: bool = False
     """Delete the results of an earlier run in `output_dir` before starting."""
 
+    weight_transport: WeightTransportConfig = FilesystemWeightTransport()
+    """How each new policy reaches the inference servers: `filesystem` (folders) or `broadcast`
+    (a torch.distributed group from trainer rank 0); set here once for trainer and orchestrator."""
+
     health_timeout_s: float = 300.0
     """How long to wait for the inference server's `/health` before giving up."""
 
@@ -114,7 +122,7 @@ class RLConfig(ProcessConfig):
         for name in ("trainer", "orchestrator", "inference"):
             propagate_shared(self, getattr(self, name), name, SHARED_KEYS)
         for name in ("trainer", "orchestrator"):
-            propagate_shared(self, getattr(self, name), name, CKPT_KEYS)
+            propagate_shared(self, getattr(self, name), name, CKPT_KEYS + WEIGHT_TRANSPORT_KEYS)
         return self
 
 

@@ -10,18 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Field, Tag, model_validator
 
-from tandem.config.base import ProcessConfig, Section
-
-
-def _default_tag(default: str) -> Discriminator:
-    """Discriminate on `type`, taking `default` when it is absent (`--optim.lr 1e-5` alone keeps AdamW)."""
-
-    def pick(value: Any) -> str:
-        return value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-
-    return Discriminator(pick)
+from tandem.config.base import ProcessConfig, Section, default_type_tag as _default_tag
+from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
 
 class AIPOLoss(Section):
@@ -232,6 +224,9 @@ class TrainingProcessConfig(ProcessConfig):
     weights: WeightsConfig = WeightsConfig()
     """Publishing of HF-format policy weights (`weights/step_N/`)."""
 
+    weight_transport: WeightTransportConfig = FilesystemWeightTransport()
+    """How published policies reach the inference servers (RL only; SFT always writes folders)."""
+
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk of the LM-head logprobs: bounds the [tokens x vocab] logits held at once
     (chunk x vocab x 4 bytes compiled: bf16 logits and their gradient; about 5x that in eager mode)."""
@@ -265,6 +260,9 @@ class TrainerConfig(TrainingProcessConfig):
 
     data: RolloutDataConfig = RolloutDataConfig()
     """Where batches come from."""
+
+    weight_transport: WeightTransportConfig = FilesystemWeightTransport()
+    """How published policies reach the inference servers."""
 
     @model_validator(mode="after")
     def _check_fake_shape(self) -> "TrainerConfig":

@@ -67,7 +67,36 @@ class InferencePool:
         servers = list(range(self.num_servers))
         results = await asyncio.gather(*(self._update(i, path, version, self.config.max_retries) for i in servers),
                                        return_exceptions=True)
-        failed = {i: r for i, r in zip(servers, results) if isinstance(r, BaseException)}
+        self._settle_update(results, version)
+
+    async def init_weight_transfer(self, init_infos: list[dict[str, Any]]) -> None:
+        """Have server i join the broadcast group with `init_infos[i]`, all at once (the group forms
+        only when every rank joined). Not retried: a second join of one group cannot succeed."""
+        await asyncio.gather(*(self._post("/init_weight_transfer_engine", {"init_info": info}, first_server=i,
+                                          failover=False, max_retries=0) for i, info in enumerate(init_infos)))
+
+    async def broadcast_update(self, update_info: dict[str, Any], version: int) -> None:
+        """Have every server receive policy `version` from the broadcast group, all at once (the
+        collective needs every receiver): excluded servers too, and one that takes it is re-admitted.
+        Servers that fail are excluded; raises `InferenceUnavailableError` when none took it."""
+        results = await asyncio.gather(*(self._receive(i, update_info, version) for i in range(self.num_servers)),
+                                       return_exceptions=True)
+        self._settle_update(results, version)
+
+    async def _receive(self, server: int, update_info: dict[str, Any], version: int) -> None:
+        """vLLM's weight-transfer sequence on one server; `/pause?mode=keep` keeps in-flight requests."""
+        once = {"first_server": server, "failover": False, "max_retries": 0}
+        await self._post("/pause?mode=keep", {}, **once)
+        try:
+            await self._post("/start_weight_update", {}, **once)
+            await self._post("/update_weights", {"update_info": update_info}, **once)
+            await self._post("/finish_weight_update", {"weight_version": str(version)}, **once)
+        finally:
+            await self._post("/resume", {}, **once)
+
+    def _settle_update(self, results: list[Any], version: int) -> None:
+        """Exclude the servers that were unavailable; raise if none loaded it, or one refused it (a 4xx)."""
+        failed = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
         for error in failed.values():
             if not isinstance(error, InferenceUnavailableError):
                 raise error
