@@ -18,6 +18,10 @@ class ClientConfig(Section):
     base_urls: list[str] = ["http://127.0.0.1:8000"]
     """Inference servers, as `http://host:port` (no `/v1`); requests are spread over all of them."""
 
+    backend: Literal["tandem", "vllm"] = "tandem"
+    """What serves `base_urls` (`inference.backend`; `tandem rl` sets it): their token-in routes and
+    how they report policy versions differ (`tandem/orchestrator/server_dialect.py`)."""
+
     api_key: str | None = None
     """Sent as `Authorization: Bearer <api_key>` when set (the server's `server.api_key`)."""
 
@@ -67,9 +71,14 @@ class SamplingConfig(Section):
     stop: list[str] = []
     """Strings that end a model turn, on top of the tokenizer's end-of-turn token."""
 
+    seeded: bool = False
+    """Give each training rollout its own sampling seed (from the run seed and the task's draw
+    number), so that a synchronous run (`max_async_level = 0`) repeats its rollouts exactly: for
+    comparing two runs that should agree (weight transports, backends), not for training."""
+
     def request_args(self) -> dict[str, Any]:
         """The keyword arguments an environment passes to `chat.completions.create`."""
-        return self.model_dump()
+        return self.model_dump(exclude={"seeded"})
 
 
 class EnvConfig(Section):

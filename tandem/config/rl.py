@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from tandem.config.base import ModelConfig, ProcessConfig, RunConfig, Section
 from tandem.config.inference import InferenceConfig
@@ -37,8 +37,14 @@ class DeploymentConfig(Section):
     num_trainer_processes: int = 1
     """Trainer ranks on CPU (gloo, under torchrun when more than one)."""
 
+    num_inference_servers: int = Field(1, ge=1)
+    """Inference servers (data parallel): `tandem rl` starts, health-checks and stops each, and the
+    orchestrator spreads rollouts over all of them. Each holds `inference.vllm.tensor_parallel_size`
+    GPUs (1 with the tandem backend); on CPU each is one process on its own port."""
+
     inference_devices: list[int] = [0]
-    """CUDA devices of the inference server (`gpu` only)."""
+    """CUDA devices of the inference servers (`gpu` only): `num_inference_servers` x tensor parallel
+    size of them, server i taking the i-th consecutive slice."""
 
     trainer_devices: list[int] = [1]
     """CUDA devices of the trainer, one rank each (`gpu` only). Listing the inference device

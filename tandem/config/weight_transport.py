@@ -30,6 +30,10 @@ class BroadcastWeightTransport(Section):
     port: int = Field(0, ge=0, le=65535)
     """Port of the group's rendezvous store on `host`; 0: `tandem rl` picks a free one."""
 
+    receiver: Literal["tandem", "vllm"] = "tandem"
+    """The servers' backend (`tandem rl` sets it from `inference.backend`): vLLM's servers join through
+    vLLM's own NCCL communicator, which trainer rank 0 then uses too (it needs vLLM installed)."""
+
     num_inference_ranks: int = Field(1, ge=1)
     """Receiving ranks over all servers (servers x ranks per server); `tandem rl` derives it. The
     group's world size is this plus 1 (trainer rank 0); server i takes ranks from 1 + i x ranks per server."""

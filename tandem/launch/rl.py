@@ -69,14 +69,9 @@ def _holds_results(path: Path) -> bool:
 
 def _write_process_configs(config: RLConfig) -> dict[str, Path]:
     """Fill in what the launcher decides (ports, ranks, devices, resume) and write each config."""
-    server = config.inference.server
-    if server.port == 0:
-        server.port = free_port()
-    url = f"http://{server.host}:{server.port}"
+    servers = resolve_inference_servers(config)
     orch = config.orchestrator
-    if "base_urls" not in orch.client.model_fields_set:
-        orch.client.base_urls = [url]
-    orch.client.api_key = orch.client.api_key or server.api_key
+    orch.client.api_key = orch.client.api_key or config.inference.server.api_key
     orch.num_trainer_ranks = config.deployment.num_trainer_ranks
     if config.deployment.type == "cpu":
         config.trainer.device = "cpu"
@@ -86,15 +81,99 @@ def _write_process_configs(config: RLConfig) -> dict[str, Path]:
         config.inference.engine.device = "cuda"
         if set(config.deployment.inference_devices) & set(config.deployment.trainer_devices):
             config.inference.engine.memory_fraction = config.deployment.shared_gpu_memory_fraction
+    resolve_weight_transport(config)
+    resolve_backend(config)
     if config.resume:
         config.trainer.ckpt.resume = True
         config.orchestrator.ckpt.resume = True
     paths = {}
-    for name in ("inference", "orchestrator", "trainer"):
+    for i, port in enumerate(servers):
+        server_config = config.inference.model_copy(deep=True)
+        server_config.server.port = port
+        paths[server_name(i)] = config.run_dir / "configs" / f"{server_name(i)}.toml"
+        atomic_write_text(paths[server_name(i)], to_toml(server_config))
+    for name in ("orchestrator", "trainer"):
         paths[name] = config.run_dir / "configs" / f"{name}.toml"
         atomic_write_text(paths[name], to_toml(getattr(config, name)))
     atomic_write_text(config.run_dir / "configs" / "rl.toml", to_toml(config))
     return paths
+
+
+def server_name(i: int) -> str:
+    """Process (log and config) name of inference server i: `inference`, `inference_1`, ..."""
+    return "inference" if i == 0 else f"inference_{i}"
+
+
+def resolve_inference_servers(config: RLConfig) -> list[int]:
+    """The port of each of the `deployment.num_inference_servers` servers (`server.port` + i, or a
+    free port each when it is 0), and their URLs as the orchestrator's `client.base_urls`."""
+    num_servers = config.deployment.num_inference_servers
+    server = config.inference.server
+    ports = [free_port() if server.port == 0 else server.port + i for i in range(num_servers)]
+    urls = [f"http://{server.host}:{port}" for port in ports]
+    client = config.orchestrator.client
+    if "base_urls" in client.model_fields_set and client.base_urls != urls:
+        raise RunFailed(f"`orchestrator.client.base_urls` = {client.base_urls} contradicts the {num_servers} server(s) "
+                        f"`tandem rl` starts ({urls}, from `inference.server` and `deployment.num_inference_servers`); "
+                        "leave `orchestrator.client.base_urls` unset")
+    client.base_urls = urls
+    server.port = ports[0]
+    return ports
+
+
+def resolve_weight_transport(config: RLConfig) -> None:
+    """Broadcast: the group's port (a free one when 0) and its receiving ranks (servers x ranks per
+    server); the trainer's GPUs must be apart from the servers' (NCCL: one rank per GPU)."""
+    transport = config.weight_transport
+    if transport.type != "broadcast":
+        return
+    num_ranks = config.deployment.num_inference_servers * config.inference.num_ranks
+    if "num_inference_ranks" in transport.model_fields_set and transport.num_inference_ranks != num_ranks:
+        raise RunFailed(f"`weight_transport.num_inference_ranks` = {transport.num_inference_ranks} contradicts the "
+                        f"{num_ranks} rank(s) of `deployment.num_inference_servers` x tensor parallel size; leave it unset")
+    transport.num_inference_ranks = num_ranks
+    if transport.port == 0:
+        transport.port = free_port()
+    deployment = config.deployment
+    if deployment.type == "gpu" and set(deployment.inference_devices) & set(deployment.trainer_devices):
+        raise RunFailed("`weight_transport.type` = \"broadcast\" needs `deployment.trainer_devices` apart from "
+                        "`deployment.inference_devices` (NCCL runs one rank per GPU); use the filesystem transport "
+                        "when they share a GPU")
+    config.trainer.weight_transport = config.orchestrator.weight_transport = transport
+
+
+def resolve_backend(config: RLConfig) -> None:
+    """The orchestrator's client and the broadcast group speak the servers' backend; vLLM loads
+    policies over the broadcast transport only (its folder reload is not wired yet)."""
+    backend = config.inference.backend
+    client = config.orchestrator.client
+    if "backend" in client.model_fields_set and client.backend != backend:
+        raise RunFailed(f"`orchestrator.client.backend` = {client.backend!r} contradicts `inference.backend` = "
+                        f"{backend!r}; leave the client's unset")
+    client.backend = backend
+    if backend == "vllm" and config.weight_transport.type != "broadcast":
+        raise RunFailed("`inference.backend` = \"vllm\" loads new policies over NCCL only: set "
+                        "`weight_transport.type` = \"broadcast\"")
+    transport = config.weight_transport
+    if transport.type == "broadcast":
+        if "receiver" in transport.model_fields_set and transport.receiver != backend:
+            raise RunFailed(f"`weight_transport.receiver` = {transport.receiver!r} contradicts `inference.backend` = "
+                            f"{backend!r}; leave it unset")
+        transport.receiver = backend
+
+
+def inference_device_slices(config: RLConfig) -> list[list[int] | None]:
+    """The CUDA devices of each server (None on CPU): consecutive slices of `deployment.inference_devices`."""
+    deployment = config.deployment
+    if deployment.type != "gpu":
+        return [None] * deployment.num_inference_servers
+    per_server = config.inference.num_ranks
+    needed = deployment.num_inference_servers * per_server
+    if len(deployment.inference_devices) != needed:
+        raise RunFailed(f"`deployment.inference_devices` lists {len(deployment.inference_devices)} GPU(s), but "
+                        f"{deployment.num_inference_servers} server(s) of {per_server} GPU(s) need {needed}")
+    devices = deployment.inference_devices
+    return [devices[i * per_server:(i + 1) * per_server] for i in range(deployment.num_inference_servers)]
 
 
 def _child_env(cuda_devices: list[int] | None) -> dict[str, str]:
@@ -114,8 +193,10 @@ def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[lis
     if ranks > 1:
         trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "tandem.cli", "trainer", "@", str(configs["trainer"])]
+    servers = {server_name(i): ([*py, "inference", "@", str(configs[server_name(i)])], devices)
+               for i, devices in enumerate(inference_device_slices(config))}
     return {
-        "inference": ([*py, "inference", "@", str(configs["inference"])], config.deployment.inference_devices if gpu else None),
+        **servers,
         "orchestrator": ([*py, "orchestrator", "@", str(configs["orchestrator"])], [] if gpu else None),
         "trainer": (trainer, config.deployment.trainer_devices if gpu else None),
     }
@@ -133,11 +214,9 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = ProgressPrinter(run_dir, config.max_steps)
     try:
-        argv, devices = commands["inference"]
-        procs["inference"] = ManagedProcess("inference", argv, run_dir / "logs" / "inference.log", _child_env(devices))
-        _write_pids(run_dir, procs)
-        log.info("starting inference server (%s)", config.orchestrator.client.base_urls[0])
-        wait_healthy(config.orchestrator.client.base_urls[0], procs["inference"], config.health_timeout_s, stop_signal)
+        servers = start_inference_servers(config, commands, procs, log)
+        for name, url in servers.items():
+            wait_healthy(url, procs[name], config.health_timeout_s, stop_signal)
         for name in ("orchestrator", "trainer"):
             argv, devices = commands[name]
             procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
@@ -154,8 +233,9 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
                 raise RunFailed(f"the {name} process failed (exit code {code}); last lines of {procs[name].log_path}:\n{tail}")
             if all(procs[n].poll() == 0 for n in ("orchestrator", "trainer")):
                 break
-            if procs["inference"].poll() == 0:
-                raise RunFailed("the inference process exited before the run finished")
+            exited = [name for name in servers if procs[name].poll() == 0]
+            if exited:
+                raise RunFailed(f"the {exited[0]} process exited before the run finished")
             time.sleep(0.5)
         progress.finish()
         report = write_report(run_dir)
@@ -170,6 +250,17 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             signal.signal(s, handler)
 
 
+def start_inference_servers(config: RLConfig, commands: dict, procs: dict[str, ManagedProcess], log) -> dict[str, str]:
+    """Start every inference server (into `procs`); returns each one's process name and URL."""
+    servers = {server_name(i): url for i, url in enumerate(config.orchestrator.client.base_urls)}
+    for name, url in servers.items():
+        argv, devices = commands[name]
+        procs[name] = ManagedProcess(name, argv, config.run_dir / "logs" / f"{name}.log", _child_env(devices))
+        log.info("starting inference server %s (%s)", name, url)
+    _write_pids(config.run_dir, procs)
+    return servers
+
+
 def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None) -> None:
     """Return once the server of `proc` answers `GET /health` with 200; RunFailed if it exits, a
     signal was caught (`stop_signal`), or `timeout_s` passes."""
@@ -181,7 +272,7 @@ def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_sig
             raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
         if proc.poll() is not None:
             tail = "\n".join(f"  | {line}" for line in proc.tail(20))
-            raise RunFailed(f"the inference process failed at start (exit code {proc.poll()}); last lines of {proc.log_path}:\n{tail}")
+            raise RunFailed(f"the {proc.name} process failed at start (exit code {proc.poll()}); last lines of {proc.log_path}:\n{tail}")
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return

@@ -107,8 +107,12 @@ class Orchestrator:
     def _start_group(self, step: int) -> Awaitable[GroupResult]:
         cfg = self.config
         env, example = self.sampler.next()
+        seeds = None
+        if cfg.sampling.seeded:
+            first = cfg.seed * 1_000_003 + (self.sampler.num_draws - 1) * cfg.group_size
+            seeds = [(first + j) % 2**31 for j in range(cfg.group_size)]
         return run_group(self.ctx, env, example, step, cfg.group_size, cfg.sampling.request_args(), cfg.advantage,
-                         cfg.sampling.max_tokens)
+                         cfg.sampling.max_tokens, seeds)
 
     def _finish_step(self, finished: FinishedStep) -> None:
         cfg, groups, step = self.config, finished.groups, finished.groups.step
