@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import PlainTextResponse
 
 from tandem.inference.errors import APIError
 from tandem.inference.metrics import render_metrics
 from tandem.inference.protocol import UpdateWeightsRequest
 from tandem.inference.serving import Served
-from tandem.inference.weight_transfer_api import BroadcastUpdateRequest, receive_update
+from tandem.inference.weight_transfer_api import BroadcastUpdateRequest, parse_body, receive_update
 from tandem.models.weights import load_state_dict
 
 public = APIRouter()
@@ -40,11 +40,12 @@ async def models(request: Request) -> dict:
 
 
 @router.post("/update_weights")
-async def update_weights(body: UpdateWeightsRequest | BroadcastUpdateRequest, request: Request) -> dict:
+async def update_weights(payload: Annotated[dict[str, Any], Body()], request: Request) -> dict:
     """`{"path"}`: reload a folder (the filesystem weight transport). `{"update_info"}`: receive
     the broadcast weight transport's tensors, as vLLM's route of the same name does."""
-    if isinstance(body, BroadcastUpdateRequest):
-        return await receive_update(body, request)
+    if "update_info" in payload:
+        return await receive_update(parse_body(BroadcastUpdateRequest, payload), request)
+    body = parse_body(UpdateWeightsRequest, payload)
     served: Served = request.app.state.served
     folder = Path(body.path)
     if not folder.is_dir():

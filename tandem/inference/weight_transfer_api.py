@@ -13,7 +13,8 @@ import asyncio
 
 import msgspec
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tandem.inference.errors import APIError
 from tandem.inference.serving import Served
@@ -40,6 +41,14 @@ class BroadcastUpdateRequest(_Body):
 class FinishWeightUpdateRequest(_Body):
     weight_version: str | int | None = None
     """The new policy version (vLLM sends a string); unset = the current one + 1."""
+
+
+def parse_body(model: type[BaseModel], payload: dict):
+    """`payload` as `model`, a bad one answered as FastAPI's own body validation is (a 400 naming the field)."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as err:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from None
 
 
 def _convert(fields: dict, kind: type, param: str):
