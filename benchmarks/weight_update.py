@@ -131,7 +131,10 @@ def bench_broadcast(server: Server, states: list[dict], run_dir: Path, args: arg
         asyncio.run(_with_pool([server.url], backend, lambda pool: source.load(pool, version)))
         sending.join()
 
-    return timed_updates(update, server.samples_with, states, args.repeats)
+    try:
+        return timed_updates(update, server.samples_with, states, args.repeats)
+    finally:
+        joined[0].close()
 
 
 async def _with_pool(urls: list[str], backend: str, fn):

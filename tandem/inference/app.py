@@ -37,6 +37,7 @@ def build_app(served: Served, api_key: str | None = None,
             yield
         finally:
             served.engine.shutdown()
+            app.state.weight_receiver.close()
 
     app = FastAPI(title="tandem inference", lifespan=lifespan)
     app.state.served = served

@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from tandem.transport.broadcast import open_group, receive_state
+from tandem.transport.broadcast import close_group, open_group, receive_state
 from tandem.transport.broadcast_types import GroupInitInfo, WeightUpdateInfo
 
 
@@ -41,6 +41,12 @@ class WeightReceiver:
                 raise ValueError(f"`init_info.rank_offset` = {init.rank_offset} must be in 1..world_size-1 "
                                  f"(world_size = {init.world_size}; rank 0 is the trainer)")
             self.group = open_group(init, init.rank_offset, self.device, self.timeout_s)
+
+    def close(self) -> None:
+        """Leave the group (at server shutdown)."""
+        if self.group is not None:
+            close_group(self.group)
+            self.group = None
 
     def start(self) -> None:
         if self.group is None:

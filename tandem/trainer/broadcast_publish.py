@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tandem.config.weight_transport import BroadcastWeightTransport
-from tandem.transport.broadcast import SOURCE_RANK, open_group, send_state
+from tandem.transport.broadcast import SOURCE_RANK, close_group, open_group, send_state
 from tandem.transport.broadcast_types import GroupInitInfo, WeightUpdateInfo, encode_update_info, update_info_of
 from tandem.transport.files import atomic_write_bytes
 from tandem.transport.paths import broadcast_info_file
@@ -34,10 +34,11 @@ class WeightBroadcaster:
         self.device = device
         shutil.rmtree(broadcast_info_file(self.run_dir, 0).parent, ignore_errors=True)
         init = GroupInitInfo(config.host, config.port, rank_offset=1, world_size=config.world_size)
+        self.group = None
         if config.receiver == "vllm":
             self._send = _vllm_sender(init, config.bucket_bytes, device)
         else:
-            group = open_group(init, SOURCE_RANK, device, config.timeout_s)
+            self.group = group = open_group(init, SOURCE_RANK, device, config.timeout_s)
             self._send = lambda state, info: send_state(group, state, info, device)
 
     def send(self, step: int, state: dict[str, torch.Tensor]) -> None:
@@ -45,6 +46,11 @@ class WeightBroadcaster:
         atomic_write_bytes(broadcast_info_file(self.run_dir, step), encode_update_info(info))
         self._send(state, info)
         broadcast_info_file(self.run_dir, step - 2).unlink(missing_ok=True)  # the servers hold step - 1 or newer
+
+    def close(self) -> None:
+        if self.group is not None:
+            close_group(self.group)
+            self.group = None
 
 
 def _vllm_sender(init: GroupInitInfo, bucket_bytes: int, device: torch.device) -> Callable[[dict, WeightUpdateInfo], None]:

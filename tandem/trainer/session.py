@@ -83,6 +83,8 @@ class Session:
             self.metrics.log(step, values)
 
     def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
         close_parallel()
 
 

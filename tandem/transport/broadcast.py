@@ -50,8 +50,16 @@ def receive_state(group: dist.ProcessGroup, info: WeightUpdateInfo, device: torc
         flat = torch.empty(bucket.num_bytes, dtype=torch.uint8, device=device)
         _broadcast(group, flat)
         for name, dtype, shape, part in zip(bucket.names, bucket.dtypes, bucket.shapes, flat.split(bucket.sizes)):
+            if part.storage_offset() % dtype.itemsize:  # after an odd-sized tensor: copy to an aligned start
+                part = part.clone()
             state[name] = part.view(dtype).view(shape)
     return state
+
+
+def close_group(group: dist.ProcessGroup) -> None:
+    """Tear the group down now. Left to interpreter exit, its threads may be destroyed still joinable,
+    which aborts the process (seen with gloo under load: exit code -6 after the last update)."""
+    group.shutdown()
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:

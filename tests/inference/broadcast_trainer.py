@@ -18,4 +18,5 @@ if __name__ == "__main__":
     config = BroadcastWeightTransport(port=int(port), num_inference_ranks=int(num_ranks), bucket_mib=0.25, timeout_s=60)
     sender = WeightBroadcaster(Path(run_dir), config, torch.device("cpu"))
     sender.send(int(step), load_state_dict(Path(folder)))
+    sender.close()
     print("sent", flush=True)
