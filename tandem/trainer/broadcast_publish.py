@@ -36,7 +36,7 @@ class WeightBroadcaster:
         init = GroupInitInfo(config.host, config.port, rank_offset=1, world_size=config.world_size)
         self.group = None
         if config.receiver == "vllm":
-            self._send = _vllm_sender(init, config.bucket_bytes, device)
+            self._send = _vllm_sender(init, device)
         else:
             self.group = group = open_group(init, SOURCE_RANK, device, config.timeout_s)
             self._send = lambda state, info: send_state(group, state, info, device)
@@ -53,7 +53,7 @@ class WeightBroadcaster:
             self.group = None
 
 
-def _vllm_sender(init: GroupInitInfo, bucket_bytes: int, device: torch.device) -> Callable[[dict, WeightUpdateInfo], None]:
+def _vllm_sender(init: GroupInitInfo, device: torch.device) -> Callable[[dict, WeightUpdateInfo], None]:
     """Send through vLLM's NCCL weight-transfer engine (trainer side), packed as `info` announces."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -62,8 +62,7 @@ def _vllm_sender(init: GroupInitInfo, bucket_bytes: int, device: torch.device) -
 
     def send(state: dict[str, torch.Tensor], info: WeightUpdateInfo) -> None:
         tensors = ((name, tensor.to(device)) for name, tensor in state.items())
-        NCCLWeightTransferEngine.trainer_send_weights(tensors, {
-            "group": group, "packed": True, "packed_buffer_size_bytes": bucket_bytes,
-            "packed_num_buffers": info.packed_num_buffers})
+        NCCLWeightTransferEngine.trainer_send_weights(tensors, {"group": group, "packed": True,
+                                                                 "packed_buffer_size_bytes": info.packed_buffer_size_bytes})
 
     return send

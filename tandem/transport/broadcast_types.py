@@ -41,9 +41,8 @@ class WeightUpdateInfo(msgspec.Struct):
     packed: bool = True
     """Tensors travel packed into buckets (tandem always packs)."""
     packed_buffer_size_bytes: int = 2**30
-    """Bucket size threshold (see the module docstring)."""
-    packed_num_buffers: int = 2
-    """vLLM's double buffering on its receiving side; tandem's receiver ignores it."""
+    """Bucket size threshold (see the module docstring). vLLM's other packing field,
+    `packed_num_buffers`, is left to its default on both of its ends."""
 
     def check(self) -> None:
         """Raise ValueError when the lists disagree or a dtype is unknown (a 400 on the servers)."""
