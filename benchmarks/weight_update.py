@@ -126,7 +126,7 @@ def bench_broadcast(server: Server, states: list[dict], run_dir: Path, args: arg
     def update(version: int, state: dict) -> None:
         sending = threading.Thread(target=joined[0].send, args=(version, state))
         sending.start()
-        while source.newest() != version:
+        while source.next_version(version - 1) != version:
             time.sleep(0.0005)
         asyncio.run(_with_pool([server.url], backend, lambda pool: source.load(pool, version)))
         sending.join()

@@ -69,9 +69,10 @@ class WeightWatcher:
         """Seconds spent loading policies into the servers so far."""
 
     async def load_newest(self) -> bool:
-        """Load the newest stable policy if it is newer than the servers'; True when it loaded one."""
-        newest = self.source.newest()
-        if newest is None or newest <= self.policy.version:
+        """Load the next policy the source offers (the newest folder; the next announced broadcast);
+        True when it loaded one."""
+        newest = self.source.next_version(self.policy.version)
+        if newest is None:
             return False
         start = time.monotonic()
         await self.source.load(self.pool, newest)

@@ -7,6 +7,9 @@
   N is ready once the trainer announced it (`broadcasts/step_N.json`), and every server receives it
   while the trainer sends it (vLLM's weight-transfer sequence, the same on both backends). Every
   server takes part in every update, so a server that missed one is re-admitted by taking the next.
+  Announcements are loaded in order, never skipped: the trainer's send may return before the
+  servers read it (the transport buffers), so two announced policies can be in the group at once,
+  and each must be received in turn. Loaded announcements are deleted here, by their consumer.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 from tandem.config.weight_transport import BroadcastWeightTransport, WeightTransportConfig
 from tandem.orchestrator.inference_pool import InferencePool
-from tandem.transport.paths import broadcast_info_file, latest_broadcast_step, latest_stable_step, weights_dir
+from tandem.transport.paths import announced_steps, broadcast_info_file, latest_stable_step, weights_dir
 
 
 class FolderPolicies:
@@ -26,8 +29,10 @@ class FolderPolicies:
     async def setup(self, pool: InferencePool) -> None:
         """Nothing to set up: folders need no connection."""
 
-    def newest(self) -> int | None:
-        return latest_stable_step(self.run_dir)
+    def next_version(self, current: int) -> int | None:
+        """The newest published policy, if newer than `current` (older folders need not be loaded)."""
+        newest = latest_stable_step(self.run_dir)
+        return newest if newest is not None and newest > current else None
 
     async def load(self, pool: InferencePool, version: int) -> None:
         await pool.update_weights(self._path(version), version)
@@ -53,12 +58,16 @@ class BroadcastPolicies:
             for i in range(pool.num_servers)
         ])
 
-    def newest(self) -> int | None:
-        return latest_broadcast_step(self.run_dir)
+    def next_version(self, current: int) -> int | None:
+        """The oldest announced policy newer than `current` (each crosses the group in turn)."""
+        return min(announced_steps(self.run_dir, after=current), default=None)
 
     async def load(self, pool: InferencePool, version: int) -> None:
         update_info = json.loads(broadcast_info_file(self.run_dir, version).read_bytes())
         await pool.broadcast_update(update_info, version)
+        for step in announced_steps(self.run_dir, after=-1):
+            if step <= version:
+                broadcast_info_file(self.run_dir, step).unlink(missing_ok=True)
 
     async def readmit(self, pool: InferencePool, version: int) -> None:
         """Nothing to do between updates: an excluded server takes part in the next one."""

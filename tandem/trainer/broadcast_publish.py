@@ -2,8 +2,9 @@
 
 Per published step: write `broadcasts/step_N.json` (the update info, atomically), then send the
 tensors over the group. The orchestrator sees the file and has every server receive it with the
-same info, so both ends cut the same buckets. The send returns once the group took the tensors:
-the trainer runs at most one policy ahead of the servers' updates, never more.
+same info, so both ends cut the same buckets, then deletes it. The send returns once the group
+took the tensors, which may be before the servers read them (the transport buffers): the
+orchestrator loads announcements in order, so none is skipped.
 
 The group is torch.distributed's (`tandem.transport.broadcast`) for tandem's servers, vLLM's
 own communicator (its trainer-side API, same bucket rule) for vLLM's.
@@ -45,7 +46,6 @@ class WeightBroadcaster:
         info = update_info_of(state, self.config.bucket_bytes)
         atomic_write_bytes(broadcast_info_file(self.run_dir, step), encode_update_info(info))
         self._send(state, info)
-        broadcast_info_file(self.run_dir, step - 2).unlink(missing_ok=True)  # the servers hold step - 1 or newer
 
     def close(self) -> None:
         if self.group is not None:

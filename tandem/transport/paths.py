@@ -50,7 +50,7 @@ def broadcast_info_file(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "broadcasts" / f"step_{step}.json"
 
 
-def latest_broadcast_step(run_dir: Path) -> int | None:
-    """The newest step announced under `broadcasts/`, or None."""
+def announced_steps(run_dir: Path, after: int) -> list[int]:
+    """The steps announced under `broadcasts/` that are newer than `after`, in order."""
     steps = [_step_of(p.with_suffix("")) for p in (Path(run_dir) / "broadcasts").glob("step_*.json")]
-    return max((s for s in steps if s is not None), default=None)
+    return sorted(s for s in steps if s is not None and s > after)

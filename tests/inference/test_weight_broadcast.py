@@ -54,7 +54,7 @@ def broadcast(run_dir: Path, servers: list[BackgroundServer], folder: Path, step
         pool = InferencePool(ClientConfig(base_urls=[s.url for s in servers], timeout_s=60))
         try:
             await source.setup(pool)
-            while source.newest() != step:
+            while source.next_version(0) != step:
                 assert trainer.poll() is None, trainer.stdout.read()
                 await asyncio.sleep(0.05)
             await source.load(pool, step)
@@ -110,3 +110,41 @@ def test_bad_init_info_is_a_400_naming_it(server):
 
     with pytest.raises(InferenceRequestError, match="rank_offset"):
         asyncio.run(init())
+
+
+def test_policies_announced_back_to_back_are_received_in_turn(two_servers, tiny_dir, tiny_other_dir, tmp_path):
+    """The trainer sends policies 1 and 2 without waiting for the servers (the transport may buffer
+    them); the orchestrator takes 1, then 2, never skipping one that is already in the group."""
+    expected = sample(two_servers[0].url)
+    port = free_port()
+    config = BroadcastWeightTransport(port=port, num_inference_ranks=2)
+    trainer = subprocess.Popen([sys.executable, str(TRAINER), str(tmp_path), str(port), "2", "1", str(tiny_other_dir),
+                                "2", str(tiny_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    source = BroadcastPolicies(tmp_path, config)
+
+    async def orchestrate() -> list[int]:
+        pool = InferencePool(ClientConfig(base_urls=[s.url for s in two_servers], timeout_s=60))
+        loaded = [0]
+        try:
+            await source.setup(pool)
+            while loaded[-1] < 2:
+                assert trainer.poll() in (None, 0), trainer.stdout.read()
+                version = source.next_version(loaded[-1])
+                if version is None:
+                    await asyncio.sleep(0.02)
+                    continue
+                await source.load(pool, version)
+                loaded.append(version)
+        finally:
+            await pool.aclose()
+        return loaded
+
+    try:
+        loaded = asyncio.run(orchestrate())
+        output, _ = trainer.communicate(timeout=60)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0, output
+    assert loaded == [0, 1, 2] and source.next_version(0) is None  # loaded announcements are gone
+    for server in two_servers:
+        assert sample(server.url) == [(ids, lps, 2) for ids, lps, _ in expected]
