@@ -151,6 +151,8 @@ def resolve_backend(config: RLConfig) -> None:
         raise RunFailed(f"`orchestrator.client.backend` = {client.backend!r} contradicts `inference.backend` = "
                         f"{backend!r}; leave the client's unset")
     client.backend = backend
+    if backend == "vllm" and config.deployment.type != "gpu":
+        raise RunFailed("`inference.backend` = \"vllm\" runs on CUDA only: set `deployment.type` = \"gpu\"")
     if backend == "vllm" and config.weight_transport.type != "broadcast":
         raise RunFailed("`inference.backend` = \"vllm\" loads new policies over NCCL only: set "
                         "`weight_transport.type` = \"broadcast\"")

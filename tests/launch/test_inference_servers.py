@@ -6,7 +6,7 @@ import pytest
 
 from tandem.config.rl import RLConfig
 from tandem.launch.rl import (RunFailed, _commands, _write_process_configs, inference_device_slices,
-                              resolve_inference_servers, resolve_weight_transport)
+                              resolve_backend, resolve_inference_servers, resolve_weight_transport)
 
 
 def rl_config(tmp_path, **values) -> RLConfig:
@@ -64,3 +64,17 @@ def test_gpu_servers_take_consecutive_device_slices(tmp_path):
     short = rl_config(tmp_path, deployment={"type": "gpu", "num_inference_servers": 2, "inference_devices": [0]})
     with pytest.raises(RunFailed, match="lists 1 GPU"):
         inference_device_slices(short)
+
+
+def test_vllm_servers_set_the_client_and_need_gpus_and_broadcast(tmp_path):
+    gpu = {"type": "gpu", "inference_devices": [0], "trainer_devices": [1]}
+    config = rl_config(tmp_path, deployment=gpu, inference={"backend": "vllm"}, weight_transport={"type": "broadcast"})
+    resolve_backend(config)
+    assert config.orchestrator.client.backend == "vllm" and config.trainer.weight_transport.receiver == "vllm"
+    with pytest.raises(RunFailed, match="CUDA only"):
+        resolve_backend(rl_config(tmp_path, inference={"backend": "vllm"}, weight_transport={"type": "broadcast"}))
+    with pytest.raises(RunFailed, match="set `weight_transport.type` = \"broadcast\""):
+        resolve_backend(rl_config(tmp_path, deployment=gpu, inference={"backend": "vllm"}))
+    with pytest.raises(RunFailed, match="orchestrator.client.backend"):
+        resolve_backend(rl_config(tmp_path, deployment=gpu, inference={"backend": "vllm"}, weight_transport={"type": "broadcast"},
+                                  orchestrator={"client": {"backend": "tandem"}}))
