@@ -67,7 +67,7 @@ class Orchestrator:
         source = setup_policy_source(cfg.weight_transport, self.run_dir)
         await source.setup(self.pool)
         watcher = WeightWatcher(source, self.pool, self.policy, cfg.weights.poll_interval_s, self._on_policy_loaded)
-        await watcher.load_newest()  # a resumed run samples with the newest policy, not the base model
+        await watcher.load_next()  # a resumed run samples with the newest policy, not the base model
         watcher_task = asyncio.create_task(watcher.run())
         groups_per_step = cfg.batch_size // cfg.group_size
         scheduler = GroupScheduler(

@@ -1,9 +1,10 @@
 """The policy version the inference servers hold, and the watcher that moves it forward.
 
 `PolicyTracker.version` is the newest policy loaded into *every* server: the trainer published
-policy N (`weights/step_N/STABLE`, or its broadcast announcement), the watcher had each server load
-it (`policy_source`), and only then recorded N. The async gate reads it; a watcher failure is stored and re-raised to every waiter,
-so a run whose servers cannot load weights stops instead of waiting forever.
+policy N (`weights/step_N/STABLE`, or its broadcast announcement), the watcher had each server
+load it (`policy_source`), and only then recorded N. The async gate reads it; a watcher failure is
+stored and re-raised to every waiter, so a run whose servers cannot load weights stops instead of
+waiting forever.
 """
 
 from __future__ import annotations
@@ -68,24 +69,24 @@ class WeightWatcher:
         self.update_s = 0.0
         """Seconds spent loading policies into the servers so far."""
 
-    async def load_newest(self) -> bool:
+    async def load_next(self) -> bool:
         """Load the next policy the source offers (the newest folder; the next announced broadcast);
         True when it loaded one."""
-        newest = self.source.next_version(self.policy.version)
-        if newest is None:
+        version = self.source.next_version(self.policy.version)
+        if version is None:
             return False
         start = time.monotonic()
-        await self.source.load(self.pool, newest)
+        await self.source.load(self.pool, version)
         self.update_s += time.monotonic() - start
-        log.info("loaded policy %d into %d server(s) in %.2fs", newest, self.pool.num_servers, time.monotonic() - start)
-        await self.policy.set(newest)
+        log.info("loaded policy %d into %d server(s) in %.2fs", version, self.pool.num_servers, time.monotonic() - start)
+        await self.policy.set(version)
         return True
 
     async def run(self) -> None:
         try:
             await self._handle(self.policy.version)
             while True:
-                if await self.load_newest():
+                if await self.load_next():
                     await self._handle(self.policy.version)
                     continue
                 if self.pool.excluded:
