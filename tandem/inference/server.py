@@ -64,6 +64,6 @@ def main(config: InferenceConfig) -> int:
         print(f"tandem inference: {err}", file=sys.stderr)
         return 2
     log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
-    uvicorn.run(build_app(served, config.server.api_key, config.server.weight_transfer_timeout_s), host=config.server.host, port=config.server.port,
-                access_log=config.server.access_log, log_level="info")
+    app = build_app(served, config.server.api_key, config.server.weight_transfer_timeout_s)
+    uvicorn.run(app, host=config.server.host, port=config.server.port, access_log=config.server.access_log, log_level="info")
     return 0
