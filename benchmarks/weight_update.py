@@ -15,7 +15,9 @@ request comes back with the new `weight_version`:
   GPU): it needs two visible GPUs and is recorded as skipped otherwise;
 - `vllm_broadcast` (part `vllm`, when a `vllm` executable is on PATH): the same, to
   `tandem inference --backend vllm`, through vLLM's NCCL engine.
-Median and min over `--repeats` updates, after one untimed update.
+Median and min over `--repeats` updates, after one untimed update, and the MiB of weights moved per
+second at the median: a fixed cost (HTTP calls, polling the announcement) plus size over bandwidth,
+so a projection to a larger model from one small preset overstates its time; two presets separate them.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class Server:
 
 
 def timed_updates(update, check, states: list[dict], repeats: int) -> dict:
-    """Seconds of each `update(version, state)` + `check(version)`, after one untimed update."""
+    """Seconds of each `update(version, state)` + `check(version)`, after one untimed update, and the
+    weight bytes moved per second at the median (to project other model sizes from)."""
     seconds = []
     for version in range(1, repeats + 2):
         start = time.perf_counter()
@@ -99,7 +102,9 @@ def timed_updates(update, check, states: list[dict], repeats: int) -> dict:
         check(version)
         if version > 1:
             seconds.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "seconds": seconds}
+    mib = sum(t.numel() * t.element_size() for t in states[0].values()) / 2**20
+    median = statistics.median(seconds)
+    return {"median_s": median, "min_s": min(seconds), "mib_per_s_at_median": mib / median, "seconds": seconds}
 
 
 def bench_filesystem(server: Server, folder: Path, states: list[dict], run_dir: Path, repeats: int) -> dict:
