@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import PlainTextResponse
 
 from tandem.inference.errors import APIError
 from tandem.inference.metrics import render_metrics
 from tandem.inference.protocol import UpdateWeightsRequest
 from tandem.inference.serving import Served
+from tandem.inference.weight_transfer_api import BroadcastUpdateRequest, parse_body, receive_update
 from tandem.models.weights import load_state_dict
 
 public = APIRouter()
@@ -38,7 +40,12 @@ async def models(request: Request) -> dict:
 
 
 @router.post("/update_weights")
-async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
+async def update_weights(payload: Annotated[dict[str, Any], Body()], request: Request) -> dict:
+    """`{"path"}`: reload a folder (the filesystem weight transport). `{"update_info"}`: receive
+    the broadcast weight transport's tensors, as vLLM's route of the same name does."""
+    if "update_info" in payload:
+        return await receive_update(parse_body(BroadcastUpdateRequest, payload), request)
+    body = parse_body(UpdateWeightsRequest, payload)
     served: Served = request.app.state.served
     folder = Path(body.path)
     if not folder.is_dir():
@@ -55,8 +62,9 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
 
 
 @router.post("/pause")
-async def pause(request: Request) -> dict:
-    """Stop stepping (after the step in flight); requests keep queueing until `/resume`."""
+async def pause(request: Request, mode: Literal["keep"] = "keep") -> dict:
+    """Stop stepping (after the step in flight); requests keep queueing until `/resume`. `mode`:
+    vLLM's query parameter, where tandem knows only `keep` (in-flight requests wait, none is lost)."""
     await request.app.state.served.engine.pause()
     return {"paused": True}
 

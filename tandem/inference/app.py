@@ -7,9 +7,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 
-from tandem.inference import admin_api, generate_api, openai_api
+from tandem.config.inference import ServerConfig
+from tandem.inference import admin_api, generate_api, openai_api, weight_transfer_api
 from tandem.inference.errors import APIError, install_error_handlers
 from tandem.inference.serving import Served
+from tandem.inference.weight_receiver import WeightReceiver
 
 
 def require_api_key(api_key: str | None):
@@ -24,7 +26,8 @@ def require_api_key(api_key: str | None):
     return check
 
 
-def build_app(served: Served, api_key: str | None = None) -> FastAPI:
+def build_app(served: Served, api_key: str | None = None,
+              weight_transfer_timeout_s: float = ServerConfig().weight_transfer_timeout_s) -> FastAPI:
     """The app over a built engine; the engine thread runs while the app does."""
 
     @asynccontextmanager
@@ -34,12 +37,14 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
             yield
         finally:
             served.engine.shutdown()
+            app.state.weight_receiver.close()
 
     app = FastAPI(title="tandem inference", lifespan=lifespan)
     app.state.served = served
+    app.state.weight_receiver = WeightReceiver(served.engine.engine.device, weight_transfer_timeout_s)
     install_error_handlers(app)
     guarded = [Depends(require_api_key(api_key))]
     app.include_router(admin_api.public)
-    for router in (admin_api.router, openai_api.router, generate_api.router):
+    for router in (admin_api.router, openai_api.router, generate_api.router, weight_transfer_api.router):
         app.include_router(router, dependencies=guarded)
     return app

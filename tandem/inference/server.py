@@ -33,7 +33,7 @@ class BackgroundServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        app = build_app(self.served, config.server.api_key)
+        app = build_app(self.served, config.server.api_key, config.server.weight_transfer_timeout_s)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -55,11 +55,8 @@ class BackgroundServer:
 def main(config: InferenceConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.backend == "vllm":
-        try:
-            from tandem.inference.vllm.server import main as vllm_main  # built by the vLLM backend's issue
-        except ModuleNotFoundError as err:
-            print(f"tandem inference: backend `vllm` is not available here ({err}); use `--backend tandem`", file=sys.stderr)
-            return 2
+        from tandem.inference.vllm.server import main as vllm_main
+
         return vllm_main(config)
     try:
         served = build_served(config)
@@ -67,6 +64,6 @@ def main(config: InferenceConfig) -> int:
         print(f"tandem inference: {err}", file=sys.stderr)
         return 2
     log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
-    uvicorn.run(build_app(served, config.server.api_key), host=config.server.host, port=config.server.port,
-                access_log=config.server.access_log, log_level="info")
+    app = build_app(served, config.server.api_key, config.server.weight_transfer_timeout_s)
+    uvicorn.run(app, host=config.server.host, port=config.server.port, access_log=config.server.access_log, log_level="info")
     return 0

@@ -2,8 +2,8 @@
 
 It executes a config resolved by `tandem.config.resolve` as it is: every port, rank, device and
 URL was decided there (and shown by `--dry-run`); nothing here edits a config. Order: warm-up
-(model init, SFT data, SFT) if the starting model is missing; inference, until `/health`
-answers; then orchestrator and trainer. The run ends when orchestrator and trainer
+(model init, SFT data, SFT) if the starting model is missing; every inference server, until each
+answers `/health`; then orchestrator and trainer. The run ends when orchestrator and trainer
 have exited 0, or at the first failure, Ctrl-C or SIGTERM: every process tree is then stopped
 and the culprit is named with the last lines of its log.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from tandem.config.dump import to_toml
-from tandem.config.resolve import PROCESSES, free_port
+from tandem.config.resolve import free_port, inference_server_name, process_configs
 from tandem.config.rl import RLConfig
 from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.launch.warmup import run_warmup
@@ -67,11 +67,12 @@ def _holds_results(path: Path) -> bool:
 
 
 def _write_process_configs(config: RLConfig) -> dict[str, Path]:
-    """Write the resolved config of each process, and the whole RL config, under `configs/`."""
+    """Write the resolved config of each process (each inference server included), and the whole RL
+    config, under `configs/`."""
     paths = {}
-    for name in PROCESSES:
+    for name, process_config in process_configs(config).items():
         paths[name] = config.run_dir / "configs" / f"{name}.toml"
-        atomic_write_text(paths[name], to_toml(getattr(config, name)))
+        atomic_write_text(paths[name], to_toml(process_config))
     atomic_write_text(config.run_dir / "configs" / "rl.toml", to_toml(config))
     return paths
 
@@ -96,8 +97,11 @@ def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[lis
     if ranks > 1:
         trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "tandem.cli", "trainer", "@", str(configs["trainer"])]
+    slices = config.deployment.inference_device_slices
+    servers = {name: ([*py, "inference", "@", str(configs[name])], slices[i] if gpu else None)
+               for i, name in enumerate(_server_names(config))}
     return {
-        "inference": ([*py, "inference", "@", str(configs["inference"])], config.deployment.inference_devices if gpu else None),
+        **servers,
         "orchestrator": ([*py, "orchestrator", "@", str(configs["orchestrator"])], [] if gpu else None),
         "trainer": (trainer, config.deployment.trainer_devices if gpu else None),
     }
@@ -115,12 +119,14 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = ProgressPrinter(run_dir, config.max_steps)
     try:
-        argv, devices = commands["inference"]
-        procs["inference"] = ManagedProcess("inference", argv, run_dir / "logs" / "inference.log", _child_env(devices))
+        for name in _server_names(config):
+            argv, devices = commands[name]
+            procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
         _write_pids(run_dir, procs)
-        log.info("starting inference server (%s)", config.orchestrator.client.base_urls[0])
-        wait_healthy(config.orchestrator.client.base_urls[0], procs["inference"], config.orchestrator.client.health_timeout_s,
-                     stop_signal)
+        client = config.orchestrator.client
+        for name, url in zip(_server_names(config), client.base_urls):
+            log.info("waiting for inference server %s (%s)", name, url)
+            wait_healthy(url, procs[name], client.health_timeout_s, stop_signal)
         for name in ("orchestrator", "trainer"):
             argv, devices = commands[name]
             procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
@@ -137,8 +143,9 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
                 raise RunFailed(f"the {name} process failed (exit code {code}); last lines of {procs[name].log_path}:\n{tail}")
             if all(procs[n].poll() == 0 for n in ("orchestrator", "trainer")):
                 break
-            if procs["inference"].poll() == 0:
-                raise RunFailed("the inference process exited before the run finished")
+            exited = [name for name in _server_names(config) if procs[name].poll() == 0]
+            if exited:
+                raise RunFailed(f"the {exited[0]} process exited before the run finished")
             time.sleep(0.5)
         progress.finish()
         report = write_report(run_dir)
@@ -153,6 +160,10 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             signal.signal(s, handler)
 
 
+def _server_names(config: RLConfig) -> list[str]:
+    return [inference_server_name(i) for i in range(config.deployment.num_inference_servers)]
+
+
 def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None) -> None:
     """Return once the server of `proc` answers `GET /health` with 200; RunFailed if it exits, a
     signal was caught (`stop_signal`), or `timeout_s` passes."""
@@ -164,7 +175,7 @@ def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_sig
             raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
         if proc.poll() is not None:
             tail = "\n".join(f"  | {line}" for line in proc.tail(20))
-            raise RunFailed(f"the inference process failed at start (exit code {proc.poll()}); last lines of {proc.log_path}:\n{tail}")
+            raise RunFailed(f"the {proc.name} process failed at start (exit code {proc.poll()}); last lines of {proc.log_path}:\n{tail}")
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
