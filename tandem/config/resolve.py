@@ -250,8 +250,8 @@ def resolve(raw: RawConfig, machine: Machine) -> RLConfig:
     for rule in DERIVED_RULES:
         for derived in rule(draft, machine):
             _apply(data, sources, derived, fix=f"remove `{derived.key}`")
-            for shared_copy in _shared_copies(derived.key):  # they hold the shared value, checked against the user's above
-                _apply(data, sources, Derived(shared_copy, derived.value, derived.because), fix="", overwrite=True)
+            for shared_copy in _shared_copies(derived.key):  # copies of the shared value just checked against the user's
+                _write(data, sources, Derived(shared_copy, derived.value, derived.because))
     return validate(RLConfig, data, sources)
 
 
@@ -276,20 +276,34 @@ def process_configs(config: RLConfig) -> dict[str, ProcessConfig]:
     return {**servers, "orchestrator": config.orchestrator, "trainer": config.trainer}
 
 
-def _apply(data: dict[str, Any], sources: dict[str, str], derived: Derived, fix: str, overwrite: bool = False) -> None:
-    """Write `derived` into the raw config, or raise if the user set that key to something else (unless `overwrite`)."""
-    *path, leaf = derived.key.split(".")
+def _apply(data: dict[str, Any], sources: dict[str, str], derived: Derived, fix: str) -> None:
+    """Write `derived` into the raw config, or raise if the user set that key to something else."""
+    section, leaf = _section_of(data, derived.key)
+    if section is None:  # the user wrote a value where a section belongs: validation will say so
+        return
+    if leaf in section and section[leaf] != derived.value and section[leaf] != derived.placeholder:
+        where = f" (from {sources[derived.key]})" if derived.key in sources else ""
+        raise ConfigError(f"`{derived.key}` = {section[leaf]!r}{where} contradicts {derived.because}, which makes it "
+                          f"{derived.value!r}: {fix}")
+    _write(data, sources, derived)
+
+
+def _write(data: dict[str, Any], sources: dict[str, str], derived: Derived) -> None:
+    section, leaf = _section_of(data, derived.key)
+    if section is not None:
+        section[leaf] = derived.value
+        sources.setdefault(derived.key, derived.because)
+
+
+def _section_of(data: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]:
+    """The raw section holding dotted `key` (made where missing; None where the user wrote a value instead), and its leaf."""
+    *path, leaf = key.split(".")
     node = data
     for part in path:
         node = node.setdefault(part, {})
-        if not isinstance(node, dict):  # the user wrote a value where a section belongs: validation will say so
-            return
-    if not overwrite and leaf in node and node[leaf] != derived.value and node[leaf] != derived.placeholder:
-        where = f" (from {sources[derived.key]})" if derived.key in sources else ""
-        raise ConfigError(f"`{derived.key}` = {node[leaf]!r}{where} contradicts {derived.because}, which makes it "
-                          f"{derived.value!r}: {fix}")
-    node[leaf] = derived.value
-    sources.setdefault(derived.key, derived.because)
+        if not isinstance(node, dict):
+            return None, leaf
+    return node, leaf
 
 
 def _get(tree: dict[str, Any], key: str) -> Any:
