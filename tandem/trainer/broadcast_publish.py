@@ -39,8 +39,8 @@ class WeightBroadcaster:
         if config.receiver == "vllm":
             self._send = _vllm_sender(init, device)
         else:
-            self.group = group = open_group(init, SOURCE_RANK, device, config.timeout_s)
-            self._send = lambda state, info: send_state(group, state, info, device)
+            self.group = open_group(init, SOURCE_RANK, device, config.timeout_s)
+            self._send = self._send_over_group
 
     def send(self, step: int, state: dict[str, torch.Tensor]) -> None:
         info = update_info_of(state, self.config.bucket_bytes)
@@ -50,7 +50,10 @@ class WeightBroadcaster:
     def close(self) -> None:
         if self.group is not None:
             close_group(self.group)
-            self.group = None
+            self.group = None  # the only reference: the group is freed now (see `close_group`)
+
+    def _send_over_group(self, state: dict[str, torch.Tensor], info: WeightUpdateInfo) -> None:
+        send_state(self.group, state, info, self.device)
 
 
 def _vllm_sender(init: GroupInitInfo, device: torch.device) -> Callable[[dict, WeightUpdateInfo], None]:

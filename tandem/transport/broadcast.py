@@ -57,8 +57,10 @@ def receive_state(group: dist.ProcessGroup, info: WeightUpdateInfo, device: torc
 
 
 def close_group(group: dist.ProcessGroup) -> None:
-    """Tear the group down now. Left to interpreter exit, its threads may be destroyed still joinable,
-    which aborts the process (seen with gloo under load: exit code -6 after the last update)."""
+    """Tear the group down now; the caller then drops its last reference, so that the group is freed
+    now too. Freed only at interpreter exit, its gloo threads may reach for the GIL while stopping,
+    and Python ends them inside a C++ frame: the process aborts (exit code -6 after the last update,
+    one run in four with gloo on a loaded machine)."""
     group.shutdown()
 
 

@@ -13,8 +13,8 @@ from tandem.config.weight_transport import BroadcastWeightTransport
 from tandem.models.weights import load_state_dict
 from tandem.trainer.broadcast_publish import WeightBroadcaster
 
-if __name__ == "__main__":
-    run_dir, port, num_ranks, *policies = sys.argv[1:]
+def main(run_dir: str, port: str, num_ranks: str, *policies: str) -> None:
+    """A function, so that the group is freed when it returns, not at interpreter exit (`close_group`)."""
     # A small bucket threshold, so that the tiny model crosses the group in several buckets.
     config = BroadcastWeightTransport(port=int(port), num_inference_ranks=int(num_ranks), bucket_mib=0.25, timeout_s=60)
     sender = WeightBroadcaster(Path(run_dir), config, torch.device("cpu"))
@@ -22,3 +22,7 @@ if __name__ == "__main__":
         sender.send(int(step), load_state_dict(Path(folder)))
     sender.close()
     print("sent", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -21,8 +21,8 @@ def expected_state() -> dict[str, torch.Tensor]:
             "e.weight": torch.randn(300, generator=g).half()}
 
 
-if __name__ == "__main__":
-    rank, world_size, port, device = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), torch.device(sys.argv[4])
+def main(rank: int, world_size: int, port: int, device: torch.device) -> None:
+    """A function, so that the group is freed when it returns, not at interpreter exit (`close_group`)."""
     group = open_group(GroupInitInfo("127.0.0.1", port, 1, world_size), rank, device, timeout_s=60)
     state = expected_state()
     # 4 KiB buckets: the 8 KiB bf16 tensor closes a bucket alone, the small ones share one.
@@ -38,3 +38,7 @@ if __name__ == "__main__":
             assert torch.equal(got.cpu(), tensor), name
     close_group(group)
     print("ok", rank, flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), torch.device(sys.argv[4]))
