@@ -20,9 +20,9 @@ from pydantic import ValidationError
 
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import ClientConfig
+from tandem.config.resolve import free_port
 from tandem.config.vllm import TANDEM_SET_FLAGS
 from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv
-from tandem.launch.rl import free_port
 from tandem.orchestrator.inference_pool import InferencePool
 
 FAKE = Path(__file__).with_name("fake_vllm")

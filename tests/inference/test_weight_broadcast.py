@@ -15,9 +15,9 @@ import pytest
 from inference_helpers import make_config
 
 from tandem.config.orchestrator import ClientConfig
+from tandem.config.resolve import free_port
 from tandem.config.weight_transport import BroadcastWeightTransport
 from tandem.inference.server import BackgroundServer
-from tandem.launch.rl import free_port
 from tandem.orchestrator.inference_pool import InferencePool, InferenceRequestError
 from tandem.orchestrator.policy_source import BroadcastPolicies
 

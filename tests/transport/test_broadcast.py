@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.launch.rl import free_port
+from tandem.config.resolve import free_port
 from tandem.transport.broadcast_types import WeightUpdateInfo, plan_buckets
 
 RANK = Path(__file__).with_name("broadcast_rank.py")
