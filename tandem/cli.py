@@ -48,7 +48,8 @@ def _load(target: str):
 
 
 def _usage() -> str:
-    lines = ["usage: tandem <command> [@ file.toml ...] [--key value ...] [--dry-run]", "", "commands:"]
+    lines = ["usage: tandem <command> [@ file.toml ...] [--key value ...] [--dry-run]",
+             "       tandem rl ... --slurm | --k8s   (render the run for a cluster; see docs/deployment.md)", "", "commands:"]
     for name, cmd in COMMANDS.items():
         lines.append(f"  {name:<13} {cmd.help}")
     lines.append(f"  {'model':<13} Model tools: `tandem model init --preset tiny --out DIR`.")
@@ -87,11 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dry_run = "--dry-run" in rest
     rest = [a for a in rest if a != "--dry-run"]
+    if name == "rl":
+        rest = _launcher_flags(rest)
     try:
         config = _load(cmd.parse)(rest) if cmd.parse else parse_args(config_cls, rest)
     except ConfigError as err:
         print(f"tandem {name}: config error: {err}", file=sys.stderr)
         return 2
+    if name == "rl" and config.deployment.launcher != "local":
+        from tandem.launch.render import render
+
+        return render(config, rest, dry_run)
     if dry_run:
         from tandem.config.dump import dump_process_configs
 
@@ -103,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         print(_missing_module(name, err), file=sys.stderr)
         return 2
     return int(entry(config) or 0)
+
+
+def _launcher_flags(argv: list[str]) -> list[str]:
+    """`--slurm` and `--k8s` are `--deployment.launcher slurm|k8s`."""
+    from tandem.launch.render import FLAGS
+
+    return [part for arg in argv for part in (["--deployment.launcher", FLAGS[arg]] if arg in FLAGS else [arg])]
 
 
 def _missing_module(command: str, err: ModuleNotFoundError) -> str:

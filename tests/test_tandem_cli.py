@@ -66,6 +66,14 @@ def test_dry_run_shows_the_derived_values_the_processes_get(capsys):
     assert trainer["device"] == "cpu"
 
 
+def test_dry_run_says_which_nodes_run_each_process(capsys):
+    assert main(["rl", "--dry-run", "--deployment.cluster.num-nodes", "3", "--deployment.cluster.hosts", '["a", "b", "c"]',
+                 "--deployment.cluster.num-trainer-nodes", "2", "--deployment.num-trainer-processes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "# ---- trainer ----\n# runs on: 4 rank(s) on the CPU of node(s) 0 (a), 1 (b)\n" in out
+    assert "# ---- orchestrator ----\n# runs on: the CPU of node(s) 2 (c)\n" in out
+
+
 def test_dry_run_fails_on_a_combination_the_trainer_would_refuse():
     proc = run_cli("rl", "--dry-run", "--seq-len", "3", "--trainer.data.fake", "true", "--trainer.data.fake_samples_per_row", "2")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

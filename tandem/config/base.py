@@ -67,6 +67,17 @@ class ProcessCheckpointConfig(CheckpointConfig):
     `tandem rl --resume` sets it to the newest step that trainer and orchestrator both checkpointed."""
 
 
+class PrometheusConfig(Section):
+    """Prometheus `/metrics` of a process: the latest value of each metric it writes to `metrics.jsonl`."""
+
+    port: int | None = Field(None, ge=1, le=65535)
+    """Serve the latest value of each metric this process logs at `http://<host>:<port>/metrics` (Prometheus
+    format, names in `docs/deployment.md`); unset: off. The inference server has `/metrics` on its own port."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; loopback by default so a run never listens on the network unasked."""
+
+
 class RunConfig(Section):
     name: str = "default"
     """Run name; the run folder defaults to `outputs/<name>`."""

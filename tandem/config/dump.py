@@ -32,7 +32,11 @@ def _placement(deployment: DeploymentConfig, process: str) -> str:
     devices = {**servers, "trainer": deployment.trainer_devices}.get(process)
     where = f"CUDA device(s) {devices}" if deployment.type == "gpu" and devices else "the CPU"
     ranks = f"{deployment.num_trainer_ranks} rank(s) on " if process == "trainer" else ""
-    return ranks + where
+    cluster = deployment.cluster
+    if cluster.num_nodes == 1:
+        return ranks + where
+    nodes = [n for n in range(cluster.num_nodes) if process in cluster.roles(n)]
+    return ranks + where + f" of node(s) {', '.join(f'{n} ({cluster.hosts[n]})' for n in nodes)}"
 
 
 def describe(model: type[BaseModel], prefix: str = "") -> str:

@@ -27,6 +27,11 @@ class ServerConfig(Section):
     """Broadcast weight transport: longest wait of this server for its group to form or for one
     update's tensors to arrive, after which the call fails (and the run stops) instead of hanging."""
 
+    max_request_bytes: int = Field(2**20, ge=1024)
+    """Largest request body; a longer one is refused (413) before it is read. 1 MiB holds a 128k-token prompt
+    as token ids or as text. Parsing a body holds the event loop (about 50 ms per MiB at worst: a long list of
+    one-digit ids), so a larger limit lets one request delay every other request by that much."""
+
     @property
     def url(self) -> str:
         """The base URL clients reach this server at."""

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, Section
+from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, PrometheusConfig, Section
 from tandem.config.inference import ServerConfig
 from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
@@ -175,6 +175,9 @@ class OrchestratorConfig(ProcessConfig):
 
     client: ClientConfig = ClientConfig()
     """The inference servers."""
+
+    prometheus: PrometheusConfig = PrometheusConfig()
+    """Prometheus `/metrics` of the orchestrator."""
 
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings of training rollouts."""

@@ -99,25 +99,70 @@ class Derived:
 Rule = Callable[[RLConfig, Machine], list[Derived]]
 
 
+def nodes(config: RLConfig, machine: Machine) -> list[Derived]:
+    """On several nodes (`deployment.cluster.num_nodes` > 1), `deployment.cluster.hosts` lists every node's
+    address: as written, or under `--k8s` the pods' DNS names (`<run>-trainer-<i>.<run>-trainer`, then
+    `<run>-inference-<j>.<run>-inference`), or under `--slurm` placeholders that the job script replaces with
+    the allocation's hosts at start. `inference.server.host` is then `0.0.0.0` (every interface, so that the
+    orchestrator's node reaches it), or `127.0.0.1` when every host is a loopback address. Under `--k8s` each
+    role has its own pods, so `num_nodes` must be `num_trainer_nodes` + `num_inference_nodes`, and each inference
+    pod runs one server (`deployment.num_inference_servers` = 1)."""
+    cluster = config.deployment.cluster
+    if config.deployment.launcher == "k8s" and cluster.num_trainer_nodes + cluster.num_inference_nodes != cluster.num_nodes:
+        raise ConfigError("`deployment.launcher` = 'k8s' runs each node's role in its own pods: set `deployment.cluster.num_nodes` = "
+                          f"`num_trainer_nodes` + `num_inference_nodes` = {cluster.num_trainer_nodes + cluster.num_inference_nodes}")
+    if config.deployment.launcher == "k8s" and config.deployment.num_inference_servers > 1:
+        raise ConfigError("`deployment.launcher` = 'k8s' runs one inference server per pod: set "
+                          "`deployment.num_inference_servers` = 1 (and more `deployment.cluster.num_inference_nodes`)")
+    if cluster.num_nodes == 1:
+        return []
+    hosts = cluster_hosts(config)
+    bind = "127.0.0.1" if all(_is_loopback(h) for h in hosts) else "0.0.0.0"
+    return [Derived("deployment.cluster.hosts", hosts, f"`deployment.launcher` = {config.deployment.launcher!r}", placeholder=[]),
+            Derived("inference.server.host", bind, "`deployment.cluster.hosts` (servers answer other nodes)")]
+
+
+def cluster_hosts(config: RLConfig) -> list[str]:
+    """The address of each node (see the rule `nodes`); one node is this machine."""
+    deployment, cluster = config.deployment, config.deployment.cluster
+    if cluster.hosts or cluster.num_nodes == 1:
+        return list(cluster.hosts) or ["127.0.0.1"]
+    if deployment.launcher == "slurm":
+        return [f"slurm-node-{i}" for i in range(cluster.num_nodes)]
+    if deployment.launcher == "k8s":
+        k8s = deployment.k8s
+        return ([k8s.pod_host(config.run.name, "trainer", i) for i in range(cluster.num_trainer_nodes)]
+                + [k8s.pod_host(config.run.name, "inference", i) for i in range(cluster.num_inference_nodes)])
+    raise ConfigError(f"`deployment.cluster.num_nodes` = {cluster.num_nodes} needs `deployment.cluster.hosts`: the address of each "
+                      "node in node-rank order (or `--slurm` / `--k8s`, which decide them)")
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.")
+
+
 def trainer_ranks(config: RLConfig, machine: Machine) -> list[Derived]:
     """`orchestrator.num_trainer_ranks` (one batch file per rank) is the trainer's world size:
-    `len(deployment.trainer_devices)` on `gpu`, `deployment.num_trainer_processes` on `cpu`."""
+    `len(deployment.trainer_devices)` on `gpu`, `deployment.num_trainer_processes` on `cpu`, on each of
+    `deployment.cluster.num_trainer_nodes` nodes."""
     cause = "deployment.trainer_devices" if config.deployment.type == "gpu" else "deployment.num_trainer_processes"
-    return [Derived("orchestrator.num_trainer_ranks", config.deployment.num_trainer_ranks, f"`{cause}`")]
+    nodes = " and `deployment.cluster.num_trainer_nodes`" if config.deployment.cluster.num_trainer_nodes > 1 else ""
+    return [Derived("orchestrator.num_trainer_ranks", config.deployment.num_trainer_ranks, f"`{cause}`{nodes}")]
 
 
 def devices(config: RLConfig, machine: Machine) -> list[Derived]:
     """`deployment.type` sets `trainer.device` and `inference.engine.device` (`cpu` or `cuda`). On `gpu`,
     every index in `deployment.inference_devices` and `deployment.trainer_devices` must be a CUDA device
-    this machine shows; when both lists name one GPU, `inference.engine.memory_fraction` is
-    `deployment.shared_gpu_memory_fraction` (on a one-GPU machine, `trainer_devices = [0]` shares GPU 0)."""
+    this machine shows (under `--slurm` and `--k8s`, each node checks its own at start); when both lists name
+    one GPU, `inference.engine.memory_fraction` is `deployment.shared_gpu_memory_fraction` (on a one-GPU
+    machine, `trainer_devices = [0]` shares GPU 0)."""
     deployment = config.deployment
     device = "cuda" if deployment.type == "gpu" else "cpu"
     out = [Derived("trainer.device", device, f"`deployment.type` = {deployment.type!r}"),
            Derived("inference.engine.device", device, f"`deployment.type` = {deployment.type!r}")]
     if deployment.type == "cpu":
         return out
-    visible = machine.num_cuda_devices()
+    visible = machine.num_cuda_devices() if deployment.launcher == "local" else float("inf")
     for name in ("inference_devices", "trainer_devices"):
         missing = [d for d in getattr(deployment, name) if d >= visible]
         if missing:
@@ -131,12 +176,18 @@ def devices(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
-    """`deployment.inference_ports` holds a port for each of the `deployment.num_inference_servers` servers:
-    `inference.server.port` + i, or a free port each when `inference.server.port` is 0 (which then becomes the
-    first server's). The orchestrator talks to them all: `orchestrator.client.base_urls` is
-    `["http://<inference.server.host>:<port>", ...]` and `orchestrator.client.api_key` is `inference.server.api_key`."""
-    server = config.inference.server
+    """`deployment.inference_ports` holds a port for each of the `deployment.num_inference_servers` servers of an
+    inference node: `inference.server.port` + i, or a free port each when `inference.server.port` is 0 (which
+    then becomes the first server's). The orchestrator talks to them all: on one node,
+    `orchestrator.client.base_urls` is `["http://<inference.server.host>:<port>", ...]`; on several nodes it has
+    `http://<host>:<port>` for each inference node's host in `deployment.cluster.hosts` and each of its ports,
+    and the port must be set (each node resolves the config itself: a port free on one is unknown to the
+    others). `orchestrator.client.api_key` is `inference.server.api_key`."""
+    server, cluster = config.inference.server, config.deployment.cluster
     num_servers = config.deployment.num_inference_servers
+    if cluster.num_nodes > 1 and server.port == 0:
+        raise ConfigError("`inference.server.port` = 0 (a free port) cannot be agreed on by several nodes: "
+                          f"set a fixed port for `deployment.cluster.num_nodes` = {cluster.num_nodes}")
     if server.port == 0:
         ports = [machine.free_port() for _ in range(num_servers)]
         out = [Derived("inference.server.port", ports[0], "a free port (`inference.server.port` = 0)", placeholder=0)]
@@ -147,11 +198,16 @@ def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
         cause = "`inference.server.port` + i for each of `deployment.num_inference_servers`"
     if max(ports) > 65535:
         raise ConfigError(f"`inference.server.port` = {server.port} leaves no port for {num_servers} servers: lower it")
-    urls = [server.model_copy(update={"port": port}).url for port in ports]
+    if cluster.num_nodes > 1:
+        hosts = cluster_hosts(config)[cluster.num_nodes - cluster.num_inference_nodes:]
+        urls = [f"http://{host}:{port}" for host in hosts for port in ports]
+        url_cause = "`deployment.cluster.hosts` of the inference nodes and `deployment.inference_ports`"
+    else:
+        urls = [server.model_copy(update={"port": port}).url for port in ports]
+        url_cause = "`inference.server.host`, `inference.server.port` and `deployment.num_inference_servers`"
     return out + [
         Derived("deployment.inference_ports", ports, cause, placeholder=[]),
-        Derived("orchestrator.client.base_urls", urls,
-                "`inference.server.host`, `inference.server.port` and `deployment.num_inference_servers`"),
+        Derived("orchestrator.client.base_urls", urls, url_cause),
         Derived("orchestrator.client.api_key", server.api_key, "`inference.server.api_key`"),
     ]
 
@@ -187,23 +243,32 @@ def backend(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 def weight_broadcast(config: RLConfig, machine: Machine) -> list[Derived]:
-    """With `weight_transport.type = "broadcast"`: `weight_transport.num_inference_ranks` is
-    `deployment.num_inference_servers` x the ranks of one server (`inference.vllm.tensor_parallel_size` with vLLM, 1
-    with tandem's engine), `weight_transport.receiver` is `inference.backend`,
-    and `weight_transport.port = 0` becomes a free port. On `gpu`, `deployment.trainer_devices` must be apart
-    from `deployment.inference_devices` (NCCL runs one rank per GPU). Trainer and orchestrator get these values
-    with the shared `weight_transport`."""
+    """With `weight_transport.type = "broadcast"`: `weight_transport.num_inference_ranks` is the number of
+    servers (`orchestrator.client.base_urls`: `deployment.num_inference_servers` on each inference node) x the ranks
+    of one server (`inference.vllm.tensor_parallel_size` with vLLM, 1 with tandem's engine),
+    `weight_transport.receiver` is `inference.backend`, and `weight_transport.port = 0` becomes a free port. On
+    several nodes the group meets at trainer rank 0, `weight_transport.host` is node 0's host, and the port must be
+    set. On `gpu`, `deployment.trainer_devices` must be apart from `deployment.inference_devices` (NCCL runs one
+    rank per GPU). Trainer and orchestrator get these values with the shared `weight_transport`."""
     transport, deployment = config.weight_transport, config.deployment
     if transport.type != "broadcast":
         return []
+    cluster = deployment.cluster
+    num_servers = deployment.num_inference_servers * (cluster.num_inference_nodes if cluster.num_nodes > 1 else 1)
+    if cluster.num_nodes > 1 and transport.port == 0:
+        raise ConfigError("`weight_transport.port` = 0 (a free port) cannot be agreed on by several nodes: "
+                          f"set a fixed port for `deployment.cluster.num_nodes` = {cluster.num_nodes}")
     if deployment.shares_a_gpu:
         raise ConfigError(f"`weight_transport.type` = 'broadcast' needs `deployment.trainer_devices` = "
                           f"{deployment.trainer_devices} apart from `deployment.inference_devices` = "
                           f"{deployment.inference_devices} (NCCL runs one rank per GPU); use the filesystem transport "
                           "when they share a GPU")
-    out = [Derived("weight_transport.num_inference_ranks", deployment.num_inference_servers * config.inference.num_ranks,
-                   "`deployment.num_inference_servers` x the ranks of one server"),
+    out = [Derived("weight_transport.num_inference_ranks", num_servers * config.inference.num_ranks,
+                   "`deployment.num_inference_servers` (on each inference node) x the ranks of one server"),
            Derived("weight_transport.receiver", config.inference.backend, "`inference.backend`")]
+    if cluster.num_nodes > 1:
+        out.append(Derived("weight_transport.host", cluster_hosts(config)[0], "`deployment.cluster.hosts` (node 0 runs trainer "
+                           "rank 0)", placeholder="127.0.0.1"))
     if transport.port == 0:
         out.append(Derived("weight_transport.port", machine.free_port(), "a free port (`weight_transport.port` = 0)",
                            placeholder=0))
@@ -227,7 +292,7 @@ def resume(config: RLConfig, machine: Machine) -> list[Derived]:
                   for name in processes if common]
 
 
-DERIVED_RULES: tuple[Rule, ...] = (trainer_ranks, devices, inference_servers, inference_device_slices, backend,
+DERIVED_RULES: tuple[Rule, ...] = (nodes, trainer_ranks, devices, inference_servers, inference_device_slices, backend,
                                    weight_broadcast, resume)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, Tag, model_validator
 
-from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, Section, default_type_tag as _default_tag
+from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, PrometheusConfig, Section, default_type_tag as _default_tag
 from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
 
@@ -256,6 +256,9 @@ class TrainingProcessConfig(ProcessConfig):
 
     router: RouterConfig = RouterConfig()
     """Load balancing of MoE routers."""
+
+    prometheus: PrometheusConfig = PrometheusConfig()
+    """Prometheus `/metrics` of the trainer (its first rank)."""
 
 
 class RolloutDataConfig(Section):

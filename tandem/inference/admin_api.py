@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 
-from tandem.inference.errors import APIError
+from tandem.inference.errors import APIError, error_responses
 from tandem.inference.metrics import render_metrics
-from tandem.inference.protocol import UpdateWeightsRequest
+from tandem.inference.protocol import BroadcastUpdateRequest, UpdateWeightsBody
 from tandem.inference.serving import Served
-from tandem.inference.weight_transfer_api import BroadcastUpdateRequest, parse_body, receive_update
+from tandem.inference.weight_transfer_api import receive_update
 from tandem.models.weights import load_state_dict
 
 public = APIRouter()
@@ -39,20 +39,21 @@ async def models(request: Request) -> dict:
                                         "owned_by": "tandem", "max_model_len": served.max_model_len}]}
 
 
-@router.post("/update_weights")
-async def update_weights(payload: Annotated[dict[str, Any], Body()], request: Request) -> dict:
+@router.post("/update_weights", responses=error_responses(400, 404, 409, 413))
+async def update_weights(body: UpdateWeightsBody, request: Request) -> dict:
     """`{"path"}`: reload a folder (the filesystem weight transport). `{"update_info"}`: receive
-    the broadcast weight transport's tensors, as vLLM's route of the same name does."""
-    if "update_info" in payload:
-        return await receive_update(parse_body(BroadcastUpdateRequest, payload), request)
-    body = parse_body(UpdateWeightsRequest, payload)
+    the broadcast weight transport's tensors, as vLLM's route of the same name does (409 outside an update)."""
+    if isinstance(body, BroadcastUpdateRequest):
+        return await receive_update(body, request)
     served: Served = request.app.state.served
     folder = Path(body.path)
     if not folder.is_dir():
-        raise APIError(400, f"weights folder not found: {body.path}", "path")
+        raise APIError(404, f"weights folder not found: {body.path}", "path")
     try:
         state = await asyncio.to_thread(load_state_dict, folder)
-    except Exception as err:  # missing or unreadable safetensors: the caller's folder is at fault
+    except FileNotFoundError as err:  # a folder without weights: what the request names is not there
+        raise APIError(404, f"could not read weights from {body.path}: {err}", "path") from None
+    except Exception as err:  # unreadable safetensors: the caller's folder is at fault
         raise APIError(400, f"could not read weights from {body.path}: {err}", "path") from None
     try:
         version = await served.engine.update_weights(state, body.version)
@@ -61,10 +62,10 @@ async def update_weights(payload: Annotated[dict[str, Any], Body()], request: Re
     return {"weight_version": version}
 
 
-@router.post("/pause")
-async def pause(request: Request, mode: Literal["keep"] = "keep") -> dict:
-    """Stop stepping (after the step in flight); requests keep queueing until `/resume`. `mode`:
-    vLLM's query parameter, where tandem knows only `keep` (in-flight requests wait, none is lost)."""
+@router.post("/pause", responses=error_responses(400))
+async def pause(request: Request, mode: Annotated[Literal["keep"], Query(
+        description="vLLM's pause mode; tandem knows only `keep`: in-flight requests wait, none is lost")] = "keep") -> dict:
+    """Stop stepping (after the step in flight); requests keep queueing until `/resume`."""
     await request.app.state.served.engine.pause()
     return {"paused": True}
 

@@ -7,10 +7,12 @@ distribution that sampled it and the weight version of the choice.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter, Request
 
+from tandem.inference.errors import error_responses
 from tandem.inference.protocol import GenerateRequest
 from tandem.inference.serving import Choice, Served
 
@@ -25,11 +27,13 @@ def choice_json(c: Choice, with_routed_experts: bool) -> dict:
     return out
 
 
-@router.post("/v1/generate")
+@router.post("/v1/generate", responses=error_responses(400, 404, 413, 500))
 async def generate(body: GenerateRequest, request: Request) -> dict:
     served: Served = request.app.state.served
     served.check_model(body.model)
-    params = served.sampling_params(body, body.max_tokens, body.prompt_token_ids)
+    # Checking every prompt token is CPU work: in a thread, so other requests go on meanwhile.
+    params = await asyncio.to_thread(served.sampling_params, body, body.max_tokens, body.prompt_token_ids, 0,
+                                     {"prompt": "prompt_token_ids"})
     choices = await served.complete(body.prompt_token_ids, params, body.n)
     return {
         "id": f"gen-{uuid.uuid4().hex}",

@@ -1,6 +1,9 @@
-"""`GET /metrics` in Prometheus text format (version 0.0.4), written by hand: a handful of series."""
+"""`GET /metrics` in Prometheus text format (version 0.0.4), through prometheus_client: the engine's counters."""
 
 from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.inference.engine.llm_engine import EngineStats
 
@@ -13,11 +16,22 @@ SERIES = [
     ("tandem_num_preemptions_total", "counter", "Sequences preempted (to be recomputed) for lack of KV blocks.", "num_preemptions"),
     ("tandem_weight_version", "gauge", "Version of the weights now serving.", "weight_version"),
 ]
+"""Name (as exposed), type, help and the `EngineStats` field of each series."""
+
+
+class _EngineCollector:
+    def __init__(self, stats: EngineStats, model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        for name, kind, help_text, attr in SERIES:
+            family = (CounterMetricFamily(name.removesuffix("_total"), help_text, labels=["model_name"]) if kind == "counter"
+                      else GaugeMetricFamily(name, help_text, labels=["model_name"]))
+            family.add_metric([self.model_name], getattr(self.stats, attr))
+            yield family
 
 
 def render_metrics(stats: EngineStats, model_name: str) -> str:
-    label = model_name.replace("\\", "\\\\").replace('"', '\\"')
-    lines = []
-    for name, kind, help_text, attr in SERIES:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f'{name}{{model_name="{label}"}} {getattr(stats, attr)}']
-    return "\n".join(lines) + "\n"
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(stats, model_name))
+    return generate_latest(registry).decode()

@@ -33,7 +33,7 @@ class BackgroundServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        app = build_app(self.served, config.server.api_key, config.server.weight_transfer_timeout_s)
+        app = build_app(self.served, config.server)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -64,6 +64,6 @@ def main(config: InferenceConfig) -> int:
         print(f"tandem inference: {err}", file=sys.stderr)
         return 2
     log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
-    app = build_app(served, config.server.api_key, config.server.weight_transfer_timeout_s)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, access_log=config.server.access_log, log_level="info")
+    uvicorn.run(build_app(served, config.server), host=config.server.host, port=config.server.port,
+                access_log=config.server.access_log, log_level="info")
     return 0

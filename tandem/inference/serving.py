@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,9 +12,12 @@ from typing import Any
 
 from tandem.inference.engine.async_engine import AsyncEngine
 from tandem.inference.engine.llm_engine import SequenceOutput
-from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.inference.errors import APIError
 from tandem.inference.protocol import SamplingFields
+from tandem.models.byte_tokenizer import BYTE_OF_CHAR
+
+SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @dataclass
@@ -62,18 +66,24 @@ class Served:
         if name is not None and name not in self.names:
             raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.model_name}`.", "model")
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int | None, prompt: list[int], num_top_logprobs: int = 0) -> SamplingParams:
-        """The request's sampling settings, checked against the prompt (a 400 before anything streams)."""
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, prompt: list[int], num_top_logprobs: int = 0,
+                        names: dict[str, str] | None = None) -> SamplingParams:
+        """The request's sampling settings, checked against the prompt (a 400 before anything streams).
+
+        `names`: the request's own name of a field the engine names otherwise (`prompt` is `messages` in chat),
+        so an error's `param` is what the client sent.
+        """
+        names = names or {}
         if max_tokens is None:
             if len(prompt) >= self.max_model_len:
                 raise APIError(400, f"the prompt has {len(prompt)} tokens, more than fit in the model's context of "
-                                    f"{self.max_model_len} tokens with room for a completion")
+                                    f"{self.max_model_len} tokens with room for a completion", names.get("prompt", "prompt"))
             max_tokens = self.max_model_len - len(prompt)
         try:
             params = body.sampling_params(max_tokens, num_top_logprobs)
             self.engine.check_request(prompt, params)
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
+        except InvalidRequest as err:
+            raise APIError(400, str(err), names.get(err.field, err.field)) from None
         return params
 
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool = True) -> AsyncIterator[SequenceOutput]:
@@ -84,7 +94,7 @@ class Served:
             async for out in outputs:
                 yield out
         except ValueError as err:
-            raise APIError(400, str(err)) from None
+            raise APIError(400, str(err), getattr(err, "field", None)) from None
         except Exception as err:  # EngineError (a failed step), or the engine refusing the request
             raise APIError(500, f"{type(err).__name__}: {err}") from None
         finally:
@@ -95,6 +105,22 @@ class Served:
         async for out in self.stream(prompt_token_ids, params, n, incremental=False):
             choices[out.index].add(out)
         return choices
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes: a token that is part of a character has no text of its own.
+
+        Its piece says which bytes: byte-level BPE writes each byte as one character, SentencePiece
+        writes a lone byte as `<0xAB>`.
+        """
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if match := SENTENCEPIECE_BYTE.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        if all(char in BYTE_OF_CHAR for char in piece):
+            return bytes(BYTE_OF_CHAR[char] for char in piece)
+        return text.encode()
 
     def token_text(self, token_id: int) -> str:
         """A token's own text, as logprobs report it (special tokens included)."""

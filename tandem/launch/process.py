@@ -31,13 +31,12 @@ class RunFailed(Exception):
 
 
 class ManagedProcess:
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str], echo: bool = False):
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]):
         self.name = name
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self._log = open(self.log_path, "a", buffering=1)
-        self._echo = echo
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, text=True, errors="replace",
@@ -51,8 +50,6 @@ class ManagedProcess:
         for line in self.proc.stdout:
             self._log.write(line)
             self._tail.append(line.rstrip("\n"))
-            if self._echo:
-                print(f"[{self.name}] {line}", end="", flush=True)
         self._log.flush()
 
     @property
@@ -80,7 +77,7 @@ class ManagedProcess:
                 pass
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not _group_alive(self.proc.pid):
+                if self.proc.poll() is not None and not group_alive(self.proc.pid):
                     break
                 time.sleep(0.1)
             else:
@@ -91,7 +88,7 @@ class ManagedProcess:
         self._log.close()
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True

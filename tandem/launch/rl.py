@@ -1,11 +1,16 @@
-"""`tandem rl`: run the three processes of an RL run on this machine and watch them.
+"""`tandem rl`: run the processes of an RL run on this machine (this node's share of them) and watch them.
 
 It executes a config resolved by `tandem.config.resolve` as it is: every port, rank, device and
 URL was decided there (and shown by `--dry-run`); nothing here edits a config. Order: warm-up
-(model init, SFT data, SFT) if the starting model is missing; every inference server, until each
-answers `/health`; then orchestrator and trainer. The run ends when orchestrator and trainer
+(model init, SFT data, SFT) if the starting model is missing; every inference server of this node, until
+each answers `/health`; then orchestrator and trainer. The run ends when orchestrator and trainer
 have exited 0, or at the first failure, Ctrl-C or SIGTERM: every process tree is then stopped
 and the culprit is named with the last lines of its log.
+
+On several nodes (`deployment.cluster`), `tandem rl` runs once per node and starts the processes
+`ClusterConfig.roles` gives its node; the launchers wait for each other and then watch each other
+(`tandem.launch.nodes`), so that a failure or a lost node anywhere stops every node, naming it.
+With `--slurm` or `--k8s` the command renders a job instead (`tandem.launch.render`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ from pathlib import Path
 import httpx
 
 from tandem.config.dump import to_toml
-from tandem.config.resolve import free_port, inference_server_name, process_configs
+from tandem.config.resolve import cluster_hosts, inference_server_name, process_configs
 from tandem.config.rl import RLConfig
+from tandem.launch.hang import HangWatch
+from tandem.launch.nodes import Beacon, PeerWatch, Peers
 from tandem.launch.process import ManagedProcess, RunFailed
+from tandem.launch.resume import cut_run_records
+from tandem.launch.torchrun import trainer_argv
 from tandem.launch.warmup import run_warmup
 from tandem.monitor.logging import setup_logging
 from tandem.monitor.progress import ProgressPrinter
@@ -38,7 +47,12 @@ def main(config: RLConfig) -> int:
     run_dir = config.run_dir
     try:
         _check_run_folder(config)
+        if config.resume:
+            _cut_to_checkpoint(run_dir, config.trainer.ckpt.resume_step or 0, log)
         if not Path(config.model.name).exists() and config.warmup.sft is not None:
+            if config.deployment.cluster.num_nodes > 1:
+                raise RunFailed(f"the starting model {config.model.name} does not exist: a multi-node run does not run the "
+                                "SFT warm-up; run it first on one node (`tandem sft`, or a one-node `tandem rl`)")
             run_warmup(config, log)
         configs = _write_process_configs(config)
         return _run(config, configs, log)
@@ -50,8 +64,10 @@ def main(config: RLConfig) -> int:
 
 
 def _check_run_folder(config: RLConfig) -> None:
+    """Refuse or clean an earlier run's results; only node 0 does, the other nodes share its folder."""
     run_dir = config.run_dir
-    has_results = [m for m in RESULT_MARKERS if _holds_results(run_dir / m)]
+    is_first_node = config.deployment.cluster.node_rank == 0
+    has_results = [m for m in RESULT_MARKERS if _holds_results(run_dir / m)] if is_first_node else []
     if has_results and config.clean:
         for marker in RESULT_MARKERS + ("logs", "configs", "report.html"):
             path = run_dir / marker
@@ -60,6 +76,13 @@ def _check_run_folder(config: RLConfig) -> None:
         raise RunFailed(f"{run_dir} already holds a run ({', '.join(has_results)}); pass --resume to continue it or --clean to start over")
     for sub in ("configs", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+
+
+def _cut_to_checkpoint(run_dir: Path, step: int, log) -> None:
+    """Records of steps after the checkpoint the processes resume from (the resolved `ckpt.resume_step`, 0
+    without one) are recomputed: remove them first."""
+    removed = cut_run_records(run_dir, step)
+    log.info("resuming after step %d%s", step, f"; removed the stopped run's later records: {', '.join(removed)}" if removed else "")
 
 
 def _holds_results(path: Path) -> bool:
@@ -73,8 +96,14 @@ def _write_process_configs(config: RLConfig) -> dict[str, Path]:
     for name, process_config in process_configs(config).items():
         paths[name] = config.run_dir / "configs" / f"{name}.toml"
         atomic_write_text(paths[name], to_toml(process_config))
-    atomic_write_text(config.run_dir / "configs" / "rl.toml", to_toml(config))
+    atomic_write_text(config.run_dir / "configs" / f"rl{_node_suffix(config)}.toml", to_toml(config))
     return paths
+
+
+def _node_suffix(config: RLConfig) -> str:
+    """`.node<R>` in the names of one node's own files of a multi-node run (their folder is shared)."""
+    cluster = config.deployment.cluster
+    return f".node{cluster.node_rank}" if cluster.num_nodes > 1 else ""
 
 
 def _child_env(cuda_devices: list[int] | None) -> dict[str, str]:
@@ -91,68 +120,48 @@ def _child_env(cuda_devices: list[int] | None) -> dict[str, str]:
 
 def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[list[str], list[int] | None]]:
     py = [sys.executable, "-m", "tandem.cli"]
-    gpu = config.deployment.type == "gpu"
-    ranks = config.deployment.num_trainer_ranks
-    trainer = [*py, "trainer", "@", str(configs["trainer"])]
-    if ranks > 1:
-        trainer = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "tandem.cli", "trainer", "@", str(configs["trainer"])]
-    slices = config.deployment.inference_device_slices
+    deployment = config.deployment
+    gpu = deployment.type == "gpu"
+    hosts = cluster_hosts(config)
+    trainer = trainer_argv(deployment, str(configs["trainer"]), hosts[0], str(int(deployment.cluster.node_rank == 0)))
+    slices = deployment.inference_device_slices
     servers = {name: ([*py, "inference", "@", str(configs[name])], slices[i] if gpu else None)
-               for i, name in enumerate(_server_names(config))}
+               for i, name in enumerate(_server_urls(config))}
     return {
         **servers,
         "orchestrator": ([*py, "orchestrator", "@", str(configs["orchestrator"])], [] if gpu else None),
-        "trainer": (trainer, config.deployment.trainer_devices if gpu else None),
+        "trainer": (trainer, deployment.trainer_devices if gpu else None),
     }
 
 
 def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
-    run_dir = config.run_dir
-    commands = _commands(config, configs)
-    procs: dict[str, ManagedProcess] = {}
+    """Start this node's processes and watch them (and, on several nodes, the other nodes) to the end."""
+    cluster = config.deployment.cluster
+    roles = cluster.roles(cluster.node_rank)
     stop_signal: list[int] = []
 
     def on_signal(signum, frame):
         stop_signal.append(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = ProgressPrinter(run_dir, config.max_steps)
+    peers: Peers | None = None
+    procs: dict[str, ManagedProcess] = {}
     try:
-        for name in _server_names(config):
-            argv, devices = commands[name]
-            procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
-        _write_pids(run_dir, procs)
-        client = config.orchestrator.client
-        for name, url in zip(_server_names(config), client.base_urls):
-            log.info("waiting for inference server %s (%s)", name, url)
-            wait_healthy(url, procs[name], client.health_timeout_s, stop_signal)
-        for name in ("orchestrator", "trainer"):
-            argv, devices = commands[name]
-            procs[name] = ManagedProcess(name, argv, run_dir / "logs" / f"{name}.log", _child_env(devices))
-        _write_pids(run_dir, procs)
-        log.info("orchestrator and trainer started; logs in %s", run_dir / "logs")
-        while True:
-            progress.update()
-            if stop_signal:
-                raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
-            failed = [(n, p.poll()) for n, p in procs.items() if p.poll() not in (None, 0)]
-            if failed:
-                name, code = failed[0]
-                tail = "\n".join(f"  | {line}" for line in procs[name].tail(20))
-                raise RunFailed(f"the {name} process failed (exit code {code}); last lines of {procs[name].log_path}:\n{tail}")
-            if all(procs[n].poll() == 0 for n in ("orchestrator", "trainer")):
-                break
-            exited = [name for name in _server_names(config) if procs[name].poll() == 0]
-            if exited:
-                raise RunFailed(f"the {exited[0]} process exited before the run finished")
-            time.sleep(0.5)
-        progress.finish()
-        report = write_report(run_dir)
-        summary = summarize(run_dir)
-        log.info("summary: %s", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
-        log.info("report: %s", report)
+        peers = _join(config, stop_signal, log) if cluster.num_nodes > 1 else None
+        _start(config, configs, roles, procs, stop_signal, log)
+        _watch(config, procs, peers, stop_signal)
+        if "orchestrator" in roles:
+            report = write_report(config.run_dir)
+            summary = summarize(config.run_dir)
+            log.info("summary: %s", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+            log.info("report: %s", report)
+        if peers:
+            peers.beacon.close("ended")
         return 0
+    except RunFailed as err:
+        if peers:
+            peers.beacon.close("failed", str(err).splitlines()[0])
+        raise
     finally:
         for proc in procs.values():
             proc.stop()
@@ -160,8 +169,107 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             signal.signal(s, handler)
 
 
-def _server_names(config: RLConfig) -> list[str]:
-    return [inference_server_name(i) for i in range(config.deployment.num_inference_servers)]
+def _join(config: RLConfig, stop_signal: list[int], log) -> Peers:
+    """Start this node's heartbeat and wait for every other node's (`deployment.cluster.join_timeout_s`)."""
+    cluster = config.deployment.cluster
+    hosts = cluster_hosts(config)
+    beacon = Beacon(config.run_dir, cluster.rendezvous_id, cluster.node_rank, hosts[cluster.node_rank])
+    watch = PeerWatch(config.run_dir, cluster.rendezvous_id, cluster.node_rank, hosts, cluster.peer_timeout_s)
+    log.info("node %d of %d (%s): waiting for the other nodes", cluster.node_rank, cluster.num_nodes, hosts[cluster.node_rank])
+
+    def stopped():
+        if stop_signal:
+            raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
+
+    try:
+        watch.wait_joined(cluster.join_timeout_s, on_wait=stopped)
+    except RunFailed as err:
+        beacon.close("failed", str(err))
+        raise
+    log.info("all %d nodes joined", cluster.num_nodes)
+    return Peers(beacon, watch)
+
+
+def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: dict[str, ManagedProcess],
+           stop_signal: list[int], log) -> None:
+    """Start `roles` in order; for `inference`, every inference server of this node, each until it answers `/health`."""
+    commands = _commands(config, configs)
+    logs = config.run_dir / "logs"
+    suffix = _node_suffix(config)
+    urls = _server_urls(config)
+    for name in (n for role in roles for n in (urls if role == "inference" else [role])):
+        argv, devices = commands[name]
+        procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _child_env(devices))
+        atomic_write_text(logs / f"pids{suffix}.json", json.dumps({n: p.pid for n, p in procs.items()}))
+        if name in urls:
+            log.info("starting inference server %s (%s)", name, urls[name])
+            wait_healthy(urls[name], procs[name], config.orchestrator.client.health_timeout_s, stop_signal)
+    log.info("%s started; logs in %s", ", ".join(roles), logs)
+
+
+def _server_urls(config: RLConfig) -> dict[str, str]:
+    """This node's inference servers by process name, each at its port of `deployment.inference_ports`. On
+    one node these are `base_urls`; on several, `base_urls` names the inference nodes' hosts, and this node's
+    servers answer on loopback too."""
+    ports = config.deployment.inference_ports
+    if config.deployment.cluster.num_nodes == 1:
+        urls = config.orchestrator.client.base_urls
+    else:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+    return {inference_server_name(i): url for i, url in enumerate(urls[:len(ports)])}
+
+
+def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None,
+           stop_signal: list[int]) -> None:
+    """Return once this node's orchestrator and trainer exited 0 (and, on several nodes, every node's);
+    RunFailed at the first failure here or on another node, or at a signal."""
+    finite = [n for n in ("orchestrator", "trainer") if n in procs]
+    progress = ProgressPrinter(config.run_dir, config.max_steps) if "orchestrator" in procs else None
+    hang_watches = {name: HangWatch(url, config.hang_timeout_s) for name, url in _server_urls(config).items() if name in procs}
+    try:
+        finished = False
+        while not finished or (peers and not peers.watch.all_in(("finished", "ended"))):
+            if progress:
+                progress.update()
+            if stop_signal:
+                raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
+            _raise_on_failure(config, procs, peers)
+            for name, hang_watch in hang_watches.items():
+                _raise_if_hung(hang_watch, procs[name])
+            if not finished and all(procs[n].poll() == 0 for n in finite):
+                finished = True
+                if peers:
+                    peers.beacon.set_state("finished")
+                continue
+            time.sleep(0.5)
+        if progress:
+            progress.finish()
+    finally:
+        if progress:
+            progress.close()
+
+
+def _raise_on_failure(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None) -> None:
+    """RunFailed naming a failed process of this node (and the other node that explains it), or a failed or lost node."""
+    failed = [(n, p.poll()) for n, p in procs.items() if p.poll() not in (None, 0)]
+    if failed:
+        name, code = failed[0]
+        tail = "\n".join(f"  | {line}" for line in procs[name].tail(20))
+        here = f"the {name} process failed (exit code {code}); last lines of {procs[name].log_path}:\n{tail}"
+        cause = peers.watch.explain(config.deployment.cluster.peer_timeout_s) if peers else None
+        raise RunFailed(f"{cause}; on this node {here}" if cause else here)
+    if peers:
+        peers.watch.check()
+    exited = [name for name in _server_urls(config) if name in procs and procs[name].poll() == 0]
+    if exited:
+        raise RunFailed(f"the {exited[0]} process exited before the run finished")
+
+
+def _raise_if_hung(hang_watch: HangWatch, server: ManagedProcess) -> None:
+    silent_s = hang_watch.silent_for()
+    if silent_s is not None and server.poll() is None:
+        raise RunFailed(f"the inference server is hung: alive, but no answer to {hang_watch.url} for {silent_s:.0f} s "
+                        f"(`hang_timeout_s`); the log of {server.name}: {server.log_path}")
 
 
 def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None) -> None:
@@ -183,8 +291,3 @@ def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_sig
             pass
         time.sleep(0.5)
     raise RunFailed(f"the inference server did not answer {url} within {timeout_s:.0f} s")
-
-
-def _write_pids(run_dir: Path, procs: dict[str, ManagedProcess]) -> None:
-    """`logs/pids.json`: the process-group leader of each process (for operators and tests)."""
-    atomic_write_text(run_dir / "logs" / "pids.json", json.dumps({n: p.pid for n, p in procs.items()}))

@@ -11,11 +11,13 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from tandem.config.loader import ConfigError, parse_args
 from tandem.config.rl import RLConfig
 from tandem.launch.process import ManagedProcess, RunFailed
+from tandem.monitor.progress import MetricsFollower, StepBar
 from tandem.transport.files import atomic_write_text
 
 
@@ -41,9 +43,10 @@ def run_warmup(config: RLConfig, log: logging.Logger) -> None:
         write_sft_data(warmup.data_env, data_path, warmup.num_examples, warmup.num_eval_examples, warmup.data_args)
     log_path = config.run_dir / "logs" / "sft.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"PYTHONUNBUFFERED": "1"}
-    proc = ManagedProcess("sft", [sys.executable, "-m", "tandem.cli", "sft", "@", sft_file], log_path, env, echo=True)
+    proc = ManagedProcess("sft", [sys.executable, "-m", "tandem.cli", "sft", "@", sft_file], log_path, env)
+    log.info("warm-up: SFT log in %s", log_path)
     try:
-        code = proc.wait()
+        code = _wait_showing_steps(proc, sft.run_dir, sft.max_steps)
     finally:
         proc.stop()
     if code != 0:
@@ -51,6 +54,19 @@ def run_warmup(config: RLConfig, log: logging.Logger) -> None:
         raise RunFailed(f"the sft warm-up failed (exit code {code}); last lines of {log_path}:\n{tail}")
     if not Path(config.model.name).exists():
         raise RunFailed(f"the SFT warm-up finished but did not write the starting model {config.model.name}; check `model.name` against the SFT output")
+
+
+def _wait_showing_steps(proc: ManagedProcess, run_dir: Path, max_steps: int) -> int:
+    """Wait for the SFT process, showing its steps (from its `metrics.jsonl`) as a progress bar."""
+    metrics, bar = MetricsFollower(run_dir), StepBar("sft", max_steps)
+    try:
+        while proc.poll() is None:
+            steps = [r["step"] for r in metrics.new_records() if r.get("process") == "sft" and "loss" in r]
+            bar.update(max(steps, default=0))
+            time.sleep(0.5)
+    finally:
+        bar.close()
+    return proc.wait()
 
 
 def write_sft_data(env_id: str, path: Path, num_examples: int, num_eval_examples: int, data_args: dict) -> None:

@@ -40,7 +40,7 @@ def build_byte_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = sorted(alphabet, key=_BYTE_OF_CHAR.__getitem__)
+    byte_chars = sorted(alphabet, key=BYTE_OF_CHAR.__getitem__)
     vocab = {ch: i for i, ch in enumerate(byte_chars)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -65,7 +65,8 @@ def _gpt2_byte_map() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars)}
 
 
-_BYTE_OF_CHAR = _gpt2_byte_map()
+BYTE_OF_CHAR = _gpt2_byte_map()
+"""The byte each character of a byte-level BPE token stands for (GPT-2, Qwen and this tokenizer)."""
 
 
 def save_byte_tokenizer(folder: Path) -> None:

@@ -69,7 +69,11 @@ def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype
 
 def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True, source: str | None = None) -> None:
     """Copy HF-named tensors into `model`; shapes must match; tied lm_head may be absent. Errors
-    name `source` (the folder the state came from) where given; nothing is copied unless all fits."""
+    name `source` (the folder the state came from) where given; nothing is copied unless all fits.
+
+    A floating parameter takes any floating dtype (cast on copy: fp32 weights into a bf16 model);
+    integers never pass for weights, and a non-floating tensor of the model needs its own dtype.
+    """
     params = dict(model.state_dict())
     missing = [k for k in params if k not in state and not (k == "lm_head.weight" and "model.embed_tokens.weight" in state and _tied(model))]
     unexpected = [k for k in state if k not in params]
@@ -80,6 +84,9 @@ def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: 
             continue
         if params[name].shape != tensor.shape:
             raise ValueError(f"{source + ': ' if source else ''}shape mismatch for {name}: model {tuple(params[name].shape)}, weights {tuple(tensor.shape)}")
+        if not _dtype_fits(params[name].dtype, tensor.dtype):
+            raise ValueError(f"{source + ': ' if source else ''}dtype mismatch for {name}: model "
+                             f"{_dtype_name(params[name].dtype)}, weights {_dtype_name(tensor.dtype)}")
     with torch.no_grad():
         for name, tensor in state.items():
             if name in params:
@@ -100,6 +107,14 @@ def retie(model: nn.Module) -> None:
     """Tie the LM head to the embeddings again where the model is tied (`to_empty` unties them)."""
     if _tied(model):
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _dtype_fits(model_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point if model_dtype.is_floating_point else dtype == model_dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tied(model: nn.Module) -> bool:

@@ -127,9 +127,9 @@ class TopKRouter(nn.Module):
 
 
 def keep_routers_fp32(model: nn.Module) -> None:
-    """Return the weights of routers that compute in fp32 (`router_fp32`) to fp32 after a model-wide
-    cast, in place: transformers and vLLM keep GLM-4.5's router weight and score bias in fp32, and a
-    bf16 router weight would choose other experts for tokens near a tie."""
+    """Cast the routers that compute in fp32 (`router_fp32`) back to fp32 after a model-wide cast, in
+    place: transformers and vLLM keep GLM-4.5's router weight and score bias in fp32, and a bf16
+    router weight would choose other experts for tokens near a tie."""
     for module in model.modules():
         if isinstance(module, TopKRouter) and module.args.router_fp32:
             module.float()

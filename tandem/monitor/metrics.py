@@ -11,16 +11,23 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from tandem.monitor.prometheus import LatestMetrics
+
+from tandem.transport.files import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, process: str):
+    def __init__(self, run_dir: Path, process: str, exporter: LatestMetrics | None = None):
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.process = process
+        self.exporter = exporter
+        """Also shows each logged step on Prometheus `/metrics` (`tandem.monitor.prometheus`)."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"process": self.process, "step": step, "time": time.time(), **{k: _clean(v) for k, v in metrics.items()}}
@@ -30,6 +37,29 @@ class MetricsWriter:
             os.write(fd, line)
         finally:
             os.close(fd)
+        if self.exporter is not None:
+            self.exporter.record(step, metrics)
+
+
+def truncate_metrics(run_dir: Path, step: int) -> int:
+    """Drop the records of steps after `step` (a resume recomputes them), atomically; returns how many."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, num_dropped = [], 0
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            record_step = json.loads(line).get("step")
+        except json.JSONDecodeError:
+            num_dropped += 1  # a torn last line of the stopped run
+            continue
+        if isinstance(record_step, int) and record_step > step:
+            num_dropped += 1
+        else:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if num_dropped:
+        atomic_write_text(path, "".join(kept))
+    return num_dropped
 
 
 def read_metrics(run_dir: Path, process: str | None = None) -> Iterator[dict[str, Any]]:

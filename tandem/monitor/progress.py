@@ -1,4 +1,5 @@
-"""The live line per step that `tandem rl` prints, read from `metrics.jsonl` as it grows."""
+"""What `tandem rl` shows while it runs, read from `metrics.jsonl` as it grows: one line per RL step and,
+on a terminal, a progress bar with rate and time left (in files and pipes, a plain line now and then instead)."""
 
 from __future__ import annotations
 
@@ -6,39 +7,22 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tandem.monitor.metrics import METRICS_FILE
 
+PLAIN_INTERVAL_S = 30.0
+"""Off a terminal, seconds between two plain progress lines."""
 
-class ProgressPrinter:
-    """Prints one line per completed step: reward, eval reward, tokens/s, lag, waiting times."""
 
-    def __init__(self, run_dir: Path, max_steps: int, stream=None):
+class MetricsFollower:
+    """The records appended to a run folder's `metrics.jsonl` since the last call."""
+
+    def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / METRICS_FILE
-        self.max_steps = max_steps
-        self.stream = stream or sys.stdout
         self._offset = 0
-        self._orch: dict[int, dict[str, Any]] = {}
-        self._trainer: dict[int, dict[str, Any]] = {}
-        self._printed: set[int] = set()
-        self._last_eval: float | None = None
-        self._start = time.monotonic()
 
-    def update(self) -> None:
-        for record in self._new_records():
-            step = record.get("step", 0)
-            process = record.get("process")
-            if process == "orchestrator":
-                self._orch.setdefault(step, {}).update(record)
-                if record.get("eval/reward_mean") is not None:
-                    self._last_eval = record["eval/reward_mean"]
-            elif process == "trainer":
-                self._trainer.setdefault(step, {}).update(record)
-        for step in sorted(set(self._orch) & set(self._trainer) - self._printed):
-            self._print_step(step, self._orch[step], self._trainer[step])
-
-    def _new_records(self):
+    def new_records(self) -> Iterator[dict[str, Any]]:
         if not self.path.is_file():
             return
         with open(self.path, "rb") as f:
@@ -51,6 +35,83 @@ class ProgressPrinter:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+class StepBar:
+    """Steps done out of `total`, with rate and time left: a rich bar on a terminal, where `print` writes
+    above it; elsewhere a plain line every `plain_every_s` seconds and at the end (None: no plain lines,
+    for callers that print a line per step anyway)."""
+
+    def __init__(self, label: str, total: int, stream=None, plain_every_s: float | None = PLAIN_INTERVAL_S):
+        self.label, self.total, self.stream = label, total, stream or sys.stdout
+        self.plain_every_s = plain_every_s
+        self.done = 0
+        self._start = self._last_plain = time.monotonic()
+        self._progress = None
+        if self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                                      TextColumn("left"), TimeRemainingColumn(), console=Console(file=self.stream))
+            self._task = self._progress.add_task(label, total=total, rate="")
+            self._progress.start()
+
+    def print(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def update(self, done: int) -> None:
+        self.done = max(self.done, done)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=self.done, rate=self._rate())
+        elif self.plain_every_s is not None and time.monotonic() - self._last_plain >= self.plain_every_s:
+            self._plain()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        elif self.plain_every_s is not None:
+            self._plain()
+
+    def _rate(self) -> str:
+        elapsed = time.monotonic() - self._start
+        return f"{self.done / elapsed:.2f} steps/s" if elapsed > 0 and self.done else ""
+
+    def _plain(self) -> None:
+        self._last_plain = time.monotonic()
+        print(f"{self.label}: step {self.done}/{self.total} ({self._rate() or 'no step yet'}, "
+              f"{self._last_plain - self._start:.0f} s)", file=self.stream, flush=True)
+
+
+class ProgressPrinter:
+    """Prints one line per completed step: reward, eval reward, tokens/s, lag, waiting times."""
+
+    def __init__(self, run_dir: Path, max_steps: int, stream=None):
+        self.metrics = MetricsFollower(run_dir)
+        self.max_steps = max_steps
+        self.bar = StepBar("rl", max_steps, stream, plain_every_s=None)
+        self._orch: dict[int, dict[str, Any]] = {}
+        self._trainer: dict[int, dict[str, Any]] = {}
+        self._printed: set[int] = set()
+        self._last_eval: float | None = None
+        self._start = time.monotonic()
+
+    def update(self) -> None:
+        for record in self.metrics.new_records():
+            step = record.get("step", 0)
+            process = record.get("process")
+            if process == "orchestrator":
+                self._orch.setdefault(step, {}).update(record)
+                if record.get("eval/reward_mean") is not None:
+                    self._last_eval = record["eval/reward_mean"]
+            elif process == "trainer":
+                self._trainer.setdefault(step, {}).update(record)
+        for step in sorted(set(self._orch) & set(self._trainer) - self._printed):
+            self._print_step(step, self._orch[step], self._trainer[step])
+        self.bar.update(len(self._printed))
 
     def _print_step(self, step: int, orch: dict[str, Any], trainer: dict[str, Any]) -> None:
         self._printed.add(step)
@@ -66,11 +127,16 @@ class ProgressPrinter:
             f"wait inference {_fmt(orch.get('time/wait_inference_s'), '.1f')}s",
             f"{time.monotonic() - self._start:.0f}s",
         ]
-        print(" | ".join(parts), file=self.stream, flush=True)
+        self.bar.print(" | ".join(parts))
 
     def finish(self) -> None:
+        """The run ended well: its last steps and a closing line."""
         self.update()
-        print(f"done: {len(self._printed)} steps in {time.monotonic() - self._start:.0f} s", file=self.stream, flush=True)
+        self.bar.print(f"done: {len(self._printed)} steps in {time.monotonic() - self._start:.0f} s")
+
+    def close(self) -> None:
+        """Take the bar off the terminal (after `finish`, or when the run failed)."""
+        self.bar.close()
 
 
 def _kl_part(trainer: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.monitor.metrics import MetricsWriter
+from tandem.monitor.prometheus import serve_metrics
 from tandem.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from tandem.orchestrator.environments import LoadedEnv
 from tandem.orchestrator.evaluation import evaluate
@@ -48,7 +49,8 @@ class Orchestrator:
                                   config.sampling.return_routed_experts)
         self.sampler = TaskSampler(envs, config.seed)
         self.policy = PolicyTracker(0)
-        self.metrics = MetricsWriter(self.run_dir, "orchestrator")
+        self.metrics = MetricsWriter(self.run_dir, "orchestrator",
+                                     serve_metrics("orchestrator", config.prometheus.host, config.prometheus.port))
         self.sender = setup_rollout_sender(config.transport.type, self.run_dir)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = int(pad or 0)

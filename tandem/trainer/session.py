@@ -20,6 +20,7 @@ from tandem.config.trainer import TrainingProcessConfig
 from tandem.models.hub import resolve_model_path
 from tandem.models.loading import read_hf_config
 from tandem.monitor.metrics import MetricsWriter
+from tandem.monitor.prometheus import serve_metrics
 from tandem.trainer.broadcast_publish import WeightBroadcaster
 from tandem.trainer.ckpt import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
 from tandem.trainer.model import PolicyModel, build_policy, gather_full_state
@@ -115,7 +116,8 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
                                        config.router)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
-        metrics = MetricsWriter(config.run_dir, process) if dims.is_main else None
+        metrics = (MetricsWriter(config.run_dir, process, serve_metrics(process, config.prometheus.host, config.prometheus.port))
+                   if dims.is_main else None)
         session = Session(config, dims, model, hf_config, folder, optimizer, scheduler, log, metrics)
         if config.ckpt.resume:
             _resume(session)

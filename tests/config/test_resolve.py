@@ -197,7 +197,7 @@ def test_the_broadcast_group_is_derived_from_the_servers():
     assert (cfg.trainer.weight_transport.num_inference_ranks, cfg.trainer.weight_transport.port,
             cfg.orchestrator.weight_transport.receiver) == (2, 29500, "vllm")
     with pytest.raises(ConfigError, match=r"`weight_transport.num_inference_ranks` = 3 \(from the command line\) contradicts "
-                                          r"`deployment.num_inference_servers` x the ranks of one server, which makes it 2"):
+                                          r"`deployment.num_inference_servers` \(on each inference node\) x the ranks of one server, which makes it 2"):
         resolve("--weight_transport.type", "broadcast", "--deployment.num_inference_servers", "2",
                 "--weight_transport.num_inference_ranks", "3")
     with pytest.raises(ConfigError, match=r"`weight_transport.receiver` = 'vllm' \(from the command line\) contradicts "
@@ -244,10 +244,74 @@ def test_resume_refuses_checkpoints_of_only_one_process(tmp_path):
 
 def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
-    assert [r.__name__ for r in DERIVED_RULES] == ["trainer_ranks", "devices", "inference_servers", "inference_device_slices",
-                                                   "backend", "weight_broadcast", "resume"]
+    assert [r.__name__ for r in DERIVED_RULES] == ["nodes", "trainer_ranks", "devices", "inference_servers",
+                                                   "inference_device_slices", "backend", "weight_broadcast", "resume"]
     assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "seq_len", "max_steps", "output_dir", "seed",
                                 "ckpt.enabled", "ckpt.interval", "weight_transport"}
+
+
+TWO_NODES = ("--deployment.cluster.num-nodes", "2", "--deployment.cluster.hosts", '["a.cluster", "b.cluster"]',
+             "--inference.server.port", "8100")
+
+
+def test_nodes_get_their_hosts_and_servers_listen_for_other_nodes():
+    cfg = resolve(*TWO_NODES)
+    assert cfg.deployment.cluster.hosts == ["a.cluster", "b.cluster"] and cfg.inference.server.host == "0.0.0.0"
+    assert resolve(*TWO_NODES[:2], "--deployment.cluster.hosts", '["127.0.0.1", "localhost"]', *TWO_NODES[4:]).inference.server.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"`deployment.cluster.num_nodes` = 2 needs `deployment.cluster.hosts`"):
+        resolve(*TWO_NODES[:2], *TWO_NODES[4:])
+    with pytest.raises(ConfigError, match=r"in `deployment.cluster`: `hosts` lists 1 address\(es\) but `num_nodes` = 2"):
+        resolve(*TWO_NODES[:2], "--deployment.cluster.hosts", '["a"]', *TWO_NODES[4:])
+    with pytest.raises(ConfigError, match=r"nodes 1 .. 1 would run nothing"):
+        resolve("--deployment.cluster.num-nodes", "3", "--deployment.cluster.hosts", '["a", "b", "c"]')
+    with pytest.raises(ConfigError, match=r"`inference.server.host` = '10.0.0.1' \(from the command line\) contradicts"):
+        resolve(*TWO_NODES, "--inference.server.host", "10.0.0.1")
+
+
+def test_slurm_and_k8s_decide_the_hosts():
+    slurm = resolve(*TWO_NODES[:2], *TWO_NODES[4:], "--deployment.launcher", "slurm")
+    assert slurm.deployment.cluster.hosts == ["slurm-node-0", "slurm-node-1"]
+    k8s = resolve("--deployment.cluster.num-nodes", "3", "--deployment.cluster.num-trainer-nodes", "2", "--run.name", "My_Run",
+                  "--deployment.launcher", "k8s", "--deployment.type", "gpu", "--deployment.trainer-devices", "[0, 1, 2, 3]")
+    assert k8s.deployment.cluster.hosts == ["my-run-trainer-0.my-run-trainer", "my-run-trainer-1.my-run-trainer",
+                                            "my-run-inference-0.my-run-inference"]
+    # the render machine has no GPU: each pod checks its own
+    assert k8s.orchestrator.client.base_urls == ["http://my-run-inference-0.my-run-inference:8000"]
+    for nodes in (("2", "2"), ("1", "1")):  # one node cannot hold a trainer pod and a server pod
+        with pytest.raises(ConfigError, match=r"runs each node's role in its own pods: set `deployment.cluster.num_nodes` = "):
+            resolve("--deployment.cluster.num-nodes", nodes[0], "--deployment.cluster.num-trainer-nodes", nodes[1],
+                    "--deployment.launcher", "k8s")
+
+
+def test_the_orchestrator_talks_to_every_inference_node_and_the_trainer_spans_its_nodes():
+    cfg = resolve("--deployment.cluster.num-nodes", "4", "--deployment.cluster.hosts", '["n0", "n1", "n2", "n3"]',
+                  "--deployment.cluster.num-trainer-nodes", "2", "--deployment.cluster.num-inference-nodes", "2",
+                  "--deployment.num-trainer-processes", "3", "--inference.server.port", "8100")
+    assert cfg.orchestrator.client.base_urls == ["http://n2:8100", "http://n3:8100"]
+    assert cfg.orchestrator.num_trainer_ranks == 6
+    assert [cfg.deployment.cluster.roles(i) for i in range(4)] == [["trainer"], ["trainer"], ["inference"], ["inference", "orchestrator"]]
+    with pytest.raises(ConfigError, match=r"`inference.server.port` = 0 \(a free port\) cannot be agreed on by several nodes"):
+        resolve(*TWO_NODES[:4], "--inference.server.port", "0")
+
+
+def test_several_servers_on_each_of_several_inference_nodes():
+    cfg = resolve("--deployment.cluster.num-nodes", "3", "--deployment.cluster.hosts", '["n0", "n1", "n2"]',
+                  "--deployment.cluster.num-inference-nodes", "2", "--deployment.num-inference-servers", "2",
+                  "--inference.server.port", "8100")
+    assert cfg.deployment.inference_ports == [8100, 8101]
+    assert cfg.orchestrator.client.base_urls == ["http://n1:8100", "http://n1:8101", "http://n2:8100", "http://n2:8101"]
+    assert list(process_configs(cfg)) == ["inference", "inference_1", "orchestrator", "trainer"]
+    with pytest.raises(ConfigError, match=r"'k8s' runs one inference server per pod: set `deployment.num_inference_servers` = 1"):
+        resolve("--deployment.cluster.num-nodes", "2", "--deployment.launcher", "k8s", "--deployment.num-inference-servers", "2")
+
+
+def test_broadcast_over_several_nodes_meets_at_node_0():
+    cfg = resolve(*TWO_NODES, "--deployment.num-inference-servers", "2", "--weight-transport.type", "broadcast",
+                  "--weight-transport.port", "29600")
+    for transport in (cfg.weight_transport, cfg.trainer.weight_transport, cfg.orchestrator.weight_transport):
+        assert (transport.host, transport.port, transport.num_inference_ranks) == ("a.cluster", 29600, 2)
+    with pytest.raises(ConfigError, match=r"`weight_transport.port` = 0 \(a free port\) cannot be agreed on by several nodes"):
+        resolve(*TWO_NODES, "--weight-transport.type", "broadcast")
 
 
 def test_a_value_where_a_section_belongs_is_a_config_error():

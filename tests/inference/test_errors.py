@@ -26,26 +26,26 @@ def post(server, path: str, body=None, **kwargs) -> httpx.Response:
     ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": "ten"}, 400, "`max_tokens`: Input should be a valid integer (got \"ten\")"),
     ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 3, "temprature": 0.5}, 400, "unknown field `temprature`"),
     ("/v1/generate", {"max_tokens": 3}, 400, "missing field `prompt_token_ids`"),
-    ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 0}, 400, "`max_tokens` must be at least 1, got 0"),
+    ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 0}, 400, "`max_tokens`: Input should be greater than or equal to 1 (got 0)"),
     ("/v1/generate", {"prompt_token_ids": [1] * 1000, "max_tokens": 100}, 400,
      "maximum context length is 1024 tokens. However, you requested 1100 tokens (1000 in the prompt, 100 in the completion)"),
     ("/v1/generate", {"prompt_token_ids": [1] * 1100}, 400, "the prompt has 1100 tokens, more than fit in the model's context of 1024"),
-    ("/v1/generate", {"prompt_token_ids": [], "max_tokens": 3}, 400, "the prompt is empty"),
+    ("/v1/generate", {"prompt_token_ids": [], "max_tokens": 3}, 400, "`prompt_token_ids`: List should have at least 1 item"),
     ("/v1/generate", {"prompt_token_ids": [1, 99999], "max_tokens": 3}, 400, "prompt token ids must be in [0, 260), got [99999]"),
-    ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 3, "top_p": 1.5}, 400, "`top_p` must be in (0, 1], got 1.5"),
-    ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 3, "temperature": -1}, 400, "`temperature` must be >= 0"),
+    ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 3, "top_p": 1.5}, 400, "`top_p`: Input should be less than or equal to 1 (got 1.5)"),
+    ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 3, "temperature": -1}, 400, "`temperature`: must be 0 (greedy) or in [0.01, 100] (got -1)"),
     ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 3, "n": 0}, 400, "`n`: Input should be greater than or equal to 1"),
     ("/v1/generate", {"prompt_token_ids": [1], "max_tokens": 3, "model": "nope"}, 404, "The model `nope` does not exist"),
     ("/v1/chat/completions", {"model": "nope", **CHAT}, 404, "The model `nope` does not exist"),
-    ("/v1/chat/completions", {"model": "MODEL", **CHAT, "frequency_penalty": 0.5}, 400, "`frequency_penalty` = 0.5 is not supported"),
+    ("/v1/chat/completions", {"model": "MODEL", **CHAT, "frequency_penalty": 0.5}, 400, "`frequency_penalty`: only 0.0 is supported by tandem's engine (got 0.5)"),
     ("/v1/chat/completions", {"model": "MODEL", **CHAT, "tool_choice": "required"}, 400, "`tool_choice`"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "robot", "content": "hi"}]}, 400, "`messages.0.role`"),
-    ("/v1/chat/completions", {"model": "MODEL", **CHAT, "top_logprobs": 2}, 400, "`top_logprobs` needs `logprobs: true`"),
-    ("/v1/chat/completions", {"model": "MODEL", **CHAT, "max_completion_tokens": 0}, 400, "`max_tokens` must be at least 1"),
+    ("/v1/chat/completions", {"model": "MODEL", **CHAT, "top_logprobs": 2}, 400, "`top_logprobs`: needs `logprobs: true` (got 2)"),
+    ("/v1/chat/completions", {"model": "MODEL", **CHAT, "max_completion_tokens": 0}, 400, "`max_completion_tokens`: Input should be greater than or equal to 1"),
     ("/v1/chat/completions", {"model": "MODEL", **CHAT, "stream": True, "max_tokens": 5000}, 400, "maximum context length is 1024"),
     ("/v1/completions", {"model": "MODEL", "prompt": "hi", "stop": 5}, 400, "`stop`: Input should be a valid string or Input should be a valid list"),
-    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "echo": True}, 400, "`echo` = True is not supported"),
-    ("/update_weights", {"path": "/no/such/folder"}, 400, "weights folder not found: /no/such/folder"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "echo": True}, 400, "`echo`: only False is supported by tandem's engine (got true)"),
+    ("/update_weights", {"path": "/no/such/folder"}, 404, "weights folder not found: /no/such/folder"),
     ("/update_weights", {}, 400, "missing field `path`"),
 ])
 def test_bad_request_is_a_4xx_naming_the_problem(server, tiny_dir, path, body, status, message):
@@ -64,7 +64,7 @@ def test_malformed_json(server):
 def test_failed_weight_updates_keep_the_previous_weights(server, tiny_dir, tiny_model, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    check_error(post(server, "/update_weights", {"path": str(empty)}), 400, "no .safetensors files")
+    check_error(post(server, "/update_weights", {"path": str(empty)}), 404, "no .safetensors files")
     state = load_state_dict(tiny_dir)
     state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(7, 7)
     save_state_dict(state, tmp_path / "bad_shape", {"tie_word_embeddings": True})

@@ -19,6 +19,14 @@ from tandem.models.presets import init_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """The compiled router is one code object: these tests build every router variant in two dtypes in one
+    process, more than dynamo's recompile limit (8) allows, which one engine (one model) never nears."""
+    torch._dynamo.reset()
+    yield
+
+
 ROUTERS = {
     "qwen3-moe": dict(norm_topk_prob=True),
     "glm-4.5": dict(score_func="sigmoid", norm_topk_prob=True, n_group=4, topk_group=2, routed_scaling_factor=2.5,

@@ -96,5 +96,5 @@ def test_the_folder_basename_names_the_model_too(client, tiny_dir):
 def test_bad_requests_raise_the_clients_errors(client, tiny_dir):
     with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
         client.chat.completions.create(model="nope", messages=MESSAGES)
-    with pytest.raises(openai.BadRequestError, match="`max_tokens` must be at least 1"):
+    with pytest.raises(openai.BadRequestError, match="`max_tokens`: Input should be greater than or equal to 1"):
         client.completions.create(model=str(tiny_dir), prompt="a", max_tokens=0)

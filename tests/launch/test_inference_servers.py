@@ -9,7 +9,7 @@ from __future__ import annotations
 import tomllib
 
 from tandem.config.resolve import parse_rl_args
-from tandem.launch.rl import _commands, _write_process_configs
+from tandem.launch.rl import _commands, _server_urls, _write_process_configs
 
 
 class Machine:
@@ -45,3 +45,14 @@ def test_gpu_servers_run_on_their_device_slices(tmp_path):
     (tmp_path / "configs").mkdir()
     commands = _commands(config, _write_process_configs(config))
     assert [commands[name][1] for name in ("inference", "inference_1", "trainer")] == [[0, 1], [2, 3], [4]]
+
+
+def test_each_node_checks_its_own_servers_on_loopback(tmp_path):
+    two_nodes = ["--output-dir", str(tmp_path), "--deployment.num_inference_servers", "2", "--inference.server.port", "8100",
+                 "--deployment.cluster.num_nodes", "2", "--deployment.cluster.hosts", '["n0", "n1"]']
+    config = parse_rl_args([*two_nodes, "--deployment.cluster.node_rank", "1"], environ={}, machine=Machine())
+    assert config.orchestrator.client.base_urls == ["http://n1:8100", "http://n1:8101"]
+    assert _server_urls(config) == {"inference": "http://127.0.0.1:8100", "inference_1": "http://127.0.0.1:8101"}
+    one_node = parse_rl_args(two_nodes[:6], environ={}, machine=Machine())
+    assert _server_urls(one_node) == {"inference": "http://127.0.0.1:8100", "inference_1": "http://127.0.0.1:8101"}
+    assert list(_server_urls(one_node).values()) == one_node.orchestrator.client.base_urls

@@ -36,3 +36,19 @@ def test_gpu_indices_are_of_the_devices_the_launcher_sees(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert _child_env([0, 1])["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert "CUDA_VISIBLE_DEVICES" not in _child_env(None)
+
+
+def test_each_node_runs_its_trainer_ranks_in_one_c10d_rendezvous_served_by_node_0(tmp_path):
+    args = ["--output-dir", str(tmp_path), "--deployment.cluster.num-nodes", "2", "--deployment.cluster.hosts", '["h0", "h1"]',
+            "--deployment.cluster.num-trainer-nodes", "2", "--deployment.num-trainer-processes", "3",
+            "--inference.server.port", "8100", "--deployment.cluster.rendezvous-id", "try-2"]
+    (tmp_path / "configs").mkdir()
+    for rank in (0, 1):
+        config = parse_rl_args([*args, "--deployment.cluster.node-rank", str(rank)], environ={}, machine=TwoGPUs())
+        paths = _write_process_configs(config)
+        argv = _commands(config, paths)["trainer"][0]
+        joined = " ".join(argv)
+        assert "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint h0:29400 --rdzv-id try-2" in joined
+        assert f"--rdzv-conf join_timeout=300,is_host={int(rank == 0)}" in joined and "--nproc-per-node 3" in joined
+        assert (tmp_path / "configs" / f"rl.node{rank}.toml").is_file()
+    assert not (tmp_path / "configs" / "rl.toml").exists()

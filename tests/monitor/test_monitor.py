@@ -6,8 +6,12 @@ import io
 import json
 import math
 
+import httpx
+
+from tandem.config.resolve import free_port
 from tandem.monitor.metrics import METRICS_FILE, MetricsWriter, read_metrics
-from tandem.monitor.progress import ProgressPrinter
+from tandem.monitor.progress import ProgressPrinter, StepBar
+from tandem.monitor.prometheus import serve_metrics
 from tandem.monitor.report import summarize, write_report
 
 
@@ -83,3 +87,44 @@ def test_report_of_a_mixture_of_experts_shows_expert_load_and_router_entropy(tmp
     page = write_report(tmp_path).read_text()
     assert page.count('<img src="data:image/png;base64,') == 6
     assert "expert_load_max_over_mean_last" in page
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_step_lines_print_above_a_bar_with_rate_and_time_left(tmp_path):
+    out = Terminal()
+    printer = ProgressPrinter(tmp_path, max_steps=4, stream=out)
+    write_run(tmp_path, steps=2)
+    printer.update()
+    printer.bar._progress.refresh()
+    printer.finish()
+    printer.close()
+    text = out.getvalue()
+    assert "step    1/4" in text and "step    2/4" in text and "done: 2 steps" in text
+    assert "2/4" in text and "steps/s" in text and "left" in text  # the bar: done/total, rate, time left
+
+
+def test_off_a_terminal_a_step_bar_prints_a_plain_line_now_and_then():
+    out = io.StringIO()
+    bar = StepBar("sft", 600, stream=out, plain_every_s=3600)
+    for step in range(1, 601):
+        bar.update(step)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sft: step 600/600 (") and "steps/s" in lines[0]
+
+
+def test_what_a_process_logs_is_on_its_prometheus_metrics(tmp_path):
+    port = free_port()
+    writer = MetricsWriter(tmp_path, "orchestrator", serve_metrics("orchestrator", "127.0.0.1", port))
+    writer.log(1, {"reward/mean": 0.25, "eval/reward_mean": None, "note": "text"})
+    writer.log(2, {"reward/mean": 0.5, "throughput/tokens_per_s": 120})
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("tandem_")}
+    assert values == {"tandem_orchestrator_reward_mean": 0.5, "tandem_orchestrator_throughput_tokens_per_s": 120.0,
+                      "tandem_orchestrator_step": 2.0}
+    assert "# TYPE tandem_orchestrator_reward_mean gauge" in text
+    assert serve_metrics("trainer", "127.0.0.1", None) is None  # no port: off

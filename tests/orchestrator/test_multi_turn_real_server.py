@@ -117,6 +117,6 @@ def test_rewritten_earlier_turns_start_new_samples_and_only_sampled_tokens_are_t
         assert check_samples(result, sent, model) == 3  # every earlier turn was rewritten
         emptied = rewriting.encode("<|im_start|>assistant\n<|im_end|>", add_special_tokens=False)
         assert _contains(sent[2][0], emptied)  # the earlier turns were re-rendered without their tokens
-    control = [check_samples(result, sent, model) for result, sent in rollouts(tandem_server, tokenizer, str(tiny_model), 4)]
+    control = [check_samples(result, sent, model) for result, sent in rollouts(tandem_server, tokenizer, str(tiny_model), 12)]
     assert all(1 <= n <= 3 for n in control)
     assert min(control) < 3, f"no rollout kept its prefix ({control}): the joining path went untested"

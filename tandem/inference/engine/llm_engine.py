@@ -27,7 +27,7 @@ from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.host_copies import HostRead
 from tandem.inference.engine.sampler import PendingSample, Sampler
-from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.inference.engine.sequence import Sequence
 from tandem.models.loading import load_weights_into
@@ -120,18 +120,19 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request cannot run; safe to call from any thread."""
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty: it needs at least one token")
+            raise InvalidRequest("the prompt is empty: it needs at least one token", "prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", "prompt")
         if params.return_routed_experts and self.runner.recorder is None:
-            raise ValueError("`return_routed_experts` needs a mixture-of-experts model served by the paged engine")
+            raise InvalidRequest("`return_routed_experts` needs a mixture-of-experts model served by the paged engine",
+                                 "return_routed_experts")
         n = len(prompt_token_ids)
         if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
-                "Please reduce the length of the prompt or of the completion (`max_tokens`)."
+                "Please reduce the length of the prompt or of the completion (`max_tokens`).", "max_tokens"
             )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,

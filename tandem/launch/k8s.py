@@ -1,0 +1,120 @@
+"""`tandem rl --k8s`: the Kubernetes objects of a run, one role per workload.
+
+- a ConfigMap with each process's resolved config, mounted at `/config`;
+- a ReadWriteMany volume claim for the run folder, mounted in every pod at the run folder's path
+  (under the working directory `/workspace` when it is relative), so the configs need no rewriting;
+- the inference servers: a StatefulSet behind a headless Service, so that pod j is
+  `<run>-inference-<j>.<run>-inference`, the host the resolution put into `orchestrator.client.base_urls`;
+- the trainer: an Indexed Job of `num_trainer_nodes` pods behind a headless Service, torchrun in each,
+  meeting in the c10d rendezvous served by pod 0 (`<run>-trainer-0.<run>-trainer`);
+- the orchestrator: a Job of one pod.
+
+Jobs never retry (`backoffLimit: 0`): a failed trainer or orchestrator fails its Job, and
+`kubectl delete -f` removes the whole run. Objects are written as JSON documents (which are YAML).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import PurePosixPath
+from typing import Any
+
+from tandem.config.dump import to_toml
+from tandem.config.resolve import PROCESSES, cluster_hosts
+from tandem.config.rl import RLConfig
+from tandem.launch.torchrun import trainer_argv
+
+WORKDIR = PurePosixPath("/workspace")
+CONFIG_DIR = PurePosixPath("/config")
+
+
+def render_manifests(config: RLConfig) -> list[dict[str, Any]]:
+    """Every object of the run, in the order `kubectl apply` should create them."""
+    k8s, cluster = config.deployment.k8s, config.deployment.cluster
+
+    def name(role: str) -> str:
+        return k8s.object_name(config.run.name, role)
+
+    def meta(role: str) -> dict[str, Any]:
+        return {"name": name(role), "namespace": k8s.namespace, "labels": _labels(config, role)}
+
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("config"),
+                 "data": {f"{p}.toml": to_toml(getattr(config, p)) for p in PROCESSES}}
+    claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": k8s.storage}}}
+    if k8s.storage_class:
+        claim_spec["storageClassName"] = k8s.storage_class
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta("run"), "spec": claim_spec}
+    port = config.inference.server.port
+    inference = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta("inference"), "spec": {
+        "serviceName": name("inference"), "replicas": cluster.num_inference_nodes, "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": _labels(config, "inference")},
+        "template": _pod(config, "inference", _tandem("inference"), "Always", ports=[port], gpus=_gpus(config, "inference"),
+                         probe={"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5})}}
+    trainer_script = shlex.join(trainer_argv(config.deployment, str(CONFIG_DIR / "trainer.toml"), cluster_hosts(config)[0],
+                                             "__IS_HOST__", python="python"))
+    # Pod 0 serves the rendezvous store; torchrun cannot tell from its host name, so each pod says so.
+    trainer_script = ('is_host=0; [ "$JOB_COMPLETION_INDEX" = 0 ] && is_host=1; exec '
+                      + trainer_script.replace("__IS_HOST__", '"$is_host"'))
+    trainer = _job(config, "trainer", meta("trainer"), cluster.num_trainer_nodes, ["sh", "-c", trainer_script],
+                   ports=[cluster.rendezvous_port], gpus=_gpus(config, "trainer"))
+    trainer["spec"]["completionMode"] = "Indexed"
+    trainer["spec"]["template"]["spec"]["subdomain"] = name("trainer")
+    orchestrator = _job(config, "orchestrator", meta("orchestrator"), 1, _tandem("orchestrator"), ports=[], gpus=0)
+    services = [_headless_service(config, meta(role), role, p) for role, p in
+                (("inference", port), ("trainer", cluster.rendezvous_port))]
+    return [configmap, claim, *services, inference, trainer, orchestrator]
+
+
+def to_documents(objects: list[dict[str, Any]]) -> str:
+    return "".join(f"---\n{json.dumps(obj, indent=2)}\n" for obj in objects)
+
+
+def _labels(config: RLConfig, role: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": config.deployment.k8s.object_name(config.run.name, "run"),
+            "app.kubernetes.io/component": role}
+
+
+def _tandem(process: str) -> list[str]:
+    return ["python", "-m", "tandem.cli", process, "@", str(CONFIG_DIR / f"{process}.toml")]
+
+
+def _gpus(config: RLConfig, role: str) -> int:
+    deployment = config.deployment
+    if deployment.type != "gpu":
+        return 0
+    return len(deployment.inference_devices if role == "inference" else deployment.trainer_devices)
+
+
+def _pod(config: RLConfig, role: str, command: list[str], restart: str, ports: list[int], gpus: int,
+         probe: dict | None = None) -> dict[str, Any]:
+    k8s = config.deployment.k8s
+    run_path = WORKDIR / config.run_dir.as_posix()
+    container: dict[str, Any] = {
+        "name": role, "image": k8s.image, "command": command, "workingDir": str(WORKDIR),
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "ports": [{"containerPort": p} for p in ports],
+        "volumeMounts": [{"name": "config", "mountPath": str(CONFIG_DIR), "readOnly": True},
+                         {"name": "run", "mountPath": str(run_path)}],
+    }
+    if gpus:
+        container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+    if probe:
+        container["readinessProbe"] = probe
+    return {"metadata": {"labels": _labels(config, role)}, "spec": {
+        "restartPolicy": restart, "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": k8s.object_name(config.run.name, "config")}},
+                    {"name": "run", "persistentVolumeClaim": {"claimName": k8s.object_name(config.run.name, "run")}}]}}
+
+
+def _job(config: RLConfig, role: str, metadata: dict, pods: int, command: list[str], ports: list[int], gpus: int) -> dict[str, Any]:
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": {
+        "completions": pods, "parallelism": pods, "backoffLimit": 0,
+        "template": _pod(config, role, command, "Never", ports=ports, gpus=gpus)}}
+
+
+def _headless_service(config: RLConfig, metadata: dict, role: str, port: int) -> dict[str, Any]:
+    # Headless, and publishing pods before they are ready: the trainer's rendezvous needs the names at start.
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": {
+        "clusterIP": "None", "publishNotReadyAddresses": True, "selector": _labels(config, role),
+        "ports": [{"name": role, "port": port}]}}

@@ -1,0 +1,71 @@
+"""One large request stalls no one: bodies over the limit are refused unread, CPU work runs off the event loop."""
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tandem.config.inference import ServerConfig
+
+LIMIT = ServerConfig().max_request_bytes
+
+
+def health_latencies_during(server, request) -> tuple[list[float], httpx.Response, float]:
+    """Latencies of `GET /health` polled while `request()` runs in a thread; its response and duration."""
+    done: dict = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        done["response"] = request()
+        done["seconds"] = time.monotonic() - start
+
+    latencies = []
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        client.get("/health")  # connected before the clock starts
+        worker = threading.Thread(target=run)
+        worker.start()
+        while worker.is_alive():
+            start = time.monotonic()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.01)
+        worker.join()
+    return latencies, done["response"], done["seconds"]
+
+
+def maximal(body: dict, item: str) -> bytes:
+    """`body` with its "@" grown into a text or a list of token ids until the JSON is as long as the limit allows."""
+    head, tail = json.dumps(body).split('"@"')
+    room = LIMIT - len(head) - len(tail) - 2
+    if item == "text":
+        return f'{head}"{"ab c" * (room // 4)}"{tail}'.encode()
+    return f'{head}[{",".join(["1"] * (room // 2))}]{tail}'.encode()
+
+
+@pytest.mark.parametrize("path, body, item", [
+    ("/v1/completions", {"model": "MODEL", "max_tokens": 1, "prompt": "@"}, "text"),
+    ("/v1/chat/completions", {"model": "MODEL", "max_tokens": 1, "messages": [{"role": "user", "content": "@"}]}, "text"),
+    ("/v1/generate", {"max_tokens": 1, "prompt_token_ids": "@"}, "ids"),
+], ids=["text-prompt", "chat-message", "token-ids"])
+def test_health_answers_within_100ms_during_a_maximal_request(server, tiny_dir, path, body, item):
+    raw = maximal({k: str(tiny_dir) if v == "MODEL" else v for k, v in body.items()}, item)
+    assert LIMIT - 16 < len(raw) <= LIMIT
+    latencies, response, seconds = health_latencies_during(
+        server, lambda: httpx.post(f"{server.url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=60))
+    assert response.status_code == 400 and "context" in response.json()["error"]["message"], response.text[:300]
+    assert max(latencies) < 0.1, (max(latencies), seconds)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server, chunked):
+    raw = b'{"prompt_token_ids": [' + b"1," * LIMIT + b'1], "max_tokens": 1}'
+    content = (raw[i:i + 65536] for i in range(0, len(raw), 65536)) if chunked else raw
+    start = time.monotonic()
+    response = httpx.post(f"{server.url}/v1/generate", content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 413, response.text[:300]
+    error = response.json()["error"]
+    assert f"larger than this server's limit of {LIMIT} bytes (`server.max_request_bytes`)" in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 413
+    assert time.monotonic() - start < 1.0

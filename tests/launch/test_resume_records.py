@@ -1,0 +1,69 @@
+"""A run stopped after its checkpoint and resumed leaves the records of a run that never stopped (issue 24).
+
+Three short `tandem rl` runs on CPU from a random tiny model (no SFT warm-up: the records are the point, not
+learning): 4 steps straight; 4 steps with the trainer killed once it logged step 3 (checkpoints every 2 steps,
+so the orchestrator had gone on to step 3 or 4); then `--resume` to step 4. Metrics rows, rollouts and
+samples, weights, evals, checkpoints, the summary and the console must match the straight run step by step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from short_runs import rl_command, run, run_pids, start, wait_for_trainer_step
+
+from tandem.models.presets import init_model
+from tandem.monitor.metrics import read_metrics
+from tandem.monitor.report import summarize
+
+MAX_STEPS = 4
+PARTS = ("rollouts", "weights", "eval", "checkpoints")
+
+pytestmark = pytest.mark.slow
+
+
+def records(run: Path) -> dict:
+    """What a run leaves, without what differs between any two runs (times, sampled values, and the
+    `stop/<reason>` keys, one per stop reason that some rollout of the step happened to meet)."""
+    rows = sorted((r["process"], r["step"], tuple(sorted(k for k in r if not k.startswith("stop/")))) for r in read_metrics(run))
+    folders = {part: sorted(p.name for p in (run / part).iterdir()) for part in PARTS if (run / part).is_dir()}
+    samples = {p.parent.name: len(p.read_text().splitlines()) for p in sorted(run.glob("rollouts/step_*/samples.jsonl"))}
+    files = sorted(str(p.relative_to(run)) for part in PARTS for p in (run / part).rglob("*") if p.is_file())
+    summary = {k: v for k, v in summarize(run).items() if k in ("steps", "eval_steps")}
+    return {"rows": rows, "folders": folders, "samples": samples, "files": files, "summary": summary}
+
+
+def printed_steps(stdout: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^step\s+(\d+)/", stdout, re.MULTILINE)]
+
+
+def test_a_resumed_run_leaves_the_records_of_a_run_that_never_stopped(tmp_path):
+    model = init_model("tiny", tmp_path / "model", seed=0)
+    straight = run(rl_command(model, tmp_path / "straight", MAX_STEPS))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    out = tmp_path / "stopped"
+    proc = start(rl_command(model, out, MAX_STEPS))
+    try:
+        wait_for_trainer_step(proc, out, 3)
+        os.kill(run_pids(out)["trainer"], signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    stale = [r for r in read_metrics(out) if r["step"] > 2]
+    assert stale, "the stopped run left no record after its checkpoint: nothing to test"
+
+    resumed = run(rl_command(model, out, MAX_STEPS, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming after step 2; removed the stopped run's later records" in resumed.stderr
+    left, expected = records(out), records(tmp_path / "straight")
+    for key in expected:
+        assert left[key] == expected[key], key
+    assert not any(r in list(read_metrics(out)) for r in stale)  # superseded, not kept beside the new rows
+    assert printed_steps(resumed.stdout) == printed_steps(straight.stdout) == list(range(1, MAX_STEPS + 1))
