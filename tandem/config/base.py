@@ -8,15 +8,25 @@ of one process; it carries the fields an RL run shares between its three process
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field
 
 
 class Section(BaseModel):
     """A config section: strict keys, attribute docstrings as descriptions."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+def default_type_tag(default: str) -> Discriminator:
+    """Discriminate a union of sections on `type`, taking `default` when it is absent (`--optim.lr 1e-5`
+    alone keeps AdamW)."""
+
+    def pick(value: Any) -> str:
+        return value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+
+    return Discriminator(pick)
 
 
 class ModelConfig(Section):

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tandem.config.base import ProcessConfig, Section
+from tandem.config.vllm import VllmConfig
 
 
 class ServerConfig(Section):
@@ -21,6 +22,10 @@ class ServerConfig(Section):
 
     access_log: bool = False
     """Log one line per HTTP request (an RL run sends thousands; off keeps the log readable)."""
+
+    weight_transfer_timeout_s: float = Field(300.0, gt=0)
+    """Broadcast weight transport: longest wait of this server for its group to form or for one
+    update's tensors to arrive, after which the call fails (and the run stops) instead of hanging."""
 
     max_request_bytes: int = Field(2**20, ge=1024)
     """Largest request body; a longer one is refused (413) before it is read. 1 MiB holds a 128k-token prompt
@@ -83,7 +88,16 @@ class InferenceConfig(ProcessConfig):
     """HTTP server settings."""
 
     engine: EngineConfig = EngineConfig()
-    """Settings of tandem's own engine (backend `tandem`)."""
+    """Settings of tandem's own engine (backend `tandem`); `memory_fraction`, `max_model_len` and
+    `max_num_seqs` apply to vLLM too."""
+
+    vllm: VllmConfig = VllmConfig()
+    """Settings of the vLLM backend only."""
+
+    @property
+    def num_ranks(self) -> int:
+        """Devices (and broadcast-group ranks) of one server: tandem's engine runs on one."""
+        return self.vllm.tensor_parallel_size if self.backend == "vllm" else 1
 
     @model_validator(mode="after")
     def _check_cache_fits_a_sequence(self) -> "InferenceConfig":

@@ -12,12 +12,17 @@ from pydantic import Field, model_validator
 
 from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, PrometheusConfig, Section
 from tandem.config.inference import ServerConfig
+from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
 
 class ClientConfig(Section):
     base_urls: list[str] = Field(default_factory=lambda: [ServerConfig().url])
     """Inference servers, as `http://host:port` (no `/v1`); requests are spread over all of them.
     The default is the address a default `tandem inference` listens on."""
+
+    backend: Literal["tandem", "vllm"] = "tandem"
+    """What serves `base_urls` (`inference.backend`; `tandem rl` sets it): their token-in routes and
+    how they report policy versions differ (`tandem/orchestrator/server_dialect.py`)."""
 
     api_key: str | None = None
     """Sent as `Authorization: Bearer <api_key>` when set (the server's `server.api_key`)."""
@@ -73,10 +78,15 @@ class SamplingConfig(Section):
     """Ask the servers for the experts that sampled each token (mixture-of-experts models on tandem's
     engine) and ship them to the trainer, which replays them with `loss.router_replay = true`."""
 
+    seeded: bool = False
+    """Give each training rollout its own sampling seed (from the run seed and the task's draw
+    number), so that a synchronous run (`max_async_level = 0`) repeats its rollouts exactly: for
+    comparing two runs that should agree (weight transports, backends), not for training."""
+
     def request_args(self) -> dict[str, Any]:
         """The keyword arguments an environment passes to `chat.completions.create` (the rollout client
-        itself asks for routed experts)."""
-        return self.model_dump(exclude={"return_routed_experts"})
+        itself asks for routed experts and seeds training rollouts)."""
+        return self.model_dump(exclude={"return_routed_experts", "seeded"})
 
 
 class EnvConfig(Section):
@@ -208,6 +218,9 @@ class OrchestratorConfig(ProcessConfig):
     transport: FilesystemTransportConfig = FilesystemTransportConfig()
     """How batches reach the trainer."""
 
+    weight_transport: WeightTransportConfig = FilesystemWeightTransport()
+    """How new policies reach the inference servers (the trainer's `weight_transport`, same value)."""
+
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":
         if self.group_size < 1:
@@ -239,6 +252,12 @@ class OrchestratorConfig(ProcessConfig):
             raise ValueError("`advantage.max_replacement_ratio` must be >= 0")
         if self.eval.interval < 0:
             raise ValueError(f"`eval.interval` must be >= 0 (0 = never), got {self.eval.interval}")
+        transport = self.weight_transport
+        if transport.type == "broadcast" and transport.num_inference_ranks % len(self.client.base_urls):
+            raise ValueError(
+                f"`weight_transport.num_inference_ranks` = {transport.num_inference_ranks} is not a multiple of the "
+                f"{len(self.client.base_urls)} `client.base_urls`: every server must hold the same number of ranks"
+            )
         return self
 
 

@@ -7,8 +7,10 @@ free ports) and the run folder (checkpoints to resume from), in this order:
 2. every key of `SHARED_KEYS` is written into the sections of the processes that share it;
 3. the config is validated with the user's process sections, and every rule of `DERIVED_RULES`
    decides its values from that draft and the machine (a rule may also refuse the config);
-4. the derived values are written in and the whole config, three process configs included, is
-   validated once more: that result is what `--dry-run` prints and what the launcher runs.
+4. the derived values are written in (a value decided for a shared key, such as `weight_transport.port`,
+   also into the processes that share it) and the whole config, three process configs included, is
+   validated once more: that result is what `--dry-run` prints and what the launcher runs
+   (`process_configs`: one config per process, each inference server included).
 
 A shared or derived value never overwrites one the user set: a different value is an error naming
 both. A new shared key is one line in `SHARED_KEYS`; a new derived value is one function added to
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from tandem.config.base import ProcessConfig
 from tandem.config.loader import ConfigError, RawConfig, read_args, validate
 from tandem.config.rl import RLConfig
 from tandem.transport.paths import complete_checkpoint_steps
@@ -43,6 +46,7 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
     "seed": PROCESSES,
     "ckpt.enabled": ("orchestrator", "trainer"),  # both checkpoint the same steps, so they resume together
     "ckpt.interval": ("orchestrator", "trainer"),
+    "weight_transport": ("orchestrator", "trainer"),  # the trainer sends what the orchestrator has the servers load
 }
 """Dotted key of `RLConfig` -> the processes whose config gets its value."""
 
@@ -54,11 +58,14 @@ class Machine(Protocol):
         """CUDA devices this process can see (after `CUDA_VISIBLE_DEVICES`)."""
 
     def free_port(self) -> int:
-        """A TCP port free on the loopback interface now."""
+        """A TCP port free on the loopback interface now, and not handed out before by this machine."""
 
 
 class LocalMachine:
     """This machine. Torch is imported only when a GPU deployment asks for its devices."""
+
+    def __init__(self) -> None:
+        self._given: set[int] = set()
 
     def num_cuda_devices(self) -> int:
         import torch
@@ -66,7 +73,12 @@ class LocalMachine:
         return torch.cuda.device_count()
 
     def free_port(self) -> int:
-        return free_port()
+        # Each server and the broadcast group need their own port: the OS may hand back one just closed.
+        port = free_port()
+        while port in self._given:
+            port = free_port()
+        self._given.add(port)
+        return port
 
 
 def free_port() -> int:
@@ -96,11 +108,15 @@ def nodes(config: RLConfig, machine: Machine) -> list[Derived]:
     `<run>-inference-<j>.<run>-inference`), or under `--slurm` placeholders that the job script replaces with
     the allocation's hosts at start. `inference.server.host` is then `0.0.0.0` (every interface, so that the
     orchestrator's node reaches it), or `127.0.0.1` when every host is a loopback address. Under `--k8s` each
-    role has its own pods, so `num_nodes` must be `num_trainer_nodes` + `num_inference_nodes`."""
+    role has its own pods, so `num_nodes` must be `num_trainer_nodes` + `num_inference_nodes`, and each inference
+    pod runs one server (`deployment.num_inference_servers` = 1)."""
     cluster = config.deployment.cluster
     if config.deployment.launcher == "k8s" and cluster.num_trainer_nodes + cluster.num_inference_nodes != cluster.num_nodes:
         raise ConfigError("`deployment.launcher` = 'k8s' runs each node's role in its own pods: set `deployment.cluster.num_nodes` = "
                           f"`num_trainer_nodes` + `num_inference_nodes` = {cluster.num_trainer_nodes + cluster.num_inference_nodes}")
+    if config.deployment.launcher == "k8s" and config.deployment.num_inference_servers > 1:
+        raise ConfigError("`deployment.launcher` = 'k8s' runs one inference server per pod: set "
+                          "`deployment.num_inference_servers` = 1 (and more `deployment.cluster.num_inference_nodes`)")
     if cluster.num_nodes == 1:
         return []
     hosts = cluster_hosts(config)
@@ -162,30 +178,104 @@ def devices(config: RLConfig, machine: Machine) -> list[Derived]:
     return out
 
 
-def server_address(config: RLConfig, machine: Machine) -> list[Derived]:
-    """The orchestrator talks to the server the run starts: `orchestrator.client.base_urls` is
-    `["http://<inference.server.host>:<inference.server.port>"]` and `orchestrator.client.api_key` is
-    `inference.server.api_key`. `inference.server.port = 0` becomes a port free at resolution. On several
-    nodes, `base_urls` has one URL per inference node, `http://<its host>:<inference.server.port>`, and the
-    port must be set (each node resolves the config itself: a port free on one is unknown to the others)."""
-    server = config.inference.server
-    cluster = config.deployment.cluster
-    out = []
-    if cluster.num_nodes > 1:
-        if server.port == 0:
-            raise ConfigError("`inference.server.port` = 0 (a free port) cannot be agreed on by several nodes: "
-                              f"set a fixed port for `deployment.cluster.num_nodes` = {cluster.num_nodes}")
-        hosts = cluster_hosts(config)[cluster.num_nodes - cluster.num_inference_nodes:]
-        return [Derived("orchestrator.client.base_urls", [f"http://{h}:{server.port}" for h in hosts],
-                        "`deployment.cluster.hosts` of the inference nodes and `inference.server.port`"),
-                Derived("orchestrator.client.api_key", server.api_key, "`inference.server.api_key`")]
+def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`deployment.inference_ports` holds a port for each of the `deployment.num_inference_servers` servers of an
+    inference node: `inference.server.port` + i, or a free port each when `inference.server.port` is 0 (which
+    then becomes the first server's). The orchestrator talks to them all: on one node,
+    `orchestrator.client.base_urls` is `["http://<inference.server.host>:<port>", ...]`; on several nodes it has
+    `http://<host>:<port>` for each inference node's host in `deployment.cluster.hosts` and each of its ports,
+    and the port must be set (each node resolves the config itself: a port free on one is unknown to the
+    others). `orchestrator.client.api_key` is `inference.server.api_key`."""
+    server, cluster = config.inference.server, config.deployment.cluster
+    num_servers = config.deployment.num_inference_servers
+    if cluster.num_nodes > 1 and server.port == 0:
+        raise ConfigError("`inference.server.port` = 0 (a free port) cannot be agreed on by several nodes: "
+                          f"set a fixed port for `deployment.cluster.num_nodes` = {cluster.num_nodes}")
     if server.port == 0:
-        server = server.model_copy(update={"port": machine.free_port()})
-        out.append(Derived("inference.server.port", server.port, "a free port (`inference.server.port` = 0)", placeholder=0))
+        ports = [machine.free_port() for _ in range(num_servers)]
+        out = [Derived("inference.server.port", ports[0], "a free port (`inference.server.port` = 0)", placeholder=0)]
+        cause = "a free port for each of `deployment.num_inference_servers`"
+    else:
+        ports = [server.port + i for i in range(num_servers)]
+        out = []
+        cause = "`inference.server.port` + i for each of `deployment.num_inference_servers`"
+    if max(ports) > 65535:
+        raise ConfigError(f"`inference.server.port` = {server.port} leaves no port for {num_servers} servers: lower it")
+    if cluster.num_nodes > 1:
+        hosts = cluster_hosts(config)[cluster.num_nodes - cluster.num_inference_nodes:]
+        urls = [f"http://{host}:{port}" for host in hosts for port in ports]
+        url_cause = "`deployment.cluster.hosts` of the inference nodes and `deployment.inference_ports`"
+    else:
+        urls = [server.model_copy(update={"port": port}).url for port in ports]
+        url_cause = "`inference.server.host`, `inference.server.port` and `deployment.num_inference_servers`"
     return out + [
-        Derived("orchestrator.client.base_urls", [server.url], "`inference.server.host` and `inference.server.port`"),
+        Derived("deployment.inference_ports", ports, cause, placeholder=[]),
+        Derived("orchestrator.client.base_urls", urls, url_cause),
         Derived("orchestrator.client.api_key", server.api_key, "`inference.server.api_key`"),
     ]
+
+
+def inference_device_slices(config: RLConfig, machine: Machine) -> list[Derived]:
+    """On `gpu`, server i runs on `deployment.inference_device_slices[i]`: the i-th consecutive slice of
+    `deployment.inference_devices`, of one server's devices each (`inference.vllm.tensor_parallel_size` with vLLM,
+    1 with tandem's engine), so the list must hold exactly `num_inference_servers` x that many. Empty on `cpu`."""
+    deployment = config.deployment
+    if deployment.type != "gpu":
+        return [Derived("deployment.inference_device_slices", [], "`deployment.type` = 'cpu'", placeholder=[])]
+    per_server, num_servers = config.inference.num_ranks, deployment.num_inference_servers
+    devices = deployment.inference_devices
+    if len(devices) != num_servers * per_server:
+        raise ConfigError(f"`deployment.inference_devices` = {devices} lists {len(devices)} CUDA device(s), but "
+                          f"`deployment.num_inference_servers` = {num_servers} server(s) of {per_server} device(s) "
+                          f"need {num_servers * per_server}")
+    slices = [devices[i * per_server:(i + 1) * per_server] for i in range(num_servers)]
+    return [Derived("deployment.inference_device_slices", slices, "`deployment.inference_devices`", placeholder=[])]
+
+
+def backend(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`orchestrator.client.backend` is `inference.backend` (the servers' token-in routes and policy versions
+    differ). `inference.backend = "vllm"` needs `deployment.type = "gpu"` and `weight_transport.type =
+    "broadcast"`: vLLM runs on CUDA only, and loads new policies over its NCCL engine only."""
+    name = config.inference.backend
+    if name == "vllm" and config.deployment.type != "gpu":
+        raise ConfigError("`inference.backend` = 'vllm' runs on CUDA only: set `deployment.type` = 'gpu'")
+    if name == "vllm" and config.weight_transport.type != "broadcast":
+        raise ConfigError("`inference.backend` = 'vllm' loads new policies over NCCL only: set "
+                          "`weight_transport.type` = 'broadcast'")
+    return [Derived("orchestrator.client.backend", name, f"`inference.backend` = {name!r}")]
+
+
+def weight_broadcast(config: RLConfig, machine: Machine) -> list[Derived]:
+    """With `weight_transport.type = "broadcast"`: `weight_transport.num_inference_ranks` is the number of
+    servers (`orchestrator.client.base_urls`: `deployment.num_inference_servers` on each inference node) x the ranks
+    of one server (`inference.vllm.tensor_parallel_size` with vLLM, 1 with tandem's engine),
+    `weight_transport.receiver` is `inference.backend`, and `weight_transport.port = 0` becomes a free port. On
+    several nodes the group meets at trainer rank 0, `weight_transport.host` is node 0's host, and the port must be
+    set. On `gpu`, `deployment.trainer_devices` must be apart from `deployment.inference_devices` (NCCL runs one
+    rank per GPU). Trainer and orchestrator get these values with the shared `weight_transport`."""
+    transport, deployment = config.weight_transport, config.deployment
+    if transport.type != "broadcast":
+        return []
+    cluster = deployment.cluster
+    num_servers = deployment.num_inference_servers * (cluster.num_inference_nodes if cluster.num_nodes > 1 else 1)
+    if cluster.num_nodes > 1 and transport.port == 0:
+        raise ConfigError("`weight_transport.port` = 0 (a free port) cannot be agreed on by several nodes: "
+                          f"set a fixed port for `deployment.cluster.num_nodes` = {cluster.num_nodes}")
+    if deployment.shares_a_gpu:
+        raise ConfigError(f"`weight_transport.type` = 'broadcast' needs `deployment.trainer_devices` = "
+                          f"{deployment.trainer_devices} apart from `deployment.inference_devices` = "
+                          f"{deployment.inference_devices} (NCCL runs one rank per GPU); use the filesystem transport "
+                          "when they share a GPU")
+    out = [Derived("weight_transport.num_inference_ranks", num_servers * config.inference.num_ranks,
+                   "`deployment.num_inference_servers` (on each inference node) x the ranks of one server"),
+           Derived("weight_transport.receiver", config.inference.backend, "`inference.backend`")]
+    if cluster.num_nodes > 1:
+        out.append(Derived("weight_transport.host", cluster_hosts(config)[0], "`deployment.cluster.hosts` (node 0 runs trainer "
+                           "rank 0)", placeholder="127.0.0.1"))
+    if transport.port == 0:
+        out.append(Derived("weight_transport.port", machine.free_port(), "a free port (`weight_transport.port` = 0)",
+                           placeholder=0))
+    return out
 
 
 def resume(config: RLConfig, machine: Machine) -> list[Derived]:
@@ -228,7 +318,8 @@ def exact(config: RLConfig, machine: Machine) -> list[Derived]:
     return []
 
 
-DERIVED_RULES: tuple[Rule, ...] = (nodes, trainer_ranks, devices, server_address, resume, exact)
+DERIVED_RULES: tuple[Rule, ...] = (nodes, trainer_ranks, devices, inference_servers, inference_device_slices, exact,
+                                   backend, weight_broadcast, resume)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 
 
@@ -250,23 +341,60 @@ def resolve(raw: RawConfig, machine: Machine) -> RLConfig:
     for rule in DERIVED_RULES:
         for derived in rule(draft, machine):
             _apply(data, sources, derived, fix=f"remove `{derived.key}`")
+            for shared_copy in _shared_copies(derived.key):  # copies of the shared value just checked against the user's
+                _write(data, sources, Derived(shared_copy, derived.value, derived.because))
     return validate(RLConfig, data, sources)
+
+
+def _shared_copies(key: str) -> list[str]:
+    """Where a value decided for `key` must also go: its copies in the processes that share the key
+    holding it (`weight_transport.port` -> `trainer.weight_transport.port`, ...)."""
+    return [f"{process}.{key}" for shared, processes in SHARED_KEYS.items()
+            if key == shared or key.startswith(shared + ".") for process in processes]
+
+
+def inference_server_name(i: int) -> str:
+    """Process (log and config file) name of inference server i: `inference`, `inference_1`, ..."""
+    return "inference" if i == 0 else f"inference_{i}"
+
+
+def process_configs(config: RLConfig) -> dict[str, ProcessConfig]:
+    """What each process of a resolved run gets, by process name: one `inference` config per server (each
+    on its port of `deployment.inference_ports`), then orchestrator and trainer. A view, not a change."""
+    servers = {inference_server_name(i): config.inference.model_copy(
+                   update={"server": config.inference.server.model_copy(update={"port": port})})
+               for i, port in enumerate(config.deployment.inference_ports)}
+    return {**servers, "orchestrator": config.orchestrator, "trainer": config.trainer}
 
 
 def _apply(data: dict[str, Any], sources: dict[str, str], derived: Derived, fix: str) -> None:
     """Write `derived` into the raw config, or raise if the user set that key to something else."""
-    *path, leaf = derived.key.split(".")
+    section, leaf = _section_of(data, derived.key)
+    if section is None:  # the user wrote a value where a section belongs: validation will say so
+        return
+    if leaf in section and section[leaf] != derived.value and section[leaf] != derived.placeholder:
+        where = f" (from {sources[derived.key]})" if derived.key in sources else ""
+        raise ConfigError(f"`{derived.key}` = {section[leaf]!r}{where} contradicts {derived.because}, which makes it "
+                          f"{derived.value!r}: {fix}")
+    _write(data, sources, derived)
+
+
+def _write(data: dict[str, Any], sources: dict[str, str], derived: Derived) -> None:
+    section, leaf = _section_of(data, derived.key)
+    if section is not None:
+        section[leaf] = derived.value
+        sources.setdefault(derived.key, derived.because)
+
+
+def _section_of(data: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]:
+    """The raw section holding dotted `key` (made where missing; None where the user wrote a value instead), and its leaf."""
+    *path, leaf = key.split(".")
     node = data
     for part in path:
         node = node.setdefault(part, {})
-        if not isinstance(node, dict):  # the user wrote a value where a section belongs: validation will say so
-            return
-    if leaf in node and node[leaf] != derived.value and node[leaf] != derived.placeholder:
-        where = f" (from {sources[derived.key]})" if derived.key in sources else ""
-        raise ConfigError(f"`{derived.key}` = {node[leaf]!r}{where} contradicts {derived.because}, which makes it "
-                          f"{derived.value!r}: {fix}")
-    node[leaf] = derived.value
-    sources.setdefault(derived.key, derived.because)
+        if not isinstance(node, dict):
+            return None, leaf
+    return node, leaf
 
 
 def _get(tree: dict[str, Any], key: str) -> Any:

@@ -17,14 +17,16 @@ from tandem.config.base import CheckpointConfig, ProcessConfig, Section
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.config.trainer import TrainerConfig
+from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
 
 class ClusterConfig(Section):
     """The nodes of a run over several machines (the defaults: one machine). `tandem rl` runs once on every
     node, with that node's `node_rank`; each launcher starts the processes of its node. Placement: the trainer
-    on nodes `0 .. num_trainer_nodes-1`, one inference server on each of the last `num_inference_nodes` nodes,
-    the orchestrator on the last node (the ranges may overlap). The run folder must be on a file system every
-    node shares: processes exchange rollouts and weights there, and the launchers their heartbeats."""
+    on nodes `0 .. num_trainer_nodes-1`, `deployment.num_inference_servers` inference servers on each of the
+    last `num_inference_nodes` nodes, the orchestrator on the last node (the ranges may overlap). The run folder
+    must be on a file system every node shares: processes exchange rollouts and weights there, and the launchers
+    their heartbeats."""
 
     num_nodes: int = Field(1, ge=1)
     """Machines of the run."""
@@ -42,7 +44,7 @@ class ClusterConfig(Section):
     on each), joined by torchrun's c10d rendezvous."""
 
     num_inference_nodes: int = Field(1, ge=1)
-    """Nodes running one inference server each."""
+    """Nodes running inference servers (`deployment.num_inference_servers` each)."""
 
     rendezvous_port: int = Field(29400, ge=1, le=65535)
     """TCP port of the trainer's c10d rendezvous on `hosts[0]`."""
@@ -153,8 +155,15 @@ class DeploymentConfig(Section):
     num_trainer_processes: int = Field(1, ge=1)
     """Trainer ranks on CPU (gloo, under torchrun when more than one)."""
 
+    num_inference_servers: int = Field(1, ge=1)
+    """Inference servers (data parallel) on each inference node: `tandem rl` starts, health-checks and stops each, and the
+    orchestrator spreads rollouts over all of them. Each holds `inference.vllm.tensor_parallel_size`
+    GPUs (1 with the tandem backend); on CPU each is one process on its own port."""
+
     inference_devices: list[int] = [0]
-    """CUDA devices of the inference server (`gpu` only), as indices of the devices this machine shows."""
+    """CUDA devices of the inference servers (`gpu` only), as indices of the devices this machine shows:
+    `num_inference_servers` x the devices of one server (`inference.vllm.tensor_parallel_size` with vLLM,
+    1 with tandem's engine), server i taking the i-th consecutive slice."""
 
     trainer_devices: list[int] = [1]
     """CUDA devices of the trainer, one rank each (`gpu` only). Listing the inference device here too
@@ -162,6 +171,14 @@ class DeploymentConfig(Section):
 
     shared_gpu_memory_fraction: float = Field(0.4, gt=0.0, le=1.0)
     """Share of a GPU the engine may use when it shares the GPU with the trainer."""
+
+    inference_ports: list[int] = []
+    """Port of each inference server; `tandem rl` decides it (`inference.server.port` + i, or a free
+    port each when that is 0): leave it unset."""
+
+    inference_device_slices: list[list[int]] = []
+    """CUDA devices of each inference server (`gpu` only); `tandem rl` decides it from
+    `inference_devices`: leave it unset."""
 
     @model_validator(mode="after")
     def _check_devices(self) -> "DeploymentConfig":
@@ -238,7 +255,7 @@ class RLConfig(ProcessConfig):
     """The orchestrator."""
 
     inference: InferenceConfig = InferenceConfig()
-    """The inference server."""
+    """The inference servers: each gets this config, with its own port (`deployment.inference_ports`)."""
 
     deployment: DeploymentConfig = DeploymentConfig()
     """Devices and ranks of the processes."""
@@ -254,6 +271,10 @@ class RLConfig(ProcessConfig):
 
     clean: bool = False
     """Delete the results of an earlier run in `output_dir` before starting."""
+
+    weight_transport: WeightTransportConfig = FilesystemWeightTransport()
+    """How each new policy reaches the inference servers: `filesystem` (folders) or `broadcast`
+    (a torch.distributed group from trainer rank 0); set here once for trainer and orchestrator."""
 
     hang_timeout_s: float = Field(120.0, gt=0)
     """A started inference server that answers no `GET /health` for this long (stopped, deadlocked, not

@@ -10,18 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Field, Tag, model_validator
 
-from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, PrometheusConfig, Section
-
-
-def _default_tag(default: str) -> Discriminator:
-    """Discriminate on `type`, taking `default` when it is absent (`--optim.lr 1e-5` alone keeps AdamW)."""
-
-    def pick(value: Any) -> str:
-        return value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-
-    return Discriminator(pick)
+from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, PrometheusConfig, Section, default_type_tag as _default_tag
+from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
 
 class _LossBase(Section):
@@ -322,6 +314,9 @@ class TrainerConfig(TrainingProcessConfig):
 
     data: RolloutDataConfig = RolloutDataConfig()
     """Where batches come from."""
+
+    weight_transport: WeightTransportConfig = FilesystemWeightTransport()
+    """How published policies reach the inference servers."""
 
     @model_validator(mode="after")
     def _check_fake_shape(self) -> "TrainerConfig":

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 
 from tandem.inference.errors import APIError, error_responses
 from tandem.inference.metrics import render_metrics
-from tandem.inference.protocol import UpdateWeightsRequest
+from tandem.inference.protocol import BroadcastUpdateRequest, UpdateWeightsBody
 from tandem.inference.serving import Served
+from tandem.inference.weight_transfer_api import receive_update
 from tandem.models.weights import load_state_dict
 
 public = APIRouter()
@@ -37,8 +39,12 @@ async def models(request: Request) -> dict:
                                         "owned_by": "tandem", "max_model_len": served.max_model_len}]}
 
 
-@router.post("/update_weights", responses=error_responses(400, 404, 413))
-async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
+@router.post("/update_weights", responses=error_responses(400, 404, 409, 413))
+async def update_weights(body: UpdateWeightsBody, request: Request) -> dict:
+    """`{"path"}`: reload a folder (the filesystem weight transport). `{"update_info"}`: receive
+    the broadcast weight transport's tensors, as vLLM's route of the same name does (409 outside an update)."""
+    if isinstance(body, BroadcastUpdateRequest):
+        return await receive_update(body, request)
     served: Served = request.app.state.served
     folder = Path(body.path)
     if not folder.is_dir():
@@ -56,8 +62,9 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     return {"weight_version": version}
 
 
-@router.post("/pause")
-async def pause(request: Request) -> dict:
+@router.post("/pause", responses=error_responses(400))
+async def pause(request: Request, mode: Annotated[Literal["keep"], Query(
+        description="vLLM's pause mode; tandem knows only `keep`: in-flight requests wait, none is lost")] = "keep") -> dict:
     """Stop stepping (after the step in flight); requests keep queueing until `/resume`."""
     await request.app.state.served.engine.pause()
     return {"paused": True}

@@ -56,6 +56,7 @@ ERROR_DESCRIPTIONS = {
     400: "Bad request: a field is missing, unknown, of the wrong type or out of range (`param` names it)",
     401: "Missing or wrong API key",
     404: "Unknown model, or no weights where `path` says",
+    409: "A weight-transfer call out of order: no group joined, or no weight update open (or one already open)",
     413: "Request body over `server.max_request_bytes`",
     500: "The engine failed while generating",
     "default": "Any other error",
@@ -108,8 +109,14 @@ def describe_validation_error(err: RequestValidationError) -> tuple[str, str | N
     return "; ".join(parts), next(iter(clauses)).split(".")[0] or None
 
 
+BODY_FORMS = ("folder", "broadcast")
+"""Tags of the forms of a body that has several (`/update_weights`): an error's path holds its form's tag, which
+names no field."""
+
+
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "none") or "[" in part or part.startswith(("function-", "constrained-"))
+    return (part in ("str", "int", "float", "bool", "none") or part in BODY_FORMS or "[" in part
+            or part.startswith(("function-", "constrained-")))
 
 
 def install_error_handlers(app: FastAPI) -> None:

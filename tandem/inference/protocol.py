@@ -14,14 +14,16 @@ engine checks and reports with the field's name.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -38,6 +40,7 @@ from tandem.inference.engine.sampling_params import (
     SamplingParams,
     is_valid_temperature,
 )
+from tandem.inference.errors import BODY_FORMS
 
 
 class Body(BaseModel):
@@ -254,3 +257,55 @@ class UpdateWeightsRequest(Body):
     """A folder of HF-named safetensors (the trainer's `weights/step_N`)."""
     version: integer(ge=0) | None = None
     """The new weight version; unset = the current one + 1."""
+
+
+class GroupInit(Body):
+    """`init_info` of `POST /init_weight_transfer_engine` (`tandem.transport.broadcast_types.GroupInitInfo`)."""
+
+    master_address: str = Field(min_length=1)
+    """Trainer rank 0's host, where the group's rendezvous store listens."""
+    master_port: integer(ge=1, le=65535)
+    rank_offset: integer(ge=1)
+    """Group rank of the server's first rank (the trainer is rank 0); below `world_size`."""
+    world_size: integer(ge=2)
+
+
+class InitWeightTransferRequest(Body):
+    init_info: GroupInit
+
+
+class UpdateInfo(Body):
+    """`update_info` of `POST /update_weights` (`tandem.transport.broadcast_types.WeightUpdateInfo`)."""
+
+    names: list[str]
+    """HF parameter names, in the order they cross the group."""
+    dtype_names: list[str]
+    """`torch` dtype names (`bfloat16`, `float32`), one per name."""
+    shapes: list[list[integer(ge=0)]]
+    packed: bool = True
+    """Tensors travel packed into buckets (tandem's engine receives packed buckets only)."""
+    packed_buffer_size_bytes: integer(ge=1) = 2**30
+    """Bucket size threshold."""
+
+
+class BroadcastUpdateRequest(Body):
+    update_info: UpdateInfo
+
+
+FOLDER, BROADCAST = BODY_FORMS
+
+
+def _update_form(value: Any) -> str:
+    """The form of an `/update_weights` body, by key, so that a bad body's error names only that form's fields."""
+    return BROADCAST if isinstance(value, dict) and "update_info" in value else FOLDER
+
+
+UpdateWeightsBody = Annotated[Union[Annotated[UpdateWeightsRequest, Tag(FOLDER)],
+                                    Annotated[BroadcastUpdateRequest, Tag(BROADCAST)]], Discriminator(_update_form)]
+"""`POST /update_weights`: `{"path"}` reloads a folder (the filesystem weight transport), `{"update_info"}` receives
+the broadcast weight transport's tensors, as vLLM's route of the same name does."""
+
+
+class FinishWeightUpdateRequest(Body):
+    weight_version: integer(ge=0) | Annotated[str, Field(pattern=r"^[0-9]{1,15}$")] | None = None
+    """The new policy version (vLLM sends it as a string of digits); unset = the current one + 1."""

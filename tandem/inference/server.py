@@ -55,11 +55,8 @@ class BackgroundServer:
 def main(config: InferenceConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.backend == "vllm":
-        try:
-            from tandem.inference.vllm.server import main as vllm_main  # built by the vLLM backend's issue
-        except ModuleNotFoundError as err:
-            print(f"tandem inference: backend `vllm` is not available here ({err}); use `--backend tandem`", file=sys.stderr)
-            return 2
+        from tandem.inference.vllm.server import main as vllm_main
+
         return vllm_main(config)
     try:
         served = build_served(config)

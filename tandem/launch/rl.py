@@ -2,8 +2,8 @@
 
 It executes a config resolved by `tandem.config.resolve` as it is: every port, rank, device and
 URL was decided there (and shown by `--dry-run`); nothing here edits a config. Order: warm-up
-(model init, SFT data, SFT) if the starting model is missing; inference, until `/health`
-answers; then orchestrator and trainer. The run ends when orchestrator and trainer
+(model init, SFT data, SFT) if the starting model is missing; every inference server of this node, until
+each answers `/health`; then orchestrator and trainer. The run ends when orchestrator and trainer
 have exited 0, or at the first failure, Ctrl-C or SIGTERM: every process tree is then stopped
 and the culprit is named with the last lines of its log.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from tandem.config.dump import to_toml
-from tandem.config.resolve import PROCESSES, cluster_hosts
+from tandem.config.resolve import cluster_hosts, inference_server_name, process_configs
 from tandem.config.rl import RLConfig
 from tandem.launch.hang import HangWatch
 from tandem.launch.nodes import Beacon, PeerWatch, Peers
@@ -91,11 +91,12 @@ def _holds_results(path: Path) -> bool:
 
 
 def _write_process_configs(config: RLConfig) -> dict[str, Path]:
-    """Write the resolved config of each process, and the whole RL config, under `configs/`."""
+    """Write the resolved config of each process (each inference server included), and the whole RL
+    config, under `configs/`."""
     paths = {}
-    for name in PROCESSES:
+    for name, process_config in process_configs(config).items():
         paths[name] = config.run_dir / "configs" / f"{name}.toml"
-        atomic_write_text(paths[name], to_toml(getattr(config, name)))
+        atomic_write_text(paths[name], to_toml(process_config))
     atomic_write_text(config.run_dir / "configs" / f"rl{_node_suffix(config)}.toml", to_toml(config))
     return paths
 
@@ -124,8 +125,11 @@ def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[lis
     gpu = deployment.type == "gpu"
     hosts = cluster_hosts(config)
     trainer = trainer_argv(deployment, str(configs["trainer"]), hosts[0], str(int(deployment.cluster.node_rank == 0)))
+    slices = deployment.inference_device_slices
+    servers = {name: ([*py, "inference", "@", str(configs[name])], slices[i] if gpu else None)
+               for i, name in enumerate(_server_urls(config))}
     return {
-        "inference": ([*py, "inference", "@", str(configs["inference"])], deployment.inference_devices if gpu else None),
+        **servers,
         "orchestrator": ([*py, "orchestrator", "@", str(configs["orchestrator"])], [] if gpu else None),
         "trainer": (trainer, deployment.trainer_devices if gpu else None),
         "trainer-preflight": (trainer_argv(deployment, str(configs["trainer"]), hosts[0], str(int(deployment.cluster.node_rank == 0)),
@@ -192,20 +196,21 @@ def _join(config: RLConfig, stop_signal: list[int], log) -> Peers:
 
 def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: dict[str, ManagedProcess],
            stop_signal: list[int], log) -> bool:
-    """Start `roles` in order; the inference server first, until it answers `/health`, then the preflight (one
-    node only: its probe runs the trainer beside the server). True when `preflight_only` ends the run there."""
+    """Start `roles` in order; for `inference`, every inference server of this node, each until it answers
+    `/health`, then the preflight (one node only: its probe runs the trainer beside the servers). True when
+    `preflight_only` ends the run there."""
     commands = _commands(config, configs)
     logs = config.run_dir / "logs"
     suffix = _node_suffix(config)
-    for name in roles:
+    urls = _server_urls(config)
+    for name in (n for role in roles for n in (urls if role == "inference" else [role])):
         argv, devices = commands[name]
         procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _child_env(devices))
         atomic_write_text(logs / f"pids{suffix}.json", json.dumps({n: p.pid for n, p in procs.items()}))
-        if name == "inference":
-            url = _local_server_url(config)
-            log.info("starting inference server (%s)", url)
-            wait_healthy(url, procs["inference"], config.orchestrator.client.health_timeout_s, stop_signal)
-            if config.preflight.enabled and config.deployment.cluster.num_nodes == 1:
+        if name in urls:
+            log.info("starting inference server %s (%s)", name, urls[name])
+            wait_healthy(urls[name], procs[name], config.orchestrator.client.health_timeout_s, stop_signal)
+            if name == list(urls)[-1] and config.preflight.enabled and config.deployment.cluster.num_nodes == 1:
                 _preflight(config, commands)
                 if config.preflight_only:
                     return True
@@ -213,12 +218,16 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
     return False
 
 
-def _local_server_url(config: RLConfig) -> str:
-    """This node's inference server: on several nodes `base_urls` names the inference nodes, and this node's
-    server answers on loopback too."""
+def _server_urls(config: RLConfig) -> dict[str, str]:
+    """This node's inference servers by process name, each at its port of `deployment.inference_ports`. On
+    one node these are `base_urls`; on several, `base_urls` names the inference nodes' hosts, and this node's
+    servers answer on loopback too."""
+    ports = config.deployment.inference_ports
     if config.deployment.cluster.num_nodes == 1:
-        return config.orchestrator.client.base_urls[0]
-    return f"http://127.0.0.1:{config.inference.server.port}"
+        urls = config.orchestrator.client.base_urls
+    else:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+    return {inference_server_name(i): url for i, url in enumerate(urls[:len(ports)])}
 
 
 def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None,
@@ -227,7 +236,7 @@ def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | No
     RunFailed at the first failure here or on another node, or at a signal."""
     finite = [n for n in ("orchestrator", "trainer") if n in procs]
     progress = ProgressPrinter(config.run_dir, config.max_steps) if "orchestrator" in procs else None
-    hang_watch = HangWatch(_local_server_url(config), config.hang_timeout_s) if "inference" in procs else None
+    hang_watches = {name: HangWatch(url, config.hang_timeout_s) for name, url in _server_urls(config).items() if name in procs}
     try:
         finished = False
         while not finished or (peers and not peers.watch.all_in(("finished", "ended"))):
@@ -236,8 +245,8 @@ def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | No
             if stop_signal:
                 raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
             _raise_on_failure(config, procs, peers)
-            if hang_watch:
-                _raise_if_hung(hang_watch, procs["inference"])
+            for name, hang_watch in hang_watches.items():
+                _raise_if_hung(hang_watch, procs[name])
             if not finished and all(procs[n].poll() == 0 for n in finite):
                 finished = True
                 if peers:
@@ -262,15 +271,16 @@ def _raise_on_failure(config: RLConfig, procs: dict[str, ManagedProcess], peers:
         raise RunFailed(f"{cause}; on this node {here}" if cause else here)
     if peers:
         peers.watch.check()
-    if "inference" in procs and procs["inference"].poll() == 0:
-        raise RunFailed("the inference process exited before the run finished")
+    exited = [name for name in _server_urls(config) if name in procs and procs[name].poll() == 0]
+    if exited:
+        raise RunFailed(f"the {exited[0]} process exited before the run finished")
 
 
 def _raise_if_hung(hang_watch: HangWatch, server: ManagedProcess) -> None:
     silent_s = hang_watch.silent_for()
     if silent_s is not None and server.poll() is None:
         raise RunFailed(f"the inference server is hung: alive, but no answer to {hang_watch.url} for {silent_s:.0f} s "
-                        f"(`hang_timeout_s`); its log: {server.log_path}")
+                        f"(`hang_timeout_s`); the log of {server.name}: {server.log_path}")
 
 
 def _preflight(config: RLConfig, commands: dict[str, tuple[list[str], list[int] | None]]) -> None:
@@ -300,7 +310,7 @@ def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_sig
             raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
         if proc.poll() is not None:
             tail = "\n".join(f"  | {line}" for line in proc.tail(20))
-            raise RunFailed(f"the inference process failed at start (exit code {proc.poll()}); last lines of {proc.log_path}:\n{tail}")
+            raise RunFailed(f"the {proc.name} process failed at start (exit code {proc.poll()}); last lines of {proc.log_path}:\n{tail}")
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from tandem.config.orchestrator import ClientConfig
+from tandem.orchestrator.server_dialect import dialect_of
 
 log = logging.getLogger("tandem.orchestrator")
 
@@ -48,6 +49,13 @@ class InferencePool:
         """Servers that missed a weight update: no requests go there until `readmit`."""
         self.num_retries = 0
         """Retried attempts so far (a metric)."""
+        self.dialect = dialect_of(config.backend)
+        self.versions = [0] * len(self.base_urls)
+        """The policy each server holds, as its last update finished (`server_dialect`)."""
+        self._serving = [asyncio.Event() for _ in self.base_urls]
+        """Cleared while a server receives a broadcast update: new generation requests wait."""
+        for event in self._serving:
+            event.set()
 
     @property
     def num_servers(self) -> int:
@@ -58,8 +66,11 @@ class InferencePool:
         return next(self._round_robin) % self.num_servers
 
     async def generate(self, payload: dict[str, Any], server: int) -> dict[str, Any]:
-        """`POST /v1/generate`, starting on `server` and failing over to the others."""
-        return await self._post("/v1/generate", payload, first_server=server, failover=True)
+        """Token-in generation (tandem's `/v1/generate` shapes, whatever the backend), starting on
+        `server` and failing over to the others."""
+        body, version = await self._post(self.dialect.generate_path, self.dialect.to_request(payload),
+                                          first_server=server, failover=True)
+        return self.dialect.from_response(body, version)
 
     async def update_weights(self, path: str, version: int) -> None:
         """Load `path` as policy `version` on every server. Servers that cannot are excluded;
@@ -67,7 +78,41 @@ class InferencePool:
         servers = list(range(self.num_servers))
         results = await asyncio.gather(*(self._update(i, path, version, self.config.max_retries) for i in servers),
                                        return_exceptions=True)
-        failed = {i: r for i, r in zip(servers, results) if isinstance(r, BaseException)}
+        self._settle_update(results, version)
+
+    async def init_weight_transfer(self, init_infos: list[dict[str, Any]]) -> None:
+        """Have server i join the broadcast group with `init_infos[i]`, all at once (the group forms
+        only when every rank joined). Not retried: a second join of one group cannot succeed."""
+        await asyncio.gather(*(self._post("/init_weight_transfer_engine", {"init_info": info}, first_server=i,
+                                          failover=False, max_retries=0) for i, info in enumerate(init_infos)))
+
+    async def broadcast_update(self, update_info: dict[str, Any], version: int) -> None:
+        """Have every server receive policy `version` from the broadcast group, all at once (the
+        collective needs every receiver): excluded servers too, and one that takes it is re-admitted.
+        Servers that fail are excluded; raises `InferenceUnavailableError` when none took it."""
+        results = await asyncio.gather(*(self._receive(i, update_info, version) for i in range(self.num_servers)),
+                                       return_exceptions=True)
+        self._settle_update(results, version)
+
+    async def _receive(self, server: int, update_info: dict[str, Any], version: int) -> None:
+        """vLLM's weight-transfer sequence on one server; `/pause?mode=keep` keeps in-flight requests."""
+        once = {"first_server": server, "failover": False, "max_retries": 0}
+        self._serving[server].clear()
+        try:
+            await self._post("/pause?mode=keep", {}, **once)
+            try:
+                await self._post("/start_weight_update", {}, **once)
+                await self._post("/update_weights", {"update_info": update_info}, **once)
+                await self._post("/finish_weight_update", {"weight_version": str(version)}, **once)
+                self.versions[server] = version
+            finally:
+                await self._post("/resume", {}, **once)
+        finally:
+            self._serving[server].set()
+
+    def _settle_update(self, results: list[Any], version: int) -> None:
+        """Exclude the servers that were unavailable; raise if none loaded it, or one refused it (a 4xx)."""
+        failed = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
         for error in failed.values():
             if not isinstance(error, InferenceUnavailableError):
                 raise error
@@ -90,6 +135,7 @@ class InferencePool:
     async def _update(self, server: int, path: str, version: int, max_retries: int) -> None:
         await self._post("/update_weights", {"path": path, "version": version}, first_server=server, failover=False,
                          max_retries=max_retries)
+        self.versions[server] = version
 
     async def wait_healthy(self) -> None:
         """Block until every server answers `GET /health` with 200, or `client.health_timeout_s` passes."""
@@ -112,7 +158,8 @@ class InferencePool:
         await self._http.aclose()
 
     async def _post(self, path: str, payload: dict[str, Any], first_server: int, failover: bool,
-                    max_retries: int | None = None) -> dict[str, Any]:
+                    max_retries: int | None = None) -> tuple[dict[str, Any], int]:
+        """The answer's body, and the version the answering server held when it was sent."""
         attempts = (self.config.max_retries if max_retries is None else max_retries) + 1
         if failover:
             live = [(first_server + i) % self.num_servers for i in range(self.num_servers)]
@@ -128,6 +175,9 @@ class InferencePool:
             if attempt:
                 self.num_retries += 1
                 await asyncio.sleep(min(self.config.backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s))
+            if failover:  # a generation request: never sent to a server in the middle of an update
+                await self._serving[server].wait()
+            version = self.versions[server]
             try:
                 response = await self._http.post(url, json=payload)
             except httpx.TransportError as err:
@@ -140,5 +190,5 @@ class InferencePool:
                 continue
             if response.status_code >= 400:
                 raise InferenceRequestError(f"{url}: HTTP {response.status_code}: {response.text[:1000]}")
-            return response.json()
+            return response.json(), version
         raise InferenceUnavailableError(f"POST {path} failed {attempts} times; last: {last_error}")

@@ -25,6 +25,7 @@ from tandem.orchestrator.evaluation import evaluate
 from tandem.orchestrator.inference_pool import InferencePool
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.policy import PolicyTracker, WeightWatcher
+from tandem.orchestrator.policy_source import setup_policy_source
 from tandem.orchestrator.rollout import GroupResult, RolloutContext, run_group
 from tandem.orchestrator.sample_log import rollout_record, write_samples
 from tandem.orchestrator.scheduler import FinishedStep, GroupScheduler
@@ -66,8 +67,10 @@ class Orchestrator:
         cfg = self.config
         first_step = self._resume() + 1
         await self.pool.wait_healthy()
-        watcher = WeightWatcher(self.run_dir, self.pool, self.policy, cfg.weights.poll_interval_s, self._on_policy_loaded)
-        await watcher.load_newest()  # a resumed run samples with the newest policy, not the base model
+        source = setup_policy_source(cfg.weight_transport, self.run_dir)
+        await source.setup(self.pool)
+        watcher = WeightWatcher(source, self.pool, self.policy, cfg.weights.poll_interval_s, self._on_policy_loaded)
+        await watcher.load_next()  # a resumed run samples with the newest policy, not the base model
         watcher_task = asyncio.create_task(watcher.run())
         groups_per_step = cfg.batch_size // cfg.group_size
         scheduler = GroupScheduler(
@@ -110,8 +113,12 @@ class Orchestrator:
     def _start_group(self, step: int) -> Awaitable[GroupResult]:
         cfg = self.config
         env, example = self.sampler.next()
+        seeds = None
+        if cfg.sampling.seeded:
+            first = cfg.seed * 1_000_003 + (self.sampler.num_draws - 1) * cfg.group_size
+            seeds = [(first + j) % 2**31 for j in range(cfg.group_size)]
         return run_group(self.ctx, env, example, step, cfg.group_size, cfg.sampling.request_args(), cfg.advantage,
-                         cfg.sampling.max_tokens)
+                         cfg.sampling.max_tokens, seeds)
 
     def _finish_step(self, finished: FinishedStep) -> None:
         cfg, groups, step = self.config, finished.groups, finished.groups.step

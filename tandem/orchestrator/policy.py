@@ -1,9 +1,10 @@
 """The policy version the inference servers hold, and the watcher that moves it forward.
 
 `PolicyTracker.version` is the newest policy loaded into *every* server: the trainer published
-`weights/step_N/STABLE`, the watcher called `POST /update_weights` on each server, and only then
-recorded N. The async gate reads it; a watcher failure is stored and re-raised to every waiter,
-so a run whose servers cannot load weights stops instead of waiting forever.
+policy N (`weights/step_N/STABLE`, or its broadcast announcement), the watcher had each server
+load it (`policy_source`), and only then recorded N. The async gate reads it; a watcher failure is
+stored and re-raised to every waiter, so a run whose servers cannot load weights stops instead of
+waiting forever.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from tandem.orchestrator.inference_pool import InferencePool
-from tandem.transport.paths import latest_stable_step, weights_dir
+from tandem.orchestrator.policy_source import PolicySource
 
 log = logging.getLogger("tandem.orchestrator")
 
@@ -51,15 +51,15 @@ class PolicyTracker:
 
 
 class WeightWatcher:
-    """Polls the run folder for new `STABLE` policies and loads them into the servers.
+    """Polls `source` for new policies and loads them into the servers.
 
     `on_loaded(version)` runs after each load (and once at start for the current version), inside
     the watcher: no newer weights are loaded while it runs, so an eval sees one policy.
     """
 
-    def __init__(self, run_dir: Path, pool: InferencePool, policy: PolicyTracker, poll_interval_s: float,
+    def __init__(self, source: PolicySource, pool: InferencePool, policy: PolicyTracker, poll_interval_s: float,
                  on_loaded: Callable[[int], Awaitable[None]]):
-        self.run_dir = Path(run_dir)
+        self.source = source
         self.pool = pool
         self.policy = policy
         self.poll_interval_s = poll_interval_s
@@ -67,38 +67,36 @@ class WeightWatcher:
         self.handled_version = -1
         self._handled = asyncio.Condition()
         self.update_s = 0.0
-        """Seconds spent in `/update_weights` so far."""
+        """Seconds spent loading policies into the servers so far."""
 
-    async def load_newest(self) -> bool:
-        """Load the newest stable policy if it is newer than the servers'; True when it loaded one."""
-        newest = latest_stable_step(self.run_dir)
-        if newest is None or newest <= self.policy.version:
+    async def load_next(self) -> bool:
+        """Load the next policy the source offers (the newest folder; the next announced broadcast);
+        True when it loaded one."""
+        version = self.source.next_version(self.policy.version)
+        if version is None:
             return False
         start = time.monotonic()
-        await self.pool.update_weights(self._path(newest), newest)
+        await self.source.load(self.pool, version)
         self.update_s += time.monotonic() - start
-        log.info("loaded policy %d into %d server(s) in %.2fs", newest, self.pool.num_servers, time.monotonic() - start)
-        await self.policy.set(newest)
+        log.info("loaded policy %d into %d server(s) in %.2fs", version, self.pool.num_servers, time.monotonic() - start)
+        await self.policy.set(version)
         return True
 
     async def run(self) -> None:
         try:
             await self._handle(self.policy.version)
             while True:
-                if await self.load_newest():
+                if await self.load_next():
                     await self._handle(self.policy.version)
                     continue
                 if self.pool.excluded:
-                    await self.pool.readmit(self._path(self.policy.version), self.policy.version)
+                    await self.source.readmit(self.pool, self.policy.version)
                 await asyncio.sleep(self.poll_interval_s)
         except asyncio.CancelledError:
             raise
         except Exception as err:
             await self.policy.fail(err)
             raise
-
-    def _path(self, version: int) -> str:
-        return str(weights_dir(self.run_dir, version).resolve())
 
     async def wait_handled(self, version: int) -> None:
         """Block until policy `version` (or a newer one) was loaded and `on_loaded` finished for it."""

@@ -107,11 +107,13 @@ async def run_rollout(ctx: RolloutContext, env: LoadedEnv, example: dict[str, An
 
 
 async def run_group(ctx: RolloutContext, env: LoadedEnv, example: dict[str, Any], step: int, group_size: int,
-                    sampling_args: dict[str, Any], advantage: AdvantageConfig, max_tokens: int) -> GroupResult:
+                    sampling_args: dict[str, Any], advantage: AdvantageConfig, max_tokens: int,
+                    seeds: list[int] | None = None) -> GroupResult:
     """`group_size` rollouts of `example` on one server (they share the prompt's prefix cache),
-    with advantages set on the rollouts that succeeded."""
+    with advantages set on the rollouts that succeeded; rollout j samples with `seeds[j]` when given."""
     server = ctx.pool.next_server()
-    rollouts = await asyncio.gather(*(run_rollout(ctx, env, example, server, sampling_args) for _ in range(group_size)))
+    args = [sampling_args if seeds is None else {**sampling_args, "seed": seeds[j]} for j in range(group_size)]
+    rollouts = await asyncio.gather(*(run_rollout(ctx, env, example, server, args[j]) for j in range(group_size)))
     group = GroupResult(env=env.name, step=step, rollouts=list(rollouts))
     ok = group.succeeded
     advantages = group_advantages([r.reward for r in ok], [r.num_completion_tokens for r in ok], advantage, max_tokens)

@@ -21,6 +21,7 @@ from tandem.models.hub import resolve_model_path
 from tandem.models.loading import read_hf_config
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.prometheus import serve_metrics
+from tandem.trainer.broadcast_publish import WeightBroadcaster
 from tandem.trainer.ckpt import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
 from tandem.trainer.model import PolicyModel, build_policy, gather_full_state
 from tandem.trainer.optim import build_optimizer, build_scheduler
@@ -45,16 +46,24 @@ class Session:
     """The last step already done (0 for a fresh run, the checkpoint's step after a resume)."""
     data_position: dict[str, Any] = field(default_factory=dict)
     """Data position restored from the checkpoint (empty for a fresh run)."""
+    broadcaster: WeightBroadcaster | None = None
+    """Rank 0 with the broadcast weight transport: publishing sends over the group instead of writing folders."""
 
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
     def publish(self, step: int) -> Path | None:
-        """Write `weights/step_N/` (collective gather; rank 0 writes) and prune old folders."""
+        """Write `weights/step_N/` (collective gather; rank 0 writes) and prune old folders; with a
+        `broadcaster`, send the weights instead, and write the folder only at the last step (the
+        run's result)."""
         state = gather_full_state(self.model, published_dtype(self.hf_config), keep=self.dims.is_main)
         if not self.dims.is_main:
             return None
+        if self.broadcaster is not None:
+            self.broadcaster.send(step, state)
+            if step < self.config.max_steps:
+                return None
         folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
         prune_weights(self.config.run_dir, self.config.weights.keep, self.config.weights.keep_every)
         return folder
@@ -77,6 +86,8 @@ class Session:
             self.metrics.log(step, values)
 
     def close(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
         close_parallel()
 
 

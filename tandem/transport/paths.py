@@ -67,3 +67,15 @@ def latest_stable_step(run_dir: Path) -> int | None:
 def _step_of(path: Path) -> int | None:
     match = re.fullmatch(r"step_(\d+)", path.name)
     return int(match.group(1)) if match else None
+
+
+def broadcast_info_file(run_dir: Path, step: int) -> Path:
+    """`broadcasts/step_N.json`: the `WeightUpdateInfo` of policy N, written by trainer rank 0 just
+    before it sends the tensors over the broadcast group (the only file of that transport)."""
+    return Path(run_dir) / "broadcasts" / f"step_{step}.json"
+
+
+def announced_steps(run_dir: Path, after: int) -> list[int]:
+    """The steps announced under `broadcasts/` that are newer than `after`, in order."""
+    steps = [_step_of(p.with_suffix("")) for p in (Path(run_dir) / "broadcasts").glob("step_*.json")]
+    return sorted(s for s in steps if s is not None and s > after)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tandem.config.loader import ConfigError
-from tandem.config.resolve import DERIVED_RULES, SHARED_KEYS, parse_rl_args
+from tandem.config.dump import dump_process_configs
+from tandem.config.resolve import DERIVED_RULES, SHARED_KEYS, parse_rl_args, process_configs
 from tandem.transport.paths import CHECKPOINT_COMPLETE, checkpoint_dir
 
 
@@ -16,12 +18,14 @@ from tandem.transport.paths import CHECKPOINT_COMPLETE, checkpoint_dir
 class FakeMachine:
     cuda_devices: int = 0
     port: int = 43210
+    """The first free port it hands out; each later one is the next number (as a real machine, never twice)."""
 
     def num_cuda_devices(self) -> int:
         return self.cuda_devices
 
     def free_port(self) -> int:
-        return self.port
+        self.port += 1
+        return self.port - 1
 
 
 def resolve(*argv: str, machine: FakeMachine | None = None):
@@ -107,12 +111,105 @@ def test_one_gpu_fails_at_once_unless_the_gpu_is_shared():
 
 def test_the_orchestrator_talks_to_the_server_the_run_starts():
     cfg = resolve("--inference.server.port", "0", "--inference.server.api_key", "k", machine=FakeMachine(port=40001))
-    assert cfg.inference.server.port == 40001
+    assert cfg.inference.server.port == 40001 and cfg.deployment.inference_ports == [40001]
     assert cfg.orchestrator.client.base_urls == ["http://127.0.0.1:40001"] and cfg.orchestrator.client.api_key == "k"
     assert resolve().orchestrator.client.base_urls == ["http://127.0.0.1:8000"]
     with pytest.raises(ConfigError, match=r"`orchestrator.client.base_urls` = \['http://elsewhere:1'\] \(from the command "
-                                          r"line\) contradicts `inference.server.host` and `inference.server.port`"):
+                                          r"line\) contradicts `inference.server.host`, `inference.server.port` and "
+                                          r"`deployment.num_inference_servers`"):
         resolve("--orchestrator.client.base_urls", '["http://elsewhere:1"]')
+
+
+def test_each_inference_server_gets_its_port_and_the_orchestrator_all_urls():
+    cfg = resolve("--deployment.num_inference_servers", "3", "--inference.server.port", "9100")
+    assert cfg.deployment.inference_ports == [9100, 9101, 9102]
+    assert cfg.orchestrator.client.base_urls == [f"http://127.0.0.1:{p}" for p in (9100, 9101, 9102)]
+    servers = process_configs(cfg)
+    assert list(servers) == ["inference", "inference_1", "inference_2", "orchestrator", "trainer"]
+    assert [servers[n].server.port for n in ("inference", "inference_1", "inference_2")] == [9100, 9101, 9102]
+    assert servers["inference_2"].model_copy(update={"server": cfg.inference.server}) == cfg.inference  # only the port differs
+    cfg = resolve("--deployment.num_inference_servers", "2", "--inference.server.port", "0", machine=FakeMachine(port=41000))
+    assert cfg.deployment.inference_ports == [41000, 41001] and cfg.inference.server.port == 41000
+    with pytest.raises(ConfigError, match=r"`deployment.inference_ports` = \[1, 2\] \(from the command line\) contradicts "
+                                          r"`inference.server.port` \+ i"):
+        resolve("--deployment.num_inference_servers", "2", "--deployment.inference_ports", "[1, 2]")
+    with pytest.raises(ConfigError, match=r"`inference.server.port` = 65535 leaves no port for 2 servers"):
+        resolve("--deployment.num_inference_servers", "2", "--inference.server.port", "65535")
+
+
+GPU_VLLM = ("--deployment.type", "gpu", "--inference.backend", "vllm", "--weight_transport.type", "broadcast")
+
+
+def test_gpu_servers_take_consecutive_slices_of_the_inference_devices():
+    five = FakeMachine(cuda_devices=5)
+    cfg = resolve(*GPU_VLLM, "--deployment.num_inference_servers", "2", "--inference.vllm.tensor_parallel_size", "2",
+                  "--deployment.inference_devices", "[0, 1, 2, 3]", "--deployment.trainer_devices", "[4]", machine=five)
+    assert cfg.deployment.inference_device_slices == [[0, 1], [2, 3]]
+    assert resolve("--deployment.num_inference_servers", "2").deployment.inference_device_slices == []  # cpu
+    with pytest.raises(ConfigError, match=r"`deployment.inference_devices` = \[0\] lists 1 CUDA device\(s\), but "
+                                          r"`deployment.num_inference_servers` = 2 server\(s\) of 1 device\(s\) need 2"):
+        resolve("--deployment.type", "gpu", "--deployment.num_inference_servers", "2", machine=five)
+
+
+def test_dry_run_shows_each_server_with_its_port_and_devices():
+    cfg = resolve("--deployment.type", "gpu", "--deployment.num_inference_servers", "2", "--deployment.inference_devices",
+                  "[0, 1]", "--deployment.trainer_devices", "[2]", "--inference.server.port", "9000",
+                  machine=FakeMachine(cuda_devices=3))
+    sections = {s.split(" ----")[0]: s.split("\n", 1)[1] for s in dump_process_configs(cfg).split("# ---- ")[1:]}
+    assert list(sections) == ["inference", "inference_1", "orchestrator", "trainer"]
+    assert sections["inference_1"].startswith("# runs on: CUDA device(s) [1]\n")
+    assert tomllib.loads(sections["inference_1"])["server"]["port"] == 9001
+
+
+def test_the_client_speaks_the_servers_backend():
+    assert resolve().orchestrator.client.backend == "tandem"
+    cfg = resolve(*GPU_VLLM, machine=FakeMachine(cuda_devices=2))
+    assert cfg.orchestrator.client.backend == "vllm"
+    with pytest.raises(ConfigError, match=r"`orchestrator.client.backend` = 'tandem' \(from the command line\) contradicts "
+                                          r"`inference.backend` = 'vllm'"):
+        resolve(*GPU_VLLM, "--orchestrator.client.backend", "tandem", machine=FakeMachine(cuda_devices=2))
+
+
+def test_vllm_needs_gpus_and_the_broadcast_transport():
+    with pytest.raises(ConfigError, match=r"`inference.backend` = 'vllm' runs on CUDA only: set `deployment.type` = 'gpu'"):
+        resolve("--inference.backend", "vllm", "--weight_transport.type", "broadcast")
+    with pytest.raises(ConfigError, match=r"loads new policies over NCCL only: set `weight_transport.type` = 'broadcast'"):
+        resolve("--deployment.type", "gpu", "--inference.backend", "vllm", machine=FakeMachine(cuda_devices=2))
+
+
+def test_the_weight_transport_is_shared_by_trainer_and_orchestrator(tmp_path):
+    cfg = resolve()
+    assert cfg.trainer.weight_transport.type == cfg.orchestrator.weight_transport.type == "filesystem"
+    cfg = resolve("--weight_transport.type", "broadcast", "--weight_transport.bucket_mib", "8")
+    assert cfg.trainer.weight_transport == cfg.orchestrator.weight_transport == cfg.weight_transport
+    assert cfg.trainer.weight_transport.bucket_mib == 8
+    with pytest.raises(ConfigError, match=r"`trainer.weight_transport` = .* contradicts the shared `weight_transport`"):
+        resolve("--trainer.weight_transport.type", "broadcast")
+
+
+def test_the_broadcast_group_is_derived_from_the_servers():
+    cfg = resolve("--weight_transport.type", "broadcast", "--deployment.num_inference_servers", "2",
+                  "--inference.server.port", "9000", machine=FakeMachine(port=42000))
+    for transport in (cfg.weight_transport, cfg.trainer.weight_transport, cfg.orchestrator.weight_transport):
+        assert (transport.num_inference_ranks, transport.world_size, transport.port, transport.receiver) == (2, 3, 42000, "tandem")
+    cfg = resolve(*GPU_VLLM, "--inference.vllm.tensor_parallel_size", "2", "--deployment.inference_devices", "[0, 1]",
+                  "--deployment.trainer_devices", "[2]", "--weight_transport.port", "29500", machine=FakeMachine(cuda_devices=3))
+    assert (cfg.trainer.weight_transport.num_inference_ranks, cfg.trainer.weight_transport.port,
+            cfg.orchestrator.weight_transport.receiver) == (2, 29500, "vllm")
+    with pytest.raises(ConfigError, match=r"`weight_transport.num_inference_ranks` = 3 \(from the command line\) contradicts "
+                                          r"`deployment.num_inference_servers` \(on each inference node\) x the ranks of one server, which makes it 2"):
+        resolve("--weight_transport.type", "broadcast", "--deployment.num_inference_servers", "2",
+                "--weight_transport.num_inference_ranks", "3")
+    with pytest.raises(ConfigError, match=r"`weight_transport.receiver` = 'vllm' \(from the command line\) contradicts "
+                                          r"`inference.backend`, which makes it 'tandem'"):
+        resolve("--weight_transport.type", "broadcast", "--weight_transport.receiver", "vllm")
+
+
+def test_broadcast_refuses_a_gpu_shared_by_trainer_and_server():
+    with pytest.raises(ConfigError, match=r"`weight_transport.type` = 'broadcast' needs `deployment.trainer_devices` = \[0\] "
+                                          r"apart from `deployment.inference_devices` = \[0\]"):
+        resolve("--deployment.type", "gpu", "--deployment.trainer_devices", "[0]", "--weight_transport.type", "broadcast",
+                machine=FakeMachine(cuda_devices=1))
 
 
 def checkpoint(run_dir: Path, step: int, process: str) -> None:
@@ -157,16 +254,18 @@ def test_exact_is_one_switch_and_refuses_what_cannot_honour_it(tmp_path):
         resolve("--run.exact", "true", "--model.name", str(tmp_path))
     (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
     assert resolve("--run.exact", "true", "--model.name", str(tmp_path)).trainer.run.exact
-    assert resolve("--inference.backend", "vllm").trainer.run.exact is False  # off: nothing to refuse
+    with pytest.raises(ConfigError, match=r"'vllm' runs on CUDA only"):  # exact off: only the backend's own rule speaks
+        resolve("--inference.backend", "vllm")
     with pytest.raises(ConfigError, match=r"`run.exact` = true cannot split rows over ranks: `trainer.parallel.cp` = 2"):
         resolve("--run.exact", "true", "--trainer.parallel.cp", "2", "--deployment.num-trainer-processes", "2")
 
 
 def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
-    assert [r.__name__ for r in DERIVED_RULES] == ["nodes", "trainer_ranks", "devices", "server_address", "resume", "exact"]
+    assert [r.__name__ for r in DERIVED_RULES] == ["nodes", "trainer_ranks", "devices", "inference_servers",
+                                                   "inference_device_slices", "exact", "backend", "weight_broadcast", "resume"]
     assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "run.exact", "seq_len", "max_steps",
-                                "output_dir", "seed", "ckpt.enabled", "ckpt.interval"}
+                                "output_dir", "seed", "ckpt.enabled", "ckpt.interval", "weight_transport"}
 
 
 TWO_NODES = ("--deployment.cluster.num-nodes", "2", "--deployment.cluster.hosts", '["a.cluster", "b.cluster"]',
@@ -211,6 +310,26 @@ def test_the_orchestrator_talks_to_every_inference_node_and_the_trainer_spans_it
     assert [cfg.deployment.cluster.roles(i) for i in range(4)] == [["trainer"], ["trainer"], ["inference"], ["inference", "orchestrator"]]
     with pytest.raises(ConfigError, match=r"`inference.server.port` = 0 \(a free port\) cannot be agreed on by several nodes"):
         resolve(*TWO_NODES[:4], "--inference.server.port", "0")
+
+
+def test_several_servers_on_each_of_several_inference_nodes():
+    cfg = resolve("--deployment.cluster.num-nodes", "3", "--deployment.cluster.hosts", '["n0", "n1", "n2"]',
+                  "--deployment.cluster.num-inference-nodes", "2", "--deployment.num-inference-servers", "2",
+                  "--inference.server.port", "8100")
+    assert cfg.deployment.inference_ports == [8100, 8101]
+    assert cfg.orchestrator.client.base_urls == ["http://n1:8100", "http://n1:8101", "http://n2:8100", "http://n2:8101"]
+    assert list(process_configs(cfg)) == ["inference", "inference_1", "orchestrator", "trainer"]
+    with pytest.raises(ConfigError, match=r"'k8s' runs one inference server per pod: set `deployment.num_inference_servers` = 1"):
+        resolve("--deployment.cluster.num-nodes", "2", "--deployment.launcher", "k8s", "--deployment.num-inference-servers", "2")
+
+
+def test_broadcast_over_several_nodes_meets_at_node_0():
+    cfg = resolve(*TWO_NODES, "--deployment.num-inference-servers", "2", "--weight-transport.type", "broadcast",
+                  "--weight-transport.port", "29600")
+    for transport in (cfg.weight_transport, cfg.trainer.weight_transport, cfg.orchestrator.weight_transport):
+        assert (transport.host, transport.port, transport.num_inference_ranks) == ("a.cluster", 29600, 2)
+    with pytest.raises(ConfigError, match=r"`weight_transport.port` = 0 \(a free port\) cannot be agreed on by several nodes"):
+        resolve(*TWO_NODES, "--weight-transport.type", "broadcast")
 
 
 def test_a_value_where_a_section_belongs_is_a_config_error():

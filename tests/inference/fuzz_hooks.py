@@ -5,6 +5,11 @@ are kept only if the model takes them: their chat template accepts the messages,
 vocabulary, their prompt and completion fit the context, and they ask for routed experts only of a
 mixture of experts (the fuzzed model is dense). These rules are the model's (its template, tokenizer
 and size), which no JSON Schema of the API can state. Negative requests are left exactly as generated.
+
+One exclusion: a valid `POST /init_weight_transfer_engine` is never sent. It joins a torch.distributed group and
+waits, up to `server.weight_transfer_timeout_s` (300 s), for the trainer at `init_info.master_address`, which an
+address the fuzzer makes up never has (and one that points at a listening port of this machine is not a trainer
+either). Invalid bodies of that route still are; `test_weight_broadcast.py` joins a real group.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from transformers import AutoTokenizer
 
 from tandem.inference.errors import APIError
 from tandem.inference.openai_api import chat_prompt, completion_prompts
-from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, InitWeightTransferRequest
 
 MODEL = os.environ["TANDEM_FUZZ_MODEL"]
 MAX_MODEL_LEN = int(os.environ["TANDEM_FUZZ_MAX_MODEL_LEN"])
@@ -41,6 +46,8 @@ def map_case(context, case):
 
 @schemathesis.hook
 def filter_case(context, case) -> bool:
+    if case.operation.path == "/init_weight_transfer_engine":
+        return not joins_a_group(case.body)
     if not is_positive(case):
         return True
     model = REQUESTS.get(case.operation.path)
@@ -63,3 +70,12 @@ def filter_case(context, case) -> bool:
             return False  # the model's chat template refuses these messages: its rules are no JSON Schema's
         max_tokens = body.max_completion_tokens or body.max_tokens
     return all(max(p) < len(TOKENIZER) and len(p) + (max_tokens or 1) <= MAX_MODEL_LEN for p in prompts)
+
+
+def joins_a_group(body) -> bool:
+    """Whether the server would read `body` as a group to join (see the module docstring), whatever its phase."""
+    try:
+        InitWeightTransferRequest.model_validate(body)
+    except ValidationError:
+        return False
+    return True

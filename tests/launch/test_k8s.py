@@ -29,7 +29,7 @@ class NoGPU:
 
 def manifests(num_trainer_nodes: int, *extra: str) -> dict[str, dict]:
     config = parse_rl_args(["--deployment.launcher", "k8s", "--deployment.type", "gpu", "--run.name", "rt",
-                            "--deployment.trainer-devices", "[0, 1, 2, 3, 4, 5, 6, 7]", "--deployment.inference-devices", "[0, 1]",
+                            "--deployment.trainer-devices", "[0, 1, 2, 3, 4, 5, 6, 7]", "--deployment.inference-devices", "[0]",
                             "--deployment.cluster.num-nodes", str(num_trainer_nodes + 1),
                             "--deployment.cluster.num-trainer-nodes", str(num_trainer_nodes), *extra],
                            environ={}, machine=NoGPU())

@@ -126,3 +126,26 @@ def test_two_trainer_ranks_run_under_torchrun(sft_config, tmp_path):
         assert rollout_file(out, step, 0).is_file() and rollout_file(out, step, 1).is_file(), step
     assert "2 rank(s) on cpu" in (out / "logs" / "trainer.log").read_text()
     assert is_stable(weights_dir(out, 3))
+
+
+def test_broadcast_weights_to_two_servers_give_the_rewards_of_folders(sft_config, tmp_path):
+    """The same seeded synchronous run twice: weights through folders to one server, then broadcast
+    (gloo) to two servers. Policy n samples batch n+1 in both, so equal rewards at every step mean
+    the servers sampled with the same weights."""
+    same = ("--orchestrator.max-async-level", "0", "--orchestrator.sampling.seeded", "true",
+            "--orchestrator.advantage.filter-zero-groups", "false", "--orchestrator.batch-size", "32",
+            "--orchestrator.eval.interval", "0", "--ckpt.enabled", "false")
+    folders, broadcast = tmp_path / "folders", tmp_path / "broadcast"
+    first = tandem(*rl_args(sft_config, folders, 3, *same))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = tandem(*rl_args(sft_config, broadcast, 3, *same, "--weight-transport.type", "broadcast",
+                             "--deployment.num-inference-servers", "2"))
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    def rewards(run_dir: Path) -> list[float]:
+        return [r["reward/mean"] for r in read_metrics(run_dir, "orchestrator") if "reward/mean" in r]
+
+    # Equal up to the order of summing a step's rollouts (one different token moves a mean by about 1e-3).
+    assert len(rewards(folders)) == 3 and rewards(broadcast) == pytest.approx(rewards(folders), abs=1e-12)
+    assert "loaded policy 3 into 2 server(s)" in (broadcast / "logs" / "orchestrator.log").read_text()
+    assert not weights_dir(broadcast, 2).exists() and is_stable(weights_dir(broadcast, 3))  # only the result is written

@@ -44,9 +44,19 @@ class FakeBackend:
         self.requests: list[dict[str, Any]] = []
         """Each generate request with `version` (loaded at arrival) and `time`."""
         self.updates: list[tuple[str, int]] = []
+        self.transfer_calls: list[str] = []
+        """The weight-transfer routes called (broadcast transport), in order."""
         self.in_flight = 0
         self.max_in_flight = 0
         self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def _record_call(backend: FakeBackend, route: str):
+    async def record() -> dict:
+        backend.transfer_calls.append(route)
+        return {}
+
+    return record
 
 
 def make_app(backend: FakeBackend) -> FastAPI:
@@ -59,9 +69,21 @@ def make_app(backend: FakeBackend) -> FastAPI:
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict:
         body = await request.json()
+        if "update_info" in body:  # the broadcast transport: recorded, nothing received
+            backend.transfer_calls.append("update_weights")
+            return {}
         backend.updates.append((body["path"], body["version"]))
         backend.version = body["version"]
         return {"weight_version": backend.version}
+
+    for route in ("pause", "resume", "start_weight_update"):
+        app.post(f"/{route}")(_record_call(backend, route))
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> dict:
+        backend.version = int((await request.json())["weight_version"])
+        backend.transfer_calls.append(f"finish {backend.version}")
+        return {}
 
     @app.post("/v1/generate")
     async def generate(request: Request):

@@ -97,3 +97,26 @@ def test_a_weight_update_that_reaches_no_server_raises():
     config = ClientConfig(base_urls=[f"http://127.0.0.1:{free_port()}"], max_retries=0)
     with pytest.raises(InferenceUnavailableError, match="no server loaded policy 2"):
         asyncio.run(call(config, lambda pool: pool.update_weights("/w/step_2", 2)))
+
+
+def test_broadcast_updates_set_aside_a_missing_server_and_readmit_it_when_it_takes_one(fake_servers):
+    (backend, url), = fake_servers()
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = ClientConfig(base_urls=[dead, url], backoff_s=0.0)
+
+    async def body(pool):
+        await pool.broadcast_update({"names": []}, 4)
+        excluded = set(pool.excluded)
+        pool.base_urls[0] = url  # "restarted": it takes part in the next update
+        await pool.broadcast_update({"names": []}, 5)
+        return excluded, set(pool.excluded), list(pool.versions)
+
+    _, (excluded, readmitted, versions) = asyncio.run(call(config, body))
+    assert excluded == {0} and readmitted == set() and versions == [5, 5]
+    assert backend.transfer_calls[:5] == ["pause", "start_weight_update", "update_weights", "finish 4", "resume"]
+
+
+def test_a_broadcast_update_that_reaches_no_server_raises():
+    config = ClientConfig(base_urls=[f"http://127.0.0.1:{free_port()}"] * 2)
+    with pytest.raises(InferenceUnavailableError, match="no server loaded policy 2"):
+        asyncio.run(call(config, lambda pool: pool.broadcast_update({"names": []}, 2)))

@@ -14,6 +14,7 @@ import torch
 from tandem.config.run_folder import prepare_run_folder
 from tandem.config.trainer import TrainerConfig
 from tandem.trainer.batch import MicroBatch, prepare_micro_batches
+from tandem.trainer.broadcast_publish import WeightBroadcaster
 from tandem.trainer.data import BatchError, check_step_batch, fake_batch, wait_for_batch
 from tandem.trainer.loss import LossFn, LossInputs, build_loss, mismatch_kl
 from tandem.trainer.model import TokenLogprobs
@@ -61,6 +62,18 @@ def next_batch(config: TrainerConfig, session: Session, step: int) -> TrainingBa
     return wait_for_batch(config.run_dir, step, dims.rank, config.data.poll_interval_s, config.data.wait_timeout_s)
 
 
+def open_weight_transport(config: TrainerConfig, session: Session) -> None:
+    """With the broadcast transport: rank 0 joins the servers' group (blocking until they join), and
+    a resumed run re-sends its policy, which the servers may not hold (they restarted with the run)."""
+    if config.weight_transport.type != "broadcast":
+        return
+    if session.dims.is_main:
+        session.broadcaster = WeightBroadcaster(config.run_dir, config.weight_transport, session.dims.device)
+        session.log.info("weight broadcast group of %d ranks formed", config.weight_transport.world_size)
+    if session.start_step > 0:
+        session.publish(session.start_step)
+
+
 def train(config: TrainerConfig, session: Session, objective: Objective) -> None:
     dims = session.dims
     for step in range(session.start_step + 1, config.max_steps + 1):
@@ -106,6 +119,7 @@ def main(config: TrainerConfig) -> int:
     try:
         if session.dims.is_main:  # what `tandem replay` reads back
             prepare_run_folder(config, "trainer")
+        open_weight_transport(config, session)
         train(config, session, objective)
     except BatchError as err:
         session.log.error("bad input, stopping: %s", err)

@@ -1,0 +1,204 @@
+"""Weight-update latency: from "the trainer holds the new weights" to "a server samples with them".
+
+    python benchmarks/weight_update.py --preset tiny --device cpu                    # CPU: filesystem and gloo broadcast
+    python benchmarks/weight_update.py --preset qwen3-0.6b --device cuda --out benchmarks/results/weight-update-h200-DATE.json
+
+The server is `tandem inference` in its own process (as `tandem rl` runs it); this process plays
+trainer rank 0 and the orchestrator, with the real code of both. The new weights start where
+`gather_full_state` leaves them (whole, on the CPU, in the published dtype), alternating between two
+random sets so that every update changes every tensor. One update is timed until a one-token
+request comes back with the new `weight_version`:
+- `filesystem`: `write_weights_folder` (safetensors + `STABLE`), then `POST /update_weights {"path"}`;
+- `broadcast`: `WeightBroadcaster.send` (announcement, then buckets over the group) while the
+  orchestrator's `BroadcastPolicies.load` drives the server's weight-transfer routes. The group is
+  formed once, before timing. On CUDA the trainer end takes its own GPU (NCCL runs one rank per
+  GPU): it needs two visible GPUs and is recorded as skipped otherwise;
+- `vllm_broadcast` (part `vllm`, when a `vllm` executable is on PATH): the same, to
+  `tandem inference --backend vllm`, through vLLM's NCCL engine.
+Median and min over `--repeats` updates, after one untimed update, and the MiB of weights moved per
+second at the median: a fixed cost (HTTP calls, polling the announcement) plus size over bandwidth,
+so a projection to a larger model from one small preset overstates its time; two presets separate them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from inference import attempt
+from provenance import environment
+from tandem.config.dump import to_toml
+from tandem.config.inference import InferenceConfig
+from tandem.config.orchestrator import ClientConfig
+from tandem.config.weight_transport import BroadcastWeightTransport
+from tandem.inference.engine.setup import resolve_device
+from tandem.launch.process import ManagedProcess
+from tandem.config.resolve import free_port
+from tandem.launch.rl import wait_healthy
+from tandem.models.hub import read_hf_config
+from tandem.models.presets import PRESETS, init_model
+from tandem.models.weights import load_state_dict
+from tandem.orchestrator.inference_pool import InferencePool
+from tandem.orchestrator.policy_source import BroadcastPolicies, FolderPolicies
+from tandem.trainer.broadcast_publish import WeightBroadcaster
+from tandem.trainer.publish import published_dtype, write_weights_folder
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--device", default="auto", help="the server's device: auto, cpu, cuda")
+    parser.add_argument("--parts", default="filesystem,broadcast,vllm", help="comma-separated parts to run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed updates per part")
+    parser.add_argument("--bucket-mib", type=float, default=BroadcastWeightTransport().bucket_mib)
+    parser.add_argument("--out", help="write the figures to this JSON file")
+    parser.add_argument("--commit", help="the commit measured (default: git's HEAD)")
+    return parser.parse_args()
+
+
+class Server:
+    """`tandem inference` in a process of its own, on a free port."""
+
+    def __init__(self, folder: Path, device: torch.device, tmp: Path, backend: str = "tandem"):
+        self.port = free_port()
+        config = InferenceConfig.model_validate({
+            "backend": backend, "model": {"name": str(folder)}, "server": {"port": self.port},
+            "engine": {"device": str(device), "max_num_seqs": 4, "max_model_len": 256, "cuda_graphs": False}})
+        (tmp / f"{backend}.toml").write_text(to_toml(config))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="0") if device.type == "cuda" else dict(os.environ)
+        self.process = ManagedProcess("inference", [sys.executable, "-m", "tandem.cli", "inference", "@",
+                                                    str(tmp / f"{backend}.toml")], tmp / f"{backend}.log", env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_healthy(self.url, self.process, timeout_s=900)
+
+    def samples_with(self, version: int) -> None:
+        """One token; raise unless the new policy sampled it."""
+        body = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 1.0, "seed": version}
+        choice = httpx.post(f"{self.url}/v1/generate", json=body, timeout=600).json()["choices"][0]
+        if choice["weight_version"] != version:
+            raise RuntimeError(f"sampled with policy {choice['weight_version']}, expected {version}")
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def timed_updates(update, check, states: list[dict], repeats: int) -> dict:
+    """Seconds of each `update(version, state)` + `check(version)`, after one untimed update, and the
+    weight bytes moved per second at the median (to project other model sizes from)."""
+    seconds = []
+    for version in range(1, repeats + 2):
+        start = time.perf_counter()
+        update(version, states[version % 2])
+        check(version)
+        if version > 1:
+            seconds.append(time.perf_counter() - start)
+    mib = sum(t.numel() * t.element_size() for t in states[0].values()) / 2**20
+    median = statistics.median(seconds)
+    return {"median_s": median, "min_s": min(seconds), "mib_per_s_at_median": mib / median, "seconds": seconds}
+
+
+def bench_filesystem(server: Server, folder: Path, states: list[dict], run_dir: Path, repeats: int) -> dict:
+    hf_config = read_hf_config(folder)
+    source = FolderPolicies(run_dir)
+
+    def update(version: int, state: dict) -> None:
+        write_weights_folder(run_dir, version, state, folder, hf_config)
+        asyncio.run(_with_pool([server.url], "tandem", lambda pool: source.load(pool, version)))
+
+    return timed_updates(update, server.samples_with, states, repeats)
+
+
+def bench_broadcast(server: Server, states: list[dict], run_dir: Path, args: argparse.Namespace,
+                    trainer_device: torch.device, backend: str) -> dict:
+    config = BroadcastWeightTransport(port=free_port(), bucket_mib=args.bucket_mib, receiver=backend)
+    source = BroadcastPolicies(run_dir, config)
+    joined: list[WeightBroadcaster] = []
+    trainer = threading.Thread(target=lambda: joined.append(WeightBroadcaster(run_dir, config, trainer_device)))
+    trainer.start()
+    asyncio.run(_with_pool([server.url], backend, source.setup))
+    trainer.join()
+
+    def update(version: int, state: dict) -> None:
+        sending = threading.Thread(target=joined[0].send, args=(version, state))
+        sending.start()
+        while source.next_version(version - 1) != version:
+            time.sleep(0.0005)
+        asyncio.run(_with_pool([server.url], backend, lambda pool: source.load(pool, version)))
+        sending.join()
+
+    try:
+        return timed_updates(update, server.samples_with, states, args.repeats)
+    finally:
+        joined[0].close()
+
+
+async def _with_pool(urls: list[str], backend: str, fn):
+    pool = InferencePool(ClientConfig(base_urls=urls, backend=backend))
+    try:
+        return await fn(pool)
+    finally:
+        await pool.aclose()
+
+
+def trainer_device_for(server_device: torch.device) -> torch.device | None:
+    """The trainer end's device: the CPU beside a CPU server, a second GPU beside a CUDA one (None: none)."""
+    if server_device.type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", 1) if torch.cuda.device_count() > 1 else None
+
+
+def run_part(results: dict, name: str, folder: Path, device: torch.device, tmp: Path, states: list[dict],
+             args: argparse.Namespace) -> None:
+    backend = "vllm" if name == "vllm_broadcast" else "tandem"
+    trainer_device = trainer_device_for(device)
+    if name != "filesystem" and trainer_device is None:
+        results[name] = {"skipped": "broadcast on CUDA needs a second GPU for the trainer end (NCCL: one rank per GPU)"}
+        return
+    if backend == "vllm" and shutil.which("vllm") is None:
+        results[name] = {"skipped": "no `vllm` executable on PATH"}
+        return
+    server = Server(folder, device, tmp, backend)
+    try:
+        run_dir = tmp / name
+        if name == "filesystem":
+            attempt(results, name, lambda: bench_filesystem(server, folder, states, run_dir, args.repeats))
+        else:
+            attempt(results, name, lambda: bench_broadcast(server, states, run_dir, args, trainer_device, backend))
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    args = parse_args()
+    device = resolve_device(args.device)
+    results: dict = {"preset": args.preset, "environment": environment(device, args.commit), "repeats": args.repeats,
+                     "bucket_mib": args.bucket_mib}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        folder = init_model(args.preset, tmp / "model", seed=0)
+        dtype = torch.bfloat16 if device.type == "cuda" else published_dtype(json.loads((folder / "config.json").read_text()))
+        states = [{k: v.to(dtype) for k, v in load_state_dict(init_model(args.preset, tmp / f"policy_{i}", seed=i + 1)).items()}
+                  for i in range(2)]
+        results["weights_mib"] = sum(t.numel() * t.element_size() for t in states[0].values()) / 2**20
+        parts = {"filesystem": "filesystem", "broadcast": "broadcast", "vllm": "vllm_broadcast"}
+        for part in args.parts.split(","):
+            run_part(results, parts[part], folder, device, tmp, states, args)
+    print(json.dumps({k: v for k, v in results.items() if k != "environment"}, indent=1, default=str))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The vLLM backend: `tandem inference --backend vllm` runs vLLM's OpenAI server under tandem's config."""

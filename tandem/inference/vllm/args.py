@@ -1,0 +1,76 @@
+"""tandem's inference config as `vllm serve` arguments (vLLM 0.26), and the checks on them.
+
+Mapped keys: `model.name` (served under that name too), `model.dtype` (`auto` is bfloat16, as on
+tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `engine.max_model_len`,
+`engine.max_num_seqs`, `seed`, `server.host`/`port`/`api_key`, `vllm.tensor_parallel_size`,
+`vllm.enable_prefix_caching`; the weight-transfer engine is always on (NCCL), so either weight
+transport can drive the server. Anything else goes through `vllm.extra_args`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tandem.config.inference import InferenceConfig
+
+SUPPORTED_VERSION = "0.26"
+"""The vLLM minor version whose API (routes, flags, weight transfer) tandem speaks."""
+
+DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+"""vLLM serves `/pause`, `/resume` and the weight-transfer routes only in dev mode."""
+
+_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+def mapped_flags(config: InferenceConfig) -> dict[str, str | bool]:
+    """The flags tandem sets from its own keys, by vLLM's dest name (`max_model_len`)."""
+    engine = config.engine
+    flags: dict[str, str | bool] = {
+        "served_model_name": config.model.name,
+        "dtype": _DTYPES[config.model.dtype],
+        "gpu_memory_utilization": str(engine.memory_fraction),
+        "max_num_seqs": str(engine.max_num_seqs),
+        "seed": str(config.seed),
+        "host": config.server.host,
+        "port": str(config.server.port),
+        "tensor_parallel_size": str(config.vllm.tensor_parallel_size),
+        "enable_prefix_caching": config.vllm.enable_prefix_caching,
+        "trust_remote_code": config.model.trust_remote_code,
+        "weight_transfer_config": json.dumps({"backend": "nccl"}),
+    }
+    if engine.max_model_len is not None:
+        flags["max_model_len"] = str(engine.max_model_len)
+    if config.server.api_key is not None:
+        flags["api_key"] = config.server.api_key
+    return flags
+
+
+def check_extra_args(config: InferenceConfig, known_flags: set[str]) -> None:
+    """Raise ValueError naming an `extra_args` key that vLLM (its `known_flags`, by dest name) does
+    not know. (Keys that tandem sets itself are refused by the config already.)"""
+    for key in config.vllm.extra_args:
+        if key not in known_flags:
+            raise ValueError(f"`inference.vllm.extra_args.{key}`: vLLM {SUPPORTED_VERSION} has no flag `--{_dashed(key)}`")
+
+
+def serve_argv(config: InferenceConfig) -> list[str]:
+    """The arguments after `vllm serve`."""
+    argv = [config.model.name]
+    for key, value in {**mapped_flags(config), **config.vllm.extra_args}.items():
+        if value is True:
+            argv.append(f"--{_dashed(key)}")
+        elif value is False:
+            argv.append(f"--no-{_dashed(key)}")
+        else:
+            argv += [f"--{_dashed(key)}", str(value)]
+    return argv
+
+
+def flags_in_help(help_text: str) -> set[str]:
+    """The dest names of the flags a `vllm serve --help=all` text lists (`--no-x` counts as `x`)."""
+    return {flag.removeprefix("no-").replace("-", "_") for flag in re.findall(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)", help_text)}
+
+
+def _dashed(key: str) -> str:
+    return key.replace("_", "-")

@@ -1,0 +1,89 @@
+"""Run vLLM's OpenAI server as `tandem inference --backend vllm`, in its own process group.
+
+This process checks vLLM (on PATH, version 0.26, the pass-through flags), starts `vllm serve`
+with dev mode on, tees its output, forwards SIGTERM/SIGINT to vLLM's whole group, and exits with
+vLLM's code. A vLLM that is missing, of another version, or that exits is an error here, with
+the last lines of its output, so `tandem rl` names the cause.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from tandem.config.inference import InferenceConfig
+from tandem.inference.vllm.args import DEV_MODE_ENV, SUPPORTED_VERSION, check_extra_args, flags_in_help, serve_argv
+
+TAIL_LINES = 30
+"""Lines of vLLM's output quoted when it fails."""
+
+
+class VllmUnavailable(Exception):
+    """vLLM cannot be run here as configured; the message says why and what to do."""
+
+
+def find_vllm() -> str:
+    """The `vllm` executable of a supported version."""
+    exe = shutil.which("vllm")
+    if exe is None:
+        raise VllmUnavailable("backend `vllm` needs vLLM, and no `vllm` executable is on PATH; install it with "
+                              f"`pip install 'tandem-rl[vllm]'` (vLLM {SUPPORTED_VERSION}, docs/vllm.md)")
+    result = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    version = lines[-1].strip() if lines else ""
+    if result.returncode != 0 or not version.startswith(SUPPORTED_VERSION + "."):
+        raise VllmUnavailable(f"{exe} is vLLM {version or '(no version)'}, tandem speaks vLLM {SUPPORTED_VERSION}: "
+                              f"`pip install 'tandem-rl[vllm]'`" + _quote(lines))
+    return exe
+
+
+def known_flags(exe: str) -> set[str]:
+    """vLLM's `serve` flags, from its own help (the one list that matches the installed version)."""
+    result = subprocess.run([exe, "serve", "--help=all"], capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise VllmUnavailable("`vllm serve --help=all` failed" + _quote((result.stdout + result.stderr).splitlines()))
+    return flags_in_help(result.stdout)
+
+
+def run_vllm(exe: str, config: InferenceConfig) -> int:
+    """Run `vllm serve` until it exits or this process is told to stop; returns its exit code."""
+    proc = subprocess.Popen([exe, "serve", *serve_argv(config)], env={**os.environ, **DEV_MODE_ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, text=True, errors="replace")
+
+    def forward(signum, frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, forward)
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        tail.append(line.rstrip("\n"))
+    code = proc.wait()
+    if code != 0:
+        print(f"tandem inference: vLLM exited with code {code}" + _quote(tail), file=sys.stderr)
+    return code
+
+
+def main(config: InferenceConfig) -> int:
+    try:
+        exe = find_vllm()
+        if config.vllm.extra_args:
+            check_extra_args(config, known_flags(exe))
+    except (VllmUnavailable, ValueError) as err:
+        print(f"tandem inference: {err}", file=sys.stderr)
+        return 2
+    return 1 if run_vllm(exe, config) != 0 else 0
+
+
+def _quote(lines) -> str:
+    lines = list(lines)[-TAIL_LINES:]
+    return ("; last lines of its output:\n" + "\n".join(f"  | {line}" for line in lines)) if lines else ""

@@ -1,0 +1,53 @@
+"""What differs between the inference backends on the wire, in one place: the token-in route,
+its request and answer shapes, and where a turn's policy version comes from.
+
+- tandem: `POST /v1/generate {"prompt_token_ids", <flat sampling fields>}`; each choice carries
+  `token_ids`, `logprobs` (a list of floats) and `weight_version`, the oldest policy that sampled
+  any of its tokens, as the server knows it.
+- vLLM 0.26: `POST /inference/v1/generate {"token_ids", "sampling_params"}`; each choice carries
+  `token_ids` and `logprobs.content[j].logprob`, and no version. The version is then the one the
+  server held when the request was sent: the pool records each server's version as its updates
+  finish and holds new requests to a server while it updates, and an update pauses in-flight
+  requests (`/pause?mode=keep`) so they finish with the new weights after starting with the old
+  ones, of which the older is recorded. A request that reached vLLM just before a pause but had
+  sampled nothing yet is recorded one version older than it is (conservative: never newer).
+
+The pool speaks the dialect; everything above it sees tandem's shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TandemDialect:
+    generate_path = "/v1/generate"
+
+    def to_request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return payload
+
+    def from_response(self, body: dict[str, Any], version_at_send: int) -> dict[str, Any]:
+        return body
+
+
+class VllmDialect:
+    generate_path = "/inference/v1/generate"
+
+    def to_request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        params = {k: v for k, v in payload.items() if k != "prompt_token_ids"}
+        # logprobs = 0: the sampled token's logprob only, which is what training needs.
+        return {"token_ids": payload["prompt_token_ids"], "sampling_params": {**params, "logprobs": 0}}
+
+    def from_response(self, body: dict[str, Any], version_at_send: int) -> dict[str, Any]:
+        choices = [{"index": c.get("index", i), "token_ids": c["token_ids"], "finish_reason": c.get("finish_reason"),
+                    "logprobs": [entry["logprob"] for entry in c["logprobs"]["content"]],
+                    "weight_version": version_at_send} for i, c in enumerate(body["choices"])]
+        return {"id": body.get("request_id"), "choices": choices}
+
+
+def dialect_of(backend: str) -> TandemDialect | VllmDialect:
+    if backend == "tandem":
+        return TandemDialect()
+    if backend == "vllm":
+        return VllmDialect()
+    raise ValueError(f"unknown inference backend {backend!r}; known: tandem, vllm")

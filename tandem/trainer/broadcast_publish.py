@@ -1,0 +1,71 @@
+"""Trainer rank 0's end of the broadcast weight transport (`weight_transport.type = "broadcast"`).
+
+Per published step: write `broadcasts/step_N.json` (the update info, atomically), then send the
+tensors over the group. The orchestrator sees the file and has every server receive it with the
+same info, so both ends cut the same buckets, then deletes it. The send returns once the group
+took the tensors, which may be before the servers read them (the transport buffers): the
+orchestrator loads announcements in order, so none is skipped.
+
+The group is torch.distributed's (`tandem.transport.broadcast`) for tandem's servers, vLLM's
+own communicator (its trainer-side API, same bucket rule) for vLLM's.
+
+At start the folder of announcements is emptied before the group forms: the orchestrator reads
+announcements only after the group formed, so it never relays one that no trainer will send.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tandem.config.weight_transport import BroadcastWeightTransport
+from tandem.transport.broadcast import SOURCE_RANK, close_group, open_group, send_state
+from tandem.transport.broadcast_types import GroupInitInfo, WeightUpdateInfo, encode_update_info, update_info_of
+from tandem.transport.files import atomic_write_bytes
+from tandem.transport.paths import broadcast_info_file
+
+
+class WeightBroadcaster:
+    def __init__(self, run_dir: Path, config: BroadcastWeightTransport, device: torch.device):
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.device = device
+        shutil.rmtree(broadcast_info_file(self.run_dir, 0).parent, ignore_errors=True)
+        init = GroupInitInfo(config.host, config.port, rank_offset=1, world_size=config.world_size)
+        self.group = None
+        if config.receiver == "vllm":
+            self._send = _vllm_sender(init, device)
+        else:
+            self.group = open_group(init, SOURCE_RANK, device, config.timeout_s)
+            self._send = self._send_over_group
+
+    def send(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        info = update_info_of(state, self.config.bucket_bytes)
+        atomic_write_bytes(broadcast_info_file(self.run_dir, step), encode_update_info(info))
+        self._send(state, info)
+
+    def close(self) -> None:
+        if self.group is not None:
+            close_group(self.group)
+            self.group = None  # the only reference: the group is freed now (see `close_group`)
+
+    def _send_over_group(self, state: dict[str, torch.Tensor], info: WeightUpdateInfo) -> None:
+        send_state(self.group, state, info, self.device)
+
+
+def _vllm_sender(init: GroupInitInfo, device: torch.device) -> Callable[[dict, WeightUpdateInfo], None]:
+    """Send through vLLM's NCCL weight-transfer engine (trainer side), packed as `info` announces."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    group = NCCLWeightTransferEngine.trainer_init({"master_address": init.master_address,
+                                                   "master_port": init.master_port, "world_size": init.world_size})
+
+    def send(state: dict[str, torch.Tensor], info: WeightUpdateInfo) -> None:
+        tensors = ((name, tensor.to(device)) for name, tensor in state.items())
+        NCCLWeightTransferEngine.trainer_send_weights(tensors, {"group": group, "packed": True,
+                                                                 "packed_buffer_size_bytes": info.packed_buffer_size_bytes})
+
+    return send

@@ -1,0 +1,75 @@
+"""The broadcast weight transport: a torch.distributed group from trainer rank 0 to the servers.
+
+The group stands apart from the trainer's own (FSDP) group: it has its own rendezvous store on
+trainer rank 0 (`GroupInitInfo.master_address:master_port`) and is built as a bare process group,
+never registered as torch's default one. NCCL on CUDA, gloo on CPU: both ends of a group must be
+on the same kind of device. Rank 0 sends, every other rank receives, bucket by bucket (the rule of
+`broadcast_types`); a collective that cannot complete within the group's timeout raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from tandem.transport.broadcast_types import GroupInitInfo, WeightUpdateInfo, plan_buckets
+
+SOURCE_RANK = 0
+"""The trainer's rank in the group."""
+
+
+def open_group(init: GroupInitInfo, rank: int, device: torch.device, timeout_s: float) -> dist.ProcessGroup:
+    """Join the group as `rank` (0 hosts the store); returns once all `world_size` ranks joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(init.master_address, init.master_port, init.world_size, is_master=rank == SOURCE_RANK,
+                          timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore("tandem-weights", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, rank, init.world_size, options)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, init.world_size, timeout)
+    _barrier(group, device)  # the group exists once every rank joined, not when this rank did
+    return group
+
+
+def send_state(group: dist.ProcessGroup, state: dict[str, torch.Tensor], info: WeightUpdateInfo, device: torch.device) -> None:
+    """Rank 0: broadcast `state` (named as `info`, in its order) bucket by bucket."""
+    for bucket in plan_buckets(info):
+        flat = torch.cat([state[name].detach().reshape(-1).view(torch.uint8) for name in bucket.names]).to(device)
+        _broadcast(group, flat)
+
+
+def receive_state(group: dist.ProcessGroup, info: WeightUpdateInfo, device: torch.device) -> dict[str, torch.Tensor]:
+    """Ranks > 0: receive the tensors `info` announces; returns them by name, on `device`."""
+    state = {}
+    for bucket in plan_buckets(info):
+        flat = torch.empty(bucket.num_bytes, dtype=torch.uint8, device=device)
+        _broadcast(group, flat)
+        for name, dtype, shape, part in zip(bucket.names, bucket.dtypes, bucket.shapes, flat.split(bucket.sizes)):
+            if part.storage_offset() % dtype.itemsize:  # after an odd-sized tensor: copy to an aligned start
+                part = part.clone()
+            state[name] = part.view(dtype).view(shape)
+    return state
+
+
+def close_group(group: dist.ProcessGroup) -> None:
+    """Tear the group down now; the caller then drops its last reference, so that the group is freed
+    now too. Freed only at interpreter exit, its gloo threads may reach for the GIL while stopping,
+    and Python ends them inside a C++ frame: the process aborts (exit code -6 after the last update,
+    one run in four with gloo on a loaded machine)."""
+    group.shutdown()
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = SOURCE_RANK
+    group.broadcast([tensor], options).wait()
+
+
+def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
+    # A one-element broadcast rather than `barrier()`: NCCL's barrier guesses its device.
+    _broadcast(group, torch.zeros(1, device=device))

@@ -1,0 +1,137 @@
+"""The vLLM backend without vLLM: its argument mapping, its errors, and the wiring of
+`tandem inference --backend vllm` around a stand-in `vllm` executable (`fake_vllm/vllm`).
+The test against a real vLLM skips where none is installed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from tandem.config.inference import InferenceConfig
+from tandem.config.orchestrator import ClientConfig
+from tandem.config.resolve import free_port
+from tandem.config.vllm import TANDEM_SET_FLAGS
+from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv
+from tandem.orchestrator.inference_pool import InferencePool
+
+FAKE = Path(__file__).with_name("fake_vllm")
+REPO = Path(__file__).resolve().parents[2]
+SYSTEM_PATH = ["/usr/bin", "/bin"]
+"""What stays on PATH besides the stand-in: a vllm installed beside the interpreter must not answer."""
+
+
+def vllm_config(**values) -> InferenceConfig:
+    return InferenceConfig.model_validate({"backend": "vllm", "model": {"name": "/models/qwen3"}, **values})
+
+
+def test_tandem_keys_map_onto_vllm_flags():
+    config = vllm_config(seed=5, model={"name": "/models/qwen3", "dtype": "auto"},
+                         engine={"memory_fraction": 0.4, "max_model_len": 2048, "max_num_seqs": 32},
+                         server={"port": 8123, "api_key": "k"},
+                         vllm={"tensor_parallel_size": 2, "enable_prefix_caching": False,
+                               "extra_args": {"max_num_batched_tokens": 8192, "enforce_eager": True}})
+    argv = serve_argv(config)
+    assert argv[0] == "/models/qwen3"
+    pairs = dict(zip(argv[1::2], argv[2::2]))
+    assert pairs["--served-model-name"] == "/models/qwen3" and pairs["--dtype"] == "bfloat16"
+    assert pairs["--gpu-memory-utilization"] == "0.4" and pairs["--max-model-len"] == "2048"
+    assert pairs["--max-num-seqs"] == "32" and pairs["--seed"] == "5" and pairs["--port"] == "8123"
+    assert pairs["--tensor-parallel-size"] == "2" and pairs["--api-key"] == "k"
+    assert json.loads(pairs["--weight-transfer-config"]) == {"backend": "nccl"}
+    assert "--no-enable-prefix-caching" in argv and "--no-trust-remote-code" in argv
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and "--enforce-eager" in argv
+    assert set(mapped_flags(config)) == TANDEM_SET_FLAGS  # every flag tandem sets is refused as a pass-through
+
+
+def test_pass_through_errors_name_the_key():
+    with pytest.raises(ValidationError, match="extra_args.max_model_len.*engine|extra_args.max_model_len"):
+        vllm_config(vllm={"extra_args": {"max_model_len": 10}})
+    config = vllm_config(vllm={"extra_args": {"enforce_eager": True, "speculative_wish": 3}})
+    with pytest.raises(ValueError, match="extra_args.speculative_wish.*--speculative-wish"):
+        check_extra_args(config, flags_in_help("  --enforce-eager  help\n  --no-enforce-eager\n  --port PORT"))
+    assert flags_in_help("  --no-enable-prefix-caching, --enable-prefix-caching\n --max-num-seqs N") == {
+        "enable_prefix_caching", "max_num_seqs"}
+
+
+def inference(tmp_path: Path, path_dirs: list[Path], *args: str, **env: str) -> subprocess.Popen:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "FAKE_VLLM"))}
+    environ["PATH"] = os.pathsep.join([*map(str, path_dirs), *SYSTEM_PATH])
+    environ |= {"FAKE_VLLM_RECORD": str(tmp_path / "record.json"), **env}
+    return subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--backend", "vllm", "--model.name",
+                             "/models/qwen3", *args], cwd=REPO, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_missing_wrong_or_failing_vllm_is_an_error_with_its_last_lines(tmp_path):
+    if shutil.which("vllm", path=os.pathsep.join(SYSTEM_PATH)):
+        pytest.skip("a system-wide vllm would answer instead of the stand-in")
+    missing = inference(tmp_path, [])
+    _, err = missing.communicate(timeout=60)
+    assert missing.returncode == 2 and "no `vllm` executable is on PATH" in err and "tandem-rl[vllm]" in err
+
+    old = inference(tmp_path, [FAKE], FAKE_VLLM_VERSION="0.25.2")
+    _, err = old.communicate(timeout=60)
+    assert old.returncode == 2 and "is vLLM 0.25.2, tandem speaks vLLM 0.26" in err
+
+    failing = inference(tmp_path, [FAKE], FAKE_VLLM_FAIL="1")
+    _, err = failing.communicate(timeout=60)
+    assert failing.returncode == 1 and "vLLM exited with code 3" in err and "| CUDA out of memory" in err
+
+    (tmp_path / "extra.toml").write_text("[vllm.extra_args]\nspeculative_wish = 3\n")
+    unknown = inference(tmp_path, [FAKE], "@", str(tmp_path / "extra.toml"))
+    _, err = unknown.communicate(timeout=60)
+    assert unknown.returncode == 2 and "extra_args.speculative_wish" in err
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
+    port = free_port()
+    proc = inference(tmp_path, [FAKE], "--server.port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not is_healthy(url):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.1)
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["dev_mode"] == "1" and record["pgid"] == record["pid"] != os.getpgid(proc.pid)
+    assert record["argv"][:2] == ["serve", "/models/qwen3"]
+
+    async def generate():
+        pool = InferencePool(ClientConfig(base_urls=[url], backend="vllm"))
+        try:
+            return await pool.generate({"prompt_token_ids": [4, 9], "max_tokens": 3, "n": 1}, 0)
+        finally:
+            await pool.aclose()
+
+    choice = asyncio.run(generate())["choices"][0]
+    assert choice["token_ids"] == [10, 11, 12] and choice["logprobs"] == [-0.5, -1.0, -1.5]
+    assert choice["weight_version"] == 0  # vLLM reports none: the version the server held when asked
+
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(record["pgid"], 0)
+
+
+@pytest.mark.skipif(shutil.which("vllm") is None, reason="vLLM is not installed")
+def test_real_vllm_knows_every_flag_tandem_passes():
+    from tandem.inference.vllm.server import find_vllm, known_flags
+
+    assert TANDEM_SET_FLAGS <= known_flags(find_vllm())

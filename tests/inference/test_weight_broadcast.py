@@ -1,0 +1,150 @@
+"""The broadcast weight transport over a real gloo group: a trainer process, real servers on loopback.
+
+The orchestrator's side is its real code (`BroadcastPolicies` over an `InferencePool`), the
+trainer's is `WeightBroadcaster` in its own process: what the servers then sample must equal what a
+folder reload of the same weights gives, token for token and logprob for logprob.
+"""
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from inference_helpers import make_config
+
+from tandem.config.orchestrator import ClientConfig
+from tandem.config.resolve import free_port
+from tandem.config.weight_transport import BroadcastWeightTransport
+from tandem.inference.server import BackgroundServer
+from tandem.orchestrator.inference_pool import InferencePool, InferenceRequestError
+from tandem.orchestrator.policy_source import BroadcastPolicies
+
+TRAINER = Path(__file__).with_name("broadcast_trainer.py")
+BODIES = [{"prompt_token_ids": [3, 14, 15, 92, 65], "max_tokens": 24, "seed": 7, "temperature": 1.0, "ignore_eos": True},
+          {"prompt_token_ids": [2, 71, 82], "max_tokens": 24, "seed": 8, "temperature": 0.7, "ignore_eos": True}]
+
+
+def sample(url: str) -> list[tuple[list[int], list[float], int]]:
+    out = []
+    for body in BODIES:
+        choice = httpx.post(f"{url}/v1/generate", json=body, timeout=60).json()["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"], choice["weight_version"]))
+    return out
+
+
+@pytest.fixture
+def two_servers(tiny_dir):
+    servers = [BackgroundServer(make_config(tiny_dir)) for _ in range(2)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def broadcast(run_dir: Path, servers: list[BackgroundServer], folder: Path, step: int) -> None:
+    """Trainer process and orchestrator code meet in a real gloo group; policy `step` = `folder`'s weights."""
+    port = free_port()
+    config = BroadcastWeightTransport(port=port, num_inference_ranks=len(servers))
+    trainer = subprocess.Popen([sys.executable, str(TRAINER), str(run_dir), str(port), str(len(servers)), str(step),
+                                str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    source = BroadcastPolicies(run_dir, config)
+
+    async def orchestrate():
+        pool = InferencePool(ClientConfig(base_urls=[s.url for s in servers], timeout_s=60))
+        try:
+            await source.setup(pool)
+            while source.next_version(0) != step:
+                assert trainer.poll() is None, trainer.stdout.read()
+                await asyncio.sleep(0.05)
+            await source.load(pool, step)
+        finally:
+            await pool.aclose()
+
+    try:
+        asyncio.run(orchestrate())
+        output, _ = trainer.communicate(timeout=60)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0 and "sent" in output, output
+
+
+def test_broadcast_serves_what_a_folder_reload_serves(two_servers, tiny_dir, tiny_other_dir, tmp_path):
+    before = sample(two_servers[0].url)
+    broadcast(tmp_path, two_servers, tiny_other_dir, step=3)
+
+    reloaded = BackgroundServer(make_config(tiny_dir))
+    try:
+        response = httpx.post(f"{reloaded.url}/update_weights", json={"path": str(tiny_other_dir), "version": 3}, timeout=60)
+        assert response.status_code == 200, response.text
+        expected = sample(reloaded.url)
+    finally:
+        reloaded.stop()
+    assert [v for _, _, v in expected] == [3, 3]
+    for server in two_servers:
+        assert sample(server.url) == expected
+        assert httpx.get(f"{server.url}/weight_info").json() == {"weight_version": 3}
+    assert before != expected  # the other weights sample otherwise: the broadcast changed something
+
+
+def test_out_of_order_calls_are_conflicts(server):
+    for path, body in (("/start_weight_update", {}), ("/finish_weight_update", {"weight_version": "1"}),
+                       ("/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": []}})):
+        response = httpx.post(f"{server.url}{path}", json=body, timeout=10)
+        assert response.status_code == 409, (path, response.text)
+        assert "weight" in response.json()["error"]["message"]
+
+
+def test_bad_init_info_is_a_400_naming_it(server):
+    response = httpx.post(f"{server.url}/init_weight_transfer_engine",
+                          json={"init_info": {"master_address": "127.0.0.1", "master_port": "x"}}, timeout=10)
+    assert response.status_code == 400 and "init_info" in response.json()["error"]["message"]
+    info = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}
+
+    async def init():
+        pool = InferencePool(ClientConfig(base_urls=[server.url]))
+        try:
+            await pool.init_weight_transfer([info])
+        finally:
+            await pool.aclose()
+
+    with pytest.raises(InferenceRequestError, match="rank_offset"):
+        asyncio.run(init())
+
+
+def test_policies_announced_back_to_back_are_received_in_turn(two_servers, tiny_dir, tiny_other_dir, tmp_path):
+    """The trainer sends policies 1 and 2 without waiting for the servers (the transport may buffer
+    them); the orchestrator takes 1, then 2, never skipping one that is already in the group."""
+    expected = sample(two_servers[0].url)
+    port = free_port()
+    config = BroadcastWeightTransport(port=port, num_inference_ranks=2)
+    trainer = subprocess.Popen([sys.executable, str(TRAINER), str(tmp_path), str(port), "2", "1", str(tiny_other_dir),
+                                "2", str(tiny_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    source = BroadcastPolicies(tmp_path, config)
+
+    async def orchestrate() -> list[int]:
+        pool = InferencePool(ClientConfig(base_urls=[s.url for s in two_servers], timeout_s=60))
+        loaded = [0]
+        try:
+            await source.setup(pool)
+            while loaded[-1] < 2:
+                assert trainer.poll() in (None, 0), trainer.stdout.read()
+                version = source.next_version(loaded[-1])
+                if version is None:
+                    await asyncio.sleep(0.02)
+                    continue
+                await source.load(pool, version)
+                loaded.append(version)
+        finally:
+            await pool.aclose()
+        return loaded
+
+    try:
+        loaded = asyncio.run(orchestrate())
+        output, _ = trainer.communicate(timeout=60)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0, output
+    assert loaded == [0, 1, 2] and source.next_version(0) is None  # loaded announcements are gone
+    for server in two_servers:
+        assert sample(server.url) == [(ids, lps, 2) for ids, lps, _ in expected]
