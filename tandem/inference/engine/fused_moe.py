@@ -48,14 +48,15 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None) -> bool:
+def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, kernels: bool = True) -> bool:
     """Serve every MoE block of `model` with the engine's kernels, in place, and record its routing into
-    `recorder`. Where the kernels cannot run (CPU, no Triton) the model's eager path serves and a hook on
-    each router records; returns whether the kernels serve."""
+    `recorder`. Where the kernels cannot run (CPU, no Triton) or must not (`kernels` false: `[run] exact`,
+    whose MoE is the model's own path, as the trainer's) the model's eager path serves and a hook on each
+    router records; returns whether the kernels serve."""
     blocks = moe_blocks(model)
     if not blocks:
         return False
-    if not moe_kernel.is_available(blocks[0].gate.weight):
+    if not kernels or not moe_kernel.is_available(blocks[0].gate.weight):
         if recorder is not None:
             for index, block in enumerate(blocks):
                 block.gate.register_forward_hook(functools.partial(_record_hook, recorder, index))

@@ -107,7 +107,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms, token by token
             apply_compiled_norms(model)
-        recorder = moe_routing_recorder(model, engine, device)
+        recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, engine.cuda_graphs and not exact,
                                   recorder, exact)
         overlap = engine.overlap_steps and device.type == "cuda"
@@ -137,14 +137,16 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     )
 
 
-def moe_routing_recorder(model: torch.nn.Module, engine: EngineConfig, device: torch.device) -> RoutingRecorder | None:
-    """For a mixture of experts: the engine's MoE kernels installed (CUDA) and the recorder of their routing."""
+def moe_routing_recorder(model: torch.nn.Module, engine: EngineConfig, device: torch.device,
+                         kernels: bool = True) -> RoutingRecorder | None:
+    """For a mixture of experts: the engine's MoE kernels installed (CUDA, unless `kernels` is false) and the
+    recorder of their routing."""
     blocks = moe_blocks(model)
     if not blocks:
         return None
     max_tokens = max(engine.max_num_batched_tokens, engine.max_num_seqs)
     recorder = RoutingRecorder(len(blocks), max_tokens, blocks[0].args.top_k, device)
-    apply_fused_moe(model, recorder)
+    apply_fused_moe(model, recorder, kernels)
     return recorder
 
 
