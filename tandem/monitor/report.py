@@ -34,7 +34,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     _, imbalance = series(trainer, "router/max_over_mean_worst")
     times = [r["time"] for r in orch + trainer]
     k = max(1, len(rewards) // 4)
-    return {
+    summary = {
         "steps": len(rewards),
         "reward_first": sum(rewards[:k]) / k if rewards else None,
         "reward_last": sum(rewards[-k:]) / k if rewards else None,
@@ -43,9 +43,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "eval_steps": eval_steps,
         "mismatch_kl_mean": sum(kl) / len(kl) if kl else None,
         "off_policy_kl_mean": sum(off_kl) / len(off_kl) if off_kl else None,
-        "expert_load_max_over_mean_last": imbalance[-1] if imbalance else None,
         "duration_s": max(times) - min(times) if times else None,
     }
+    if imbalance:  # mixtures of experts only
+        summary["expert_load_max_over_mean_last"] = imbalance[-1]
+    return summary
 
 
 def _plot(curves: list[tuple[str, list, list]], title: str, xlabel: str = "step") -> str:
