@@ -94,11 +94,17 @@ async def run_python_sandboxed(
         _kill_group(proc.pid)
         if uid is not None:
             await _kill_uid(uid)
-    returncode = await proc.wait()
+    try:
+        # asyncio reports the exit only once the output pipe is closed, and a reader left paused on a full
+        # buffer (a run stopped for its output size) never sees the EOF: read the rest away first.
+        await asyncio.wait_for(_discard_until_eof(proc.stdout), _REAP_TIMEOUT_S)
+        returncode: int | None = await asyncio.wait_for(proc.wait(), _REAP_TIMEOUT_S)
+    except TimeoutError:
+        returncode, violation = None, violation or "unreaped"
     report, rest = _split_report(bytes(output[: limits.output_bytes + 512]))
-    if violation is None and returncode < 0:
+    if violation is None and returncode is not None and returncode < 0:
         violation = _SIGNAL_VIOLATIONS.get(-returncode, f"signal {-returncode}")
-    return SandboxResult(None if violation in ("wall_time", "output_size") else returncode,
+    return SandboxResult(None if violation in ("wall_time", "output_size", "unreaped") else returncode,
                          rest[: limits.output_bytes].decode(errors="replace"), violation, report)
 
 
@@ -109,6 +115,10 @@ def _split_report(output: bytes) -> tuple[dict[str, bool], bytes]:
     line, rest = output.split(b"\n", 1)
     return json.loads(line[len(_REPORT_PREFIX):]), rest
 
+
+_REAP_TIMEOUT_S = 10.0
+"""Seconds to wait for the rest of a killed run's output and for its exit status; past them the run is
+reported `unreaped` (a grandchild that left the process group may hold the pipe open)."""
 
 # SIGKILL is left out: the hard CPU limit sends it, but so does the kernel's OOM killer.
 _SIGNAL_VIOLATIONS = {signal.SIGXCPU: "cpu_time", signal.SIGXFSZ: "file_size"}
@@ -130,6 +140,11 @@ async def _communicate(proc: asyncio.subprocess.Process, stdin: bytes, output: b
             return True
     await proc.wait()
     return False
+
+
+async def _discard_until_eof(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass
 
 
 def _clean_env(workdir: Path) -> dict[str, str]:
