@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol
 from tandem.config.base import ProcessConfig
 from tandem.config.loader import ConfigError, RawConfig, read_args, validate
 from tandem.config.rl import RLConfig
-from tandem.transport.paths import complete_checkpoint_steps
+from tandem.transport.paths import common_checkpoint_steps, complete_checkpoint_steps
 
 PROCESSES = ("inference", "orchestrator", "trainer")
 """The sections of `RLConfig` that are process configs."""
@@ -286,8 +286,8 @@ def resume(config: RLConfig, machine: Machine) -> list[Derived]:
     out = [Derived(f"{name}.ckpt.resume", config.resume, "`resume`") for name in processes]
     if not config.resume:
         return out
+    common = common_checkpoint_steps(config.run_dir)
     steps = {name: complete_checkpoint_steps(config.run_dir, name) for name in processes}
-    common = set(steps["orchestrator"]) & set(steps["trainer"])
     if not common and any(steps.values()):
         raise ConfigError(f"`resume`: {config.run_dir} holds no step that both processes checkpointed (orchestrator: "
                           f"{steps['orchestrator']}, trainer: {steps['trainer']}); start over with `--clean`")

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from tandem.monitor.metrics import truncate_metrics
-from tandem.transport.paths import CHECKPOINT_COMPLETE, STABLE, complete_checkpoint_steps
+from tandem.transport.paths import CHECKPOINT_COMPLETE, STABLE, common_checkpoint_steps
 
 STEP_FOLDERS = {"rollouts": (), "weights": (STABLE,), "eval": ()}
 """Run-folder parts with one `step_N` folder per step, and the files that mark such a folder complete."""
@@ -26,8 +26,7 @@ STEP_FOLDERS = {"rollouts": (), "weights": (STABLE,), "eval": ()}
 
 def resume_step(run_dir: Path) -> int:
     """The newest step with both checkpoint halves complete (0: none, the run starts over)."""
-    both = set.intersection(*(set(complete_checkpoint_steps(run_dir, process)) for process in CHECKPOINT_COMPLETE))
-    return max(both, default=0)
+    return max(common_checkpoint_steps(run_dir), default=0)
 
 
 def cut_run_records(run_dir: Path, step: int) -> list[str]:

@@ -54,6 +54,13 @@ def complete_checkpoint_steps(run_dir: Path, process: str) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
+def common_checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps that every checkpointing process (`CHECKPOINT_COMPLETE`) checkpointed completely, oldest first:
+    the steps a run can resume from."""
+    steps = [set(complete_checkpoint_steps(run_dir, process)) for process in CHECKPOINT_COMPLETE]
+    return sorted(set.intersection(*steps))
+
+
 def is_stable(folder: Path) -> bool:
     return (Path(folder) / STABLE).is_file()
 
