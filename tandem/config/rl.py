@@ -7,6 +7,7 @@ This module is the schema only. `tandem/config/resolve.py` turns it into what ea
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import re
 from pathlib import Path
 from typing import Literal
@@ -244,6 +245,42 @@ class PreflightConfig(Section):
     """Most tokens of each probe turn."""
 
 
+class WandbConfig(Section):
+    """Weights & Biases logging of the run: the launcher mirrors the run folder (`metrics.jsonl` of every
+    process, rollouts of `samples.jsonl`) into one W&B run (`tandem.monitor.wandb_run`)."""
+
+    project: str | None = None
+    """W&B project to log to; unset: no W&B logging. Needs the `wandb` package (`pip install 'tandem-rl[wandb]'`)."""
+
+    entity: str | None = None
+    """W&B team or user; unset: the logged-in user's default."""
+
+    name: str | None = None
+    """W&B run name; unset: `run.name`."""
+
+    group: str | None = None
+    """W&B group, to show several runs (seeds, ablations) together."""
+
+    tags: list[str] = []
+    """W&B tags of the run."""
+
+    mode: Literal["online", "offline"] = "online"
+    """`offline` writes the W&B run under `<run folder>/wandb` only (upload it later with `wandb sync`)."""
+
+    samples_interval: int = Field(10, ge=0)
+    """Log a table of the rollouts every this many steps (and of every eval); 0: no tables."""
+
+    max_samples: int = Field(32, ge=1)
+    """Most rollouts in one table (the first ones of the step's `samples.jsonl`)."""
+
+    @field_validator("project")
+    @classmethod
+    def _check_installed(cls, project: str | None) -> str | None:
+        if project is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError("W&B logging needs the `wandb` package, which is not installed: pip install 'tandem-rl[wandb]'")
+        return project
+
+
 class RLConfig(ProcessConfig):
     """Root config of `tandem rl`. Its shared keys and derived values reach the process configs
     through `tandem.config.resolve.resolve`, never by validation alone."""
@@ -285,6 +322,9 @@ class RLConfig(ProcessConfig):
 
     preflight_only: bool = False
     """Run the preflight (`preflight`) and stop: no orchestrator, no training."""
+
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases logging (off unless `wandb.project` is set)."""
 
     @model_validator(mode="after")
     def _check_resume_or_clean(self) -> "RLConfig":

@@ -38,6 +38,7 @@ from tandem.launch.warmup import run_warmup
 from tandem.monitor.logging import setup_logging
 from tandem.monitor.progress import ProgressPrinter
 from tandem.monitor.report import summarize, write_report
+from tandem.monitor.wandb_run import WandbMirror
 from tandem.transport.files import atomic_write_text
 
 RESULT_MARKERS = ("metrics.jsonl", "weights", "rollouts", "checkpoints")
@@ -149,16 +150,21 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     peers: Peers | None = None
     procs: dict[str, ManagedProcess] = {}
+    mirror: WandbMirror | None = None
     try:
         peers = _join(config, stop_signal, log) if cluster.num_nodes > 1 else None
+        mirror = _wandb_mirror(config, roles)
         if _start(config, configs, roles, procs, stop_signal, log):
             return 0  # `preflight_only`: the preflight ran and passed
-        _watch(config, procs, peers, stop_signal)
+        _watch(config, procs, peers, stop_signal, mirror)
         if "orchestrator" in roles:
             report = write_report(config.run_dir)
             summary = summarize(config.run_dir)
             log.info("summary: %s", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
             log.info("report: %s", report)
+            if mirror:
+                mirror.finish(summary, report, failed=False)
+                mirror = None
         if peers:
             peers.beacon.close("ended")
         return 0
@@ -167,10 +173,23 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
             peers.beacon.close("failed", str(err).splitlines()[0])
         raise
     finally:
+        if mirror:
+            mirror.finish(None, None, failed=True)
         for proc in procs.values():
             proc.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _wandb_mirror(config: RLConfig, roles: list[str]) -> WandbMirror | None:
+    """The W&B run of `wandb.project`, on the node that runs the orchestrator (its folder view is the run's);
+    started before any process, so that W&B refusing (no login, no network online) stops the run at once."""
+    if config.wandb.project is None or "orchestrator" not in roles or config.preflight_only:
+        return None
+    try:
+        return WandbMirror(config)
+    except Exception as err:  # wandb raises its own error types for login, network and permission failures
+        raise RunFailed(f"W&B logging (`wandb.project` = {config.wandb.project!r}) could not start: {err}") from err
 
 
 def _join(config: RLConfig, stop_signal: list[int], log) -> Peers:
@@ -231,9 +250,9 @@ def _server_urls(config: RLConfig) -> dict[str, str]:
 
 
 def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None,
-           stop_signal: list[int]) -> None:
+           stop_signal: list[int], mirror: WandbMirror | None) -> None:
     """Return once this node's orchestrator and trainer exited 0 (and, on several nodes, every node's);
-    RunFailed at the first failure here or on another node, or at a signal."""
+    RunFailed at the first failure here or on another node, or at a signal. `mirror` follows the run folder."""
     finite = [n for n in ("orchestrator", "trainer") if n in procs]
     progress = ProgressPrinter(config.run_dir, config.max_steps) if "orchestrator" in procs else None
     hang_watches = {name: HangWatch(url, config.hang_timeout_s) for name, url in _server_urls(config).items() if name in procs}
@@ -242,6 +261,8 @@ def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | No
         while not finished or (peers and not peers.watch.all_in(("finished", "ended"))):
             if progress:
                 progress.update()
+            if mirror:
+                mirror.update()
             if stop_signal:
                 raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
             _raise_on_failure(config, procs, peers)

@@ -22,6 +22,10 @@ class MetricsFollower:
         self.path = Path(run_dir) / METRICS_FILE
         self._offset = 0
 
+    def skip_existing(self) -> None:
+        """Start after the records the file holds now."""
+        self._offset = self.path.stat().st_size if self.path.is_file() else 0
+
     def new_records(self) -> Iterator[dict[str, Any]]:
         if not self.path.is_file():
             return
