@@ -46,8 +46,9 @@ class StepBar:
     above it; elsewhere a plain line every `plain_every_s` seconds and at the end (None: no plain lines,
     for callers that print a line per step anyway)."""
 
-    def __init__(self, label: str, total: int, stream=None, plain_every_s: float | None = PLAIN_INTERVAL_S):
-        self.label, self.total, self.stream = label, total, stream or sys.stdout
+    def __init__(self, label: str, total: int, stream=None, plain_every_s: float | None = PLAIN_INTERVAL_S,
+                 unit: str = "step"):
+        self.label, self.total, self.stream, self.unit = label, total, stream or sys.stdout, unit
         self.plain_every_s = plain_every_s
         self.done = 0
         self._start = self._last_plain = time.monotonic()
@@ -82,11 +83,11 @@ class StepBar:
 
     def _rate(self) -> str:
         elapsed = time.monotonic() - self._start
-        return f"{self.done / elapsed:.2f} steps/s" if elapsed > 0 and self.done else ""
+        return f"{self.done / elapsed:.2f} {self.unit}s/s" if elapsed > 0 and self.done else ""
 
     def _plain(self) -> None:
         self._last_plain = time.monotonic()
-        print(f"{self.label}: step {self.done}/{self.total} ({self._rate() or 'no step yet'}, "
+        print(f"{self.label}: {self.unit} {self.done}/{self.total} ({self._rate() or f'no {self.unit} yet'}, "
               f"{self._last_plain - self._start:.0f} s)", file=self.stream, flush=True)
 
 

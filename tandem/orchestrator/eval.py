@@ -7,6 +7,7 @@ prints the metrics.
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 from tandem.config.eval import EvalConfig
@@ -14,6 +15,7 @@ from tandem.monitor.logging import setup_logging
 
 
 async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict[str, float], list]:
+    from tandem.monitor.progress import StepBar
     from tandem.orchestrator.evaluation import evaluate
     from tandem.orchestrator.inference_pool import InferencePool
     from tandem.orchestrator.rollout import RolloutContext
@@ -22,7 +24,19 @@ async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict
     try:
         await pool.wait_healthy()
         ctx = RolloutContext(pool, tokenizer, config.model.name, config.seq_len)
-        return await evaluate(ctx, envs, config.eval, config.sampling, config.seed, config.max_concurrent_rollouts)
+        bars: list[StepBar] = []  # made at the first finished rollout, when the total is known
+
+        def on_progress(done: int, total: int) -> None:
+            if not bars:
+                bars.append(StepBar("eval", total, sys.stderr, unit="rollout"))
+            bars[0].update(done)
+
+        try:
+            return await evaluate(ctx, envs, config.eval, config.sampling, config.seed, config.max_concurrent_rollouts,
+                                  on_progress)
+        finally:
+            if bars:
+                bars[0].close()
     finally:
         await pool.aclose()
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 from tandem.config.orchestrator import EvalSettings, SamplingConfig
 from tandem.orchestrator.environments import LoadedEnv, as_examples
@@ -43,25 +43,37 @@ def eval_sampling_args(sampling: SamplingConfig, settings: EvalSettings) -> dict
 
 
 async def evaluate(ctx: RolloutContext, envs: list[LoadedEnv], settings: EvalSettings, sampling: SamplingConfig,
-                   seed: int, max_concurrent: int) -> tuple[dict[str, float], list[RolloutResult]]:
-    """Metrics (`eval/...` keys) and every rollout, in example order."""
+                   seed: int, max_concurrent: int, on_progress: Callable[[int, int], None] | None = None,
+                   ) -> tuple[dict[str, float], list[RolloutResult]]:
+    """Metrics (`eval/...` keys) and every rollout, in example order. `on_progress(done, total)` is
+    called as each rollout ends (`tandem eval`'s progress bar)."""
     start = time.monotonic()
     semaphore = asyncio.Semaphore(max_concurrent)
     args = eval_sampling_args(sampling, settings)
-
-    async def bounded(env: LoadedEnv, example: dict[str, Any], server: int, rollout_seed: int) -> RolloutResult:
-        async with semaphore:
-            return await run_rollout(ctx, env, example, server, {**args, "seed": rollout_seed} if settings.seeded else args)
-
-    metrics: dict[str, float] = {}
-    results: list[RolloutResult] = []
-    per_example: list[list[RolloutResult]] = []
-    rollout_index = 0  # over all envs: rollout k of the eval samples with seed (seed * 1_000_003 + k) mod 2^31
+    env_examples = []
     for env in envs:
         examples = as_examples(env.env.get_eval_dataset(n=settings.num_examples, seed=seed), env.name)
         if settings.num_examples > len(examples):
             log.warning("eval: environment %s has %d eval examples, fewer than eval.num_examples = %d; evaluating those %d",
                         env.name, len(examples), settings.num_examples, len(examples))
+        env_examples.append((env, examples))
+    total = sum(len(examples) for _, examples in env_examples) * settings.rollouts_per_example
+    done = 0
+
+    async def bounded(env: LoadedEnv, example: dict[str, Any], server: int, rollout_seed: int) -> RolloutResult:
+        nonlocal done
+        async with semaphore:
+            result = await run_rollout(ctx, env, example, server, {**args, "seed": rollout_seed} if settings.seeded else args)
+        done += 1
+        if on_progress is not None:
+            on_progress(done, total)
+        return result
+
+    metrics: dict[str, float] = {}
+    results: list[RolloutResult] = []
+    per_example: list[list[RolloutResult]] = []
+    rollout_index = 0  # over all envs: rollout k of the eval samples with seed (seed * 1_000_003 + k) mod 2^31
+    for env, examples in env_examples:
         jobs = []
         for example in examples:
             server = ctx.pool.next_server()

@@ -43,7 +43,9 @@ def test_tandem_eval_scores_a_builtin_environment(tmp_path, tiny_model, fake_ser
     assert sorted(r["seed"] for r in backend.requests) == list(range(10))  # run seed 0: one seed per rollout
     lines = (run_dir / "eval" / "step_7" / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 10 and json.loads(lines[0])["env"] == "reverse_text"
-    assert "eval/pass@1" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "eval/pass@1" in printed.out
+    assert "eval: rollout 10/10 (" in printed.err  # the progress line off a terminal, at the end
 
 
 def test_tandem_eval_says_when_the_eval_split_is_smaller_than_asked(tmp_path, tiny_model, fake_servers, caplog):
