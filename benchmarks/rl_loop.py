@@ -1,6 +1,6 @@
 """The whole asynchronous RL loop on one machine: `tandem rl` as a user runs it, at several `max_async_level`s.
 
-    python benchmarks/rl_loop.py --preset tiny --device cpu --out rl-loop-cpu.json          # a minute on a CPU
+    python benchmarks/rl_loop.py --preset tiny --device cpu --out rl-loop-cpu.json          # minutes on a CPU
     python benchmarks/rl_loop.py --preset qwen3-0.6b --device cuda --out $OUT/rl-loop.json  # one GPU, a few minutes
 
 Each level is one `tandem rl` run (launcher, inference server, orchestrator, trainer: the real processes meeting in
@@ -14,8 +14,9 @@ Every figure comes from the run's `metrics.jsonl`, as the processes log it. Over
 - step time: the interval between two trainer steps (the loop's period), and tokens/s of the loop at that period
   (tokens trained; tokens sampled);
 - the trainer's side: waiting for its batch, computing the step, publishing the weights;
-- the orchestrator's side: rollouts in flight (generation), gated on a newer policy (waiting on the trainer), of
-  which or alongside which the servers' weight reloads, and packing.
+- the orchestrator's side: rollouts in flight (generation), gated on a newer policy (waiting on the trainer), the
+  servers' weight reloads (within one of those two) and packing. Orchestrator step n's window holds its wait for
+  policy n-1-level, so its steps count from `1 + level` steps after the trainer's, clear of the trainer's warm-up.
 At level 0 generation and training never overlap, so that run also measures each alone: generation alone is its
 generation time, training alone its trainer compute + publish time. The summary gives the async speedup (level 0's
 step time over level 1's) and the goal's ratio: level 1's step time over the slower of generation and training
@@ -202,6 +203,8 @@ def print_table(levels: dict[str, dict], totals: dict) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rl-loop-") as tmp:
         root = Path(args.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -210,7 +213,11 @@ def main() -> int:
         result = {"benchmark": "rl_loop", "commit": source_commit(args.commit), "settings": settings, "levels": {},
                   "summary": {}}
         for level in args.levels:
-            result["levels"][str(level)] = run_level(args, level, model, root)
+            print(f"max_async_level {level}: `tandem rl` of {args.steps} steps ...", file=sys.stderr, flush=True)
+            figures = run_level(args, level, model, root)
+            result["levels"][str(level)] = figures
+            print(f"max_async_level {level}: " + (f"done in {figures['wall_s']:.0f}s" if "wall_s" in figures else "failed"),
+                  file=sys.stderr, flush=True)
             result["summary"] = summary(result["levels"])
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=2))
