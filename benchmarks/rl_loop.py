@@ -56,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--num-layers", type=int, help="cut the preset to this many blocks (a quick check of a real shape)")
     parser.add_argument("--levels", default="0,1", help="comma-separated max_async_level values, one run each")
     for name in WORKLOADS["cuda"]:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default: {WORKLOADS['cuda'][name]} on cuda, "
@@ -208,7 +209,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rl-loop-") as tmp:
         root = Path(args.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
-        model = init_model(args.preset, root / "model", weights=False)
+        model = init_model(args.preset, root / "model", num_layers=args.num_layers, weights=False)
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "commit", "keep")}
         result = {"benchmark": "rl_loop", "commit": source_commit(args.commit), "settings": settings, "levels": {},
                   "summary": {}}
