@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,9 @@ from tandem.monitor.metrics import read_metrics
 
 GOAL_RATIO = 1.15
 """Issue 23: at level 1, the step time within 15% of the slower of generation and training alone."""
+
+STOP_GRACE_S = 60.0
+"""How long a run past `--timeout-s` gets to stop its processes after SIGTERM."""
 
 WORKLOADS = {
     "cuda": dict(batch_size=256, group_size=8, completion_tokens=512, prompt_chars=64, seq_len=8192, steps=6, warmup=2),
@@ -113,18 +117,31 @@ def run_level(args: argparse.Namespace, level: int, model: Path, root: Path) -> 
     config_path.write_text(tomli_w.dumps(rl_config(args, level, model, run_dir)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     start = time.monotonic()
+    launcher = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rl", "@", str(config_path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        done = subprocess.run([sys.executable, "-m", "tandem.cli", "rl", "@", str(config_path)], env=env,
-                              capture_output=True, text=True, timeout=args.timeout_s)
+        _, stderr = launcher.communicate(timeout=args.timeout_s)
     except subprocess.TimeoutExpired:
-        return {"error": f"the run took more than --timeout-s = {args.timeout_s:.0f}s; logs in {run_dir / 'logs'}"}
-    if done.returncode != 0:
-        return {"error": f"`tandem rl` exited {done.returncode}: {done.stderr[-3000:]}"}
+        stderr = stop(launcher)
+        return {"error": f"the run took more than --timeout-s = {args.timeout_s:.0f}s: {stderr[-3000:]}"}
+    if launcher.returncode != 0:
+        return {"error": f"`tandem rl` exited {launcher.returncode}: {stderr[-3000:]}"}
     wall_s = time.monotonic() - start
     try:
         return {"wall_s": wall_s, **level_figures(run_dir, args.warmup, level)}
     except (KeyError, RuntimeError) as err:  # a run that logged less than expected: keep the other levels
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+def stop(launcher: subprocess.Popen) -> str:
+    """SIGTERM, on which `tandem rl` stops the processes it started (a kill would leave them holding the device);
+    a kill only if it has not exited after `STOP_GRACE_S`. Returns its stderr."""
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        return launcher.communicate(timeout=STOP_GRACE_S)[1]
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        return launcher.communicate()[1]
 
 
 def level_figures(run_dir: Path, warmup: int, level: int) -> dict:
