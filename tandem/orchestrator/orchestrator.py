@@ -55,7 +55,10 @@ class Orchestrator:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = int(pad or 0)
         self.evaluated: set[int] = set()
+        self.watcher = WeightWatcher(setup_policy_source(config.weight_transport, self.run_dir), self.pool, self.policy,
+                                     config.weights.poll_interval_s, self._on_policy_loaded)
         self._retries_logged = 0
+        self._update_s_logged = 0.0
 
     async def run(self) -> None:
         try:
@@ -67,9 +70,8 @@ class Orchestrator:
         cfg = self.config
         first_step = self._resume() + 1
         await self.pool.wait_healthy()
-        source = setup_policy_source(cfg.weight_transport, self.run_dir)
-        await source.setup(self.pool)
-        watcher = WeightWatcher(source, self.pool, self.policy, cfg.weights.poll_interval_s, self._on_policy_loaded)
+        watcher = self.watcher
+        await watcher.source.setup(self.pool)
         await watcher.load_next()  # a resumed run samples with the newest policy, not the base model
         watcher_task = asyncio.create_task(watcher.run())
         groups_per_step = cfg.batch_size // cfg.group_size
@@ -141,7 +143,9 @@ class Orchestrator:
         self.sender.send(step, batches)
         pack_s = time.monotonic() - start
         retries, self._retries_logged = self.pool.num_retries - self._retries_logged, self.pool.num_retries
-        metrics = step_metrics(step, finished, samples, num_dropped, stats, pack_s, self.policy.version, retries)
+        update_s, self._update_s_logged = self.watcher.update_s - self._update_s_logged, self.watcher.update_s
+        metrics = step_metrics(step, finished, samples, num_dropped, stats, pack_s, self.policy.version, retries,
+                               update_s)
         self.metrics.log(step, metrics)
         write_samples(rollouts_dir(self.run_dir, step) / SAMPLES_FILE, records)
         if num_dropped:

@@ -27,7 +27,8 @@ def _std(values: list[float]) -> float:
 
 
 def step_metrics(step: int, finished: FinishedStep, samples: list[Sample], num_dropped: int, stats: PackingStats,
-                 pack_s: float, policy_version: int, num_retries: int) -> dict[str, Any]:
+                 pack_s: float, policy_version: int, num_retries: int, update_weights_s: float) -> dict[str, Any]:
+    """`update_weights_s`: seconds spent loading policies into the servers since the previous step was logged."""
     groups = finished.groups
     trained = [r for g in groups.used for r in g.succeeded]
     every = [r for g in groups.used + groups.discarded for r in g.rollouts]
@@ -67,6 +68,7 @@ def step_metrics(step: int, finished: FinishedStep, samples: list[Sample], num_d
         "time/wait_trainer_s": finished.wait_trainer_s,
         "time/wait_inference_s": finished.step_s - finished.wait_trainer_s,
         "time/pack_s": pack_s,
+        "time/update_weights_s": update_weights_s,
         "batch/num_rows": stats.num_rows,
         "batch/num_padding_rows": stats.num_padding_rows,
         "batch/num_loss_tokens": stats.num_loss_tokens,

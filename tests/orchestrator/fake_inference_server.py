@@ -44,6 +44,8 @@ class FakeBackend:
         self.requests: list[dict[str, Any]] = []
         """Each generate request with `version` (loaded at arrival) and `time`."""
         self.updates: list[tuple[str, int]] = []
+        self.update_delay_s = 0.0
+        """How long `POST /update_weights` takes (a reload)."""
         self.transfer_calls: list[str] = []
         """The weight-transfer routes called (broadcast transport), in order."""
         self.in_flight = 0
@@ -72,6 +74,8 @@ def make_app(backend: FakeBackend) -> FastAPI:
         if "update_info" in body:  # the broadcast transport: recorded, nothing received
             backend.transfer_calls.append("update_weights")
             return {}
+        if backend.update_delay_s:
+            await asyncio.sleep(backend.update_delay_s)
         backend.updates.append((body["path"], body["version"]))
         backend.version = body["version"]
         return {"weight_version": backend.version}

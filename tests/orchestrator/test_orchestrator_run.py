@@ -97,6 +97,20 @@ def test_no_batch_is_sampled_beyond_max_async_level(tmp_path, tiny_model, tokeni
     assert sum(m["time/wait_trainer_s"] for m in steps) > 0.1
 
 
+def test_each_step_logs_the_time_spent_loading_policies(tmp_path, tiny_model, tokenizer, fake_servers):
+    """Synchronous: policy n is loaded in step n+1's window (between its batches), never in step 1's."""
+    (backend, url), = fake_servers(respond=right_or_wrong)
+    backend.update_delay_s = 0.2
+    config = make_config(tmp_path, tiny_model, [url], max_steps=3, max_async_level=0)
+    run(config, [say_env()], tokenizer)
+
+    steps = [m for m in read_metrics(config.run_dir, "orchestrator")]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert steps[0]["time/update_weights_s"] == 0.0
+    for m in steps[1:]:
+        assert 0.2 <= m["time/update_weights_s"] <= m["time/wait_trainer_s"] <= m["time/step_s"]
+
+
 def test_samples_older_than_max_off_policy_steps_are_dropped_and_counted(tmp_path, tiny_model, tokenizer, fake_servers):
     (fresh, url_a), (lagging, url_b) = fake_servers(2, respond=right_or_wrong)
     lagging.version_lag = 2  # reports weights two versions older than it holds
