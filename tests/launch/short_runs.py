@@ -1,7 +1,7 @@
 """Short `tandem rl` runs on CPU from a random tiny model, for tests about the run's records and failures.
 
 No SFT warm-up: these tests look at what a run leaves and how it ends, not at learning. Batches of two
-groups of four short rollouts keep a step to seconds.
+groups of four short rollouts keep a step to seconds; the preflight (tests/launch/test_preflight.py) is off.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]
             "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(max_steps), "--seq-len", "256",
             "--ckpt.interval", "2", "--orchestrator.batch-size", "8", "--orchestrator.group-size", "4",
             "--orchestrator.sampling.max-tokens", "8", "--orchestrator.eval.interval", "100",
-            "--orchestrator.eval.num-examples", "4", *extra]
+            "--orchestrator.eval.num-examples", "4", "--preflight.enabled", "false", *extra]
 
 
 def env() -> dict[str, str]:

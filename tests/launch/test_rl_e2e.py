@@ -56,6 +56,7 @@ def rl_args(sft_config: Path, out: Path, max_steps: int, *extra: str) -> list[st
         "--ckpt.interval", "3",
         "--orchestrator.eval.interval", "100",
         "--orchestrator.eval.num-examples", "32",
+        "--preflight.enabled", "false",  # tests/launch/test_preflight.py runs it
         *extra,
     ]
 
