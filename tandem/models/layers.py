@@ -64,7 +64,8 @@ class YarnScaling:
         low, high = max(low, 0), min(high, rotary_dim - 1)
         if low == high:
             high += 0.001  # no division by zero
-        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+        # made on `device`: a host tensor copied in would break the engine's CUDA-graph capture
+        ramp = ((torch.arange(rotary_dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         extrapolate = 1 - ramp
         return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
