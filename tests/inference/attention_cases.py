@@ -19,16 +19,17 @@ def mixed_step(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 
     """(q, k, v, k_cache, v_cache, metadata) of a step of sequences of these `shapes`."""
     gen = torch.Generator().manual_seed(seed)
     block_q = 1 if all(q_len == 1 for q_len, _ in shapes) else PREFILL_BLOCK_Q
-    num_blocks = 64
+    blocks_needed = [-(-ctx // block_size) for _, ctx in shapes]
+    num_blocks = max(64, sum(blocks_needed))
     k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
     v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    width = 12
+    width = max(12, *blocks_needed)
     tables = torch.zeros(len(shapes), width, dtype=torch.long)
     slots: list[int] = []
     tiles: list[list[int]] = [[], []]
     for i, (q_len, ctx) in enumerate(shapes):
-        need = -(-ctx // block_size)
+        need = blocks_needed[i]
         tables[i, :need] = torch.tensor(order[:need], dtype=torch.long)
         order = order[need:]
         if ctx == 0:
