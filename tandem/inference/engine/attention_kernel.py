@@ -198,9 +198,9 @@ if triton is not None:
 
 _PREFILL_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
 _DECODE_LAUNCH = dict(BLOCK_N=32, num_warps=1, num_stages=2)
-"""Decode tiles hold one token: one warp per (sequence, KV head) over 32-key chunks is the fastest
-of a sweep on an H200 (Qwen3-0.6B heads, 256 sequences of 192-640 tokens: 112 us against 129 us
-for the prefill setting at 384 tokens, about 3.6 TB/s of KV read)."""
+"""Decode tiles hold one token: one warp per (sequence, KV head) over 32-key blocks was the fastest of a
+sweep on an H200 before the split (Qwen3-0.6B heads, 256 sequences of 192-640 tokens: 112 us against 129 us
+for the prefill setting at 384 tokens, about 3.6 TB/s of KV read); each chunk program keeps it."""
 
 
 def _next_pow2(n: int) -> int:
@@ -210,6 +210,22 @@ def _next_pow2(n: int) -> int:
 def decode_splits(max_context: int) -> int:
     """Chunks of `SPLIT_KEYS` keys in a context of `max_context` tokens: the decode grid's third axis."""
     return max(1, -(-max_context // SPLIT_KEYS))
+
+
+def decode_context_bounds(max_model_len: int) -> list[int]:
+    """Context bounds for the decode grids of CUDA graphs, ascending, the last `max_model_len`: one chunk, then
+    x4 steps (2k, 8k, 32k, ...), each kept where the next is at least twice it (a graph per bound and batch
+    size: a few bounds keep idle chunk programs few without many captures)."""
+    bounds = [max_model_len]
+    step = SPLIT_KEYS
+    candidates = []
+    while step < max_model_len:
+        candidates.append(step)
+        step *= 4
+    for bound in reversed(candidates):
+        if 2 * bound <= bounds[0] or bound == SPLIT_KEYS:
+            bounds.insert(0, bound)
+    return bounds
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
