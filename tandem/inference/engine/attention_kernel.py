@@ -261,11 +261,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, num_splits: int) -> None:
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, num_splits: int,
+                  split_keys: int = SPLIT_KEYS, launch: dict = _DECODE_LAUNCH) -> None:
     """One token per sequence (its row of `query_start`), `num_splits` chunk programs per (sequence, KV head).
 
     The workspace is allocated per call: under CUDA-graph capture it comes from the graph's pool, so
-    replays reuse the very same memory.
+    replays reuse the very same memory. `split_keys` and `launch` are the engine's constants; the sweep
+    of `benchmarks/decode_attention.py` tries others.
     """
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
@@ -280,11 +282,11 @@ def _split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, part_out, part_stats, block_tables, seq_lens, query_start, head_dim ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *workspace_strides,
-        GROUP=group, ROWS=max(16, _next_pow2(group)), SPLIT=SPLIT_KEYS, PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
-        IEEE=q.dtype == torch.float32, **_DECODE_LAUNCH,
+        GROUP=group, ROWS=max(16, _next_pow2(group)), SPLIT=split_keys, PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
+        IEEE=q.dtype == torch.float32, **launch,
     )
     if num_splits > 1:  # no sequence has a second chunk otherwise: every output is already written
         _combine_splits_kernel[(num_seqs, num_kv_heads)](
             out, part_out, part_stats, seq_lens, query_start, out.stride(0), out.stride(1), *workspace_strides,
-            GROUP=group, GROUP_P=_next_pow2(group), SPLIT=SPLIT_KEYS, HEAD_DIM=head_dim, num_warps=1,
+            GROUP=group, GROUP_P=_next_pow2(group), SPLIT=split_keys, HEAD_DIM=head_dim, num_warps=1,
         )
