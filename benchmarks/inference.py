@@ -399,7 +399,8 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
     if "mismatch" in parts and "B" in workloads and moe_blocks(engine.runner.model):
         attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts["B"][:16], workloads["B"]))
     roofline_of(engine, results, ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads)], bandwidths)
-    release(engine)
+    del engine
+    free_device_memory(args)
 
 
 def bench_long_decode(folder: Path, args: argparse.Namespace, w: dict, prompts: list[list[int]], bandwidths: dict) -> dict:
@@ -410,16 +411,15 @@ def bench_long_decode(folder: Path, args: argparse.Namespace, w: dict, prompts: 
     run_engine(engine, [[1] * 64, [2] * 64], 1, 4)  # warmup (prompts no later one shares a block with)
     result = {"engine_E": run_engine(engine, prompts, w["n"], w["output_len"])}
     roofline_of(engine, result, ["engine_E"], bandwidths)
-    release(engine)
+    del engine
+    free_device_memory(args)
     return result["engine_E"]
 
 
-def release(engine) -> None:
-    """Free the engine's GPU memory (KV cache, graph pool) for the next part."""
-    device = engine.device
-    del engine
+def free_device_memory(args: argparse.Namespace) -> None:
+    """Return a dropped engine's GPU memory (KV cache, graph pool) for the next part."""
     gc.collect()
-    if device.type == "cuda":
+    if resolve_device(args.device).type == "cuda":
         torch.cuda.empty_cache()
 
 
