@@ -119,7 +119,9 @@ if triton is not None:
         tl.store(out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
-    @triton.jit
+    # The workspace strides follow the chunk count of the grid's bound (1, a multiple of 16, other): not
+    # specialised, so an eager step with a new bound compiles nothing mid-run.
+    @triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
     def _split_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_stats_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_ptr, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_ks, stride_kh,
@@ -158,7 +160,7 @@ if triton is not None:
             tl.store(part_stats_ptr + stat, m, mask=keep)
             tl.store(part_stats_ptr + stride_sm + stat, l, mask=keep)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
     def _combine_splits_kernel(
         out_ptr, part_out_ptr, part_stats_ptr, seq_lens_ptr, query_start_ptr, stride_on, stride_oh,
         stride_pb, stride_ph, stride_ps, stride_sm, stride_sb, stride_sh,
