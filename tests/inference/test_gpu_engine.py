@@ -39,16 +39,18 @@ def test_split_decode_equals_dense_attention_and_is_batch_invariant(dtype, toler
 
 
 def test_engine_decodes_long_contexts_through_split_kv_graphs(tiny_dir):
-    """fp32: contexts that cross the kernel's chunk of 512 keys while decoding, so steps replay graphs of
-    both context bounds (512 and max_model_len) and combine chunks; logprobs match a teacher-forced pass."""
+    """fp32: contexts of one chunk (512 keys) and of several, some crossing a chunk's end while decoding; steps
+    replay graphs of both context bounds (512 once the long ones finish, and max_model_len) and combine
+    chunks; logprobs match a teacher-forced pass."""
     engine = build_engine(ModelConfig(name=str(tiny_dir), dtype="float32"),
                           EngineConfig(device="cuda", max_num_seqs=8, max_model_len=1400, max_num_batched_tokens=512), seed=0)
     assert engine.runner.graphs is not None and engine.runner.graphs.context_bounds == [512, 1400]
     model = load_causal_lm(str(tiny_dir))
     rng = random.Random(1)
-    prompts = {str(i): [rng.randrange(256) for _ in range(length)] for i, length in enumerate((300, 500, 505, 1100, 1350))}
-    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    lengths = {"0": (300, 60), "1": (500, 24), "2": (505, 24), "3": (1100, 8), "4": (1350, 8)}  # prompt, output
+    prompts = {i: [rng.randrange(256) for _ in range(prompt_len)] for i, (prompt_len, _) in lengths.items()}
     for request_id, prompt in prompts.items():
+        params = SamplingParams(max_tokens=lengths[request_id][1], temperature=1.0, ignore_eos=True)
         engine.add_request(request_id, prompt, params, n=1, incremental=False)
     outputs = []
     while engine.has_unfinished:
