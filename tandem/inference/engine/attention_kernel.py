@@ -275,9 +275,9 @@ def _split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    # Each chunk's unnormalised output, then its running max (log2 units) and sum: read only where written.
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_stats = torch.empty(2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    """Each chunk's running max (log2 units) and sum, then its unnormalised output: read only where written."""
     workspace_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                          part_stats.stride(0), part_stats.stride(1), part_stats.stride(2))
     _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
