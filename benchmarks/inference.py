@@ -4,6 +4,7 @@
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --out benchmarks/results/engine-h200-DATE.json
     python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine,vllm --out ...  # random weights
     python benchmarks/inference.py --preset tiny-moe --device cpu --scale 0.0625 --load-format dummy --parts engine
+    python benchmarks/inference.py --preset qwen3-0.6b --device cuda --parts engine,vllm --workloads C,D,E --out ...
 
 Weights (`--load-format`, as `model.load_format`): `safetensors` writes the preset's folder with its random
 weights; `dummy` (the default for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB)
@@ -14,22 +15,32 @@ generate_batch) need `safetensors`, and are recorded as errors otherwise.
 Workloads (the GPU speed issue's), all sampling at temperature 1 with EOS ignored, so every
 sequence gets exactly its output length; random prompt token ids; `--scale` shrinks the counts:
 - A (throughput): 256 concurrent requests of 128 prompt tokens, 512 output tokens each;
-- B (RL-like): 64 prompts x n = 8 samples, 256 prompt tokens, 1024 output tokens.
+- B (RL-like): 64 prompts x n = 8 samples, 256 prompt tokens, 1024 output tokens;
+- C (reasoning length): 128 requests of 256 prompt tokens, 4,096 output tokens;
+- D (long reasoning, groups): 16 prompts x n = 4 samples, 1,024 prompt tokens, 8,192 output tokens;
+- E (32k decode): 4 requests of 32,768 prompt tokens, 128 output tokens, on an engine of their own
+  (its `max_model_len`): the decode step time of a few sequences at 32k context.
+`--workloads` picks which run (GPU time is scarce); A, B, C, D share one engine sized for the
+longest and widest of them.
 
 Figures:
 - engine (in process, `LLMEngine.step()` in a loop, as the server's engine thread runs it):
   output tokens/s, median time to first token, median decode-only step time at the full batch,
-  KV-cache capacity, and for B the prompt tokens computed against those asked for (prefill
+  KV-cache capacity, and for B and D the prompt tokens computed against those asked for (prefill
   shared across n); where the engine overlaps steps (CUDA), A again with each step read before
   the next is launched (`engine_A_read_each_step`), the baseline of that overlap;
+- roofline (each engine workload's `decode_roofline`, `benchmarks/roofline.py`): the time to read
+  the weights once and the KV cache in use at the GPU's nominal bandwidth and at the bandwidth of a
+  large device copy measured in the same run (`memory_bandwidth`), and the decode steps' fraction
+  of it (1.0: memory speed);
 - server (A): the same requests through HTTP `/v1/generate`, all sent at once, to `tandem
   inference` started in its own process (as `tandem rl` runs it), best of `--repeats`;
 - transformers (A): one `generate` batch of the 256 prompts (equal lengths: no padding, its best
   case) and continuous batching (`generate_batch`), and tandem's ratios over both;
 - vLLM (part `vllm`, CUDA, not in the default parts): A with and without the sampled token's
-  logprob, B with it, through `benchmarks/vllm_workloads.py` in a child process on the same
-  model and prompts (`--vllm-site DIR` puts an offline vLLM install on its path), and the ratios
-  of tandem's engine over vLLM with logprobs;
+  logprob, B, C, D with it (those of `--workloads`), through `benchmarks/vllm_workloads.py` in a
+  child process on the same model and prompts (`--vllm-site DIR` puts an offline vLLM install on
+  its path), and the ratios of tandem's engine over vLLM with logprobs;
 - mismatch (B): the engine's logprob of each sampled token against a teacher-forced forward of
   the whole sequence by tandem's model code (what the trainer computes: for a mixture of experts,
   the model's own MoE path, not the engine's kernels), same dtype and temperature: the mean k3
@@ -62,6 +73,7 @@ import httpx
 import torch
 
 from provenance import environment
+from roofline import decode_roofline, kv_bytes_per_token, measured_copy_bandwidth, nominal_bandwidth, weight_bytes
 from tandem.config.base import ModelConfig
 from tandem.config.dump import to_toml
 from tandem.config.inference import EngineConfig, InferenceConfig
@@ -79,7 +91,12 @@ DUMMY_PRESETS = {"qwen3-30b-a3b"}
 """Presets whose weights are built on the device by default: their folder would not fit the GPU host's disk."""
 
 WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
-             "B": dict(num_prompts=64, n=8, prompt_len=256, output_len=1024)}
+             "B": dict(num_prompts=64, n=8, prompt_len=256, output_len=1024),
+             "C": dict(num_prompts=128, n=1, prompt_len=256, output_len=4096),
+             "D": dict(num_prompts=16, n=4, prompt_len=1024, output_len=8192),
+             "E": dict(num_prompts=4, n=1, prompt_len=32768, output_len=128)}
+SHARED_ENGINE = ("A", "B", "C", "D")
+"""Workloads run on one engine (and one vLLM) sized for them all; E builds its own at 32k."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,6 +113,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="timed engine runs of workload A; the best counts")
     parser.add_argument("--parts", default="engine,server,generate,generate_batch,mismatch",
                         help="comma-separated parts to run")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="comma-separated workloads of the engine and vLLM parts (server and transformers run A)")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="tokens of one engine step (prefill chunking); default max(4096, longest sequence)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
@@ -137,14 +156,17 @@ def throughput(tokens: int, seconds: float) -> dict:
 
 
 def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return_routed_experts: bool = False) -> dict:
-    """Drive the engine to completion; throughput, TTFT, decode step times, prompt tokens computed."""
+    """Drive the engine to completion; throughput, TTFT, decode step times, prompt tokens computed, and
+    `decode_steps` (sequences, contexts summed, seconds) of each decode-only step, for the roofline."""
     batches: list = []
+    contexts: list[int] = []
     schedule = engine.scheduler.schedule
     counts = {"prompt_tokens_computed": 0}
 
     def recording_schedule():
         batch = schedule()
         batches.append(batch)
+        contexts.append(sum(s.num_computed_tokens + k for s, k in zip(batch.seqs, batch.num_new_tokens)))
         counts["prompt_tokens_computed"] += sum(k for s, k in zip(batch.seqs, batch.num_new_tokens)
                                                 if s.num_computed_tokens < s.num_prompt_tokens)
         return batch
@@ -157,7 +179,7 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return
         engine.add_request(f"r{i}", prompt, params, n, incremental=False)
     pending = [s for seqs in engine.requests.values() for s in seqs]
     first_token: list[float] = []
-    decode_steps: list[tuple[int, float]] = []
+    decode_steps: list[tuple[int, int, float]] = []
     step_times: list[tuple[int, int, float]] = []
     outputs = []
     while engine.has_unfinished:
@@ -167,7 +189,7 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return
         batch = batches[-1]
         step_times.append((len(batch.seqs), batch.num_tokens, t1 - t0))
         if batch.seqs and batch.is_decode_only:
-            decode_steps.append((len(batch.seqs), t1 - t0))
+            decode_steps.append((len(batch.seqs), contexts[-1], t1 - t0))
         if pending:
             still = []
             for s in pending:
@@ -176,17 +198,18 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return
     elapsed = time.perf_counter() - start
     engine.scheduler.schedule = schedule
     tokens = sum(len(o.token_ids) for o in outputs)
-    full = max((b for b, _ in decode_steps), default=0)
+    full = max((b for b, _, _ in decode_steps), default=0)
     return {
         **throughput(tokens, elapsed),
         "ttft_median_s": statistics.median(first_token), "steps": len(batches),
-        "decode_step_median_s_at_full_batch": statistics.median([t for b, t in decode_steps if b == full]) if full else None,
+        "decode_step_median_s_at_full_batch": statistics.median([t for b, _, t in decode_steps if b == full]) if full else None,
         "full_decode_batch": full,
-        "decode_step_median_s_all": statistics.median([t for _, t in decode_steps]) if decode_steps else None,
+        "decode_step_median_s_all": statistics.median([t for _, _, t in decode_steps]) if decode_steps else None,
         "prompt_tokens_requested": sum(len(p) for p in prompts) * n,
         "prompt_tokens_computed": counts["prompt_tokens_computed"],
         "first_steps": [{"seqs": b, "tokens": n, "s": t} for b, n, t in step_times[:16]],
         "step_seconds": [t for _, _, t in step_times],
+        "decode_steps": decode_steps,
         "outputs": outputs,
     }
 
@@ -312,6 +335,10 @@ def bench_generate_batch(model, device: torch.device, w: dict, prompts: list[lis
     return throughput(sum(len(r.generated_tokens) for r in results.values()), elapsed)
 
 
+BULKY = ("outputs", "step_seconds", "decode_steps")
+"""Per-token and per-step lists a result keeps only until its figures are computed."""
+
+
 def attempt(results: dict, name: str, fn) -> None:
     print(f"--- {name}", flush=True)
     try:
@@ -319,70 +346,84 @@ def attempt(results: dict, name: str, fn) -> None:
     except Exception as err:  # record and go on: see the module docstring
         traceback.print_exc()
         results[name] = {"error": f"{type(err).__name__}: {err}"}
-    shown = ({k: v for k, v in results[name].items() if k not in ("outputs", "step_seconds")}
+    shown = ({k: v for k, v in results[name].items() if k not in BULKY}
              if isinstance(results[name], dict) else results[name])
     print(json.dumps(shown, default=str), flush=True)
 
 
-def main() -> None:
-    args = parse_args()
-    parts = set(args.parts.split(","))
-    device = resolve_device(args.device)
-    a, b = scaled(args, "A"), scaled(args, "B")
-    results: dict = {"workloads": {"A": a, "B": b}, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
-                     "compile_norms": args.compile_norms}
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.load_format is None:
-            args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
-        folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed,
-                                                                 num_layers=args.num_layers, weights=args.load_format != "dummy")
-        results["model"] = args.model or f"preset {args.preset}" + (f", {args.num_layers} layers" if args.num_layers else "")
-        results["load_format"] = args.load_format
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        prompts_a, prompts_b = prompts_for(a, vocab, args.seed), prompts_for(b, vocab, args.seed + 1)
-        if parts & {"engine", "mismatch"}:
-            max_seqs = max(a["num_prompts"] * a["n"], b["num_prompts"] * b["n"])
-            max_len = max(a["prompt_len"] + a["output_len"], b["prompt_len"] + b["output_len"])
-            t0 = time.perf_counter()
-            model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
-            engine = build_engine(model_config, engine_config(args, max_seqs, max_len), args.seed, exact=args.exact)
-            results["engine_build_s"] = time.perf_counter() - t0
-            results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
-                                   "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}
-            print(f"engine built in {results['engine_build_s']:.1f} s; KV cache {results['kv_cache']}", flush=True)
-            run_engine(engine, prompts_a[:4], 2, 8)  # warmup: prefill kernels compile
-            # Fresh prompts for every repeat: the same ones would hit the prefix cache of the last.
-            def best_of_repeats(offset: int) -> dict:
-                return max((run_engine(engine, prompts_for(a, vocab, args.seed + offset + r), a["n"], a["output_len"])
-                            for r in range(args.repeats)), key=lambda r: r["output_tokens_per_s"])
+def roofline_of(engine, results: dict, keys: list[str], bandwidths: dict) -> None:
+    """Add each engine result's `decode_roofline` (see `benchmarks/roofline.py`) and drop its bulky lists."""
+    weights, kv_per_token = weight_bytes(engine.runner.model), kv_bytes_per_token(engine.runner.cache)
+    for key in keys:
+        result = results.get(key, {})
+        if "decode_steps" in result:
+            result["decode_roofline"] = decode_roofline(result["decode_steps"], weights, kv_per_token, bandwidths)
+        for bulky in BULKY:
+            result.pop(bulky, None)
 
-            attempt(results, "engine_A", lambda: best_of_repeats(100))
-            if engine.overlap:
-                engine.overlap = False
-                attempt(results, "engine_A_read_each_step", lambda: best_of_repeats(200))
-                engine.overlap = True
-            attempt(results, "engine_B", lambda: run_engine(engine, prompts_b, b["n"], b["output_len"]))
-            if "mismatch" in parts and "outputs" in results["engine_B"]:
-                attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts_b, results["engine_B"]["outputs"], 1.0))
-            if "mismatch" in parts and moe_blocks(engine.runner.model):
-                attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts_b[:16], b))
-            for key in ("engine_A", "engine_A_read_each_step", "engine_B"):
-                for bulky in ("outputs", "step_seconds"):
-                    results.get(key, {}).pop(bulky, None)
-            del engine
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        if "vllm" in parts:
-            attempt(results, "vllm", lambda: bench_vllm(folder, args, {"A": a, "B": b}, {"A": prompts_a, "B": prompts_b}, Path(tmp)))
-        if "server" in parts:
-            attempt(results, "server_A", lambda: bench_server(folder, args, a, vocab, Path(tmp)))
-        if parts & {"generate", "generate_batch"}:
-            model = load_transformers(folder, args, device)
-            if "generate" in parts:
-                attempt(results, "transformers_generate_A", lambda: bench_generate(model, device, a, prompts_a))
-            if "generate_batch" in parts:
-                attempt(results, "transformers_generate_batch_A", lambda: bench_generate_batch(model, device, a, prompts_a))
+
+def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workloads: dict, prompts: dict, vocab: int,
+                 parts: set, bandwidths: dict) -> None:
+    """The engine on the shared workloads asked for (A with repeats and its read-each-step baseline; the
+    mismatch on B), one engine sized for them all."""
+    max_seqs = max(w["num_prompts"] * w["n"] for w in workloads.values())
+    max_len = max(w["prompt_len"] + w["output_len"] for w in workloads.values())
+    t0 = time.perf_counter()
+    model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
+    engine = build_engine(model_config, engine_config(args, max_seqs, max_len), args.seed, exact=args.exact)
+    results["engine_build_s"] = time.perf_counter() - t0
+    results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
+                           "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}
+    print(f"engine built in {results['engine_build_s']:.1f} s; KV cache {results['kv_cache']}", flush=True)
+    first = next(iter(prompts.values()))
+    run_engine(engine, first[:4], 2, 8)  # warmup: prefill kernels compile
+    if "A" in workloads:
+        a = workloads["A"]
+
+        # Fresh prompts for every repeat: the same ones would hit the prefix cache of the last.
+        def best_of_repeats(offset: int) -> dict:
+            return max((run_engine(engine, prompts_for(a, vocab, args.seed + offset + r), a["n"], a["output_len"])
+                        for r in range(args.repeats)), key=lambda r: r["output_tokens_per_s"])
+
+        attempt(results, "engine_A", lambda: best_of_repeats(100))
+        if engine.overlap:
+            engine.overlap = False
+            attempt(results, "engine_A_read_each_step", lambda: best_of_repeats(200))
+            engine.overlap = True
+    for key in [k for k in workloads if k != "A"]:
+        w = workloads[key]
+        attempt(results, f"engine_{key}", lambda: run_engine(engine, prompts[key], w["n"], w["output_len"]))
+    b_outputs = results.get("engine_B", {}).get("outputs")
+    if "mismatch" in parts and b_outputs:
+        attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts["B"], b_outputs, 1.0))
+    if "mismatch" in parts and "B" in workloads and moe_blocks(engine.runner.model):
+        attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts["B"][:16], workloads["B"]))
+    roofline_of(engine, results, ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads)], bandwidths)
+    del engine
+    free_device_memory(args)
+
+
+def bench_long_decode(folder: Path, args: argparse.Namespace, w: dict, prompts: list[list[int]], bandwidths: dict) -> dict:
+    """Workload E on an engine of its own, sized for it: the decode step at 32k context and its roofline."""
+    model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
+    engine = build_engine(model_config, engine_config(args, w["num_prompts"] * w["n"], w["prompt_len"] + w["output_len"]),
+                          args.seed, exact=args.exact)
+    run_engine(engine, [[1] * 64, [2] * 64], 1, 4)  # warmup (prompts no later one shares a block with)
+    result = {"engine_E": run_engine(engine, prompts, w["n"], w["output_len"])}
+    roofline_of(engine, result, ["engine_E"], bandwidths)
+    del engine
+    free_device_memory(args)
+    return result["engine_E"]
+
+
+def free_device_memory(args: argparse.Namespace) -> None:
+    """Return a dropped engine's GPU memory (KV cache, graph pool) for the next part."""
+    gc.collect()
+    if resolve_device(args.device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def add_ratios(results: dict, workloads: list[str]) -> None:
     engine_a = results.get("engine_A", {}).get("output_tokens_per_s")
     read_each_step = results.get("engine_A_read_each_step", {}).get("output_tokens_per_s")
     if engine_a and read_each_step:
@@ -394,22 +435,76 @@ def main() -> None:
             server = results.get("server_A", {}).get("output_tokens_per_s")
             if server:
                 results[f"ratio_server_A_over_{base.removeprefix('transformers_')}"] = server / rate
-    for key in ("A", "B"):
+    for key in workloads:
         engine = results.get(f"engine_{key}", {}).get("output_tokens_per_s")
         anchor = results.get("vllm", {}).get(f"vllm_{key}_logprobs", {}).get("output_tokens_per_s")
         if engine and anchor:
             results[f"ratio_engine_{key}_over_vllm_with_logprobs"] = engine / anchor
+
+
+def summarize(results: dict, workloads: list[str]) -> dict:
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items() if k.startswith("ratio")}
-    for key in ("engine_A", "engine_A_read_each_step", "engine_B", "server_A", "transformers_generate_A", "transformers_generate_batch_A", "mismatch_B"):
-        r = results.get(key, {})
+    keys = ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads if k != "A"), "server_A",
+            "transformers_generate_A", "transformers_generate_batch_A", "mismatch_B"]
+    for key in (k for k in keys if k in results):
+        r = results[key]
         summary[key] = {k: r[k] for k in ("output_tokens_per_s", "ttft_median_s", "decode_step_median_s_at_full_batch",
                                           "prompt_tokens_computed", "prompt_tokens_requested", "mean_k3", "error") if k in r}
+        roofline = r.get("decode_roofline", {})
+        for bandwidth in ("nominal", "measured_copy"):
+            if bandwidth in roofline:
+                summary[key][f"roofline_fraction_{bandwidth}"] = roofline[bandwidth]["full_batch_fraction"]
     replay = results.get("mismatch_B_router_replay", {})
     if replay:
         summary["mismatch_B_router_replay"] = {k: v.get("mean_k3") if isinstance(v, dict) else v for k, v in replay.items()}
     if "vllm" in results:
         summary["vllm"] = {k: (v.get("output_tokens_per_s", v.get("error")) if isinstance(v, dict) else v)
                            for k, v in results["vllm"].items()}
+    return summary
+
+
+def main() -> None:
+    args = parse_args()
+    parts = set(args.parts.split(","))
+    chosen = args.workloads.split(",")
+    unknown = [k for k in chosen if k not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {unknown}; choose among {list(WORKLOADS)}")
+    device = resolve_device(args.device)
+    workloads = {k: scaled(args, k) for k in chosen}
+    results: dict = {"workloads": workloads, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
+                     "compile_norms": args.compile_norms}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.load_format is None:
+            args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
+        folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed,
+                                                                 num_layers=args.num_layers, weights=args.load_format != "dummy")
+        results["model"] = args.model or f"preset {args.preset}" + (f", {args.num_layers} layers" if args.num_layers else "")
+        results["load_format"] = args.load_format
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        prompts = {k: prompts_for(w, vocab, args.seed + "ABCDE".index(k)) for k, w in workloads.items()}
+        shared = {k: w for k, w in workloads.items() if k in SHARED_ENGINE}
+        if parts & {"engine", "mismatch"}:
+            bandwidths = {"nominal": nominal_bandwidth(device), "measured_copy": measured_copy_bandwidth(device)}
+            results["memory_bandwidth"] = bandwidths
+            if shared:
+                bench_engine(folder, args, results, shared, {k: prompts[k] for k in shared}, vocab, parts, bandwidths)
+            if "E" in workloads:
+                attempt(results, "engine_E", lambda: bench_long_decode(folder, args, workloads["E"], prompts["E"], bandwidths))
+        if "vllm" in parts and shared:
+            attempt(results, "vllm", lambda: bench_vllm(folder, args, shared, {k: prompts[k] for k in shared}, Path(tmp)))
+        a = scaled(args, "A")
+        prompts_a = prompts.get("A") or prompts_for(a, vocab, args.seed)
+        if "server" in parts:
+            attempt(results, "server_A", lambda: bench_server(folder, args, a, vocab, Path(tmp)))
+        if parts & {"generate", "generate_batch"}:
+            model = load_transformers(folder, args, device)
+            if "generate" in parts:
+                attempt(results, "transformers_generate_A", lambda: bench_generate(model, device, a, prompts_a))
+            if "generate_batch" in parts:
+                attempt(results, "transformers_generate_batch_A", lambda: bench_generate_batch(model, device, a, prompts_a))
+    add_ratios(results, chosen)
+    summary = summarize(results, chosen)
     print(json.dumps(summary, indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -7,9 +7,10 @@ Alone:
 
     python benchmarks/vllm_workloads.py --model DIR --spec spec.json --out vllm.json
 
-`spec.json` holds `workloads` ({"A": {...}, "B": {...}} as in inference.py) and `prompts`
-({"A": [[ids...]], "B": [...]}). Weights are vLLM's dummy (random) ones: the figures are about
-speed, and the model folder needs only its config.json. Every run samples at temperature 1 with
+`spec.json` holds `workloads` ({"A": {...}, "B": {...}, ...} as in inference.py, any of them) and
+`prompts` ({"A": [[ids...]], "B": [...], ...}); each runs with the sampled token's logprob, A also
+without. Weights are vLLM's dummy (random) ones: the figures are about speed, and the model folder
+needs only its config.json. Every run samples at temperature 1 with
 EOS ignored; `logprobs=0` asks for the sampled token's logprob only, what RL needs, and is the
 setting comparable to tandem's engine, which always returns it. Imports nothing from tandem.
 """
@@ -50,19 +51,19 @@ def main() -> None:
     from vllm import LLM
 
     spec = json.loads(Path(args.spec).read_text())
-    w_a, w_b = spec["workloads"]["A"], spec["workloads"]["B"]
-    max_len = max(w["prompt_len"] + w["output_len"] for w in (w_a, w_b))
-    max_seqs = max(w["num_prompts"] * w["n"] for w in (w_a, w_b))
+    workloads, prompts = spec["workloads"], spec["prompts"]
+    max_len = max(w["prompt_len"] + w["output_len"] for w in workloads.values())
+    max_seqs = max(w["num_prompts"] * w["n"] for w in workloads.values())
     start = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               max_model_len=max_len, max_num_seqs=max_seqs, gpu_memory_utilization=args.gpu_memory_utilization)
     results: dict = {"vllm": vllm.__version__, "build_s": time.perf_counter() - start}
-    run(llm, spec["prompts"]["A"][:4], {**w_a, "output_len": 8}, 0)  # warmup
-    # Fresh prompts per run (shifted ids), so the prefix cache of one run does not serve the next.
-    shifted = [[(t + 1) % 256 for t in p] for p in spec["prompts"]["A"]]
-    results["vllm_A_logprobs"] = run(llm, spec["prompts"]["A"], w_a, 0)
-    results["vllm_A_no_logprobs"] = run(llm, shifted, w_a, None)
-    results["vllm_B_logprobs"] = run(llm, spec["prompts"]["B"], w_b, 0)
+    first = next(iter(workloads))
+    run(llm, [[(t + 7) % 256 for t in p] for p in prompts[first][:4]], {**workloads[first], "n": 1, "output_len": 8}, 0)  # warmup
+    for key, w in workloads.items():
+        results[f"vllm_{key}_logprobs"] = run(llm, prompts[key], w, 0)
+        if key == "A":  # fresh prompts (shifted ids), so the prefix cache of one run does not serve the next
+            results["vllm_A_no_logprobs"] = run(llm, [[(t + 1) % 256 for t in p] for p in prompts["A"]], w, None)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))
 

@@ -70,7 +70,9 @@ class EngineConfig(Section):
 
     cuda_graphs: bool = True
     """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,
-    16, 32, ... up to `max_num_seqs` (a few seconds and a little memory); prefill steps run eager."""
+    16, 32, ... up to `max_num_seqs`, each for a few bounds of the longest context (512, 2048, 8192, ...
+    `max_model_len`; a few seconds and a little memory: each graph keeps its logits, batch x vocabulary);
+    prefill steps run eager."""
 
     overlap_steps: bool = True
     """CUDA, native models: schedule and launch each step before reading the previous step's tokens,

@@ -19,16 +19,17 @@ def mixed_step(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 
     """(q, k, v, k_cache, v_cache, metadata) of a step of sequences of these `shapes`."""
     gen = torch.Generator().manual_seed(seed)
     block_q = 1 if all(q_len == 1 for q_len, _ in shapes) else PREFILL_BLOCK_Q
-    num_blocks = 64
+    blocks_needed = [-(-ctx // block_size) for _, ctx in shapes]
+    num_blocks = max(64, sum(blocks_needed))
     k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
     v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    width = 12
+    width = max(12, *blocks_needed)
     tables = torch.zeros(len(shapes), width, dtype=torch.long)
     slots: list[int] = []
     tiles: list[list[int]] = [[], []]
     for i, (q_len, ctx) in enumerate(shapes):
-        need = -(-ctx // block_size)
+        need = blocks_needed[i]
         tables[i, :need] = torch.tensor(order[:need], dtype=torch.long)
         order = order[need:]
         if ctx == 0:
@@ -81,3 +82,32 @@ def dense_reference(q, k_cache, v_cache, meta) -> torch.Tensor:
                 out[start + j, h] = scores.softmax(0) @ values[:pos + 1, h // group]
         start += q_len
     return out
+
+
+SPLIT_DECODES = [(1, 40), (1, 512), (1, 1300), (1, 513), (1, 0)]
+"""Decode contexts around the kernel's chunk of 512 keys (`attention_kernel.SPLIT_KEYS`): shorter, equal,
+several chunks, one key past a chunk, and a CUDA-graph padding row (context 0, last)."""
+
+
+def check_split_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, tolerance: float,
+                       seed: int = 0) -> None:
+    """The kernel's split decode of `SPLIT_DECODES` against dense attention (within `tolerance`), and each
+    sequence's output bitwise the same alone (its own grid bound), in the batch, and under a CUDA graph's
+    bound (what the block tables hold)."""
+    from tandem.inference.engine.attention_kernel import SPLIT_KEYS, paged_attention
+
+    assert SPLIT_KEYS == 512, "SPLIT_DECODES are chosen around a chunk of 512 keys"
+    q, k, v, k_cache, v_cache, meta = mixed_step(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                                 block_size=16, seed=seed, shapes=SPLIT_DECODES)
+
+    def decode(rows: list[int], max_context: int | None) -> torch.Tensor:
+        return paged_attention(q[rows], k_cache, v_cache, meta.block_tables[rows], meta.seq_lens[rows],
+                               torch.arange(len(rows) + 1, device=device), meta.tiles[:, :len(rows)], 1, max_context)
+
+    rows = list(range(len(SPLIT_DECODES)))
+    batch = decode(rows, max(meta.seq_lens_host))
+    error = (batch.double().cpu() - dense_reference(q, k_cache, v_cache, meta)).abs().max().item()
+    assert error < tolerance, f"split decode differs from dense attention by {error}"
+    for i, (_, ctx) in enumerate(SPLIT_DECODES):
+        assert torch.equal(decode([i], ctx)[0], batch[i]), f"sequence {i} (context {ctx}) differs alone and in the batch"
+    assert torch.equal(decode(rows, None), batch), "the block tables' bound changed the outputs"

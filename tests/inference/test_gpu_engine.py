@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from attention_cases import DECODES, MIXED, dense_reference, mixed_step
+from attention_cases import DECODES, MIXED, check_split_decode, dense_reference, mixed_step
 from inference_helpers import teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
@@ -29,6 +29,36 @@ def test_kernel_equals_dense_attention(dtype, tolerance, shapes, heads, kv_heads
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, meta.tiles, meta.block_q)
         ref = dense_reference(q, k_cache, v_cache, meta)
         assert (out.double().cpu() - ref).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (40, 8)], ids=["qwen3-0.6b", "group-of-5"])
+def test_split_decode_equals_dense_attention_and_is_batch_invariant(dtype, tolerance, heads, kv_heads):
+    for seed in range(2):
+        check_split_decode("cuda", dtype, heads, kv_heads, 128, tolerance, seed)
+
+
+def test_engine_decodes_long_contexts_through_split_kv_graphs(tiny_dir):
+    """fp32: contexts of one chunk (512 keys) and of several, some crossing a chunk's end while decoding; steps
+    replay graphs of both context bounds (512 once the long ones finish, and max_model_len) and combine
+    chunks; logprobs match a teacher-forced pass."""
+    engine = build_engine(ModelConfig(name=str(tiny_dir), dtype="float32"),
+                          EngineConfig(device="cuda", max_num_seqs=8, max_model_len=1400, max_num_batched_tokens=512), seed=0)
+    assert engine.runner.graphs is not None and engine.runner.graphs.context_bounds == [512, 1400]
+    model = load_causal_lm(str(tiny_dir))
+    rng = random.Random(1)
+    lengths = {"0": (300, 60), "1": (500, 24), "2": (505, 24), "3": (1100, 8), "4": (1350, 8)}  # prompt, output
+    prompts = {i: [rng.randrange(256) for _ in range(prompt_len)] for i, (prompt_len, _) in lengths.items()}
+    for request_id, prompt in prompts.items():
+        params = SamplingParams(max_tokens=lengths[request_id][1], temperature=1.0, ignore_eos=True)
+        engine.add_request(request_id, prompt, params, n=1, incremental=False)
+    outputs = []
+    while engine.has_unfinished:
+        outputs.extend(engine.step())
+    assert len(outputs) == 5
+    for out in outputs:
+        expected = teacher_forced_logprobs(model, prompts[out.request_id], out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["torch-sampler", "sampling-kernel"])

@@ -1,11 +1,21 @@
-"""Paged attention as one Triton kernel: each query token of a step (a prefill chunk's or a
-decode's) attends to its sequence's keys and values read in place from the paged KV cache.
+"""Paged attention as Triton kernels: each query token of a step (a prefill chunk's or a decode's)
+attends to its sequence's keys and values read in place from the paged KV cache.
 
-Why a kernel of our own: gathering a decode batch's blocks into a padded copy (the torch
-reference in `paged_attention.py`) moves every cached byte three times per layer; this reads
-it once. Work items are *tiles*: `block_q` consecutive query tokens of one sequence times the
-query heads of one KV head (GQA: they share every key load). A decode step uses tiles of one
-token, so a step of B decodes is a fixed grid (B, kv_heads) that a CUDA graph can replay.
+Why kernels of our own: gathering a decode batch's blocks into a padded copy (the torch reference
+in `paged_attention.py`) moves every cached byte three times per layer; these read it once. Work
+items are *tiles*: `block_q` consecutive query tokens of one sequence times the query heads of
+one KV head (GQA: they share every key load).
+
+Decode steps (tiles of one token) split each tile's context into chunks of `SPLIT_KEYS` keys, one
+program each, so that a few long sequences still fill the GPU (64 sequences x 8 KV heads are 512
+programs for 132 SMs; at 8k context each would walk 8k keys alone). A sequence whose context fits
+one chunk is finished by its one program; longer ones leave each chunk's running max, sum and
+unnormalised output in a workspace, and a second small kernel combines the chunks in order.
+Batch invariance (exact mode relies on it): the chunk size is a constant, never derived from the
+batch, and a sequence's chunks and their combination depend only on its own context, so a token's
+output is bitwise the same whatever else is in the batch and whatever the grid's bound. The grid
+(sequences, KV heads, chunks of the longest context allowed) is fixed for a CUDA graph; programs
+past their sequence's context do nothing.
 
 Layouts: q and out [N, H, D] (the step's tokens, flattened), caches [blocks, S, Hkv, D],
 block_tables [rows, M], seq_lens [B] (context after the step), query_start [B + 1] (offsets of
@@ -24,6 +34,10 @@ try:
 except ImportError:  # CPU-only installs: `paged_attention.py` falls back to its torch reference
     triton = None
 
+SPLIT_KEYS = 512
+"""Keys per chunk of a decode's context (a multiple of the decode launch's BLOCK_N). A constant: a
+batch-dependent split would make a token's output depend on its batch (see the module docstring)."""
+
 
 def is_available(q: torch.Tensor) -> bool:
     """Whether the kernel can serve this query tensor (CUDA, Triton installed, head dim a power of 2)."""
@@ -32,6 +46,41 @@ def is_available(q: torch.Tensor) -> bool:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, lo, hi, qk_scale,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     IEEE: tl.constexpr):
+        """Online softmax of q [ROWS, D] over keys lo..hi-1 (causal at q_pos): running max (log2 units), sum, output."""
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + (n % PAGE)[:, None] * stride_ks + kv_head * stride_kh
+                        + d[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs + kv_head * stride_vh
+                        + d[None, :], mask=n_ok[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        return m, l, acc
 
     # Triton compiles a variant per value class of each int argument (1, multiple of 16, other); the tile
     # count changes every step, and a new variant mid-run is a half-second stall.
@@ -61,68 +110,185 @@ if triton is not None:
         token = (q_begin + q0 + tok).to(tl.int64)
         q = tl.load(q_ptr + token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
         end = tl.minimum(ctx, ctx - q_len + q0 + BLOCK_Q)  # the tile's last query sees no further
-        for start in range(0, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + (n % PAGE)[:, None] * stride_ks + kv_head * stride_kh
-                        + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs + kv_head * stride_vh
-                        + d[None, :], mask=n_ok[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        m, l, acc = _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, 0, end,
+                                 scale * 1.4426950408889634,  # exp2 instead of exp
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                                 ROWS, BLOCK_N, PAGE, HEAD_DIM, IEEE)
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
+    # The workspace strides follow the chunk count of the grid's bound (1, a multiple of 16, other): not
+    # specialised, so an eager step with a new bound compiles nothing mid-run.
+    @triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
+    def _split_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_stats_ptr, block_tables_ptr, seq_lens_ptr,
+        query_start_ptr, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_bt, stride_pb, stride_ph, stride_ps, stride_sm, stride_sb, stride_sh,
+        GROUP: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """Chunk `program_id(2)` of the decode of sequence `program_id(0)` by the heads of KV head `program_id(1)`."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(seq_lens_ptr + seq)
+        lo = split * SPLIT
+        hi = tl.minimum(ctx, lo + SPLIT)
+        g = tl.arange(0, ROWS)  # row = query head of the group
+        row_ok = g < GROUP
+        head = kv_head * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
+        token = tl.load(query_start_ptr + seq).to(tl.int64)
+        q = tl.load(q_ptr + token * stride_qn + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & (lo < hi), other=0.0)
+        q_pos = tl.zeros([ROWS], tl.int32) + ctx - 1
+        m, l, acc = _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, lo, hi,
+                                 scale * 1.4426950408889634,  # exp2 instead of exp
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                                 ROWS, BLOCK_N, PAGE, HEAD_DIM, IEEE)
+        if ctx <= SPLIT:  # one chunk (or none: a padding row's zeros) is the whole answer
+            out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+            tl.store(out_ptr + token * stride_on + head[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (split == 0))
+        else:
+            part = seq.to(tl.int64) * stride_pb + head * stride_ph + split * stride_ps
+            keep = row_ok & (lo < ctx)
+            tl.store(part_out_ptr + part[:, None] + d[None, :], acc, mask=keep[:, None])
+            stat = seq.to(tl.int64) * stride_sb + head * stride_sh + split
+            tl.store(part_stats_ptr + stat, m, mask=keep)
+            tl.store(part_stats_ptr + stride_sm + stat, l, mask=keep)
+
+    @triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
+    def _combine_splits_kernel(
+        out_ptr, part_out_ptr, part_stats_ptr, seq_lens_ptr, query_start_ptr, stride_on, stride_oh,
+        stride_pb, stride_ph, stride_ps, stride_sm, stride_sb, stride_sh,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        """The chunks of one sequence's decode, combined one after another in chunk order (a fixed order:
+        the result depends only on the sequence's context)."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        ctx = tl.load(seq_lens_ptr + seq)
+        num_splits = tl.cdiv(ctx, SPLIT)
+        g = tl.arange(0, GROUP_P)
+        row_ok = g < GROUP
+        head = kv_head * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
+        part = seq.to(tl.int64) * stride_pb + head * stride_ph
+        stat = seq.to(tl.int64) * stride_sb + head * stride_sh
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+        # A sequence of one chunk was finished by its chunk's program: nothing to combine.
+        for split in range(0, tl.where(num_splits > 1, num_splits, 0)):
+            m_s = tl.load(part_stats_ptr + stat + split, mask=row_ok, other=0.0)
+            l_s = tl.load(part_stats_ptr + stride_sm + stat + split, mask=row_ok, other=0.0)
+            acc_s = tl.load(part_out_ptr + (part + split * stride_ps)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+            m_new = tl.maximum(m, m_s)
+            alpha = tl.exp2(m - m_new)
+            beta = tl.exp2(m_s - m_new)
+            l = l * alpha + l_s * beta
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            m = m_new
+        token = tl.load(query_start_ptr + seq).to(tl.int64)
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + token * stride_on + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (num_splits > 1))
+
 
 _PREFILL_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
 _DECODE_LAUNCH = dict(BLOCK_N=32, num_warps=1, num_stages=2)
-"""Decode tiles hold one token: one warp per (sequence, KV head) over 32-key chunks is the fastest
-of a sweep on an H200 (Qwen3-0.6B heads, 256 sequences of 192-640 tokens: 112 us against 129 us
-for the prefill setting at 384 tokens, about 3.6 TB/s of KV read)."""
+"""Decode tiles hold one token: one warp per (sequence, KV head) over 32-key blocks was the fastest of a
+sweep on an H200 before the split (Qwen3-0.6B heads, 256 sequences of 192-640 tokens: 112 us against 129 us
+for the prefill setting at 384 tokens, about 3.6 TB/s of KV read); each chunk program keeps it."""
 
 
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def decode_splits(max_context: int) -> int:
+    """Chunks of `SPLIT_KEYS` keys in a context of `max_context` tokens: the decode grid's third axis."""
+    return max(1, -(-max_context // SPLIT_KEYS))
+
+
+def decode_context_bounds(max_model_len: int) -> list[int]:
+    """Context bounds for the decode grids of CUDA graphs, ascending, the last `max_model_len`: one chunk, then
+    x4 steps (2k, 8k, 32k, ...), each kept where the next is at least twice it (a graph per bound and batch
+    size: a few bounds keep idle chunk programs few without many captures)."""
+    bounds = [max_model_len]
+    step = SPLIT_KEYS
+    candidates = []
+    while step < max_model_len:
+        candidates.append(step)
+        step *= 4
+    for bound in reversed(candidates):
+        if 2 * bound <= bounds[0] or bound == SPLIT_KEYS:
+            bounds.insert(0, bound)
+    return bounds
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start: torch.Tensor, tiles: torch.Tensor, block_q: int) -> torch.Tensor:
-    """Attention output [N, H, D] of q [N, H, D] over the paged cache (see the module docstring)."""
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    group_p = _next_pow2(group)
+                    seq_lens: torch.Tensor, query_start: torch.Tensor, tiles: torch.Tensor, block_q: int,
+                    max_context: int | None = None) -> torch.Tensor:
+    """Attention output [N, H, D] of q [N, H, D] over the paged cache (see the module docstring).
+
+    `max_context`: a bound on every sequence's context this step (decode steps size their grid by it);
+    None: what the block tables can hold.
+    """
     out = torch.empty_like(q)
     num_tiles = tiles.shape[1]
     if num_tiles == 0:
         return out
+    if max_context is None:
+        max_context = block_tables.shape[1] * k_cache.shape[1]
+    if block_q == 1:
+        _split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, query_start, decode_splits(max_context))
+        return out
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_p = _next_pow2(group)
     tiles = tiles.contiguous()
     _paged_attention_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tiles, num_tiles, head_dim ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p), PAGE=k_cache.shape[1],
-        HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, **(_DECODE_LAUNCH if block_q == 1 else _PREFILL_LAUNCH),
+        HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, **_PREFILL_LAUNCH,
     )
     return out
+
+
+def _split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, num_splits: int,
+                  split_keys: int = SPLIT_KEYS, launch: dict = _DECODE_LAUNCH) -> None:
+    """One token per sequence (its row of `query_start`), `num_splits` chunk programs per (sequence, KV head).
+
+    The workspace is allocated per call: under CUDA-graph capture it comes from the graph's pool, so
+    replays reuse the very same memory. `split_keys` and `launch` are the engine's constants; the sweep
+    of `benchmarks/decode_attention.py` tries others.
+    """
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # Each chunk's unnormalised output, then its running max (log2 units) and sum: read only where written.
+    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_stats = torch.empty(2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    workspace_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                         part_stats.stride(0), part_stats.stride(1), part_stats.stride(2))
+    _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_stats, block_tables, seq_lens, query_start, head_dim ** -0.5,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *workspace_strides,
+        GROUP=group, ROWS=max(16, _next_pow2(group)), SPLIT=split_keys, PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
+        IEEE=q.dtype == torch.float32, **launch,
+    )
+    if num_splits > 1:  # no sequence has a second chunk otherwise: every output is already written
+        _combine_splits_kernel[(num_seqs, num_kv_heads)](
+            out, part_out, part_stats, seq_lens, query_start, out.stride(0), out.stride(1), *workspace_strides,
+            GROUP=group, GROUP_P=_next_pow2(group), SPLIT=split_keys, HEAD_DIM=head_dim, num_warps=1,
+        )

@@ -1,10 +1,16 @@
-"""CUDA graphs of decode-only steps, one per batch size of a fixed ladder.
+"""CUDA graphs of decode-only steps, one per batch size of a fixed ladder and context bound.
 
 Why: a decode step of a small model is a thousand-odd short kernels; launched from Python each
 costs more host time than the GPU spends on it. A graph replays them all with one launch. The
 graphs are captured largest first into one memory pool (they never run at once), reading
 static input buffers; a step of B decodes replays the smallest captured size >= B, its rows
 past B padded (context 0, writes to the cache's pad slot). Prefill and mixed steps run eager.
+
+The decode attention's grid has a program per chunk of the longest context it may meet
+(`attention_kernel.py`), fixed at capture: so each batch size has a graph per context bound
+(`attention_kernel.decode_context_bounds`), and a step replays the smallest bound that holds its
+longest context. Short contexts then launch no idle chunk programs; the outputs are the same
+under every bound (the kernel's chunks depend only on each sequence's own context).
 """
 
 from __future__ import annotations
@@ -22,23 +28,26 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 def padded_batch_size(sizes: list[int], batch: int) -> int:
-    """The smallest of the (sorted) `sizes` that holds `batch` rows."""
+    """The smallest of the (sorted) `sizes` that holds `batch` rows (or tokens of context)."""
     return sizes[bisect.bisect_left(sizes, batch)]
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Callable[[int], torch.Tensor], max_batch: int):
-        """`forward(b)`: the decode step of b rows over the static buffers, returning its logits [b, V]."""
+    def __init__(self, forward: Callable[[int, int], torch.Tensor], max_batch: int, context_bounds: list[int]):
+        """`forward(b, bound)`: the decode step of b rows over the static buffers, no context over `bound`,
+        returning its logits [b, V]. `context_bounds`: ascending, the last one the longest context allowed."""
         self.sizes = graph_batch_sizes(max_batch)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.context_bounds = context_bounds
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
         for size in reversed(self.sizes):
-            forward(size)  # warmup: Triton compiles, the allocator settles, outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = forward(size)
-            pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            for bound in reversed(context_bounds):
+                forward(size, bound)  # warmup: Triton compiles, the allocator settles, outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = forward(size, bound)
+                pool = graph.pool()
+                self.graphs[size, bound] = (graph, out)
         torch.cuda.synchronize()
 
     @property
@@ -48,8 +57,9 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return padded_batch_size(self.sizes, batch)
 
-    def replay(self, batch: int) -> torch.Tensor:
-        """Run the graph of `padded(batch)` rows (static inputs already filled); its first `batch` logits."""
-        graph, out = self.graphs[self.padded(batch)]
+    def replay(self, batch: int, max_context: int) -> torch.Tensor:
+        """Run the graph of `padded(batch)` rows and the smallest bound >= `max_context` (static inputs
+        already filled); its first `batch` logits."""
+        graph, out = self.graphs[self.padded(batch), padded_batch_size(self.context_bounds, max_context)]
         graph.replay()
         return out[:batch]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.inference.engine.attention_kernel import decode_context_bounds
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.kv_cache import KVCache
@@ -48,12 +49,13 @@ class PagedModelRunner:
             self._query_start = torch.arange(max_num_seqs + 1, device=device)
             self._tiles = {b: torch.tensor(decode_tiles(b), device=device) for b in graph_batch_sizes(max_num_seqs)}
             with torch.no_grad():
-                self.graphs = DecodeGraphs(self._graph_forward, max_num_seqs)
+                self.graphs = DecodeGraphs(self._graph_forward, max_num_seqs, decode_context_bounds(max_model_len))
 
-    def _graph_forward(self, b: int) -> torch.Tensor:
+    def _graph_forward(self, b: int, max_context: int) -> torch.Tensor:
         static = self._static
         meta = AttentionMetadata(slot_mapping=static[2, :b], query_start=self._query_start[:b + 1], seq_lens=static[3, :b],
-                                 block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1)
+                                 block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1,
+                                 max_context=max_context)
         hidden = self.model(static[0, :b][None], static[1, :b][None], attention=PagedAttention(self.cache, meta))
         return self.model.lm_head(hidden[0])
 
@@ -65,13 +67,14 @@ class PagedModelRunner:
             size = step.input_ids.shape[0]
             for row, values in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
                 self._static[row, :size].copy_(values)
-            logits = self.graphs.replay(b)
+            logits = self.graphs.replay(b, max(step.seq_lens_host, default=0))
             self._record_routing(self._query_start[:b])  # rows 0..b-1
             return logits
         step = self.inputs.build(batch, previous_tokens=previous_tokens)
         meta = AttentionMetadata(slot_mapping=step.slot_mapping, query_start=step.query_start, seq_lens=step.seq_lens,
                                  block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
-                                 query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host)
+                                 query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host,
+                                 max_context=max(step.seq_lens_host, default=0))
         hidden = self.model(step.input_ids[None], step.positions[None], attention=PagedAttention(self.cache, meta, self.exact))
         self._record_routing(step.sample_index)
         if self.exact:

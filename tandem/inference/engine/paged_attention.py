@@ -38,6 +38,9 @@ class AttentionMetadata:
     query_lens_host: list[int] | None = None
     """The same lengths on the host, for the torch reference; None on the CUDA-graph path."""
     seq_lens_host: list[int] | None = None
+    max_context: int | None = None
+    """A bound on every sequence's context this step (the kernel sizes a decode's grid by it); None: what the
+    block tables can hold. A CUDA graph captures it, so a graph's bound holds for every step it replays."""
 
 
 class PagedAttention:
@@ -58,7 +61,7 @@ class PagedAttention:
             out = exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
         elif attention_kernel.is_available(q_NHD):
             out = attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
-                                                   m.query_start, m.tiles, m.block_q)
+                                                   m.query_start, m.tiles, m.block_q, m.max_context)
         else:
             out = reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
         return out[None]
