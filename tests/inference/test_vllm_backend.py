@@ -15,15 +15,22 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
+import torch
 from pydantic import ValidationError
+from safetensors.torch import save_file
 
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import ClientConfig
+from tandem.config.rl import RLConfig
 from tandem.config.resolve import free_port
 from tandem.config.vllm import TANDEM_SET_FLAGS
 from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv
+from tandem.launch.preflight import sample_conversation
+from tandem.models.byte_tokenizer import build_byte_tokenizer
 from tandem.orchestrator.inference_pool import InferencePool
+from tandem.transport.broadcast_types import update_info_of
 
 FAKE = Path(__file__).with_name("fake_vllm")
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +56,7 @@ def test_tandem_keys_map_onto_vllm_flags():
     assert pairs["--max-num-seqs"] == "32" and pairs["--seed"] == "5" and pairs["--port"] == "8123"
     assert pairs["--tensor-parallel-size"] == "2" and pairs["--api-key"] == "k"
     assert json.loads(pairs["--weight-transfer-config"]) == {"backend": "nccl"}
+    assert pairs["--logprobs-mode"] == "processed_logprobs"  # log_softmax(logits / T), as tandem's engine reports
     assert "--no-enable-prefix-caching" in argv and "--no-trust-remote-code" in argv
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and "--enforce-eager" in argv
     assert set(mapped_flags(config)) == TANDEM_SET_FLAGS  # every flag tandem sets is refused as a pass-through
@@ -113,16 +121,44 @@ def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
     assert record["dev_mode"] == "1" and record["pgid"] == record["pid"] != os.getpgid(proc.pid)
     assert record["argv"][:2] == ["serve", "/models/qwen3"]
 
-    async def generate():
+    folder = tmp_path / "step_1"
+    folder.mkdir()
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, folder / "model.safetensors")
+    info = update_info_of({"lm_head.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, bucket_bytes=2**20)
+
+    async def drive():
         pool = InferencePool(ClientConfig(base_urls=[url], backend="vllm"))
+        request = {"prompt_token_ids": [4, 9], "max_tokens": 3, "n": 1, "temperature": 1.0, "seed": 7}
         try:
-            return await pool.generate({"prompt_token_ids": [4, 9], "max_tokens": 3, "n": 1}, 0)
+            before = await pool.generate(request, 0)
+            await pool.update_weights(str(folder), 1)
+            after = await pool.generate(request, 0)
+            await pool.init_weight_transfer([{"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1,
+                                              "world_size": 2}])
+            await pool.broadcast_update(msgspec.to_builtins(info), 2)
+            return before, after, pool.versions
         finally:
             await pool.aclose()
 
-    choice = asyncio.run(generate())["choices"][0]
+    before, after, versions = asyncio.run(drive())
+    choice = before["choices"][0]
     assert choice["token_ids"] == [10, 11, 12] and choice["logprobs"] == [-0.5, -1.0, -1.5]
     assert choice["weight_version"] == 0  # vLLM reports none: the version the server held when asked
+    assert after["choices"][0]["token_ids"] == [11, 12, 13] and after["choices"][0]["weight_version"] == 1
+    assert versions == [2]
+    calls = [json.loads(line) for line in (tmp_path / "record.json.calls").read_text().splitlines()]
+    assert calls[:3] == [{"route": "/pause", "mode": "keep"},
+                         {"route": "/collective_rpc", "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+                         {"route": "/resume"}]
+    assert [c["route"] for c in calls[3:]] == ["/init_weight_transfer_engine", "/pause", "/start_weight_update",
+                                                "/update_weights", "/finish_weight_update", "/resume"]
+    assert calls[6]["update_info"]["dtype_names"] == ["bfloat16"] and calls[6]["update_info"]["packed"] is True
+
+    # The launcher's preflight samples through the same dialect (vLLM's route, no echoed prompt).
+    with httpx.Client(timeout=30) as client:
+        turns, problems = sample_conversation(client, url, build_byte_tokenizer(), 0,
+                                              RLConfig.model_validate({"inference": {"backend": "vllm"}}))
+    assert problems == [] and len(turns) == 2 and turns[1].logprobs[:2] == [-0.5, -1.0]
 
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
