@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from inference_helpers import teacher_forced_logprobs
 from transformers import AutoTokenizer
 
 from tandem.config.dump import to_toml
@@ -97,7 +98,8 @@ def pool_call(served: Served, fn):
 
 
 def greedy(pool: InferencePool, max_tokens: int = 12):
-    return pool.generate({"prompt_token_ids": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "n": 1}, 0)
+    return pool.generate({"prompt_token_ids": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                          "n": 1}, 0)
 
 
 def test_chat_and_completions_carry_token_ids_and_logprobs(served):
@@ -118,7 +120,7 @@ def test_chat_and_completions_carry_token_ids_and_logprobs(served):
 
 
 def test_generate_through_the_pool_reports_the_trainers_logprobs(served):
-    """vLLM's token-in route through the dialect: greedy equals /v1/completions, and the logprobs at T = 0.7 are
+    """vLLM's token-in route through the dialect: greedy equals /v1/completions, and the logprobs at T = 0.5 are
     log_softmax(logits / T) of tandem's own model (what the trainer computes), not vLLM's default raw logprobs."""
     answer = pool_call(served, lambda pool: greedy(pool, 8))["choices"][0]
     completion = httpx.post(f"{served.url}/v1/completions", timeout=120, json={
@@ -130,11 +132,7 @@ def test_generate_through_the_pool_reports_the_trainers_logprobs(served):
                                                              "temperature": temperature, "ignore_eos": True, "n": 1}, 0))
     tokens, logprobs = tempered["choices"][0]["token_ids"], torch.tensor(tempered["choices"][0]["logprobs"])
     model = load_causal_lm(str(served.model), device="cuda", dtype="bfloat16")
-    ids = torch.tensor([PROMPT + tokens], device="cuda")
-    with torch.no_grad():
-        logits = model.lm_head(model(ids, torch.arange(ids.shape[1], device="cuda")[None]))[0, len(PROMPT) - 1:-1].float()
-    chosen = torch.tensor(tokens, device="cuda")[:, None]
-    tempered_error, raw_error = (((logits / t).log_softmax(-1).gather(-1, chosen)[:, 0].cpu() - logprobs).abs().max().item()
+    tempered_error, raw_error = ((teacher_forced_logprobs(model, PROMPT, tokens, t, device="cuda") - logprobs).abs().max().item()
                                  for t in (temperature, 1.0))
     print(f"\nlogprobs at T = {temperature}: max error {tempered_error:.4f} against log_softmax(logits / T), "
           f"{raw_error:.4f} against log_softmax(logits)")
