@@ -2,7 +2,7 @@
 (issue 17: vLLM beside tandem's engine; run once per backend and compare the summaries).
 
     PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 \
-        python benchmarks/rl_backends.py --backend vllm --max-steps 50 --out $OUT/rl-vllm
+        python benchmarks/rl_backends.py --backend vllm --out $OUT/rl-vllm
 
 Runs `tandem rl @ examples/reverse_text/rl.toml` with `deployment.type = "gpu"`,
 `deployment.trainer_devices = [0]` (the engine then takes `deployment.shared_gpu_memory_fraction`),
@@ -39,7 +39,7 @@ LOADED = re.compile(r"loaded policy \d+ into \d+ server\(s\) in ([\d.]+)s")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["tandem", "vllm"], required=True)
-    parser.add_argument("--max-steps", type=int, default=50, help="RL steps (evals every 25, and at 0)")
+    parser.add_argument("--max-steps", type=int, default=40, help="RL steps (evals at 0, every 25 and at the last)")
     parser.add_argument("--timeout-s", type=float, default=540.0)
     parser.add_argument("--out", required=True, help="folder for the summary and the run's logs")
     parser.add_argument("--commit", help="the commit measured (default: git's HEAD)")

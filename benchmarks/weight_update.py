@@ -2,6 +2,8 @@
 
     python benchmarks/weight_update.py --preset tiny --device cpu                    # CPU: filesystem and gloo broadcast
     python benchmarks/weight_update.py --preset qwen3-0.6b --device cuda --out benchmarks/results/weight-update-h200-DATE.json
+    PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python benchmarks/weight_update.py \
+        --preset qwen3-0.6b --device cuda --parts filesystem,vllm --out $OUT/weight-update.json   # with vLLM
 
 The server is `tandem inference` in its own process (as `tandem rl` runs it); this process plays
 trainer rank 0 and the orchestrator, with the real code of both. The new weights start where
