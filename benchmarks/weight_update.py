@@ -15,7 +15,7 @@ request comes back with the new `weight_version`:
   orchestrator's `BroadcastPolicies.load` drives the server's weight-transfer routes. The group is
   formed once, before timing. On CUDA the trainer end takes its own GPU (NCCL runs one rank per
   GPU): it needs two visible GPUs and is recorded as skipped otherwise;
-- part `vllm` (when a `vllm` executable is on PATH), to `tandem inference --backend vllm`, one server for both:
+- part `vllm` (when vLLM is installed), to `tandem inference --backend vllm`, one server for both:
   `vllm_filesystem`, the same folder write, then vLLM's reload (`/pause?mode=keep`, `/collective_rpc
   reload_weights`, `/resume`: `tandem/orchestrator/server_dialect.py`), and `vllm_broadcast`, the broadcast
   through vLLM's NCCL engine (two GPUs). vLLM reports no weight version: its check is a greedy one-token
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -191,8 +191,8 @@ def run_part(results: dict, part: str, folder: Path, device: torch.device, tmp: 
     """Part `filesystem` or `broadcast` (tandem's server), or `vllm` (both transports, one vLLM server)."""
     backend = "vllm" if part == "vllm" else "tandem"
     names = {"filesystem": ["filesystem"], "broadcast": ["broadcast"], "vllm": ["vllm_filesystem", "vllm_broadcast"]}[part]
-    if backend == "vllm" and shutil.which("vllm") is None:
-        results.update({name: {"skipped": "no `vllm` executable on PATH"} for name in names})
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        results.update({name: {"skipped": "vLLM is not installed"} for name in names})
         return
     trainer_device = trainer_device_for(device)
     if backend == "vllm" and device.type != "cuda":

@@ -18,7 +18,6 @@ import asyncio
 import importlib.util
 import math
 import os
-import shutil
 import sys
 import threading
 import time
@@ -46,8 +45,7 @@ from tandem.trainer.publish import write_weights_folder
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None or shutil.which("vllm") is None,
-                       reason="needs vLLM 0.26 importable and its `vllm` executable on PATH"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM 0.26 (importable)"),
 ]
 
 PROMPT = [258, 104, 105, 33, 257, 10]

@@ -5,6 +5,7 @@ The test against a real vLLM skips where none is installed."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -75,6 +76,7 @@ def test_pass_through_errors_name_the_key():
 def inference(tmp_path: Path, path_dirs: list[Path], *args: str, **env: str) -> subprocess.Popen:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "FAKE_VLLM"))}
     environ["PATH"] = os.pathsep.join([*map(str, path_dirs), *SYSTEM_PATH])
+    environ["PYTHONPATH"] = str(REPO)  # a vLLM on the caller's PYTHONPATH must not answer either
     environ |= {"FAKE_VLLM_RECORD": str(tmp_path / "record.json"), **env}
     return subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--backend", "vllm", "--model.name",
                              "/models/qwen3", *args], cwd=REPO, env=environ, stdout=subprocess.PIPE,
@@ -86,7 +88,8 @@ def test_missing_wrong_or_failing_vllm_is_an_error_with_its_last_lines(tmp_path)
         pytest.skip("a system-wide vllm would answer instead of the stand-in")
     missing = inference(tmp_path, [])
     _, err = missing.communicate(timeout=60)
-    assert missing.returncode == 2 and "no `vllm` executable is on PATH" in err and "tandem-rl[vllm]" in err
+    assert missing.returncode == 2 and "no `vllm` executable is on PATH and this Python cannot import it" in err
+    assert "tandem-rl[vllm]" in err
 
     old = inference(tmp_path, [FAKE], FAKE_VLLM_VERSION="0.25.2")
     _, err = old.communicate(timeout=60)
@@ -95,6 +98,16 @@ def test_missing_wrong_or_failing_vllm_is_an_error_with_its_last_lines(tmp_path)
     failing = inference(tmp_path, [FAKE], FAKE_VLLM_FAIL="1")
     _, err = failing.communicate(timeout=60)
     assert failing.returncode == 1 and "vLLM exited with code 3" in err and "| CUDA out of memory" in err
+
+    # Importable but not on PATH (`pip install --target DIR`, DIR on PYTHONPATH): run as `python -m`.
+    cli = tmp_path / "site" / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for folder in (cli, cli.parent, cli.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (cli / "main.py").write_text(f"import runpy\nrunpy.run_path({str(FAKE / 'vllm')!r}, run_name='__main__')\n")
+    module = inference(tmp_path, [], FAKE_VLLM_FAIL="1", PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path / "site")]))
+    _, err = module.communicate(timeout=60)
+    assert module.returncode == 1 and "vLLM exited with code 3" in err
 
     (tmp_path / "extra.toml").write_text("[vllm.extra_args]\nspeculative_wish = 3\n")
     unknown = inference(tmp_path, [FAKE], "@", str(tmp_path / "extra.toml"))
@@ -168,7 +181,7 @@ def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
         os.killpg(record["pgid"], 0)
 
 
-@pytest.mark.skipif(shutil.which("vllm") is None, reason="vLLM is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_real_vllm_knows_every_flag_tandem_passes():
     from tandem.inference.vllm.server import find_vllm, known_flags
 
