@@ -31,6 +31,7 @@ from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_f
 from tandem.launch.preflight import sample_conversation
 from tandem.models.byte_tokenizer import build_byte_tokenizer
 from tandem.orchestrator.inference_pool import InferencePool
+from tandem.orchestrator.server_dialect import VllmDialect
 from tandem.transport.broadcast_types import update_info_of
 
 FAKE = Path(__file__).with_name("fake_vllm")
@@ -71,6 +72,15 @@ def test_pass_through_errors_name_the_key():
         check_extra_args(config, flags_in_help("  --enforce-eager  help\n  --no-enforce-eager\n  --port PORT"))
     assert flags_in_help("  --no-enable-prefix-caching, --enable-prefix-caching\n --max-num-seqs N") == {
         "enable_prefix_caching", "max_num_seqs"}
+
+
+def test_what_vllm_cannot_serve_as_tandem_does_is_refused():
+    with pytest.raises(ValidationError, match="`model.load_format` = 'dummy' with `backend` = 'vllm'"):
+        vllm_config(model={"name": "/models/qwen3", "load_format": "dummy"})
+    with pytest.raises(ValueError, match="router replay"):
+        VllmDialect().to_request({"prompt_token_ids": [1], "max_tokens": 2, "return_routed_experts": True})
+    request = VllmDialect().to_request({"prompt_token_ids": [1, 2], "max_tokens": 2, "temperature": 1.0})
+    assert request == {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "temperature": 1.0, "logprobs": 0}}
 
 
 def inference(tmp_path: Path, path_dirs: list[Path], *args: str, **env: str) -> subprocess.Popen:
