@@ -145,11 +145,8 @@ class InferencePool:
         (loading one folder twice does no harm)."""
         retry = {"first_server": server, "failover": False, "max_retries": max_retries}
         route, body = self.dialect.folder_update(path, version)
-        if self.dialect.pauses_for_folder_update:
-            async with self._paused(server, retry):
-                await self._post(route, body, **retry)
-                self.versions[server] = version
-        else:
+        paused = self._paused(server, retry) if self.dialect.pauses_for_folder_update else contextlib.nullcontext()
+        async with paused:
             await self._post(route, body, **retry)
             self.versions[server] = version
 
