@@ -52,7 +52,7 @@ def test_tandem_keys_map_onto_vllm_flags():
                                "extra_args": {"max_num_batched_tokens": 8192, "enforce_eager": True}})
     argv = serve_argv(config)
     assert argv[0] == "/models/qwen3"
-    pairs = dict(zip(argv[1::2], argv[2::2]))
+    pairs = {flag: value for flag, value in zip(argv[1:], argv[2:]) if flag.startswith("--") and not value.startswith("--")}
     assert pairs["--served-model-name"] == "/models/qwen3" and pairs["--dtype"] == "bfloat16"
     assert pairs["--gpu-memory-utilization"] == "0.4" and pairs["--max-model-len"] == "2048"
     assert pairs["--max-num-seqs"] == "32" and pairs["--seed"] == "5" and pairs["--port"] == "8123"
@@ -60,6 +60,7 @@ def test_tandem_keys_map_onto_vllm_flags():
     assert json.loads(pairs["--weight-transfer-config"]) == {"backend": "nccl"}
     assert pairs["--logprobs-mode"] == "processed_logprobs"  # log_softmax(logits / T), as tandem's engine reports
     assert "--no-enable-prefix-caching" in argv and "--no-trust-remote-code" in argv
+    assert "--disable-uvicorn-access-log" in argv  # `server.access_log` = false: no line per request
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and "--enforce-eager" in argv
     assert set(mapped_flags(config)) == TANDEM_SET_FLAGS  # every flag tandem sets is refused as a pass-through
 

@@ -2,7 +2,7 @@
 
 Mapped keys: `model.name` (served under that name too), `model.dtype` (`auto` is bfloat16, as on
 tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `engine.max_model_len`,
-`engine.max_num_seqs`, `seed`, `server.host`/`port`/`api_key`, `vllm.tensor_parallel_size`,
+`engine.max_num_seqs`, `seed`, `server.host`/`port`/`api_key`/`access_log`, `vllm.tensor_parallel_size`,
 `vllm.enable_prefix_caching`; the weight-transfer engine is always on (NCCL), so either weight
 transport can drive the server; logprobs are always `processed_logprobs`. Anything else goes through
 `vllm.extra_args`. Flag names and forms checked against vLLM 0.26's `EngineArgs.add_cli_args`
@@ -48,6 +48,7 @@ def mapped_flags(config: InferenceConfig) -> dict[str, str | bool]:
         "trust_remote_code": config.model.trust_remote_code,
         "weight_transfer_config": json.dumps({"backend": "nccl"}),
         "logprobs_mode": LOGPROBS_MODE,
+        "disable_uvicorn_access_log": not config.server.access_log,
     }
     if engine.max_model_len is not None:
         flags["max_model_len"] = str(engine.max_model_len)
