@@ -2,6 +2,8 @@
 
     python benchmarks/weight_update.py --preset tiny --device cpu                    # CPU: filesystem and gloo broadcast
     python benchmarks/weight_update.py --preset qwen3-0.6b --device cuda --out benchmarks/results/weight-update-h200-DATE.json
+    PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python benchmarks/weight_update.py \
+        --preset qwen3-0.6b --device cuda --parts filesystem,vllm --out $OUT/weight-update.json   # with vLLM
 
 The server is `tandem inference` in its own process (as `tandem rl` runs it); this process plays
 trainer rank 0 and the orchestrator, with the real code of both. The new weights start where
@@ -13,9 +15,13 @@ request comes back with the new `weight_version`:
   orchestrator's `BroadcastPolicies.load` drives the server's weight-transfer routes. The group is
   formed once, before timing. On CUDA the trainer end takes its own GPU (NCCL runs one rank per
   GPU): it needs two visible GPUs and is recorded as skipped otherwise;
-- `vllm_broadcast` (part `vllm`, when a `vllm` executable is on PATH): the same, to
-  `tandem inference --backend vllm`, through vLLM's NCCL engine.
-Median and min over `--repeats` updates, after one untimed update, and the MiB of weights moved per
+- part `vllm` (when vLLM is installed), to `tandem inference --backend vllm`, one server for both:
+  `vllm_filesystem`, the same folder write, then vLLM's reload (`/pause?mode=keep`, `/collective_rpc
+  reload_weights`, `/resume`: `tandem/orchestrator/server_dialect.py`), and `vllm_broadcast`, the broadcast
+  through vLLM's NCCL engine (two GPUs). vLLM reports no weight version: its check is a greedy one-token
+  probe whose token and logprob must be those the same weights gave in the untimed updates (the two weight
+  sets give different ones, which is checked too).
+Median and min over `--repeats` updates, after two untimed updates (one per weight set), and the MiB of weights moved per
 second at the median: a fixed cost (HTTP calls, polling the announcement) plus size over bandwidth,
 so a projection to a larger model from one small preset overstates its time; two presets separate them.
 """
@@ -24,9 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -75,34 +81,55 @@ class Server:
         self.port = free_port()
         config = InferenceConfig.model_validate({
             "backend": backend, "model": {"name": str(folder)}, "server": {"port": self.port},
-            "engine": {"device": str(device), "max_num_seqs": 4, "max_model_len": 256, "cuda_graphs": False}})
+            "engine": {"device": str(device), "max_num_seqs": 4, "max_model_len": 256, "cuda_graphs": False},
+            # vLLM: no compile or graph capture (a quicker start; an update's latency does not depend on them).
+            "vllm": {"extra_args": {"enforce_eager": True} if backend == "vllm" else {}}})
         (tmp / f"{backend}.toml").write_text(to_toml(config))
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="0") if device.type == "cuda" else dict(os.environ)
         self.process = ManagedProcess("inference", [sys.executable, "-m", "tandem.cli", "inference", "@",
                                                     str(tmp / f"{backend}.toml")], tmp / f"{backend}.log", env)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.backend = backend
+        self.probes: dict[int, tuple[int, float]] = {}
+        """vLLM: the probe's (token, logprob) per weight set (`_probe_matches`)."""
         wait_healthy(self.url, self.process, timeout_s=900)
 
     def samples_with(self, version: int) -> None:
         """One token; raise unless the new policy sampled it."""
+        if self.backend == "vllm":
+            return self._probe_matches(version)
         body = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1, "temperature": 1.0, "seed": version}
         choice = httpx.post(f"{self.url}/v1/generate", json=body, timeout=600).json()["choices"][0]
         if choice["weight_version"] != version:
             raise RuntimeError(f"sampled with policy {choice['weight_version']}, expected {version}")
 
+    def _probe_matches(self, version: int) -> None:
+        """vLLM: the greedy token and its logprob must be those of weight set `version % 2` (recorded at the first
+        updates, which must tell the two sets apart). Not detokenized: random weights sample ids past the
+        byte tokenizer's."""
+        body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "temperature": 0.0, "logprobs": 0,
+                                                            "detokenize": False}}
+        choice = httpx.post(f"{self.url}/inference/v1/generate", json=body, timeout=600).json()["choices"][0]
+        probe = (choice["token_ids"][0], round(choice["logprobs"]["content"][0]["logprob"], 3))
+        expected = self.probes.setdefault(version % 2, probe)
+        if len(self.probes) == 2 and self.probes[0] == self.probes[1]:
+            raise RuntimeError(f"both weight sets give the probe {probe}: it cannot tell them apart")
+        if probe != expected:
+            raise RuntimeError(f"probe {probe} after update {version}, expected {expected}: the new weights are not served")
+
     def stop(self) -> None:
-        self.process.stop()
+        self.process.stop(grace=30)  # vLLM takes a few seconds to free its GPU
 
 
 def timed_updates(update, check, states: list[dict], repeats: int) -> dict:
-    """Seconds of each `update(version, state)` + `check(version)`, after one untimed update, and the
-    weight bytes moved per second at the median (to project other model sizes from)."""
+    """Seconds of each `update(version, state)` + `check(version)`, after two untimed updates (one per
+    weight set), and the weight bytes moved per second at the median (to project other model sizes from)."""
     seconds = []
-    for version in range(1, repeats + 2):
+    for version in range(1, repeats + 3):
         start = time.perf_counter()
         update(version, states[version % 2])
         check(version)
-        if version > 1:
+        if version > 2:
             seconds.append(time.perf_counter() - start)
     mib = sum(t.numel() * t.element_size() for t in states[0].values()) / 2**20
     median = statistics.median(seconds)
@@ -115,7 +142,7 @@ def bench_filesystem(server: Server, folder: Path, states: list[dict], run_dir: 
 
     def update(version: int, state: dict) -> None:
         write_weights_folder(run_dir, version, state, folder, hf_config)
-        asyncio.run(_with_pool([server.url], "tandem", lambda pool: source.load(pool, version)))
+        asyncio.run(_with_pool([server.url], server.backend, lambda pool: source.load(pool, version)))
 
     return timed_updates(update, server.samples_with, states, repeats)
 
@@ -159,23 +186,30 @@ def trainer_device_for(server_device: torch.device) -> torch.device | None:
     return torch.device("cuda", 1) if torch.cuda.device_count() > 1 else None
 
 
-def run_part(results: dict, name: str, folder: Path, device: torch.device, tmp: Path, states: list[dict],
+def run_part(results: dict, part: str, folder: Path, device: torch.device, tmp: Path, states: list[dict],
              args: argparse.Namespace) -> None:
-    backend = "vllm" if name == "vllm_broadcast" else "tandem"
-    trainer_device = trainer_device_for(device)
-    if name != "filesystem" and trainer_device is None:
-        results[name] = {"skipped": "broadcast on CUDA needs a second GPU for the trainer end (NCCL: one rank per GPU)"}
+    """Part `filesystem` or `broadcast` (tandem's server), or `vllm` (both transports, one vLLM server)."""
+    backend = "vllm" if part == "vllm" else "tandem"
+    names = {"filesystem": ["filesystem"], "broadcast": ["broadcast"], "vllm": ["vllm_filesystem", "vllm_broadcast"]}[part]
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        results.update({name: {"skipped": "vLLM is not installed"} for name in names})
         return
-    if backend == "vllm" and shutil.which("vllm") is None:
-        results[name] = {"skipped": "no `vllm` executable on PATH"}
+    trainer_device = trainer_device_for(device)
+    if backend == "vllm" and device.type != "cuda":
+        trainer_device = None  # vLLM's NCCL engine: CUDA only
+    runnable = [n for n in names if n.endswith("filesystem") or trainer_device is not None]
+    results.update({n: {"skipped": "broadcast needs the trainer end on a GPU of its own (NCCL: one rank per GPU; "
+                                   "vLLM's engine: CUDA only)"} for n in names if n not in runnable})
+    if not runnable:
         return
     server = Server(folder, device, tmp, backend)
     try:
-        run_dir = tmp / name
-        if name == "filesystem":
-            attempt(results, name, lambda: bench_filesystem(server, folder, states, run_dir, args.repeats))
-        else:
-            attempt(results, name, lambda: bench_broadcast(server, states, run_dir, args, trainer_device, backend))
+        for name in runnable:
+            run_dir = tmp / name
+            if name.endswith("filesystem"):
+                attempt(results, name, lambda: bench_filesystem(server, folder, states, run_dir, args.repeats))
+            else:
+                attempt(results, name, lambda: bench_broadcast(server, states, run_dir, args, trainer_device, backend))
     finally:
         server.stop()
 
@@ -192,9 +226,8 @@ def main() -> None:
         states = [{k: v.to(dtype) for k, v in load_state_dict(init_model(args.preset, tmp / f"policy_{i}", seed=i + 1)).items()}
                   for i in range(2)]
         results["weights_mib"] = sum(t.numel() * t.element_size() for t in states[0].values()) / 2**20
-        parts = {"filesystem": "filesystem", "broadcast": "broadcast", "vllm": "vllm_broadcast"}
         for part in args.parts.split(","):
-            run_part(results, parts[part], folder, device, tmp, states, args)
+            run_part(results, part, folder, device, tmp, states, args)
     print(json.dumps({k: v for k, v in results.items() if k != "environment"}, indent=1, default=str))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")

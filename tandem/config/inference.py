@@ -102,6 +102,14 @@ class InferenceConfig(ProcessConfig):
         return self.vllm.tensor_parallel_size if self.backend == "vllm" else 1
 
     @model_validator(mode="after")
+    def _check_vllm_reads_the_weights(self) -> "InferenceConfig":
+        if self.backend == "vllm" and self.model.load_format == "dummy":
+            raise ValueError("`model.load_format` = 'dummy' with `backend` = 'vllm': vLLM's random weights are not the ones "
+                             "tandem's trainer makes (`tandem.models.random_init`); write the weights "
+                             "(`tandem model init` without --config-only) and keep 'safetensors'")
+        return self
+
+    @model_validator(mode="after")
     def _check_cache_fits_a_sequence(self) -> "InferenceConfig":
         e = self.engine
         if e.num_blocks is not None and e.max_model_len is not None and e.num_blocks * e.block_size < e.max_model_len:

@@ -233,15 +233,16 @@ def inference_device_slices(config: RLConfig, machine: Machine) -> list[Derived]
 
 
 def backend(config: RLConfig, machine: Machine) -> list[Derived]:
-    """`orchestrator.client.backend` is `inference.backend` (the servers' token-in routes and policy versions
-    differ). `inference.backend = "vllm"` needs `deployment.type = "gpu"` and `weight_transport.type =
-    "broadcast"`: vLLM runs on CUDA only, and loads new policies over its NCCL engine only."""
+    """`orchestrator.client.backend` is `inference.backend` (the servers' token-in routes, folder reloads and
+    policy versions differ: `orchestrator/server_dialect.py`). `inference.backend = "vllm"` needs
+    `deployment.type = "gpu"` (vLLM runs on CUDA only) and no `orchestrator.sampling.return_routed_experts`
+    (router replay reads tandem's engine); either weight transport works with it."""
     name = config.inference.backend
     if name == "vllm" and config.deployment.type != "gpu":
         raise ConfigError("`inference.backend` = 'vllm' runs on CUDA only: set `deployment.type` = 'gpu'")
-    if name == "vllm" and config.weight_transport.type != "broadcast":
-        raise ConfigError("`inference.backend` = 'vllm' loads new policies over NCCL only: set "
-                          "`weight_transport.type` = 'broadcast'")
+    if name == "vllm" and config.orchestrator.sampling.return_routed_experts:
+        raise ConfigError("`orchestrator.sampling.return_routed_experts` = true needs `inference.backend` = 'tandem': "
+                          "router replay reads the experts tandem's engine reports with each token")
     return [Derived("orchestrator.client.backend", name, f"`inference.backend` = {name!r}")]
 
 

@@ -31,6 +31,7 @@ from tandem.models.chat import render_chat
 from tandem.models.loading import resolve_dtype
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.samples import Turn, build_samples
+from tandem.orchestrator.server_dialect import dialect_of
 from tandem.orchestrator.tokenizer import load_tokenizer
 from tandem.transport.files import atomic_write_bytes, atomic_write_text
 from tandem.transport.paths import preflight_dir, preflight_trainer_report, probe_file
@@ -51,10 +52,11 @@ def sample_conversation(client: httpx.Client, base_url: str, tokenizer: Any, ind
         prompt = render_chat(tokenizer, messages)
         body = {"prompt_token_ids": prompt, "max_tokens": config.preflight.max_tokens, "temperature": temperature,
                 "seed": config.seed + index}
-        response = client.post(f"{base_url}/v1/generate", json=body)
+        dialect = dialect_of(config.inference.backend)
+        response = client.post(f"{base_url}{dialect.generate_path}", json=dialect.to_request(body))
         response.raise_for_status()
-        answer = response.json()
-        if answer["prompt_token_ids"] != prompt:
+        answer = dialect.from_response(response.json(), 0)
+        if answer.get("prompt_token_ids", prompt) != prompt:  # vLLM's token-in route echoes no prompt
             problems.append("the server's prompt_token_ids differ from the tokens sent")
         choice = answer["choices"][0]
         turns.append(Turn(prompt, choice["token_ids"], choice["logprobs"], 0, temperature))

@@ -13,6 +13,7 @@ the current policy into it; a weight update that reaches no server at all raises
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -95,18 +96,25 @@ class InferencePool:
         self._settle_update(results, version)
 
     async def _receive(self, server: int, update_info: dict[str, Any], version: int) -> None:
-        """vLLM's weight-transfer sequence on one server; `/pause?mode=keep` keeps in-flight requests."""
+        """vLLM's weight-transfer sequence on one server, paused (`_paused`)."""
         once = {"first_server": server, "failover": False, "max_retries": 0}
+        async with self._paused(server, once):
+            await self._post("/start_weight_update", {}, **once)
+            await self._post("/update_weights", {"update_info": update_info}, **once)
+            await self._post("/finish_weight_update", {"weight_version": str(version)}, **once)
+            self.versions[server] = version
+
+    @contextlib.asynccontextmanager
+    async def _paused(self, server: int, retry: dict[str, Any]):
+        """New generation requests to `server` wait here, and the server holds its in-flight ones
+        (`/pause?mode=keep`: none is lost) until the body is done, whether it succeeded or not."""
         self._serving[server].clear()
         try:
-            await self._post("/pause?mode=keep", {}, **once)
+            await self._post("/pause?mode=keep", {}, **retry)
             try:
-                await self._post("/start_weight_update", {}, **once)
-                await self._post("/update_weights", {"update_info": update_info}, **once)
-                await self._post("/finish_weight_update", {"weight_version": str(version)}, **once)
-                self.versions[server] = version
+                yield
             finally:
-                await self._post("/resume", {}, **once)
+                await self._post("/resume", {}, **retry)
         finally:
             self._serving[server].set()
 
@@ -133,9 +141,14 @@ class InferencePool:
             log.info("%s is back with policy %d", self.base_urls[i], version)
 
     async def _update(self, server: int, path: str, version: int, max_retries: int) -> None:
-        await self._post("/update_weights", {"path": path, "version": version}, first_server=server, failover=False,
-                         max_retries=max_retries)
-        self.versions[server] = version
+        """Load the folder `path` into `server` the backend's way (`server_dialect`); each call is retried
+        (loading one folder twice does no harm)."""
+        retry = {"first_server": server, "failover": False, "max_retries": max_retries}
+        route, body = self.dialect.folder_update(path, version)
+        paused = self._paused(server, retry) if self.dialect.pauses_for_folder_update else contextlib.nullcontext()
+        async with paused:
+            await self._post(route, body, **retry)
+            self.versions[server] = version
 
     async def wait_healthy(self) -> None:
         """Block until every server answers `GET /health` with 200, or `client.health_timeout_s` passes."""

@@ -1,16 +1,25 @@
 """What differs between the inference backends on the wire, in one place: the token-in route,
-its request and answer shapes, and where a turn's policy version comes from.
+its request and answer shapes, how a server loads a published weights folder, and where a turn's
+policy version comes from.
 
 - tandem: `POST /v1/generate {"prompt_token_ids", <flat sampling fields>}`; each choice carries
   `token_ids`, `logprobs` (a list of floats) and `weight_version`, the oldest policy that sampled
-  any of its tokens, as the server knows it.
-- vLLM 0.26: `POST /inference/v1/generate {"token_ids", "sampling_params"}`; each choice carries
-  `token_ids` and `logprobs.content[j].logprob`, and no version. The version is then the one the
-  server held when the request was sent: the pool records each server's version as its updates
-  finish and holds new requests to a server while it updates, and an update pauses in-flight
-  requests (`/pause?mode=keep`) so they finish with the new weights after starting with the old
-  ones, of which the older is recorded. A request that reached vLLM just before a pause but had
-  sampled nothing yet is recorded one version older than it is (conservative: never newer).
+  any of its tokens, as the server knows it. A folder loads with `POST /update_weights {"path",
+  "version"}`, between two engine steps.
+- vLLM 0.26: `POST /inference/v1/generate {"token_ids", "sampling_params"}`
+  (`vllm/entrypoints/scale_out/token_in_token_out/`); each choice carries `token_ids` and
+  `logprobs.content[j].logprob`, and no version. vLLM has no folder route (its `/update_weights`
+  takes only the NCCL engine's `update_info`): a folder loads through the dev route
+  `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path"}}`, which runs
+  `Worker.reload_weights` (`vllm/v1/worker/gpu_model_runner.py`) on every worker, inside
+  `/pause?mode=keep` ... `/resume` (the pause also drops the prefix cache and has the in-flight
+  requests recompute their KV, so no cached KV of the old policy is used afterwards).
+  The version is then the one the server held when the request was sent: the pool records each
+  server's version as its updates finish and holds new requests to a server while it updates, and
+  an update pauses in-flight requests (`/pause?mode=keep`) so they finish with the new weights
+  after starting with the old ones, of which the older is recorded. A request that reached vLLM
+  just before a pause but had sampled nothing yet is recorded one version older than it is
+  (conservative: never newer).
 
 The pool speaks the dialect; everything above it sees tandem's shapes.
 """
@@ -22,6 +31,8 @@ from typing import Any
 
 class TandemDialect:
     generate_path = "/v1/generate"
+    pauses_for_folder_update = False
+    """tandem's server swaps a folder's weights between two steps and versions each token itself."""
 
     def to_request(self, payload: dict[str, Any]) -> dict[str, Any]:
         return payload
@@ -29,12 +40,20 @@ class TandemDialect:
     def from_response(self, body: dict[str, Any], version_at_send: int) -> dict[str, Any]:
         return body
 
+    def folder_update(self, path: str, version: int) -> tuple[str, dict[str, Any]]:
+        """The call that loads the weights folder `path` as policy `version`."""
+        return "/update_weights", {"path": path, "version": version}
+
 
 class VllmDialect:
     generate_path = "/inference/v1/generate"
+    pauses_for_folder_update = True
 
     def to_request(self, payload: dict[str, Any]) -> dict[str, Any]:
-        params = {k: v for k, v in payload.items() if k != "prompt_token_ids"}
+        if payload.get("return_routed_experts"):
+            raise ValueError("`return_routed_experts` (router replay) is served by tandem's engine only: vLLM 0.26 "
+                             "returns experts only when started with --enable-return-routed-experts, in another format")
+        params = {k: v for k, v in payload.items() if k not in ("prompt_token_ids", "return_routed_experts")}
         # logprobs = 0: the sampled token's logprob only, which is what training needs.
         return {"token_ids": payload["prompt_token_ids"], "sampling_params": {**params, "logprobs": 0}}
 
@@ -43,6 +62,10 @@ class VllmDialect:
                     "logprobs": [entry["logprob"] for entry in c["logprobs"]["content"]],
                     "weight_version": version_at_send} for i, c in enumerate(body["choices"])]
         return {"id": body.get("request_id"), "choices": choices}
+
+    def folder_update(self, path: str, version: int) -> tuple[str, dict[str, Any]]:
+        # `/collective_rpc` passes kwargs as given (strings only, by its own rule); the version stays client-side.
+        return "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}
 
 
 def dialect_of(backend: str) -> TandemDialect | VllmDialect:

@@ -60,12 +60,16 @@ def _vllm_sender(init: GroupInitInfo, device: torch.device) -> Callable[[dict, W
     """Send through vLLM's NCCL weight-transfer engine (trainer side), packed as `info` announces."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    group = NCCLWeightTransferEngine.trainer_init({"master_address": init.master_address,
-                                                   "master_port": init.master_port, "world_size": init.world_size})
+    # vLLM binds the communicator, and makes its send streams, on the *current* CUDA device
+    # (`vllm/distributed/weight_transfer/nccl_common.py`, `trainer_init`): make it `device`.
+    with torch.cuda.device(device):
+        group = NCCLWeightTransferEngine.trainer_init({"master_address": init.master_address,
+                                                       "master_port": init.master_port, "world_size": init.world_size})
 
     def send(state: dict[str, torch.Tensor], info: WeightUpdateInfo) -> None:
         tensors = ((name, tensor.to(device)) for name, tensor in state.items())
-        NCCLWeightTransferEngine.trainer_send_weights(tensors, {"group": group, "packed": True,
-                                                                 "packed_buffer_size_bytes": info.packed_buffer_size_bytes})
+        with torch.cuda.device(device):
+            NCCLWeightTransferEngine.trainer_send_weights(tensors, {
+                "group": group, "packed": True, "packed_buffer_size_bytes": info.packed_buffer_size_bytes})
 
     return send

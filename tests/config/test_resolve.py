@@ -170,11 +170,16 @@ def test_the_client_speaks_the_servers_backend():
         resolve(*GPU_VLLM, "--orchestrator.client.backend", "tandem", machine=FakeMachine(cuda_devices=2))
 
 
-def test_vllm_needs_gpus_and_the_broadcast_transport():
+def test_vllm_needs_gpus_and_serves_either_weight_transport():
     with pytest.raises(ConfigError, match=r"`inference.backend` = 'vllm' runs on CUDA only: set `deployment.type` = 'gpu'"):
         resolve("--inference.backend", "vllm", "--weight_transport.type", "broadcast")
-    with pytest.raises(ConfigError, match=r"loads new policies over NCCL only: set `weight_transport.type` = 'broadcast'"):
-        resolve("--deployment.type", "gpu", "--inference.backend", "vllm", machine=FakeMachine(cuda_devices=2))
+    # One GPU shared by trainer and vLLM: the filesystem transport (vLLM reloads the folder; NCCL would need two GPUs).
+    cfg = resolve("--deployment.type", "gpu", "--inference.backend", "vllm", "--deployment.trainer_devices", "[0]",
+                  machine=FakeMachine(cuda_devices=1))
+    assert (cfg.weight_transport.type, cfg.orchestrator.client.backend) == ("filesystem", "vllm")
+    assert cfg.inference.engine.memory_fraction == cfg.deployment.shared_gpu_memory_fraction
+    with pytest.raises(ConfigError, match=r"`orchestrator.sampling.return_routed_experts` = true needs `inference.backend` = 'tandem'"):
+        resolve(*GPU_VLLM, "--orchestrator.sampling.return_routed_experts", "true", machine=FakeMachine(cuda_devices=2))
 
 
 def test_the_weight_transport_is_shared_by_trainer_and_orchestrator(tmp_path):

@@ -5,6 +5,7 @@ The test against a real vLLM skips where none is installed."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -15,15 +16,23 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
+import torch
 from pydantic import ValidationError
+from safetensors.torch import save_file
 
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import ClientConfig
+from tandem.config.rl import RLConfig
 from tandem.config.resolve import free_port
 from tandem.config.vllm import TANDEM_SET_FLAGS
 from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv
+from tandem.launch.preflight import sample_conversation
+from tandem.models.byte_tokenizer import build_byte_tokenizer
 from tandem.orchestrator.inference_pool import InferencePool
+from tandem.orchestrator.server_dialect import VllmDialect
+from tandem.transport.broadcast_types import update_info_of
 
 FAKE = Path(__file__).with_name("fake_vllm")
 REPO = Path(__file__).resolve().parents[2]
@@ -43,13 +52,15 @@ def test_tandem_keys_map_onto_vllm_flags():
                                "extra_args": {"max_num_batched_tokens": 8192, "enforce_eager": True}})
     argv = serve_argv(config)
     assert argv[0] == "/models/qwen3"
-    pairs = dict(zip(argv[1::2], argv[2::2]))
+    pairs = {flag: value for flag, value in zip(argv[1:], argv[2:]) if flag.startswith("--") and not value.startswith("--")}
     assert pairs["--served-model-name"] == "/models/qwen3" and pairs["--dtype"] == "bfloat16"
     assert pairs["--gpu-memory-utilization"] == "0.4" and pairs["--max-model-len"] == "2048"
     assert pairs["--max-num-seqs"] == "32" and pairs["--seed"] == "5" and pairs["--port"] == "8123"
     assert pairs["--tensor-parallel-size"] == "2" and pairs["--api-key"] == "k"
     assert json.loads(pairs["--weight-transfer-config"]) == {"backend": "nccl"}
+    assert pairs["--logprobs-mode"] == "processed_logprobs"  # log_softmax(logits / T), as tandem's engine reports
     assert "--no-enable-prefix-caching" in argv and "--no-trust-remote-code" in argv
+    assert "--disable-uvicorn-access-log" in argv  # `server.access_log` = false: no line per request
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and "--enforce-eager" in argv
     assert set(mapped_flags(config)) == TANDEM_SET_FLAGS  # every flag tandem sets is refused as a pass-through
 
@@ -64,9 +75,19 @@ def test_pass_through_errors_name_the_key():
         "enable_prefix_caching", "max_num_seqs"}
 
 
+def test_what_vllm_cannot_serve_as_tandem_does_is_refused():
+    with pytest.raises(ValidationError, match="`model.load_format` = 'dummy' with `backend` = 'vllm'"):
+        vllm_config(model={"name": "/models/qwen3", "load_format": "dummy"})
+    with pytest.raises(ValueError, match="router replay"):
+        VllmDialect().to_request({"prompt_token_ids": [1], "max_tokens": 2, "return_routed_experts": True})
+    request = VllmDialect().to_request({"prompt_token_ids": [1, 2], "max_tokens": 2, "temperature": 1.0})
+    assert request == {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "temperature": 1.0, "logprobs": 0}}
+
+
 def inference(tmp_path: Path, path_dirs: list[Path], *args: str, **env: str) -> subprocess.Popen:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "FAKE_VLLM"))}
     environ["PATH"] = os.pathsep.join([*map(str, path_dirs), *SYSTEM_PATH])
+    environ["PYTHONPATH"] = str(REPO)  # a vLLM on the caller's PYTHONPATH must not answer either
     environ |= {"FAKE_VLLM_RECORD": str(tmp_path / "record.json"), **env}
     return subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--backend", "vllm", "--model.name",
                              "/models/qwen3", *args], cwd=REPO, env=environ, stdout=subprocess.PIPE,
@@ -78,7 +99,8 @@ def test_missing_wrong_or_failing_vllm_is_an_error_with_its_last_lines(tmp_path)
         pytest.skip("a system-wide vllm would answer instead of the stand-in")
     missing = inference(tmp_path, [])
     _, err = missing.communicate(timeout=60)
-    assert missing.returncode == 2 and "no `vllm` executable is on PATH" in err and "tandem-rl[vllm]" in err
+    assert missing.returncode == 2 and "no `vllm` executable is on PATH and this Python cannot import it" in err
+    assert "tandem-rl[vllm]" in err
 
     old = inference(tmp_path, [FAKE], FAKE_VLLM_VERSION="0.25.2")
     _, err = old.communicate(timeout=60)
@@ -87,6 +109,16 @@ def test_missing_wrong_or_failing_vllm_is_an_error_with_its_last_lines(tmp_path)
     failing = inference(tmp_path, [FAKE], FAKE_VLLM_FAIL="1")
     _, err = failing.communicate(timeout=60)
     assert failing.returncode == 1 and "vLLM exited with code 3" in err and "| CUDA out of memory" in err
+
+    # Importable but not on PATH (`pip install --target DIR`, DIR on PYTHONPATH): run as `python -m`.
+    cli = tmp_path / "site" / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for folder in (cli, cli.parent, cli.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (cli / "main.py").write_text(f"import runpy\nrunpy.run_path({str(FAKE / 'vllm')!r}, run_name='__main__')\n")
+    module = inference(tmp_path, [], FAKE_VLLM_FAIL="1", PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path / "site")]))
+    _, err = module.communicate(timeout=60)
+    assert module.returncode == 1 and "vLLM exited with code 3" in err
 
     (tmp_path / "extra.toml").write_text("[vllm.extra_args]\nspeculative_wish = 3\n")
     unknown = inference(tmp_path, [FAKE], "@", str(tmp_path / "extra.toml"))
@@ -113,16 +145,46 @@ def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
     assert record["dev_mode"] == "1" and record["pgid"] == record["pid"] != os.getpgid(proc.pid)
     assert record["argv"][:2] == ["serve", "/models/qwen3"]
 
-    async def generate():
+    folder = tmp_path / "step_1"
+    folder.mkdir()
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, folder / "model.safetensors")
+    info = update_info_of({"lm_head.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, bucket_bytes=2**20)
+
+    async def drive():
         pool = InferencePool(ClientConfig(base_urls=[url], backend="vllm"))
+        request = {"prompt_token_ids": [4, 9], "max_tokens": 3, "n": 1, "temperature": 1.0, "seed": 7}
         try:
-            return await pool.generate({"prompt_token_ids": [4, 9], "max_tokens": 3, "n": 1}, 0)
+            before = await pool.generate(request, 0)
+            await pool.update_weights(str(folder), 1)
+            after = await pool.generate(request, 0)
+            await pool.init_weight_transfer([{"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1,
+                                              "world_size": 2}])
+            await pool.broadcast_update(msgspec.to_builtins(info), 2)
+            return before, after, pool.versions
         finally:
             await pool.aclose()
 
-    choice = asyncio.run(generate())["choices"][0]
+    before, after, versions = asyncio.run(drive())
+    choice = before["choices"][0]
     assert choice["token_ids"] == [10, 11, 12] and choice["logprobs"] == [-0.5, -1.0, -1.5]
     assert choice["weight_version"] == 0  # vLLM reports none: the version the server held when asked
+    shift = after["choices"][0]["token_ids"][0] - 10  # the stand-in's answers depend on the weights it loaded
+    assert shift > 0 and after["choices"][0]["token_ids"] == [10 + shift, 11 + shift, 12 + shift]
+    assert after["choices"][0]["weight_version"] == 1
+    assert versions == [2]
+    calls = [json.loads(line) for line in (tmp_path / "record.json.calls").read_text().splitlines()]
+    assert calls[:3] == [{"route": "/pause", "mode": "keep"},
+                         {"route": "/collective_rpc", "method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+                         {"route": "/resume"}]
+    assert [c["route"] for c in calls[3:]] == ["/init_weight_transfer_engine", "/pause", "/start_weight_update",
+                                                "/update_weights", "/finish_weight_update", "/resume"]
+    assert calls[6]["update_info"]["dtype_names"] == ["bfloat16"] and calls[6]["update_info"]["packed"] is True
+
+    # The launcher's preflight samples through the same dialect (vLLM's route, no echoed prompt).
+    with httpx.Client(timeout=30) as client:
+        turns, problems = sample_conversation(client, url, build_byte_tokenizer(), 0,
+                                              RLConfig.model_validate({"inference": {"backend": "vllm"}}))
+    assert problems == [] and len(turns) == 2 and turns[1].logprobs[:2] == [-0.5, -1.0]
 
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
@@ -130,7 +192,7 @@ def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
         os.killpg(record["pgid"], 0)
 
 
-@pytest.mark.skipif(shutil.which("vllm") is None, reason="vLLM is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_real_vllm_knows_every_flag_tandem_passes():
     from tandem.inference.vllm.server import find_vllm, known_flags
 

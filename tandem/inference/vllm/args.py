@@ -2,9 +2,12 @@
 
 Mapped keys: `model.name` (served under that name too), `model.dtype` (`auto` is bfloat16, as on
 tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `engine.max_model_len`,
-`engine.max_num_seqs`, `seed`, `server.host`/`port`/`api_key`, `vllm.tensor_parallel_size`,
+`engine.max_num_seqs`, `seed`, `server.host`/`port`/`api_key`/`access_log`, `vllm.tensor_parallel_size`,
 `vllm.enable_prefix_caching`; the weight-transfer engine is always on (NCCL), so either weight
-transport can drive the server. Anything else goes through `vllm.extra_args`.
+transport can drive the server; logprobs are always `processed_logprobs`. Anything else goes through
+`vllm.extra_args`. Flag names and forms checked against vLLM 0.26's `EngineArgs.add_cli_args`
+(`vllm/engine/arg_utils.py`; booleans are `BooleanOptionalAction`s, so `--no-x` exists) and
+`FrontendArgs` (`vllm/entrypoints/openai/cli_args.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 _DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float32": "float32"}
 
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's default, `raw_logprobs`, reports log_softmax(logits) before the temperature; tandem's engine and
+trainer use log_softmax(logits / T) (`inference/engine/sampler.py`). `processed_logprobs` is that (and the T = 1
+logprob for greedy rows, as tandem reports), as long as no top-k/top-p filter renormalizes what is left
+(`vllm/v1/sample/sampler.py`, `Sampler.sample`)."""
+
 
 def mapped_flags(config: InferenceConfig) -> dict[str, str | bool]:
     """The flags tandem sets from its own keys, by vLLM's dest name (`max_model_len`)."""
@@ -38,6 +47,8 @@ def mapped_flags(config: InferenceConfig) -> dict[str, str | bool]:
         "enable_prefix_caching": config.vllm.enable_prefix_caching,
         "trust_remote_code": config.model.trust_remote_code,
         "weight_transfer_config": json.dumps({"backend": "nccl"}),
+        "logprobs_mode": LOGPROBS_MODE,
+        "disable_uvicorn_access_log": not config.server.access_log,
     }
     if engine.max_model_len is not None:
         flags["max_model_len"] = str(engine.max_model_len)

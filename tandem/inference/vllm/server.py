@@ -1,6 +1,6 @@
 """Run vLLM's OpenAI server as `tandem inference --backend vllm`, in its own process group.
 
-This process checks vLLM (on PATH, version 0.26, the pass-through flags), starts `vllm serve`
+This process checks vLLM (on PATH or importable, version 0.26, the pass-through flags), starts `vllm serve`
 with dev mode on, tees its output, forwards SIGTERM/SIGINT to vLLM's whole group, and exits with
 vLLM's code. A vLLM that is missing, of another version, or that exits is an error here, with
 the last lines of its output, so `tandem rl` names the cause.
@@ -9,6 +9,7 @@ the last lines of its output, so `tandem rl` names the cause.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import shutil
 import signal
@@ -26,32 +27,37 @@ class VllmUnavailable(Exception):
     """vLLM cannot be run here as configured; the message says why and what to do."""
 
 
-def find_vllm() -> str:
-    """The `vllm` executable of a supported version."""
+def find_vllm() -> list[str]:
+    """The command that runs vLLM's CLI, of a supported version: the `vllm` executable on PATH, else this
+    interpreter's `vllm` module (an install with `pip --target`, on PYTHONPATH but without its `bin` on PATH)."""
     exe = shutil.which("vllm")
-    if exe is None:
-        raise VllmUnavailable("backend `vllm` needs vLLM, and no `vllm` executable is on PATH; install it with "
-                              f"`pip install 'tandem-rl[vllm]'` (vLLM {SUPPORTED_VERSION}, docs/vllm.md)")
-    result = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300)
+    if exe is not None:
+        command = [exe]
+    elif importlib.util.find_spec("vllm") is not None:
+        command = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    else:
+        raise VllmUnavailable("backend `vllm` needs vLLM: no `vllm` executable is on PATH and this Python cannot import "
+                              f"it; install it with `pip install 'tandem-rl[vllm]'` (vLLM {SUPPORTED_VERSION}, docs/vllm.md)")
+    result = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=300)
     lines = (result.stdout + result.stderr).strip().splitlines()
     version = lines[-1].strip() if lines else ""
     if result.returncode != 0 or not version.startswith(SUPPORTED_VERSION + "."):
-        raise VllmUnavailable(f"{exe} is vLLM {version or '(no version)'}, tandem speaks vLLM {SUPPORTED_VERSION}: "
-                              f"`pip install 'tandem-rl[vllm]'`" + _quote(lines))
-    return exe
+        raise VllmUnavailable(f"{' '.join(command)} is vLLM {version or '(no version)'}, tandem speaks vLLM "
+                              f"{SUPPORTED_VERSION}: `pip install 'tandem-rl[vllm]'`" + _quote(lines))
+    return command
 
 
-def known_flags(exe: str) -> set[str]:
+def known_flags(command: list[str]) -> set[str]:
     """vLLM's `serve` flags, from its own help (the one list that matches the installed version)."""
-    result = subprocess.run([exe, "serve", "--help=all"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*command, "serve", "--help=all"], capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         raise VllmUnavailable("`vllm serve --help=all` failed" + _quote((result.stdout + result.stderr).splitlines()))
     return flags_in_help(result.stdout)
 
 
-def run_vllm(exe: str, config: InferenceConfig) -> int:
+def run_vllm(command: list[str], config: InferenceConfig) -> int:
     """Run `vllm serve` until it exits or this process is told to stop; returns its exit code."""
-    proc = subprocess.Popen([exe, "serve", *serve_argv(config)], env={**os.environ, **DEV_MODE_ENV},
+    proc = subprocess.Popen([*command, "serve", *serve_argv(config)], env={**os.environ, **DEV_MODE_ENV},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True, errors="replace")
 
@@ -75,13 +81,13 @@ def run_vllm(exe: str, config: InferenceConfig) -> int:
 
 def main(config: InferenceConfig) -> int:
     try:
-        exe = find_vllm()
+        command = find_vllm()
         if config.vllm.extra_args:
-            check_extra_args(config, known_flags(exe))
+            check_extra_args(config, known_flags(command))
     except (VllmUnavailable, ValueError) as err:
         print(f"tandem inference: {err}", file=sys.stderr)
         return 2
-    return 1 if run_vllm(exe, config) != 0 else 0
+    return 1 if run_vllm(command, config) != 0 else 0
 
 
 def _quote(lines) -> str:

@@ -1,0 +1,192 @@
+"""`tandem inference --backend vllm` against a real vLLM 0.26 on one GPU (skips without CUDA or vLLM).
+
+One server for the module: the tiny preset's random weights (`tandem model init`), started the way
+`tandem rl` starts it. Through tandem's own client parts (the pool and its vLLM dialect) and vLLM's
+OpenAI routes: chat and completions with token ids and logprobs, token-in generation with the
+logprobs tandem's trainer computes, a folder update as the trainer publishes one, and a pause that
+keeps in-flight requests. On one GPU the NCCL weight transfer is skipped: NCCL refuses two ranks
+of one communicator on one device ("Duplicate GPU detected"), and vLLM's `PyNcclCommunicator` asks
+each rank to bind its own device (`vllm/distributed/device_communicators/pynccl.py`); vLLM's
+same-GPU transport is its CUDA-IPC engine, which tandem does not drive.
+
+    PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python -m pytest -s tests/inference/test_gpu_vllm.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from inference_helpers import teacher_forced_logprobs
+from transformers import AutoTokenizer
+
+from tandem.config.dump import to_toml
+from tandem.config.inference import InferenceConfig
+from tandem.config.orchestrator import ClientConfig
+from tandem.config.resolve import free_port
+from tandem.launch.process import ManagedProcess
+from tandem.launch.rl import wait_healthy
+from tandem.models.chat import render_chat
+from tandem.models.hub import read_hf_config
+from tandem.models.loading import load_causal_lm
+from tandem.models.presets import init_model
+from tandem.models.weights import load_state_dict
+from tandem.orchestrator.inference_pool import InferencePool
+from tandem.trainer.publish import write_weights_folder
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM 0.26 (importable)"),
+]
+
+PROMPT = [258, 104, 105, 33, 257, 10]
+"""Byte-tokenizer ids: a short ChatML-like prompt (any ids below the vocabulary would do)."""
+
+
+class Served:
+    def __init__(self, tmp: Path):
+        self.model = init_model("tiny", tmp / "model", seed=0)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = InferenceConfig.model_validate({
+            "backend": "vllm", "model": {"name": str(self.model)}, "server": {"port": self.port},
+            "engine": {"memory_fraction": 0.3, "max_model_len": 1024, "max_num_seqs": 32},
+            "vllm": {"extra_args": {"enforce_eager": True}}})  # no compile or graph capture: a quicker start
+        (tmp / "inference.toml").write_text(to_toml(config))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+        self.process = ManagedProcess("inference", [sys.executable, "-m", "tandem.cli", "inference", "@",
+                                                    str(tmp / "inference.toml")], tmp / "inference.log", env)
+        self.run_dir = tmp / "run"
+
+    def publish(self, step: int, seed: int) -> str:
+        """Policy `step` as the trainer publishes it: new random weights of the same model, in `weights/step_N`."""
+        state = load_state_dict(init_model("tiny", self.run_dir / f"source_{seed}", seed=seed))
+        return str(write_weights_folder(self.run_dir, step, state, self.model, read_hf_config(self.model)).resolve())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    served = Served(tmp_path_factory.mktemp("vllm"))
+    try:
+        wait_healthy(served.url, served.process, timeout_s=600)
+        yield served
+    finally:
+        served.process.stop(grace=30)
+        print(f"\n--- last lines of {served.process.log_path}:\n" + "\n".join(served.process.tail(40)))
+
+
+def pool_call(served: Served, fn):
+    async def run():
+        pool = InferencePool(ClientConfig(base_urls=[served.url], backend="vllm", timeout_s=300))
+        try:
+            return await fn(pool)
+        finally:
+            await pool.aclose()
+
+    return asyncio.run(run())
+
+
+def greedy(pool: InferencePool, max_tokens: int = 12):
+    return pool.generate({"prompt_token_ids": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                          "n": 1}, 0)
+
+
+def test_chat_and_completions_carry_token_ids_and_logprobs(served):
+    """vLLM's OpenAI routes with `return_token_ids`: the chat prompt is the one tandem's orchestrator renders."""
+    name, messages = str(served.model), [{"role": "user", "content": "abc"}]
+    chat = httpx.post(f"{served.url}/v1/chat/completions", timeout=120, json={
+        "model": name, "messages": messages, "max_tokens": 8, "logprobs": True, "return_token_ids": True,
+        "ignore_eos": True}).json()
+    choice = chat["choices"][0]
+    assert chat["prompt_token_ids"] == render_chat(AutoTokenizer.from_pretrained(name), messages)
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == 8
+    assert all(entry["logprob"] <= 0 for entry in choice["logprobs"]["content"])
+    completion = httpx.post(f"{served.url}/v1/completions", timeout=120, json={
+        "model": name, "prompt": PROMPT, "max_tokens": 8, "logprobs": 0, "return_token_ids": True,
+        "ignore_eos": True, "temperature": 0.0}).json()["choices"][0]
+    assert completion["prompt_token_ids"] == PROMPT and len(completion["token_ids"]) == 8
+    assert len(completion["logprobs"]["token_logprobs"]) == 8
+
+
+def test_generate_through_the_pool_reports_the_trainers_logprobs(served):
+    """vLLM's token-in route through the dialect: greedy equals /v1/completions, and the logprobs at T = 0.5 are
+    log_softmax(logits / T) of tandem's own model (what the trainer computes), not vLLM's default raw logprobs."""
+    answer = pool_call(served, lambda pool: greedy(pool, 8))["choices"][0]
+    completion = httpx.post(f"{served.url}/v1/completions", timeout=120, json={
+        "model": str(served.model), "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True,
+        "ignore_eos": True}).json()["choices"][0]
+    assert answer["token_ids"] == completion["token_ids"] and answer["weight_version"] == 0
+    temperature = 0.5
+    tempered = pool_call(served, lambda pool: pool.generate({"prompt_token_ids": PROMPT, "max_tokens": 16, "seed": 3,
+                                                             "temperature": temperature, "ignore_eos": True, "n": 1}, 0))
+    tokens, logprobs = tempered["choices"][0]["token_ids"], torch.tensor(tempered["choices"][0]["logprobs"])
+    model = load_causal_lm(str(served.model), device="cuda", dtype="bfloat16")
+    tempered_error, raw_error = ((teacher_forced_logprobs(model, PROMPT, tokens, t, device="cuda") - logprobs).abs().max().item()
+                                 for t in (temperature, 1.0))
+    print(f"\nlogprobs at T = {temperature}: max error {tempered_error:.4f} against log_softmax(logits / T), "
+          f"{raw_error:.4f} against log_softmax(logits)")
+    assert tempered_error < 0.1 and tempered_error < raw_error
+
+
+def test_a_published_folder_changes_what_the_server_samples(served):
+    before = pool_call(served, greedy)["choices"][0]
+    step_1 = served.publish(1, seed=11)
+
+    async def update_and_sample(pool):
+        start = time.perf_counter()
+        await pool.update_weights(step_1, 1)
+        seconds = time.perf_counter() - start
+        return seconds, await greedy(pool), pool.versions
+
+    seconds, after, versions = pool_call(served, update_and_sample)
+    print(f"\nvLLM folder update of the tiny model: {seconds:.3f} s")
+    assert versions == [1] and after["choices"][0]["weight_version"] == 1
+    assert (after["choices"][0]["token_ids"], after["choices"][0]["logprobs"]) != (before["token_ids"], before["logprobs"])
+    step_2 = served.publish(2, seed=0)  # the starting weights again: sampling must come back exactly
+
+    async def revert_and_sample(pool):
+        await pool.update_weights(step_2, 2)
+        return await greedy(pool)
+
+    again = pool_call(served, revert_and_sample)["choices"][0]
+    assert again["token_ids"] == before["token_ids"]
+    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(again["logprobs"], before["logprobs"]))
+
+
+def test_an_update_keeps_in_flight_requests(served):
+    """Requests running when an update pauses the server (`/pause?mode=keep`) finish in full afterwards."""
+    step_3 = served.publish(3, seed=12)
+
+    async def run(pool):
+        long = {"prompt_token_ids": PROMPT, "max_tokens": 800, "temperature": 1.0, "ignore_eos": True, "n": 1}
+        requests = [asyncio.create_task(pool.generate(dict(long, seed=i), 0)) for i in range(8)]
+        await asyncio.sleep(0.3)
+        assert not any(r.done() for r in requests), "the requests ended before the update: lengthen them"
+        await pool.update_weights(step_3, 3)
+        return await asyncio.gather(*requests), pool.versions
+
+    answers, versions = pool_call(served, run)
+    assert all(len(a["choices"][0]["token_ids"]) == 800 and a["choices"][0]["finish_reason"] == "length" for a in answers)
+    # Sent while this (new) pool knew the server at version 0: the older of the two versions is recorded.
+    assert versions == [3] and all(a["choices"][0]["weight_version"] == 0 for a in answers)
+
+
+def test_a_paused_server_queues_requests_until_resumed(served):
+    assert httpx.post(f"{served.url}/pause?mode=keep", timeout=60).json() == {"status": "paused"}
+    answer: list = []
+    thread = threading.Thread(target=lambda: answer.append(pool_call(served, greedy)))
+    thread.start()
+    thread.join(timeout=2.0)
+    assert not answer, "a request was served while paused"
+    assert httpx.post(f"{served.url}/resume", timeout=60).json() == {"status": "resumed"}
+    thread.join(timeout=60)
+    assert answer and len(answer[0]["choices"][0]["token_ids"]) > 0
