@@ -81,21 +81,30 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def kernel_intervals(prof) -> list[tuple[float, float]]:
+def is_device_annotation(event) -> bool:
+    """A `record_function` range drawn on the GPU's timeline: it spans kernels, it is none."""
     from torch.autograd import DeviceType
 
-    return [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return event.device_type != DeviceType.CPU and bool(getattr(event, "is_user_annotation", False))
 
 
-def busy_by_phase(prof) -> dict[str, float]:
+def kernel_intervals(events) -> list[tuple[float, float]]:
+    """[start, end) in microseconds of the device's work among profiler events: kernels, copies, sets."""
+    from torch.autograd import DeviceType
+
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == DeviceType.CUDA and not is_device_annotation(e)]
+
+
+def busy_by_phase(events) -> dict[str, float]:
     """GPU busy milliseconds of each phase of a synchronised step: each kernel counts for the innermost phase
     whose range holds it (synchronised, a phase's kernels run inside its range); "outside phases" for the rest."""
     from torch.autograd import DeviceType
 
-    ranges = [(e.time_range.start, e.time_range.end, e.key.removeprefix("step/")) for e in prof.events()
+    ranges = [(e.time_range.start, e.time_range.end, e.key.removeprefix("step/")) for e in events
               if e.key.startswith("step/") and e.device_type == DeviceType.CPU]
     assigned: dict[str, list[tuple[float, float]]] = {}
-    for lo, hi in kernel_intervals(prof):
+    for lo, hi in kernel_intervals(events):
         mid = (lo + hi) / 2
         holders = [r for r in ranges if r[0] <= mid <= r[1]]
         name = min(holders, key=lambda r: r[1] - r[0])[2] if holders else "outside phases"
@@ -116,7 +125,7 @@ def synchronised_step(run: Callable[..., object], inputs: tuple, device: torch.d
         with recording_phases(device, synchronize=True):
             run(*inputs)
         sync(device)
-    return busy_by_phase(prof)
+    return busy_by_phase(prof.events())
 
 
 def profiled_step(run: Callable[..., object], inputs: tuple, device: torch.device, trace: Path) -> dict:
@@ -137,10 +146,10 @@ def profiled_step(run: Callable[..., object], inputs: tuple, device: torch.devic
         step_ms = (time.perf_counter() - start) * 1e3
     prof.export_chrome_trace(str(trace))
     averages = prof.key_averages()
-    ops = [e for e in averages if not e.key.startswith("step/")]
+    ops = [e for e in averages if not e.key.startswith("step/") and not is_device_annotation(e)]
     phases = {e.key.removeprefix("step/"): {"calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3}
               for e in averages if e.key.startswith("step/") and e.device_type == DeviceType.CPU}
-    kernels = kernel_intervals(prof)
+    kernels = kernel_intervals(prof.events())
     gpu_busy = union_ms(kernels) if kernels else None
     return {"step_ms_under_profiler": step_ms, "gpu_busy_ms": gpu_busy,
             "gpu_busy_fraction": None if gpu_busy is None else gpu_busy / step_ms, "phases": phases,

@@ -64,7 +64,8 @@ milliseconds per phase of the step with the device synchronised at each boundary
 `torch.profiler` step (top ops by self CUDA and CPU time, each phase's CPU and kernel time, the
 fraction of the step the GPU is busy, a trace):
 
-    python benchmarks/trainer.py --preset qwen3-0.6b --device cuda --shapes 4096:1:1 --profile out/profile
+    python benchmarks/trainer.py --preset qwen3-0.6b --device cuda --shapes 4096:1:1 16384:1:1 --profile out/profile \
+        --profile-shapes 4096:1:1
 """
 
 from __future__ import annotations
@@ -176,6 +177,19 @@ def tandem_config(folder: Path, shape: Shape, args, kernels: KernelsConfig, run_
     )
 
 
+def wants_profile(args, shape: Shape) -> bool:
+    return args.profile is not None and (args.profile_shapes is None or shape in args.profile_shapes)
+
+
+def profile_run(args, shape: Shape, dims, run, inputs) -> dict:
+    """`--profile`: three more steps of `run(*inputs())` profiled into `args.profile`; the result's summary."""
+    label = f"tandem-{shape.seq_len}x{shape.samples_per_row}x{shape.rows}" + (f"-rank{dims.rank}" if dims.world_size > 1 else "")
+    report = profile_shape(run, inputs, dims.device, args.profile, label)
+    if dims.is_main:
+        print(f"{shape} profile: {phase_summary(report)}", file=sys.stderr, flush=True)
+    return {"file": f"{label}.json", **report["synchronised_phases"], "gpu_busy_fraction": report["profiler"]["gpu_busy_fraction"]}
+
+
 def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: float) -> dict:
     """The real trainer step: the config's defaults, or the flags' options; profiled after the timed steps
     with `--profile`."""
@@ -220,13 +234,8 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
                    "mfu_trainer_flops": trainer_flops / (sum(times) / len(times)) / (peak * dims.world_size),
                    **memory_figures(dims.device), "active_params": num_params,
                    "once_only_events_in_timed_steps": counts_since(counts, dims.device), "losses": losses}
-            if args.profile is not None:  # after the memory figures: the profiler's own buffers are not the step's
-                label = f"tandem-{shape.seq_len}x{shape.samples_per_row}x{shape.rows}" + (f"-rank{dims.rank}" if dims.world_size > 1 else "")
-                report = profile_shape(run, lambda: inputs(config.max_steps + 1), dims.device, args.profile, label)
-                out["profile"] = {"file": f"{label}.json", **report["synchronised_phases"],
-                                  "gpu_busy_fraction": report["profiler"]["gpu_busy_fraction"]}
-                if dims.is_main:
-                    print(f"{shape} profile: {phase_summary(report)}", file=sys.stderr, flush=True)
+            if wants_profile(args, shape):  # after the memory figures: the profiler's own buffers are not the step's
+                out["profile"] = profile_run(args, shape, dims, run, lambda: inputs(config.max_steps + 1))
         finally:
             session.close()
     return out
@@ -376,8 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, which a copied tree may hold stale)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (rewritten after each run)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="after each tandem shape's timed steps, profile two more steps into DIR (benchmarks/step_profile.py)")
+                        help="after a tandem shape's timed steps, profile three more steps into DIR (benchmarks/step_profile.py)")
+    parser.add_argument("--profile-shapes", type=Shape.parse, nargs="+", default=None,
+                        help="the --shapes that --profile profiles (default: all)")
     args = parser.parse_args(argv)
+    unknown = [str(s) for s in args.profile_shapes or [] if s not in args.shapes]
+    if unknown:
+        parser.error(f"--profile-shapes {' '.join(unknown)}: not among --shapes")
     bad = [str(s) for s in args.baseline if s.samples_per_row != 1]
     if bad:
         parser.error(f"--baseline {' '.join(bad)}: the baseline runs rows of one sequence only (SAMPLES = 1)")
