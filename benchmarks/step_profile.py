@@ -18,7 +18,9 @@ compiled by `torch.compile` and device allocations by the caching allocator (`on
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -128,6 +130,15 @@ def synchronised_step(run: Callable[..., object], inputs: tuple, device: torch.d
     return busy_by_phase(prof.events())
 
 
+def write_trace(prof, path: Path) -> None:
+    """The chrome trace, gzipped by us (not every torch release gzips a `.gz` path itself)."""
+    plain = path.with_name(path.name.removesuffix(".gz"))
+    prof.export_chrome_trace(str(plain))
+    with plain.open("rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+
+
 def profiled_step(run: Callable[..., object], inputs: tuple, device: torch.device, trace: Path) -> dict:
     """`run(*inputs)`, one step under `torch.profiler`, phases marked but not synchronised: op tables, each phase's
     CPU time (the calling thread's: CUDA runs backward on a thread of its own), the GPU's busy fraction, a trace."""
@@ -144,7 +155,7 @@ def profiled_step(run: Callable[..., object], inputs: tuple, device: torch.devic
             run(*inputs)
         sync(device)
         step_ms = (time.perf_counter() - start) * 1e3
-    prof.export_chrome_trace(str(trace))
+    write_trace(prof, trace)
     averages = prof.key_averages()
     ops = [e for e in averages if not e.key.startswith("step/") and not is_device_annotation(e)]
     phases = {e.key.removeprefix("step/"): {"calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3}

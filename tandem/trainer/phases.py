@@ -27,6 +27,7 @@ class PhaseTimes:
     """Wall-clock seconds per phase name, summed over the calls of a recording."""
 
     device: torch.device
+    """The device synchronised at the boundaries (CUDA; a CPU runs in order anyway)."""
     synchronize: bool
     """Synchronise the device at each boundary and time the phases (else: ranges only)."""
     total: dict[str, float] = field(default_factory=dict)
@@ -34,6 +35,7 @@ class PhaseTimes:
     self: dict[str, float] = field(default_factory=dict)
     """Seconds inside the phase, phases nested in it excluded."""
     calls: dict[str, int] = field(default_factory=dict)
+    """Times the phase was entered."""
     _open: list[float] = field(default_factory=list)
     """Seconds spent in the phases nested in each open phase, innermost last."""
 
