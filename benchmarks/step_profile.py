@@ -11,6 +11,9 @@ For a shape, after its timed steps, three more steps run:
    device time and by self CPU time, each phase's CPU time on the calling thread, the fraction of
    the step the GPU is busy (well below 1: the host is what the step waits for), and a trace.
 
+Then one publish of the weights is timed (`publish_ms`: the RL loop writes `weights/step_N/` after
+every `weights.interval` steps, outside the step the benchmark times).
+
 Everything goes to `DIR/<label>.json`, the trace to `DIR/<label>.trace.json.gz` (Perfetto, chrome://tracing).
 Besides, every timed run counts what its timed steps did that a steady step should not: graphs
 compiled by `torch.compile` and device allocations by the caching allocator (`once_only_counts`).
@@ -169,10 +172,18 @@ def profiled_step(run: Callable[..., object], inputs: tuple, device: torch.devic
             "trace": trace.name}
 
 
+def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
 def profile_shape(run: Callable[..., object], inputs: Callable[[], tuple], device: torch.device, folder: Path,
-                  label: str) -> dict:
-    """Both profiles of one shape (see the module docstring), each of a step `run(*inputs())` (its inputs made
-    before it starts); writes `folder/<label>.json` and returns its content."""
+                  label: str, publish: Callable[[], object]) -> dict:
+    """The profiles of one shape (see the module docstring), each of a step `run(*inputs())` (its inputs made
+    before it starts), and the milliseconds of one `publish()`; writes `folder/<label>.json` and returns its content."""
     folder.mkdir(parents=True, exist_ok=True)
     synced = phase_times(run, inputs(), device)
     busy = synchronised_step(run, inputs(), device)
@@ -180,7 +191,8 @@ def profile_shape(run: Callable[..., object], inputs: Callable[[], tuple], devic
         times["gpu_busy_ms"] = busy.get(name)
     synced["outside_phases_gpu_busy_ms"] = busy.get("outside phases")
     report = {"label": label, "synchronised_phases": synced,
-              "profiler": profiled_step(run, inputs(), device, folder / f"{label}.trace.json.gz")}
+              "profiler": profiled_step(run, inputs(), device, folder / f"{label}.trace.json.gz"),
+              "publish_ms": timed_ms(publish, device)}
     tmp = folder / f"{label}.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(folder / f"{label}.json")
@@ -194,4 +206,5 @@ def phase_summary(report: dict) -> str:
                       for name, p in synced["phases"].items())
     busy = report["profiler"]["gpu_busy_fraction"]
     return (f"step {synced['step_ms']:.1f} ms synchronised: {parts}, outside phases {synced['outside_phases_ms']:.1f}"
-            + ("" if busy is None else f"; unsynchronised under the profiler the GPU is busy {busy:.0%} of the step"))
+            + ("" if busy is None else f"; unsynchronised under the profiler the GPU is busy {busy:.0%} of the step")
+            + f"; publishing the weights {report['publish_ms']:.0f} ms")

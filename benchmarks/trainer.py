@@ -181,13 +181,16 @@ def wants_profile(args, shape: Shape) -> bool:
     return args.profile is not None and (args.profile_shapes is None or shape in args.profile_shapes)
 
 
-def profile_run(args, shape: Shape, dims, run, inputs) -> dict:
-    """`--profile`: three more steps of `run(*inputs())` profiled into `args.profile`; the result's summary."""
+def profile_run(args, shape: Shape, session, run, inputs) -> dict:
+    """`--profile`: three more steps of `run(*inputs())` profiled into `args.profile`, and one publish of the
+    weights timed (the RL loop's, after every `weights.interval` steps; not part of the timed step); the summary."""
+    dims = session.dims
     label = f"tandem-{shape.seq_len}x{shape.samples_per_row}x{shape.rows}" + (f"-rank{dims.rank}" if dims.world_size > 1 else "")
-    report = profile_shape(run, inputs, dims.device, args.profile, label)
+    report = profile_shape(run, inputs, dims.device, args.profile, label, publish=lambda: session.publish(args.warmup + args.steps + 1))
     if dims.is_main:
         print(f"{shape} profile: {phase_summary(report)}", file=sys.stderr, flush=True)
-    return {"file": f"{label}.json", **report["synchronised_phases"], "gpu_busy_fraction": report["profiler"]["gpu_busy_fraction"]}
+    return {"file": f"{label}.json", **report["synchronised_phases"], "gpu_busy_fraction": report["profiler"]["gpu_busy_fraction"],
+            "publish_ms": report["publish_ms"]}
 
 
 def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: float) -> dict:
@@ -236,7 +239,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
                    **memory_figures(dims.device), "active_params": num_params,
                    "once_only_events_in_timed_steps": counts_since(counts, dims.device), "losses": losses}
             if wants_profile(args, shape):  # after the memory figures: the profiler's own buffers are not the step's
-                out["profile"] = profile_run(args, shape, dims, run, lambda: inputs(config.max_steps + 1))
+                out["profile"] = profile_run(args, shape, session, run, lambda: inputs(config.max_steps + 1))
         finally:
             session.close()
     return out

@@ -94,3 +94,4 @@ def test_trainer_benchmark_profiles_a_shape_on_the_cpu(tmp_path):
     assert profile["profiler"]["gpu_busy_fraction"] is None  # no GPU
     assert any(op["name"] == "aten::mm" for op in profile["profiler"]["top_ops_by_self_cpu_time"])
     assert profiled["profile"]["phases"] == synced["phases"]
+    assert profile["publish_ms"] > 0 and profiled["profile"]["publish_ms"] == profile["publish_ms"]
