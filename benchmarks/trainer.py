@@ -55,6 +55,17 @@ Peak: 989e12 (dense bf16 of one H100/H200 by the datasheet) per GPU on CUDA (`--
 overrides); on a CPU, the best fp32 2048^3 matmul rate of this process, measured here.
 Peak memory: max allocated (and reserved) CUDA memory over all steps of the run, or the
 process's peak resident memory on a CPU. The first `--warmup` steps (compilation) are not timed.
+
+The result file keeps a per-shape `table` (tokens per step, ms/step, MFU, tokens/s, peak memory), and
+each tandem run counts what its timed steps did that a steady step should not: graphs compiled by
+`torch.compile` (a guard that failed) and CUDA allocations (`once_only_events_in_timed_steps`).
+`--profile DIR` then profiles two more steps of each tandem shape (`benchmarks/step_profile.py`):
+milliseconds per phase of the step with the device synchronised at each boundary, and a
+`torch.profiler` step (top ops by self CUDA and CPU time, each phase's CPU and kernel time, the
+fraction of the step the GPU is busy, a trace):
+
+    python benchmarks/trainer.py --preset qwen3-0.6b --device cuda --shapes 4096:1:1 16384:1:1 --profile out/profile \
+        --profile-shapes 4096:1:1
 """
 
 from __future__ import annotations
@@ -86,7 +97,9 @@ from tandem.trainer.loss import LossInputs, build_loss
 from tandem.trainer.model import compute_dtype, should_compile
 from tandem.trainer.rl.train import rl_objective
 from tandem.trainer.session import open_session, peak_memory_gib
-from tandem.trainer.step import train_step
+from tandem.trainer.step import StepResult, train_step
+
+from step_profile import counts_since, once_only_counts, phase_summary, profile_shape, sync
 
 H100_BF16_PEAK = 989e12
 MFU_FORMULA = ("(6 * P_active * tokens + sum over sequences of 6 * layers * Hq * D * L^2) / step time / peak; "
@@ -128,11 +141,6 @@ def measured_cpu_peak(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -156,48 +164,82 @@ def timing(times: list[float], shape: Shape, flops_per_step: float, peak: float,
             "model_tflops_per_s": flops_per_step / step_time / 1e12, "mfu": flops_per_step / step_time / (peak * world_size)}
 
 
+def tandem_config(folder: Path, shape: Shape, args, kernels: KernelsConfig, run_dir: str) -> TrainerConfig:
+    """The trainer's config for one shape: the defaults, or the flags' options."""
+    checkpointing = {} if args.ac is None else {"activation_checkpoint": ActivationCheckpointConfig(mode=args.ac)}
+    return TrainerConfig(
+        model=ModelConfig(name=str(folder), dtype=args.dtype, load_format="dummy"), device=args.device, seq_len=shape.seq_len,
+        max_steps=args.warmup + args.steps, output_dir=Path(run_dir), optim=AdamWConfig(lr=1e-6),
+        parallel=ParallelConfig(ep=args.ep, cp=args.cp, reshard_after_forward=args.reshard_after_forward == "on", **checkpointing),
+        data=RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row),
+        kernels=kernels, run=RunConfig(exact=args.exact),
+        **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
+    )
+
+
+def wants_profile(args, shape: Shape) -> bool:
+    return args.profile is not None and (args.profile_shapes is None or shape in args.profile_shapes)
+
+
+def profile_run(args, shape: Shape, session, run, inputs) -> dict:
+    """`--profile`: three more steps of `run(*inputs())` profiled into `args.profile`, and one publish of the
+    weights timed (the RL loop's, after every `weights.interval` steps; not part of the timed step); the summary."""
+    dims = session.dims
+    label = f"tandem-{shape.seq_len}x{shape.samples_per_row}x{shape.rows}" + (f"-rank{dims.rank}" if dims.world_size > 1 else "")
+    report = profile_shape(run, inputs, dims.device, args.profile, label, publish=lambda: session.publish(args.warmup + args.steps + 1))
+    if dims.is_main:
+        print(f"{shape} profile: {phase_summary(report)}", file=sys.stderr, flush=True)
+    return {"file": f"{label}.json", **report["synchronised_phases"], "gpu_busy_fraction": report["profiler"]["gpu_busy_fraction"],
+            "publish_ms": report["publish_ms"]}
+
+
 def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: float) -> dict:
-    """The real trainer step: the config's defaults, or the flags' options."""
+    """The real trainer step: the config's defaults, or the flags' options; profiled after the timed steps
+    with `--profile`."""
     with tempfile.TemporaryDirectory() as run_dir:
-        checkpointing = {} if args.ac is None else {"activation_checkpoint": ActivationCheckpointConfig(mode=args.ac)}
-        parallel = ParallelConfig(ep=args.ep, cp=args.cp, **checkpointing)
-        config = TrainerConfig(
-            model=ModelConfig(name=str(folder), dtype=args.dtype, load_format="dummy"), device=args.device, seq_len=shape.seq_len,
-            max_steps=args.warmup + args.steps, output_dir=Path(run_dir), optim=AdamWConfig(lr=1e-6), parallel=parallel,
-            data=RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row),
-            kernels=kernels, run=RunConfig(exact=args.exact),
-            **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
-        )
+        config = tandem_config(folder, shape, args, kernels, run_dir)
         session = open_session(config, "trainer")
         try:
             dims, model = session.dims, session.model
             objective = rl_objective(build_loss(config.loss))
             num_params = active_params(model.lm)
             options = {"ep": dims.ep_size, "cp": dims.cp_size, "compile": should_compile(config.kernels, dims.device),
+                       "reshard_after_forward": config.parallel.reshard_after_forward,
                        "activation_checkpoint": config.parallel.activation_checkpoint.mode,
                        "logprob_chunk_size": config.logprob_chunk_size, "sdpa_backends": config.kernels.sdpa_backends,
                        "compute_dtype": str(compute_dtype(config.model, dims.device)), "optimizer": "AdamW (fused on CUDA)",
                        "exact": config.run.exact}
+
+            def inputs(step: int) -> tuple[list[MicroBatch], int]:
+                batch = fake_batch(step, dims.rank, dims.world_size, config.data, config.seq_len, session.vocab_size, config.seed)
+                return prepare_micro_batches(batch.rows, dims), batch.num_loss_tokens
+
+            def run(micro_batches: list[MicroBatch], num_loss_tokens: int) -> StepResult:
+                return train_step(model, session.optimizer, session.scheduler, micro_batches, objective, num_loss_tokens,
+                                  config.optim.max_grad_norm, dims)
+
             reset_memory(dims.device)
             times, losses = [], []
             for step in range(1, config.max_steps + 1):
-                batch = fake_batch(step, dims.rank, dims.world_size, config.data, config.seq_len, session.vocab_size, config.seed)
-                micro_batches = prepare_micro_batches(batch.rows, dims)
+                if step == args.warmup + 1:
+                    counts = once_only_counts(dims.device)
+                micro_batches, num_loss_tokens = inputs(step)
                 sync(dims.device)
                 start = time.perf_counter()
-                result = train_step(model, session.optimizer, session.scheduler, micro_batches, objective,
-                                    batch.num_loss_tokens, config.optim.max_grad_norm, dims)
+                result = run(micro_batches, num_loss_tokens)
                 sync(dims.device)
                 losses.append({"loss": result.loss, "grad_norm": result.grad_norm, "entropy": result.metrics["entropy"]})
                 if step > args.warmup:
                     times.append(time.perf_counter() - start)
             flops = model_flops(num_params, session.hf_config, shape.sequence_lengths)
             trainer_flops = training_flops(model.blocks, model.lm.lm_head.weight.numel(), session.hf_config,
-                                           shape.sequence_lengths, batch.num_loss_tokens)
+                                           shape.sequence_lengths, num_loss_tokens)
             out = {"impl": "tandem", "options": options, **timing(times, shape, flops, peak, dims.world_size),
                    "mfu_trainer_flops": trainer_flops / (sum(times) / len(times)) / (peak * dims.world_size),
                    **memory_figures(dims.device), "active_params": num_params,
-                   "losses": losses}
+                   "once_only_events_in_timed_steps": counts_since(counts, dims.device), "losses": losses}
+            if wants_profile(args, shape):  # after the memory figures: the profiler's own buffers are not the step's
+                out["profile"] = profile_run(args, shape, session, run, lambda: inputs(config.max_steps + 1))
         finally:
             session.close()
     return out
@@ -305,6 +347,15 @@ def attempt(label: str, fn, *fn_args) -> dict:
         reset_memory(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
 
 
+def table_row(run: dict) -> dict:
+    """One line of the per-shape table every result file keeps: tokens, ms/step, MFU, peak memory."""
+    row = {"shape": run["shape"], "impl": run.get("impl", run.get("label")), "tokens_per_step": run["seq_len"] * run["rows_per_step"]}
+    if "error" in run:
+        return row | {"error": run["error"][:200]}
+    return row | {"ms_per_step": run["step_time_s"] * 1e3, "mfu": run["mfu"], "tokens_per_s": run["tokens_per_s"],
+                  "peak_memory_gib": run["peak_memory_gib"]}
+
+
 def summary(shape: Shape, result: dict) -> str:
     if "error" in result:
         return f"{shape} {result.get('impl', result['label'])}: FAILED {result['error'][:300]}"
@@ -328,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="compute dtype of tandem")
     parser.add_argument("--ac", choices=["off", "selective", "full", "every_k"], default=None,
                         help="activation checkpointing (default: the config's)")
+    parser.add_argument("--reshard-after-forward", choices=["on", "off"], default="on" if ParallelConfig().reshard_after_forward else "off",
+                        help="parallel.reshard_after_forward: off keeps each block's gathered weights from forward to backward")
     parser.add_argument("--chunk-size", type=int, default=None, help="logprob chunk in tokens (default: the config's)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default=KernelsConfig().compile)
     parser.add_argument("--sdpa-backends", nargs="+", choices=["cudnn", "flash", "efficient", "math"],
@@ -337,7 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: see the docstring)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, which a copied tree may hold stale)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (rewritten after each run)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="after a tandem shape's timed steps, profile three more steps into DIR (benchmarks/step_profile.py)")
+    parser.add_argument("--profile-shapes", type=Shape.parse, nargs="+", default=None,
+                        help="the --shapes that --profile profiles (default: all)")
     args = parser.parse_args(argv)
+    unknown = [str(s) for s in args.profile_shapes or [] if s not in args.shapes]
+    if unknown:
+        parser.error(f"--profile-shapes {' '.join(unknown)}: not among --shapes")
     bad = [str(s) for s in args.baseline if s.samples_per_row != 1]
     if bad:
         parser.error(f"--baseline {' '.join(bad)}: the baseline runs rows of one sequence only (SAMPLES = 1)")
@@ -365,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         results["runs"].append({"shape": str(shape), "seq_len": shape.seq_len, "samples_per_row": shape.samples_per_row,
                                 "rows_per_step": shape.rows, **result})
+        results["table"] = [table_row(run) for run in results["runs"]]
         print(summary(shape, result), file=sys.stderr, flush=True)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -403,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     results["ratio_to_baseline"] = ratios
     if is_main:
         print(f"MFU = {MFU_FORMULA}", file=sys.stderr)
+        for row in results.get("table", []):
+            print("  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), file=sys.stderr)
         if args.out is not None:
             args.out.write_text(json.dumps(results, indent=1))
         print(json.dumps({k: v for k, v in results.items() if k != "runs"}))

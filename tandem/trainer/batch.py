@@ -44,6 +44,10 @@ class MicroBatch:
     (None for a context-parallel shard: its documents are in `context`)."""
     routed_experts: torch.Tensor | None = None
     """Router replay: [T, num_moe_layers, k] expert ids per token, rows of -1 where the model routes itself."""
+    predicting_positions: torch.Tensor | None = None
+    """[N] long: the positions whose next token is a loss token (position 0 alone when the row has none),
+    taken from the host's copy of the loss mask, so that the model selects them without a device sync
+    (`PolicyModel.forward`); None: the model finds them on the device (a context-parallel shard)."""
     context: ContextShard | None = None
     """Context parallelism: where this shard's tokens sit in the row. The loss fields (loss mask,
     logprobs, advantages, temperatures, on_policy) are then already shifted onto the position that
@@ -70,6 +74,7 @@ class MicroBatch:
             if row.policy_versions and policy_version is not None else tensor([True] * len(row.input_ids), torch.bool),
             row_document_lengths=[document_lengths(row.position_ids)],
             routed_experts=routed,
+            predicting_positions=tensor([t for t, m in enumerate(row.loss_mask[1:]) if m] or [0], torch.long)[0],
         )
 
     @property

@@ -44,6 +44,7 @@ from tandem.trainer.parallel.context_parallel import ContextShard, check_context
 from tandem.trainer.parallel.dims import EP, ParallelDims
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp
+from tandem.trainer.phases import phase
 from tandem.trainer.router import RouterMonitor, build_router_monitor
 
 
@@ -80,7 +81,7 @@ class PolicyModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperatures: torch.Tensor,
                 loss_mask: torch.Tensor, row_document_lengths: list[list[int]] | None = None,
-                context: ContextShard | None = None) -> TokenLogprobs:
+                context: ContextShard | None = None, predicting_positions: torch.Tensor | None = None) -> TokenLogprobs:
         """All inputs [B, T]; logprobs are computed only where `loss_mask` is true.
 
         `row_document_lengths`: the lengths of the documents packed in each row, as the host
@@ -88,6 +89,9 @@ class PolicyModel(nn.Module):
         `context`: a context-parallel shard (`tandem.trainer.parallel.context_parallel`): attention
         runs around the ring, and `temperatures` and `loss_mask` are already aligned with the
         predicting position, whose target is `context.targets`.
+        `predicting_positions`: flat indices into the [B * T] positions of those whose next token is
+        a loss token, as the host knows them from the batch (`MicroBatch`); found from `loss_mask`
+        (a device sync) when not given.
 
         Token t is predicted from the hidden state at t-1, so column 0 of a whole row is never
         computed. A row without loss tokens still computes one position (then discarded by the
@@ -98,7 +102,9 @@ class PolicyModel(nn.Module):
             attention = context_attention(context, self.context_parallel.cp_attention, self.context_parallel.cp_query_chunk,
                                           self.sdpa_backends)
             hidden = self.lm(input_ids, position_ids, attention=attention)
-            return self._logprobs(hidden, context.targets, temperatures, loss_mask)
+            positions = mask_positions(loss_mask)
+            with phase("logprobs"):
+                return self._logprobs(hidden, context.targets, temperatures, positions, positions)
         if self.native:
             if row_document_lengths is None:
                 row_document_lengths = [document_lengths(row) for row in position_ids.tolist()]
@@ -107,30 +113,39 @@ class PolicyModel(nn.Module):
             hidden = self.lm(input_ids, position_ids, attention=attention)
         else:
             hidden = self.lm(input_ids, position_ids)
-        out = self._logprobs(hidden[:, :-1], input_ids[:, 1:], temperatures[:, 1:], loss_mask[:, 1:])
-        first = torch.zeros(input_ids.shape[0], 1, dtype=torch.float32, device=hidden.device)
-        return TokenLogprobs(torch.cat([first, out.logprobs], dim=1), torch.cat([first, out.entropy], dim=1))
+        if predicting_positions is None:
+            predicting_positions = mask_positions(torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1))
+        with phase("logprobs"):
+            return self._logprobs(hidden, input_ids, temperatures, predicting_positions, predicting_positions + 1)
 
-    def _logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor,
-                  loss_mask: torch.Tensor) -> TokenLogprobs:
-        """Logprobs and entropies [B, N] of `targets` predicted from `hidden` [B, N, H], where `loss_mask` is set."""
-        select = loss_mask.bool()
-        if not bool(select.any()):
-            select = torch.zeros_like(select)
-            select[0, 0] = True
+    def _logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, predicting: torch.Tensor,
+                  predicted: torch.Tensor) -> TokenLogprobs:
+        """Logprobs and entropies [B, T] of the tokens at the flat positions `predicted` of `targets` [B, T] (at the
+        temperatures of the same positions), predicted from `hidden` [B, T, H] at the flat positions `predicting`;
+        zero elsewhere. Selected by index, the rows' shapes are known to the host: no sync."""
         head = self.lm.lm_head
-        inputs = (hidden[select], head.weight, head.bias, targets[select], temperatures[select])
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        inputs = (flat_hidden.index_select(0, predicting), head.weight, head.bias, targets.flatten()[predicted],
+                  temperatures.flatten()[predicted])
         if self.exact:
             lp, ent = exact_token_logprobs(*inputs)
         else:
             lp, ent = token_logprobs(*inputs, self.chunk_size, self.compile_head)
-        zeros = torch.zeros(select.shape, dtype=torch.float32, device=hidden.device)
-        return TokenLogprobs(zeros.masked_scatter(select, lp), zeros.masked_scatter(select, ent))
+        zeros = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+        where = torch.unravel_index(predicted, targets.shape)  # not a view of a flat tensor: FSDP hooks the outputs
+        return TokenLogprobs(zeros.index_put(where, lp), zeros.index_put(where, ent))
 
     def hf_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Parameters under their Hugging Face names (a tied LM head appears once, as the embedding)."""
         inner = self.lm.hf_model if isinstance(self.lm, HFCausalLM) else self.lm
         return list(inner.named_parameters())
+
+
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the set elements of `mask` [B, T], or [0] where none is set (see `PolicyModel.forward`).
+    The number of them is the device's to tell: a sync."""
+    positions = mask.flatten().nonzero().squeeze(1)
+    return positions if positions.numel() else positions.new_zeros(1)
 
 
 def compute_dtype(model: ModelConfig, device: torch.device) -> torch.dtype:

@@ -25,6 +25,7 @@ from tandem.models.moe import replayed_routing
 from tandem.trainer.batch import MicroBatch
 from tandem.trainer.model import PolicyModel, TokenLogprobs
 from tandem.trainer.parallel.dims import ParallelDims
+from tandem.trainer.phases import phase
 
 
 @dataclass
@@ -69,9 +70,11 @@ def count_loss_tokens(micro_batches: list[MicroBatch], dims: ParallelDims) -> in
 
 def forward_objective(model: PolicyModel, mb: MicroBatch, objective: Objective) -> tuple[ObjectiveOutput, torch.Tensor]:
     """Objective and entropy sum of one micro-batch."""
-    out = model(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths, mb.context)
-    result = objective(mb, out)
-    entropy_sum = torch.where(mb.loss_mask, out.entropy, 0.0).sum()
+    out = model(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths, mb.context,
+                mb.predicting_positions)
+    with phase("objective"):
+        result = objective(mb, out)
+        entropy_sum = torch.where(mb.loss_mask, out.entropy, 0.0).sum()
     return result, entropy_sum
 
 
@@ -88,7 +91,7 @@ class Gradients:
 
     loss: float
     """Global mean loss per loss token."""
-    grad_norm: torch.Tensor
+    grad_norm: float
     """Global gradient norm before clipping."""
     metrics: dict[str, float]
     """Global means over loss tokens: entropy and the objective's metrics."""
@@ -98,23 +101,33 @@ def accumulate_gradients(model: PolicyModel, micro_batches: list[MicroBatch], ob
                          max_grad_norm: float, dims: ParallelDims) -> Gradients:
     """Forward/backward every micro-batch and clip (max_grad_norm 0: no clipping); the update is the caller's.
     Every rank must pass the same number of micro-batches. `tandem replay` calls it alone, so a replayed step
-    computes its loss and gradient norm through the very code of training."""
+    computes its loss and gradient norm through the very code of training.
+
+    The host reads nothing from the device until every micro-batch has gone through backward and the
+    gradients are clipped: the metric sums stay on the device, are reduced over the ranks there, and
+    come back with the gradient norm in one transfer (each read is a wait for the device to drain)."""
     scale = dims.dp_size / max(num_loss_tokens, 1)
     totals: dict[str, torch.Tensor] = {}
     router = model.router
     for mb in micro_batches:
         with maybe_replayed_routing(model, mb):  # backward too: activation checkpointing routes again
-            with router.collecting() if router is not None else contextlib.nullcontext():
+            with router.collecting() if router is not None else contextlib.nullcontext(), phase("forward"):
                 result, entropy_sum = forward_objective(model, mb, objective)
-            (result.loss_sum * scale).backward()
-        sums = {"loss": result.loss_sum.detach(), "entropy": entropy_sum, **result.metric_sums}
-        for key, value in sums.items():
-            totals[key] = totals.get(key, 0.0) + value.detach().double()
-    grad_norm = clip_grad_norm(model, max_grad_norm)
-    keys = sorted(totals)
-    reduced = global_sum([float(totals[k]) for k in keys], dims)
-    means = {k: v / max(num_loss_tokens, 1) for k, v in zip(keys, reduced)}
-    return Gradients(loss=means.pop("loss"), grad_norm=grad_norm, metrics=means)
+            with phase("backward"):
+                (result.loss_sum * scale).backward()
+        with phase("metrics"):
+            sums = {"loss": result.loss_sum.detach(), "entropy": entropy_sum, **result.metric_sums}
+            for key, value in sums.items():
+                totals[key] = totals.get(key, 0.0) + value.detach().double()
+    with phase("grad_clip"):
+        grad_norm = clip_grad_norm(model, max_grad_norm)
+    with phase("metrics_transfer"):
+        keys = sorted(totals)
+        reduced = torch.stack([totals[k] for k in keys])
+        dist.all_reduce(reduced)
+        *sums, norm = torch.cat([reduced, grad_norm.double()[None]]).tolist()
+    means = {k: v / max(num_loss_tokens, 1) for k, v in zip(keys, sums)}
+    return Gradients(loss=means.pop("loss"), grad_norm=norm, metrics=means)
 
 
 def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -125,14 +138,17 @@ def train_step(model: PolicyModel, optimizer: torch.optim.Optimizer, scheduler: 
     if router is not None:
         router.begin_step(len(micro_batches))
     grads = accumulate_gradients(model, micro_batches, objective, num_loss_tokens, max_grad_norm, dims)
-    skipped = not (math.isfinite(grads.loss) and math.isfinite(float(grads.grad_norm)))
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    router_metrics = router.end_step(update_bias=not skipped) if router is not None else {}
-    lr = scheduler.get_last_lr()[0]
-    scheduler.step()
-    return StepResult(loss=grads.loss, grad_norm=float(grads.grad_norm), lr=lr, skipped=skipped, metrics=grads.metrics,
+    skipped = not (math.isfinite(grads.loss) and math.isfinite(grads.grad_norm))
+    with phase("optimizer"):
+        if not skipped:
+            optimizer.step()
+    with phase("zero_grad"):
+        optimizer.zero_grad(set_to_none=True)
+    with phase("schedule"):
+        router_metrics = router.end_step(update_bias=not skipped) if router is not None else {}
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+    return StepResult(loss=grads.loss, grad_norm=grads.grad_norm, lr=lr, skipped=skipped, metrics=grads.metrics,
                       router=router_metrics)
 
 
@@ -152,10 +168,14 @@ def evaluate(model: PolicyModel, micro_batches: list[MicroBatch], objective: Obj
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the (sharded) gradients, clipped to `max_norm` when it is > 0 and finite.
+    """Global L2 norm of the (sharded) gradients as a 0-d fp32 tensor on the device, and the gradients
+    clipped to `max_norm` when it is > 0.
 
-    Gradients on different device meshes (expert parallelism puts the routed experts on their own
-    mesh) cannot meet in one DTensor op: each mesh's norm is completed over its mesh, then combined."""
+    No sync: the gradients are always multiplied by min(1, max_norm / (norm + 1e-6)), which is exactly 1
+    below the bound. A non-finite norm makes them non-finite or zero, which changes nothing: the NaN
+    guard then drops them. Gradients on different device meshes (expert parallelism puts the routed
+    experts on their own mesh) cannot meet in one DTensor op: each mesh's norm is completed over its
+    mesh, then combined."""
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in model.parameters():
         if p.grad is not None:
@@ -165,7 +185,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # local norms combined over the mesh
     norm = torch.linalg.vector_norm(torch.stack(norms))
-    if max_norm > 0 and torch.isfinite(norm):
+    if max_norm > 0:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.detach().float().cpu()
+    return norm.detach().float()

@@ -146,3 +146,31 @@ def test_temperatures_reach_the_head_in_fp32_under_bf16_compute(tiny_model, worl
     with torch.no_grad():
         policy(ids, torch.arange(6)[None], torch.full((1, 6), 0.7), mask)
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0], torch.full((5,), 0.7))
+
+
+@pytest.mark.parametrize("samples", [[(3, 5), (2, 9)], [(6, 0)]], ids=["packed", "no-loss-tokens"])
+def test_host_positions_select_what_the_loss_mask_selects_without_a_sync(tiny_model, world_of_one, samples):
+    """`MicroBatch.predicting_positions` (from the host's loss mask) gives bitwise the logprobs, entropies and
+    gradients of the positions the model finds on the device from `loss_mask`."""
+    from trainer_helpers import random_row
+
+    from tandem.trainer.batch import MicroBatch
+
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), world_of_one, chunk_size=4)
+    mb = MicroBatch.from_row(random_row(torch.Generator().manual_seed(3), samples), world_of_one.device)
+    expected = [t for t in range(mb.num_tokens - 1) if mb.loss_mask[0, t + 1]] or [0]
+    assert mb.predicting_positions.tolist() == expected
+
+    def run(positions):
+        policy.zero_grad(set_to_none=True)
+        out = policy(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths, None, positions)
+        (out.logprobs * torch.linspace(-1, 1, mb.num_tokens)).sum().backward()
+        grads = {name: p.grad.full_tensor().clone() for name, p in policy.hf_named_parameters()}
+        return out.logprobs.detach(), out.entropy, grads
+
+    host, device = run(mb.predicting_positions), run(None)
+    assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+    assert all(torch.equal(host[2][name], device[2][name]) for name in host[2])
+    computed = torch.zeros_like(mb.loss_mask)  # the loss tokens, or token 1 alone (every parameter in backward)
+    computed[0, [t + 1 for t in expected]] = True
+    assert torch.equal(host[0] != 0, computed)

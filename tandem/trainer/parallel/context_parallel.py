@@ -101,7 +101,7 @@ def shard_micro_batch(mb: MicroBatch, group: dist.ProcessGroup) -> MicroBatch:
         mb, input_ids=torch.cat([mb.input_ids, mb.input_ids.new_zeros(1, pad)], dim=1)[:, index], position_ids=positions[:, index], loss_mask=shifted(mb.loss_mask),
         inference_logprobs=shifted(mb.inference_logprobs), advantages=shifted(mb.advantages),
         temperatures=torch.where(temperatures > 0, temperatures, 1.0), on_policy=shifted(mb.on_policy),
-        row_document_lengths=None, routed_experts=routed, context=shard)
+        row_document_lengths=None, routed_experts=routed, context=shard, predicting_positions=None)
 
 
 def start_ring_shift(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> Callable[[], list[torch.Tensor]]:
