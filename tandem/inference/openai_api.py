@@ -8,6 +8,7 @@ answering; per choice: the oldest version that sampled any of its tokens).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -56,12 +57,9 @@ def completion_prompts(served: Served, prompt: Any) -> list[list[int]]:
 
 def legacy_logprobs(served: Served, choice_tokens: list[int], logprobs: list[float], top: list[tuple[tuple[int, float], ...]], with_top: bool) -> dict:
     """The completions API's logprobs: parallel lists of tokens, their logprobs and text offsets."""
-    tokens = [served.token_text(t) for t in choice_tokens]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    top_maps = [{served.token_text(t): lp for t, lp in alts} for alts in top] if with_top else None
+    tokens = served.token_texts(choice_tokens)
+    offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
+    top_maps = [dict(zip(served.token_texts([t for t, _ in alts]), (lp for _, lp in alts))) for alts in top] if with_top else None
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_maps, "text_offset": offsets}
 
 
@@ -157,11 +155,16 @@ async def _completion_stream(served: Served, body: CompletionRequest, prompts, p
 
 
 def chat_logprobs(served: Served, token_ids: list[int], logprobs: list[float], top: list[tuple[tuple[int, float], ...]]) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        return {"token": served.token_text(token_id), "logprob": logprob, "bytes": list(served.token_bytes(token_id))}
+    """One entry per token, built in one pass over cached token texts and bytes (a completion of thousands of
+    tokens answers in milliseconds; no entry without alternatives builds anything but its own dict)."""
+    def alternatives(alts: tuple[tuple[int, float], ...]) -> list[dict]:
+        ids = [a for a, _ in alts]
+        return [{"token": text, "logprob": lp, "bytes": raw}
+                for text, raw, (_, lp) in zip(served.token_texts(ids), served.token_byte_lists(ids), alts)]
 
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
-                        for t, lp, alts in zip(token_ids, logprobs, top)]}
+    return {"content": [{"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives(alts) if alts else []}
+                        for text, raw, lp, alts in zip(served.token_texts(token_ids), served.token_byte_lists(token_ids),
+                                                       logprobs, top)]}
 
 
 def chat_prompt(served: Served, body: ChatCompletionRequest) -> list[int]:

@@ -57,6 +57,7 @@ class Served:
         self.max_model_len = max_model_len
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self._token_byte_list: dict[int, list[int]] = {}
 
     @property
     def weight_version(self) -> int:
@@ -121,6 +122,18 @@ class Served:
         if all(char in BYTE_OF_CHAR for char in piece):
             return bytes(BYTE_OF_CHAR[char] for char in piece)
         return text.encode()
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """`token_text` of each id: a completion's logprobs name every one of its tokens, so the known ones
+        cost a dict lookup and no call."""
+        known = self._token_text
+        return [known[t] if t in known else self.token_text(t) for t in token_ids]
+
+    def token_byte_lists(self, token_ids: list[int]) -> list[list[int]]:
+        """`token_bytes` of each id as the list of ints chat logprobs report; one list per id, shared by every
+        answer that names the token (answers only serialize it)."""
+        known = self._token_byte_list
+        return [known[t] if t in known else known.setdefault(t, list(self.token_bytes(t))) for t in token_ids]
 
     def token_text(self, token_id: int) -> str:
         """A token's own text, as logprobs report it (special tokens included)."""
