@@ -54,6 +54,7 @@ from tandem.inference.vllm.args import DEV_MODE_ENV
 from tandem.launch.process import ManagedProcess
 from tandem.launch.rl import wait_healthy
 from tandem.models.presets import PRESETS, init_model
+from tandem.orchestrator.server_dialect import TandemDialect, VllmDialect
 
 ROUTES = ("generate", "completions", "chat")
 
@@ -92,11 +93,9 @@ def chat_text(rng: random.Random, num_chars: int) -> str:
 def request_bodies(route: str, vllm: bool, model: str, prompts: list[list[int]], output_len: int, seed: int) -> tuple[str, list[dict]]:
     """The path and the bodies of one run of `route`, on tandem's or vLLM's server."""
     common = {"max_tokens": output_len, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
-    if route == "generate" and vllm:  # vLLM's token-in route, as tandem's orchestrator speaks it
-        sampling = {**common, "logprobs": 0}
-        return "/inference/v1/generate", [{"token_ids": p, "sampling_params": sampling} for p in prompts]
-    if route == "generate":
-        return "/v1/generate", [{"prompt_token_ids": p, **common} for p in prompts]
+    if route == "generate":  # on vLLM its token-in route, as the orchestrator speaks it
+        dialect = VllmDialect() if vllm else TandemDialect()
+        return dialect.generate_path, [dialect.to_request({"prompt_token_ids": p, **common}) for p in prompts]
     if route == "completions":
         return "/v1/completions", [{"model": model, "prompt": p, "logprobs": 0, **common} for p in prompts]
     if route == "chat":
@@ -184,42 +183,42 @@ def bench_route(url: str, pid: int, route: str, vllm: bool, model: str, w: dict,
 # ---- servers -----------------------------------------------------------------------------------
 
 
-@contextmanager
-def tandem_server(folder: Path, args: argparse.Namespace, w: dict, tmp: Path) -> Iterator[tuple[str, int]]:
-    """`tandem inference` in a process of its own, as `tandem rl` starts it; yields its URL and process id."""
-    port = free_port()
+def tandem_command(folder: Path, args: argparse.Namespace, w: dict, tmp: Path, port: int) -> tuple[list[str], dict]:
+    """`tandem inference` as `tandem rl` starts it, in a process of its own: its argv and environment."""
     config = InferenceConfig.model_validate({
         "model": {"name": str(folder), "dtype": args.dtype}, "server": {"port": port},
         "engine": engine_config(args, w["num_prompts"], w["prompt_len"] + w["output_len"] + CHAT_TEMPLATE_ROOM).model_dump()})
     (tmp / "inference.toml").write_text(to_toml(config))
-    server = ManagedProcess("inference", [sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")],
-                            tmp / "inference.log", dict(os.environ))
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server, timeout_s=900)
-        yield url, server.pid
-    finally:
-        server.stop()
+    return [sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")], dict(os.environ)
+
+
+def with_site(site: str) -> dict:
+    """This process's environment with `site` first on PYTHONPATH."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
 
 
 def vllm_available(site: str) -> str | None:
     """vLLM's version when it imports with `site` first on the path, else None."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
-    probe = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], env=env, capture_output=True, text=True)
+    probe = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], env=with_site(site),
+                           capture_output=True, text=True)
     return probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else None
 
 
-@contextmanager
-def vllm_server(folder: Path, args: argparse.Namespace, w: dict, tmp: Path) -> Iterator[tuple[str, int]]:
-    """vLLM's OpenAI server on the same folder, random weights, the same batch limits; yields its URL and process id."""
-    port = free_port()
-    env = dict(os.environ, **DEV_MODE_ENV, VLLM_USE_FLASHINFER_SAMPLER="0",
-               PYTHONPATH=os.pathsep.join(p for p in (args.vllm_site, os.environ.get("PYTHONPATH")) if p))
+def vllm_command(folder: Path, args: argparse.Namespace, w: dict, tmp: Path, port: int) -> tuple[list[str], dict]:
+    """vLLM's OpenAI server on the same folder, random weights, the same batch limits: its argv and environment."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", folder.name,
             "--load-format", "dummy", "--dtype", "bfloat16", "--seed", str(args.seed), "--host", "127.0.0.1",
             "--port", str(port), "--max-model-len", str(w["prompt_len"] + w["output_len"] + CHAT_TEMPLATE_ROOM),
             "--max-num-seqs", str(w["num_prompts"]), "--gpu-memory-utilization", "0.85"]
-    server = ManagedProcess("vllm", argv, tmp / "vllm.log", env)
+    return argv, dict(with_site(args.vllm_site), **DEV_MODE_ENV, VLLM_USE_FLASHINFER_SAMPLER="0")
+
+
+@contextmanager
+def started(name: str, command, folder: Path, args: argparse.Namespace, w: dict, tmp: Path) -> Iterator[tuple[str, int]]:
+    """The server that `command` describes, running and healthy; yields its URL and process id."""
+    port = free_port()
+    argv, env = command(folder, args, w, tmp, port)
+    server = ManagedProcess(name, argv, tmp / f"{name}.log", env)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, server, timeout_s=900)
@@ -251,9 +250,10 @@ def bench_engine(folder: Path, args: argparse.Namespace, w: dict, vocab: int) ->
     return {k: best[k] for k in ("output_tokens", "seconds", "output_tokens_per_s", "ttft_median_s")}
 
 
-def bench_server(server, folder: Path, args: argparse.Namespace, w: dict, vocab: int, tmp: Path, vllm: bool) -> dict:
+def bench_server(name: str, command, folder: Path, args: argparse.Namespace, w: dict, vocab: int, tmp: Path) -> dict:
     """Every route on one server; a route that fails is recorded and the others still run."""
-    with server(folder, args, w, tmp) as (url, pid):
+    vllm = command is vllm_command
+    with started(name, command, folder, args, w, tmp) as (url, pid):
         # One whole untimed run first: every batch size the workload reaches compiles (kernels, graphs) here.
         path, bodies = request_bodies("generate", vllm, folder.name, prompts_for(w, vocab, args.seed + 60), w["output_len"], args.seed)
         asyncio.run(send_all(url, path, bodies))
@@ -292,11 +292,11 @@ def main() -> None:
             import torch
 
             torch.cuda.empty_cache()  # the engine is gone: its memory goes to the servers
-        attempt(results, "tandem_server", lambda: bench_server(tandem_server, folder, args, w, vocab, tmp, vllm=False))
+        attempt(results, "tandem_server", lambda: bench_server("inference", tandem_command, folder, args, w, vocab, tmp))
         if args.vllm_site:
             results["vllm"] = vllm_available(args.vllm_site)
             if results["vllm"]:
-                attempt(results, "vllm_server", lambda: bench_server(vllm_server, folder, args, w, vocab, tmp, vllm=True))
+                attempt(results, "vllm_server", lambda: bench_server("vllm", vllm_command, folder, args, w, vocab, tmp))
     results["ratios"] = ratios(results, results["routes"])
     print(json.dumps(results["ratios"], indent=1))
     if args.out:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi.responses import Response
 
 from tandem.inference.engine.async_engine import AsyncEngine
 from tandem.inference.engine.llm_engine import SequenceOutput
@@ -17,7 +21,31 @@ from tandem.inference.errors import APIError
 from tandem.inference.protocol import SamplingFields
 from tandem.models.byte_tokenizer import BYTE_OF_CHAR
 
+T = TypeVar("T")
+
 SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+ON_LOOP_PROMPT_SIZE = 4096
+"""Prompts up to this many tokens (or characters) are checked on the event loop: well under a millisecond, less
+than the hop to a worker thread and back costs while the engine thread competes for the interpreter lock."""
+
+
+async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` for a prompt of `size` tokens or characters: in a worker thread when it is long (checking or
+    tokenizing it takes milliseconds to seconds, and other requests must go on meanwhile), else right here."""
+    if size > ON_LOOP_PROMPT_SIZE:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+class JSON(Response):
+    """A JSON answer encoded by msgspec in one C call: the answers that list every token (ids, logprobs, their
+    entries) are built at once when a batch finishes, and FastAPI's path (validate, then serialize) costs more."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
 
 
 @dataclass
