@@ -1,6 +1,6 @@
 """The HTTP path of `tandem inference`: its routes against its own engine in process, and against vLLM's server.
 
-    python benchmarks/http_client.py --preset tiny --device cpu --scale 0.05        # where the server's overhead shows
+    python benchmarks/http_client.py --preset tiny --device cpu --scale 0.25       # a quick look on the CPU
     python benchmarks/http_client.py --preset qwen3-0.6b --device cuda --vllm-site /tmp/site --out $OUT/http.json
 
 Workload A of `benchmarks/inference.py` (256 concurrent requests, 128 prompt tokens, 512 output tokens;
@@ -14,12 +14,14 @@ orchestrator calls them (`tandem/orchestrator/inference_pool.py`):
 - `completions`: `POST /v1/completions`, token-id prompts, `logprobs: 0` (the sampled token's logprob);
 - `chat`: `POST /v1/chat/completions`, random text of the prompt's length, `logprobs: true, top_logprobs: 0`.
 
-Figures per route and server: output tokens/s of the best of `--repeats` runs and its request latency
-percentiles; the engine's own tokens/s in this process (`inference.run_engine`, the same code as the
+Figures per route and server: output tokens/s of the best of `--repeats` runs, its request latency
+percentiles and the server's CPU time per request (its process and children: the overhead, robust to a
+shared machine); the engine's own tokens/s in this process (`inference.run_engine`, the same code as the
 engine benchmark) before any server starts; ratios of tandem's server over that engine, and of tandem over
 vLLM per route. vLLM's OpenAI server runs only with `--vllm-site DIR` (put first on its PYTHONPATH) and
 when vLLM imports there; it loads random weights (`--load-format dummy`) from the same model folder and
-tokenizer. A part that fails is recorded with its error and the run goes on.
+tokenizer. A part that fails is recorded with its error and the run goes on; the result file is rewritten
+after each part, and the servers' logs are kept beside it (`<out stem>/<server>.log`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ from tandem.models.presets import PRESETS, init_model
 from tandem.orchestrator.server_dialect import TandemDialect, VllmDialect
 
 ROUTES = ("generate", "completions", "chat")
+
+START_TIMEOUT_S = 300
+"""Longest wait for a server to answer /health (a vLLM that compiles for minutes still fits; one that hangs does not
+take the whole run, whose earlier figures are saved already)."""
 
 CHAT_TEMPLATE_ROOM = 64
 """Context beyond prompt + output that the servers allow: the chat template's tokens around the user's text."""
@@ -175,7 +181,7 @@ def bench_route(url: str, pid: int, route: str, vllm: bool, model: str, w: dict,
             raise RuntimeError(f"{route}: {tokens} output tokens, expected {w['output_len']} x {len(bodies)} (EOS not ignored?)")
         runs.append({"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
                      "server_cpu_ms_per_request": 1000 * cpu / len(bodies),
-                     "latency_s": {"p50": percentile(latencies, 0.5), "p90": percentile(latencies, 0.9),
+                     "latency_s": {"min": min(latencies), "p50": percentile(latencies, 0.5), "p90": percentile(latencies, 0.9),
                                    "p99": percentile(latencies, 0.99), "max": max(latencies)}})
     return max(runs, key=lambda r: r["output_tokens_per_s"])
 
@@ -214,14 +220,14 @@ def vllm_command(folder: Path, args: argparse.Namespace, w: dict, tmp: Path, por
 
 
 @contextmanager
-def started(name: str, command, folder: Path, args: argparse.Namespace, w: dict, tmp: Path) -> Iterator[tuple[str, int]]:
+def started(name: str, command, folder: Path, args: argparse.Namespace, w: dict, tmp: Path, log: Path) -> Iterator[tuple[str, int]]:
     """The server that `command` describes, running and healthy; yields its URL and process id."""
     port = free_port()
     argv, env = command(folder, args, w, tmp, port)
-    server = ManagedProcess(name, argv, tmp / f"{name}.log", env)
+    server = ManagedProcess(name, argv, log, env)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server, timeout_s=900)
+        wait_healthy(url, server, timeout_s=START_TIMEOUT_S)
         yield url, server.pid
     finally:
         server.stop()
@@ -231,7 +237,7 @@ def started(name: str, command, folder: Path, args: argparse.Namespace, w: dict,
 
 
 def attempt(results: dict, name: str, fn) -> None:
-    print(f"--- {name}", flush=True)
+    print(f"--- {name} ({time.strftime('%H:%M:%S')})", flush=True)
     try:
         results[name] = fn()
     except Exception as err:  # record and go on: see the module docstring
@@ -250,10 +256,10 @@ def bench_engine(folder: Path, args: argparse.Namespace, w: dict, vocab: int) ->
     return {k: best[k] for k in ("output_tokens", "seconds", "output_tokens_per_s", "ttft_median_s")}
 
 
-def bench_server(name: str, command, folder: Path, args: argparse.Namespace, w: dict, vocab: int, tmp: Path) -> dict:
+def bench_server(name: str, command, folder: Path, args: argparse.Namespace, w: dict, vocab: int, tmp: Path, logs: Path) -> dict:
     """Every route on one server; a route that fails is recorded and the others still run."""
     vllm = command is vllm_command
-    with started(name, command, folder, args, w, tmp) as (url, pid):
+    with started(name, command, folder, args, w, tmp, logs / f"{name}.log") as (url, pid):
         # One whole untimed run first: every batch size the workload reaches compiles (kernels, graphs) here.
         path, bodies = request_bodies("generate", vllm, folder.name, prompts_for(w, vocab, args.seed + 60), w["output_len"], args.seed)
         asyncio.run(send_all(url, path, bodies))
@@ -276,6 +282,15 @@ def ratios(results: dict, routes: list[str]) -> dict:
     return out
 
 
+def save(results: dict, out: str | None) -> None:
+    """The figures so far, with their ratios: written after every part, so that a run cut short keeps what it measured."""
+    results["ratios"] = ratios(results, results["routes"])
+    if out:
+        tmp = Path(out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1) + "\n")
+        tmp.replace(out)
+
+
 def main() -> None:
     args = parse_args()
     device = resolve_device(args.device)
@@ -283,24 +298,26 @@ def main() -> None:
     results: dict = {"workload": w, "environment": environment(device, args.commit), "routes": args.routes.split(",")}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        # The servers' logs: beside the result file when there is one (a failed start is read there).
+        logs = (Path(args.out).parent / Path(args.out).stem) if args.out else tmp / "logs"
         folder = Path(args.model) if args.model else init_model(args.preset, tmp / args.preset, seed=args.seed)
         results["model"] = args.model or f"preset {args.preset}"
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         attempt(results, "engine_A", lambda: bench_engine(folder, args, w, vocab))
+        save(results, args.out)
         gc.collect()
         if device.type == "cuda":
             import torch
 
             torch.cuda.empty_cache()  # the engine is gone: its memory goes to the servers
-        attempt(results, "tandem_server", lambda: bench_server("inference", tandem_command, folder, args, w, vocab, tmp))
+        attempt(results, "tandem_server", lambda: bench_server("inference", tandem_command, folder, args, w, vocab, tmp, logs))
+        save(results, args.out)
         if args.vllm_site:
             results["vllm"] = vllm_available(args.vllm_site)
             if results["vllm"]:
-                attempt(results, "vllm_server", lambda: bench_server("vllm", vllm_command, folder, args, w, vocab, tmp))
-    results["ratios"] = ratios(results, results["routes"])
+                attempt(results, "vllm_server", lambda: bench_server("vllm", vllm_command, folder, args, w, vocab, tmp, logs))
+    save(results, args.out)
     print(json.dumps(results["ratios"], indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
