@@ -38,7 +38,9 @@ def settle_heap() -> None:
 def build_served(config: InferenceConfig) -> Served:
     """The engine and everything the routes need, built from the config (loads the model)."""
     engine = build_engine(config.model, config.engine, config.seed, config.run.exact)
-    return Served(AsyncEngine(engine), engine.tokenizer, config.model.name, engine.max_model_len)
+    served = Served(AsyncEngine(engine), engine.tokenizer, config.model.name, engine.max_model_len)
+    threading.Thread(target=served.fill_token_texts, args=(engine.vocab_size,), name="tandem-token-texts", daemon=True).start()
+    return served
 
 
 class BackgroundServer:

@@ -151,6 +151,14 @@ class Served:
             return bytes(BYTE_OF_CHAR[char] for char in piece)
         return text.encode()
 
+    def fill_token_texts(self, vocab_size: int, chunk: int = 4096) -> None:
+        """Decode the text of every token id once, ahead of the answers that name them (run in a thread at
+        startup): logprobs name every sampled token, and a first decode on the event loop costs microseconds
+        per id, which a batch of completions pays all at once when it finishes."""
+        for start in range(0, vocab_size, chunk):
+            ids = range(start, min(start + chunk, vocab_size))
+            self._token_text.update(zip(ids, self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)))
+
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """`token_text` of each id: a completion's logprobs name every one of its tokens, so the known ones
         cost a dict lookup and no call."""
