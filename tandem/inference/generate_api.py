@@ -7,13 +7,12 @@ distribution that sampled it and the weight version of the choice.
 
 from __future__ import annotations
 
-import uuid
 
 from fastapi import APIRouter, Request
 
 from tandem.inference.errors import error_responses
 from tandem.inference.protocol import GenerateRequest
-from tandem.inference.serving import JSON, Choice, Served, off_loop_if_large
+from tandem.inference.serving import JSON, Choice, Served, off_loop_if_large, random_id
 
 router = APIRouter()
 
@@ -34,7 +33,7 @@ async def generate(body: GenerateRequest, request: Request) -> JSON:
                                      body.prompt_token_ids, 0, {"prompt": "prompt_token_ids"})
     choices = await served.complete(body.prompt_token_ids, params, body.n)
     return JSON({
-        "id": f"gen-{uuid.uuid4().hex}",
+        "id": f"gen-{random_id()}",
         "prompt_token_ids": body.prompt_token_ids,
         "choices": [choice_json(c, body.return_routed_experts) for c in choices],
         "weight_version": served.weight_version,

@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +22,7 @@ from tandem.inference.engine.llm_engine import SequenceOutput
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.errors import APIError, error_body, error_responses
 from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.inference.serving import JSON, Choice, Served, off_loop_if_large
+from tandem.inference.serving import JSON, Choice, Served, off_loop_if_large, random_id
 from tandem.models.chat import streamable_content
 
 router = APIRouter()
@@ -83,7 +82,7 @@ async def completions(body: CompletionRequest, request: Request):
     served: Served = request.app.state.served
     served.check_model(body.model)
     prompts, params = await off_loop_if_large(prompt_size(body.prompt), checked_completion_prompts, served, body)
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    meta = {"id": f"cmpl-{random_id()}", "created": int(time.time()), "model": served.model_name}
     if body.stream:
         return StreamingResponse(_completion_stream(served, body, prompts, params, meta), media_type="text/event-stream")
     results = await asyncio.gather(*(served.complete(p, sp, body.n) for p, sp in zip(prompts, params)))
@@ -205,7 +204,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
     num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
     params = await off_loop_if_large(len(prompt), served.sampling_params, body, max_tokens, prompt, num_top_logprobs, names)
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    meta = {"id": f"chatcmpl-{random_id()}", "created": int(time.time()), "model": served.model_name}
     if body.stream:
         return StreamingResponse(_chat_stream(served, body, prompt, params, meta), media_type="text/event-stream")
     choices = []

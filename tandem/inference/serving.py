@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +22,17 @@ from tandem.inference.protocol import SamplingFields
 from tandem.models.byte_tokenizer import BYTE_OF_CHAR
 
 T = TypeVar("T")
+
+_ids = random.Random()  # seeded once from the OS's randomness
+"""Draws the ids of requests and answers. `uuid.uuid4` reads the OS's randomness for each one, a system call during
+which the event loop lets go of the interpreter lock, and getting it back waits for the engine thread: 0.2-0.35 ms
+per id in the server under load (2-3 us alone), twice per request."""
+
+
+def random_id() -> str:
+    """32 random hex digits, as `uuid.uuid4().hex` writes them: unique among requests, not a secret."""
+    return f"{_ids.getrandbits(128):032x}"
+
 
 SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -117,7 +128,7 @@ class Served:
 
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool = True) -> AsyncIterator[SequenceOutput]:
         """The engine's outputs for one prompt; bad requests become 400s, engine failures 500s."""
-        request_id = uuid.uuid4().hex
+        request_id = random_id()
         outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental)
         try:
             async for out in outputs:
