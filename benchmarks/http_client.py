@@ -5,9 +5,10 @@
 
 Workload A of `benchmarks/inference.py` (256 concurrent requests, 128 prompt tokens, 512 output tokens;
 `--scale` shrinks counts and lengths), sampled at temperature 1 with EOS ignored, so every completion
-has exactly its length. Every request of a run is sent at once, from this process, by one httpx client
-(the project's HTTP client), to a server in its own process, as `tandem rl` runs it; each run uses fresh
-random prompts, so no run is served from the prefix cache of another. Routes, non-streaming as the
+has exactly its length. Every request of a run is sent at once by httpx (the project's HTTP client) from
+`--client-processes` processes, each with its share (one client alone spends more CPU per request than the
+server does), to a server in its own process, as `tandem rl` runs it; each run uses fresh random prompts,
+so no run is served from the prefix cache of another. Routes, non-streaming as the
 orchestrator calls them (`tandem/orchestrator/inference_pool.py`):
 - `generate`: `POST /v1/generate` with token ids (vLLM's equivalent: `/inference/v1/generate`, its
   sampled-token logprobs asked with `logprobs: 0`, as the orchestrator's vLLM dialect does);
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import gc
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -40,6 +42,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,7 +52,7 @@ from inference import engine_config, prompts_for, run_engine, scaled
 from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.dump import to_toml
-from tandem.config.inference import InferenceConfig
+from tandem.config.inference import EngineConfig, InferenceConfig
 from tandem.config.resolve import free_port
 from tandem.inference.engine.setup import build_engine, resolve_device
 from tandem.inference.vllm.args import DEV_MODE_ENV
@@ -78,6 +81,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per route and server; the best counts")
     parser.add_argument("--routes", default=",".join(ROUTES), help="comma-separated routes: " + ", ".join(ROUTES))
+    parser.add_argument("--client-processes", type=int, default=4, help="processes that send a run's requests, split evenly")
     parser.add_argument("--max-num-batched-tokens", type=int, help="as in benchmarks/inference.py")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
@@ -141,6 +145,21 @@ async def send_all(url: str, path: str, bodies: list[dict]) -> tuple[list[dict],
     return [a for a, _ in results], [s for _, s in results]
 
 
+def send_share(url: str, route: str, path: str, bodies: list[dict]) -> list[tuple[int, float]]:
+    """One client process's share of a run (all its requests at once): each answer's output tokens and latency."""
+    answers, latencies = asyncio.run(send_all(url, path, bodies))
+    return [(completion_length(route, a), s) for a, s in zip(answers, latencies)]
+
+
+def send_spread(clients: ProcessPoolExecutor, num_clients: int, url: str, route: str, path: str,
+                bodies: list[dict]) -> tuple[list[int], list[float]]:
+    """Every request at once, split over the client processes: one httpx client that holds 256 connections spends
+    more CPU per request than the server (6 ms against 2.5 ms on this project's CPU machine), and would measure itself."""
+    shares = [bodies[i::num_clients] for i in range(num_clients) if bodies[i::num_clients]]
+    done = [f.result() for f in [clients.submit(send_share, url, route, path, share) for share in shares]]
+    return [t for share in done for t, _ in share], [s for share in done for _, s in share]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -165,18 +184,19 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def bench_route(url: str, pid: int, route: str, vllm: bool, model: str, w: dict, vocab: int, args: argparse.Namespace) -> dict:
+def bench_route(clients: ProcessPoolExecutor, url: str, pid: int, route: str, vllm: bool, model: str, w: dict, vocab: int,
+                args: argparse.Namespace) -> dict:
     """Best of `--repeats` runs of workload `w` on one route, after a small warmup run of the route."""
     warm_path, warm = request_bodies(route, vllm, model, prompts_for(dict(w, num_prompts=4), vocab, args.seed + 50), 4, args.seed)
-    asyncio.run(send_all(url, warm_path, warm))
+    send_spread(clients, args.client_processes, url, route, warm_path, warm)
     runs = []
     for r in range(args.repeats):
         seed = args.seed + 1000 * (ROUTES.index(route) + 1) + r  # fresh prompts per run: no prefix-cache hits
         path, bodies = request_bodies(route, vllm, model, prompts_for(w, vocab, seed), w["output_len"], seed)
         start, cpu_start = time.perf_counter(), cpu_seconds(pid)
-        answers, latencies = asyncio.run(send_all(url, path, bodies))
+        lengths, latencies = send_spread(clients, args.client_processes, url, route, path, bodies)
         elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu_start
-        tokens = sum(completion_length(route, a) for a in answers)
+        tokens = sum(lengths)
         if tokens != w["output_len"] * len(bodies):
             raise RuntimeError(f"{route}: {tokens} output tokens, expected {w['output_len']} x {len(bodies)} (EOS not ignored?)")
         runs.append({"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
@@ -189,11 +209,17 @@ def bench_route(url: str, pid: int, route: str, vllm: bool, model: str, w: dict,
 # ---- servers -----------------------------------------------------------------------------------
 
 
+def served_engine_config(args: argparse.Namespace, w: dict) -> EngineConfig:
+    """The engine's settings, the same in this process and in the server: the workload's batch, and its
+    context with room for the chat template."""
+    return engine_config(args, w["num_prompts"], w["prompt_len"] + w["output_len"] + CHAT_TEMPLATE_ROOM)
+
+
 def tandem_command(folder: Path, args: argparse.Namespace, w: dict, tmp: Path, port: int) -> tuple[list[str], dict]:
     """`tandem inference` as `tandem rl` starts it, in a process of its own: its argv and environment."""
     config = InferenceConfig.model_validate({
         "model": {"name": str(folder), "dtype": args.dtype}, "server": {"port": port},
-        "engine": engine_config(args, w["num_prompts"], w["prompt_len"] + w["output_len"] + CHAT_TEMPLATE_ROOM).model_dump()})
+        "engine": served_engine_config(args, w).model_dump()})
     (tmp / "inference.toml").write_text(to_toml(config))
     return [sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")], dict(os.environ)
 
@@ -248,24 +274,24 @@ def attempt(results: dict, name: str, fn) -> None:
 
 def bench_engine(folder: Path, args: argparse.Namespace, w: dict, vocab: int) -> dict:
     """Workload A through the engine in this process (the server's ceiling), best of `--repeats`."""
-    max_len = w["prompt_len"] + w["output_len"]
-    engine = build_engine(ModelConfig(name=str(folder), dtype=args.dtype), engine_config(args, w["num_prompts"], max_len), args.seed)
+    engine = build_engine(ModelConfig(name=str(folder), dtype=args.dtype), served_engine_config(args, w), args.seed)
     run_engine(engine, prompts_for(w, vocab, args.seed), 1, w["output_len"])  # warmup: every batch size compiles
     runs = [run_engine(engine, prompts_for(w, vocab, args.seed + 100 + r), 1, w["output_len"]) for r in range(args.repeats)]
     best = max(runs, key=lambda r: r["output_tokens_per_s"])
     return {k: best[k] for k in ("output_tokens", "seconds", "output_tokens_per_s", "ttft_median_s")}
 
 
-def bench_server(name: str, command, folder: Path, args: argparse.Namespace, w: dict, vocab: int, tmp: Path, logs: Path) -> dict:
+def bench_server(clients: ProcessPoolExecutor, name: str, command, folder: Path, args: argparse.Namespace, w: dict, vocab: int,
+                 tmp: Path, logs: Path) -> dict:
     """Every route on one server; a route that fails is recorded and the others still run."""
     vllm = command is vllm_command
     with started(name, command, folder, args, w, tmp, logs / f"{name}.log") as (url, pid):
         # One whole untimed run first: every batch size the workload reaches compiles (kernels, graphs) here.
         path, bodies = request_bodies("generate", vllm, folder.name, prompts_for(w, vocab, args.seed + 60), w["output_len"], args.seed)
-        asyncio.run(send_all(url, path, bodies))
+        send_spread(clients, args.client_processes, url, "generate", path, bodies)
         results: dict = {}
         for route in args.routes.split(","):
-            attempt(results, route, lambda: bench_route(url, pid, route, vllm, folder.name, w, vocab, args))
+            attempt(results, route, lambda: bench_route(clients, url, pid, route, vllm, folder.name, w, vocab, args))
         return results
 
 
@@ -287,15 +313,25 @@ def save(results: dict, out: str | None) -> None:
     results["ratios"] = ratios(results, results["routes"])
     if out:
         tmp = Path(out).with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(results, indent=1) + "\n")
         tmp.replace(out)
 
 
 def main() -> None:
     args = parse_args()
+    # The client processes fork now, before this process starts threads or touches a GPU (they only speak HTTP).
+    with ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("fork")) as clients:
+        clients.submit(int).result()
+        run(args, clients)
+
+
+def run(args: argparse.Namespace, clients: ProcessPoolExecutor) -> None:
+    """The engine in process, then each server in turn; the result file after each part."""
     device = resolve_device(args.device)
     w = scaled(args, "A")
-    results: dict = {"workload": w, "environment": environment(device, args.commit), "routes": args.routes.split(",")}
+    results: dict = {"workload": w, "environment": environment(device, args.commit), "routes": args.routes.split(","),
+                     "client_processes": args.client_processes}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         # The servers' logs: beside the result file when there is one (a failed start is read there).
@@ -310,12 +346,12 @@ def main() -> None:
             import torch
 
             torch.cuda.empty_cache()  # the engine is gone: its memory goes to the servers
-        attempt(results, "tandem_server", lambda: bench_server("inference", tandem_command, folder, args, w, vocab, tmp, logs))
+        attempt(results, "tandem_server", lambda: bench_server(clients, "inference", tandem_command, folder, args, w, vocab, tmp, logs))
         save(results, args.out)
         if args.vllm_site:
             results["vllm"] = vllm_available(args.vllm_site)
             if results["vllm"]:
-                attempt(results, "vllm_server", lambda: bench_server("vllm", vllm_command, folder, args, w, vocab, tmp, logs))
+                attempt(results, "vllm_server", lambda: bench_server(clients, "vllm", vllm_command, folder, args, w, vocab, tmp, logs))
     save(results, args.out)
     print(json.dumps(results["ratios"], indent=1))
 

@@ -15,13 +15,14 @@ def test_the_http_benchmark_measures_every_route_against_the_engine(tmp_path):
     out = tmp_path / "http.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "http_client.py"), "--preset", "tiny", "--device", "cpu",
-                          "--scale", "0.03", "--repeats", "1", "--commit", "test", "--out", str(out)],
+                          "--scale", "0.03", "--repeats", "1", "--client-processes", "2", "--commit", "test",
+                          "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     w = result["workload"]
     assert (w["num_prompts"], w["prompt_len"], w["output_len"]) == (7, 3, 15)
-    assert result["environment"]["commit"] == "test"
+    assert result["environment"]["commit"] == "test" and result["client_processes"] == 2
     assert result["engine_A"]["output_tokens"] == 7 * 15
     for route in ("generate", "completions", "chat"):
         figures = result["tandem_server"][route]
@@ -32,3 +33,4 @@ def test_the_http_benchmark_measures_every_route_against_the_engine(tmp_path):
         ratio = result["ratios"][f"tandem_{route}_over_engine"]
         assert ratio == figures["output_tokens_per_s"] / result["engine_A"]["output_tokens_per_s"]
     assert "vllm_server" not in result  # no --vllm-site, no vLLM part
+    assert (tmp_path / "http" / "inference.log").is_file()  # the server's log, kept beside the result
