@@ -7,7 +7,6 @@ distribution that sampled it and the weight version of the choice.
 
 from __future__ import annotations
 
-
 from fastapi import APIRouter, Request
 
 from tandem.inference.errors import error_responses
