@@ -7,14 +7,11 @@ distribution that sampled it and the weight version of the choice.
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-
 from fastapi import APIRouter, Request
 
 from tandem.inference.errors import error_responses
 from tandem.inference.protocol import GenerateRequest
-from tandem.inference.serving import Choice, Served
+from tandem.inference.serving import JSON, Choice, Served, off_loop_if_large, random_id
 
 router = APIRouter()
 
@@ -27,18 +24,17 @@ def choice_json(c: Choice, with_routed_experts: bool) -> dict:
     return out
 
 
-@router.post("/v1/generate", responses=error_responses(400, 404, 413, 500))
-async def generate(body: GenerateRequest, request: Request) -> dict:
+@router.post("/v1/generate", response_model=dict, responses=error_responses(400, 404, 413, 500))
+async def generate(body: GenerateRequest, request: Request) -> JSON:
     served: Served = request.app.state.served
     served.check_model(body.model)
-    # Checking every prompt token is CPU work: in a thread, so other requests go on meanwhile.
-    params = await asyncio.to_thread(served.sampling_params, body, body.max_tokens, body.prompt_token_ids, 0,
-                                     {"prompt": "prompt_token_ids"})
+    params = await off_loop_if_large(len(body.prompt_token_ids), served.sampling_params, body, body.max_tokens,
+                                     body.prompt_token_ids, 0, {"prompt": "prompt_token_ids"})
     choices = await served.complete(body.prompt_token_ids, params, body.n)
-    return {
-        "id": f"gen-{uuid.uuid4().hex}",
+    return JSON({
+        "id": f"gen-{random_id()}",
         "prompt_token_ids": body.prompt_token_ids,
         "choices": [choice_json(c, body.return_routed_experts) for c in choices],
         "weight_version": served.weight_version,
         "usage": {"prompt_tokens": len(body.prompt_token_ids), "completion_tokens": sum(len(c.token_ids) for c in choices)},
-    }
+    })

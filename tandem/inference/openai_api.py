@@ -8,9 +8,9 @@ answering; per choice: the oldest version that sampled any of its tokens).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,9 +19,10 @@ from fastapi.responses import StreamingResponse
 
 from tandem.inference.chat import parse_tool_calls, render_chat
 from tandem.inference.engine.llm_engine import SequenceOutput
+from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.errors import APIError, error_body, error_responses
 from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.inference.serving import Choice, Served
+from tandem.inference.serving import JSON, Choice, Served, off_loop_if_large, random_id
 from tandem.models.chat import streamable_content
 
 router = APIRouter()
@@ -56,25 +57,32 @@ def completion_prompts(served: Served, prompt: Any) -> list[list[int]]:
 
 def legacy_logprobs(served: Served, choice_tokens: list[int], logprobs: list[float], top: list[tuple[tuple[int, float], ...]], with_top: bool) -> dict:
     """The completions API's logprobs: parallel lists of tokens, their logprobs and text offsets."""
-    tokens = [served.token_text(t) for t in choice_tokens]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    top_maps = [{served.token_text(t): lp for t, lp in alts} for alts in top] if with_top else None
+    tokens = served.token_texts(choice_tokens)
+    offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
+    top_maps = [dict(zip(served.token_texts([t for t, _ in alts]), (lp for _, lp in alts))) for alts in top] if with_top else None
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_maps, "text_offset": offsets}
 
 
-# response_model=dict: pydantic serializes the JSON answer in one Rust call; without it FastAPI walks it in Python
-# (jsonable_encoder), about 150 ms on the event loop for a 32k-token prompt echoed with its completion.
+def prompt_size(prompt: Any) -> int:
+    """Characters or token ids in a completions `prompt`, whichever it holds: the cost of tokenizing and checking it."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(1 if isinstance(p, int) else len(p) for p in prompt)
+
+
+def checked_completion_prompts(served: Served, body: CompletionRequest) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = completion_prompts(served, body.prompt)
+    return prompts, [served.sampling_params(body, body.max_tokens, p, body.logprobs or 0) for p in prompts]
+
+
+# The answer is a dict that `JSON` encodes (the declared response_model only documents it); FastAPI's own path would
+# validate it and then serialize it, or without a response_model walk it in Python (jsonable_encoder).
 @router.post("/v1/completions", response_model=dict, responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
     served: Served = request.app.state.served
     served.check_model(body.model)
-    # Tokenizing and checking a long prompt takes seconds: in a thread, so other requests go on meanwhile.
-    prompts = await asyncio.to_thread(completion_prompts, served, body.prompt)
-    params = await asyncio.to_thread(lambda: [served.sampling_params(body, body.max_tokens, p, body.logprobs or 0) for p in prompts])
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    prompts, params = await off_loop_if_large(prompt_size(body.prompt), checked_completion_prompts, served, body)
+    meta = {"id": f"cmpl-{random_id()}", "created": int(time.time()), "model": served.model_name}
     if body.stream:
         return StreamingResponse(_completion_stream(served, body, prompts, params, meta), media_type="text/event-stream")
     results = await asyncio.gather(*(served.complete(p, sp, body.n) for p, sp in zip(prompts, params)))
@@ -92,7 +100,7 @@ async def completions(body: CompletionRequest, request: Request):
                 "usage": usage(sum(map(len, prompts)), sum(len(c.token_ids) for r in results for c in r))}
     if body.return_token_ids and len(prompts) == 1:
         response["prompt_token_ids"] = prompts[0]
-    return response
+    return JSON(response)
 
 
 async def _merged(served: Served, prompts: list[list[int]], params: list, n: int) -> AsyncIterator[tuple[int, SequenceOutput]]:
@@ -157,11 +165,16 @@ async def _completion_stream(served: Served, body: CompletionRequest, prompts, p
 
 
 def chat_logprobs(served: Served, token_ids: list[int], logprobs: list[float], top: list[tuple[tuple[int, float], ...]]) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        return {"token": served.token_text(token_id), "logprob": logprob, "bytes": list(served.token_bytes(token_id))}
+    """One entry per token, built in one pass over cached token texts and bytes (a completion of thousands of
+    tokens answers in milliseconds; no entry without alternatives builds anything but its own dict)."""
+    def alternatives(alts: tuple[tuple[int, float], ...]) -> list[dict]:
+        ids = [a for a, _ in alts]
+        return [{"token": text, "logprob": lp, "bytes": raw}
+                for text, raw, (_, lp) in zip(served.token_texts(ids), served.token_byte_lists(ids), alts)]
 
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
-                        for t, lp, alts in zip(token_ids, logprobs, top)]}
+    return {"content": [{"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives(alts) if alts else []}
+                        for text, raw, lp, alts in zip(served.token_texts(token_ids), served.token_byte_lists(token_ids),
+                                                       logprobs, top)]}
 
 
 def chat_prompt(served: Served, body: ChatCompletionRequest) -> list[int]:
@@ -190,8 +203,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.max_completion_tokens is not None:
         max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
     num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
-    params = await asyncio.to_thread(served.sampling_params, body, max_tokens, prompt, num_top_logprobs, names)
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    params = await off_loop_if_large(len(prompt), served.sampling_params, body, max_tokens, prompt, num_top_logprobs, names)
+    meta = {"id": f"chatcmpl-{random_id()}", "created": int(time.time()), "model": served.model_name}
     if body.stream:
         return StreamingResponse(_chat_stream(served, body, prompt, params, meta), media_type="text/event-stream")
     choices = []
@@ -209,7 +222,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 "usage": usage(len(prompt), sum(len(c.token_ids) for c in results))}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt
-    return response
+    return JSON(response)
 
 
 async def _chat_stream(served: Served, body: ChatCompletionRequest, prompt: list[int], params, meta) -> AsyncIterator[str]:

@@ -140,11 +140,11 @@ def test_the_connection_survives_an_unexpected_error(tiny_dir, monkeypatch):
     running = BackgroundServer(make_config(tiny_dir))
     calls = []
 
-    def fail_once(token_id):
-        calls.append(token_id)
+    def fail_once(token_ids):
+        calls.append(token_ids)
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(running.served, "token_text", fail_once)
+    monkeypatch.setattr(running.served, "token_texts", fail_once)
     body = {"model": str(tiny_dir), "prompt": "ab", "max_tokens": 2, "logprobs": 0}
     try:
         with httpx.Client(base_url=running.url, timeout=60) as client:
