@@ -72,10 +72,11 @@ def summarize(run_dir: Path) -> dict:
     loads = [float(s) for s in LOADED.findall(log.read_text(errors="replace"))] if log.exists() else []
     publish_s = [row["time_publish"] for row in rows if row.get("time_publish") is not None]
     evals = {row["step"]: row["eval/reward_mean"] for row in rows if row.get("eval/reward_mean") is not None}
-    kls = [row["mismatch_kl"] for row in rows if row.get("mismatch_kl") is not None]
+    trainer_steps = [row for row in rows if row.get("process") == "trainer" and "loss" in row]
+    kls = [row["mismatch_kl"] for row in trainer_steps if row.get("mismatch_kl") is not None]
     step_s = [row["time/step_s"] for row in rows if row.get("time/step_s") is not None]
     return {"eval_reward_by_step": evals, "mismatch_kl_mean": statistics.fmean(kls) if kls else None,
-            "num_trainer_steps": len(kls), "step_s_median": statistics.median(step_s) if step_s else None,
+            "num_trainer_steps": len(trainer_steps), "num_steps_with_on_policy_tokens": len(kls), "step_s_median": statistics.median(step_s) if step_s else None,
             "num_orchestrator_steps": len(step_s), "publish_s_median": statistics.median(publish_s) if publish_s else None,
             "policy_load_s_median": statistics.median(loads) if loads else None, "num_policy_loads": len(loads)}
 
