@@ -74,9 +74,11 @@ def ppo_clip_loss(x: LossInputs, clip_low: float, clip_high: float) -> LossOutpu
 
 
 def mismatch_kl(x: LossInputs) -> torch.Tensor:
-    """Per-token k3 estimate of KL(mu || pi_theta) from tokens sampled by mu: r - 1 - log r."""
+    """Per-token k3 estimate of KL(mu || pi_theta) from tokens sampled by mu: r - 1 - log r, never negative.
+    Written expm1(log r) - log r: exp(log r) - 1 - log r cancels to tiny negatives in fp32 when r is near 1
+    (the preflight printed them), and the clamp removes the last rounding below 0."""
     log_ratio = (x.logprobs - x.inference_logprobs).detach()
-    return torch.exp(log_ratio) - 1 - log_ratio
+    return (torch.expm1(log_ratio) - log_ratio).clamp_min(0.0)
 
 
 def build_loss(config: LossConfig) -> LossFn:

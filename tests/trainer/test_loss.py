@@ -87,6 +87,17 @@ def test_mismatch_kl_is_the_k3_estimator():
     assert mismatch_kl(x).tolist() == pytest.approx(expected, abs=1e-12)
 
 
+def test_mismatch_kl_is_never_negative_near_a_ratio_of_one():
+    # exp(r) - 1 - r cancels to negatives in fp32 for |r| of a few 1e-4 and below; the estimator is >= 0
+    log_ratio = torch.linspace(-3e-3, 3e-3, 2001)
+    naive = torch.exp(log_ratio) - 1 - log_ratio
+    assert (naive < 0).any()  # the rounding this guards against
+    x = LossInputs(log_ratio, torch.zeros_like(log_ratio), torch.zeros_like(log_ratio), torch.ones(2001, dtype=torch.bool))
+    k3 = mismatch_kl(x)
+    assert (k3 >= 0).all()
+    torch.testing.assert_close(k3.double(), (log_ratio.double().exp() - 1 - log_ratio.double()), atol=2e-10, rtol=0)
+
+
 def test_mismatch_kl_averages_to_the_exact_kl_under_the_sampling_policy():
     # Every token of a 4-token vocabulary, weighted by how often mu samples it: the k3 estimator's
     # mean under mu is exactly KL(mu || pi_theta) (a flipped ratio would give a different number).
