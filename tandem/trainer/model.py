@@ -239,11 +239,12 @@ def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: 
 
 
 def gather_full_state(policy: PolicyModel, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
-    """The full HF-named state on CPU in `dtype`. Every rank must call it (it all-gathers one
-    parameter at a time); only ranks with `keep` hold the result, the others get `{}`."""
+    """The full HF-named state on CPU in `dtype`, always a copy (never the parameters' own storage, which
+    the next optimizer step changes while a background write may still read it). Every rank must call it
+    (it all-gathers one parameter at a time); only ranks with `keep` hold the result, the others get `{}`."""
     out = {}
     for name, param in policy.hf_named_parameters():
         full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
         if keep:
-            out[name] = full.to(device="cpu", dtype=dtype)
+            out[name] = full.to(device="cpu", dtype=dtype, copy=True)
     return out

@@ -28,7 +28,8 @@ from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.parallel.context_parallel import check_context_parallel
 from tandem.trainer.parallel.dims import ParallelDims, close_parallel, init_parallel
 from tandem.trainer.parallel.expert_parallel import check_expert_parallel
-from tandem.trainer.publish import prune_weights, published_dtype, write_weights_folder
+from tandem.trainer.publish import BackgroundWriter, prune_weights, published_dtype, write_weights_folder
+from tandem.transport.paths import weights_dir
 
 
 @dataclass
@@ -48,15 +49,17 @@ class Session:
     """Data position restored from the checkpoint (empty for a fresh run)."""
     broadcaster: WeightBroadcaster | None = None
     """Rank 0 with the broadcast weight transport: publishing sends over the group instead of writing folders."""
+    writer: BackgroundWriter = field(default_factory=BackgroundWriter)
+    """Writes published folders while training goes on (`publish`)."""
 
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
     def publish(self, step: int) -> Path | None:
-        """Write `weights/step_N/` (collective gather; rank 0 writes) and prune old folders; with a
-        `broadcaster`, send the weights instead, and write the folder only at the last step (the
-        run's result)."""
+        """Write `weights/step_N/` (collective gather; rank 0 writes, on the background `writer` before the
+        last step, whose folder is the run's result and is whole when this returns) and prune old folders;
+        with a `broadcaster`, send the weights instead, and write the folder only at the last step."""
         state = gather_full_state(self.model, published_dtype(self.hf_config), keep=self.dims.is_main)
         if not self.dims.is_main:
             return None
@@ -64,9 +67,17 @@ class Session:
             self.broadcaster.send(step, state)
             if step < self.config.max_steps:
                 return None
-        folder = write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
-        prune_weights(self.config.run_dir, self.config.weights.keep, self.config.weights.keep_every)
-        return folder
+
+        def write() -> None:
+            write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
+            prune_weights(self.config.run_dir, self.config.weights.keep, self.config.weights.keep_every)
+
+        if step < self.config.max_steps:
+            self.writer.submit(write)
+        else:
+            self.writer.wait()
+            write()
+        return weights_dir(self.config.run_dir, step)
 
     def should_publish(self, step: int) -> bool:
         return step % self.config.weights.interval == 0 or step == self.config.max_steps
@@ -86,6 +97,7 @@ class Session:
             self.metrics.log(step, values)
 
     def close(self) -> None:
+        self.writer.wait()
         if self.broadcaster is not None:
             self.broadcaster.close()
         close_parallel()
