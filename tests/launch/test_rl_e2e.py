@@ -19,9 +19,6 @@ import pytest
 from tandem.monitor.metrics import read_metrics
 from tandem.transport.paths import is_stable, rollout_file, weights_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "monitor"))
-import wandb_records  # noqa: E402  (tests/monitor: reads offline W&B runs)
-
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "reverse_text"
 
@@ -67,8 +64,7 @@ def steps_of(run_dir: Path, process: str, key: str) -> list[int]:
 
 def test_rl_learns_then_resumes_without_repeating_steps(sft_config, tmp_path):
     out = tmp_path / "rl"
-    wandb = ("--wandb.project", "tandem-e2e", "--wandb.mode", "offline", "--wandb.samples-interval", "3")
-    first = tandem(*rl_args(sft_config, out, 6, *wandb))
+    first = tandem(*rl_args(sft_config, out, 6))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "running the SFT warm-up" in first.stderr
     assert (out / "report.html").is_file()
@@ -85,7 +81,7 @@ def test_rl_learns_then_resumes_without_repeating_steps(sft_config, tmp_path):
     refused = tandem(*rl_args(sft_config, out, 12))
     assert refused.returncode != 0 and "--resume" in refused.stderr
 
-    resumed = tandem(*rl_args(sft_config, out, 12, "--resume", *wandb))
+    resumed = tandem(*rl_args(sft_config, out, 12, "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "running the SFT warm-up" not in resumed.stderr
     assert steps_of(out, "trainer", "loss") == list(range(1, 13))
@@ -93,12 +89,6 @@ def test_rl_learns_then_resumes_without_repeating_steps(sft_config, tmp_path):
     rewards = [r["reward/mean"] for r in read_metrics(out, "orchestrator") if "reward/mean" in r]
     print("rewards", rewards)
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
-    # the same figures in one offline W&B run, over both launches
-    logged = wandb_records.history(out)
-    assert [r["trainer/step"] for r in logged if "trainer/loss" in r] == list(range(1, 13))
-    assert [r["orchestrator/reward/mean"] for r in logged if "orchestrator/reward/mean" in r] == rewards
-    assert [r["orchestrator/step"] for r in logged if "orchestrator/samples/_type" in r] == [3, 6, 9, 12]
-    assert len(wandb_records.run_ids(out)) == 1
 
 
 def test_killed_trainer_stops_the_run_and_names_it(sft_config, tmp_path):
