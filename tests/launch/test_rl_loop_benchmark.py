@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.monitor.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARK = REPO / "benchmarks" / "rl_loop.py"
 
@@ -86,7 +88,12 @@ def test_benchmark_runs_the_async_loop_on_the_cpu(tmp_path):
     assert 0 < trainer["compute_s"] and sum(trainer.values()) <= figures["step_s"]
     assert orchestrator["generation_s"] > 0
     assert orchestrator["generation_s"] + orchestrator["wait_trainer_s"] == pytest.approx(orchestrator["window_s"])
-    assert 0 < orchestrator["update_weights_s"] < orchestrator["window_s"]
+    # The one timed orchestrator step loads a policy only if it was not ready (and loaded) in the window before:
+    # timing decides, so the load time is checked over the whole run.
+    assert 0 <= orchestrator["update_weights_s"] < orchestrator["window_s"]
+    loads = [r["time/update_weights_s"] for r in read_metrics(tmp_path / "runs" / "level-1", "orchestrator")
+             if "time/update_weights_s" in r]
+    assert len(loads) == 4 and sum(loads) > 0 and all(t >= 0 for t in loads)
     # Every rollout has exactly its 8 tokens: the loss tokens of a step are batch x completion.
     assert figures["sampled_tokens_per_s"] * figures["step_s"] == pytest.approx(4 * 8)
     assert figures["trained_tokens_per_s"] > figures["sampled_tokens_per_s"]
