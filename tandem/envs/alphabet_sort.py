@@ -166,8 +166,14 @@ def load_environment(
     **kwargs: Any,
 ) -> AlphabetSortEnv:
     train, eval_rows = _make_splits(
-        num_train_examples, num_eval_examples, seed,
-        min_turns, max_turns, min_names, max_names, names_per_follow_up,
+        num_train_examples,
+        num_eval_examples,
+        seed,
+        min_turns,
+        max_turns,
+        min_names,
+        max_names,
+        names_per_follow_up,
     )
     format_reward_func = PARSER.get_format_reward_func()
     rubric = Rubric(
@@ -211,6 +217,7 @@ def sft_examples(
         for turn, names in enumerate(expected_lists(row["info"])):
             if turn:
                 messages.append({"role": "user", "content": follow_up_question(names_per_turn[turn])})
-            messages.append({"role": "assistant", "content": PARSER.format(alphabetical_sorted="\n".join(names))})
+            answer = PARSER.format(alphabetical_sorted="\n".join(names))
+            messages.append({"role": "assistant", "content": answer})
         examples.append({"messages": messages})
     return examples
