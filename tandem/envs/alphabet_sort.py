@@ -100,6 +100,33 @@ def _sample_row(
     }
 
 
+def _make_splits(
+    num_train_examples: int,
+    num_eval_examples: int,
+    seed: int,
+    min_turns: int,
+    max_turns: int,
+    min_names: int,
+    max_names: int,
+    names_per_follow_up: int,
+) -> tuple[list[Row], list[Row]]:
+    if not 1 <= min_turns <= max_turns:
+        raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns=}, {max_turns=}")
+    if not 1 <= min_names <= max_names or names_per_follow_up < 1:
+        raise ValueError(
+            f"need 1 <= min_names <= max_names and names_per_follow_up >= 1, got "
+            f"{min_names=}, {max_names=}, {names_per_follow_up=}"
+        )
+    return draw_disjoint_splits(
+        lambda rng: _sample_row(
+            rng, min_turns, max_turns, min_names, max_names, names_per_follow_up
+        ),
+        num_train_examples,
+        num_eval_examples,
+        seed,
+    )
+
+
 class AlphabetSortEnv(MultiTurnEnv):
     """Ends after the example's number of turns; each env turn adds that turn's names."""
 
@@ -138,20 +165,15 @@ def load_environment(
     names_per_follow_up: int = 2,
     **kwargs: Any,
 ) -> AlphabetSortEnv:
-    if not 1 <= min_turns <= max_turns:
-        raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns=}, {max_turns=}")
-    if not 1 <= min_names <= max_names or names_per_follow_up < 1:
-        raise ValueError(
-            f"need 1 <= min_names <= max_names and names_per_follow_up >= 1, got "
-            f"{min_names=}, {max_names=}, {names_per_follow_up=}"
-        )
-    train, eval_rows = draw_disjoint_splits(
-        lambda rng: _sample_row(
-            rng, min_turns, max_turns, min_names, max_names, names_per_follow_up
-        ),
+    train, eval_rows = _make_splits(
         num_train_examples,
         num_eval_examples,
         seed,
+        min_turns,
+        max_turns,
+        min_names,
+        max_names,
+        names_per_follow_up,
     )
     format_reward_func = PARSER.get_format_reward_func()
     rubric = Rubric(
@@ -166,3 +188,36 @@ def load_environment(
         max_turns=max_turns,
         **kwargs,
     )
+
+
+def sft_examples(
+    n: int,
+    seed: int = 0,
+    num_eval_examples: int = 200,
+    min_turns: int = 1,
+    max_turns: int = 3,
+    min_names: int = 3,
+    max_names: int = 6,
+    names_per_follow_up: int = 2,
+) -> list[dict[str, Messages]]:
+    """`n` whole conversations `{"messages": [system, user, assistant, user, assistant, ...]}`,
+    every assistant turn the correct sorted list, the follow-ups as the environment writes them.
+    They are the first `n` training rows of `load_environment` with the same arguments, so they
+    never contain its eval questions."""
+    train, _ = _make_splits(
+        n, num_eval_examples, seed, min_turns, max_turns, min_names, max_names, names_per_follow_up
+    )
+    examples = []
+    for row in train:
+        names_per_turn = row["info"]["names_per_turn"]
+        messages: Messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": row["question"]},
+        ]
+        for turn, names in enumerate(expected_lists(row["info"])):
+            if turn:
+                messages.append({"role": "user", "content": follow_up_question(names_per_turn[turn])})
+            answer = PARSER.format(alphabetical_sorted="\n".join(names))
+            messages.append({"role": "assistant", "content": answer})
+        examples.append({"messages": messages})
+    return examples

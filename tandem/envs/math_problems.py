@@ -136,6 +136,16 @@ def _sample_row(rng: random.Random, difficulty: int) -> Row:
     return {"question": question, "answer": str(answer), "task": "math"}
 
 
+def _make_splits(
+    num_train_examples: int, num_eval_examples: int, seed: int, difficulty: int
+) -> tuple[list[Row], list[Row]]:
+    if difficulty < 1:
+        raise ValueError(f"difficulty must be >= 1 (operands up to 10**d), got {difficulty}")
+    return draw_disjoint_splits(
+        lambda rng: _sample_row(rng, difficulty), num_train_examples, num_eval_examples, seed
+    )
+
+
 def load_environment(
     num_train_examples: int = 2000,
     num_eval_examples: int = 200,
@@ -143,11 +153,7 @@ def load_environment(
     difficulty: int = 2,
     **kwargs: Any,
 ) -> SingleTurnEnv:
-    if difficulty < 1:
-        raise ValueError(f"difficulty must be >= 1 (operands up to 10**d), got {difficulty}")
-    train, eval_rows = draw_disjoint_splits(
-        lambda rng: _sample_row(rng, difficulty), num_train_examples, num_eval_examples, seed
-    )
+    train, eval_rows = _make_splits(num_train_examples, num_eval_examples, seed, difficulty)
     rubric = Rubric(funcs=[boxed_answer_reward], parser=PARSER)
     return SingleTurnEnv(
         dataset=train,
@@ -157,3 +163,23 @@ def load_environment(
         rubric=rubric,
         **kwargs,
     )
+
+
+def sft_examples(
+    n: int, seed: int = 0, num_eval_examples: int = 200, difficulty: int = 2
+) -> list[dict[str, Messages]]:
+    """`n` chat examples `{"messages": [system, user, assistant]}` whose answer is the bare
+    `\\boxed{N}`: they teach the answer format and give a first idea of the arithmetic, the
+    rest is left to RL. They are the first `n` training rows of `load_environment` with the
+    same seed, difficulty and `num_eval_examples`, so they never contain its eval questions."""
+    train, _ = _make_splits(n, num_eval_examples, seed, difficulty)
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": row["question"]},
+                {"role": "assistant", "content": f"\\boxed{{{row['answer']}}}"},
+            ]
+        }
+        for row in train
+    ]

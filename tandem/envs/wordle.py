@@ -18,6 +18,7 @@ so a first-guess solve scores 2.2, a sixth-guess solve 1.3667, and an unsolved g
 0.16 (four greens). The format score is reported as a metric only.
 """
 
+import random
 from collections import Counter
 from functools import cache
 from typing import Any
@@ -127,15 +128,18 @@ def _row(answer: str) -> dict[str, str]:
     return {"question": QUESTION, "answer": answer, "task": "wordle"}
 
 
+def _split_answers(num_train: int, num_eval: int, seed: int) -> tuple[list[str], list[str]]:
+    return split_items(
+        load_word_list("wordle_answers.txt"), num_train, num_eval, seed, "wordle has {} answer words"
+    )
+
+
 def load_environment(
     num_train_examples: int = -1, num_eval_examples: int = 100, seed: int = 0, **kwargs: Any
 ) -> WordleEnv:
     """Answers are split by `seed` into disjoint eval and train words; `num_train_examples`
     -1 takes every answer not in the eval set."""
-    train, eval_words = split_items(
-        load_word_list("wordle_answers.txt"), num_train_examples, num_eval_examples, seed,
-        "wordle has {} answer words",
-    )
+    train, eval_words = _split_answers(num_train_examples, num_eval_examples, seed)
     format_reward_func = PARSER.get_format_reward_func()
     rubric = Rubric(
         funcs=[solved_reward, efficiency_reward, partial_reward, format_reward_func],
@@ -150,3 +154,33 @@ def load_environment(
         rubric=rubric,
         **kwargs,
     )
+
+
+def _demonstration(answer: str, rng: random.Random) -> Messages:
+    """One game, each guess drawn at random from the answer words still consistent with all
+    the feedback so far: a plain strategy that solves most games in 6 guesses, so the warm-up
+    teaches the format and the use of feedback without playing well."""
+    messages: Messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": QUESTION},
+    ]
+    candidates = list(load_word_list("wordle_answers.txt"))
+    for turn in range(1, MAX_GUESSES + 1):
+        guess = rng.choice(candidates)
+        messages.append({"role": "assistant", "content": f"<guess>{guess}</guess>"})
+        if guess == answer or turn == MAX_GUESSES:
+            break
+        marks = score_guess(guess, answer)
+        candidates = [word for word in candidates if score_guess(guess, word) == marks]
+        reply = feedback(messages[-1]["content"], answer, MAX_GUESSES - turn)
+        messages.append({"role": "user", "content": reply})
+    return messages
+
+
+def sft_examples(n: int, seed: int = 0, num_eval_examples: int = 100) -> list[dict[str, Messages]]:
+    """`n` demonstration games on the training answers of `load_environment` with the same seed
+    and `num_eval_examples` (never an eval answer; guesses may be any answer word, as in the
+    game), cycling over those answers when `n` is larger, each game played afresh."""
+    train, _ = _split_answers(-1, num_eval_examples, seed)
+    rng = random.Random(seed)
+    return [{"messages": _demonstration(train[i % len(train)], rng)} for i in range(n)]

@@ -132,3 +132,19 @@ def test_names_list_is_first_and_last_names():
     names = load_word_list("names.txt")
     assert len(names) >= 200 and len(set(names)) == len(names)
     assert all(len(name.split()) == 2 and name.istitle() for name in names)
+
+
+def test_sft_examples_replay_as_perfect_rollouts_of_training_rows(scripted_client):
+    args = dict(num_eval_examples=30, seed=2, min_names=2, max_names=4, names_per_follow_up=1)
+    env = alphabet_sort.load_environment(num_train_examples=40, **args)
+    evals = {e["prompt"][-1]["content"] for e in env.get_eval_dataset()}
+    rows = alphabet_sort.sft_examples(40, **args)
+    assert alphabet_sort.sft_examples(5, **args) == rows[:5]
+    for row, example in zip(rows, env.get_dataset(), strict=True):
+        messages = row["messages"]
+        assert messages[:2] == example["prompt"] and messages[1]["content"] not in evals
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert len(replies) == len(example["info"]["names_per_turn"])
+        _, completion, _, score = run_game(env, example, replies, scripted_client)
+        assert completion == messages[2:]  # the follow-ups are the environment's own
+        assert score.reward == 1.0

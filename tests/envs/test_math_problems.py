@@ -97,3 +97,15 @@ def test_splits_are_disjoint_and_seeded():
     assert len(train) == 500 and len(evals) == 100 and not train & evals
     again = math_problems.load_environment(num_train_examples=500, num_eval_examples=100, seed=9)
     assert again.get_dataset() == env.get_dataset()
+
+
+def test_sft_examples_answer_training_questions_in_a_box():
+    env = math_problems.load_environment(num_train_examples=100, num_eval_examples=50, seed=6, difficulty=1)
+    evals = {e["prompt"][-1]["content"] for e in env.get_eval_dataset()}
+    rows = math_problems.sft_examples(100, seed=6, num_eval_examples=50, difficulty=1)
+    assert math_problems.sft_examples(10, seed=6, num_eval_examples=50, difficulty=1) == rows[:10]
+    for row, example in zip(rows, env.get_dataset(), strict=True):
+        system, user, assistant = row["messages"]
+        assert [system, user] == example["prompt"] and user["content"] not in evals
+        assert assistant["content"] == f"\\boxed{{{example['answer']}}}"
+        assert reward(assistant["content"], example["answer"]) == 1.0

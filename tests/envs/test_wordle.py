@@ -100,3 +100,22 @@ def test_word_lists():
 def test_too_many_eval_words_is_an_error():
     with pytest.raises(ValueError, match="answer words"):
         wordle.load_environment(num_eval_examples=10_000)
+
+
+def test_sft_examples_replay_as_rollouts_of_training_answers(scripted_client):
+    env = wordle.load_environment(num_eval_examples=100, seed=3)
+    train = [e["answer"] for e in env.get_dataset()]
+    evals = {e["answer"] for e in env.get_eval_dataset()}
+    rows = wordle.sft_examples(len(train) + 20, seed=3, num_eval_examples=100)
+    assert wordle.sft_examples(5, seed=3, num_eval_examples=100) == rows[:5]
+    answers = train + train[:20]  # cycling over the training answers
+    solved = 0
+    for row, answer in list(zip(rows, answers, strict=True))[::10]:
+        assert answer not in evals
+        messages = row["messages"]
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        completion, _, score = play(answer, replies, scripted_client)
+        assert messages[:2] == env.get_dataset(1)[0]["prompt"]
+        assert completion == messages[2:]  # the feedback is the environment's own
+        solved += score.metrics["solved_reward"]
+    assert solved >= 0.9 * len(rows[::10])  # guesses consistent with the feedback solve most games
