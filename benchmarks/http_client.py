@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import httpx
 
-from inference import engine_config, prompts_for, run_engine, scaled
+from inference import attempt, engine_config, prompts_for, run_engine, scaled, with_site
 from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.dump import to_toml
@@ -224,11 +223,6 @@ def tandem_command(folder: Path, args: argparse.Namespace, w: dict, tmp: Path, p
     return [sys.executable, "-m", "tandem.cli", "inference", "@", str(tmp / "inference.toml")], dict(os.environ)
 
 
-def with_site(site: str) -> dict:
-    """This process's environment with `site` first on PYTHONPATH."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
-
-
 def vllm_available(site: str) -> str | None:
     """vLLM's version when it imports with `site` first on the path, else None."""
     probe = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], env=with_site(site),
@@ -260,16 +254,6 @@ def started(name: str, command, folder: Path, args: argparse.Namespace, w: dict,
 
 
 # ---- the run -----------------------------------------------------------------------------------
-
-
-def attempt(results: dict, name: str, fn) -> None:
-    print(f"--- {name} ({time.strftime('%H:%M:%S')})", flush=True)
-    try:
-        results[name] = fn()
-    except Exception as err:  # record and go on: see the module docstring
-        traceback.print_exc()
-        results[name] = {"error": f"{type(err).__name__}: {err}"}
-    print(json.dumps(results[name]), flush=True)
 
 
 def bench_engine(folder: Path, args: argparse.Namespace, w: dict, vocab: int) -> dict:

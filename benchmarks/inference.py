@@ -284,12 +284,15 @@ def bench_server(folder: Path, args: argparse.Namespace, w: dict, vocab: int, tm
         server.stop()
 
 
+def with_site(site: str | None) -> dict:
+    """This process's environment with `site` (an offline vLLM install) first on PYTHONPATH."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
+
+
 def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts: dict, tmp: Path) -> dict:
     spec, out = tmp / "vllm_spec.json", tmp / "vllm_result.json"
     spec.write_text(json.dumps({"workloads": workloads, "prompts": prompts}))
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
-    if args.vllm_site:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.vllm_site, env.get("PYTHONPATH")) if p)
+    env = dict(with_site(args.vllm_site), VLLM_USE_FLASHINFER_SAMPLER="0")
     child = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_workloads.py")), "--model", str(folder),
                             "--spec", str(spec), "--out", str(out)], env=env)
     if child.returncode != 0:

@@ -24,19 +24,19 @@ async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict
     try:
         await pool.wait_healthy()
         ctx = RolloutContext(pool, tokenizer, config.model.name, config.seq_len)
-        bars: list[StepBar] = []  # made at the first finished rollout, when the total is known
+        bar: StepBar | None = None  # made at the first finished rollout, when the total is known
 
         def on_progress(done: int, total: int) -> None:
-            if not bars:
-                bars.append(StepBar("eval", total, sys.stderr, unit="rollout"))
-            bars[0].update(done)
+            nonlocal bar
+            bar = bar or StepBar("eval", total, sys.stderr, unit="rollout")
+            bar.update(done)
 
         try:
             return await evaluate(ctx, envs, config.eval, config.sampling, config.seed, config.max_concurrent_rollouts,
                                   on_progress)
         finally:
-            if bars:
-                bars[0].close()
+            if bar is not None:
+                bar.close()
     finally:
         await pool.aclose()
 

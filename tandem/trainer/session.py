@@ -29,7 +29,6 @@ from tandem.trainer.parallel.context_parallel import check_context_parallel
 from tandem.trainer.parallel.dims import ParallelDims, close_parallel, init_parallel
 from tandem.trainer.parallel.expert_parallel import check_expert_parallel
 from tandem.trainer.publish import BackgroundWriter, prune_weights, published_dtype, write_weights_folder
-from tandem.transport.paths import weights_dir
 
 
 @dataclass
@@ -56,17 +55,17 @@ class Session:
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
-    def publish(self, step: int) -> Path | None:
+    def publish(self, step: int) -> None:
         """Write `weights/step_N/` (collective gather; rank 0 writes, on the background `writer` before the
         last step, whose folder is the run's result and is whole when this returns) and prune old folders;
         with a `broadcaster`, send the weights instead, and write the folder only at the last step."""
         state = gather_full_state(self.model, published_dtype(self.hf_config), keep=self.dims.is_main)
         if not self.dims.is_main:
-            return None
+            return
         if self.broadcaster is not None:
             self.broadcaster.send(step, state)
             if step < self.config.max_steps:
-                return None
+                return
 
         def write() -> None:
             write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
@@ -77,7 +76,6 @@ class Session:
         else:
             self.writer.wait()
             write()
-        return weights_dir(self.config.run_dir, step)
 
     def should_publish(self, step: int) -> bool:
         return step % self.config.weights.interval == 0 or step == self.config.max_steps
