@@ -2,12 +2,13 @@
 
 Per step, over every rank (`RouterMonitor`):
 - expert load: tokens routed to each expert of each MoE block (counted in the k copies of each
-  token, from `num_tokens_per_expert`, the input of `mlp.experts`), and max / mean of it;
+  token, from the router's expert ids, replayed ones included), and max / mean of it;
 - router entropy: per token, the entropy of the router's distribution over experts (softmax
   scores; sigmoid scores normalized to sum 1), averaged over tokens.
 The counts stay on the device: one all-reduce and one host copy per step, none per layer.
 They are gathered in training forwards only (`collecting()`): a recompute of an activation-
-checkpointed block in backward would count its tokens twice.
+checkpointed block in backward would count its tokens twice. Padding that context parallelism adds
+to a row (`collecting(real_tokens)`) is not counted, so the figures do not depend on the cp size.
 
 Load balancing (both off by default: RL keeps the routing of the policy that sampled):
 - `router.aux_loss_coef` = alpha: the balance loss of Switch / DeepSeek-V3 over the N tokens of a
@@ -83,18 +84,21 @@ class RouterMonitor:
         self.aux_scale = 0.0
         self.num_micro_batches = 0
         self.is_collecting = False
+        self.real_tokens: torch.Tensor | None = None
         for i, moe in enumerate(moes):
-            moe.experts.register_forward_pre_hook(functools.partial(self._count_load, i))
             moe.gate.register_forward_hook(functools.partial(self._observe_router, i))
 
     @contextlib.contextmanager
-    def collecting(self) -> Iterator[None]:
-        """Count the forwards run inside (training forwards, not their recompute in backward)."""
+    def collecting(self, real_tokens: torch.Tensor | None = None) -> Iterator[None]:
+        """Count the forwards run inside (training forwards, not their recompute in backward); `real_tokens`
+        [N] bool: which of the forward's tokens count (None: all)."""
         self.is_collecting = True
+        self.real_tokens = real_tokens
         try:
             yield
         finally:
             self.is_collecting = False
+            self.real_tokens = None
 
     def begin_step(self, num_micro_batches: int) -> None:
         """Reset the step's sums; the balance loss is averaged over this many micro-batches per rank."""
@@ -103,21 +107,21 @@ class RouterMonitor:
         self.num_micro_batches = num_micro_batches
         self.aux_scale = self.aux_loss_coef / max(num_micro_batches, 1)
 
-    def _count_load(self, layer: int, module: nn.Module, inputs: tuple) -> None:
-        if self.is_collecting:
-            self.load[layer] += inputs[1].detach()
-
     def _observe_router(self, layer: int, gate: nn.Module, inputs: tuple, output: tuple) -> Any:
         x = inputs[0]
+        weights, expert_ids = output
         if self.is_collecting:
             with torch.no_grad():
+                counts = torch.ones(x.shape[0], dtype=torch.float64, device=x.device)
+                if self.real_tokens is not None:
+                    counts = self.real_tokens.to(torch.float64)
+                self.load[layer].scatter_add_(0, expert_ids.reshape(-1), counts[:, None].expand(expert_ids.shape).reshape(-1))
                 p = router_scores(x, gate)
                 p = p / p.sum(-1, keepdim=True)
-                self.entropy_sum[layer] += -(p * p.clamp_min(1e-20).log()).sum()
-                self.num_tokens[layer] += x.shape[0]
+                self.entropy_sum[layer] += (-(p * p.clamp_min(1e-20).log()).sum(-1).double() * counts).sum()
+                self.num_tokens[layer] += counts.sum()
         if self.aux_loss_coef == 0 or not torch.is_grad_enabled():
             return None
-        weights, expert_ids = output
         num_experts = gate.args.num_experts
         counts = torch.zeros(num_experts, device=x.device).scatter_add_(
             0, expert_ids.reshape(-1), torch.ones(expert_ids.numel(), device=x.device))

@@ -111,7 +111,7 @@ def accumulate_gradients(model: PolicyModel, micro_batches: list[MicroBatch], ob
     router = model.router
     for mb in micro_batches:
         with maybe_replayed_routing(model, mb):  # backward too: activation checkpointing routes again
-            with router.collecting() if router is not None else contextlib.nullcontext(), phase("forward"):
+            with router.collecting(mb.context.real_tokens() if mb.context else None) if router is not None else contextlib.nullcontext(), phase("forward"):
                 result, entropy_sum = forward_objective(model, mb, objective)
             with phase("backward"):
                 (result.loss_sum * scale).backward()

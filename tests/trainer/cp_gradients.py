@@ -1,6 +1,7 @@
 """Run under torchrun by `test_context_parallel.py`: one RL forward/backward of the same global batch of
 packed rows (several documents of odd lengths, mixed temperatures) at each context-parallel size
-(and expert-parallel size) given; rank 0 saves the global loss, entropy, full gradients and norm.
+(and expert-parallel size) given; rank 0 saves the global loss, entropy, full gradients and norm, and for a
+mixture of experts the router statistics (which must not count the padding CP adds to a row).
 For a mixture of experts the completion tokens replay given experts (router replay), the prompt
 tokens route themselves: a replay misaligned with its tokens would change the loss.
 
@@ -11,6 +12,7 @@ tokens route themselves: a replay misaligned with its tokens would change the lo
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -63,17 +65,22 @@ def gradients_at(folder: str, cp: int, ep: int, attention: str) -> dict:
     num_loss_tokens = sum(sum(row.loss_mask) for row in rows)
     objective = rl_objective(build_loss(AIPOLoss()))
     loss = entropy = 0.0
-    for mb in prepare_micro_batches([rows[dims.rank]], dims, policy_version=0, router_replay=moe is not None):
+    micro_batches = prepare_micro_batches([rows[dims.rank]], dims, policy_version=0, router_replay=moe is not None)
+    if policy.router is not None:
+        policy.router.begin_step(len(micro_batches))
+    for mb in micro_batches:
         with maybe_replayed_routing(policy, mb):
-            result, entropy_sum = forward_objective(policy, mb, objective)
+            with policy.router.collecting(mb.context.real_tokens() if mb.context else None) if moe else contextlib.nullcontext():
+                result, entropy_sum = forward_objective(policy, mb, objective)
             (result.loss_sum * dims.dp_size / num_loss_tokens).backward()
         loss += float(result.loss_sum.detach())
         entropy += float(entropy_sum)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in policy.named_parameters() if p.grad is not None}
     loss, entropy = global_sum([loss, entropy], dims)
+    router = policy.router.end_step(update_bias=False) if policy.router is not None else None
     return {"loss": loss / num_loss_tokens, "entropy": entropy / num_loss_tokens,
-            "grad_norm": float(clip_grad_norm(policy, 0.0)), "grads": grads, "rank": dims.rank}
+            "grad_norm": float(clip_grad_norm(policy, 0.0)), "grads": grads, "rank": dims.rank, "router": router}
 
 
 def main(folder: str, out: str, *sizes: str) -> None:

@@ -54,10 +54,16 @@ class ContextShard:
     """Host-side lengths of the documents of the padded row (the padding last)."""
     targets: torch.Tensor
     """[1, T_local] the token each local position predicts (the row's next token)."""
+    num_real: int
+    """Tokens of the row before its padding."""
 
     def token_index(self, cp_rank: int) -> torch.Tensor:
         """Global indices in the padded row of the tokens shard `cp_rank` holds."""
         return zigzag_indices(self.row_document_ids.numel(), self.size, cp_rank, self.row_document_ids.device)
+
+    def real_tokens(self) -> torch.Tensor:
+        """[T_local] bool: which of this rank's tokens are the row's, not its padding."""
+        return self.token_index(self.rank) < self.num_real
 
 
 def zigzag_indices(length: int, cp_size: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -96,7 +102,7 @@ def shard_micro_batch(mb: MicroBatch, group: dist.ProcessGroup) -> MicroBatch:
     temperatures = shifted(mb.temperatures)
     shard = ContextShard(group=group, size=size, rank=rank, row_document_ids=document_ids(positions)[0],
                          row_document_lengths=mb.row_document_lengths[0] + ([pad] if pad else []),
-                         targets=shifted(mb.input_ids))
+                         targets=shifted(mb.input_ids), num_real=length)
     return dataclasses.replace(
         mb, input_ids=torch.cat([mb.input_ids, mb.input_ids.new_zeros(1, pad)], dim=1)[:, index], position_ids=positions[:, index], loss_mask=shifted(mb.loss_mask),
         inference_logprobs=shifted(mb.inference_logprobs), advantages=shifted(mb.advantages),
