@@ -19,7 +19,9 @@ sequence gets exactly its output length; random prompt token ids; `--scale` shri
 - C (reasoning length): 128 requests of 256 prompt tokens, 4,096 output tokens;
 - D (long reasoning, groups): 16 prompts x n = 4 samples, 1,024 prompt tokens, 8,192 output tokens;
 - E (32k decode): 4 requests of 32,768 prompt tokens, 128 output tokens, on an engine of their own
-  (its `max_model_len`): the decode step time of a few sequences at 32k context.
+  (its `max_model_len`): the decode step time of a few sequences at 32k context;
+- F (128k decode): E at 131,072 tokens of context (prompt and output); a model whose context is shorter
+  is extended to it by YaRN, as Qwen3 reaches 128k (`--max-position-embeddings`, presets only).
 `--workloads` picks which run (GPU time is scarce); A, B, C, D share one engine sized for the
 longest and widest of them.
 
@@ -94,9 +96,10 @@ WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
              "B": dict(num_prompts=64, n=8, prompt_len=256, output_len=1024),
              "C": dict(num_prompts=128, n=1, prompt_len=256, output_len=4096),
              "D": dict(num_prompts=16, n=4, prompt_len=1024, output_len=8192),
-             "E": dict(num_prompts=4, n=1, prompt_len=32768, output_len=128)}
+             "E": dict(num_prompts=4, n=1, prompt_len=32768, output_len=128),
+             "F": dict(num_prompts=4, n=1, prompt_len=131072 - 128, output_len=128)}
 SHARED_ENGINE = ("A", "B", "C", "D")
-"""Workloads run on one engine (and one vLLM) sized for them all; E builds its own at 32k."""
+"""Workloads run on one engine (and one vLLM) sized for them all; E and F build their own (32k, 128k)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -108,6 +111,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load-format", choices=["safetensors", "dummy"],
                         help="dummy: random weights built on the device, no weights folder (default for " + ", ".join(DUMMY_PRESETS) + ")")
     parser.add_argument("--num-layers", type=int, help="cut the preset to this many layers")
+    parser.add_argument("--max-position-embeddings", type=int,
+                        help="extend the preset's context to this many positions by YaRN (default: F's 131,072 when F runs)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)")
     parser.add_argument("--repeats", type=int, default=2, help="timed engine runs of workload A; the best counts")
@@ -406,17 +411,19 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
     free_device_memory(args)
 
 
-def bench_long_decode(folder: Path, args: argparse.Namespace, w: dict, prompts: list[list[int]], bandwidths: dict) -> dict:
-    """Workload E on an engine of its own, sized for it: the decode step at 32k context and its roofline."""
+def bench_long_decode(folder: Path, args: argparse.Namespace, name: str, w: dict, prompts: list[list[int]],
+                      bandwidths: dict) -> dict:
+    """Workload `name` (E or F) on an engine of its own, sized for it: the decode step at its long context and
+    its roofline."""
     model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
     engine = build_engine(model_config, engine_config(args, w["num_prompts"] * w["n"], w["prompt_len"] + w["output_len"]),
                           args.seed, exact=args.exact)
     run_engine(engine, [[1] * 64, [2] * 64], 1, 4)  # warmup (prompts no later one shares a block with)
-    result = {"engine_E": run_engine(engine, prompts, w["n"], w["output_len"])}
-    roofline_of(engine, result, ["engine_E"], bandwidths)
+    result = {f"engine_{name}": run_engine(engine, prompts, w["n"], w["output_len"])}
+    roofline_of(engine, result, [f"engine_{name}"], bandwidths)
     del engine
     free_device_memory(args)
-    return result["engine_E"]
+    return result[f"engine_{name}"]
 
 
 def free_device_memory(args: argparse.Namespace) -> None:
@@ -480,20 +487,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
-        folder = Path(args.model) if args.model else init_model(args.preset, Path(tmp) / args.preset, seed=args.seed,
-                                                                 num_layers=args.num_layers, weights=args.load_format != "dummy")
-        results["model"] = args.model or f"preset {args.preset}" + (f", {args.num_layers} layers" if args.num_layers else "")
+        context = max(w["prompt_len"] + w["output_len"] for w in workloads.values())
+        if not args.model and args.max_position_embeddings is None and context > PRESETS[args.preset]["max_position_embeddings"]:
+            args.max_position_embeddings = context
+        folder = Path(args.model) if args.model else init_model(
+            args.preset, Path(tmp) / args.preset, seed=args.seed, num_layers=args.num_layers, weights=args.load_format != "dummy",
+            max_position_embeddings=args.max_position_embeddings)
+        results["model"] = args.model or (f"preset {args.preset}" + (f", {args.num_layers} layers" if args.num_layers else "")
+                                          + (f", {args.max_position_embeddings} positions" if args.max_position_embeddings else ""))
         results["load_format"] = args.load_format
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        prompts = {k: prompts_for(w, vocab, args.seed + "ABCDE".index(k)) for k, w in workloads.items()}
+        prompts = {k: prompts_for(w, vocab, args.seed + list(WORKLOADS).index(k)) for k, w in workloads.items()}
         shared = {k: w for k, w in workloads.items() if k in SHARED_ENGINE}
         if parts & {"engine", "mismatch"}:
             bandwidths = {"nominal": nominal_bandwidth(device), "measured_copy": measured_copy_bandwidth(device)}
             results["memory_bandwidth"] = bandwidths
             if shared:
                 bench_engine(folder, args, results, shared, {k: prompts[k] for k in shared}, vocab, parts, bandwidths)
-            if "E" in workloads:
-                attempt(results, "engine_E", lambda: bench_long_decode(folder, args, workloads["E"], prompts["E"], bandwidths))
+            for name in (k for k in ("E", "F") if k in workloads):
+                attempt(results, f"engine_{name}", lambda: bench_long_decode(folder, args, name, workloads[name], prompts[name], bandwidths))
         if "vllm" in parts and shared:
             attempt(results, "vllm", lambda: bench_vllm(folder, args, shared, {k: prompts[k] for k in shared}, Path(tmp)))
         a = scaled(args, "A")
