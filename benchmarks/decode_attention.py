@@ -24,7 +24,7 @@ from roofline import measured_copy_bandwidth
 from tandem.inference.engine import attention_kernel
 from tandem.inference.engine.attention_kernel import SPLIT_KEYS, _DECODE_LAUNCH, _split_decode
 
-SHAPES = {"A": (256, 640), "C": (128, 4352), "D_mid": (64, 5120), "D": (64, 9216), "E": (4, 32896)}
+SHAPES = {"A": (256, 640), "C": (128, 4352), "D_mid": (64, 5120), "D": (64, 9216), "E": (4, 32896), "F": (4, 131072)}
 """Name: (sequences, context); the longest context of each workload (D_mid: half-way through D)."""
 
 SETTINGS = {
@@ -34,6 +34,9 @@ SETTINGS = {
     "block64_warps1": (SPLIT_KEYS, dict(BLOCK_N=64, num_warps=1, num_stages=2)),
     "block64_warps2": (SPLIT_KEYS, dict(BLOCK_N=64, num_warps=2, num_stages=2)),
     "block32_stages3": (SPLIT_KEYS, dict(BLOCK_N=32, num_warps=1, num_stages=3)),
+    "block64_warps2_stages3": (SPLIT_KEYS, dict(BLOCK_N=64, num_warps=2, num_stages=3)),
+    "block64_warps4_stages3": (SPLIT_KEYS, dict(BLOCK_N=64, num_warps=4, num_stages=3)),
+    "block128_warps4_stages2": (SPLIT_KEYS, dict(BLOCK_N=128, num_warps=4, num_stages=2)),
 }
 """Name: (keys per chunk, launch settings); "unsplit" (one chunk of the whole context) is added per shape."""
 
