@@ -8,7 +8,7 @@ routing weights) and the token counts the engine runs (decode batches of its CUD
 with random routing (k distinct experts per token, uniform), each matmul is timed alone
 (`triton.testing.do_bench`: CUDA events, L2 flushed before each run, median):
 1. coarse pass: BLOCK_N x BLOCK_K x num_warps over the row blocks (BLOCK_M) that suit the rows per expert,
-   3 stages; tiles over the shared memory or the registers of a block are left out;
+   3 stages (2 where 3 do not fit); tiles over the shared memory or the registers of a block are left out;
 2. fine pass: around each (matmul, BLOCK_M)'s winner, other stage counts, GROUP_M, half the BLOCK_N and the
    other warp count;
 3. per token count, the BLOCK_M whose gate_up + down time is least (the two share one row layout).
@@ -151,9 +151,12 @@ def fits(tiles: dict, gated: bool) -> bool:
 def coarse_grid(block_m: int, matmul: str, quick: bool) -> list[dict]:
     if quick:
         return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2) for n in (32, 64)]
-    grid = [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=3)
-            for n, k, w in itertools.product(*COARSE.values())]
-    return [t for t in grid if fits(t, matmul == "gate_up")]
+    grid = []
+    for n, k, w in itertools.product(*COARSE.values()):  # 3 stages, or 2 where 3 do not fit
+        fitting = [t for t in (dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
+                               for s in (3, 2)) if fits(t, matmul == "gate_up")]
+        grid += fitting[:1]
+    return grid
 
 
 def fine_grid(best: dict, matmul: str) -> list[dict]:

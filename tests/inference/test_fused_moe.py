@@ -184,12 +184,17 @@ def test_generate_returns_the_routed_experts_when_asked(tiny_moe_dir, server):
 
 
 INTERPRETED_KERNEL = """
+import functools
+import json
+import os
+import tempfile
+
 import torch
 from test_fused_moe import align_to_blocks as reference_layout
-from tandem.inference.engine.fused_moe import fused_experts
+from tandem.inference.engine.fused_moe import fused_experts, fused_moe_forward, load_tiles
 from tandem.inference.engine.moe_kernel import align_to_blocks
-from tandem.inference.engine.moe_tiles import rule_tiles
-from tandem.models.moe import MoE, MoEArgs
+from tandem.inference.engine.moe_tiles import rule_tiles, shape_key
+from tandem.models.moe import MoE, MoEArgs, route
 
 torch.manual_seed(0)
 # The layout: rows up to num_padded as the torch specification's; several chunks of copies, 8..128 experts.
@@ -213,6 +218,19 @@ for num_tokens, tiles in ((1, None), (40, None), (150, None), (300, None), (150,
         rule = rule_tiles(num_tokens, 4, 16)
         out = fused_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, expert_ids, tiles or (rule, rule))
         torch.testing.assert_close(out, moe(x[None])[0], atol=1e-5, rtol=1e-5)
+
+# The block's forward as the engine installs it, its tiles from a table file (`engine.moe_tile_table`).
+with tempfile.TemporaryDirectory() as folder:
+    path = os.path.join(folder, "tiles.json")
+    with open(path, "w") as f:
+        json.dump({"shapes": {shape_key(16, 4, 96, 80, torch.float32): [
+            {"num_tokens": 64, "gate_up": dict(even, BLOCK_M=32), "down": dict(even, BLOCK_M=32, BLOCK_K=32)}]}}, f)
+    tiles = load_tiles(moe, path)
+assert tiles.tiles(50)[1] == dict(even, BLOCK_M=32, BLOCK_K=32)
+x = torch.randn(1, 50, 96)
+with torch.no_grad():
+    out = fused_moe_forward(moe, functools.partial(route, args=moe.args), None, 0, tiles, x)
+    torch.testing.assert_close(out, moe(x), atol=1e-5, rtol=1e-5)
 print("ok")
 """
 
@@ -223,7 +241,7 @@ print("ok")
 def test_the_kernel_under_tritons_interpreter_computes_the_models_moe():
     """The real kernels on CPU tensors (fp32, exact dot products), run by Triton's interpreter: the layout
     kernels against their torch specification, the fused experts (SiLU * up in the gate_up kernel) against
-    the model's MoE."""
+    the model's MoE, and the block's engine forward with its tiles from a table file."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNEL], env=env, capture_output=True, text=True, timeout=300)
