@@ -46,8 +46,8 @@ from roofline import nominal_bandwidth
 from tandem.inference.engine import moe_kernel
 from tandem.inference.engine.fused_moe import fused_experts
 from tandem.inference.engine.moe_tiles import TILE_KEYS, rule_tiles, shape_key, shipped_table_path
-from tandem.models.loading import NATIVE
-from tandem.models.moe import MoEArgs
+from tandem.models.loading import NATIVE, build_native
+from tandem.models.moe import MoE, MoEArgs
 from tandem.models.presets import PRESETS, preset_config
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -82,6 +82,11 @@ def moe_args_of(preset: str) -> MoEArgs:
     if not hasattr(model_args, "moe_args"):
         raise SystemExit(f"--preset {preset}: not a mixture of experts")
     return model_args.moe_args()
+
+
+def num_moe_layers(preset: str) -> int:
+    """MoE blocks of the preset's model (built on the meta device: no memory)."""
+    return sum(isinstance(m, MoE) for m in build_native(preset_config(preset)).modules())
 
 
 def expert_weights(args: MoEArgs, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -297,8 +302,9 @@ def matmul_figures(problem: Problem, matmul: str, ms: float, bandwidth: float | 
 
 
 def measure(problem: Problem, entry: dict, timings: dict, device: torch.device, bandwidth: float | None,
-            peak: float | None) -> dict:
-    """The chosen entry's figures, the rule's, and the whole fused experts with each, checked against each other."""
+            peak: float | None, num_layers: int) -> dict:
+    """The chosen entry's figures, the rule's, and the whole fused experts with each, checked against each other;
+    `all_moe_layers_ms`: the fused experts times the model's `num_layers` MoE blocks (a decode step's share)."""
     args, n = problem.args, problem.num_tokens
     rule = rule_tiles(n, args.top_k, args.num_experts)
     figures = {"experts_hit": problem.experts_hit, "tiles": {m: entry[m] for m in MATMULS}}
@@ -320,6 +326,7 @@ def measure(problem: Problem, entry: dict, timings: dict, device: torch.device, 
         figures["fused_experts_ms"] = time_graph_ms(fused(tuned), device)
         figures["fused_experts_rule_ms"] = time_graph_ms(fused(untuned), device)
     figures["fused_speedup_over_rule"] = figures["fused_experts_rule_ms"] / figures["fused_experts_ms"]
+    figures["all_moe_layers_ms"] = figures["fused_experts_ms"] * num_layers
     return figures
 
 
@@ -345,13 +352,13 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bandwidth = nominal_bandwidth(device)
     peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
-    entries, figures = [], {}
+    entries, figures, num_layers = [], {}, num_moe_layers(cli.preset)
     for n, problem in problems.items():
         entry = choose(problem, timings)
         if entry is None:
             figures[n] = {"error": "no tile ran"}
             continue
-        figures[n] = measure(problem, entry, timings, device, bandwidth, peak)
+        figures[n] = measure(problem, entry, timings, device, bandwidth, peak, num_layers)
         if figures[n]["agrees_with_rule"]:
             entries.append(entry)
         print(json.dumps({"num_tokens": n, **{k: v for k, v in figures[n].items() if k != "tiles"}}, default=str), flush=True)
@@ -361,7 +368,7 @@ def main() -> None:
     write_json(out / "moe_tiles.json", {"device": gpu, "triton": triton.__version__, "torch": torch.__version__,
                                         "commit": env["commit"], "shapes": {key: entries}})
     write_json(out / "moe_tune.json", {
-        "environment": env, "preset": cli.preset, "shape": key, "pools": pools, "seconds": time.perf_counter() - start,
+        "environment": env, "preset": cli.preset, "shape": key, "num_moe_layers": num_layers, "pools": pools, "seconds": time.perf_counter() - start,
         "nominal_bandwidth": bandwidth, "nominal_bf16_flops": peak, "by_num_tokens": figures,
         "timed": {f"{n} {m}": len(t) for (n, m), t in timings.items()}})
     print(f"wrote {out / 'moe_tiles.json'} and moe_tune.json in {time.perf_counter() - start:.0f} s; "
