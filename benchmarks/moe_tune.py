@@ -54,6 +54,9 @@ TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Decode batches (the engine's CUDA graphs: 1, 2, 4, 8, then multiples of 16; a batch takes the entry of the
 smallest tuned count that holds it) and prefill chunks (`engine.max_num_batched_tokens`)."""
 
+MATMULS = ("gate_up", "down")
+"""gate_up: x [N, H] -> SiLU(gate) * up [N*k, I]; down: [N*k, I] -> [N*k, H], times the routing weights."""
+
 COARSE = dict(BLOCK_N=(64, 128, 256), BLOCK_K=(64, 128, 256), num_warps=(4, 8))
 FINE_STAGES, FINE_GROUP_M = (2, 4, 5), (1, 16)
 
@@ -206,7 +209,7 @@ def compile_tiles(preset: str, dtype_name: str, device_name: str, jobs: list[tup
     for matmul, tiles in jobs:
         try:
             problem.run(matmul, tiles)
-        except Exception as err:  # noqa: BLE001 -- a tile that cannot run is left out of the timings
+        except Exception as err:  # a tile that cannot run is left out of the timings
             failures.append(f"{matmul} {tiles}: {type(err).__name__}: {str(err)[:200]}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -227,7 +230,7 @@ def precompile(preset: str, dtype: torch.dtype, jobs: list[tuple[str, dict]], de
             name = str(dtype).removeprefix("torch.")
             failures = sum(pool.map(compile_tiles, [preset] * workers, [name] * workers, [str(device)] * workers,
                                     [unique[w::workers] for w in range(workers)]), [])
-    except Exception as err:  # noqa: BLE001 -- see the docstring
+    except Exception as err:  # see the docstring
         return {"kernels": len(unique), "seconds": time.perf_counter() - start, "error": f"{type(err).__name__}: {err}"}
     return {"kernels": len(unique), "workers": workers, "seconds": time.perf_counter() - start,
             "failures": len(failures), "first_failures": failures[:5]}
@@ -240,7 +243,7 @@ def time_all(problem: Problem, matmul: str, candidates: list[dict], device: torc
             continue
         try:
             ms = time_ms(lambda: problem.run(matmul, tiles), device)
-        except Exception:  # noqa: BLE001 -- out of resources and the like: not a candidate
+        except Exception:  # out of resources and the like: not a candidate
             ms = float("inf")
         timings[tile_id(tiles)] = (ms, tiles)
 
@@ -248,9 +251,6 @@ def time_all(problem: Problem, matmul: str, candidates: list[dict], device: torc
 def best_of(timings: dict, block_m: int) -> tuple[float, dict] | None:
     found = [v for v in timings.values() if v[1]["BLOCK_M"] == block_m and v[0] < float("inf")]
     return min(found, key=lambda v: v[0]) if found else None
-
-
-MATMULS = ("gate_up", "down")
 
 
 def tune(problems: dict[int, Problem], cli: argparse.Namespace, dtype: torch.dtype, device: torch.device,
