@@ -13,8 +13,8 @@ with random routing (k distinct experts per token, uniform), each matmul is time
    other warp count;
 3. per token count, the BLOCK_M whose gate_up + down time is least (the two share one row layout).
 Every tile is a kernel of its own: before each pass a pool of processes compiles them into Triton's
-on-disk cache (seconds instead of minutes); a `--budget-s` guard skips the fine pass of the token counts
-it has no time left for.
+on-disk cache (seconds instead of minutes). Past `--budget-s` only the rule's tiles are timed (the fine pass,
+and the coarse one if the pool failed and compiling took the time): token counts left untuned keep the rule.
 
 Writes, under `--out`:
 - `moe_tiles.json`: the table. The engine uses it with `engine.moe_tile_table` (`benchmarks/inference.py
@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--preset", default="qwen3-30b-a3b", choices=list(PRESETS), help="a mixture-of-experts preset")
     parser.add_argument("--out", required=True, help="folder for moe_tiles.json and moe_tune.json")
     parser.add_argument("--token-counts", default=",".join(map(str, TOKEN_COUNTS)))
-    parser.add_argument("--budget-s", type=float, default=150.0, help="no fine pass for token counts past this")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="seconds of tuning; past them, the rule's tiles")
     parser.add_argument("--quick", action="store_true", help="a grid of two tiles (a check that the script runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", help="the commit measured (see benchmarks/provenance.py)")
@@ -236,10 +236,12 @@ def precompile(preset: str, dtype: torch.dtype, jobs: list[tuple[str, dict]], de
             "failures": len(failures), "first_failures": failures[:5]}
 
 
-def time_all(problem: Problem, matmul: str, candidates: list[dict], device: torch.device, timings: dict) -> None:
-    """Add each candidate's milliseconds to `timings` {tile id: (ms, tiles)}; inf where it cannot run."""
-    for tiles in candidates:
-        if tile_id(tiles) in timings:
+def time_all(problem: Problem, matmul: str, candidates: list[dict], device: torch.device, timings: dict,
+             deadline: float) -> None:
+    """Add each candidate's milliseconds to `timings` {tile id: (ms, tiles)}; inf where it cannot run. Past
+    `deadline` (perf_counter seconds) only the first candidate (the rule's tiles) is timed."""
+    for i, tiles in enumerate(candidates):
+        if tile_id(tiles) in timings or (i > 0 and time.perf_counter() > deadline):
             continue
         try:
             ms = time_ms(lambda: problem.run(matmul, tiles), device)
@@ -258,30 +260,30 @@ def tune(problems: dict[int, Problem], cli: argparse.Namespace, dtype: torch.dty
     """Coarse then fine pass over every token count: {(count, matmul): {tile id: (ms, tiles)}}, and the pool's figures."""
     args = next(iter(problems.values())).args
     timings = {(n, m): {} for n in problems for m in MATMULS}
-    coarse = {(n, m): [t for bm in block_ms(n, args) for t in coarse_grid(bm, m, cli.quick)]
-                      + [rule_tiles(n, args.top_k, args.num_experts)] for n in problems for m in MATMULS}
+    rule = {n: rule_tiles(n, args.top_k, args.num_experts) for n in problems}
+    coarse = {(n, m): [rule[n]] + [t for bm in block_ms(n, args) for t in coarse_grid(bm, m, cli.quick)]
+              for n in problems for m in MATMULS}
     pools = [precompile(cli.preset, dtype, [(m, t) for (_, m), ts in coarse.items() for t in ts], device)]
+    deadline = start + cli.budget_s
     for (n, m), candidates in coarse.items():
-        time_all(problems[n], m, candidates, device, timings[(n, m)])
+        time_all(problems[n], m, candidates, device, timings[(n, m)], deadline)
     print(f"coarse pass done at {time.perf_counter() - start:.0f} s", flush=True)
     fine = {}
     for (n, m), found in timings.items():
         winners = [best_of(found, bm) for bm in block_ms(n, args)]
         fine[(n, m)] = [t for w in winners if w for t in fine_grid(w[1], m)] if not cli.quick else []
-    pools.append(precompile(cli.preset, dtype, [(m, t) for (_, m), ts in fine.items() for t in ts], device))
+    if time.perf_counter() < deadline:
+        pools.append(precompile(cli.preset, dtype, [(m, t) for (_, m), ts in fine.items() for t in ts], device))
     for (n, m), candidates in fine.items():
-        if time.perf_counter() - start > cli.budget_s:
-            print(f"budget: no fine pass for {n} tokens ({m})", flush=True)
-            continue
-        time_all(problems[n], m, candidates, device, timings[(n, m)])
+        time_all(problems[n], m, [rule[n]] + candidates, device, timings[(n, m)], deadline)
     print(f"fine pass done at {time.perf_counter() - start:.0f} s", flush=True)
     return timings, pools
 
 
 def choose(problem: Problem, timings: dict) -> dict | None:
     """The BLOCK_M whose gate_up + down milliseconds are least, and each matmul's fastest tiles with it."""
-    n, options = problem.num_tokens, []
-    for bm in block_ms(n, problem.args):
+    n, args, options = problem.num_tokens, problem.args, []
+    for bm in {*block_ms(n, args), rule_tiles(n, args.top_k, args.num_experts)["BLOCK_M"]}:
         pair = [best_of(timings[(n, m)], bm) for m in MATMULS]
         if all(pair):
             options.append((pair[0][0] + pair[1][0], pair))
