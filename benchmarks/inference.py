@@ -5,6 +5,7 @@
     python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine,vllm --out ...  # random weights
     python benchmarks/inference.py --preset tiny-moe --device cpu --scale 0.0625 --load-format dummy --parts engine
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --parts engine,vllm --workloads C,D,E --out ...
+    python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine --moe-tile-table T.json  # tuned MoE tiles
 
 Weights (`--load-format`, as `model.load_format`): `safetensors` writes the preset's folder with its random
 weights; `dummy` (the default for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB)
@@ -124,6 +125,8 @@ def parse_args() -> argparse.Namespace:
                         help="tokens of one engine step (prefill chunking); default max(4096, longest sequence)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--moe-tile-table", help="`engine.moe_tile_table`: MoE tiles tuned by benchmarks/moe_tune.py "
+                        "(default: the table shipped for the GPU, else the rule)")
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
                         "(tandem.models.exact; tested on the CPU; CUDA untested)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
@@ -148,7 +151,7 @@ def prompts_for(w: dict, vocab: int, seed: int) -> list[list[int]]:
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int) -> EngineConfig:
     return EngineConfig(device=args.device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens or max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
-                        compile_norms=args.compile_norms)
+                        compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table)
 
 
 def sync(device: torch.device) -> None:
@@ -483,7 +486,7 @@ def main() -> None:
     device = resolve_device(args.device)
     workloads = {k: scaled(args, k) for k in chosen}
     results: dict = {"workloads": workloads, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
-                     "compile_norms": args.compile_norms}
+                     "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table}
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"

@@ -74,6 +74,13 @@ class EngineConfig(Section):
     `max_model_len`; a few seconds and a little memory: each graph keeps its logits, batch x vocabulary);
     prefill steps run eager."""
 
+    moe_tile_table: str | None = None
+    """CUDA, mixtures of experts: a JSON table of the expert matmuls' tiles by token count, written by
+    `benchmarks/moe_tune.py` on this GPU; unset: the table shipped for this GPU
+    (`tandem/inference/engine/moe_tiles/<GPU name>.json`) where there is one. A forward takes the entry of
+    the smallest tuned token count that holds it; expert shapes a table lacks get tiles from a rule of
+    the rows per expert."""
+
     overlap_steps: bool = True
     """CUDA, native models: schedule and launch each step before reading the previous step's tokens,
     so the host's work runs while the GPU computes. A sequence that stops at EOS or a stop string

@@ -9,7 +9,7 @@ from inference_helpers import teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
-from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe
+from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe, fused_experts
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm
@@ -55,6 +55,25 @@ def test_fused_experts_equal_the_models_moe(router, dtype, tolerance, num_tokens
         apply_fused_moe(moe)
         out = moe(x).float()
     assert (out - expected).abs().max().item() <= tolerance * expected.abs().max().item()
+
+
+TILES = [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5),
+         dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=2),
+         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=4)]
+
+
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("num_tokens", [1, 100, 600])
+def test_fused_experts_equal_the_models_moe_with_any_tuned_tiles(tiles, num_tokens):
+    """Tiles a tuned table may name (`benchmarks/moe_tune.py`'s grid): K both a multiple of BLOCK_K and not."""
+    moe = random_moe(torch.bfloat16, **ROUTERS["qwen3-moe"])
+    x = torch.randn(num_tokens, 96, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = moe(x[None])[0].float()
+        weights, expert_ids = moe.gate(x)
+        out = fused_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, expert_ids,
+                            (tiles, dict(tiles, BLOCK_K=16))).float()
+    assert (out - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
 
 
 def test_fused_moe_replays_in_a_cuda_graph_whatever_the_routing():

@@ -5,9 +5,10 @@ but on CUDA it gathers rows into sorted order and its CPU loop reads group sizes
 The engine's version keeps every shape fixed by the token count and never syncs, so decode
 steps run inside CUDA graphs:
     route  (the model's `route`, compiled once into a few fused kernels)
-    -> align_to_blocks (sort copies by expert, padded to the kernel's row blocks)
-    -> grouped matmul gate_up -> SiLU(gate) * up -> grouped matmul down, times the routing weight
+    -> align_to_blocks (sort copies by expert, padded to the kernel's row blocks: three small kernels)
+    -> grouped matmul gate_up, writing SiLU(gate) * up -> grouped matmul down, times the routing weight
     -> sum of each token's k copies (+ shared experts).
+Tiles by token count from a tuned table (`moe_tiles`).
 Model code stays as it is; where the kernel cannot run (CPU, no Triton) the model's eager path
 serves.
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.inference.engine import moe_kernel
+from tandem.inference.engine.moe_tiles import TileTable, shape_key, shipped_table_path
 from tandem.models.moe import MoE, MoEArgs, route
 
 
@@ -48,11 +50,12 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, kernels: bool = True) -> bool:
+def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, kernels: bool = True,
+                    tile_table: str | None = None) -> bool:
     """Serve every MoE block of `model` with the engine's kernels, in place, and record its routing into
     `recorder`. Where the kernels cannot run (CPU, no Triton) or must not (`kernels` false: `[run] exact`,
     whose MoE is the model's own path, as the trainer's) the model's eager path serves and a hook on each
-    router records; returns whether the kernels serve."""
+    router records; returns whether the kernels serve. `tile_table`: `engine.moe_tile_table`."""
     blocks = moe_blocks(model)
     if not blocks:
         return False
@@ -65,9 +68,21 @@ def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, k
     if any(block.args != args for block in blocks):
         raise ValueError("the engine's MoE path needs the same expert settings in every MoE layer")
     router = torch.compile(functools.partial(route, args=args), dynamic=True, fullgraph=True)
+    tiles = load_tiles(blocks[0], tile_table)
     for index, block in enumerate(blocks):
-        block.forward = functools.partial(fused_moe_forward, block, router, recorder, index)
+        block.forward = functools.partial(fused_moe_forward, block, router, recorder, index, tiles)
     return True
+
+
+def load_tiles(block: MoE, tile_table: str | None) -> TileTable:
+    """The tiles of `block`'s expert shape: from `tile_table`, else the table shipped for this GPU, else the rule."""
+    weight, args = block.experts.gate_up_proj, block.args
+    key = shape_key(args.num_experts, args.top_k, args.hidden_size, args.intermediate_size, weight.dtype)
+    if tile_table is not None:
+        return TileTable.load(Path(tile_table), key, args.top_k, args.num_experts, "`engine.moe_tile_table`")
+    shipped = shipped_table_path(torch.cuda.get_device_name(weight.device))
+    return TileTable.load(shipped if shipped.is_file() else None, key, args.top_k, args.num_experts,
+                          "the shipped MoE tile table")
 
 
 @contextlib.contextmanager
@@ -85,7 +100,7 @@ def _record_hook(recorder: RoutingRecorder, moe_index: int, router: nn.Module, i
     recorder.record(moe_index, output[1])
 
 
-def fused_moe_forward(block: MoE, router, recorder: RoutingRecorder | None, moe_index: int,
+def fused_moe_forward(block: MoE, router, recorder: RoutingRecorder | None, moe_index: int, tiles: TileTable,
                       x: torch.Tensor) -> torch.Tensor:
     """What `MoE.forward` computes, with fixed shapes and no host sync: x [B, T, H] -> [B, T, H]."""
     flat = x.reshape(-1, x.shape[-1])
@@ -98,21 +113,21 @@ def fused_moe_forward(block: MoE, router, recorder: RoutingRecorder | None, moe_
     weights, expert_ids = router(flat, block.gate.weight, bias)
     if recorder is not None:
         recorder.record(moe_index, expert_ids)
-    out = fused_experts(flat, block.experts.gate_up_proj, block.experts.down_proj, weights, expert_ids)
+    out = fused_experts(flat, block.experts.gate_up_proj, block.experts.down_proj, weights, expert_ids,
+                        tiles.tiles(flat.shape[0]))
     if block.shared_experts is not None:
         out = out + block.shared_experts(flat)
     return out.view(x.shape)
 
 
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
-                  expert_ids: torch.Tensor) -> torch.Tensor:
-    """x [N, H] through each token's k experts (gate_up [E, 2I, H], down [E, H, I]), weighted and summed: [N, H]."""
+                  expert_ids: torch.Tensor, tiles: tuple[dict, dict]) -> torch.Tensor:
+    """x [N, H] through each token's k experts (gate_up [E, 2I, H], down [E, H, I]), weighted and summed: [N, H].
+    `tiles`: the (gate_up, down) tiles (`TileTable.tiles`), one BLOCK_M."""
     (num_tokens, top_k), num_experts = expert_ids.shape, gate_up_proj.shape[0]
-    config = moe_kernel.block_config(num_tokens, top_k, num_experts)
-    blocks = moe_kernel.align_to_blocks(expert_ids, num_experts, config["BLOCK_M"])
+    gate_up_tiles, down_tiles = tiles
+    blocks = moe_kernel.align_to_blocks(expert_ids, num_experts, gate_up_tiles["BLOCK_M"])
     num_copies = num_tokens * top_k
-    gate_up = moe_kernel.grouped_matmul(x, gate_up_proj, blocks, top_k, num_copies, config)
-    gate, up = gate_up.chunk(2, dim=-1)
-    hidden = F.silu(gate) * up
-    down = moe_kernel.grouped_matmul(hidden, down_proj, blocks, 1, num_copies, config, routing=weights.reshape(-1))
+    hidden = moe_kernel.grouped_matmul(x, gate_up_proj, blocks, top_k, num_copies, gate_up_tiles, gated=True)
+    down = moe_kernel.grouped_matmul(hidden, down_proj, blocks, 1, num_copies, down_tiles, routing=weights.reshape(-1))
     return down.view(num_tokens, top_k, -1).sum(1)

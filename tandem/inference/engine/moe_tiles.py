@@ -1,0 +1,103 @@
+"""Tile sizes of the MoE grouped matmuls (`moe_kernel`), by token count: a tuned table, else a rule.
+
+Why a table: the best tiles depend on the GPU, the expert shapes and the rows each expert gets, and
+guessing them left the decode step's expert matmuls far below memory speed. `benchmarks/moe_tune.py`
+times a grid of tiles on the GPU for the token counts the engine runs (decode batches, prefill chunks)
+and writes the fastest as a table:
+
+    {"device": "NVIDIA H200", "shapes": {"<shape key>": [
+        {"num_tokens": 256, "gate_up": {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}, "down": {...}},
+        ...]}}
+
+one list per expert shape (`shape_key`), sorted by `num_tokens`. A forward of T tokens takes the entry
+of the smallest tuned count >= T (the largest past the end); both matmuls share one row layout, so
+their BLOCK_M agree. The engine reads `engine.moe_tile_table`, else the table shipped for its GPU
+(`moe_tiles/<GPU name>.json` beside this module) where there is one; shapes a table lacks, and CPU
+runs, get the rule (`rule_tiles`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+"""What one matmul's tiles name: the kernel's block sizes and launch options."""
+
+SHIPPED = Path(__file__).with_name("moe_tiles")
+"""Tables shipped with tandem, one per GPU name (`shipped_table_path`)."""
+
+
+def shape_key(num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> str:
+    """The table's key of one expert shape, e.g. `experts=128,top_k=8,hidden=2048,intermediate=768,dtype=bfloat16`."""
+    return (f"experts={num_experts},top_k={top_k},hidden={hidden_size},intermediate={intermediate_size},"
+            f"dtype={str(dtype).removeprefix('torch.')}")
+
+
+def shipped_table_path(device_name: str) -> Path:
+    """Where the table of a GPU named `device_name` ships (it may not exist)."""
+    return SHIPPED / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+def rule_tiles(num_tokens: int, top_k: int, num_experts: int) -> dict:
+    """Untuned tiles from the mean rows per expert: each expert's group is padded to a row block, so
+    small blocks when few tokens reach each expert (decode), larger ones for prefill."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+    if rows_per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+class TileTable:
+    """The tiles of one expert shape by token count; empty: the rule for every count."""
+
+    def __init__(self, entries: list[dict], top_k: int, num_experts: int):
+        self.entries = sorted(entries, key=lambda e: e["num_tokens"])
+        self.counts = [e["num_tokens"] for e in self.entries]
+        self.top_k, self.num_experts = top_k, num_experts
+
+    def tiles(self, num_tokens: int) -> tuple[dict, dict]:
+        """(gate_up tiles, down tiles) for a forward of `num_tokens` tokens."""
+        if not self.entries:
+            rule = rule_tiles(num_tokens, self.top_k, self.num_experts)
+            return rule, rule
+        entry = self.entries[min(bisect.bisect_left(self.counts, num_tokens), len(self.entries) - 1)]
+        return entry["gate_up"], entry["down"]
+
+    @classmethod
+    def load(cls, path: Path | None, key: str, top_k: int, num_experts: int, source: str) -> "TileTable":
+        """The entries of shape `key` in the table at `path` (None, or a shape it lacks: the rule); `source`
+        names where the path came from in errors (a config key, or the shipped table)."""
+        if path is None:
+            return cls([], top_k, num_experts)
+        try:
+            table = json.loads(Path(path).read_text())
+            entries = [checked_entry(entry) for entry in table["shapes"].get(key, [])]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{source} = {str(path)!r}: not a MoE tile table ({type(err).__name__}: {err}); "
+                             "write one with benchmarks/moe_tune.py") from err
+        log.info("MoE tiles: %s from %s (%d token counts; other shapes: the rule)", key, path, len(entries))
+        return cls(entries, top_k, num_experts)
+
+
+def checked_entry(entry: dict) -> dict:
+    """One table entry's token count and tiles, checked: every tile of both matmuls an integer, one BLOCK_M
+    (they share the row layout). Other fields (the tuner's measurements) are left out."""
+    tiles = {"num_tokens": int(entry["num_tokens"])}
+    for matmul in ("gate_up", "down"):
+        missing = [k for k in TILE_KEYS if not isinstance(entry[matmul].get(k), int)]
+        if missing:
+            raise ValueError(f"entry of {entry['num_tokens']} tokens: {matmul} lacks integer {missing}")
+        tiles[matmul] = {k: entry[matmul][k] for k in TILE_KEYS}
+    if tiles["gate_up"]["BLOCK_M"] != tiles["down"]["BLOCK_M"]:
+        raise ValueError(f"entry of {entry['num_tokens']} tokens: gate_up and down differ in BLOCK_M")
+    return tiles
