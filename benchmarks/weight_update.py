@@ -228,9 +228,9 @@ def main() -> None:
         results["weights_mib"] = sum(t.numel() * t.element_size() for t in states[0].values()) / 2**20
         for part in args.parts.split(","):
             run_part(results, part, folder, device, tmp, states, args)
+            if args.out:  # after each part: a run cut short (a server slow to stop) keeps what it measured
+                Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "environment"}, indent=1, default=str))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

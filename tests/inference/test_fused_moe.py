@@ -191,7 +191,7 @@ import tempfile
 
 import torch
 from test_fused_moe import align_to_blocks as reference_layout
-from tandem.inference.engine.fused_moe import fused_experts, fused_moe_forward, load_tiles
+from tandem.inference.engine.fused_moe import compile_tile_variants, fused_experts, fused_moe_forward, load_tiles
 from tandem.inference.engine.moe_kernel import align_to_blocks
 from tandem.inference.engine.moe_tiles import rule_tiles, shape_key
 from tandem.models.moe import MoE, MoEArgs, route
@@ -231,6 +231,7 @@ x = torch.randn(1, 50, 96)
 with torch.no_grad():
     out = fused_moe_forward(moe, functools.partial(route, args=moe.args), None, 0, tiles, x)
     torch.testing.assert_close(out, moe(x), atol=1e-5, rtol=1e-5)
+    compile_tile_variants(moe, tiles, 50)  # the engine's start-up launch of each variant runs through
 print("ok")
 """
 
@@ -270,6 +271,23 @@ def test_a_tile_table_serves_the_smallest_tuned_count_that_holds_the_tokens(tmp_
     other = TileTable.load(path, shape_key(8, 2, 64, 64, torch.bfloat16), 2, 8, "`engine.moe_tile_table`")
     assert other.tiles(300) == (rule_tiles(300, 2, 8),) * 2  # a shape the table lacks: the rule
     assert TileTable.load(None, key, 8, 128, "x").tiles(3) == (rule_tiles(3, 8, 128),) * 2
+
+
+@pytest.mark.parametrize("table", ["tuned", "rule"])
+def test_the_engine_compiles_every_tile_variant_a_forward_can_pick(table, tmp_path):
+    """`compile_tile_variants` runs one forward per variant: its token counts must reach every variant that
+    forwards of 1..max_tokens tokens pick (a missed one is a compile stall while serving), and no more."""
+    key = shape_key(128, 8, 2048, 768, torch.bfloat16)
+    entries = [{"num_tokens": n, "gate_up": tiles(m, b), "down": tiles(m, 64)}
+               for n, m, b in ((1, 16, 64), (64, 16, 128), (256, 32, 64), (2048, 64, 128), (8192, 128, 128))]
+    path = write_table(tmp_path / "t.json", key, entries) if table == "tuned" else None
+    lookup = TileTable.load(path, key, 8, 128, "`engine.moe_tile_table`")
+    for max_tokens in (1, 200, 4096, 20_000):
+        picked = {json.dumps(lookup.tiles(n), sort_keys=True) for n in range(1, max_tokens + 1)}
+        counts = lookup.variant_token_counts(max_tokens)
+        assert all(1 <= c for c in counts)
+        warmed = {json.dumps(lookup.tiles(min(c, max_tokens)), sort_keys=True) for c in counts}
+        assert warmed == picked and len(counts) == len(picked), (max_tokens, counts)
 
 
 @pytest.mark.parametrize("content, problem", [

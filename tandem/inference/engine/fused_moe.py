@@ -51,11 +51,12 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
 
 
 def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, kernels: bool = True,
-                    tile_table: str | None = None) -> bool:
+                    tile_table: str | None = None, max_tokens: int | None = None) -> bool:
     """Serve every MoE block of `model` with the engine's kernels, in place, and record its routing into
     `recorder`. Where the kernels cannot run (CPU, no Triton) or must not (`kernels` false: `[run] exact`,
     whose MoE is the model's own path, as the trainer's) the model's eager path serves and a hook on each
-    router records; returns whether the kernels serve. `tile_table`: `engine.moe_tile_table`."""
+    router records; returns whether the kernels serve. `tile_table`: `engine.moe_tile_table`; `max_tokens`:
+    the most tokens of one forward, up to which every tile variant is compiled now (None: none)."""
     blocks = moe_blocks(model)
     if not blocks:
         return False
@@ -71,7 +72,28 @@ def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, k
     tiles = load_tiles(blocks[0], tile_table)
     for index, block in enumerate(blocks):
         block.forward = functools.partial(fused_moe_forward, block, router, recorder, index, tiles)
+    if max_tokens is not None:
+        compile_tile_variants(blocks[0], tiles, max_tokens)
     return True
+
+
+@torch.no_grad()
+def compile_tile_variants(block: MoE, tiles: TileTable, max_tokens: int) -> None:
+    """Run the expert kernels once with every tile variant a forward of up to `max_tokens` tokens can pick.
+
+    Why: Triton compiles a kernel variant on its first launch. Decode batches are warmed by the CUDA-graph
+    captures, but prefill steps run eagerly, and a tuned table gives each range of token counts its own
+    tiles: each first prefill of a new range was a compile stall of 0.5-2 s in the middle of serving (seen
+    on an H200 with the 30B-A3B shape's table)."""
+    weight = block.experts.gate_up_proj
+    args = block.args
+    counts = sorted({min(count, max_tokens) for count in tiles.variant_token_counts(max_tokens)})
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    for count in counts:
+        x = torch.zeros(count, args.hidden_size, dtype=weight.dtype, device=weight.device)
+        expert_ids = torch.randint(0, args.num_experts, (count, args.top_k), device=weight.device, generator=generator)
+        routing = torch.full((count, args.top_k), 1.0 / args.top_k, device=weight.device)
+        fused_experts(x, weight, block.experts.down_proj, routing, expert_ids, tiles.tiles(count))
 
 
 def load_tiles(block: MoE, tile_table: str | None) -> TileTable:

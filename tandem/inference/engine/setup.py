@@ -146,7 +146,7 @@ def moe_routing_recorder(model: torch.nn.Module, engine: EngineConfig, device: t
         return None
     max_tokens = max(engine.max_num_batched_tokens, engine.max_num_seqs)
     recorder = RoutingRecorder(len(blocks), max_tokens, blocks[0].args.top_k, device)
-    apply_fused_moe(model, recorder, kernels, engine.moe_tile_table)
+    apply_fused_moe(model, recorder, kernels, engine.moe_tile_table, max_tokens)
     return recorder
 
 
