@@ -20,7 +20,7 @@ import torch
 from tandem.inference.engine import sampling_kernel
 from tandem.inference.engine.host_copies import HostRead, to_device
 from tandem.inference.engine.sequence import Sequence
-from tandem.models.exact import exact_logprobs
+from tandem.models.exact import exact_log_softmax
 
 
 @dataclass
@@ -86,8 +86,8 @@ class Sampler:
     """
 
     def __init__(self, device: torch.device, seed: int, exact: bool = False):
-        """`exact`: logprobs row by row through `tandem.models.exact.exact_logprobs`, the trainer's function in exact
-        mode, and never the fused sampling kernel."""
+        """`exact`: logprobs through `tandem.models.exact.exact_log_softmax`, the trainer's function in exact mode,
+        and never the fused sampling kernel."""
         self.device = device
         self.exact = exact
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -107,7 +107,7 @@ class Sampler:
         num_greedy = sum(t == 0 for t in temps)
         if self.exact:
             scales = to_device([t if t > 0 else 1.0 for t in temps], torch.float32, logits.device)
-            logprobs = torch.stack([exact_logprobs(logits[i], scales[i]) for i in range(len(seqs))])
+            logprobs = exact_log_softmax(logits, scales)
         elif any(t not in (0, 1) for t in temps):
             scale = to_device([t if t > 0 else 1.0 for t in temps], torch.float32, logits.device)
             logprobs = (logits / scale[:, None]).log_softmax(-1)
