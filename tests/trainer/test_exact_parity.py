@@ -162,10 +162,20 @@ def test_exact_refuses_a_transformers_model(llama_model, dims):
                      exact=True)
 
 
-def test_the_trainer_trains_in_exact_mode(tiny_model, tmp_path):
-    """Backward runs through the token-by-token blocks and the row-wise head (whole-block recompute)."""
-    assert run_trainer("--model.name", str(tiny_model), "--run.exact", "true", "--data.fake", "--max-steps", "2",
-                       "--output-dir", str(tmp_path), "--seq-len", "16", "--optim.lr", "1e-3") == 0
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_trainer_trains_in_exact_mode(tiny_model, tmp_path, device):
+    """Backward runs through exact mode's forward (whole-block recompute): token by token on the CPU, through
+    the kernels' torch backward passes on CUDA."""
+    args = ["--model.name", str(tiny_model), "--run.exact", "true", "--data.fake", "--max-steps", "2",
+            "--output-dir", str(tmp_path), "--seq-len", "16", "--optim.lr", "1e-3"]
+    if device == "cpu":
+        assert run_trainer(*args) == 0
+    else:
+        from tandem.config.loader import parse_args
+        from tandem.config.trainer import TrainerConfig
+        from tandem.trainer.rl.train import main
+
+        assert main(parse_args(TrainerConfig, ["--device", "cuda", *args], environ={})) == 0
     records = metrics(tmp_path)
     assert [r["skipped"] for r in records] == [0, 0] and records[1]["loss"] != records[0]["loss"]
     assert all(r["grad_norm"] > 0 for r in records)
