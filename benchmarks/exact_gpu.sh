@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Exact mode on one GPU, unattended (about 5 minutes, each part capped): its GPU tests, the engine on workloads A and B
+# Exact mode on one GPU, unattended (about 5 minutes; each part capped, all caps together 530 s): its GPU tests, the engine on workloads A and B
 # (Qwen3-0.6B, random weights) without and with `--exact` (with it, the mismatch against the exact trainer's
 # forward, which must be 0), and its kernels against torch's. Each part writes under OUT_DIR and a failing part
 # does not stop the others.
@@ -23,11 +23,11 @@ run() {  # name, seconds, command...: its output in OUT_DIR/name.log, its exit s
 run tests 150 "$python" -m pytest -q -rs -p no:cacheprovider tests/models/test_batch_invariant.py tests/trainer/test_exact_parity.py \
     -k "cuda" --junitxml "$out/tests.xml"
 model=$(mktemp -d)/qwen3-0.6b
-run model 90 "$python" -c "from pathlib import Path; from tandem.models.presets import init_model; init_model('qwen3-0.6b', Path('$model'))"
+run model 60 "$python" -c "from pathlib import Path; from tandem.models.presets import init_model; init_model('qwen3-0.6b', Path('$model'))"
 cd benchmarks
-run engine 120 "$python" inference.py --model "$model" --device cuda --parts engine --workloads A,B --repeats 1 \
+run engine 100 "$python" inference.py --model "$model" --device cuda --parts engine --workloads A,B --repeats 1 \
     --out "$out/engine.json"
-run engine_exact 200 "$python" inference.py --model "$model" --device cuda --parts engine,mismatch --workloads A,B --repeats 1 \
+run engine_exact 160 "$python" inference.py --model "$model" --device cuda --parts engine,mismatch --workloads A,B --repeats 1 \
     --exact --out "$out/engine_exact.json"
 run kernels 60 "$python" exact_kernels.py --out "$out/exact_kernels.json"
 rm -rf "$(dirname "$model")"
