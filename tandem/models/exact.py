@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tandem.models import attention_kernel, batch_invariant
 from tandem.models.attention import AttentionBackend, DocumentCausalAttention
@@ -228,9 +229,18 @@ def check_exact(hf_config: dict, source: str) -> None:
 
 
 def exact_token_logprobs(hidden_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                         temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         temperatures: torch.Tensor, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's head in exact mode: (logprob of each target, entropy) [N] fp32, as the engine computes the
-    sampled token's logprob (`exact_logits`, `exact_log_softmax`; differentiable; holds [N, V] fp32)."""
+    sampled token's logprob (`exact_logits`, `exact_log_softmax`). Differentiable, `chunk_size` rows at a time,
+    each chunk recomputed in backward: a row's numbers do not depend on its chunk, and no [N, V] tensor is kept."""
+    chunks = [checkpoint(_chunk_logprobs, hidden_ND[i:i + chunk_size], weight, bias, targets[i:i + chunk_size],
+                         temperatures[i:i + chunk_size], use_reentrant=False)
+              for i in range(0, hidden_ND.shape[0], chunk_size)]
+    return torch.cat([lp for lp, _ in chunks]), torch.cat([entropy for _, entropy in chunks])
+
+
+def _chunk_logprobs(hidden_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logp = exact_log_softmax(exact_logits(hidden_ND, weight, bias), temperatures)
     entropy = -(logp.exp() * logp).sum(-1).detach()
     return logp.gather(-1, targets[:, None])[:, 0], entropy

@@ -126,7 +126,8 @@ def check_parity(tiny_model: Path, dims, alone: bool = True) -> None:
     batches, _ = pack_step(1, samples, seq_len=256, num_ranks=1, pad_token_id=0)
     rows = decode_batch(encode_batch(batches[0])).rows
     assert any(sum(p == 0 for p in row.position_ids) > 1 for row in rows)  # packed rows: several documents
-    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=64, exact=True)
+    # Head chunks of 5 rows: a row's logprob does not depend on the chunk it is computed in.
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=5, exact=True)
     num_loss_tokens = 0
     with torch.no_grad():
         for row in rows:
@@ -167,7 +168,7 @@ def test_the_trainer_trains_in_exact_mode(tiny_model, tmp_path, device):
     """Backward runs through exact mode's forward (whole-block recompute): token by token on the CPU, through
     the kernels' torch backward passes on CUDA."""
     args = ["--model.name", str(tiny_model), "--run.exact", "true", "--data.fake", "--max-steps", "2",
-            "--output-dir", str(tmp_path), "--seq-len", "16", "--optim.lr", "1e-3"]
+            "--output-dir", str(tmp_path), "--seq-len", "16", "--optim.lr", "1e-3", "--logprob-chunk-size", "5"]
     if device == "cpu":
         assert run_trainer(*args) == 0
     else:
