@@ -50,13 +50,15 @@ def bench_linears(repeats: int, device: torch.device) -> dict:
             for setting, launch in SETTINGS.items():
                 try:
                     seconds = time_call(lambda: _linear_forward(x, weight, None, launch), repeats)
-                    invariant = torch.equal(_linear_forward(x[-1:], weight, None, launch)[0], _linear_forward(x, weight, None, launch)[-1])
+                    alone = _linear_forward(x[-1:], weight, None, launch)[0]
+                    invariant = torch.equal(alone, _linear_forward(x, weight, None, launch)[-1])
                     case[setting] = {"us": seconds * 1e6, "over_cublas": seconds * 1e6 / case["cublas_us"],
                                      "tflops": 2 * M * N * K / seconds / 1e12, "batch_invariant": invariant}
                 except Exception as e:  # a setting the GPU cannot compile (shared memory) is recorded, not fatal
                     case[setting] = {"error": f"{type(e).__name__}: {e}"[:300]}
             figures[f"{name}_M{M}"] = case
-            print(name, M, {k: round(v["us"], 1) if isinstance(v, dict) and "us" in v else v for k, v in case.items()}, flush=True)
+            shown = {k: round(v["us"], 1) if isinstance(v, dict) and "us" in v else v for k, v in case.items()}
+            print(name, M, shown, flush=True)
     return figures
 
 

@@ -41,7 +41,8 @@ def check_kernels(device: str, dtype: torch.dtype, hidden: int, out: int, vocab:
     weight, bias, x = randn(out, hidden) / hidden ** 0.5, randn(out), randn(hidden)
     among_others(lambda rows: batch_invariant.linear(rows, weight, bias), x, gen)
     rows = randn(70, hidden)
-    torch.testing.assert_close(batch_invariant.linear(rows, weight, bias), F.linear(rows, weight, bias), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(batch_invariant.linear(rows, weight, bias), F.linear(rows, weight, bias),
+                               atol=tolerance, rtol=tolerance)
 
     norm_weight = randn(hidden)
     among_others(lambda rows: batch_invariant.rms_norm(rows, norm_weight, 1e-6), x, gen)
@@ -88,7 +89,7 @@ def check_packed_attention_equals_paged(device: str, dtype: torch.dtype, lengths
         for t in range(n):  # a decode: one query, a grid sized for a longer context than it has
             decode = attend_each_token(q[0, start + t:start + t + 1], k_cache, v_cache, table, contexts[t:t + 1], 4 * n + 600)
             assert torch.equal(decode[0], packed[start + t])
-        reference = exact_causal_attention(q[0, start:start + n].float(), k[0, start:start + n].float(), v[0, start:start + n].float())
+        reference = exact_causal_attention(*(t[0, start:start + n].float() for t in (q, k, v)))
         torch.testing.assert_close(packed[start:start + n].float(), reference, atol=tolerance, rtol=tolerance)
         start += n
 

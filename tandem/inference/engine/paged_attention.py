@@ -3,11 +3,11 @@ attend over each sequence's whole context.
 
 Legend: N = tokens of the step (all sequences, flattened), B = sequences of the step, H = query
 heads, Hkv = KV heads, D = head dim, Bd = decoding sequences, M = most blocks of one of them,
-S = block size. On CUDA one Triton kernel (`tandem.models.attention_kernel`) reads the cache in place
-for every token of the step; in exact mode each token as a decode query of its own (`attend_each_token`,
-the trainer's kernel too), or token by token in torch where those kernels cannot run. Elsewhere the torch reference runs: prefill chunks one sequence at a
-time (causal, offset by what the cache already held), decodes as one padded batch of gathered
-blocks. The model code and the runner only see `attend(layer_idx, q, k, v)`.
+S = block size. On CUDA one Triton kernel (`tandem.models.attention_kernel`) reads the cache in
+place for every token of the step; in exact mode each token as a decode query of its own
+(`attend_each_token`, the trainer's kernel too), or token by token in torch where those kernels
+cannot run. Elsewhere the torch reference runs: prefill chunks one sequence at a time (causal,
+offset by what the cache already held), decodes as one padded batch of gathered blocks. The model code and the runner only see `attend(layer_idx, q, k, v)`.
 """
 
 from __future__ import annotations
