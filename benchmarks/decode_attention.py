@@ -21,8 +21,8 @@ import torch
 
 from provenance import environment
 from roofline import measured_copy_bandwidth
-from tandem.inference.engine import attention_kernel
-from tandem.inference.engine.attention_kernel import SPLIT_KEYS, _DECODE_LAUNCH, _split_decode
+from tandem.models import attention_kernel
+from tandem.models.attention_kernel import SPLIT_KEYS, _DECODE_LAUNCH, _split_decode
 
 SHAPES = {"A": (256, 640), "C": (128, 4352), "D_mid": (64, 5120), "D": (64, 9216), "E": (4, 32896), "F": (4, 131072)}
 """Name: (sequences, context); the longest context of each workload (D_mid: half-way through D)."""

@@ -47,7 +47,8 @@ Figures:
 - mismatch (B): the engine's logprob of each sampled token against a teacher-forced forward of
   the whole sequence by tandem's model code (what the trainer computes: for a mixture of experts,
   the model's own MoE path, not the engine's kernels), same dtype and temperature: the mean k3
-  estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine. For a mixture of
+  estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine. With `--exact`, the
+  forward, head and log_softmax are the exact trainer's (`tandem.models.exact`): every difference must be 0. For a mixture of
   experts also `mismatch_B_router_replay`: a run of B's first 16 prompts asking for the routed
   experts, its mismatch without and with the trainer replaying them (`loss.router_replay`).
 
@@ -86,6 +87,7 @@ from tandem.inference.engine.setup import build_engine, resolve_device
 from tandem.launch.process import ManagedProcess
 from tandem.config.resolve import free_port
 from tandem.launch.rl import wait_healthy
+from tandem.models.exact import ExactDocumentAttention, exact_log_softmax, exact_logits
 from tandem.models.loading import resolve_dtype
 from tandem.models.moe import replayed_routing
 from tandem.models.presets import PRESETS, init_model
@@ -128,7 +130,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--moe-tile-table", help="`engine.moe_tile_table`: MoE tiles tuned by benchmarks/moe_tune.py "
                         "(default: the table shipped for the GPU, else the rule)")
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
-                        "(tandem.models.exact; tested on the CPU; CUDA untested)")
+                        "(tandem.models.exact); the mismatch part then recomputes as the exact trainer does (expect 0)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
@@ -223,9 +225,11 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return
 
 
 def mismatch_kl(model: torch.nn.Module, prompts: list[list[int]], outputs: list, temperature: float,
-                router_replay: bool = False) -> dict:
+                router_replay: bool = False, exact: bool = False) -> dict:
     """k3 of KL(engine || teacher-forced forward) over every sampled token, one sequence at a time;
-    `router_replay`: the forward routes each sampling position through the experts the engine reported."""
+    `router_replay`: the forward routes each sampling position through the experts the engine reported;
+    `exact`: the forward is the trainer's in exact mode (its attention backend and head), so every
+    difference must be 0."""
     by_request = {f"r{i}": p for i, p in enumerate(prompts)}
     r_all = []
     with torch.no_grad(), eager_moe(model):
@@ -238,10 +242,16 @@ def mismatch_kl(model: torch.nn.Module, prompts: list[list[int]], outputs: list,
                 given = torch.full((ids.shape[1], *routed.shape[1:]), -1, device=ids.device)
                 given[len(prompt) - 1:-1] = routed
                 replay = replayed_routing(model, given)
+            attention = ExactDocumentAttention([[ids.shape[1]]]) if exact else None
             with replay:
-                hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None])
-            logits = model.lm_head(hidden[0, len(prompt) - 1:-1]).float() / temperature
-            teacher = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+                hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None], attention=attention)
+            rows = hidden[0, len(prompt) - 1:-1]
+            if exact:
+                logprobs = exact_log_softmax(exact_logits(rows, model.lm_head.weight, model.lm_head.bias),
+                                             torch.full((rows.shape[0],), temperature, device=ids.device))
+            else:
+                logprobs = (model.lm_head(rows).float() / temperature).log_softmax(-1)
+            teacher = logprobs.gather(-1, ids[0, len(prompt):, None])[:, 0]
             r_all.append(teacher - torch.tensor(out.logprobs, device=ids.device))
     r = torch.cat(r_all).double()
     return {"tokens": r.numel(), "mean_k3": (r.exp() - 1 - r).mean().item(), "mean_abs_logprob_diff": r.abs().mean().item(),
@@ -406,7 +416,7 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
         attempt(results, f"engine_{key}", lambda: run_engine(engine, prompts[key], w["n"], w["output_len"]))
     b_outputs = results.get("engine_B", {}).get("outputs")
     if "mismatch" in parts and b_outputs:
-        attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts["B"], b_outputs, 1.0))
+        attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts["B"], b_outputs, 1.0, exact=args.exact))
     if "mismatch" in parts and "B" in workloads and moe_blocks(engine.runner.model):
         attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts["B"][:16], workloads["B"]))
     roofline_of(engine, results, ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads)], bandwidths)
@@ -486,7 +496,7 @@ def main() -> None:
     device = resolve_device(args.device)
     workloads = {k: scaled(args, k) for k in chosen}
     results: dict = {"workloads": workloads, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
-                     "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table}
+                     "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact}
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"

@@ -58,6 +58,12 @@ class DecoderArgs:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""`F.linear`'s signature: (x, weight, bias) -> x @ weight.T + bias."""
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""`layers.rms_norm`'s signature: (x, weight, eps)."""
+
+
 class FeedForward(Protocol):
     """What a block's `mlp` is: a module mapping normed hidden states [B, T, hidden] to [B, T, hidden]."""
 
@@ -72,35 +78,38 @@ class FeedForward(Protocol):
 def before_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
                      wq: torch.Tensor, bq: torch.Tensor | None, wk: torch.Tensor, bk: torch.Tensor | None,
                      wv: torch.Tensor, bv: torch.Tensor | None, q_norm_weight: torch.Tensor | None,
-                     k_norm_weight: torch.Tensor | None, eps: float, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     k_norm_weight: torch.Tensor | None, eps: float, head_dim: int, linear: Linear = F.linear,
+                     norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, hidden] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (head counts from the weight shapes).
 
     A q/k norm weight of `head_dim` features normalizes each head; a longer one (MiniMax-M2)
-    normalizes the whole projection, all heads together, before it is split into heads."""
+    normalizes the whole projection, all heads together, before it is split into heads.
+    `linear`, `norm`: how projections and norms are computed (exact mode passes batch-invariant kernels)."""
     B, T, _ = x.shape
-    h = rms_norm(x, norm_weight, eps)
-    q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+    h = norm(x, norm_weight, eps)
+    q, k, v = linear(h, wq, bq), linear(h, wk, bk), linear(h, wv, bv)
     if q_norm_weight is not None and q_norm_weight.shape[0] != head_dim:
-        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+        q, k = norm(q, q_norm_weight, eps), norm(k, k_norm_weight, eps)
     q, k, v = (t.view(B, T, -1, head_dim) for t in (q, k, v))
     if q_norm_weight is not None and q_norm_weight.shape[0] == head_dim:
-        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+        q, k = norm(q, q_norm_weight, eps), norm(k, k_norm_weight, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def attention_residual(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None,
-                       norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       norm_weight: torch.Tensor, eps: float, linear: Linear = F.linear,
+                       norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, hidden] and the attention output [B, T, Hq, D] -> (x + o_proj(attended), its post norm)."""
     B, T, _ = x.shape
-    x = x + F.linear(attended.reshape(B, T, -1), wo, bo)
-    return x, rms_norm(x, norm_weight, eps)
+    x = x + linear(attended.reshape(B, T, -1), wo, bo)
+    return x, norm(x, norm_weight, eps)
 
 
 def after_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None,
                     norm_weight: torch.Tensor, eps: float, feed_forward: Callable[..., torch.Tensor],
-                    *ffn_args: torch.Tensor) -> torch.Tensor:
+                    *ffn_args: torch.Tensor, linear: Linear = F.linear, norm: Norm = rms_norm) -> torch.Tensor:
     """The block's second half: `attention_residual`, then x + feed_forward(norm, *ffn_args)."""
-    x, h = attention_residual(x, attended, wo, bo, norm_weight, eps)
+    x, h = attention_residual(x, attended, wo, bo, norm_weight, eps, linear, norm)
     return x + feed_forward(h, *ffn_args)
 
 

@@ -1,23 +1,28 @@
 """Batch-invariant computation, for `[run] exact = true`: a token's numbers never depend on its neighbours.
 
 The engine computes a token inside whatever batch the scheduler formed (prefill chunks beside decodes,
-other sequences); the trainer computes it inside a packed row. Their kernels pick reduction orders, and
-vector or scalar code paths for transcendental functions, from the shapes they are given, so the same
-token gets different roundings. Here every part runs on tensors whose shapes depend only on the token:
+other sequences); the trainer computes it inside a packed row. Ordinary kernels pick reduction orders,
+and vector or scalar code paths for transcendental functions, from the shapes they are given, so the same
+token gets different roundings. Exact mode has two paths, and engine and trainer pick the same one, by
+the same rule, for each operation:
 
-- blocks: `before_attention` and `after_attention` (norms, projections, RoPE, feed-forward) one token at a
-  time, on [1, 1, hidden] tensors (`exact_block_forward`), and the final norm likewise;
-- attention: `exact_attention`, one query token against exactly its context keys, [context, heads, dim],
-  the same routine for the engine's paged cache and the trainer's packed rows;
-- the head: `exact_logprobs`, one row of logits at a time, log_softmax(logits / T) in fp32.
+- kernels (CUDA with Triton, or Triton's interpreter on the CPU; a dense model's blocks): every linear
+  and RMS norm through `tandem.models.batch_invariant` (fixed tiles, a row's reduction independent of
+  the other rows), attention through `attention_kernel.attend_each_token` (each query token a decode
+  query of its own over fixed 512-key chunks: the engine's paged cache, or the trainer's packed keys
+  seen as pages), log_softmax(logits / T) one program per row. Elementwise parts (RoPE, SiLU, residual
+  adds) run as eager torch ops on both sides, which compute each element alike on the GPU. All of it
+  runs inside the engine's CUDA graphs.
+- token by token (the CPU, and a mixture of experts everywhere): blocks `before_attention` and
+  `after_attention` one token at a time on [1, 1, hidden] tensors (`exact_block_forward`), the final
+  norm likewise, attention by `exact_attention` (one query token against exactly its context keys,
+  [context, heads, dim]), the head and log_softmax one row at a time. One kernel call per token and
+  operation: for checking and small runs.
 
 Both processes install it with `apply_exact` and pass `exact=True` to their attention backend and head
-(the engine's sampler computes its logprobs with `exact_logprobs` too). Tested bitwise on the CPU in fp32,
-dense and mixture-of-experts models (`tests/trainer/test_exact_parity.py`). On CUDA the same torch ops run
-(without CUDA graphs, compiled norms or the fused sampling kernel); that case of the test skips without a
-GPU and has not run yet. Cost: one kernel call per token and operation, so this is for checking and small
-runs; a fast GPU path would replace the per-token calls by fixed-tile Triton kernels (a matmul whose K loop
-does not depend on M, attention with a fixed KV split) that keep each token's reduction order.
+(the engine's sampler computes its logprobs with `exact_log_softmax` too). Tested bitwise on the CPU in
+fp32, dense and mixture-of-experts models, both paths (`tests/trainer/test_exact_parity.py`); on the
+GPU in bf16 by the CUDA case of that test.
 """
 
 from __future__ import annotations
@@ -25,19 +30,48 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from tandem.models.attention import AttentionBackend
+from tandem.models import attention_kernel, batch_invariant
+from tandem.models.attention import AttentionBackend, DocumentCausalAttention
 from tandem.models.decoder import DecoderLayer, after_attention, before_attention
-from tandem.models.layers import RMSNorm, rms_norm
+from tandem.models.layers import MLP, RMSNorm, rms_norm, swiglu
+
+KERNELS = dict(linear=batch_invariant.linear, norm=batch_invariant.rms_norm)
+"""The block's projections and norms on the kernel path (`before_attention`'s and `after_attention`'s keywords)."""
+
+
+def block_uses_kernels(block: DecoderLayer, device: torch.device) -> bool:
+    """The kernel path for this block here: Triton runs on `device` and the feed-forward is dense (a mixture of
+    experts routes token by token)."""
+    return batch_invariant.is_available(device) and isinstance(block.mlp, MLP)
+
+
+def attention_uses_kernels(device: torch.device, head_dim: int) -> bool:
+    """The kernel path for attention here."""
+    return batch_invariant.is_available(device) and attention_kernel.supports_head_dim(head_dim)
+
+
+def model_uses_kernels(lm: nn.Module, device: torch.device) -> bool:
+    """Every part of `lm` on the kernel path here, so its forward can be captured in a CUDA graph (no host
+    lengths, no data-dependent shapes)."""
+    return (all(block_uses_kernels(block, device) for block in lm.layers)
+            and attention_uses_kernels(device, lm.layers[0].self_attn.head_dim))
 
 
 def exact_block_forward(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         backend: AttentionBackend) -> torch.Tensor:
-    """`block.forward` with every token computed alone (x [1, N, hidden])."""
+    """`block.forward` batch-invariantly (x [1, N, hidden]): the kernel path, or every token computed alone."""
     eps, head_dim = block.eps, block.self_attn.head_dim
+    if block_uses_kernels(block, x.device):
+        q, k, v = before_attention(x, cos, sin, *block.before_attention_args(), eps, head_dim, **KERNELS)
+        attended = backend.attend(block.layer_idx, q, k, v)
+        feed_forward = functools.partial(swiglu, linear=batch_invariant.linear)
+        return after_attention(x, attended, *block.residual_args(), eps, feed_forward, *block.mlp.tensor_args(), **KERNELS)
     args = block.before_attention_args()
     parts = [before_attention(x[:, t:t + 1], cos[:, t:t + 1], sin[:, t:t + 1], *args, eps, head_dim) for t in range(x.shape[1])]
     q, k, v = (torch.cat(p, dim=1) for p in zip(*parts))
@@ -48,7 +82,9 @@ def exact_block_forward(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
 
 
 def exact_norm_forward(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """The final norm, one token at a time (x [1, N, hidden])."""
+    """The final norm, by the kernel or one token at a time (x [1, N, hidden])."""
+    if batch_invariant.is_available(x.device):
+        return batch_invariant.rms_norm(x, norm.weight, norm.eps)
     return torch.cat([rms_norm(x[:, t:t + 1], norm.weight, norm.eps) for t in range(x.shape[1])], dim=1)
 
 
@@ -84,7 +120,9 @@ def exact_causal_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torc
 
 
 def exact_logits(hidden_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The LM head one row at a time: [N, V] in the weight's dtype."""
+    """The LM head, by the kernel or one row at a time: [N, V] in the weight's dtype."""
+    if batch_invariant.is_available(hidden_ND.device):
+        return batch_invariant.linear(hidden_ND, weight, bias)
     rows = [F.linear(hidden_ND[i:i + 1], weight, bias) for i in range(hidden_ND.shape[0])]
     return torch.cat(rows) if rows else hidden_ND.new_empty(0, weight.shape[0], dtype=weight.dtype)
 
@@ -94,20 +132,91 @@ def exact_logprobs(logits_V: torch.Tensor, temperature: torch.Tensor) -> torch.T
     return (logits_V.float()[None] / temperature).log_softmax(-1)[0]
 
 
+def exact_log_softmax(logits_NV: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T) [N, V] fp32, each row at its temperature (`temperatures` [N] fp32), by the kernel
+    or row by row (`exact_logprobs`): the sampler's logprobs and the trainer's, computed alike."""
+    logits_NV = logits_NV.float()
+    if batch_invariant.is_available(logits_NV.device):
+        return batch_invariant.log_softmax(logits_NV, temperatures)
+    if not logits_NV.shape[0]:
+        return logits_NV.clone()
+    return torch.stack([exact_logprobs(logits_NV[i], temperatures[i]) for i in range(logits_NV.shape[0])])
+
+
 class ExactDocumentAttention:
-    """The trainer's attention backend in exact mode: each document of each packed row by
-    `exact_causal_attention` (row_lengths[b]: the document lengths of row b)."""
+    """The trainer's attention backend in exact mode (row_lengths[b]: the document lengths of row b): each
+    token by `attention_kernel.attend_each_token` on the kernel path, else each document of each packed row
+    by `exact_causal_attention`."""
 
     def __init__(self, row_lengths: list[list[int]]):
         self.row_lengths = row_lengths
+        self._kernel_inputs: tuple[DocumentCausalAttention, torch.Tensor, torch.Tensor, int] | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if attention_uses_kernels(q.device, q.shape[-1]):
+            if self._kernel_inputs is None:  # once per forward: every layer attends over the same documents
+                self._kernel_inputs = (DocumentCausalAttention(self.row_lengths, q.device, BACKWARD_SDPA),
+                                       *packed_token_rows(self.row_lengths, q.shape[1], q.device))
+            return _KernelDocumentAttention.apply(q, k, v, *self._kernel_inputs)
         rows = []
         for b, lengths in enumerate(self.row_lengths):
             starts = [sum(lengths[:i]) for i in range(len(lengths))]
             rows.append(torch.cat([exact_causal_attention(q[b, s:s + n], k[b, s:s + n], v[b, s:s + n])
                                    for s, n in zip(starts, lengths)]))
         return torch.stack(rows)
+
+
+PACKED_PAGE = 16
+"""Keys per page of the trainer's packed keys seen as a paged cache (the engine's default block size; a page
+only addresses keys: the kernel's chunks and their order do not depend on it)."""
+
+BACKWARD_SDPA = ["flash", "efficient", "math"]
+"""The fused kernels the trainer's backward through exact attention recomputes with (gradients need not be
+batch-invariant: only the forward values are compared with the engine's)."""
+
+
+def packed_token_rows(row_lengths: list[list[int]], seq_len: int, device: torch.device,
+                      page: int = PACKED_PAGE) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each token of packed rows [B, seq_len] as a decode query over its document's keys: (block tables [B * seq_len,
+    pages of the longest document], whose page j starts at key token doc_start + j * page of the flattened
+    keys; context lengths [B * seq_len] (position + 1); the longest document)."""
+    starts, positions = [], []
+    for b, lengths in enumerate(row_lengths):
+        offset = b * seq_len
+        for n in lengths:
+            starts.append(np.full(n, offset))
+            positions.append(np.arange(n))
+            offset += n
+    longest = max(n for lengths in row_lengths for n in lengths)
+    tables = np.concatenate(starts)[:, None] + np.arange(-(-longest // page))[None] * page
+    contexts = np.concatenate(positions) + 1
+    return torch.from_numpy(tables).to(device), torch.from_numpy(contexts).to(device), longest
+
+
+class _KernelDocumentAttention(torch.autograd.Function):
+    """Forward: the decode kernel over the packed keys seen as overlapping pages; backward: the reference's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, reference, tables, contexts, longest):
+        ctx.save_for_backward(q, k, v)
+        ctx.reference = reference
+        B, T, H, D = q.shape
+        num_kv = k.shape[2]
+        page = PACKED_PAGE
+        token = num_kv * D  # elements per key token
+        # Page p is the `page` key tokens from token p on: pages overlap, so a page may start at any document.
+        k_pages, v_pages = (torch.cat([t.reshape(B * T, num_kv, D), t.new_zeros(page, num_kv, D)])
+                            .as_strided((B * T, page, num_kv, D), (token, token, D, 1)) for t in (k, v))
+        out = attention_kernel.attend_each_token(q.reshape(B * T, H, D), k_pages, v_pages, tables, contexts, longest)
+        return out.view(B, T, H, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            grads = torch.autograd.grad(ctx.reference.attend(0, q, k, v), (q, k, v), grad)
+        return (*grads, None, None, None, None)
 
 
 def check_exact(hf_config: dict, source: str) -> None:
@@ -120,10 +229,18 @@ def check_exact(hf_config: dict, source: str) -> None:
 
 
 def exact_token_logprobs(hidden_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                         temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's head in exact mode: (logprob of each target, entropy) [N] fp32, row by row as the engine
-    computes the sampled token's logprob (differentiable; holds [N, V] fp32, fine at exact mode's sizes)."""
-    logits = exact_logits(hidden_ND, weight, bias)
-    logp = torch.stack([exact_logprobs(logits[i], temperatures[i]) for i in range(logits.shape[0])])
+                         temperatures: torch.Tensor, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's head in exact mode: (logprob of each target, entropy) [N] fp32, as the engine computes the
+    sampled token's logprob (`exact_logits`, `exact_log_softmax`). Differentiable, `chunk_size` rows at a time,
+    each chunk recomputed in backward: a row's numbers do not depend on its chunk, and no [N, V] tensor is kept."""
+    chunks = [checkpoint(_chunk_logprobs, hidden_ND[i:i + chunk_size], weight, bias, targets[i:i + chunk_size],
+                         temperatures[i:i + chunk_size], use_reentrant=False)
+              for i in range(0, hidden_ND.shape[0], chunk_size)]
+    return torch.cat([lp for lp, _ in chunks]), torch.cat([entropy for _, entropy in chunks])
+
+
+def _chunk_logprobs(hidden_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = exact_log_softmax(exact_logits(hidden_ND, weight, bias), temperatures)
     entropy = -(logp.exp() * logp).sum(-1).detach()
     return logp.gather(-1, targets[:, None])[:, 0], entropy

@@ -99,9 +99,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rot if rest is None else torch.cat((rot, rest), dim=-1)
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """The dense feed-forward: down(silu(gate(x)) * up(x)), weights in `nn.Linear` layout [out, in]."""
-    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+           linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+    """The dense feed-forward: down(silu(gate(x)) * up(x)), weights in `nn.Linear` layout [out, in]; `linear`
+    computes the projections (exact mode passes a batch-invariant kernel)."""
+    return linear(F.silu(linear(x, w_gate, None)) * linear(x, w_up, None), w_down, None)
 
 
 class MLP(nn.Module):

@@ -128,7 +128,7 @@ class PolicyModel(nn.Module):
         inputs = (flat_hidden.index_select(0, predicting), head.weight, head.bias, targets.flatten()[predicted],
                   temperatures.flatten()[predicted])
         if self.exact:
-            lp, ent = exact_token_logprobs(*inputs)
+            lp, ent = exact_token_logprobs(*inputs, self.chunk_size)
         else:
             lp, ent = token_logprobs(*inputs, self.chunk_size, self.compile_head)
         zeros = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)

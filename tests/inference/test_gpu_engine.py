@@ -11,7 +11,7 @@ from inference_helpers import teacher_forced_logprobs
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine import sampling_kernel
-from tandem.inference.engine.attention_kernel import paged_attention
+from tandem.models.attention_kernel import paged_attention
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm

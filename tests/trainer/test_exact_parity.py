@@ -1,10 +1,18 @@
-"""`[run] exact = true` on the CPU in fp32: the engine's logprobs equal the trainer's bitwise (`torch.equal`),
-whatever the batches the engine formed (prefill chunks beside decodes, other sequences), single- and
-multi-turn, through the orchestrator's samples, packing and the wire format."""
+"""`[run] exact = true`: the engine's logprobs equal the trainer's bitwise (`torch.equal`), whatever the batches
+the engine formed (prefill chunks beside decodes, other sequences), single- and multi-turn, through the
+orchestrator's samples, packing and the wire format. On the CPU in fp32 by both of exact mode's paths
+(token by token; the Triton kernels under Triton's interpreter); on CUDA in bf16 with CUDA graphs."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -14,6 +22,7 @@ from tandem.config.inference import EngineConfig
 from tandem.config.trainer import ParallelConfig
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
+from tandem.models.exact import model_uses_kernels
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.samples import Turn, build_samples
 from tandem.trainer.batch import MicroBatch
@@ -28,7 +37,7 @@ NUM_TURNS = {0: 1, 1: 2, 2: 1, 3: 2}
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
-"""fp32 on the CPU; bf16 (`model.dtype = auto`) on CUDA, where exact mode is not measured yet: this is its test."""
+"""fp32 on the CPU; bf16 (`model.dtype = auto`) on CUDA."""
 
 
 @pytest.fixture
@@ -43,6 +52,8 @@ def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: b
     else each request runs alone."""
     engine = build_engine(ModelConfig(name=str(model_folder)), EngineConfig(
         device=device, num_blocks=128, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens), seed=0, exact=True)
+    runner = engine.runner  # decode steps replay CUDA graphs wherever the whole forward takes the kernel path
+    assert (runner.graphs is not None) == (device == "cuda" and model_uses_kernels(runner.model, torch.device(device)))
     rng = random.Random(0)
     prompts = {c: [rng.randrange(256) for _ in range(rng.randint(3, 40))] for c in NUM_TURNS}
     turns: dict[int, list[Turn]] = {c: [] for c in NUM_TURNS}
@@ -67,21 +78,56 @@ def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: b
 @pytest.mark.parametrize("model", ["tiny_model", "tiny_moe_model"])
 @pytest.mark.parametrize("dims", DEVICES, indirect=True)
 def test_engine_logprobs_equal_the_trainers_bitwise(model, dims, request):
-    tiny_model = request.getfixturevalue(model)  # dense, and a mixture of experts (routing token by token too)
+    check_parity(request.getfixturevalue(model), dims)  # dense, and a mixture of experts (routing token by token too)
+
+
+INTERPRETED = """
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from tandem.models.presets import init_model
+from tandem.trainer.parallel.dims import close_parallel, init_parallel
+from test_exact_parity import check_parity
+
+dims = init_parallel("cpu")
+check_parity(init_model("tiny", Path({folder!r}), seed=0), dims, alone=False)
+close_parallel()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
+                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+def test_the_kernel_path_under_tritons_interpreter(tmp_path):
+    """The GPU's path on the CPU: Triton kernels (linear, norms, attention as one decode query per token,
+    log_softmax) in engine and trainer, a dense model; mixed batches only (the interpreter is slow; a row alone
+    among others: `tests/models/test_batch_invariant.py`)."""
+    script = INTERPRETED.format(tests=str(Path(__file__).parent), folder=str(tmp_path / "tiny"))
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def check_parity(tiny_model: Path, dims, alone: bool = True) -> None:
+    """Conversations from an exact engine, staggered (and `alone`: each request alone, the same tokens and
+    logprobs), then the trainer's logprobs of their packed samples."""
     device = dims.device.type
     mixed = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device)
-    alone = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device)
-    # Batch-invariant engine: the same seeds draw the same tokens with the same logprobs in any batch.
-    for c in NUM_TURNS:
-        assert [t.completion_ids for t in mixed[c]] == [t.completion_ids for t in alone[c]]
-        assert [t.logprobs for t in mixed[c]] == [t.logprobs for t in alone[c]]
+    if alone:
+        by_itself = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device)
+        # Batch-invariant engine: the same seeds draw the same tokens with the same logprobs in any batch.
+        for c in NUM_TURNS:
+            assert [t.completion_ids for t in mixed[c]] == [t.completion_ids for t in by_itself[c]]
+            assert [t.logprobs for t in mixed[c]] == [t.logprobs for t in by_itself[c]]
 
     samples = [s for c in NUM_TURNS for s in build_samples(mixed[c])]
     assert len(samples) == len(NUM_TURNS)  # multi-turn conversations stay one sample each
     batches, _ = pack_step(1, samples, seq_len=256, num_ranks=1, pad_token_id=0)
     rows = decode_batch(encode_batch(batches[0])).rows
     assert any(sum(p == 0 for p in row.position_ids) > 1 for row in rows)  # packed rows: several documents
-    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=64, exact=True)
+    # Head chunks of 5 rows: a row's logprob does not depend on the chunk it is computed in.
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=5, exact=True)
     num_loss_tokens = 0
     with torch.no_grad():
         for row in rows:
@@ -117,10 +163,20 @@ def test_exact_refuses_a_transformers_model(llama_model, dims):
                      exact=True)
 
 
-def test_the_trainer_trains_in_exact_mode(tiny_model, tmp_path):
-    """Backward runs through the token-by-token blocks and the row-wise head (whole-block recompute)."""
-    assert run_trainer("--model.name", str(tiny_model), "--run.exact", "true", "--data.fake", "--max-steps", "2",
-                       "--output-dir", str(tmp_path), "--seq-len", "16", "--optim.lr", "1e-3") == 0
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_trainer_trains_in_exact_mode(tiny_model, tmp_path, device):
+    """Backward runs through exact mode's forward (whole-block recompute): token by token on the CPU, through
+    the kernels' torch backward passes on CUDA."""
+    args = ["--model.name", str(tiny_model), "--run.exact", "true", "--data.fake", "--max-steps", "2",
+            "--output-dir", str(tmp_path), "--seq-len", "16", "--optim.lr", "1e-3", "--logprob-chunk-size", "5"]
+    if device == "cpu":
+        assert run_trainer(*args) == 0
+    else:
+        from tandem.config.loader import parse_args
+        from tandem.config.trainer import TrainerConfig
+        from tandem.trainer.rl.train import main
+
+        assert main(parse_args(TrainerConfig, ["--device", "cuda", *args], environ={})) == 0
     records = metrics(tmp_path)
     assert [r["skipped"] for r in records] == [0, 0] and records[1]["loss"] != records[0]["loss"]
     assert all(r["grad_norm"] > 0 for r in records)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.inference.engine.attention_kernel import decode_context_bounds
+from tandem.models.attention_kernel import decode_context_bounds
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.kv_cache import KVCache
@@ -31,7 +31,8 @@ class PagedModelRunner:
 
     def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, max_num_seqs: int, max_model_len: int,
                  cuda_graphs: bool, recorder: RoutingRecorder | None = None, exact: bool = False):
-        """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (CPU, no graphs)."""
+        """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (graphs only where
+        its whole forward takes the kernel path: `tandem.models.exact.model_uses_kernels`)."""
         self.model = model
         self.exact = exact
         self.cache = cache
@@ -56,8 +57,8 @@ class PagedModelRunner:
         meta = AttentionMetadata(slot_mapping=static[2, :b], query_start=self._query_start[:b + 1], seq_lens=static[3, :b],
                                  block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1,
                                  max_context=max_context)
-        hidden = self.model(static[0, :b][None], static[1, :b][None], attention=PagedAttention(self.cache, meta))
-        return self.model.lm_head(hidden[0])
+        hidden = self.model(static[0, :b][None], static[1, :b][None], attention=PagedAttention(self.cache, meta, self.exact))
+        return self._logits(hidden[0])
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,9 +78,12 @@ class PagedModelRunner:
                                  max_context=max(step.seq_lens_host, default=0))
         hidden = self.model(step.input_ids[None], step.positions[None], attention=PagedAttention(self.cache, meta, self.exact))
         self._record_routing(step.sample_index)
+        return self._logits(hidden[0, step.sample_index])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.exact:
-            return exact_logits(hidden[0, step.sample_index], self.model.lm_head.weight, self.model.lm_head.bias)
-        return self.model.lm_head(hidden[0, step.sample_index])
+            return exact_logits(hidden, self.model.lm_head.weight, self.model.lm_head.bias)
+        return self.model.lm_head(hidden)
 
     def _record_routing(self, sample_index: torch.Tensor) -> None:
         # A gather, so a copy: the next step's forward overwrites the recorder, not this.

@@ -3,10 +3,11 @@ attend over each sequence's whole context.
 
 Legend: N = tokens of the step (all sequences, flattened), B = sequences of the step, H = query
 heads, Hkv = KV heads, D = head dim, Bd = decoding sequences, M = most blocks of one of them,
-S = block size. On CUDA one Triton kernel (`attention_kernel.py`) reads the cache in place for
-every token of the step. Elsewhere the torch reference runs: prefill chunks one sequence at a
-time (causal, offset by what the cache already held), decodes as one padded batch of gathered
-blocks. The model code and the runner only see `attend(layer_idx, q, k, v)`.
+S = block size. On CUDA one Triton kernel (`tandem.models.attention_kernel`) reads the cache in
+place for every token of the step; in exact mode each token as a decode query of its own
+(`attend_each_token`, the trainer's kernel too), or token by token in torch where those kernels
+cannot run. Elsewhere the torch reference runs: prefill chunks one sequence at a time (causal,
+offset by what the cache already held), decodes as one padded batch of gathered blocks. The model code and the runner only see `attend(layer_idx, q, k, v)`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.inference.engine import attention_kernel
+from tandem.models import attention_kernel
 from tandem.inference.engine.kv_cache import KVCache
-from tandem.models.exact import exact_causal_attention
+from tandem.models.exact import attention_uses_kernels, exact_causal_attention
 
 
 @dataclass
@@ -49,6 +50,7 @@ class PagedAttention:
         self.cache = cache
         self.meta = metadata
         self.exact = exact
+        self._token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_NHD, k_NHD, v_NHD = q[0], k[0], v[0]
@@ -57,7 +59,11 @@ class PagedAttention:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, k_NHD)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, v_NHD)
         m = self.meta
-        if self.exact:
+        if self.exact and attention_uses_kernels(q_NHD.device, head_dim):
+            tables, contexts = self.token_rows(q_NHD.shape[0])
+            max_context = m.max_context if m.max_context is not None else m.block_tables.shape[1] * k_cache.shape[1]
+            out = attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, tables, contexts, max_context)
+        elif self.exact:
             out = exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
         elif attention_kernel.is_available(q_NHD):
             out = attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
@@ -65,6 +71,20 @@ class PagedAttention:
         else:
             out = reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
         return out[None]
+
+    def token_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token of the step as a decode query: its sequence's block table row and its context (position
+        + 1), [N, >= M] and [N]; built once per step (device ops only: a CUDA graph may capture them)."""
+        if self._token_rows is None:
+            m = self.meta
+            if m.block_q == 1:  # one token per sequence: the rows are the sequences'
+                self._token_rows = m.block_tables, m.seq_lens
+            else:
+                tokens = torch.arange(num_tokens, device=m.query_start.device)
+                seq = torch.searchsorted(m.query_start[1:], tokens, right=True)
+                contexts = m.seq_lens[seq] - m.query_start[seq + 1] + 1 + tokens
+                self._token_rows = m.block_tables.index_select(0, seq), contexts
+        return self._token_rows
 
 
 def exact_paged_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,

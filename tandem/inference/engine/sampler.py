@@ -20,7 +20,7 @@ import torch
 from tandem.inference.engine import sampling_kernel
 from tandem.inference.engine.host_copies import HostRead, to_device
 from tandem.inference.engine.sequence import Sequence
-from tandem.models.exact import exact_logprobs
+from tandem.models.exact import exact_log_softmax
 
 
 @dataclass
@@ -56,6 +56,11 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def temperature_scales(temps: list[float], device: torch.device) -> torch.Tensor:
+    """What each row's logits are divided by: its temperature, 1 for greedy rows (T = 0), [B] fp32."""
+    return to_device([t if t > 0 else 1.0 for t in temps], torch.float32, device)
+
+
 class PendingSample:
     """A step's draws: `tokens` [S] (int64) stays on the device, where the next step reads its input ids;
     the ids, logprobs and top logprobs travel to the host meanwhile and `result()` waits for them."""
@@ -86,8 +91,8 @@ class Sampler:
     """
 
     def __init__(self, device: torch.device, seed: int, exact: bool = False):
-        """`exact`: logprobs row by row through `tandem.models.exact.exact_logprobs`, the trainer's function in exact
-        mode, and never the fused sampling kernel."""
+        """`exact`: the reported logprobs through `tandem.models.exact.exact_log_softmax`, the trainer's function in
+        exact mode (the fused kernel may still draw the tokens: which token is drawn needs no parity)."""
         self.device = device
         self.exact = exact
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -99,18 +104,18 @@ class Sampler:
         """logits [B, V] (float32, or the model's dtype), one row per sequence."""
         temps = [s.params.temperature for s in seqs]
         num_top = [s.params.num_top_logprobs for s in seqs]
-        if not self.exact and sampling_kernel.is_available(logits) and all(
+        if sampling_kernel.is_available(logits) and all(
                 s.generator is None and not s.params.needs_filtering and k == 0 for s, k in zip(seqs, num_top)):
             tokens, chosen = sampling_kernel.sample(logits, temps, self.kernel_seeds.getrandbits(31))
+            if self.exact:
+                chosen = self._exact_logprobs(logits, temps).gather(-1, tokens[:, None])[:, 0]
             return PendingSample(tokens, chosen, None, num_top)
         logits = logits.float()
         num_greedy = sum(t == 0 for t in temps)
         if self.exact:
-            scales = to_device([t if t > 0 else 1.0 for t in temps], torch.float32, logits.device)
-            logprobs = torch.stack([exact_logprobs(logits[i], scales[i]) for i in range(len(seqs))])
+            logprobs = self._exact_logprobs(logits, temps)
         elif any(t not in (0, 1) for t in temps):
-            scale = to_device([t if t > 0 else 1.0 for t in temps], torch.float32, logits.device)
-            logprobs = (logits / scale[:, None]).log_softmax(-1)
+            logprobs = (logits / temperature_scales(temps, logits.device)[:, None]).log_softmax(-1)
         else:
             logprobs = logits.log_softmax(-1)
         if num_greedy == len(seqs):
@@ -123,6 +128,10 @@ class Sampler:
         chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
         top = logprobs.topk(max(num_top), dim=-1) if max(num_top) > 0 else None
         return PendingSample(tokens, chosen, top, num_top)
+
+    def _exact_logprobs(self, logits: torch.Tensor, temps: list[float]) -> torch.Tensor:
+        """log_softmax(logits / T) [B, V] fp32 as the exact trainer computes it (greedy rows at T = 1)."""
+        return exact_log_softmax(logits, temperature_scales(temps, logits.device))
 
     def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

@@ -22,7 +22,7 @@ from tandem.inference.engine.fused_norms import apply_compiled_norms
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.llm_engine import LLMEngine
 from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
-from tandem.models.exact import apply_exact, check_exact
+from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
 from tandem.models.hub import resolve_model_path
@@ -105,11 +105,11 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         num_blocks = plan_num_blocks(engine, model, device, per_block, max_model_len)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
         cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
-        if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms, token by token
+        if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
-        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, engine.cuda_graphs and not exact,
-                                  recorder, exact)
+        graphs = engine.cuda_graphs and (not exact or model_uses_kernels(model, device))
+        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, engine.block_size, num_blocks * per_block / 2**30, device)

@@ -41,8 +41,12 @@ batch-dependent split would make a token's output depend on its batch (see the m
 
 def is_available(q: torch.Tensor) -> bool:
     """Whether the kernel can serve this query tensor (CUDA, Triton installed, head dim a power of 2)."""
-    head_dim = q.shape[-1]
-    return triton is not None and q.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return triton is not None and q.is_cuda and supports_head_dim(q.shape[-1])
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    """The kernels' head dims: powers of 2, at least 16 (`tl.dot`'s smallest)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 if triton is not None:
@@ -259,6 +263,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p), PAGE=k_cache.shape[1],
         HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, **_PREFILL_LAUNCH,
     )
+    return out
+
+
+def attend_each_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, max_context: int) -> torch.Tensor:
+    """Exact mode's attention (`tandem.models.exact`): every token of q [N, H, D] a decode query of its own, token i
+    over the first seq_lens[i] keys of its block table row block_tables[i] (its position + 1), [N, H, D].
+
+    Prefill or decode, in any batch, a token is computed by the same chunk programs and combination (see
+    the module docstring): the engine's steps and the trainer's packed rows get the same outputs."""
+    out = torch.empty_like(q)
+    if q.shape[0]:
+        query_start = torch.arange(q.shape[0] + 1, device=q.device)
+        _split_decode(q.contiguous(), k_cache, v_cache, out, block_tables, seq_lens, query_start, decode_splits(max_context))
     return out
 
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Exact mode on one GPU, unattended (about 5 minutes; each part capped, all caps together 530 s): its GPU tests, the engine on workloads A and B
+# (Qwen3-0.6B, random weights) without and with `--exact` (with it, the mismatch against the exact trainer's
+# forward, which must be 0), and its kernels against torch's. Each part writes under OUT_DIR and a failing part
+# does not stop the others.
+#
+#     bash benchmarks/exact_gpu.sh OUT_DIR        # PYTHON=... picks the interpreter (default: python)
+set -u
+mkdir -p "${1:?usage: bash benchmarks/exact_gpu.sh OUT_DIR}"
+out=$(cd "$1" && pwd)
+python=${PYTHON:-python}
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+run() {  # name, seconds, command...: its output in OUT_DIR/name.log, its exit status in OUT_DIR/status.txt
+    local name=$1 seconds=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$seconds" "$@" > "$out/$name.log" 2>&1
+    echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/status.txt"
+}
+
+run tests 150 "$python" -m pytest -q -rs -p no:cacheprovider tests/models/test_batch_invariant.py tests/trainer/test_exact_parity.py \
+    -k "cuda" --junitxml "$out/tests.xml"
+model=$(mktemp -d)/qwen3-0.6b
+run model 60 "$python" -c "from pathlib import Path; from tandem.models.presets import init_model; init_model('qwen3-0.6b', Path('$model'))"
+cd benchmarks
+run engine 100 "$python" inference.py --model "$model" --device cuda --parts engine --workloads A,B --repeats 1 \
+    --out "$out/engine.json"
+run engine_exact 160 "$python" inference.py --model "$model" --device cuda --parts engine,mismatch --workloads A,B --repeats 1 \
+    --exact --out "$out/engine_exact.json"
+run kernels 60 "$python" exact_kernels.py --out "$out/exact_kernels.json"
+rm -rf "$(dirname "$model")"
