@@ -56,15 +56,24 @@ class PagedAttention:
         num_kv_heads, head_dim = k_cache.shape[2:]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, k_NHD)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, v_NHD)
-        m = self.meta
+        if self.reads_only_the_cache(head_dim, q_NHD.device):
+            return self.attend_cached(layer_idx, q_NHD)[None]
         if self.exact:
-            out = exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
-        elif attention_kernel.is_available(q_NHD):
-            out = attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
-                                                   m.query_start, m.tiles, m.block_q, m.max_context)
-        else:
-            out = reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
-        return out[None]
+            return exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, self.meta)[None]
+        return reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, self.meta)[None]
+
+    def reads_only_the_cache(self, head_dim: int, device: torch.device) -> bool:
+        """Whether `attend` runs the kernel, which reads this step's keys and values back from the cache: then a
+        caller that wrote them into their slots itself may call `attend_cached` instead."""
+        return not self.exact and attention_kernel.serves(head_dim, device)
+
+    def attend_cached(self, layer_idx: int, q_NHD: torch.Tensor) -> torch.Tensor:
+        """The kernel's attention of q [N, H, D] over the cache, the step's keys and values already in their
+        slots: [N, H, D]."""
+        k_cache, v_cache = self.cache.layer(layer_idx)
+        m = self.meta
+        return attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
+                                                m.query_start, m.tiles, m.block_q, m.max_context)
 
 
 def exact_paged_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
