@@ -79,10 +79,10 @@ def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: in
 
 
 def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    """fp32: within a few ulps; bf16: within one rounding of the largest element (a norm's sum in another order
-    can move one intermediate rounding by an ulp)."""
+    """fp32: within a few ulps; bf16: within a few roundings of the largest element (a norm's sum in another
+    order can move an intermediate rounding by an ulp, which the weight and RoPE carry on)."""
     scale = ref.abs().max().item()
-    tolerance = 4e-6 * scale if dtype == torch.float32 else 2 ** -7 * scale
+    tolerance = 4e-6 * scale if dtype == torch.float32 else 2 ** -5 * scale
     assert (out.float() - ref.float()).abs().max().item() <= tolerance
 
 

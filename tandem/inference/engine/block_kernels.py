@@ -35,6 +35,11 @@ def is_available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+def warps_for(elements: int) -> int:
+    """Warps of a program holding `elements` values: about 16 per thread, from 4 to 16 warps."""
+    return min(16, max(4, elements // 512))
+
+
 def qk_norm_kind(norm_weight: torch.Tensor | None, head_dim: int) -> int:
     if norm_weight is None:
         return NORM_NONE
@@ -123,8 +128,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     total = x if delta is None else torch.empty_like(out)
     if num_rows:
         other = x if delta is None else delta
-        _rms_norm_kernel[(num_rows,)](x, other, weight, total, out, x.stride(0), other.stride(0), eps,
-                                      HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), HAS_DELTA=delta is not None)
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(num_rows,)](x, other, weight, total, out, x.stride(0), other.stride(0), eps, HIDDEN=hidden,
+                                      BLOCK=block, HAS_DELTA=delta is not None, num_warps=warps_for(block))
     return total, out
 
 
@@ -141,11 +147,12 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens:
         norm = qk_norm_kind(q_norm_weight, head_dim)
+        block_heads, block_dim = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
         q_weight = q_norm_weight if q_norm_weight is not None else q
         k_weight = k_norm_weight if k_norm_weight is not None else k
         _qk_norm_rope_write_kernel[(num_tokens,)](
             q, k, v, cos, sin, q_weight, k_weight, q_out, k_cache, v_cache, slot_mapping,
             q.stride(0), k.stride(0), v.stride(0), cos.stride(0), eps, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
-            R=cos.shape[-1], BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-            BLOCK_D=triton.next_power_of_2(head_dim), NORM=norm)
+            R=cos.shape[-1], BLOCK_HQ=block_heads, BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_dim,
+            NORM=norm, num_warps=warps_for(block_heads * block_dim))
     return q_out
