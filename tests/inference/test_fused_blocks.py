@@ -18,6 +18,8 @@ from tandem.inference.engine.fused_blocks import apply_fused_blocks
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
 from tandem.models.layers import YarnScaling, apply_rope, rms_norm, rope_cos_sin
+from tandem.models.loading import load_causal_lm, load_weights_into
+from tandem.models.weights import load_state_dict
 
 
 def reference_qk(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim):
@@ -164,6 +166,26 @@ def test_other_backends_and_the_cpu_keep_the_models_block(tiny_model):
                              query_lens_host=[9], seq_lens_host=[9])
     paged = model(ids, torch.arange(9)[None], attention=PagedAttention(cache, meta))  # CPU: the torch reference
     torch.testing.assert_close(paged, before, atol=1e-5, rtol=0)
+
+
+def test_weight_updates_reach_the_stacked_projections(tiny_model, tiny_other_dir):
+    """The engine copies new weights into the parameters (`load_weights_into`); those are views of the stacked
+    matrices the fused blocks multiply by, so an update reaches them, and the model's own forward after it is the
+    updated model's."""
+    model = type(tiny_model)(tiny_model.args)
+    model.load_state_dict(tiny_model.state_dict())
+    apply_fused_blocks(model)
+    other = load_state_dict(tiny_other_dir)
+    load_weights_into(model, other)
+    for i, block in enumerate(model.layers):
+        stacked = block.forward.args[1]
+        names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"]
+        assert torch.equal(stacked.qkv, torch.cat([other[n] for n in names]))
+        names = [f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up")]
+        assert torch.equal(stacked.gate_up, torch.cat([other[n] for n in names]))
+    ids = torch.randint(0, 256, (1, 9))
+    torch.testing.assert_close(model(ids, torch.arange(9)[None]), load_causal_lm(str(tiny_other_dir))(ids, torch.arange(9)[None]),
+                               atol=0, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
