@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.inference.engine.fused_blocks import apply_fused_blocks
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig
+from tandem.inference.engine.fused_blocks import apply_fused_blocks, fused_block_forward
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
+from tandem.inference.engine.setup import build_engine
+from tandem.models.exact import exact_block_forward
 from tandem.models.layers import YarnScaling, apply_rope, rms_norm, rope_cos_sin
 from tandem.models.loading import load_causal_lm, load_weights_into
 from tandem.models.weights import load_state_dict
@@ -107,7 +111,9 @@ from inference_helpers import teacher_forced_logprobs
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine import attention_kernel, block_kernels
-from tandem.inference.engine.fused_blocks import apply_fused_blocks
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig
+from tandem.inference.engine.fused_blocks import apply_fused_blocks, fused_block_forward
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm
@@ -197,3 +203,14 @@ def test_cuda_kernels_round_where_the_model_rounds(dtype):
         equal = check_kernels("cuda", dtype, num_tokens, seed)
         if dtype == torch.bfloat16:
             assert min(equal) > 0.98, equal
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_cuda_engines_fuse_their_blocks_unless_exact(tiny_dir, exact):
+    """`[run] exact` keeps its token-by-token blocks (batch invariance); otherwise the fused blocks serve."""
+    engine = build_engine(ModelConfig(name=str(tiny_dir), dtype="float32"),
+                          EngineConfig(device="cuda", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64),
+                          seed=0, exact=exact)
+    forwards = {block.forward.func for block in engine.runner.model.layers}
+    assert forwards == ({exact_block_forward} if exact else {fused_block_forward})
