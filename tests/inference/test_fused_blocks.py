@@ -124,23 +124,25 @@ block_kernels.is_available = lambda x: True
 calls = []
 kernel = block_kernels.qk_norm_rope_write
 block_kernels.qk_norm_rope_write = lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k)
-folder = init_model("tiny", Path(tempfile.mkdtemp()) / "tiny", seed=0)
-engine = build_engine(ModelConfig(name=str(folder), dtype="float32"),
-                      EngineConfig(device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32), seed=0)
-assert apply_fused_blocks(engine.runner.model) > 0
-model = load_causal_lm(str(folder))
-rng = random.Random(0)
-prompts = {str(i): [rng.randrange(256) for _ in range(length)] for i, length in enumerate((5, 40))}
-for request_id, prompt in prompts.items():  # the long prompt prefills in two chunks, beside the other's decodes
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True), n=1,
-                       incremental=False)
-outputs = []
-while engine.has_unfinished:
-    outputs.extend(engine.step())
-assert len(outputs) == 2 and max(calls) >= 14 and min(calls) <= 2, calls  # prefill chunks and decode steps
-for out in outputs:
-    expected = teacher_forced_logprobs(model, prompts[out.request_id], out.token_ids, 1.0)
-    torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+for preset in ("tiny", "tiny-minimax-m2"):  # Qwen3; q/k norms over all heads, partial rotary, a MoE feed-forward
+    folder = init_model(preset, Path(tempfile.mkdtemp()) / preset, seed=0)
+    engine = build_engine(ModelConfig(name=str(folder), dtype="float32"),
+                          EngineConfig(device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32), seed=0)
+    assert apply_fused_blocks(engine.runner.model) > 0
+    model = load_causal_lm(str(folder))
+    rng = random.Random(0)
+    prompts = {str(i): [rng.randrange(256) for _ in range(length)] for i, length in enumerate((5, 40))}
+    for request_id, prompt in prompts.items():  # the long prompt prefills in two chunks, beside the other's decodes
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True), n=1,
+                           incremental=False)
+    calls.clear()
+    outputs = []
+    while engine.has_unfinished:
+        outputs.extend(engine.step())
+    assert len(outputs) == 2 and max(calls) >= 14 and min(calls) <= 2, calls  # prefill chunks and decode steps
+    for out in outputs:
+        expected = teacher_forced_logprobs(model, prompts[out.request_id], out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
 print("ok")
 """
 
@@ -150,8 +152,8 @@ print("ok")
 @pytest.mark.parametrize("script", [INTERPRETED_KERNELS, INTERPRETED_ENGINE], ids=["kernels", "engine"])
 def test_the_kernels_under_tritons_interpreter_compute_the_models_block(script):
     """fp32, CPU tensors: the kernels against the model's functions (Qwen3's per-head norms, GLM's partial
-    rotary without norms, a norm over all heads with YaRN), then a tiny engine whose blocks run them, its
-    prefill chunks and decodes against a teacher-forced pass."""
+    rotary without norms, a norm over all heads with YaRN), then tiny engines (Qwen3's block, MiniMax-M2's)
+    whose blocks run them, their prefill chunks and decodes against a teacher-forced pass."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
