@@ -70,8 +70,9 @@ class EngineConfig(Section):
 
     fused_blocks: bool = True
     """CUDA, native models: run each decoder block's pointwise work around attention as Triton kernels
-    (input norm; q/k norms, RoPE and the KV-cache write in one launch; residual add and post norm),
-    some forty eager kernels per block fewer (`inference/engine/fused_blocks.py`). Off in `[run] exact`."""
+    (input norm; q/k norms, RoPE and the KV-cache write in one launch; residual add and post norm;
+    silu(gate) * up) and q/k/v and gate/up as one matmul each: some forty kernels per block fewer
+    (`inference/engine/fused_blocks.py`). Off in `[run] exact`."""
 
     cuda_graphs: bool = True
     """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,

@@ -81,6 +81,11 @@ def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: in
     same, normed = block_kernels.rms_norm(x, weight, 1e-6)
     assert same is x
     check_close(normed, rms_norm(x, weight, 1e-6), dtype)
+    inter = 1100  # two programs per row, the second one part masked
+    gate_up = rand(num_tokens, 2 * inter + 5)[:, :2 * inter]  # rows wider than gate and up (a view)
+    ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    check_close(block_kernels.silu_mul(gate_up), ref, dtype)
+    equal.append((block_kernels.silu_mul(gate_up) == ref).float().mean().item())
     return equal
 
 

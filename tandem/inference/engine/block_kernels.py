@@ -4,6 +4,7 @@ Why: in eager mode a block's RMS norm is about eight kernels, RoPE about six per
 cache write two; a decode step of a small model spends more GPU time in those tiny launches than
 in its matmuls. Here:
 - `rms_norm`: a norm (optionally of x + delta, the residual add, whose sum it also returns);
+- `silu_mul`: a dense feed-forward's silu(gate) * up, from its stacked gate/up projection;
 - `qk_norm_rope_write`: the q/k norms (per head, over all heads, or none), RoPE (the model's cos
   and sin, so partial rotary and YaRN's scaling come with them) and the write of k and v into
   their paged-cache slots, for every token of a step.
@@ -66,6 +67,16 @@ if triton is not None:
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * HIDDEN + cols, weight * _rounded(x * rstd, out_ptr), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_row, INTER: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < INTER
+        gate = tl.load(gate_up_ptr + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row * stride_row + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+        silu = _rounded(gate / (1.0 + tl.exp(-gate)), out_ptr)  # F.silu's output, in the activations' dtype
+        tl.store(out_ptr + row * INTER + cols, silu * up, mask=mask)
 
     @triton.jit
     def _normed_rotated(row_ptr, weight_ptr, cos_row, sin_row, like_ptr, eps, H: tl.constexpr, D: tl.constexpr,
@@ -132,6 +143,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_rows,)](x, other, weight, total, out, x.stride(0), other.stride(0), eps, HIDDEN=hidden,
                                       BLOCK=block, HAS_DELTA=delta is not None, num_warps=warps_for(block))
     return total, out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2 * I] (a dense feed-forward's gate and up projections side by side) -> silu(gate) * up [N, I]."""
+    num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(-1) == 1, "features must be contiguous"
+    out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), INTER=inter, BLOCK=block)
+    return out
 
 
 def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -7,12 +7,13 @@ time in a small model's decode step than its matmuls. The engine's version of a 
     -> q/k norms, RoPE, k and v written to their cache slots (one kernel, `block_kernels`)
     -> paged attention over the cache (`PagedAttention.attend_cached`)
     -> o projection -> residual add and post norm (one kernel)
-    -> the block's `mlp` (a dense one with gate and up as one matmul) -> residual add.
+    -> the block's `mlp` (a dense one: gate and up as one matmul, then silu(gate) * up in one kernel)
+    -> residual add.
 It runs where the paged-attention kernel serves the step (CUDA, not `[run] exact`); anywhere else
 (the CPU, another attention backend, exact mode) the block runs the model's own forward. The
 kernels round where the model's torch chain rounds (`block_kernels`), so outputs differ from the
-reference only in the order of sums: the norms', and the stacked matmuls' (cuBLAS picks its
-algorithm by shape).
+reference only in the order of sums (the norms', and the stacked matmuls': cuBLAS picks its
+algorithm by shape) and in the last bits of silu's exp.
 """
 
 from __future__ import annotations
@@ -98,5 +99,5 @@ def fused_block_forward(block: DecoderLayer, stacked: SharedInputProjections, x:
     x_ND, h = block_kernels.rms_norm(x_ND, post_norm_weight, block.eps, delta=F.linear(attended.flatten(1), wo, bo))
     if stacked.gate_up is None:
         return (x_ND + block.mlp(h[None])[0])[None]
-    gate, up = F.linear(h, stacked.gate_up).chunk(2, dim=-1)  # `layers.swiglu` with its two matmuls as one
-    return (x_ND + F.linear(F.silu(gate) * up, block.mlp.down_proj.weight))[None]
+    hidden = block_kernels.silu_mul(F.linear(h, stacked.gate_up))  # `layers.swiglu`, its gate and up as one matmul
+    return (x_ND + F.linear(hidden, block.mlp.down_proj.weight))[None]
