@@ -3,7 +3,7 @@
 On CPU: the routing (other backends and the CPU keep the model's forward), and the kernels under Triton's
 interpreter in fp32 against the model's own functions, alone and inside the engine (its logprobs against a
 teacher-forced pass). The interpreter truncates when it casts to bf16 (the GPU rounds to nearest, as
-torch does), so bf16 runs on CUDA only (`test_bf16_kernels_round_where_the_model_rounds`)."""
+torch does), so bf16 runs on CUDA only (`test_cuda_kernels_round_where_the_model_rounds`)."""
 
 import importlib.util
 import os
