@@ -84,6 +84,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, help="as in benchmarks/inference.py")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--vllm-site", help="folder put first on the PYTHONPATH of vLLM's server; without it no vLLM part")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)

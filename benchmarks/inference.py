@@ -28,7 +28,8 @@ longest and widest of them.
 
 Figures:
 - engine (in process, `LLMEngine.step()` in a loop, as the server's engine thread runs it):
-  output tokens/s, median time to first token, median decode-only step time at the full batch,
+  output tokens/s, median time to first token, median decode-only step time at the full batch, the
+  longest step that held a decoding sequence (its worst time between tokens: prefill chunks stall it),
   KV-cache capacity, and for B and D the prompt tokens computed against those asked for (prefill
   shared across n); where the engine overlaps steps (CUDA), A again with each step read before
   the next is launched (`engine_A_read_each_step`), the baseline of that overlap;
@@ -129,6 +130,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--moe-tile-table", help="`engine.moe_tile_table`: MoE tiles tuned by benchmarks/moe_tune.py "
                         "(default: the table shipped for the GPU, else the rule)")
+    parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=EngineConfig().fused_blocks,
+                        help="`engine.fused_blocks`: the blocks' norms, RoPE and cache write as Triton kernels")
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
                         "(tandem.models.exact); the mismatch part then recomputes as the exact trainer does (expect 0)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
@@ -153,7 +156,7 @@ def prompts_for(w: dict, vocab: int, seed: int) -> list[list[int]]:
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int) -> EngineConfig:
     return EngineConfig(device=args.device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens or max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
-                        compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table)
+                        compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table, fused_blocks=args.fused_blocks)
 
 
 def sync(device: torch.device) -> None:
@@ -166,17 +169,20 @@ def throughput(tokens: int, seconds: float) -> dict:
 
 
 def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return_routed_experts: bool = False) -> dict:
-    """Drive the engine to completion; throughput, TTFT, decode step times, prompt tokens computed, and
-    `decode_steps` (sequences, contexts summed, seconds) of each decode-only step, for the roofline."""
+    """Drive the engine to completion; throughput, TTFT, decode step times, the longest step of a sequence
+    already decoding (the worst time between two of its tokens: a prefill chunk in its step), prompt tokens
+    computed, and `decode_steps` (sequences, contexts summed, seconds) of each decode-only step, for the roofline."""
     batches: list = []
     contexts: list[int] = []
     schedule = engine.scheduler.schedule
     counts = {"prompt_tokens_computed": 0}
+    has_decodes: list[bool] = []
 
     def recording_schedule():
         batch = schedule()
         batches.append(batch)
         contexts.append(sum(s.num_computed_tokens + k for s, k in zip(batch.seqs, batch.num_new_tokens)))
+        has_decodes.append(any(s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs))
         counts["prompt_tokens_computed"] += sum(k for s, k in zip(batch.seqs, batch.num_new_tokens)
                                                 if s.num_computed_tokens < s.num_prompt_tokens)
         return batch
@@ -215,6 +221,7 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return
         "decode_step_median_s_at_full_batch": statistics.median([t for b, _, t in decode_steps if b == full]) if full else None,
         "full_decode_batch": full,
         "decode_step_median_s_all": statistics.median([t for _, _, t in decode_steps]) if decode_steps else None,
+        "time_between_tokens_max_s": max((t for (_, _, t), d in zip(step_times, has_decodes) if d), default=None),
         "prompt_tokens_requested": sum(len(p) for p in prompts) * n,
         "prompt_tokens_computed": counts["prompt_tokens_computed"],
         "first_steps": [{"seqs": b, "tokens": n, "s": t} for b, n, t in step_times[:16]],
@@ -472,7 +479,7 @@ def summarize(results: dict, workloads: list[str]) -> dict:
     for key in (k for k in keys if k in results):
         r = results[key]
         summary[key] = {k: r[k] for k in ("output_tokens_per_s", "ttft_median_s", "decode_step_median_s_at_full_batch",
-                                          "prompt_tokens_computed", "prompt_tokens_requested", "mean_k3", "error") if k in r}
+                                          "time_between_tokens_max_s", "prompt_tokens_computed", "prompt_tokens_requested", "mean_k3", "error") if k in r}
         roofline = r.get("decode_roofline", {})
         for bandwidth in ("nominal", "measured_copy"):
             if bandwidth in roofline:
@@ -496,7 +503,8 @@ def main() -> None:
     device = resolve_device(args.device)
     workloads = {k: scaled(args, k) for k in chosen}
     results: dict = {"workloads": workloads, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
-                     "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact}
+                     "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact,
+                     "fused_blocks": args.fused_blocks, "max_num_batched_tokens": args.max_num_batched_tokens}
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"

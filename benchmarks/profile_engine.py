@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--out", help="write the figures to this JSON file")
     args = parser.parse_args()
-    args.cuda_graphs = args.compile_norms = True
+    args.cuda_graphs = args.compile_norms = args.fused_blocks = True
     return args
 
 

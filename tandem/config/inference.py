@@ -65,8 +65,15 @@ class EngineConfig(Section):
     """Longest sequence, prompt plus completion; unset = the model's `max_position_embeddings`."""
 
     compile_norms: bool = True
-    """CUDA: fuse each RMS norm into one kernel with `torch.compile` (about half a decode step's
-    pointwise kernels; a few seconds of compilation at startup)."""
+    """CUDA: the RMS norms the model calls as modules (the final norm; a block's norms are functions of
+    its forward, see `fused_blocks`) as one kernel each with `torch.compile` (a few seconds at startup)."""
+
+    fused_blocks: bool = False
+    """CUDA, native models: run each decoder block's pointwise work around attention as Triton kernels
+    (input norm; q/k norms, RoPE and the KV-cache write in one launch; residual add and post norm;
+    silu(gate) * up) and q/k/v and gate/up as one matmul each: some forty kernels per block fewer
+    (`inference/engine/fused_blocks.py`). Off in `[run] exact`. Off by default until it has run on a GPU
+    (tested on the CPU under Triton's interpreter only)."""
 
     cuda_graphs: bool = True
     """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,

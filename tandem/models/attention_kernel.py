@@ -40,8 +40,13 @@ batch-dependent split would make a token's output depend on its batch (see the m
 
 
 def is_available(q: torch.Tensor) -> bool:
-    """Whether the kernel can serve this query tensor (CUDA, Triton installed, head dim a power of 2)."""
-    return triton is not None and q.is_cuda and supports_head_dim(q.shape[-1])
+    """Whether the kernel can serve this query tensor (see `serves`)."""
+    return serves(q.shape[-1], q.device)
+
+
+def serves(head_dim: int, device: torch.device) -> bool:
+    """Whether the kernel can serve heads of `head_dim` on `device` (CUDA, Triton installed, `supports_head_dim`)."""
+    return triton is not None and device.type == "cuda" and supports_head_dim(head_dim)
 
 
 def supports_head_dim(head_dim: int) -> bool:

@@ -1,10 +1,11 @@
-"""The model's RMS norms as one compiled function (CUDA): one fused kernel per norm, not eight.
+"""The model's `RMSNorm` modules through one compiled function (CUDA): one fused kernel per norm, not eight.
 
-Why: a decode step of a small model is mostly tiny pointwise kernels, and the four RMS norms of
-each block are eight each in eager mode (fp32 cast, square, mean, add, rsqrt, multiply, cast
-back, weight). `tandem.models.layers.rms_norm` is a function of tensors, not modules, so one
-compilation (dimensions dynamic) serves every norm of every layer. Each norm keeps its
-parameter: names, shapes and in-place weight updates are unchanged.
+Why: an RMS norm is eight kernels in eager mode (fp32 cast, square, mean, add, rsqrt, multiply, cast
+back, weight). `tandem.models.layers.rms_norm` is a function of tensors, so one compilation
+(dimensions dynamic) serves every norm module. Only norms called as modules go through it: the final
+norm. A block calls `rms_norm` as a function inside `before_attention` and `attention_residual`; the
+engine serves those with `fused_blocks`. Each norm keeps its parameter: names, shapes and in-place
+weight updates are unchanged.
 """
 
 from __future__ import annotations

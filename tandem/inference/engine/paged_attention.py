@@ -62,15 +62,25 @@ class PagedAttention:
         if self.exact and attention_uses_kernels(q_NHD.device, head_dim):
             tables, contexts = self.token_rows(q_NHD.shape[0])
             max_context = m.max_context if m.max_context is not None else m.block_tables.shape[1] * k_cache.shape[1]
-            out = attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, tables, contexts, max_context)
-        elif self.exact:
-            out = exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
-        elif attention_kernel.is_available(q_NHD):
-            out = attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
-                                                   m.query_start, m.tiles, m.block_q, m.max_context)
-        else:
-            out = reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)
-        return out[None]
+            return attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, tables, contexts, max_context)[None]
+        if self.exact:
+            return exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)[None]
+        if self.reads_only_the_cache(head_dim, q_NHD.device):
+            return self.attend_cached(layer_idx, q_NHD)[None]
+        return reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)[None]
+
+    def reads_only_the_cache(self, head_dim: int, device: torch.device) -> bool:
+        """Whether `attend` runs the kernel, which reads this step's keys and values back from the cache: then a
+        caller that wrote them into their slots itself may call `attend_cached` instead."""
+        return not self.exact and attention_kernel.serves(head_dim, device)
+
+    def attend_cached(self, layer_idx: int, q_NHD: torch.Tensor) -> torch.Tensor:
+        """The kernel's attention of q [N, H, D] over the cache, the step's keys and values already in their
+        slots: [N, H, D]."""
+        k_cache, v_cache = self.cache.layer(layer_idx)
+        m = self.meta
+        return attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
+                                                m.query_start, m.tiles, m.block_q, m.max_context)
 
     def token_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token of the step as a decode query: its sequence's block table row and its context (position

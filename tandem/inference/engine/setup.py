@@ -17,6 +17,7 @@ import torch
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.fused_blocks import apply_fused_blocks
 from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe, moe_blocks
 from tandem.inference.engine.fused_norms import apply_compiled_norms
 from tandem.inference.engine.kv_cache import KVCache
@@ -107,6 +108,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
+        if engine.fused_blocks and device.type == "cuda" and not exact:  # exact: its own blocks, token by token
+            apply_fused_blocks(model)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
         graphs = engine.cuda_graphs and (not exact or model_uses_kernels(model, device))
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact)

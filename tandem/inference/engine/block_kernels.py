@@ -1,0 +1,180 @@
+"""Triton kernels for the pointwise work of a decoder block around attention, one launch each.
+
+Why: in eager mode a block's RMS norm is about eight kernels, RoPE about six per tensor and the
+cache write two; a decode step of a small model spends more GPU time in those tiny launches than
+in its matmuls. Here:
+- `rms_norm`: a norm (optionally of x + delta, the residual add, whose sum it also returns);
+- `silu_mul`: a dense feed-forward's silu(gate) * up, from its stacked gate/up projection;
+- `qk_norm_rope_write`: the q/k norms (per head, over all heads, or none), RoPE (the model's cos
+  and sin, so partial rotary and YaRN's scaling come with them) and the write of k and v into
+  their paged-cache slots, for every token of a step.
+Both compute in fp32 and round to the activations' dtype exactly where the model's torch chain
+rounds (`tandem.models.layers.rms_norm`, `apply_rope`): bf16 products and sums of bf16 values are
+exact in fp32, so the only differences left are the order of the norms' sums. Shapes are fixed by
+the token count and nothing is read on the host: decode steps run inside CUDA graphs.
+
+Layouts: rows of q [N, Hq * D], k and v [N, Hkv * D] (a row stride, heads contiguous within it),
+cos and sin [N, R] (R <= D rotary features), caches [blocks, S, Hkv, D] (contiguous), slots [N].
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the engine keeps the model's own block
+    triton = None
+
+NORM_NONE, NORM_PER_HEAD, NORM_ALL_HEADS = 0, 1, 2
+"""Kinds of q/k norm, as `tandem.models.decoder.before_attention` tells them apart by the weight's length."""
+
+
+def is_available(x: torch.Tensor) -> bool:
+    """Whether the kernels can serve these activations (CUDA, Triton installed)."""
+    return triton is not None and x.is_cuda
+
+
+def warps_for(elements: int) -> int:
+    """Warps of a program holding `elements` values: about 16 per thread, from 4 to 16 warps."""
+    return min(16, max(4, elements // 512))
+
+
+def qk_norm_kind(norm_weight: torch.Tensor | None, head_dim: int) -> int:
+    if norm_weight is None:
+        return NORM_NONE
+    return NORM_PER_HEAD if norm_weight.shape[0] == head_dim else NORM_ALL_HEADS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rounded(x, like_ptr):
+        """x rounded to the dtype `like_ptr` points to, back in fp32 (a no-op for fp32)."""
+        return x.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, stride_x, stride_delta, eps,
+                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < HIDDEN
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:  # the residual add, rounded as the model's x + delta is
+            x = _rounded(x + tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32), out_ptr)
+            tl.store(sum_ptr + row * HIDDEN + cols, x, mask=mask)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * HIDDEN + cols, weight * _rounded(x * rstd, out_ptr), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_row, INTER: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < INTER
+        gate = tl.load(gate_up_ptr + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row * stride_row + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+        silu = _rounded(gate / (1.0 + tl.exp(-gate)), out_ptr)  # F.silu's output, in the activations' dtype
+        tl.store(out_ptr + row * INTER + cols, silu * up, mask=mask)
+
+    @triton.jit
+    def _normed_rotated(row_ptr, weight_ptr, cos_row, sin_row, like_ptr, eps, H: tl.constexpr, D: tl.constexpr,
+                        R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+        """One token's heads [BLOCK_H, BLOCK_D] (fp32, rounded as the model rounds), normed and rotated."""
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        feats = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < H) & (feats < D)
+        rotates = feats < R
+        partner = tl.where(feats < R // 2, feats + R // 2, feats - R // 2)  # rotate-half's other feature
+        x = tl.load(row_ptr + heads * D + feats, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(row_ptr + heads * D + partner, mask=mask & rotates, other=0.0).to(tl.float32)
+        if NORM == 1:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            w = tl.load(weight_ptr + feats, mask=feats < D, other=0.0).to(tl.float32)
+            wp = tl.load(weight_ptr + partner, mask=rotates, other=0.0).to(tl.float32)
+        elif NORM == 2:
+            rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (H * D) + eps)
+            w = tl.load(weight_ptr + heads * D + feats, mask=mask, other=0.0).to(tl.float32)
+            wp = tl.load(weight_ptr + heads * D + partner, mask=mask & rotates, other=0.0).to(tl.float32)
+        if NORM != 0:
+            x = _rounded(w * _rounded(x * rstd, like_ptr), like_ptr)
+            xp = _rounded(wp * _rounded(xp * rstd, like_ptr), like_ptr)
+        cos = tl.load(cos_row + feats, mask=rotates, other=0.0).to(tl.float32)
+        sin = tl.load(sin_row + feats, mask=rotates, other=0.0).to(tl.float32)
+        sign = tl.where(feats < R // 2, -1.0, 1.0)
+        rotated = _rounded(_rounded(x * cos, like_ptr) + _rounded(sign * xp * sin, like_ptr), like_ptr)
+        return tl.where(rotates, rotated, x)
+
+    @triton.jit
+    def _qk_norm_rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
+                                   k_cache_ptr, v_cache_ptr, slot_ptr, stride_q, stride_k, stride_v, stride_rope, eps,
+                                   HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                                   BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   NORM: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cos_row, sin_row = cos_ptr + token * stride_rope, sin_ptr + token * stride_rope
+        q = _normed_rotated(q_ptr + token * stride_q, q_weight_ptr, cos_row, sin_row, q_out_ptr, eps,
+                            HQ, D, R, BLOCK_HQ, BLOCK_D, NORM)
+        heads = tl.arange(0, BLOCK_HQ)[:, None]
+        feats = tl.arange(0, BLOCK_D)[None, :]
+        tl.store(q_out_ptr + token * HQ * D + heads * D + feats, q, mask=(heads < HQ) & (feats < D))
+        k = _normed_rotated(k_ptr + token * stride_k, k_weight_ptr, cos_row, sin_row, k_cache_ptr, eps,
+                            HKV, D, R, BLOCK_HKV, BLOCK_D, NORM)
+        kv_heads = tl.arange(0, BLOCK_HKV)[:, None]
+        kv_mask = (kv_heads < HKV) & (feats < D)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        tl.store(k_cache_ptr + slot * HKV * D + kv_heads * D + feats, k, mask=kv_mask)
+        v = tl.load(v_ptr + token * stride_v + kv_heads * D + feats, mask=kv_mask)
+        tl.store(v_cache_ptr + slot * HKV * D + kv_heads * D + feats, v, mask=kv_mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers.rms_norm` of x [N, hidden] (of x + delta where given, the residual add) -> (that sum, its norm).
+    Without delta the sum is x itself."""
+    num_rows, hidden = x.shape
+    assert x.stride(-1) == 1 and (delta is None or delta.stride(-1) == 1), "features must be contiguous"
+    out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
+    total = x if delta is None else torch.empty_like(out)
+    if num_rows:
+        other = x if delta is None else delta
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(num_rows,)](x, other, weight, total, out, x.stride(0), other.stride(0), eps, HIDDEN=hidden,
+                                      BLOCK=block, HAS_DELTA=delta is not None, num_warps=warps_for(block))
+    return total, out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2 * I] (a dense feed-forward's gate and up projections side by side) -> silu(gate) * up [N, I]."""
+    num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(-1) == 1, "features must be contiguous"
+    out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), INTER=inter, BLOCK=block)
+    return out
+
+
+def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q [N, Hq * D], k, v [N, Hkv * D], cos, sin [N, R]: normed, rotated keys and the values written to the
+    caches' `slot_mapping` slots; returns the normed, rotated queries [N, Hq, D]."""
+    num_tokens = q.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    num_heads = q.shape[1] // head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the kernel addresses cache slots densely"
+    assert all(t.stride(-1) == 1 for t in (q, k, v, cos, sin)), "features must be contiguous"
+    q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens:
+        norm = qk_norm_kind(q_norm_weight, head_dim)
+        block_heads, block_dim = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+        q_weight = q_norm_weight if q_norm_weight is not None else q
+        k_weight = k_norm_weight if k_norm_weight is not None else k
+        _qk_norm_rope_write_kernel[(num_tokens,)](
+            q, k, v, cos, sin, q_weight, k_weight, q_out, k_cache, v_cache, slot_mapping,
+            q.stride(0), k.stride(0), v.stride(0), cos.stride(0), eps, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
+            R=cos.shape[-1], BLOCK_HQ=block_heads, BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_dim,
+            NORM=norm, num_warps=warps_for(block_heads * block_dim))
+    return q_out

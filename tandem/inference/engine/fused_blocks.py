@@ -1,0 +1,103 @@
+"""The engine's execution of decoder blocks around attention, installed on the model from outside.
+
+Why: `DecoderLayer.forward` (`tandem.models.decoder`) is the reference, shared with the trainer; in
+eager mode its norms, RoPE and the cache write are some forty small kernels per block, more GPU
+time in a small model's decode step than its matmuls. The engine's version of a block:
+    input norm (one kernel) -> q, k, v projections (one matmul: the three weights stacked)
+    -> q/k norms, RoPE, k and v written to their cache slots (one kernel, `block_kernels`)
+    -> paged attention over the cache (`PagedAttention.attend_cached`)
+    -> o projection -> residual add and post norm (one kernel)
+    -> the block's `mlp` (a dense one: gate and up as one matmul, then silu(gate) * up in one kernel)
+    -> residual add.
+It runs where the paged-attention kernel serves the step (CUDA, not `[run] exact`); anywhere else
+(the CPU, another attention backend, exact mode) the block runs the model's own forward. The
+kernels round where the model's torch chain rounds (`block_kernels`), so outputs differ from the
+reference only in the order of sums (the norms', and the stacked matmuls': cuBLAS picks its
+algorithm by shape) and in the last bits of silu's exp.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.inference.engine import block_kernels
+from tandem.inference.engine.paged_attention import PagedAttention
+from tandem.models.attention import AttentionBackend
+from tandem.models.decoder import DecoderLayer
+from tandem.models.layers import MLP
+
+
+@dataclass
+class SharedInputProjections:
+    """A block's projections that read the same input, each group one matrix (one matmul, not two or three).
+    The layers' parameters become views of these, so in-place weight updates (`load_weights_into` copies into
+    the parameters) reach them, and the model's own forward still sees its `nn.Linear`s."""
+
+    qkv: torch.Tensor
+    """[Hq * D + 2 * Hkv * D, hidden]: q_proj, k_proj, v_proj."""
+    qkv_bias: torch.Tensor | None
+    qkv_sizes: tuple[int, int, int]
+    gate_up: torch.Tensor | None
+    """[2 * intermediate, hidden]: a dense feed-forward's gate_proj and up_proj; None for other feed-forwards."""
+
+
+def stack_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the rows of `linears`, whose parameters become views of it."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    has_bias = [linear.bias is not None for linear in linears]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("projections stacked into one matmul must all have a bias or none")
+    bias = torch.cat([linear.bias.detach() for linear in linears]) if all(has_bias) else None
+    start = 0
+    for linear in linears:
+        end = start + linear.weight.shape[0]
+        linear.weight.data = weight[start:end]
+        if bias is not None:
+            linear.bias.data = bias[start:end]
+        start = end
+    return weight, bias
+
+
+def stack_projections(block: DecoderLayer) -> SharedInputProjections:
+    attention = block.self_attn
+    linears = [attention.q_proj, attention.k_proj, attention.v_proj]
+    qkv, qkv_bias = stack_rows(linears)
+    gate_up = stack_rows([block.mlp.gate_proj, block.mlp.up_proj])[0] if isinstance(block.mlp, MLP) else None
+    sizes = tuple(linear.weight.shape[0] for linear in linears)
+    return SharedInputProjections(qkv=qkv, qkv_bias=qkv_bias, qkv_sizes=sizes, gate_up=gate_up)
+
+
+def apply_fused_blocks(model: nn.Module) -> int:
+    """Give every `DecoderLayer` of `model` the engine's block forward, in place; returns how many."""
+    blocks = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    with torch.no_grad():
+        for block in blocks:
+            block.forward = functools.partial(fused_block_forward, block, stack_projections(block))
+    return len(blocks)
+
+
+def fused_block_forward(block: DecoderLayer, stacked: SharedInputProjections, x: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    """What `DecoderLayer.forward` computes (x [1, N, hidden]), with the kernels where they serve."""
+    if not (isinstance(backend, PagedAttention) and backend.reads_only_the_cache(block.self_attn.head_dim, x.device)
+            and block_kernels.is_available(x)):
+        return DecoderLayer.forward(block, x, cos, sin, backend)
+    norm_weight, *_, q_norm_weight, k_norm_weight = block.before_attention_args()
+    x_ND = x[0]
+    _, h = block_kernels.rms_norm(x_ND, norm_weight, block.eps)
+    q, k, v = F.linear(h, stacked.qkv, stacked.qkv_bias).split(stacked.qkv_sizes, dim=-1)
+    k_cache, v_cache = backend.cache.layer(block.layer_idx)
+    q_NHD = block_kernels.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_norm_weight, k_norm_weight, block.eps,
+                                             k_cache, v_cache, backend.meta.slot_mapping)
+    attended = backend.attend_cached(block.layer_idx, q_NHD)
+    wo, bo, post_norm_weight = block.residual_args()
+    x_ND, h = block_kernels.rms_norm(x_ND, post_norm_weight, block.eps, delta=F.linear(attended.flatten(1), wo, bo))
+    if stacked.gate_up is None:
+        return (x_ND + block.mlp(h[None])[0])[None]
+    hidden = block_kernels.silu_mul(F.linear(h, stacked.gate_up))  # `layers.swiglu`, its gate and up as one matmul
+    return (x_ND + F.linear(hidden, block.mlp.down_proj.weight))[None]
