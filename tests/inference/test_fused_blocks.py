@@ -115,9 +115,8 @@ import torch
 from inference_helpers import teacher_forced_logprobs
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
-from tandem.inference.engine import attention_kernel, block_kernels
-from tandem.config.base import ModelConfig
-from tandem.config.inference import EngineConfig
+from tandem.inference.engine import block_kernels
+from tandem.models import attention_kernel
 from tandem.inference.engine.fused_blocks import apply_fused_blocks, fused_block_forward
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
