@@ -8,9 +8,8 @@ optimizer and the gradient clipping (issue 23: at 4,096 tokens the H200 was busy
 - the module's parameters stay the fp32 master weights, plain tensors: the optimizer (fused AdamW),
   the clipping, checkpoints (DCP) and publishing see them as they see FSDP's shards;
 - when the model computes in another dtype (`param_dtype`, bf16 on CUDA), each forward swaps a
-  `param_dtype` copy of every parameter into the modules, refreshed in one foreach copy whenever
-  the masters changed (an optimizer step, a load) or were freed, the rounding FSDP's all-gather
-  copy-in does; the block inputs are cast to `param_dtype` as FSDP's `cast_forward_inputs` does;
+  `param_dtype` copy of every parameter into the modules, rounded from the masters in one foreach
+  copy (the rounding FSDP's all-gather copy-in does); the block inputs are cast to `param_dtype` as FSDP's `cast_forward_inputs` does;
 - each copy's gradient is added into its master's fp32 `.grad` as soon as autograd has finished it,
   and the copy is then freed, as FSDP's reduce (at one rank a cast to `reduce_dtype` and a copy) and
   its `+=` into the sharded gradient do; the masters come back into the modules at the end of backward
@@ -43,8 +42,6 @@ class OneRank:
         self.masters = [param for param, _ in found.values()]
         self.slots = [slots for _, slots in found.values()]
         self.compute: list[nn.Parameter] = []
-        self.versions: list[int] | None = None
-        """The masters' version counters when the compute copies were last refreshed (None: never or freed)."""
         self.installed = False
         self.backward_pending = False
 
@@ -63,12 +60,10 @@ class OneRank:
             self.compute.append(copy)
 
     def _refresh(self) -> None:
-        """Round the masters into the compute copies if they changed (or the copies were freed) since."""
+        """Round the masters into the compute copies, every time: backward freed most copies, and the masters'
+        version counters cannot tell whether they changed (fused AdamW does not bump them)."""
         if not self.compute:
             self._make_copies()
-        versions = [master._version for master in self.masters]
-        if versions == self.versions:
-            return
         pairs = [(copy, master) for copy, master in zip(self.compute, self.masters) if copy is not master]
         with torch.no_grad():
             for copy, master in pairs:
@@ -76,7 +71,6 @@ class OneRank:
                 if storage.size() == 0:
                     storage.resize_(copy.numel() * copy.element_size())
             torch._foreach_copy_([copy for copy, _ in pairs], [master for _, master in pairs])
-        self.versions = versions
 
     def _swap_in(self, params: list[nn.Parameter]) -> None:
         for param, slots in zip(params, self.slots):
@@ -108,7 +102,6 @@ class OneRank:
                     master.grad += copy.grad
             copy.grad = None
             copy.untyped_storage().resize_(0)  # as FSDP frees a block's gathered weights after its backward
-            self.versions = None
         return fold
 
     def _end_backward(self) -> None:

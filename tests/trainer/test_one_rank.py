@@ -1,0 +1,126 @@
+"""The one-rank path (plain tensors, `tandem.trainer.parallel.one_rank`) trains bit for bit like FSDP2 at one rank.
+
+Bitwise, not within a tolerance: both paths round the same values the same way (the fp32 -> bf16 cast of
+the masters, bf16 gradients added into fp32 ones, the same AdamW and clipping kernels on the same fp32
+numbers), so any difference is a defect. bf16 on the CPU exercises the compute copies; fp32 the plain module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from tandem.config.base import ModelConfig
+from tandem.config.trainer import ActivationCheckpointConfig, AdamWConfig, AIPOLoss, ConstantSchedule, ParallelConfig
+from tandem.trainer.batch import MicroBatch
+from tandem.trainer.ckpt import load_checkpoint, save_checkpoint
+from tandem.trainer.loss import build_loss
+from tandem.trainer.model import build_policy, gather_full_state
+from tandem.trainer.optim import build_optimizer, build_scheduler
+from tandem.trainer.parallel.dims import close_parallel, init_parallel
+from tandem.trainer.rl.train import rl_objective
+from tandem.trainer.step import count_loss_tokens, evaluate, train_step
+
+from trainer_helpers import random_row
+
+STEPS = 3
+
+
+@pytest.fixture
+def dims():
+    d = init_parallel("cpu")
+    yield d
+    close_parallel()
+
+
+def step_batches(step: int, device: torch.device) -> list[MicroBatch]:
+    """Two micro-batches (gradient accumulation), the same at every call for a step."""
+    gen = torch.Generator().manual_seed(step)
+    return [MicroBatch.from_row(random_row(gen, [(3, 5), (2, 9)]), device), MicroBatch.from_row(random_row(gen, [(4, 7)]), device)]
+
+
+class Trainer:
+    """A policy, AdamW and a schedule on one path."""
+
+    def __init__(self, model: Path, dims, fsdp: bool, dtype: str, checkpointing: str = "selective"):
+        parallel = ParallelConfig(fsdp_at_one_rank=fsdp, activation_checkpoint=ActivationCheckpointConfig(mode=checkpointing))
+        self.dims = dims
+        self.policy, _ = build_policy(ModelConfig(name=str(model), dtype=dtype), parallel, dims, chunk_size=4)
+        self.optimizer = build_optimizer(self.policy, AdamWConfig(lr=1e-2))
+        self.scheduler = build_scheduler(self.optimizer, ConstantSchedule(), STEPS)
+        self.objective = rl_objective(build_loss(AIPOLoss()))
+
+    def step(self, step: int) -> tuple[float, float]:
+        mbs = step_batches(step, self.dims.device)
+        result = train_step(self.policy, self.optimizer, self.scheduler, mbs, self.objective, count_loss_tokens(mbs, self.dims),
+                            0.5, self.dims)
+        assert not result.skipped
+        return result.loss, result.grad_norm
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return gather_full_state(self.policy, torch.float32, keep=True)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("dtype,checkpointing", [("bfloat16", "selective"), ("bfloat16", "full"), ("float32", "selective")])
+def test_one_rank_trains_bit_for_bit_like_fsdp(tiny_model, dims, dtype, checkpointing):
+    fsdp = Trainer(tiny_model, dims, fsdp=True, dtype=dtype, checkpointing=checkpointing)
+    plain = Trainer(tiny_model, dims, fsdp=False, dtype=dtype, checkpointing=checkpointing)
+    assert all(isinstance(p, DTensor) for p in fsdp.policy.parameters())
+    assert not any(isinstance(p, DTensor) for p in plain.policy.parameters())
+    lm = plain.policy.lm
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight  # the tied embedding stays one parameter
+    assert (plain.policy.one_rank is not None) == (dtype == "bfloat16")
+    start = plain.weights()
+    for step in range(STEPS):
+        assert plain.step(step) == fsdp.step(step), step
+    after = plain.weights()
+    assert_same_weights(after, fsdp.weights())
+    assert all(not torch.equal(after[k], start[k]) for k in after)  # every parameter moved
+    assert all(p.dtype == torch.float32 for p in plain.policy.parameters())  # the masters are back after the step
+    mbs = step_batches(STEPS, dims.device)
+    assert evaluate(plain.policy, mbs, plain.objective, dims) == evaluate(fsdp.policy, mbs, fsdp.objective, dims)
+    assert all(p.dtype == torch.float32 for p in plain.policy.parameters())
+
+
+def test_compute_copies_follow_every_change_of_the_masters(tiny_model, dims):
+    """Fused AdamW (CUDA's optimizer) changes the masters without bumping their version counters: forward must
+    still compute with the new weights, never with stale copies."""
+    plain = Trainer(tiny_model, dims, fsdp=False, dtype="bfloat16")
+    plain.step(0)
+    params = list(plain.policy.parameters())
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch.optim.AdamW(params, lr=1e-1, fused=True).step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
+    one_rank = plain.policy.one_rank
+    one_rank.install()
+    try:
+        for copy, master in zip(one_rank.compute, one_rank.masters):
+            assert torch.equal(copy, master.to(copy.dtype))
+    finally:
+        one_rank.uninstall()
+
+
+@pytest.mark.parametrize("save_fsdp", [False, True])
+def test_a_checkpoint_resumes_on_the_other_path(tiny_model, dims, tmp_path, save_fsdp):
+    dtype = "bfloat16"
+    reference = Trainer(tiny_model, dims, fsdp=False, dtype=dtype)
+    expected = [reference.step(step) for step in range(STEPS)]
+
+    saver = Trainer(tiny_model, dims, fsdp=save_fsdp, dtype=dtype)
+    assert saver.step(0) == expected[0]
+    folder = save_checkpoint(tmp_path, 1, saver.policy, saver.optimizer, saver.scheduler, {}, dims)
+    loader = Trainer(tiny_model, dims, fsdp=not save_fsdp, dtype=dtype)
+    assert load_checkpoint(folder, loader.policy, loader.optimizer, loader.scheduler, dims).step == 1
+    assert [loader.step(step) for step in range(1, STEPS)] == expected[1:]
+    assert_same_weights(loader.weights(), reference.weights())
