@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tandem.config.base import ModelConfig
-from tandem.config.trainer import ActivationCheckpointConfig, AdamWConfig, AIPOLoss, ConstantSchedule, ParallelConfig
+from tandem.config.trainer import ActivationCheckpointConfig, AdamWConfig, AIPOLoss, ConstantSchedule, KernelsConfig, ParallelConfig
 from tandem.trainer.batch import MicroBatch
 from tandem.trainer.ckpt import load_checkpoint, save_checkpoint
 from tandem.trainer.loss import build_loss
@@ -45,10 +45,11 @@ def step_batches(step: int, device: torch.device) -> list[MicroBatch]:
 class Trainer:
     """A policy, AdamW and a schedule on one path."""
 
-    def __init__(self, model: Path, dims, fsdp: bool, dtype: str, checkpointing: str = "selective"):
+    def __init__(self, model: Path, dims, fsdp: bool, dtype: str, checkpointing: str = "selective", compile: str = "auto"):
         parallel = ParallelConfig(fsdp_at_one_rank=fsdp, activation_checkpoint=ActivationCheckpointConfig(mode=checkpointing))
         self.dims = dims
-        self.policy, _ = build_policy(ModelConfig(name=str(model), dtype=dtype), parallel, dims, chunk_size=4)
+        self.policy, _ = build_policy(ModelConfig(name=str(model), dtype=dtype), parallel, dims, chunk_size=4,
+                                      kernels=KernelsConfig(compile=compile))
         self.optimizer = build_optimizer(self.policy, AdamWConfig(lr=1e-2))
         self.scheduler = build_scheduler(self.optimizer, ConstantSchedule(), STEPS)
         self.objective = rl_objective(build_loss(AIPOLoss()))
@@ -124,3 +125,24 @@ def test_a_checkpoint_resumes_on_the_other_path(tiny_model, dims, tmp_path, save
     assert load_checkpoint(folder, loader.policy, loader.optimizer, loader.scheduler, dims).step == 1
     assert [loader.step(step) for step in range(1, STEPS)] == expected[1:]
     assert_same_weights(loader.weights(), reference.weights())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_compiled_one_rank_trains_like_fsdp(tiny_model):
+    """bf16, compiled halves, fused AdamW. The first forward is the same computation bit for bit; after it,
+    attention's backward kernels may add in any order (atomics), so the runs agree to bf16 noise only."""
+    dims = init_parallel("cuda")
+    try:
+        fsdp = Trainer(tiny_model, dims, fsdp=True, dtype="bfloat16", compile="on")
+        plain = Trainer(tiny_model, dims, fsdp=False, dtype="bfloat16", compile="on")
+        first_fsdp, first_plain = fsdp.step(0), plain.step(0)
+        assert first_plain[0] == first_fsdp[0]
+        assert first_plain[1] == pytest.approx(first_fsdp[1], rel=1e-3)
+        for step in range(1, STEPS):
+            assert plain.step(step) == pytest.approx(fsdp.step(step), rel=1e-2, abs=1e-2), step
+        a, b = plain.weights(), fsdp.weights()
+        # Adam moves an element whose gradient is only noise by up to lr (1e-2) a step, either way.
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 2 * 1e-2 * STEPS
+        assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in plain.policy.parameters())
+    finally:
+        close_parallel()
