@@ -216,7 +216,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     elif one_rank:  # FSDP would have moved the shards to the device
         policy.to(dims.device)
     if one_rank:
-        policy.one_rank = apply_one_rank(policy, policy.blocks, compute_dtype(model, dims.device))
+        policy.one_rank = apply_one_rank(policy, policy.blocks, compute_dtype(model, dims.device), parallel.reshard_after_forward)
     policy.router = build_router_monitor(policy.blocks, router.aux_loss_coef, router.bias_update_rate, dims.device,
                                          str(folder / "config.json"))
     return policy.train(), hf_config
