@@ -24,6 +24,7 @@ from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.trainer.rl.train import rl_objective
 from tandem.trainer.step import count_loss_tokens, evaluate, train_step
 
+from test_block import traced  # noqa: F401  (a fixture: compile with the aot_eager backend)
 from trainer_helpers import random_row
 
 STEPS = 3
@@ -101,6 +102,22 @@ def test_one_rank_trains_bit_for_bit_like_fsdp(request, dims, model, dtype, chec
     mbs = step_batches(STEPS, dims.device)
     assert evaluate(plain.policy, mbs, plain.objective, dims) == evaluate(fsdp.policy, mbs, fsdp.objective, dims)
     assert all(p.dtype == torch.float32 for p in plain.policy.parameters())
+
+
+def test_compiled_one_rank_trains_bit_for_bit_like_fsdp_without_recompiling(tiny_model, dims, traced):
+    """The compiled halves take the compute copies (plain bf16 parameters, their storage freed and made again
+    every pass) where they took FSDP's gathered weights: the same graphs, the same numbers, and no recompile."""
+    from torch._dynamo.utils import counters
+
+    fsdp = Trainer(tiny_model, dims, fsdp=True, dtype="bfloat16", compile="on")
+    plain = Trainer(tiny_model, dims, fsdp=False, dtype="bfloat16", compile="on")
+    assert plain.step(0) == fsdp.step(0)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for step in range(1, STEPS):
+        assert plain.step(step) == fsdp.step(step), step
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert_same_weights(plain.weights(), fsdp.weights())
 
 
 def test_compute_copies_follow_every_change_of_the_masters(tiny_model, dims):
