@@ -170,7 +170,8 @@ def tandem_config(folder: Path, shape: Shape, args, kernels: KernelsConfig, run_
     return TrainerConfig(
         model=ModelConfig(name=str(folder), dtype=args.dtype, load_format="dummy"), device=args.device, seq_len=shape.seq_len,
         max_steps=args.warmup + args.steps, output_dir=Path(run_dir), optim=AdamWConfig(lr=1e-6),
-        parallel=ParallelConfig(ep=args.ep, cp=args.cp, reshard_after_forward=args.reshard_after_forward == "on", **checkpointing),
+        parallel=ParallelConfig(ep=args.ep, cp=args.cp, reshard_after_forward=args.reshard_after_forward == "on",
+                                fsdp_at_one_rank=args.fsdp_at_one_rank == "on", **checkpointing),
         data=RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row),
         kernels=kernels, run=RunConfig(exact=args.exact),
         **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
@@ -205,6 +206,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
             num_params = active_params(model.lm)
             options = {"ep": dims.ep_size, "cp": dims.cp_size, "compile": should_compile(config.kernels, dims.device),
                        "reshard_after_forward": config.parallel.reshard_after_forward,
+                       "fsdp_at_one_rank": config.parallel.fsdp_at_one_rank,
                        "activation_checkpoint": config.parallel.activation_checkpoint.mode,
                        "logprob_chunk_size": config.logprob_chunk_size, "sdpa_backends": config.kernels.sdpa_backends,
                        "compute_dtype": str(compute_dtype(config.model, dims.device)), "optimizer": "AdamW (fused on CUDA)",
@@ -381,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="activation checkpointing (default: the config's)")
     parser.add_argument("--reshard-after-forward", choices=["on", "off"], default="on" if ParallelConfig().reshard_after_forward else "off",
                         help="parallel.reshard_after_forward: off keeps each block's gathered weights from forward to backward")
+    parser.add_argument("--fsdp-at-one-rank", choices=["on", "off"], default="on" if ParallelConfig().fsdp_at_one_rank else "off",
+                        help="parallel.fsdp_at_one_rank: on shards with FSDP2 at world size 1 too (the path before the plain one)")
     parser.add_argument("--chunk-size", type=int, default=None, help="logprob chunk in tokens (default: the config's)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default=KernelsConfig().compile)
     parser.add_argument("--sdpa-backends", nargs="+", choices=["cudnn", "flash", "efficient", "math"],

@@ -163,6 +163,10 @@ class ParallelConfig(Section):
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter."""
 
+    fsdp_at_one_rank: bool = False
+    """Shard with FSDP2 also at world size 1. Off, one rank trains plain tensors (`tandem.trainer.parallel.one_rank`):
+    the same numbers bit for bit, without FSDP's per-block host work each step; on, the old path (for comparison)."""
+
     ep: int = Field(1, ge=1)
     """Expert parallelism: ranks each MoE block's routed experts are split over (all-to-all token
     dispatch). EP borrows data-parallel ranks: it must divide the world size and the model's

@@ -7,7 +7,8 @@ run the trainer's block forward (`tandem.trainer.block`: compiled halves, select
 
 Loading (`build_policy`):
 - native models (`tandem.models.loading.NATIVE`): built on the meta device, activation
-  checkpointing, expert parallelism (`parallel.ep` > 1) and FSDP applied, then `to_empty` on the
+  checkpointing, expert parallelism (`parallel.ep` > 1) and FSDP applied (at world size 1 the plain
+  one-rank path instead: `tandem.trainer.parallel.one_rank`), then `to_empty` on the
   target device, then each rank copies only its shard out of the (memory-mapped) safetensors. No
   rank ever holds the whole model in device memory, so this scales to models larger than one
   device (host memory does hold the experts of a mixture of experts whole while they are
@@ -44,6 +45,7 @@ from tandem.trainer.parallel.context_parallel import ContextShard, check_context
 from tandem.trainer.parallel.dims import EP, ParallelDims
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp
+from tandem.trainer.parallel.one_rank import OneRank, apply_one_rank
 from tandem.trainer.phases import phase
 from tandem.trainer.router import RouterMonitor, build_router_monitor
 
@@ -74,6 +76,9 @@ class PolicyModel(nn.Module):
         """Statistics and load balancing of the MoE routers (None for a dense model)."""
         self.context_parallel = ParallelConfig()
         """`parallel.cp_attention` and `parallel.cp_query_chunk`: how a context-parallel shard attends."""
+        self.one_rank: OneRank | None = None
+        """The one-rank path's mixed precision (`tandem.trainer.parallel.one_rank`); None under FSDP or when the
+        parameters are already in the compute dtype."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -191,18 +196,27 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
                          f"model_type {hf_config.get('model_type')!r} (transformers fallback); set `parallel.cp` = 1")
     if dims.ep_size > 1:
         apply_expert_parallel_to(policy, hf_config, dims, str(folder / "config.json"))
-    apply_fsdp(policy, policy.blocks, dims.mesh, param_dtype=compute_dtype(model, dims.device),
-               reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward,
-               expert_mesh=dims.expert_mesh)
+    one_rank = dims.world_size == 1 and not parallel.fsdp_at_one_rank
+    if not one_rank:
+        apply_fsdp(policy, policy.blocks, dims.mesh, param_dtype=compute_dtype(model, dims.device),
+                   reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward,
+                   expert_mesh=dims.expert_mesh)
     if is_native(hf_config):
         policy.to_empty(device=dims.device)
-        if getattr(lm.args, "tie_word_embeddings", False) and lm.lm_head.weight is not lm.model.embed_tokens.weight:
-            raise RuntimeError("FSDP untied the embeddings of a tied model; this torch version needs a re-tie step")
+        tied = getattr(lm.args, "tie_word_embeddings", False)
+        if tied and one_rank:  # `to_empty` of plain meta tensors makes a new parameter in each module
+            lm.lm_head.weight = lm.model.embed_tokens.weight
+        if tied and lm.lm_head.weight is not lm.model.embed_tokens.weight:
+            raise RuntimeError("moving the model untied the embeddings of a tied model; this torch version needs a re-tie step")
         if model.load_format == "dummy":
             shapes = {name: param.shape for name, param in policy.hf_named_parameters()}
             load_shards(policy, RandomWeights(shapes, DUMMY_SEED, dims.device), source="the dummy weights")
         else:
             load_shards(policy, load_state_dict(folder), source=str(folder))
+    elif one_rank:  # FSDP would have moved the shards to the device
+        policy.to(dims.device)
+    if one_rank:
+        policy.one_rank = apply_one_rank(policy, policy.blocks, compute_dtype(model, dims.device), parallel.reshard_after_forward)
     policy.router = build_router_monitor(policy.blocks, router.aux_loss_coef, router.bias_update_rate, dims.device,
                                          str(folder / "config.json"))
     return policy.train(), hf_config

@@ -1,5 +1,5 @@
-"""World size 2 (torchrun, gloo) trains exactly like world size 1, resumes a 1-rank checkpoint, and
-the trainer benchmark measures the same global batch at both."""
+"""World size 2 (torchrun, gloo, FSDP) trains exactly like world size 1 (plain tensors), each resumes the
+other's checkpoint, and the trainer benchmark measures the same global batch at both."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(resumed)) == [3, 4]
     for step, loss in losses(resumed).items():
+        assert loss == pytest.approx(ref[step], abs=1e-5), step
+
+    # And back: the 2-rank (FSDP) checkpoint of step 2, resumed by the one-rank path's plain tensors.
+    back = tmp_path / "back"
+    shutil.copytree(two / "checkpoints" / "step_2", back / "checkpoints" / "step_2")
+    assert run_trainer(*common, "--output-dir", str(back), "--ckpt.resume") == 0
+    assert sorted(losses(back)) == [3, 4]
+    for step, loss in losses(back).items():
         assert loss == pytest.approx(ref[step], abs=1e-5), step
 
 

@@ -165,7 +165,7 @@ def test_host_positions_select_what_the_loss_mask_selects_without_a_sync(tiny_mo
         policy.zero_grad(set_to_none=True)
         out = policy(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths, None, positions)
         (out.logprobs * torch.linspace(-1, 1, mb.num_tokens)).sum().backward()
-        grads = {name: p.grad.full_tensor().clone() for name, p in policy.hf_named_parameters()}
+        grads = {name: p.grad.clone() for name, p in policy.hf_named_parameters()}
         return out.logprobs.detach(), out.entropy, grads
 
     host, device = run(mb.predicting_positions), run(None)

@@ -37,15 +37,15 @@ def test_update_is_the_gradient_of_the_global_token_mean(tiny_model, dims):
     reference, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=4)
     total = sum(objective(mb, reference(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask)).loss_sum for mb in micro_batches)
     (total / n).backward()
-    expected = {name: -p.grad.full_tensor() for name, p in reference.hf_named_parameters()}
+    expected = {name: -p.grad for name, p in reference.hf_named_parameters()}
 
     policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=4)
-    before = {name: p.detach().full_tensor().clone() for name, p in policy.hf_named_parameters()}
+    before = {name: p.detach().clone() for name, p in policy.hf_named_parameters()}
     optimizer = build_optimizer(policy, SGDConfig(lr=1.0, max_grad_norm=0))
     result = train_step(policy, optimizer, build_scheduler(optimizer, ConstantSchedule(), 1), micro_batches, objective, n, 0.0, dims)
     assert not result.skipped and result.loss == pytest.approx(total.detach().item() / n, rel=1e-6)
     for name, p in policy.hf_named_parameters():
-        torch.testing.assert_close(p.detach().full_tensor() - before[name], expected[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.detach() - before[name], expected[name], rtol=1e-4, atol=1e-6)
 
 
 def test_gradient_clipping_bounds_the_update(tiny_model, dims):
@@ -53,10 +53,10 @@ def test_gradient_clipping_bounds_the_update(tiny_model, dims):
     micro_batches = [MicroBatch.from_row(random_row(gen, [(3, 20)], advantage_scale=100.0), dims.device)]
     objective = rl_objective(build_loss(AIPOLoss()))
     policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=8)
-    before = torch.cat([p.detach().full_tensor().flatten() for _, p in policy.hf_named_parameters()])
+    before = torch.cat([p.detach().flatten() for _, p in policy.hf_named_parameters()])
     optimizer = build_optimizer(policy, SGDConfig(lr=1.0))
     result = train_step(policy, optimizer, build_scheduler(optimizer, ConstantSchedule(), 1), micro_batches, objective, 20, 0.5, dims)
-    after = torch.cat([p.detach().full_tensor().flatten() for _, p in policy.hf_named_parameters()])
+    after = torch.cat([p.detach().flatten() for _, p in policy.hf_named_parameters()])
     assert result.grad_norm > 0.5
     assert (after - before).norm().item() == pytest.approx(0.5, rel=1e-4)
 
