@@ -77,18 +77,27 @@ def sft_examples(
     num_eval_examples: int = 200,
     min_words: int = 1,
     max_words: int = 3,
+    misclosed_fraction: float = 0.0,
 ) -> list[dict[str, Messages]]:
     """`n` chat examples `{"messages": [system, user, assistant]}` with the correct answer,
     for SFT warm-up. They are the first `n` training rows of `load_environment` with the same
-    seed, word counts and `num_eval_examples`, so they never contain its eval questions."""
+    seed, word counts and `num_eval_examples`, so they never contain its eval questions.
+
+    `misclosed_fraction`: the share of examples (drawn at random, seeded) whose answer closes with
+    `</reversed>` instead of `</reversed_text>`: an imperfect demonstrator, whose model reverses well
+    but sometimes answers in a form the parser rejects (reward 0), a slip RL's reward can correct."""
+    if not 0.0 <= misclosed_fraction <= 1.0:
+        raise ValueError(f"misclosed_fraction = {misclosed_fraction}: a fraction, 0 to 1")
     train, _ = _make_splits(n, num_eval_examples, seed, min_words, max_words)
-    return [
-        {
-            "messages": [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": row["question"]},
-                {"role": "assistant", "content": PARSER.format(reversed_text=row["answer"])},
-            ]
-        }
-        for row in train
-    ]
+    slips = random.Random(f"misclosed {seed}")
+    examples = []
+    for row in train:
+        answer = PARSER.format(reversed_text=row["answer"])
+        if slips.random() < misclosed_fraction:
+            answer = answer.replace("</reversed_text>", "</reversed>")
+        examples.append({"messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": row["question"]},
+            {"role": "assistant", "content": answer},
+        ]})
+    return examples

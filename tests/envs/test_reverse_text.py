@@ -72,6 +72,25 @@ def test_sft_examples_are_correct_and_avoid_the_eval_set():
     assert reverse_text.sft_examples(10, seed=5) == examples[:10]
 
 
+def test_misclosed_examples_reverse_correctly_but_score_zero():
+    """The imperfect demonstrator of the example's warm-up: the same questions and reversals, a seeded share
+    closed with `</reversed>`, which the rubric scores 0 (what RL then learns to avoid)."""
+    clean = reverse_text.sft_examples(400, seed=3)
+    sloppy = reverse_text.sft_examples(400, seed=3, misclosed_fraction=0.3)
+    assert sloppy == reverse_text.sft_examples(400, seed=3, misclosed_fraction=0.3)
+    slipped = 0
+    for good, bad in zip(clean, sloppy, strict=True):
+        assert good["messages"][:2] == bad["messages"][:2]
+        answer, given = good["messages"][2]["content"], bad["messages"][2]["content"]
+        if given != answer:
+            slipped += 1
+            assert given == answer.replace("</reversed_text>", "</reversed>")
+            assert score(given, good["messages"][1]["content"][::-1]).reward == 0.0
+    assert 0.2 < slipped / 400 < 0.4
+    with pytest.raises(ValueError, match="misclosed_fraction"):
+        reverse_text.sft_examples(4, misclosed_fraction=1.5)
+
+
 def test_word_list_is_plain_lowercase_words():
     words = load_word_list("words.txt")
     assert len(words) >= 300 and len(set(words)) == len(words)
