@@ -217,8 +217,9 @@ class WarmupConfig(Section):
     """If the SFT config's `data.path` is missing, generate it from this environment's SFT examples."""
 
     data_args: dict = {}
-    """Keyword arguments of the environment's `sft_examples` (seed, word counts...): keep them equal
-    to the RL environment's args, so SFT examples come from its train split, never its eval split."""
+    """Keyword arguments of the environment's `sft_examples`. Those it shares with the environment (seed,
+    word counts...) must equal the RL environment's args, so SFT examples come from its train split, never
+    its eval split; others shape the demonstrations (e.g. reverse_text's `misclosed_fraction`)."""
 
     num_examples: int = 2000
     """Number of generated SFT examples (train split)."""
