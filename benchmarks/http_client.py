@@ -47,7 +47,7 @@ from pathlib import Path
 
 import httpx
 
-from inference import attempt, engine_config, prompts_for, run_engine, scaled, with_site
+from inference import add_engine_arguments, attempt, engine_config, prompts_for, run_engine, scaled, with_site
 from provenance import environment
 from tandem.config.base import ModelConfig
 from tandem.config.dump import to_toml
@@ -81,10 +81,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per route and server; the best counts")
     parser.add_argument("--routes", default=",".join(ROUTES), help="comma-separated routes: " + ", ".join(ROUTES))
     parser.add_argument("--client-processes", type=int, default=4, help="processes that send a run's requests, split evenly")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="as in benchmarks/inference.py")
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=True)
+    add_engine_arguments(parser)
     parser.add_argument("--vllm-site", help="folder put first on the PYTHONPATH of vLLM's server; without it no vLLM part")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)

@@ -124,14 +124,7 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated parts to run")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated workloads of the engine and vLLM parts (server and transformers run A)")
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        help="tokens of one engine step (prefill chunking); default max(4096, longest sequence)")
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--moe-tile-table", help="`engine.moe_tile_table`: MoE tiles tuned by benchmarks/moe_tune.py "
-                        "(default: the table shipped for the GPU, else the rule)")
-    parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=EngineConfig().fused_blocks,
-                        help="`engine.fused_blocks`: the blocks' norms, RoPE and cache write as Triton kernels")
+    add_engine_arguments(parser)
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
                         "(tandem.models.exact); the mismatch part then recomputes as the exact trainer does (expect 0)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
@@ -151,6 +144,20 @@ def scaled(args: argparse.Namespace, name: str) -> dict:
 def prompts_for(w: dict, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(min(vocab, 256)) for _ in range(w["prompt_len"])] for _ in range(w["num_prompts"])]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine settings every engine benchmark takes (defaults: `EngineConfig`'s), read by `engine_config`."""
+    defaults = EngineConfig()
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokens of one engine step (prefill chunking); default max(4096, longest sequence)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=defaults.cuda_graphs)
+    parser.add_argument("--compile-norms", action=argparse.BooleanOptionalAction, default=defaults.compile_norms)
+    parser.add_argument("--moe-tile-table", default=defaults.moe_tile_table,
+                        help="`engine.moe_tile_table`: MoE tiles tuned by benchmarks/moe_tune.py "
+                        "(default: the table shipped for the GPU, else the rule)")
+    parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=defaults.fused_blocks,
+                        help="`engine.fused_blocks`: the blocks' norms, RoPE and cache write as Triton kernels")
 
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int) -> EngineConfig:

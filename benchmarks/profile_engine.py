@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-from inference import engine_config, prompts_for, run_engine, scaled, sync
+from inference import add_engine_arguments, engine_config, prompts_for, run_engine, scaled, sync
 from tandem.config.base import ModelConfig
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
@@ -32,11 +32,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths")
-    parser.add_argument("--max-num-batched-tokens", type=int)
+    add_engine_arguments(parser)
     parser.add_argument("--out", help="write the figures to this JSON file")
-    args = parser.parse_args()
-    args.cuda_graphs = args.compile_norms = args.fused_blocks = True
-    return args
+    return parser.parse_args()
 
 
 def timed_run(engine, w: dict, vocab: int, seed: int) -> dict:
