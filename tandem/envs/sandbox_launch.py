@@ -49,17 +49,27 @@ def isolate(libc: ctypes.CDLL, tmpfs_bytes: int) -> dict[str, bool]:
     return done
 
 
-def reachable_python(libc: ctypes.CDLL) -> tuple[str, dict[str, str]] | None:
+def reachable_python(libc: ctypes.CDLL, installation: "Installation") -> tuple[str, dict[str, str]] | None:
     """(interpreter path, extra env) of this interpreter's installation mounted read-only at
     `PYTHON_MOUNT`; None when the mounts fail."""
-    prefix = os.path.realpath(sys.base_prefix)
-    executable = os.path.relpath(os.path.realpath(sys.executable), prefix)
     os.mkdir(PYTHON_MOUNT)
-    if libc.mount(prefix.encode(), PYTHON_MOUNT.encode(), None, MS_BIND, None) != 0:
+    if libc.mount(installation.prefix.encode(), PYTHON_MOUNT.encode(), None, MS_BIND, None) != 0:
         return None
     if libc.mount(None, PYTHON_MOUNT.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) != 0:
         return None
-    return os.path.join(PYTHON_MOUNT, executable), {"LD_LIBRARY_PATH": os.path.join(PYTHON_MOUNT, "lib")}
+    return os.path.join(PYTHON_MOUNT, installation.executable), {"LD_LIBRARY_PATH": os.path.join(PYTHON_MOUNT, "lib")}
+
+
+class Installation:
+    """This interpreter's installation, resolved before the private /tmp hides anything: a virtual
+    environment under /tmp (its `bin/python` a link to the base interpreter) is out of sight once /tmp
+    is a fresh tmpfs, so the links are followed now. An installation itself under /tmp stays
+    unreachable from the sandbox (its runs then fail, and are scored 0)."""
+
+    def __init__(self):
+        self.prefix = os.path.realpath(sys.base_prefix)
+        self.real_executable = os.path.realpath(sys.executable)
+        self.executable = os.path.relpath(self.real_executable, self.prefix)
 
 
 def set_limits(limits: dict, own_uid: bool) -> None:
@@ -78,11 +88,12 @@ def main() -> None:
     limits, args = json.loads(sys.argv[1]), sys.argv[2:]
     libc = ctypes.CDLL(None, use_errno=True)
     enforced = {"network": False, "private_tmp": False, "own_uid": False}
+    installation = Installation()
     if limits["isolate"]:
         enforced.update(isolate(libc, limits["file_bytes"]))
-    python, env = sys.executable, dict(os.environ)
+    python, env = installation.real_executable, dict(os.environ)
     # A uid of its own needs the interpreter where that uid can run it: in the private /tmp.
-    mounted = reachable_python(libc) if limits["uid"] is not None and enforced["private_tmp"] else None
+    mounted = reachable_python(libc, installation) if limits["uid"] is not None and enforced["private_tmp"] else None
     if mounted is not None:
         python, extra_env = mounted
         env.update(extra_env)
