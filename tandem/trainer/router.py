@@ -84,7 +84,8 @@ class RouterMonitor:
         self.aux_scale = 0.0
         self.num_micro_batches = 0
         self.is_collecting = False
-        self.real_tokens: torch.Tensor | None = None
+        self.token_weights: torch.Tensor | None = None
+        """[N] float64, 1 for the tokens that count, 0 for padding; None: every token counts."""
         for i, moe in enumerate(moes):
             moe.gate.register_forward_hook(functools.partial(self._observe_router, i))
 
@@ -93,12 +94,12 @@ class RouterMonitor:
         """Count the forwards run inside (training forwards, not their recompute in backward); `real_tokens`
         [N] bool: which of the forward's tokens count (None: all)."""
         self.is_collecting = True
-        self.real_tokens = real_tokens
+        self.token_weights = None if real_tokens is None else real_tokens.to(torch.float64)
         try:
             yield
         finally:
             self.is_collecting = False
-            self.real_tokens = None
+            self.token_weights = None
 
     def begin_step(self, num_micro_batches: int) -> None:
         """Reset the step's sums; the balance loss is averaged over this many micro-batches per rank."""
@@ -112,9 +113,9 @@ class RouterMonitor:
         weights, expert_ids = output
         if self.is_collecting:
             with torch.no_grad():
-                counts = torch.ones(x.shape[0], dtype=torch.float64, device=x.device)
-                if self.real_tokens is not None:
-                    counts = self.real_tokens.to(torch.float64)
+                counts = self.token_weights
+                if counts is None:
+                    counts = torch.ones(x.shape[0], dtype=torch.float64, device=x.device)
                 self.load[layer].scatter_add_(0, expert_ids.reshape(-1), counts[:, None].expand(expert_ids.shape).reshape(-1))
                 p = router_scores(x, gate)
                 p = p / p.sum(-1, keepdim=True)

@@ -110,8 +110,10 @@ def accumulate_gradients(model: PolicyModel, micro_batches: list[MicroBatch], ob
     totals: dict[str, torch.Tensor] = {}
     router = model.router
     for mb in micro_batches:
+        collecting = contextlib.nullcontext() if router is None else router.collecting(
+            mb.context.real_tokens() if mb.context else None)
         with maybe_replayed_routing(model, mb):  # backward too: activation checkpointing routes again
-            with router.collecting(mb.context.real_tokens() if mb.context else None) if router is not None else contextlib.nullcontext(), phase("forward"):
+            with collecting, phase("forward"):
                 result, entropy_sum = forward_objective(model, mb, objective)
             with phase("backward"):
                 (result.loss_sum * scale).backward()

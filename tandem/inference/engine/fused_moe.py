@@ -87,9 +87,8 @@ def compile_tile_variants(block: MoE, tiles: TileTable, max_tokens: int) -> None
     on an H200 with the 30B-A3B shape's table)."""
     weight = block.experts.gate_up_proj
     args = block.args
-    counts = sorted({min(count, max_tokens) for count in tiles.variant_token_counts(max_tokens)})
     generator = torch.Generator(device=weight.device).manual_seed(0)
-    for count in counts:
+    for count in tiles.variant_token_counts(max_tokens):
         x = torch.zeros(count, args.hidden_size, dtype=weight.dtype, device=weight.device)
         expert_ids = torch.randint(0, args.num_experts, (count, args.top_k), device=weight.device, generator=generator)
         routing = torch.full((count, args.top_k), 1.0 / args.top_k, device=weight.device)

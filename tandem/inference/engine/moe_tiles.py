@@ -74,12 +74,12 @@ class TileTable:
         return entry["gate_up"], entry["down"]
 
     def variant_token_counts(self, max_tokens: int) -> list[int]:
-        """One token count per tile variant that forwards of 1 to `max_tokens` tokens pick."""
-        if not self.entries:  # the rule's three ranges of rows per expert (`rule_tiles`)
+        """One token count (at most `max_tokens`) per tile variant that forwards of 1 to `max_tokens` tokens pick."""
+        if self.entries:  # the tuned counts below `max_tokens`, and `max_tokens` for the first one that holds it
+            counts = [c for c in self.counts if c < max_tokens] + ([max_tokens] if self.counts[-1] >= max_tokens else [])
+        else:  # the rule's three ranges of rows per expert (`rule_tiles`)
             counts = [16 * self.num_experts // self.top_k, 64 * self.num_experts // self.top_k, max_tokens]
-            return sorted({max(1, min(c, max_tokens)) for c in counts})
-        below = [c for c in self.counts if c < max_tokens]
-        return below + [c for c in self.counts if c >= max_tokens][:1]  # none past the end: the last is below
+        return sorted({max(1, min(c, max_tokens)) for c in counts})
 
     @classmethod
     def load(cls, path: Path | None, key: str, top_k: int, num_experts: int, source: str) -> "TileTable":

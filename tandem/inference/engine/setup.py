@@ -108,7 +108,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
-        if engine.fused_blocks and device.type == "cuda" and not exact:  # exact: its own blocks, token by token
+        if engine.fused_blocks and device.type == "cuda" and not exact:  # exact: its own blocks (`tandem.models.exact`)
             apply_fused_blocks(model)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
         graphs = engine.cuda_graphs and (not exact or model_uses_kernels(model, device))
