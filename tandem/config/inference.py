@@ -71,7 +71,7 @@ class EngineConfig(Section):
     fused_blocks: bool = False
     """CUDA, native models: run each decoder block's pointwise work around attention as Triton kernels
     (input norm; q/k norms, RoPE and the KV-cache write in one launch; residual add and post norm;
-    silu(gate) * up) and q/k/v and gate/up as one matmul each: some forty kernels per block fewer
+    silu(gate) * up) and q/k/v and gate/up as one matmul each: fewer kernels per block (an estimate of about forty, not counted on a GPU)
     (`inference/engine/fused_blocks.py`). Off in `[run] exact`. Off by default until it has run on a GPU
     (tested on the CPU under Triton's interpreter only)."""
 

@@ -1,8 +1,8 @@
 """The engine's execution of decoder blocks around attention, installed on the model from outside.
 
 Why: `DecoderLayer.forward` (`tandem.models.decoder`) is the reference, shared with the trainer; in
-eager mode its norms, RoPE and the cache write are some forty small kernels per block, more GPU
-time in a small model's decode step than its matmuls. The engine's version of a block:
+eager mode its norms, RoPE and the cache write are many small kernels per block (about forty by the ops
+in the code; not counted by a profiler), more GPU time in a small model's decode step than its matmuls. The engine's version of a block:
     input norm (one kernel) -> q, k, v projections (one matmul: the three weights stacked)
     -> q/k norms, RoPE, k and v written to their cache slots (one kernel, `block_kernels`)
     -> paged attention over the cache (`PagedAttention.attend_cached`)
