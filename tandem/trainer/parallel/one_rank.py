@@ -28,6 +28,7 @@ copy, a storage resize per parameter and, in backward, one hook per parameter.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -114,7 +115,13 @@ class OneRank:
             self.installed = False
 
     def _fold_gradient(self, master: nn.Parameter):
+        # A weak reference: the hook lives in the copy's C++ autograd metadata, where the garbage collector
+        # does not look, so a strong one would make copy -> hook -> self -> copy a cycle it cannot free (every
+        # model built in a process, e.g. one per benchmark shape, would keep its fp32 masters).
+        owner = weakref.ref(self)
+
         def fold(copy: nn.Parameter) -> None:
+            self = owner()
             if not self.backward_pending:  # once per backward: put the masters back when it ends
                 self.backward_pending = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
