@@ -68,12 +68,13 @@ class EngineConfig(Section):
     """CUDA: the RMS norms the model calls as modules (the final norm; a block's norms are functions of
     its forward, see `fused_blocks`) as one kernel each with `torch.compile` (a few seconds at startup)."""
 
-    fused_blocks: bool = False
+    fused_blocks: bool = True
     """CUDA, native models: run each decoder block's pointwise work around attention as Triton kernels
     (input norm; q/k norms, RoPE and the KV-cache write in one launch; residual add and post norm;
-    silu(gate) * up) and q/k/v and gate/up as one matmul each: fewer kernels per block (an estimate of about forty, not counted on a GPU)
-    (`inference/engine/fused_blocks.py`). Off in `[run] exact`. Off by default until it has run on a GPU
-    (tested on the CPU under Triton's interpreter only)."""
+    silu(gate) * up) and q/k/v and gate/up as one matmul each (`inference/engine/fused_blocks.py`).
+    Off in `[run] exact`. On the H200: Qwen3-0.6B decode step at 256 sequences 4.6 ms against 7.9 ms
+    without, Qwen3-30B-A3B 22 ms against 28 ms; logprobs differ from the trainer's a little more
+    (mean k3 4.1e-5 against 3.5e-5: the sums run in another order)."""
 
     cuda_graphs: bool = True
     """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,
