@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from tandem.config.base import ProcessConfig
+from tandem.config.base import ModelConfig, ProcessConfig
 from tandem.config.loader import ConfigError, RawConfig, read_args, validate
 from tandem.config.rl import RLConfig
 from tandem.transport.paths import common_checkpoint_steps, complete_checkpoint_steps
@@ -319,8 +319,21 @@ def exact(config: RLConfig, machine: Machine) -> list[Derived]:
     return []
 
 
-DERIVED_RULES: tuple[Rule, ...] = (nodes, trainer_ranks, devices, inference_servers, inference_device_slices, exact,
-                                   backend, weight_broadcast, resume)
+def model_options(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`model.dtype` and `model.trust_remote_code`, set for the run, reach every process. Left at their defaults,
+    each process keeps its own (`trainer.model.dtype = "float32"` beside a bf16 engine is a choice one can make),
+    so unlike the shared keys they are written only when set."""
+    defaults = ModelConfig()
+    out = []
+    for field in ("dtype", "trust_remote_code"):
+        value = getattr(config.model, field)
+        if value != getattr(defaults, field):
+            out += [Derived(f"{process}.model.{field}", value, f"`model.{field}` = {value!r}") for process in PROCESSES]
+    return out
+
+
+DERIVED_RULES: tuple[Rule, ...] = (model_options, nodes, trainer_ranks, devices, inference_servers,
+                                   inference_device_slices, exact, backend, weight_broadcast, resume)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 
 

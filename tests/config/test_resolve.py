@@ -41,6 +41,17 @@ def test_shared_keys_reach_every_process():
     assert cfg.trainer.model.dtype == "bfloat16" and cfg.inference.model.dtype == "auto"
 
 
+def test_the_runs_model_dtype_and_remote_code_reach_every_process_when_set():
+    """They were read and then dropped: `tandem rl --model.dtype bfloat16` ran every process in its default."""
+    cfg = resolve("--model.dtype", "bfloat16", "--model.trust-remote-code")
+    for sub in (cfg.trainer, cfg.orchestrator, cfg.inference):
+        assert (sub.model.dtype, sub.model.trust_remote_code) == ("bfloat16", True)
+    assert resolve("--model.dtype", "bfloat16", "--trainer.model.dtype", "bfloat16").inference.model.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"`trainer.model.dtype` = 'float32' \(from the command line\) contradicts "
+                                          r"`model.dtype` = 'bfloat16'"):
+        resolve("--model.dtype", "bfloat16", "--trainer.model.dtype", "float32")
+
+
 def test_the_load_format_is_shared_so_every_process_builds_the_same_random_weights():
     cfg = resolve("--model.load_format", "dummy")
     assert {sub.model.load_format for sub in (cfg.trainer, cfg.orchestrator, cfg.inference)} == {"dummy"}
@@ -267,7 +278,7 @@ def test_exact_is_one_switch_and_refuses_what_cannot_honour_it(tmp_path):
 
 def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
-    assert [r.__name__ for r in DERIVED_RULES] == ["nodes", "trainer_ranks", "devices", "inference_servers",
+    assert [r.__name__ for r in DERIVED_RULES] == ["model_options", "nodes", "trainer_ranks", "devices", "inference_servers",
                                                    "inference_device_slices", "exact", "backend", "weight_broadcast", "resume"]
     assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "run.exact", "seq_len", "max_steps",
                                 "output_dir", "seed", "ckpt.enabled", "ckpt.interval", "weight_transport"}
