@@ -76,6 +76,17 @@ def test_prefill_then_decode_inputs_and_block_tables():
     assert step.block_q == 1 and step.seq_lens_host == [7, 7, 7]
 
 
+def test_every_view_starts_16_bytes_aligned_whatever_the_counts():
+    """Odd numbers of sequences and tokens: an unaligned view made Triton compile its kernels again mid-run."""
+    scheduler, seqs, builder = setup(3, 5)
+    step = builder.build(scheduler.schedule())
+    views = [step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.query_start, step.tiles,
+             step.sample_index]
+    assert len(step.input_ids) == 15 and len(step.seq_lens) == 3 and len(step.query_start) == 4
+    assert all(view.data_ptr() % 16 == 0 for view in views)
+    assert step.input_ids.tolist() == [t for s in seqs for t in s.token_ids] and step.sample_index.tolist() == [4, 9, 14]
+
+
 def test_block_table_rows_send_only_what_changed():
     scheduler, seqs, builder = setup(2, 4)
     batch = scheduler.schedule()

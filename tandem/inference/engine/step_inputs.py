@@ -28,6 +28,17 @@ from tandem.inference.engine.scheduler import ScheduledBatch
 PREFILL_BLOCK_Q = 16
 """Query tokens per attention tile in steps that prefill (decode-only steps use 1)."""
 
+VIEW_ALIGNMENT = 2
+"""Each view starts at a multiple of this many int64 elements (16 bytes) of the buffer. Triton compiles a kernel
+once per alignment class of its pointers: packed end to end, a step with an odd number of sequences moved the
+views after the first odd-sized one off 16 bytes, and kernels reading them (paged attention's lengths and tiles)
+compiled again mid-run: the likely cause, inferred from where they fell and not traced, of the 0.6-1.3 s steps at
+an engine's first prefill with an odd number of sequences on the H200."""
+
+
+def aligned(size: int) -> int:
+    return -(-size // VIEW_ALIGNMENT) * VIEW_ALIGNMENT
+
 
 @dataclass
 class StepInputs:
@@ -162,7 +173,7 @@ class StepInputBuilder:
     def _transfer(self, parts: list) -> list[torch.Tensor]:
         """Pack the integer lists into one host buffer, copy it to the device once, return views."""
         sizes = [len(p) for p in parts]
-        total = sum(sizes)
+        total = sum(aligned(size) for size in sizes)
         turn = self._turn
         self._turn ^= 1
         copied = self._copied[turn]
@@ -178,7 +189,7 @@ class StepInputBuilder:
         offset = 0
         for part, size in zip(parts, sizes):
             host[offset:offset + size] = part
-            offset += size
+            offset += aligned(size)
         if self.device.type == "cuda":
             # One device buffer serves every step: the stream runs a step's copy after the previous step's kernels.
             buffer = self._device_buffer
@@ -190,5 +201,5 @@ class StepInputBuilder:
         views, offset = [], 0
         for size in sizes:
             views.append(buffer[offset:offset + size])
-            offset += size
+            offset += aligned(size)
         return views
