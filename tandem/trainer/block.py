@@ -14,8 +14,8 @@ so that
 
 The feed-forward is the block's `mlp`: one whose `tensor_function` is set (dense SwiGLU) is
 compiled into the second half; one without (a mixture of experts: shapes depend on routing) runs
-eagerly after the compiled `attention_residual`. Compiled, the halves round differently from eager
-only where inductor keeps fused intermediates in fp32.
+eagerly after the compiled `attention_residual`. Compiled, the halves keep eager mode's bf16 roundings
+(`tandem.models.compiling`), as the engine's kernels do.
 """
 
 from __future__ import annotations

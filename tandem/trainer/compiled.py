@@ -14,14 +14,17 @@ from typing import Callable
 
 import torch
 
+from tandem.models.compiling import compile_like_eager
+
 BACKEND = "inductor"
 """The `torch.compile` backend (the tests use `aot_eager`: the same tracing, no code generation)."""
 
 
 @functools.cache
 def compiled(fn: Callable) -> Callable:
-    """`fn` compiled as one graph (a graph break is an error, not a silent slowdown)."""
-    return torch.compile(fn, backend=BACKEND, fullgraph=True)
+    """`fn` compiled as one graph (a graph break is an error, not a silent slowdown), rounding like eager mode
+    as the engine does (`tandem.models.compiling`)."""
+    return compile_like_eager(fn, backend=BACKEND, fullgraph=True)
 
 
 def mark_dynamic(dim: int, *tensors: torch.Tensor | None) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from tandem.inference.engine import moe_kernel
 from tandem.inference.engine.moe_tiles import TileTable, shape_key, shipped_table_path
+from tandem.models.compiling import compile_like_eager
 from tandem.models.moe import MoE, MoEArgs, route
 
 
@@ -68,7 +69,7 @@ def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, k
     args = blocks[0].args
     if any(block.args != args for block in blocks):
         raise ValueError("the engine's MoE path needs the same expert settings in every MoE layer")
-    router = torch.compile(functools.partial(route, args=args), dynamic=True, fullgraph=True)
+    router = compile_like_eager(functools.partial(route, args=args), dynamic=True, fullgraph=True)
     tiles = load_tiles(blocks[0], tile_table)
     for index, block in enumerate(blocks):
         block.forward = functools.partial(fused_moe_forward, block, router, recorder, index, tiles)

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
+from tandem.models.compiling import compile_like_eager
 from tandem.models.layers import RMSNorm, rms_norm
 
 
 def apply_compiled_norms(model: nn.Module) -> None:
     """Route every `RMSNorm` of `model` through the compiled `rms_norm`, in place."""
-    compiled = torch.compile(rms_norm, dynamic=True, fullgraph=True)
+    compiled = compile_like_eager(rms_norm, dynamic=True, fullgraph=True)
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.forward = functools.partial(compiled, weight=module.weight, eps=module.eps)
