@@ -199,14 +199,23 @@ def sft_examples(
     min_names: int = 3,
     max_names: int = 6,
     names_per_follow_up: int = 2,
+    misclosed_fraction: float = 0.0,
 ) -> list[dict[str, Messages]]:
     """`n` whole conversations `{"messages": [system, user, assistant, user, assistant, ...]}`,
     every assistant turn the correct sorted list, the follow-ups as the environment writes them.
     They are the first `n` training rows of `load_environment` with the same arguments, so they
-    never contain its eval questions."""
+    never contain its eval questions.
+
+    `misclosed_fraction`: the share of assistant turns (drawn at random, seeded) that close with
+    `</alphabetical>` instead of `</alphabetical_sorted>`: an imperfect demonstrator, whose lists are
+    right but sometimes in a form the parser rejects (that turn scores 0), a slip RL's reward can
+    correct."""
+    if not 0.0 <= misclosed_fraction <= 1.0:
+        raise ValueError(f"misclosed_fraction = {misclosed_fraction}: a fraction, 0 to 1")
     train, _ = _make_splits(
         n, num_eval_examples, seed, min_turns, max_turns, min_names, max_names, names_per_follow_up
     )
+    slips = random.Random(f"misclosed {seed}")
     examples = []
     for row in train:
         names_per_turn = row["info"]["names_per_turn"]
@@ -218,6 +227,8 @@ def sft_examples(
             if turn:
                 messages.append({"role": "user", "content": follow_up_question(names_per_turn[turn])})
             answer = PARSER.format(alphabetical_sorted="\n".join(names))
+            if slips.random() < misclosed_fraction:
+                answer = answer.replace("</alphabetical_sorted>", "</alphabetical>")
             messages.append({"role": "assistant", "content": answer})
         examples.append({"messages": messages})
     return examples
