@@ -18,6 +18,7 @@ from typing import Any
 from tandem.envs.multi_turn import MultiTurnEnv
 from tandem.envs.parsers import XMLParser, assistant_contents
 from tandem.envs.rubric import Rubric
+from tandem.envs.slips import slip_draws
 from tandem.envs.splits import Row, draw_disjoint_splits
 from tandem.envs.types import Info, Messages, State
 from tandem.envs.word_lists import load_word_list
@@ -210,12 +211,10 @@ def sft_examples(
     `</alphabetical>` instead of `</alphabetical_sorted>`: an imperfect demonstrator, whose lists are
     right but sometimes in a form the parser rejects (that turn scores 0), a slip RL's reward can
     correct."""
-    if not 0.0 <= misclosed_fraction <= 1.0:
-        raise ValueError(f"misclosed_fraction = {misclosed_fraction}: a fraction, 0 to 1")
     train, _ = _make_splits(
         n, num_eval_examples, seed, min_turns, max_turns, min_names, max_names, names_per_follow_up
     )
-    slips = random.Random(f"misclosed {seed}")
+    slips = slip_draws(misclosed_fraction, "misclosed_fraction", f"misclosed {seed}")
     examples = []
     for row in train:
         names_per_turn = row["info"]["names_per_turn"]
@@ -227,7 +226,7 @@ def sft_examples(
             if turn:
                 messages.append({"role": "user", "content": follow_up_question(names_per_turn[turn])})
             answer = PARSER.format(alphabetical_sorted="\n".join(names))
-            if slips.random() < misclosed_fraction:
+            if slips():
                 answer = answer.replace("</alphabetical_sorted>", "</alphabetical>")
             messages.append({"role": "assistant", "content": answer})
         examples.append({"messages": messages})

@@ -17,6 +17,7 @@ from typing import Any
 from tandem.envs.parsers import ThinkParser
 from tandem.envs.rubric import Rubric
 from tandem.envs.single_turn import SingleTurnEnv
+from tandem.envs.slips import slip_draws
 from tandem.envs.splits import Row, draw_disjoint_splits
 from tandem.envs.types import Messages
 from tandem.envs.word_lists import load_word_list
@@ -198,15 +199,14 @@ def sft_examples(
     `off_by_one_fraction`: the share of examples (drawn at random, seeded) whose boxed answer is
     one more or one less than the right one: an imperfect demonstrator, whose arithmetic slips
     (reward 0) leave the warm-up's answers spread around the right one, a spread RL's reward narrows."""
-    if not 0.0 <= off_by_one_fraction <= 1.0:
-        raise ValueError(f"off_by_one_fraction = {off_by_one_fraction}: a fraction, 0 to 1")
     train, _ = _make_splits(n, num_eval_examples, seed, difficulty, templates)
-    slips = random.Random(f"off by one {seed}")
+    slips = slip_draws(off_by_one_fraction, "off_by_one_fraction", f"off by one {seed}")
+    directions = random.Random(f"off by one {seed}, direction")
     examples = []
     for row in train:
         answer = int(row["answer"])
-        if slips.random() < off_by_one_fraction:
-            answer += slips.choice([-1, 1])
+        if slips():
+            answer += directions.choice([-1, 1])
         examples.append({"messages": [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": row["question"]},
