@@ -18,6 +18,7 @@ from typing import Any
 from tandem.envs.multi_turn import MultiTurnEnv
 from tandem.envs.parsers import XMLParser, assistant_contents
 from tandem.envs.rubric import Rubric
+from tandem.envs.slips import slip_draws
 from tandem.envs.splits import Row, draw_disjoint_splits
 from tandem.envs.types import Info, Messages, State
 from tandem.envs.word_lists import load_word_list
@@ -199,14 +200,21 @@ def sft_examples(
     min_names: int = 3,
     max_names: int = 6,
     names_per_follow_up: int = 2,
+    misclosed_fraction: float = 0.0,
 ) -> list[dict[str, Messages]]:
     """`n` whole conversations `{"messages": [system, user, assistant, user, assistant, ...]}`,
     every assistant turn the correct sorted list, the follow-ups as the environment writes them.
     They are the first `n` training rows of `load_environment` with the same arguments, so they
-    never contain its eval questions."""
+    never contain its eval questions.
+
+    `misclosed_fraction`: the share of assistant turns (drawn at random, seeded) that close with
+    `</alphabetical>` instead of `</alphabetical_sorted>`: an imperfect demonstrator, whose lists are
+    right but sometimes in a form the parser rejects (that turn scores 0), a slip RL's reward can
+    correct."""
     train, _ = _make_splits(
         n, num_eval_examples, seed, min_turns, max_turns, min_names, max_names, names_per_follow_up
     )
+    slips = slip_draws(misclosed_fraction, "misclosed_fraction", f"misclosed {seed}")
     examples = []
     for row in train:
         names_per_turn = row["info"]["names_per_turn"]
@@ -218,6 +226,8 @@ def sft_examples(
             if turn:
                 messages.append({"role": "user", "content": follow_up_question(names_per_turn[turn])})
             answer = PARSER.format(alphabetical_sorted="\n".join(names))
+            if slips():
+                answer = answer.replace("</alphabetical_sorted>", "</alphabetical>")
             messages.append({"role": "assistant", "content": answer})
         examples.append({"messages": messages})
     return examples

@@ -17,6 +17,7 @@ from typing import Any
 from tandem.envs.parsers import ThinkParser
 from tandem.envs.rubric import Rubric
 from tandem.envs.single_turn import SingleTurnEnv
+from tandem.envs.slips import slip_draws
 from tandem.envs.splits import Row, draw_disjoint_splits
 from tandem.envs.types import Messages
 from tandem.envs.word_lists import load_word_list
@@ -83,15 +84,15 @@ def _two_steps(rng: random.Random, who: str, item: str, top: int) -> tuple[str, 
     return question, start + packs * per_pack - given
 
 
-TEMPLATES: list[Template] = [
-    _add,
-    _take_away,
-    _groups_of,
-    _share,
-    _change,
-    _temperature,
-    _two_steps,
-]
+TEMPLATES: dict[str, Template] = {
+    "add": _add,
+    "take_away": _take_away,
+    "groups_of": _groups_of,
+    "share": _share,
+    "change": _change,
+    "temperature": _temperature,
+    "two_steps": _two_steps,
+}
 
 
 def last_boxed(text: str) -> str | None:
@@ -129,20 +130,31 @@ def boxed_answer_reward(completion: Messages, answer: str) -> float:
     return float(number is not None and number == Decimal(answer))
 
 
-def _sample_row(rng: random.Random, difficulty: int) -> Row:
+def _sample_row(rng: random.Random, difficulty: int, templates: list[Template]) -> Row:
     person = rng.choice(load_word_list("names.txt")).split(" ", 1)[0]
-    template = rng.choice(TEMPLATES)
+    template = rng.choice(templates)
     question, answer = template(rng, person, rng.choice(ITEMS), 10**difficulty)
     return {"question": question, "answer": str(answer), "task": "math"}
 
 
 def _make_splits(
-    num_train_examples: int, num_eval_examples: int, seed: int, difficulty: int
+    num_train_examples: int,
+    num_eval_examples: int,
+    seed: int,
+    difficulty: int,
+    templates: list[str] | None,
 ) -> tuple[list[Row], list[Row]]:
     if difficulty < 1:
         raise ValueError(f"difficulty must be >= 1 (operands up to 10**d), got {difficulty}")
+    chosen = list(TEMPLATES) if templates is None else templates
+    unknown = [name for name in chosen if name not in TEMPLATES]
+    if unknown or not chosen:
+        raise ValueError(
+            f"templates = {templates}: name one or more of {', '.join(TEMPLATES)}"
+        )
+    kinds = [TEMPLATES[name] for name in chosen]
     return draw_disjoint_splits(
-        lambda rng: _sample_row(rng, difficulty), num_train_examples, num_eval_examples, seed
+        lambda rng: _sample_row(rng, difficulty, kinds), num_train_examples, num_eval_examples, seed
     )
 
 
@@ -151,9 +163,14 @@ def load_environment(
     num_eval_examples: int = 200,
     seed: int = 0,
     difficulty: int = 2,
+    templates: list[str] | None = None,
     **kwargs: Any,
 ) -> SingleTurnEnv:
-    train, eval_rows = _make_splits(num_train_examples, num_eval_examples, seed, difficulty)
+    """`templates`: the kinds of problem to draw (names of `TEMPLATES`), all of them when None; fewer
+    kinds make an easier task, e.g. `["add", "take_away"]` for a model too small for the rest."""
+    train, eval_rows = _make_splits(
+        num_train_examples, num_eval_examples, seed, difficulty, templates
+    )
     rubric = Rubric(funcs=[boxed_answer_reward], parser=PARSER)
     return SingleTurnEnv(
         dataset=train,
@@ -166,20 +183,33 @@ def load_environment(
 
 
 def sft_examples(
-    n: int, seed: int = 0, num_eval_examples: int = 200, difficulty: int = 2
+    n: int,
+    seed: int = 0,
+    num_eval_examples: int = 200,
+    difficulty: int = 2,
+    templates: list[str] | None = None,
+    off_by_one_fraction: float = 0.0,
 ) -> list[dict[str, Messages]]:
     """`n` chat examples `{"messages": [system, user, assistant]}` whose answer is the bare
     `\\boxed{N}`: they teach the answer format and give a first idea of the arithmetic, the
     rest is left to RL. They are the first `n` training rows of `load_environment` with the
-    same seed, difficulty and `num_eval_examples`, so they never contain its eval questions."""
-    train, _ = _make_splits(n, num_eval_examples, seed, difficulty)
-    return [
-        {
-            "messages": [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": row["question"]},
-                {"role": "assistant", "content": f"\\boxed{{{row['answer']}}}"},
-            ]
-        }
-        for row in train
-    ]
+    same seed, difficulty, templates and `num_eval_examples`, so they never contain its eval
+    questions.
+
+    `off_by_one_fraction`: the share of examples (drawn at random, seeded) whose boxed answer is
+    one more or one less than the right one: an imperfect demonstrator, whose arithmetic slips
+    (reward 0) leave the warm-up's answers spread around the right one, a spread RL's reward narrows."""
+    train, _ = _make_splits(n, num_eval_examples, seed, difficulty, templates)
+    slips = slip_draws(off_by_one_fraction, "off_by_one_fraction", f"off by one {seed}")
+    directions = random.Random(f"off by one {seed}, direction")
+    examples = []
+    for row in train:
+        answer = int(row["answer"])
+        if slips():
+            answer += directions.choice([-1, 1])
+        examples.append({"messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": row["question"]},
+            {"role": "assistant", "content": f"\\boxed{{{answer}}}"},
+        ]})
+    return examples

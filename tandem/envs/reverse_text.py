@@ -13,6 +13,7 @@ from typing import Any
 from tandem.envs.parsers import XMLParser
 from tandem.envs.rubric import Rubric
 from tandem.envs.single_turn import SingleTurnEnv
+from tandem.envs.slips import slip_draws
 from tandem.envs.splits import Row, draw_disjoint_splits
 from tandem.envs.types import Messages
 from tandem.envs.word_lists import load_word_list
@@ -86,14 +87,12 @@ def sft_examples(
     `misclosed_fraction`: the share of examples (drawn at random, seeded) whose answer closes with
     `</reversed>` instead of `</reversed_text>`: an imperfect demonstrator, whose model reverses well
     but sometimes answers in a form the parser rejects (reward 0), a slip RL's reward can correct."""
-    if not 0.0 <= misclosed_fraction <= 1.0:
-        raise ValueError(f"misclosed_fraction = {misclosed_fraction}: a fraction, 0 to 1")
     train, _ = _make_splits(n, num_eval_examples, seed, min_words, max_words)
-    slips = random.Random(f"misclosed {seed}")
+    slips = slip_draws(misclosed_fraction, "misclosed_fraction", f"misclosed {seed}")
     examples = []
     for row in train:
         answer = PARSER.format(reversed_text=row["answer"])
-        if slips.random() < misclosed_fraction:
+        if slips():
             answer = answer.replace("</reversed_text>", "</reversed>")
         examples.append({"messages": [
             {"role": "system", "content": SYSTEM_PROMPT},

@@ -148,3 +148,32 @@ def test_sft_examples_replay_as_perfect_rollouts_of_training_rows(scripted_clien
         _, completion, _, score = run_game(env, example, replies, scripted_client)
         assert completion == messages[2:]  # the follow-ups are the environment's own
         assert score.reward == 1.0
+
+
+def test_misclosed_turns_hold_the_right_list_but_score_zero():
+    """The imperfect demonstrator of the example's warm-up: the same conversations, a seeded share of
+    the assistant turns closed with `</alphabetical>`, which the rubric scores 0 for that turn."""
+    args = dict(seed=3, min_names=2, max_names=3, max_turns=2, names_per_follow_up=1)
+    rows = alphabet_sort.load_environment(num_train_examples=300, **args).get_dataset()
+    clean = alphabet_sort.sft_examples(300, **args)
+    sloppy = alphabet_sort.sft_examples(300, misclosed_fraction=0.3, **args)
+    assert sloppy == alphabet_sort.sft_examples(300, misclosed_fraction=0.3, **args)
+    turns = slipped = 0
+    for good, bad, row in zip(clean, sloppy, rows, strict=True):
+        assert [m["role"] for m in good["messages"]] == [m["role"] for m in bad["messages"]]
+        slips_before = slipped
+        for right, given in zip(good["messages"], bad["messages"], strict=True):
+            if right["role"] != "assistant":
+                assert given == right
+                continue
+            turns += 1
+            if given != right:
+                slipped += 1
+                closed = right["content"].replace("</alphabetical_sorted>", "</alphabetical>")
+                assert given["content"] == closed
+        replies = sum(m["role"] == "assistant" for m in bad["messages"])
+        score = alphabet_sort.sorted_list_reward(bad["messages"][2:], row["info"])
+        assert score == pytest.approx(1 - (slipped - slips_before) / replies)
+    assert 0.2 < slipped / turns < 0.4
+    with pytest.raises(ValueError, match="misclosed_fraction"):
+        alphabet_sort.sft_examples(4, misclosed_fraction=-0.1)

@@ -109,3 +109,41 @@ def test_sft_examples_answer_training_questions_in_a_box():
         assert [system, user] == example["prompt"] and user["content"] not in evals
         assert assistant["content"] == f"\\boxed{{{example['answer']}}}"
         assert reward(assistant["content"], example["answer"]) == 1.0
+
+
+def test_templates_choose_the_kinds_of_problem():
+    env = math_problems.load_environment(
+        num_train_examples=200, num_eval_examples=20, difficulty=1, templates=["add", "take_away"]
+    )
+    questions = [e["prompt"][-1]["content"] for e in env.get_dataset() + env.get_eval_dataset()]
+    assert all(" more. " in q or " away. " in q for q in questions)
+    assert any(" more. " in q for q in questions) and any(" away. " in q for q in questions)
+    every_kind = math_problems.load_environment(num_train_examples=200, num_eval_examples=20)
+    assert every_kind.get_dataset() == math_problems.load_environment(
+        num_train_examples=200, num_eval_examples=20, templates=list(math_problems.TEMPLATES)
+    ).get_dataset()
+    with pytest.raises(ValueError, match="templates"):
+        math_problems.load_environment(templates=["add", "divide"])
+    with pytest.raises(ValueError, match="templates"):
+        math_problems.load_environment(templates=[])
+
+
+def test_off_by_one_demonstrations_are_one_off_and_score_zero():
+    """The imperfect demonstrator of the example's warm-up: the same questions, a seeded share answered
+    one more or one less than the right number, which the rubric scores 0."""
+    args = dict(seed=4, difficulty=1, templates=["add"])
+    clean = math_problems.sft_examples(400, **args)
+    sloppy = math_problems.sft_examples(400, off_by_one_fraction=0.3, **args)
+    assert sloppy == math_problems.sft_examples(400, off_by_one_fraction=0.3, **args)
+    slipped = set()
+    for good, bad in zip(clean, sloppy, strict=True):
+        assert good["messages"][:2] == bad["messages"][:2]
+        right = math_problems.last_boxed(good["messages"][2]["content"])
+        given = math_problems.last_boxed(bad["messages"][2]["content"])
+        if given != right:
+            slipped.add(int(given) - int(right))
+            assert reward(bad["messages"][2]["content"], right) == 0.0
+    assert slipped == {-1, 1}
+    assert 0.2 < sum(g != b for g, b in zip(clean, sloppy)) / 400 < 0.4
+    with pytest.raises(ValueError, match="off_by_one_fraction"):
+        math_problems.sft_examples(4, off_by_one_fraction=2)
