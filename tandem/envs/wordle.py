@@ -192,18 +192,22 @@ def _demonstration(
     the feedback so far: a plain strategy that solves most games in 6 guesses, so the warm-up
     teaches the format and the use of feedback without playing well. A share
     `misclosed_fraction` of the guesses (drawn from `slips`) close with `</gues>`: the game
-    rejects them and the turn is lost."""
+    rejects them and the turn is lost. Only wrong guesses slip, and the guess after a slip is
+    another candidate, so no demonstration repeats its last guess: retried words taught the tiny
+    model to repeat its last guess, which it then did after valid feedback too."""
     messages: Messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": QUESTION},
     ]
     candidates = list(words.answers)
+    slipped = None
     for turn in range(1, MAX_GUESSES + 1):
-        guess = rng.choice(candidates)
-        misclosed = slips.random() < misclosed_fraction
+        guess = rng.choice([word for word in candidates if word != slipped])
+        misclosed = slips.random() < misclosed_fraction and guess != answer
         messages.append({"role": "assistant", "content": f"<guess>{guess}</{'gues' if misclosed else 'guess'}>"})
         if (guess == answer and not misclosed) or turn == MAX_GUESSES:
             break
+        slipped = guess if misclosed else None
         if not misclosed:
             marks = score_guess(guess, answer)
             candidates = [word for word in candidates if score_guess(guess, word) == marks]

@@ -147,10 +147,16 @@ def test_misclosed_demonstrations_slip_and_score_lower(scripted_client):
     args = dict(seed=1, num_eval_examples=8, num_words=40)
     clean = wordle.sft_examples(200, **args)
     slipped = wordle.sft_examples(200, misclosed_fraction=0.3, **args)
-    guesses = [m["content"] for row in slipped for m in row["messages"] if m["role"] == "assistant"]
-    misclosed = sum(text.endswith("</gues>") for text in guesses)
-    assert 0.25 < misclosed / len(guesses) < 0.35
     train = [e["answer"] for e in wordle.load_environment(**args).get_dataset()]
+    wrong = misclosed = 0
+    for row, answer in zip(slipped, train * 10):
+        guesses = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        words = [text.removeprefix("<guess>").split("<")[0] for text in guesses]
+        assert all(a != b for a, b in zip(words, words[1:]))  # no retry of the last word, even after a slip
+        wrong += sum(word != answer for word in words)
+        misclosed += sum(text.endswith("</gues>") for text in guesses)
+        assert not any(text == f"<guess>{answer}</gues>" for text in guesses)  # only wrong guesses slip
+    assert 0.25 < misclosed / wrong < 0.35
     rewards = {}
     for name, rows in (("clean", clean), ("slipped", slipped)):
         total = 0.0
