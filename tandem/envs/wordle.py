@@ -4,8 +4,13 @@ The model writes each guess inside `<guess>` tags; the environment answers with 
 feedback, one mark per letter: G (right letter, right spot), Y (in the word, elsewhere),
 X (not in the word, or no copies left). Duplicates follow the game: greens are matched
 first, then yellows left to right while unmatched copies of the letter remain. A guess that
-is missing, not 5 letters, or not in `data/wordle_guesses.txt` gets an error message and
-still uses up one of the 6 turns.
+is missing, not 5 letters, or not an allowed word gets an error message and still uses up
+one of the 6 turns.
+
+The words: by default the hidden words are those of `data/wordle_answers.txt` and a guess may
+be any word of `data/wordle_guesses.txt`. `num_words` N plays a smaller game, the difficulty
+knob: N of the answer words (the same N for every seed) are both the hidden words and the only
+allowed guesses, a vocabulary a tiny model can learn in a short warm-up.
 
 Reward, with k = the number of guesses (turns) used up to the correct one:
 
@@ -20,6 +25,7 @@ so a first-guess solve scores 2.2, a sixth-guess solve 1.3667, and an unsolved g
 
 import random
 from collections import Counter
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -54,99 +60,122 @@ def score_guess(guess: str, answer: str) -> str:
     return "".join(marks)
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """The words of one game: the hidden word is one of `answers`; a guess counts only if it is
+    in `allowed`. The reward functions are its methods, so they judge guesses by the same words
+    the game does."""
+
+    answers: tuple[str, ...]
+    """The words a hidden word is drawn from (before the train/eval split)."""
+    allowed: frozenset[str]
+    """The words accepted as a guess; contains every answer."""
+
+    def read_guess(self, text: str) -> str | None:
+        """The guess written in `text`, lowercase, if it is an allowed word; else None."""
+        guess = PARSER.parse(text).guess
+        if guess is None:
+            return None
+        guess = guess.lower()
+        return guess if guess in self.allowed else None
+
+    def feedback(self, text: str, answer: str, guesses_left: int) -> str:
+        """The environment's reply to one model turn."""
+        guess = self.read_guess(text)
+        left = f"{guesses_left} guess{'es' if guesses_left != 1 else ''} left."
+        if guess is None:
+            return (
+                "Invalid guess: write one 5-letter English word inside <guess> tags. "
+                f"This counts as a guess. {left}"
+            )
+        return f"{guess.upper()}\n{' '.join(score_guess(guess, answer))}\n{left}"
+
+    def _guesses(self, completion: Messages) -> list[str | None]:
+        return [self.read_guess(text) for text in assistant_contents(completion)]
+
+    def _solved_at(self, completion: Messages, answer: str) -> int | None:
+        """The 1-based turn of the correct guess, None if unsolved."""
+        guesses = self._guesses(completion)
+        return guesses.index(answer) + 1 if answer in guesses else None
+
+    def solved_reward(self, completion: Messages, answer: str) -> float:
+        return float(self._solved_at(completion, answer) is not None)
+
+    def efficiency_reward(self, completion: Messages, answer: str) -> float:
+        turn = self._solved_at(completion, answer)
+        return 0.0 if turn is None else (MAX_GUESSES + 1 - turn) / MAX_GUESSES
+
+    def partial_reward(self, completion: Messages, answer: str) -> float:
+        valid = [guess for guess in self._guesses(completion) if guess is not None]
+        if not valid:
+            return 0.0
+        marks = score_guess(valid[-1], answer)
+        return (marks.count("G") + 0.5 * marks.count("Y")) / 5
+
+
 @cache
-def allowed_guesses() -> frozenset[str]:
-    return frozenset(load_word_list("wordle_guesses.txt"))
-
-
-def read_guess(text: str) -> str | None:
-    """The guess written in `text`, lowercase, if it is an allowed word; else None."""
-    guess = PARSER.parse(text).guess
-    if guess is None:
-        return None
-    guess = guess.lower()
-    return guess if guess in allowed_guesses() else None
-
-
-def feedback(text: str, answer: str, guesses_left: int) -> str:
-    """The environment's reply to one model turn."""
-    guess = read_guess(text)
-    left = f"{guesses_left} guess{'es' if guesses_left != 1 else ''} left."
-    if guess is None:
-        return (
-            "Invalid guess: write one 5-letter English word inside <guess> tags. "
-            f"This counts as a guess. {left}"
-        )
-    return f"{guess.upper()}\n{' '.join(score_guess(guess, answer))}\n{left}"
+def vocabulary(num_words: int = -1) -> Vocabulary:
+    """-1: every answer word, and every word of the guess list allowed. N: the first N answer
+    words of one fixed shuffle (so a smaller game's words are part of every larger one's), which
+    are also the only allowed guesses."""
+    answers = load_word_list("wordle_answers.txt")
+    if num_words == -1:
+        return Vocabulary(answers, frozenset(load_word_list("wordle_guesses.txt")))
+    if not 1 <= num_words <= len(answers):
+        raise ValueError(f"num_words = {num_words}: -1 (all) or 1 to {len(answers)} (the answer words)")
+    shuffled = list(answers)
+    random.Random("wordle vocabulary").shuffle(shuffled)
+    words = tuple(shuffled[:num_words])
+    return Vocabulary(words, frozenset(words))
 
 
 class WordleEnv(MultiTurnEnv):
     """Ends on the correct guess or after `MAX_GUESSES` turns."""
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, words: Vocabulary, **kwargs: Any):
         super().__init__(max_turns=MAX_GUESSES, **kwargs)
+        self.words = words
 
     def is_completed(self, messages: Messages, state: State, **kwargs: Any) -> bool:
         last = messages[-1]
-        return last["role"] == "assistant" and read_guess(last["content"]) == state["answer"]
+        return last["role"] == "assistant" and self.words.read_guess(last["content"]) == state["answer"]
 
     def env_response(
         self, messages: Messages, state: State, **kwargs: Any
     ) -> tuple[Messages, State]:
-        text = feedback(messages[-1]["content"], state["answer"], self.max_turns - state["turn"])
+        text = self.words.feedback(messages[-1]["content"], state["answer"], self.max_turns - state["turn"])
         return [{"role": "user", "content": text}], state
-
-
-def _guesses(completion: Messages) -> list[str | None]:
-    return [read_guess(text) for text in assistant_contents(completion)]
-
-
-def _solved_at(completion: Messages, answer: str) -> int | None:
-    """The 1-based turn of the correct guess, None if unsolved."""
-    guesses = _guesses(completion)
-    return guesses.index(answer) + 1 if answer in guesses else None
-
-
-def solved_reward(completion: Messages, answer: str) -> float:
-    return float(_solved_at(completion, answer) is not None)
-
-
-def efficiency_reward(completion: Messages, answer: str) -> float:
-    turn = _solved_at(completion, answer)
-    return 0.0 if turn is None else (MAX_GUESSES + 1 - turn) / MAX_GUESSES
-
-
-def partial_reward(completion: Messages, answer: str) -> float:
-    valid = [guess for guess in _guesses(completion) if guess is not None]
-    if not valid:
-        return 0.0
-    marks = score_guess(valid[-1], answer)
-    return (marks.count("G") + 0.5 * marks.count("Y")) / 5
 
 
 def _row(answer: str) -> dict[str, str]:
     return {"question": QUESTION, "answer": answer, "task": "wordle"}
 
 
-def _split_answers(num_train: int, num_eval: int, seed: int) -> tuple[list[str], list[str]]:
-    return split_items(
-        load_word_list("wordle_answers.txt"), num_train, num_eval, seed, "wordle has {} answer words"
-    )
+def _split_answers(
+    words: Vocabulary, num_train: int, num_eval: int, seed: int
+) -> tuple[list[str], list[str]]:
+    return split_items(words.answers, num_train, num_eval, seed, "wordle has {} answer words")
 
 
 def load_environment(
-    num_train_examples: int = -1, num_eval_examples: int = 100, seed: int = 0, **kwargs: Any
+    num_train_examples: int = -1,
+    num_eval_examples: int = 100,
+    seed: int = 0,
+    num_words: int = -1,
+    **kwargs: Any,
 ) -> WordleEnv:
     """Answers are split by `seed` into disjoint eval and train words; `num_train_examples`
-    -1 takes every answer not in the eval set."""
-    train, eval_words = _split_answers(num_train_examples, num_eval_examples, seed)
+    -1 takes every answer not in the eval set. `num_words`: see `vocabulary`."""
+    words = vocabulary(num_words)
+    train, eval_words = _split_answers(words, num_train_examples, num_eval_examples, seed)
     format_reward_func = PARSER.get_format_reward_func()
     rubric = Rubric(
-        funcs=[solved_reward, efficiency_reward, partial_reward, format_reward_func],
+        funcs=[words.solved_reward, words.efficiency_reward, words.partial_reward, format_reward_func],
         weights=[1.0, 1.0, 0.2, 0.0],
         parser=PARSER,
     )
     return WordleEnv(
+        words,
         dataset=[_row(word) for word in train],
         eval_dataset=[_row(word) for word in eval_words],
         system_prompt=SYSTEM_PROMPT,
@@ -156,31 +185,58 @@ def load_environment(
     )
 
 
-def _demonstration(answer: str, rng: random.Random) -> Messages:
+def _demonstration(
+    words: Vocabulary, answer: str, rng: random.Random, slips: random.Random, misclosed_fraction: float
+) -> Messages:
     """One game, each guess drawn at random from the answer words still consistent with all
     the feedback so far: a plain strategy that solves most games in 6 guesses, so the warm-up
-    teaches the format and the use of feedback without playing well."""
+    teaches the format and the use of feedback without playing well. A share
+    `misclosed_fraction` of the guesses (drawn from `slips`) close with `</gues>`: the game
+    rejects them and the turn is lost. Only wrong guesses slip, and the guess after a slip is
+    another candidate, so no demonstration repeats its last guess: retried words taught the tiny
+    model to repeat its last guess, which it then did after valid feedback too."""
     messages: Messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": QUESTION},
     ]
-    candidates = list(load_word_list("wordle_answers.txt"))
+    candidates = list(words.answers)
+    slipped = None
     for turn in range(1, MAX_GUESSES + 1):
-        guess = rng.choice(candidates)
-        messages.append({"role": "assistant", "content": f"<guess>{guess}</guess>"})
-        if guess == answer or turn == MAX_GUESSES:
+        guess = rng.choice([word for word in candidates if word != slipped])
+        misclosed = slips.random() < misclosed_fraction and guess != answer
+        messages.append({"role": "assistant", "content": f"<guess>{guess}</{'gues' if misclosed else 'guess'}>"})
+        if (guess == answer and not misclosed) or turn == MAX_GUESSES:
             break
-        marks = score_guess(guess, answer)
-        candidates = [word for word in candidates if score_guess(guess, word) == marks]
-        reply = feedback(messages[-1]["content"], answer, MAX_GUESSES - turn)
+        slipped = guess if misclosed else None
+        if not misclosed:
+            marks = score_guess(guess, answer)
+            candidates = [word for word in candidates if score_guess(guess, word) == marks]
+        reply = words.feedback(messages[-1]["content"], answer, MAX_GUESSES - turn)
         messages.append({"role": "user", "content": reply})
     return messages
 
 
-def sft_examples(n: int, seed: int = 0, num_eval_examples: int = 100) -> list[dict[str, Messages]]:
-    """`n` demonstration games on the training answers of `load_environment` with the same seed
-    and `num_eval_examples` (never an eval answer; guesses may be any answer word, as in the
-    game), cycling over those answers when `n` is larger, each game played afresh."""
-    train, _ = _split_answers(-1, num_eval_examples, seed)
-    rng = random.Random(seed)
-    return [{"messages": _demonstration(train[i % len(train)], rng)} for i in range(n)]
+def sft_examples(
+    n: int,
+    seed: int = 0,
+    num_eval_examples: int = 100,
+    num_words: int = -1,
+    misclosed_fraction: float = 0.0,
+) -> list[dict[str, Messages]]:
+    """`n` demonstration games on the training answers of `load_environment` with the same seed,
+    `num_eval_examples` and `num_words` (never an eval answer; guesses may be any answer word, as
+    in the game), cycling over those answers when `n` is larger, each game played afresh.
+
+    `misclosed_fraction`: the share of guesses (drawn at random, seeded apart from the games) that
+    close with `</gues>` instead of `</guess>`: an imperfect demonstrator whose slips the game
+    rejects, each costing a turn (a lower efficiency, or an unsolved game), which RL's reward can
+    remove."""
+    if not 0.0 <= misclosed_fraction <= 1.0:
+        raise ValueError(f"misclosed_fraction = {misclosed_fraction}: a fraction, 0 to 1")
+    words = vocabulary(num_words)
+    train, _ = _split_answers(words, -1, num_eval_examples, seed)
+    rng, slips = random.Random(seed), random.Random(f"misclosed {seed}")
+    return [
+        {"messages": _demonstration(words, train[i % len(train)], rng, slips, misclosed_fraction)}
+        for i in range(n)
+    ]

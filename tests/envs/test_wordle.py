@@ -11,8 +11,8 @@ def guess(word: str) -> str:
     return f"<guess>{word}</guess>"
 
 
-def play(answer: str, replies, scripted_client):
-    env = wordle.load_environment(num_train_examples=10, num_eval_examples=10)
+def play(answer: str, replies, scripted_client, num_words: int = -1):
+    env = wordle.load_environment(num_train_examples=10, num_eval_examples=10, num_words=num_words)
     prompt = env.get_dataset(1)[0]["prompt"]
     client = scripted_client(replies)
     completion, state = asyncio.run(env.rollout(client, "m", prompt, answer, "wordle"))
@@ -30,10 +30,12 @@ def test_feedback_marks_duplicates_like_the_game():
 
 
 def test_reading_guesses():
-    assert wordle.read_guess("I think <guess> CRANE </guess>") == "crane"
-    assert wordle.read_guess("<guess>zzzzz</guess>") is None
-    assert wordle.read_guess("<guess>cranes</guess>") is None
-    assert wordle.read_guess("crane") is None
+    read_guess = wordle.vocabulary().read_guess
+    assert read_guess("I think <guess> CRANE </guess>") == "crane"
+    assert read_guess("<guess>zzzzz</guess>") is None
+    assert read_guess("<guess>cranes</guess>") is None
+    assert read_guess("<guess>crane</gues>") is None  # the imperfect demonstrator's slip
+    assert read_guess("crane") is None
 
 
 def test_rewards_follow_the_documented_formula(scripted_client):
@@ -119,3 +121,51 @@ def test_sft_examples_replay_as_rollouts_of_training_answers(scripted_client):
         assert completion == messages[2:]  # the feedback is the environment's own
         solved += score.metrics["solved_reward"]
     assert solved >= 0.9 * len(rows[::10])  # guesses consistent with the feedback solve most games
+
+
+def test_a_smaller_game_uses_only_its_words(scripted_client):
+    words = wordle.vocabulary(40)
+    answers = load_word_list("wordle_answers.txt")
+    assert len(words.answers) == 40 and set(words.answers) <= set(answers)
+    assert words.allowed == set(words.answers)
+    assert set(wordle.vocabulary(20).answers) <= set(words.answers)  # nested, same for every seed
+    env = wordle.load_environment(num_eval_examples=8, num_words=40, seed=1)
+    train = [e["answer"] for e in env.get_dataset()]
+    evals = [e["answer"] for e in env.get_eval_dataset()]
+    assert len(train) == 32 and sorted(train + evals) == sorted(words.answers)
+    outside = next(word for word in answers if word not in words.allowed)
+    answer = words.answers[0]
+    completion, _, score = play(answer, [guess(outside), guess(answer)], scripted_client, num_words=40)
+    assert completion[1]["content"].startswith("Invalid guess")  # allowed in the full game, not here
+    assert score.metrics["solved_reward"] == 1.0 and score.metrics["efficiency_reward"] == pytest.approx(5 / 6)
+    for bad in (0, len(answers) + 1):
+        with pytest.raises(ValueError, match="num_words"):
+            wordle.load_environment(num_words=bad)
+
+
+def test_misclosed_demonstrations_slip_and_score_lower(scripted_client):
+    args = dict(seed=1, num_eval_examples=8, num_words=40)
+    clean = wordle.sft_examples(200, **args)
+    slipped = wordle.sft_examples(200, misclosed_fraction=0.3, **args)
+    train = [e["answer"] for e in wordle.load_environment(**args).get_dataset()]
+    wrong = misclosed = 0
+    for row, answer in zip(slipped, train * 10):
+        guesses = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        words = [text.removeprefix("<guess>").split("<")[0] for text in guesses]
+        assert all(a != b for a, b in zip(words, words[1:]))  # no retry of the last word, even after a slip
+        wrong += sum(word != answer for word in words)
+        misclosed += sum(text.endswith("</gues>") for text in guesses)
+        assert not any(text == f"<guess>{answer}</gues>" for text in guesses)  # only wrong guesses slip
+    assert 0.25 < misclosed / wrong < 0.35
+    rewards = {}
+    for name, rows in (("clean", clean), ("slipped", slipped)):
+        total = 0.0
+        for row, answer in zip(rows[::4], (train * 10)[::4]):
+            replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+            completion, _, score = play(answer, replies, scripted_client, num_words=40)
+            assert completion == row["messages"][2:]  # slips get the environment's own reply
+            total += score.reward
+        rewards[name] = total / len(rows[::4])
+    assert rewards["clean"] > 1.5 and rewards["slipped"] < rewards["clean"] - 0.1
+    with pytest.raises(ValueError, match="misclosed_fraction"):
+        wordle.sft_examples(2, misclosed_fraction=1.5)
