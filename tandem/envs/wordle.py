@@ -25,6 +25,7 @@ so a first-guess solve scores 2.2, a sixth-guess solve 1.3667, and an unsolved g
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from tandem.envs.multi_turn import MultiTurnEnv
 from tandem.envs.parsers import XMLParser, assistant_contents
 from tandem.envs.rubric import Rubric
+from tandem.envs.slips import slip_draws
 from tandem.envs.splits import split_items
 from tandem.envs.types import Messages, State
 from tandem.envs.word_lists import load_word_list
@@ -186,12 +188,12 @@ def load_environment(
 
 
 def _demonstration(
-    words: Vocabulary, answer: str, rng: random.Random, slips: random.Random, misclosed_fraction: float
+    words: Vocabulary, answer: str, rng: random.Random, slips: Callable[[], bool]
 ) -> Messages:
     """One game, each guess drawn at random from the answer words still consistent with all
     the feedback so far: a plain strategy that solves most games in 6 guesses, so the warm-up
-    teaches the format and the use of feedback without playing well. A share
-    `misclosed_fraction` of the guesses (drawn from `slips`) close with `</gues>`: the game
+    teaches the format and the use of feedback without playing well. The guesses `slips()` says
+    so (a share `misclosed_fraction`, `sft_examples`) close with `</gues>`: the game
     rejects them and the turn is lost. Only wrong guesses slip, and the guess after a slip is
     another candidate, so no demonstration repeats its last guess: retried words taught the tiny
     model to repeat its last guess, which it then did after valid feedback too."""
@@ -203,7 +205,7 @@ def _demonstration(
     slipped = None
     for turn in range(1, MAX_GUESSES + 1):
         guess = rng.choice([word for word in candidates if word != slipped])
-        misclosed = slips.random() < misclosed_fraction and guess != answer
+        misclosed = slips() and guess != answer
         messages.append({"role": "assistant", "content": f"<guess>{guess}</{'gues' if misclosed else 'guess'}>"})
         if (guess == answer and not misclosed) or turn == MAX_GUESSES:
             break
@@ -231,12 +233,11 @@ def sft_examples(
     close with `</gues>` instead of `</guess>`: an imperfect demonstrator whose slips the game
     rejects, each costing a turn (a lower efficiency, or an unsolved game), which RL's reward can
     remove."""
-    if not 0.0 <= misclosed_fraction <= 1.0:
-        raise ValueError(f"misclosed_fraction = {misclosed_fraction}: a fraction, 0 to 1")
+    slips = slip_draws(misclosed_fraction, "misclosed_fraction", f"misclosed {seed}")
     words = vocabulary(num_words)
     train, _ = _split_answers(words, -1, num_eval_examples, seed)
-    rng, slips = random.Random(seed), random.Random(f"misclosed {seed}")
+    rng = random.Random(seed)
     return [
-        {"messages": _demonstration(words, train[i % len(train)], rng, slips, misclosed_fraction)}
+        {"messages": _demonstration(words, train[i % len(train)], rng, slips)}
         for i in range(n)
     ]
