@@ -94,11 +94,12 @@ class Session:
         if self.metrics is not None:
             self.metrics.log(step, values)
 
-    def close(self) -> None:
+    def close(self, wait_for_peers: bool = False) -> None:
+        """`wait_for_peers`: the run ended normally on this rank, so every rank will reach the barrier."""
         self.writer.wait()
         if self.broadcaster is not None:
             self.broadcaster.close()
-        close_parallel()
+        close_parallel(wait_for_peers)
 
 
 def peak_memory_gib(device: torch.device) -> float:

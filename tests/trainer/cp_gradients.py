@@ -90,7 +90,7 @@ def main(folder: str, out: str, *sizes: str) -> None:
         results[size] = gradients_at(folder, int(cp), int(ep), attention[0] if attention else "ring")
     if results[next(iter(results))]["rank"] == 0:
         torch.save(results, out)
-    close_parallel()
+    close_parallel(wait_for_peers=True)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def main(folder: str, out: str) -> None:
     results = {ep: gradients_at(folder, ep) for ep in (1, 2, 4) if world_size % ep == 0}
     if results[1]["rank"] == 0:
         torch.save(results, out)
-    close_parallel()
+    close_parallel(wait_for_peers=True)
 
 
 if __name__ == "__main__":

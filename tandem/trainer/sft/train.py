@@ -103,11 +103,13 @@ def main(config: SFTConfig) -> int:
     except (SFTDataError, FileNotFoundError, KeyError, ValueError) as err:
         log.error("cannot start SFT: %s", err)
         return 1
+    completed = False
     try:
         train(config, session, data)
+        completed = True
     except SFTDataError as err:
         session.log.error("bad SFT data, stopping: %s", err)
         return 1
     finally:
-        session.close()
+        session.close(wait_for_peers=completed)
     return 0
