@@ -21,3 +21,23 @@ def test_the_example_resolves(folder, monkeypatch):
     assert config.warmup.sft is not None and config.warmup.sft.is_file()
     sft = parse_args(SFTConfig, ["@", str(config.warmup.sft)], environ={})
     assert sft.output_dir.as_posix() in config.model.name  # RL starts from the model its warm-up writes
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in EXAMPLES.iterdir() if (p / "rl.toml").is_file()))
+def test_the_example_warmup_data_can_be_written(folder, monkeypatch, tmp_path):
+    """The `[warmup]` counts fit the environment (a wiki of 1,580 questions cannot give 2,100
+    demonstrations): the data step runs as `tandem rl` runs it. code_fix's demonstrations run the
+    tests in the sandbox twice each (minutes for 1,100), so there only the repositories are drawn."""
+    import tandem.envs.code_fix as code_fix
+    from tandem.launch.warmup import write_sft_data
+
+    async def no_demonstration(row, limits):
+        return [{"role": "user", "content": row["question"]}]
+
+    monkeypatch.setattr(code_fix, "_demonstration", no_demonstration)
+    monkeypatch.chdir(EXAMPLES.parent)
+    warmup = parse_rl_args(["@", f"examples/{folder}/rl.toml"], environ={}).warmup
+    path = tmp_path / "train.jsonl"
+    write_sft_data(warmup.data_env, path, warmup.num_examples, warmup.num_eval_examples, warmup.data_args)
+    assert len(path.read_text().splitlines()) == warmup.num_examples
+    assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == warmup.num_eval_examples

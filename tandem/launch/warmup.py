@@ -40,7 +40,11 @@ def run_warmup(config: RLConfig, log: logging.Logger) -> None:
     data_path = Path(sft.data.path)
     if not data_path.exists() and warmup.data_env:
         log.info("warm-up: writing %d SFT examples of %s to %s", warmup.num_examples, warmup.data_env, data_path)
-        write_sft_data(warmup.data_env, data_path, warmup.num_examples, warmup.num_eval_examples, warmup.data_args)
+        try:
+            write_sft_data(warmup.data_env, data_path, warmup.num_examples, warmup.num_eval_examples, warmup.data_args)
+        except (ValueError, TypeError) as err:  # too many examples asked, an argument sft_examples does not take
+            raise RunFailed(f"warm-up data (`warmup.data_env`, `warmup.num_examples`, `warmup.num_eval_examples`, "
+                            f"`warmup.data_args`): {err}") from None
     log_path = config.run_dir / "logs" / "sft.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"PYTHONUNBUFFERED": "1"}
     proc = ManagedProcess("sft", [sys.executable, "-m", "tandem.cli", "sft", "@", sft_file], log_path, env)
