@@ -74,7 +74,7 @@ def read_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, s
         else:
             value, i = True, i + 1
             _check_boolean_flag(config_cls, _normalize(key), arg)
-        overrides.append((_normalize(key), value, "the command line"))
+        overrides.append((_normalize(key), _split_if_list(config_cls, _normalize(key), value), "the command line"))
 
     for name, raw in sorted((environ if environ is not None else os.environ).items()):
         # Only variables whose first segment is a top-level field count: TANDEM_HOME and the
@@ -82,7 +82,8 @@ def read_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, s
         parts = name[len(ENV_PREFIX):].lower().split("__") if name.startswith(ENV_PREFIX) else []
         if parts and parts[0] in config_cls.model_fields:
             key = ".".join(parts)
-            _merge(data, _nest(key, _parse_value(raw)), sources, source=f"environment variable {name}")
+            _merge(data, _nest(key, _split_if_list(config_cls, key, _parse_value(raw))), sources,
+                   source=f"environment variable {name}")
     for key, value, source in overrides:
         _merge(data, _nest(key, value), sources, source=source)
     return RawConfig(data, sources)
@@ -105,6 +106,15 @@ def _annotations_at(model: type[BaseModel], key: str) -> list[Any]:
             return [f.annotation for f in fields]
         models = [sub for f in fields for sub in _models_in(f.annotation)]
     return []
+
+
+def _split_if_list(config_cls: type[BaseModel], key: str, value: Any) -> Any:
+    """A plain string given to a list key is a comma-separated list (`--client.base-urls http://a:8000,http://b:8000`);
+    the elements stay strings for validation to convert. A TOML list (`'["a", "b"]'`) is already a list."""
+    annotations = _annotations_at(config_cls, key)
+    if isinstance(value, str) and annotations and all(typing.get_origin(a) is list for a in annotations):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
 
 
 def _allows_bool(annotation: Any) -> bool:

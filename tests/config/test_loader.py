@@ -59,6 +59,21 @@ def test_flag_forms(tmp_path):
     assert cfg.seq_len == 64 and cfg.run_dir == Path("/tmp/o")
 
 
+def test_a_plain_value_for_a_list_key_is_comma_separated():
+    from tandem.config.eval import EvalConfig
+
+    cfg = parse_args(Demo, ["--optim.betas", "0.8,0.95"], environ={"TANDEM_OPTIM__LR": "0.3"})
+    assert cfg.optim.betas == [0.8, 0.95]
+    cfg = parse_args(Demo, [], environ={"TANDEM_OPTIM__BETAS": "0.7, 0.9"})
+    assert cfg.optim.betas == [0.7, 0.9]
+    urls = parse_args(EvalConfig, ["--client.base-urls", "http://127.0.0.1:8011"], environ={}).client.base_urls
+    assert urls == ["http://127.0.0.1:8011"]
+    urls = parse_args(EvalConfig, ["--client.base-urls", "http://a:1,http://b:2"], environ={}).client.base_urls
+    assert urls == ["http://a:1", "http://b:2"]
+    with pytest.raises(ConfigError, match="optim.betas"):
+        parse_args(Demo, ["--optim.betas", "0.8,fast"], environ={})
+
+
 def test_section_from_file(tmp_path):
     opt = write(tmp_path, "opt.toml", "lr = 0.5\nbetas = [0.1, 0.2]\n")
     cfg = parse_args(Demo, ["--optim", "@", opt], environ={})
