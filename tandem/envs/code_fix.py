@@ -19,6 +19,7 @@ import json
 import shutil
 import tempfile
 from contextvars import ContextVar
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,21 +212,28 @@ async def _demonstration(row: Row, limits: SandboxLimits) -> Messages:
 
 
 def sft_examples(
-    n: int, seed: int = 0, num_eval_examples: int = 100, num_functions: int = 4, max_concurrent: int = 4
+    n: int, seed: int = 0, num_eval_examples: int = 100, num_functions: int = 4, max_concurrent: int = 4,
+    progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """`n` chats `{"messages": [...], "tools": [...]}` demonstrating the fix of the first `n`
     training repositories of `load_environment` with the same seed, `num_eval_examples` and
     `num_functions` (never an eval one), with the tools' real replies (each test run is a real
-    sandboxed run, about 0.1 s)."""
+    sandboxed run, about 0.1 s). `progress(done)` after each demonstration: a thousand take minutes."""
     train, _ = _splits(n, num_eval_examples, seed, num_functions)
     schemas = [tool_schema(tool, hidden=STATE_ARGS) for tool in TOOLS]
+    done = 0
 
     async def all_demonstrations() -> list[Messages]:
         semaphore = asyncio.Semaphore(max_concurrent)
 
         async def bounded(row: Row) -> Messages:
+            nonlocal done
             async with semaphore:
-                return await _demonstration(row, SandboxLimits())
+                messages = await _demonstration(row, SandboxLimits())
+            done += 1
+            if progress is not None:
+                progress(done)
+            return messages
 
         return await asyncio.gather(*(bounded(row) for row in train))
 

@@ -7,6 +7,7 @@ Three idempotent steps, each skipped when its output exists: the base model
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -81,7 +82,15 @@ def write_sft_data(env_id: str, path: Path, num_examples: int, num_eval_examples
     module = importlib.import_module(BUILTIN_ENVIRONMENTS.get(name, name))
     if not hasattr(module, "sft_examples"):
         raise ValueError(f"environment {env_id!r} has no sft_examples(); give the SFT config a data.path that exists")
-    rows = module.sft_examples(num_examples + num_eval_examples, **data_args)
+    total = num_examples + num_eval_examples
+    if "progress" in inspect.signature(module.sft_examples).parameters:  # slow writers (code_fix's sandboxed runs) show a bar
+        bar = StepBar("warm-up data", total, unit="example")
+        try:
+            rows = module.sft_examples(total, **data_args, progress=bar.update)
+        finally:
+            bar.close()
+    else:
+        rows = module.sft_examples(total, **data_args)
     train, held_out = rows[:num_examples], rows[num_examples:]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in train))
     atomic_write_text(path.with_name("eval.jsonl"), "".join(json.dumps(r) + "\n" for r in held_out))

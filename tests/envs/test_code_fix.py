@@ -193,4 +193,6 @@ def test_sft_examples_demonstrate_a_passing_fix_on_training_repositories_only(by
         assert example["info"]["fix"][1] in replies[1]
         assert row["tools"] == env.oai_tools
         assert sum(tokenize_record(row, byte_tokenizer, ["assistant"], "row").loss_mask) > 0
-    assert rows == code_fix.sft_examples(3, seed=2, num_eval_examples=10)  # deterministic, timings included
+    counts: list[int] = []
+    assert rows == code_fix.sft_examples(3, seed=2, num_eval_examples=10, progress=counts.append)  # deterministic
+    assert sorted(counts) == [1, 2, 3]
