@@ -18,12 +18,12 @@ async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict
     from tandem.monitor.progress import StepBar
     from tandem.orchestrator.evaluation import evaluate
     from tandem.orchestrator.inference_pool import InferencePool
-    from tandem.orchestrator.rollout import RolloutContext
+    from tandem.orchestrator.rollout import RolloutContext, episode_limit
 
     pool = InferencePool(config.client)
     try:
         await pool.wait_healthy()
-        ctx = RolloutContext(pool, tokenizer, config.model.name, config.seq_len)
+        ctx = RolloutContext(pool, tokenizer, config.model.name, await episode_limit(pool, config.seq_len))
         bar: StepBar | None = None  # made at the first finished rollout, when the total is known
 
         def on_progress(done: int, total: int) -> None:

@@ -167,6 +167,19 @@ class InferencePool:
                     )
                 await asyncio.sleep(0.2)
 
+    async def max_model_len(self) -> int | None:
+        """The shortest `max_model_len` the servers report on `GET /v1/models` (tandem's server and vLLM's
+        both do); None when none reports one."""
+        lengths: list[int] = []
+        for url in self.base_urls:
+            try:
+                response = await self._http.get(f"{url}/v1/models", timeout=10.0)
+                models = response.json().get("data", []) if response.status_code == 200 else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            lengths += [m["max_model_len"] for m in models if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)]
+        return min(lengths, default=None)
+
     async def aclose(self) -> None:
         await self._http.aclose()
 

@@ -26,7 +26,7 @@ from tandem.orchestrator.inference_pool import InferencePool
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.policy import PolicyTracker, WeightWatcher
 from tandem.orchestrator.policy_source import setup_policy_source
-from tandem.orchestrator.rollout import GroupResult, RolloutContext, run_group
+from tandem.orchestrator.rollout import GroupResult, RolloutContext, episode_limit, run_group
 from tandem.orchestrator.sample_log import rollout_record, write_samples
 from tandem.orchestrator.scheduler import FinishedStep, GroupScheduler
 from tandem.orchestrator.step_metrics import step_metrics
@@ -70,6 +70,7 @@ class Orchestrator:
         cfg = self.config
         first_step = self._resume() + 1
         await self.pool.wait_healthy()
+        self.ctx.seq_len = await episode_limit(self.pool, cfg.seq_len)
         watcher = self.watcher
         await watcher.source.setup(self.pool)
         await watcher.load_next()  # a resumed run samples with the newest policy, not the base model

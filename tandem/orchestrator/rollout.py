@@ -32,6 +32,8 @@ class RolloutContext:
     model: str
     """Model name sent to the servers (they serve one model and ignore it)."""
     seq_len: int
+    """Longest episode, prompt and completions: a training row's `seq_len`, or the servers' context when
+    shorter (`episode_limit`); a turn that would pass it is cut, the episode ends as `length`."""
     return_routed_experts: bool = False
     """Ask the servers for each sampled token's experts (`sampling.return_routed_experts`)."""
 
@@ -75,6 +77,17 @@ class GroupResult:
     @property
     def is_zero_signal(self) -> bool:
         return is_zero_signal([r.advantage for r in self.succeeded])
+
+
+async def episode_limit(pool: InferencePool, seq_len: int) -> int:
+    """`seq_len`, or the servers' `max_model_len` when it is shorter: an episode must fit both a training
+    row and the server's context, which refuses a longer request (HTTP 400) and would fail the rollout."""
+    served = await pool.max_model_len()
+    if served is None or served >= seq_len:
+        return seq_len
+    log.warning("`seq_len` = %d is longer than the inference servers' context (max_model_len %d, by default the "
+                "model's max_position_embeddings): episodes end at %d tokens", seq_len, served, served)
+    return served
 
 
 async def run_rollout(ctx: RolloutContext, env: LoadedEnv, example: dict[str, Any], server: int,

@@ -28,10 +28,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def tandem_server(tiny_model, tmp_path):
+    yield from serve(tiny_model, tmp_path)
+
+
+def serve(model, tmp_path, *flags: str):
+    """A `tandem inference` process on a free port (its URL), stopped after the test."""
     port = free_port()
     log = open(tmp_path / "inference.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(tiny_model),
-                             "--server.port", str(port), "--engine.device", "cpu", "--seq_len", "512"],
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(model),
+                             "--server.port", str(port), "--engine.device", "cpu", "--seq_len", "512", *flags],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -111,3 +116,36 @@ def test_seeded_evals_score_a_policy_the_same_however_the_server_batches(tiny_mo
     together = asyncio.run(completions(settings, 24))
     assert alone == together
     assert len({tuple(c) for c in alone[0::2]}) > 1 and alone[0::2] != alone[1::2]  # sampled: the 2 rollouts of an example differ
+
+
+def test_episodes_end_at_the_servers_context_when_it_is_shorter_than_seq_len(tiny_model, tokenizer, tmp_path):
+    """A server whose context (`engine.max_model_len` 160) is shorter than `seq_len` (512): the rollout's
+    request is cut to fit and ends as `length`, where an uncut one was refused (HTTP 400, a failed rollout)."""
+    from tandem.config.orchestrator import ClientConfig
+    from tandem.orchestrator.inference_pool import InferencePool
+    from tandem.orchestrator.rollout import RolloutContext, episode_limit, run_rollout
+
+    env = load_envs([EnvConfig(id="reverse_text", args={"num_train_examples": 2, "num_eval_examples": 0})])[0]
+    server = serve(tiny_model, tmp_path, "--engine.max-model-len", "160")
+
+    async def rollout(url: str, limit_to_server: bool):
+        pool = InferencePool(ClientConfig(base_urls=[url], timeout_s=120))
+        try:
+            seq_len = await episode_limit(pool, 512) if limit_to_server else 512
+            ctx = RolloutContext(pool, tokenizer, str(tiny_model), seq_len)
+            example = env.env.get_dataset()[0]
+            return seq_len, await run_rollout(ctx, env, example, 0, {"temperature": 1.0, "max_tokens": 400, "seed": 1})
+        finally:
+            await pool.aclose()
+
+    url = next(server)
+    try:
+        seq_len, fitted = asyncio.run(rollout(url, limit_to_server=True))
+        _, uncut = asyncio.run(rollout(url, limit_to_server=False))
+    finally:
+        next(server, None)
+    assert seq_len == 160
+    assert fitted.error is None and len(fitted.turns) == 1
+    turn = fitted.turns[0]
+    assert len(turn.prompt_ids) < 160 and len(turn.prompt_ids) + len(turn.completion_ids) <= 160
+    assert uncut.error is not None and "maximum context length" in uncut.error
