@@ -18,8 +18,8 @@ import asyncio
 import json
 import shutil
 import tempfile
-from contextvars import ContextVar
 from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
