@@ -62,7 +62,7 @@ def test_flag_forms(tmp_path):
 def test_a_plain_value_for_a_list_key_is_comma_separated():
     from tandem.config.eval import EvalConfig
 
-    cfg = parse_args(Demo, ["--optim.betas", "0.8,0.95"], environ={"TANDEM_OPTIM__LR": "0.3"})
+    cfg = parse_args(Demo, ["--optim.betas", "0.8,0.95"], environ={})
     assert cfg.optim.betas == [0.8, 0.95]
     cfg = parse_args(Demo, [], environ={"TANDEM_OPTIM__BETAS": "0.7, 0.9"})
     assert cfg.optim.betas == [0.7, 0.9]

@@ -7,6 +7,7 @@ folders (copies of the model), which the server loads through `POST /update_weig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import subprocess
 import sys
@@ -28,11 +29,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def tandem_server(tiny_model, tmp_path):
-    yield from serve(tiny_model, tmp_path)
+    with serve(tiny_model, tmp_path) as url:
+        yield url
 
 
+@contextlib.contextmanager
 def serve(model, tmp_path, *flags: str):
-    """A `tandem inference` process on a free port (its URL), stopped after the test."""
+    """A `tandem inference` process on a free port (its URL), stopped on leaving."""
     port = free_port()
     log = open(tmp_path / "inference.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(model),
@@ -50,10 +53,12 @@ def serve(model, tmp_path, *flags: str):
             proc.kill()
             raise RuntimeError(f"tandem inference did not start:\n{(tmp_path / 'inference.log').read_text()[-3000:]}")
         time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
 
 
 def test_the_real_server_yields_a_well_formed_batch(tmp_path, tiny_model, tokenizer, tandem_server):
@@ -120,13 +125,12 @@ def test_seeded_evals_score_a_policy_the_same_however_the_server_batches(tiny_mo
 
 def test_episodes_end_at_the_servers_context_when_it_is_shorter_than_seq_len(tiny_model, tokenizer, tmp_path):
     """A server whose context (`engine.max_model_len` 160) is shorter than `seq_len` (512): the rollout's
-    request is cut to fit and ends as `length`, where an uncut one was refused (HTTP 400, a failed rollout)."""
+    request is cut to fit, where an uncut one is refused (HTTP 400, a failed rollout)."""
     from tandem.config.orchestrator import ClientConfig
     from tandem.orchestrator.inference_pool import InferencePool
     from tandem.orchestrator.rollout import RolloutContext, episode_limit, run_rollout
 
     env = load_envs([EnvConfig(id="reverse_text", args={"num_train_examples": 2, "num_eval_examples": 0})])[0]
-    server = serve(tiny_model, tmp_path, "--engine.max-model-len", "160")
 
     async def rollout(url: str, limit_to_server: bool):
         pool = InferencePool(ClientConfig(base_urls=[url], timeout_s=120))
@@ -138,12 +142,9 @@ def test_episodes_end_at_the_servers_context_when_it_is_shorter_than_seq_len(tin
         finally:
             await pool.aclose()
 
-    url = next(server)
-    try:
+    with serve(tiny_model, tmp_path, "--engine.max-model-len", "160") as url:
         seq_len, fitted = asyncio.run(rollout(url, limit_to_server=True))
         _, uncut = asyncio.run(rollout(url, limit_to_server=False))
-    finally:
-        next(server, None)
     assert seq_len == 160
     assert fitted.error is None and len(fitted.turns) == 1
     turn = fitted.turns[0]
