@@ -120,20 +120,15 @@ def make_app(backend: FakeBackend) -> FastAPI:
     return app
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerThread:
     """Serves an app on a loopback port from a background thread."""
 
     def __init__(self, app: FastAPI):
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    loop="asyncio"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))  # bound here and handed to uvicorn: no other process can take the port
+        self.port = self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop="asyncio"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     @property
     def url(self) -> str:

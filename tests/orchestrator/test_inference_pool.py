@@ -4,7 +4,7 @@ import asyncio
 import time
 
 import pytest
-from fake_inference_server import free_port
+from local_servers import free_port
 
 from tandem.config.orchestrator import ClientConfig
 from tandem.orchestrator.inference_pool import InferencePool, InferenceRequestError, InferenceUnavailableError

@@ -7,16 +7,12 @@ folders (copies of the model), which the server loads through `POST /update_weig
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
-from fake_inference_server import free_port
 from fake_trainer import FakeTrainer
+from local_servers import tandem_inference
 from test_orchestrator_run import make_config, samples_of
 
 from tandem.config.orchestrator import EnvConfig
@@ -29,36 +25,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def tandem_server(tiny_model, tmp_path):
-    with serve(tiny_model, tmp_path) as url:
+    with tandem_inference(tiny_model, tmp_path / "inference.log", "--seq_len", "512") as url:
         yield url
-
-
-@contextlib.contextmanager
-def serve(model, tmp_path, *flags: str):
-    """A `tandem inference` process on a free port (its URL), stopped on leaving."""
-    port = free_port()
-    log = open(tmp_path / "inference.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(model),
-                             "--server.port", str(port), "--engine.device", "cpu", "--seq_len", "512", *flags],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"tandem inference did not start:\n{(tmp_path / 'inference.log').read_text()[-3000:]}")
-        time.sleep(0.2)
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def test_the_real_server_yields_a_well_formed_batch(tmp_path, tiny_model, tokenizer, tandem_server):
@@ -142,7 +110,7 @@ def test_episodes_end_at_the_servers_context_when_it_is_shorter_than_seq_len(tin
         finally:
             await pool.aclose()
 
-    with serve(tiny_model, tmp_path, "--engine.max-model-len", "160") as url:
+    with tandem_inference(tiny_model, tmp_path / "inference.log", "--seq_len", "512", "--engine.max-model-len", "160") as url:
         seq_len, fitted = asyncio.run(rollout(url, limit_to_server=True))
         _, uncut = asyncio.run(rollout(url, limit_to_server=False))
     assert seq_len == 160

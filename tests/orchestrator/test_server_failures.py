@@ -11,9 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from fake_inference_server import free_port
+from local_servers import free_port, healthy
 from fake_trainer import FakeTrainer
 from scripted_envs import CountdownEnv, echo_or_short, right_or_wrong, say_env
 from test_orchestrator_run import make_config, run
@@ -33,15 +32,11 @@ def doomed_server(tiny_model):
                              "--port", str(port), "--delay-s", "0.05"])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("fake server process did not start")
-            time.sleep(0.1)
+    while not healthy(url):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("fake server process did not start")
+        time.sleep(0.1)
     yield proc, url
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGKILL)
