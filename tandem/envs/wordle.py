@@ -154,9 +154,15 @@ def _row(answer: str) -> dict[str, str]:
 
 
 def _split_answers(
-    words: Vocabulary, num_train: int, num_eval: int, seed: int
+    words: Vocabulary, num_train: int, num_eval: int, seed: int, held_out_answers: bool
 ) -> tuple[list[str], list[str]]:
-    return split_items(words.answers, num_train, num_eval, seed, "wordle has {} answer words")
+    """Disjoint train and eval answers, or (`held_out_answers` false) both drawn from every answer word: the
+    eval then plays new games on the words trained on, as Wordle itself draws from one fixed list."""
+    if held_out_answers:
+        return split_items(words.answers, num_train, num_eval, seed, "wordle has {} answer words")
+    train, _ = split_items(words.answers, num_train, 0, seed, "wordle has {} answer words")
+    _, eval_words = split_items(words.answers, 0, num_eval, seed, "wordle has {} answer words")
+    return train, eval_words
 
 
 def load_environment(
@@ -164,12 +170,15 @@ def load_environment(
     num_eval_examples: int = 100,
     seed: int = 0,
     num_words: int = -1,
+    held_out_answers: bool = True,
     **kwargs: Any,
 ) -> WordleEnv:
     """Answers are split by `seed` into disjoint eval and train words; `num_train_examples`
-    -1 takes every answer not in the eval set. `num_words`: see `vocabulary`."""
+    -1 takes every answer not in the eval set. `held_out_answers` false: eval and train answers are drawn
+    from every answer word (-1 train answers: all of them), so the eval measures play on the game's list
+    rather than finding words never trained on. `num_words`: see `vocabulary`."""
     words = vocabulary(num_words)
-    train, eval_words = _split_answers(words, num_train_examples, num_eval_examples, seed)
+    train, eval_words = _split_answers(words, num_train_examples, num_eval_examples, seed, held_out_answers)
     format_reward_func = PARSER.get_format_reward_func()
     rubric = Rubric(
         funcs=[words.solved_reward, words.efficiency_reward, words.partial_reward, format_reward_func],
@@ -223,11 +232,12 @@ def sft_examples(
     seed: int = 0,
     num_eval_examples: int = 100,
     num_words: int = -1,
+    held_out_answers: bool = True,
     misclosed_fraction: float = 0.0,
 ) -> list[dict[str, Messages]]:
     """`n` demonstration games on the training answers of `load_environment` with the same seed,
-    `num_eval_examples` and `num_words` (never an eval answer; guesses may be any answer word, as
-    in the game), cycling over those answers when `n` is larger, each game played afresh.
+    `num_eval_examples`, `num_words` and `held_out_answers` (never a held-out eval answer; guesses may be any
+    answer word, as in the game), cycling over those answers when `n` is larger, each game played afresh.
 
     `misclosed_fraction`: the share of guesses (drawn at random, seeded apart from the games) that
     close with `</gues>` instead of `</guess>`: an imperfect demonstrator whose slips the game
@@ -235,7 +245,7 @@ def sft_examples(
     remove."""
     slips = slip_draws(misclosed_fraction, "misclosed_fraction", f"misclosed {seed}")
     words = vocabulary(num_words)
-    train, _ = _split_answers(words, -1, num_eval_examples, seed)
+    train, _ = _split_answers(words, -1, num_eval_examples, seed, held_out_answers)
     rng = random.Random(seed)
     return [
         {"messages": _demonstration(words, train[i % len(train)], rng, slips)}

@@ -89,6 +89,19 @@ def test_splits_are_disjoint_and_seeded():
         wordle.load_environment(num_train_examples=10_000)
 
 
+def test_an_eval_on_the_trained_answers_draws_both_from_every_word():
+    env = wordle.load_environment(num_eval_examples=10, num_words=30, held_out_answers=False, seed=4)
+    train = [e["answer"] for e in env.get_dataset()]
+    evals = [e["answer"] for e in env.get_eval_dataset()]
+    assert sorted(train) == sorted(wordle.vocabulary(30).answers) and len(set(evals)) == 10 and set(evals) <= set(train)
+    assert evals == [e["answer"] for e in wordle.load_environment(num_eval_examples=10, num_words=30, seed=4).get_eval_dataset()]
+    demonstrated = {row["messages"][-1]["content"].removeprefix("<guess>").removesuffix("</guess>")
+                    for row in wordle.sft_examples(300, seed=4, num_eval_examples=10, num_words=30, held_out_answers=False)}
+    assert set(evals) <= demonstrated  # the demonstrations end on eval answers too
+    with pytest.raises(ValueError, match="answer words"):
+        wordle.load_environment(num_eval_examples=31, num_words=30, held_out_answers=False)
+
+
 def test_word_lists():
     answers = load_word_list("wordle_answers.txt")
     guesses = load_word_list("wordle_guesses.txt")

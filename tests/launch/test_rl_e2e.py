@@ -74,9 +74,11 @@ def test_rl_learns_then_resumes_without_repeating_steps(sft_config, tmp_path):
     assert [r["step"] for r in trainer] == [1, 2, 3, 4, 5, 6]
     kls = [r["mismatch_kl"] for r in trainer if r["mismatch_kl"] is not None]
     assert sum(kls) / len(kls) < 1e-3, kls
-    # steps trained on rollouts of the previous policy: mismatch plus one step of drift, still small
+    # steps trained on rollouts of the previous policy: mismatch plus one step of drift, well above the mismatch
+    # and far below what rollouts of a wrong or much older policy would show (the first step's drift, the largest,
+    # was 0.004-0.011 on this CPU)
     off_kls = [r["off_policy_kl"] for r in trainer if r["off_policy_kl"] is not None]
-    assert off_kls and max(off_kls) < 1e-2, off_kls
+    assert off_kls and max(off_kls) < 5e-2 and min(off_kls) > 10 * max(kls), (off_kls, kls)
     rewards = [r["reward/mean"] for r in read_metrics(out, "orchestrator") if "reward/mean" in r]
     assert len(rewards) == 6
 
