@@ -14,6 +14,7 @@ One client serves one rollout: `turns` is that rollout's record, in call order.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +124,8 @@ class TokenChatClient:
     async def complete(self, model: str, messages: list[dict[str, Any]], tools: list[dict] | None,
                        kwargs: dict[str, Any]) -> ChatCompletion:
         request = _generate_request(kwargs)
+        if "seed" in request:
+            request["seed"] = turn_seed(request["seed"], len(self.turns))
         prompt_ids = render_chat(self.tokenizer, messages, tools)
         budget = self.seq_len - len(prompt_ids)
         if budget <= 0:
@@ -150,6 +153,14 @@ class TokenChatClient:
             finish_reason = "tool_calls"
         return _completion(model, content, prompt_ids, completion_ids, self.turns[-1].logprobs, finish_reason,
                            int(version), tool_calls, self.tokenizer, response.get("id"))
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of turn `turn` (0 first) of a rollout seeded with `seed`. Environments pass the same
+    sampling arguments at every turn; one seed for all would replay the same random draws at each, and a policy
+    whose distribution barely moves between turns would then sample the same answer again (wordle's seeded
+    evals repeated earlier guesses in most turns). Turn 0 keeps `seed`, so single-turn rollouts sample as asked."""
+    return seed if turn == 0 else random.Random(f"{seed}:turn:{turn}").getrandbits(31)
 
 
 def _generate_request(kwargs: dict[str, Any]) -> dict[str, Any]:

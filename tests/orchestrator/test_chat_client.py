@@ -67,6 +67,25 @@ def test_the_next_turn_extends_the_exact_tokens_so_the_rollout_is_one_sample(fak
     assert sample.num_loss_tokens == len(first.completion_ids) + len(second.completion_ids)
 
 
+def test_each_turn_of_a_seeded_rollout_samples_with_its_own_seed(fake_servers, tokenizer):
+    """One seed for every turn would replay the same random draws at each turn."""
+    (backend, url), = fake_servers(respond=lambda prompt, rng: "guess")
+
+    async def body(client):
+        conversation = [{"role": "user", "content": "start"}]
+        for _ in range(4):
+            response = await client.chat.completions.create(model="m", messages=conversation, seed=7)
+            conversation += [{"role": "assistant", "content": response.choices[0].message.content},
+                             {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "start"}])  # unseeded
+
+    for _ in range(2):
+        run(with_client(url, tokenizer, body))
+    seeds = [request.get("seed") for request in backend.requests]
+    assert seeds[:5] == seeds[5:] and seeds[0] == 7 and len(set(seeds[:4])) == 4 and seeds[4] is None
+    assert all(0 <= seed < 2**31 for seed in seeds[:4])
+
+
 def test_hermes_tool_calls_become_openai_tool_calls_when_tools_are_offered(fake_servers, tokenizer):
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
     (backend, url), = fake_servers(respond=lambda prompt, rng: "Adding.\n" + call)
