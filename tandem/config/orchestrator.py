@@ -80,8 +80,9 @@ class SamplingConfig(Section):
 
     seeded: bool = False
     """Give each training rollout its own sampling seed (from the run seed and the task's draw
-    number), so that a synchronous run (`max_async_level = 0`) repeats its rollouts exactly: for
-    comparing two runs that should agree (weight transports, backends), not for training."""
+    number; each turn of a multi-turn rollout its own seed drawn from that one), so that a synchronous
+    run (`max_async_level = 0`) repeats its rollouts exactly: for comparing two runs that should agree
+    (weight transports, backends), not for training."""
 
     def request_args(self) -> dict[str, Any]:
         """The keyword arguments an environment passes to `chat.completions.create` (the rollout client
@@ -136,8 +137,9 @@ class EvalSettings(Section):
     """Sampling temperature of evals (0 = greedy); None = `sampling.temperature`."""
 
     seeded: bool = True
-    """Give each eval rollout its own sampling seed (from the run seed, the example and the rollout),
-    so that the same policy gets the same eval reward however the server batches the requests."""
+    """Give each eval rollout its own sampling seed (from the run seed, the example and the rollout;
+    each turn of a multi-turn rollout its own seed drawn from that one), so that the same policy gets
+    the same eval reward however the server batches the requests."""
 
     @model_validator(mode="after")
     def _check(self) -> "EvalSettings":
