@@ -30,7 +30,6 @@ from tandem.config.resolve import cluster_hosts, inference_server_name, process_
 from tandem.config.rl import RLConfig
 from tandem.launch.hang import HangWatch
 from tandem.launch.nodes import Beacon, PeerWatch, Peers
-from tandem.launch.preflight import run_preflight
 from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.launch.resume import cut_run_records
 from tandem.launch.torchrun import trainer_argv
@@ -306,6 +305,8 @@ def _raise_if_hung(hang_watch: HangWatch, server: ManagedProcess) -> None:
 
 def _preflight(config: RLConfig, commands: dict[str, tuple[list[str], list[int] | None]]) -> None:
     """The checks of `tandem.launch.preflight`, the trainer's part in its own process (stopped on the way out)."""
+    from tandem.launch.preflight import run_preflight  # torch and the tokenizer: 2-3 s of start-up, only when on
+
     argv, devices = commands["trainer-preflight"]
     started: list[ManagedProcess] = []
 

@@ -33,12 +33,13 @@ def tandem(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def sft_config(tmp_path_factory) -> Path:
-    """The example's SFT config, its paths in a tmp folder, cut to 600 of its 1,500 steps (CI's time): RL starts
-    from a model that has begun to reverse and has the demonstrator's tag slip to unlearn."""
+    """The example's SFT config, its paths in a tmp folder, cut to 300 of its 1,500 steps (CI's time): RL starts
+    from a model that has begun to reverse and has the demonstrator's tag slip to unlearn (the learning test's
+    training reward went 0.17 -> 0.25 over its 12 steps from such a model)."""
     root = tmp_path_factory.mktemp("reverse")
     text = (EXAMPLE / "sft.toml").read_text()
     assert "max_steps = 1500" in text
-    text = text.replace("outputs/reverse-text", str(root)).replace("max_steps = 1500", "max_steps = 600")
+    text = text.replace("outputs/reverse-text", str(root)).replace("max_steps = 1500", "max_steps = 300")
     path = root / "sft.toml"
     path.write_text(text)
     return path
