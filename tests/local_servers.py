@@ -1,52 +1,37 @@
-"""`tandem inference` as users run it, for tests: its own process on a free loopback port."""
+"""Servers in their own processes for tests, as users run them: started by the launcher's process wrapper,
+ready once they answer `/health`, stopped (the whole process group) on leaving."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
-import subprocess
+import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.config.resolve import free_port
+from tandem.launch.process import ManagedProcess
+from tandem.launch.rl import wait_healthy
 
 
 @contextlib.contextmanager
-def tandem_inference(model: Path, log_path: Path, *flags: str, start_timeout_s: float = 120) -> Iterator[str]:
-    """A `tandem inference` process serving `model` on the CPU (its URL while it is healthy), stopped on leaving;
-    its output goes to `log_path`, whose tail is the error when it does not come up."""
+def serving(name: str, argv: list[str], url: str, log_path: Path, start_timeout_s: float = 120) -> Iterator[ManagedProcess]:
+    """The process of `argv`, once the server it starts answers `url`'s `/health`; `RunFailed` with the tail of
+    `log_path` (its output) when it exits or stays silent for `start_timeout_s`."""
+    proc = ManagedProcess(name, argv, log_path, dict(os.environ))
+    try:
+        wait_healthy(url, proc, start_timeout_s)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def tandem_inference(model: Path, log_path: Path, *flags: str) -> Iterator[str]:
+    """A `tandem inference` process serving `model` on the CPU on a free loopback port: its URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(model),
-                                 "--server.port", str(port), "--engine.device", "cpu", *flags],
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + start_timeout_s
-            while not healthy(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"tandem inference did not start:\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health").status_code == 200
-    except httpx.TransportError:
-        return False
+    argv = [sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(model), "--server.port", str(port),
+            "--engine.device", "cpu", *flags]
+    with serving("inference", argv, url, log_path):
+        yield url

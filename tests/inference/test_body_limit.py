@@ -1,8 +1,8 @@
 """One large request stalls no one: bodies over the limit are refused unread, CPU work runs off the event loop.
 
-The server is `tandem inference` in its own process, as deployed: a server in a thread of the test process would
-share the interpreter lock and the garbage collector with everything the test session has built (a collection
-of that heap stalled its health answers for 0.3 s in CI)."""
+The server is `tandem inference` in its own process, as deployed: a server in a thread of the test process
+shares the interpreter lock and the garbage collector with everything the test session has built (there, one
+health answer took 0.32 s in CI; the cause was not traced)."""
 
 import json
 import threading

@@ -124,11 +124,11 @@ class ServerThread:
     """Serves an app on a loopback port from a background thread."""
 
     def __init__(self, app: FastAPI):
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))  # bound here and handed to uvicorn: no other process can take the port
-        self.port = self.socket.getsockname()[1]
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # bound here and handed to uvicorn: no other process can take the port
+        self.port = sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop="asyncio"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
     @property
     def url(self) -> str:

@@ -4,9 +4,9 @@ import asyncio
 import time
 
 import pytest
-from local_servers import free_port
 
 from tandem.config.orchestrator import ClientConfig
+from tandem.config.resolve import free_port
 from tandem.orchestrator.inference_pool import InferencePool, InferenceRequestError, InferenceUnavailableError
 
 REQUEST = {"prompt_token_ids": [1, 2, 3], "n": 1, "max_tokens": 8}

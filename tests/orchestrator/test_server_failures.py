@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from local_servers import free_port, healthy
+from local_servers import serving
 from fake_trainer import FakeTrainer
 from scripted_envs import CountdownEnv, echo_or_short, right_or_wrong, say_env
 from test_orchestrator_run import make_config, run
 
+from tandem.config.resolve import free_port
 from tandem.monitor.metrics import read_metrics
 from tandem.orchestrator.environments import LoadedEnv
 from tandem.orchestrator.orchestrator import Orchestrator
@@ -25,22 +25,14 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture
-def doomed_server(tiny_model):
+def doomed_server(tiny_model, tmp_path):
     """A fake server in its own process, so the test can kill it with SIGKILL."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(HERE / "fake_inference_server.py"), "--model", str(tiny_model),
-                             "--port", str(port), "--delay-s", "0.05"])
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not healthy(url):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError("fake server process did not start")
-        time.sleep(0.1)
-    yield proc, url
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    argv = [sys.executable, str(HERE / "fake_inference_server.py"), "--model", str(tiny_model), "--port", str(port),
+            "--delay-s", "0.05"]
+    with serving("doomed", argv, url, tmp_path / "doomed.log", start_timeout_s=30) as proc:
+        yield proc, url
 
 
 def test_a_server_killed_mid_rollout_is_failed_over(tmp_path, tiny_model, tokenizer, fake_servers, doomed_server):
