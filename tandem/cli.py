@@ -42,7 +42,7 @@ COMMANDS: dict[str, Command] = {
                                  "The trainer's preflight mode, run by `tandem rl` before step 1 (probe logprobs, memory plan)."),
     "orchestrator": Command("tandem.config.orchestrator:OrchestratorConfig", "tandem.orchestrator.main:main",
                             "The orchestrator process: rollouts, advantages, batches."),
-    "inference": Command("tandem.config.inference:InferenceConfig", "tandem.inference.server:main",
+    "inference": Command("tandem.config.inference:InferenceConfig", "tandem.inference.entry:main",
                          "The OpenAI-compatible inference server."),
 }
 

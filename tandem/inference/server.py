@@ -1,4 +1,4 @@
-"""`tandem inference`: load the model, start the engine, serve the API until stopped."""
+"""`tandem inference` with tandem's own engine: load the model, start the engine, serve the API until stopped."""
 
 from __future__ import annotations
 
@@ -71,11 +71,6 @@ class BackgroundServer:
 
 
 def main(config: InferenceConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.backend == "vllm":
-        from tandem.inference.vllm.server import main as vllm_main
-
-        return vllm_main(config)
     try:
         served = build_served(config)
     except (ValueError, FileNotFoundError) as err:

@@ -126,6 +126,19 @@ def test_missing_wrong_or_failing_vllm_is_an_error_with_its_last_lines(tmp_path)
     assert unknown.returncode == 2 and "extra_args.speculative_wish" in err
 
 
+def test_the_vllm_wrapper_loads_none_of_tandems_engine(tmp_path):
+    """`tandem inference --backend vllm` imports only vLLM's wrapper: no torch (seconds of start-up and
+    memory that vLLM's own process holds anyway)."""
+    probe = ("import sys\nfrom tandem.cli import main\ncode = main(['inference', '--backend', 'vllm', '--model.name', "
+             "'/models/qwen3'])\nprint(code, 'torch' in sys.modules)")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "FAKE_VLLM"))}
+    environ |= {"PATH": os.pathsep.join([str(FAKE), *SYSTEM_PATH]), "PYTHONPATH": str(REPO), "FAKE_VLLM_FAIL": "1",
+                "FAKE_VLLM_RECORD": str(tmp_path / "record.json")}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=environ, capture_output=True, text=True, timeout=60)
+    assert "vLLM exited with code 3" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "1 False", done.stdout  # (vLLM's output comes first)
+
+
 def is_healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
