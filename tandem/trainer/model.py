@@ -255,10 +255,16 @@ def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: 
 def gather_full_state(policy: PolicyModel, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
     """The full HF-named state on CPU in `dtype`, always a copy (never the parameters' own storage, which
     the next optimizer step changes while a background write may still read it). Every rank must call it
-    (it all-gathers one parameter at a time); only ranks with `keep` hold the result, the others get `{}`."""
+    (it all-gathers one parameter at a time); only ranks with `keep` hold the result, the others get `{}`.
+
+    Each tensor is converted to `dtype` on its own device before it moves: torch converts a copy between a
+    GPU and the host on the host, after moving the source's type, so fp32 masters published in bf16 would
+    cross the bus at twice the size and then be rounded by the CPU (ATen's `copy_kernel_cuda`)."""
     out = {}
     for name, param in policy.hf_named_parameters():
         full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
         if keep:
+            if full.device.type != "cpu":
+                full = full.to(dtype)
             out[name] = full.to(device="cpu", dtype=dtype, copy=True)
     return out

@@ -66,3 +66,15 @@ def test_the_gathered_state_is_a_copy_even_in_the_parameters_dtype_and_device():
     assert state["model.norm.weight"].tolist() == [1.0] * 4
     assert state["lm_head.weight"].flatten().tolist() == [float(i) for i in range(8)]
     assert gather_full_state(policy, torch.float32, keep=False) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_state_published_in_bf16_is_rounded_as_on_the_host():
+    """The conversion moves to the GPU (before the copy to the host): it must round as the host's does."""
+    policy = TwoParameters()
+    generator = torch.Generator().manual_seed(0)
+    policy.params = {name: torch.nn.Parameter(torch.randn(1024, 257, generator=generator).cuda()) for name in policy.params}
+    state = gather_full_state(policy, torch.bfloat16, keep=True)
+    for name, param in policy.params.items():
+        assert state[name].device.type == "cpu" and state[name].dtype == torch.bfloat16
+        assert torch.equal(state[name], param.detach().cpu().to(torch.bfloat16)), name
