@@ -16,7 +16,7 @@ announcements only after the group formed, so it never relays one that no traine
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -42,21 +42,24 @@ class WeightBroadcaster:
             self.group = open_group(init, SOURCE_RANK, device, config.timeout_s)
             self._send = self._send_over_group
 
-    def send(self, step: int, state: dict[str, torch.Tensor]) -> None:
-        info = update_info_of(state, self.config.bucket_bytes)
+    def send(self, step: int, announced: Mapping[str, torch.Tensor], tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Announce policy `step` and send it. `announced` gives the tensors' names in sending order, with
+        their dtypes and shapes (meta tensors will do); `tensors` yields the (name, tensor) pairs in that order,
+        one at a time if it likes (default: `announced`'s own)."""
+        info = update_info_of(announced, self.config.bucket_bytes)
         atomic_write_bytes(broadcast_info_file(self.run_dir, step), encode_update_info(info))
-        self._send(state, info)
+        self._send(announced.items() if tensors is None else tensors, info)
 
     def close(self) -> None:
         if self.group is not None:
             close_group(self.group)
             self.group = None  # the only reference: the group is freed now (see `close_group`)
 
-    def _send_over_group(self, state: dict[str, torch.Tensor], info: WeightUpdateInfo) -> None:
-        send_state(self.group, state, info, self.device)
+    def _send_over_group(self, tensors: Iterable[tuple[str, torch.Tensor]], info: WeightUpdateInfo) -> None:
+        send_state(self.group, tensors, info, self.device)
 
 
-def _vllm_sender(init: GroupInitInfo, device: torch.device) -> Callable[[dict, WeightUpdateInfo], None]:
+def _vllm_sender(init: GroupInitInfo, device: torch.device) -> Callable[[Iterable, WeightUpdateInfo], None]:
     """Send through vLLM's NCCL weight-transfer engine (trainer side), packed as `info` announces."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -66,8 +69,8 @@ def _vllm_sender(init: GroupInitInfo, device: torch.device) -> Callable[[dict, W
         group = NCCLWeightTransferEngine.trainer_init({"master_address": init.master_address,
                                                        "master_port": init.master_port, "world_size": init.world_size})
 
-    def send(state: dict[str, torch.Tensor], info: WeightUpdateInfo) -> None:
-        tensors = ((name, tensor.to(device)) for name, tensor in state.items())
+    def send(named: Iterable[tuple[str, torch.Tensor]], info: WeightUpdateInfo) -> None:
+        tensors = ((name, tensor.to(device)) for name, tensor in named)
         with torch.cuda.device(device):
             NCCLWeightTransferEngine.trainer_send_weights(tensors, {
                 "group": group, "packed": True, "packed_buffer_size_bytes": info.packed_buffer_size_bytes})

@@ -22,7 +22,7 @@ Loading (`build_policy`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -252,19 +252,31 @@ def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: 
                 param.copy_(full)
 
 
-def gather_full_state(policy: PolicyModel, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
-    """The full HF-named state on CPU in `dtype`, always a copy (never the parameters' own storage, which
-    the next optimizer step changes while a background write may still read it). Every rank must call it
-    (it all-gathers one parameter at a time); only ranks with `keep` hold the result, the others get `{}`.
-
-    Each tensor is converted to `dtype` on its own device before it moves: torch converts a copy between a
-    GPU and the host on the host, after moving the source's type, so fp32 masters published in bf16 would
-    cross the bus at twice the size and then be rounded by the CPU (ATen's `copy_kernel_cuda`)."""
-    out = {}
+def full_parameters(policy: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each HF-named parameter whole, one at a time (a view of the parameter at one rank). Under FSDP each is
+    all-gathered in turn, a collective: every rank must run this to the end, in step with the others."""
     for name, param in policy.hf_named_parameters():
-        full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
-        if keep:
-            if full.device.type != "cpu":
-                full = full.to(dtype)
-            out[name] = full.to(device="cpu", dtype=dtype, copy=True)
-    return out
+        yield name, param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def to_published(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A copy of `tensor` in `dtype` on `device`, never its storage (the next optimizer step changes the
+    parameters while a background write or a send may still read it). Rounded to `dtype` on its own device
+    before it moves: torch converts a copy between a GPU and the host on the host, after moving the source's
+    type, so fp32 masters published in bf16 would cross the bus at twice the size and then be rounded by the
+    CPU (ATen's `copy_kernel_cuda`)."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.to(dtype)
+    return tensor.to(device=device, dtype=dtype, copy=True)
+
+
+def announced_state(policy: PolicyModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Meta tensors of `full_parameters`' names, whole shapes and `dtype`: what a broadcast announces before
+    the tensors themselves come, one at a time."""
+    return {name: torch.empty(param.shape, dtype=dtype, device="meta") for name, param in policy.hf_named_parameters()}
+
+
+def gather_full_state(policy: PolicyModel, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
+    """The full HF-named state on the host in `dtype` (`to_published` copies). Every rank must call it (see
+    `full_parameters`); only ranks with `keep` hold the result, the others get `{}`."""
+    return {name: to_published(full, dtype, "cpu") for name, full in full_parameters(policy) if keep}

@@ -23,7 +23,7 @@ from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.prometheus import serve_metrics
 from tandem.trainer.broadcast_publish import WeightBroadcaster
 from tandem.trainer.ckpt import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
-from tandem.trainer.model import PolicyModel, build_policy, gather_full_state
+from tandem.trainer.model import PolicyModel, announced_state, build_policy, full_parameters, gather_full_state, to_published
 from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.parallel.context_parallel import check_context_parallel
 from tandem.trainer.parallel.dims import ParallelDims, close_parallel, init_parallel
@@ -59,13 +59,18 @@ class Session:
         """Write `weights/step_N/` (collective gather; rank 0 writes, on the background `writer` before the
         last step, whose folder is the run's result and is whole when this returns) and prune old folders;
         with a `broadcaster`, send the weights instead, and write the folder only at the last step."""
-        state = gather_full_state(self.model, published_dtype(self.hf_config), keep=self.dims.is_main)
+        dtype = published_dtype(self.hf_config)
+        if self.broadcaster is not None and step < self.config.max_steps:
+            # From the device, one parameter at a time: no host copy, at most a bucket in device memory. The
+            # other ranks (no broadcaster) take part in the same gathers through `gather_full_state` below.
+            tensors = ((name, to_published(full, dtype, self.dims.device)) for name, full in full_parameters(self.model))
+            self.broadcaster.send(step, announced_state(self.model, dtype), tensors)
+            return
+        state = gather_full_state(self.model, dtype, keep=self.dims.is_main)
         if not self.dims.is_main:
             return
-        if self.broadcaster is not None:
+        if self.broadcaster is not None:  # the last step: the host copy that is also the run's result folder
             self.broadcaster.send(step, state)
-            if step < self.config.max_steps:
-                return
 
         def write() -> None:
             write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)

@@ -10,6 +10,7 @@ on the same kind of device. Rank 0 sends, every other rank receives, bucket by b
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -36,11 +37,20 @@ def open_group(init: GroupInitInfo, rank: int, device: torch.device, timeout_s: 
     return group
 
 
-def send_state(group: dist.ProcessGroup, state: dict[str, torch.Tensor], info: WeightUpdateInfo, device: torch.device) -> None:
-    """Rank 0: broadcast `state` (named as `info`, in its order) bucket by bucket."""
+def send_state(group: dist.ProcessGroup, tensors: Iterable[tuple[str, torch.Tensor]], info: WeightUpdateInfo,
+               device: torch.device) -> None:
+    """Rank 0: broadcast the (name, tensor) pairs of `tensors`, in `info`'s order, bucket by bucket. They are
+    taken one at a time as each bucket fills, so a source that makes them one at a time (a trainer gathering
+    its parameters) never holds more than a bucket."""
+    stream = iter(tensors)
     for bucket in plan_buckets(info):
-        flat = torch.cat([state[name].detach().reshape(-1).view(torch.uint8) for name in bucket.names]).to(device)
-        _broadcast(group, flat)
+        parts = []
+        for name in bucket.names:
+            got, tensor = next(stream)
+            if got != name:
+                raise ValueError(f"sending {got!r} where the announced update has {name!r}")
+            parts.append(tensor.detach().to(device).reshape(-1).view(torch.uint8))
+        _broadcast(group, torch.cat(parts))
 
 
 def receive_state(group: dist.ProcessGroup, info: WeightUpdateInfo, device: torch.device) -> dict[str, torch.Tensor]:

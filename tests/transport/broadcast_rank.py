@@ -28,7 +28,7 @@ def main(rank: int, world_size: int, port: int, device: torch.device) -> None:
     # 4 KiB buckets: the 8 KiB bf16 tensor closes a bucket alone, the small ones share one.
     info = decode_update_info(encode_update_info(update_info_of(state, bucket_bytes=4096)))
     if rank == 0:
-        send_state(group, state, info, device)
+        send_state(group, state.items(), info, device)
     else:
         received = receive_state(group, info, device)
         assert list(received) == list(state)

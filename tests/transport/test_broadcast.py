@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tandem.config.resolve import free_port
+from tandem.transport import broadcast
 from tandem.transport.broadcast_types import WeightUpdateInfo, plan_buckets
 
 RANK = Path(__file__).with_name("broadcast_rank.py")
@@ -45,3 +46,22 @@ def test_bad_update_info_is_refused_before_any_receive():
         WeightUpdateInfo(names=["a"], dtype_names=[], shapes=[[1]]).check()
     with pytest.raises(ValueError, match="'complex_bits'.*not a torch dtype"):
         WeightUpdateInfo(names=["a"], dtype_names=["complex_bits"], shapes=[[1]]).check()
+
+
+def test_a_stream_is_taken_a_bucket_at_a_time_in_the_announced_order(monkeypatch):
+    """A trainer sends its parameters as it gathers them: the next bucket's are not made before this one goes."""
+    info = WeightUpdateInfo(names=["a", "b", "c"], dtype_names=["float32"] * 3, shapes=[[10], [10], [1000]],
+                            packed_buffer_size_bytes=50)
+    made, sent = [], []
+
+    def tensors():
+        for name, size in (("a", 10), ("b", 10), ("c", 1000)):
+            made.append(name)
+            yield name, torch.full((size,), float(len(made)))
+
+    monkeypatch.setattr(broadcast, "_broadcast", lambda group, flat: sent.append((list(made), flat.view(torch.float32).tolist())))
+    broadcast.send_state(None, tensors(), info, torch.device("cpu"))
+    assert [(names, len(values)) for names, values in sent] == [(["a", "b"], 20), (["a", "b", "c"], 1000)]
+    assert sent[0][1] == [1.0] * 10 + [2.0] * 10 and set(sent[1][1]) == {3.0}
+    with pytest.raises(ValueError, match="sending 'b' where the announced update has 'a'"):
+        broadcast.send_state(None, iter([("b", torch.zeros(10))]), info, torch.device("cpu"))
