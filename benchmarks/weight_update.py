@@ -6,10 +6,11 @@
         --preset qwen3-0.6b --device cuda --parts filesystem,vllm --out $OUT/weight-update.json   # with vLLM
 
 The server is `tandem inference` in its own process (as `tandem rl` runs it); this process plays
-trainer rank 0 and the orchestrator, with the real code of both. The new weights start where
-`gather_full_state` leaves them (whole, on the CPU, in the published dtype), alternating between two
-random sets so that every update changes every tensor. One update is timed until a one-token
-request comes back with the new `weight_version`:
+trainer rank 0 and the orchestrator, with the real code of both. The new weights start where the trainer's
+publishing takes them from, in the published dtype: for a folder, where `gather_full_state` leaves them (whole,
+on the CPU); for a broadcast, on the trainer end's device (the trainer sends from its GPU, a bucket at a
+time). They alternate between two random sets so that every update changes every tensor. One update is timed
+until a one-token request comes back with the new `weight_version`:
 - `filesystem`: `write_weights_folder` (safetensors + `STABLE`), then `POST /update_weights {"path"}`;
 - `broadcast`: `WeightBroadcaster.send` (announcement, then buckets over the group) while the
   orchestrator's `BroadcastPolicies.load` drives the server's weight-transfer routes. The group is
@@ -166,7 +167,8 @@ def bench_broadcast(server: Server, states: list[dict], run_dir: Path, args: arg
         sending.join()
 
     try:
-        return timed_updates(update, server.samples_with, states, args.repeats)
+        on_trainer = [{name: t.to(trainer_device) for name, t in state.items()} for state in states]
+        return timed_updates(update, server.samples_with, on_trainer, args.repeats)
     finally:
         joined[0].close()
 
