@@ -264,10 +264,9 @@ def to_published(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device 
     parameters while a background write or a send may still read it). Rounded to `dtype` on its own device
     before it moves: torch converts a copy between a GPU and the host on the host, after moving the source's
     type, so fp32 masters published in bf16 would cross the bus at twice the size and then be rounded by the
-    CPU (ATen's `copy_kernel_cuda`)."""
-    if tensor.device.type != "cpu":
-        tensor = tensor.to(dtype)
-    return tensor.to(device=device, dtype=dtype, copy=True)
+    CPU (ATen's `copy_kernel_cuda`). One copy only: a rounding that made one is moved without another."""
+    rounded = tensor.to(dtype)
+    return rounded.to(device, copy=rounded is tensor)
 
 
 def announced_state(policy: PolicyModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
