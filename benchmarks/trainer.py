@@ -54,7 +54,8 @@ tokens only, `training_flops`). Recomputation is never counted.
 Peak: 989e12 (dense bf16 of one H100/H200 by the datasheet) per GPU on CUDA (`--peak-flops`
 overrides); on a CPU, the best fp32 2048^3 matmul rate of this process, measured here.
 Peak memory: max allocated (and reserved) CUDA memory over all steps of the run, or the
-process's peak resident memory on a CPU. The first `--warmup` steps (compilation) are not timed.
+process's peak resident memory on a CPU. The first `--warmup` steps (compilation) are not timed
+into the figures; their times are kept (`warmup_step_times_s`: what compiling costs).
 
 The result file keeps a per-shape `table` (tokens per step, ms/step, MFU, tokens/s, peak memory), and
 each tandem run counts what its timed steps did that a steady step should not: graphs compiled by
@@ -205,6 +206,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
             objective = rl_objective(build_loss(config.loss))
             num_params = active_params(model.lm)
             options = {"ep": dims.ep_size, "cp": dims.cp_size, "compile": should_compile(config.kernels, dims.device),
+                       "compiled_stack": model.compiled_stack,
                        "reshard_after_forward": config.parallel.reshard_after_forward,
                        "fsdp_at_one_rank": config.parallel.fsdp_at_one_rank,
                        "activation_checkpoint": config.parallel.activation_checkpoint.mode,
@@ -221,7 +223,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
                                   config.optim.max_grad_norm, dims)
 
             reset_memory(dims.device)
-            times, losses = [], []
+            times, warmup_times, losses = [], [], []
             for step in range(1, config.max_steps + 1):
                 if step == args.warmup + 1:
                     counts = once_only_counts(dims.device)
@@ -231,15 +233,15 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
                 result = run(micro_batches, num_loss_tokens)
                 sync(dims.device)
                 losses.append({"loss": result.loss, "grad_norm": result.grad_norm, "entropy": result.metrics["entropy"]})
-                if step > args.warmup:
-                    times.append(time.perf_counter() - start)
+                (times if step > args.warmup else warmup_times).append(time.perf_counter() - start)
             flops = model_flops(num_params, session.hf_config, shape.sequence_lengths)
             trainer_flops = training_flops(model.blocks, model.lm.lm_head.weight.numel(), session.hf_config,
                                            shape.sequence_lengths, num_loss_tokens)
             out = {"impl": "tandem", "options": options, **timing(times, shape, flops, peak, dims.world_size),
                    "mfu_trainer_flops": trainer_flops / (sum(times) / len(times)) / (peak * dims.world_size),
                    **memory_figures(dims.device), "active_params": num_params,
-                   "once_only_events_in_timed_steps": counts_since(counts, dims.device), "losses": losses}
+                   "once_only_events_in_timed_steps": counts_since(counts, dims.device),
+                   "warmup_step_times_s": warmup_times, "losses": losses}
             if wants_profile(args, shape):  # after the memory figures: the profiler's own buffers are not the step's
                 out["profile"] = profile_run(args, shape, session, run, lambda: inputs(config.max_steps + 1))
         finally:
@@ -387,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="parallel.fsdp_at_one_rank: on shards with FSDP2 at world size 1 too (the path before the plain one)")
     parser.add_argument("--chunk-size", type=int, default=None, help="logprob chunk in tokens (default: the config's)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default=KernelsConfig().compile)
+    parser.add_argument("--compile-stack", choices=["on", "off"], default="on" if KernelsConfig().compile_stack else "off",
+                        help="kernels.compile_stack: all blocks of a dense one-rank model as one compiled graph")
     parser.add_argument("--sdpa-backends", nargs="+", choices=["cudnn", "flash", "efficient", "math"],
                         default=KernelsConfig().sdpa_backends, help="SDPA kernels of one-document rows, most preferred first")
     parser.add_argument("--exact", action="store_true", help="`run.exact`: batch-invariant blocks, attention and head "
@@ -452,11 +456,11 @@ def main(argv: list[str] | None = None) -> int:
                 for base in args.baseline:
                     record(base, attempt("baseline", run_baseline, folder, base, args, peak))
                 continue
-            kernels = KernelsConfig(compile=args.compile, sdpa_backends=args.sdpa_backends)
+            kernels = KernelsConfig(compile=args.compile, compile_stack=args.compile_stack == "on", sdpa_backends=args.sdpa_backends)
             result = attempt("tandem", run_tandem, folder, shape, args, kernels, peak)
             record(shape, result)
             if "error" in result and should_compile(kernels, device) and world_size == 1:
-                eager = KernelsConfig(compile="off", sdpa_backends=args.sdpa_backends)
+                eager = KernelsConfig(compile="off", compile_stack=False, sdpa_backends=args.sdpa_backends)
                 record(shape, {**attempt("tandem", run_tandem, folder, shape, args, eager, peak),
                                "note": "rerun with kernels.compile = off after the compiled run failed"})
     ratios = {}

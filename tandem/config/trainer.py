@@ -202,6 +202,11 @@ class KernelsConfig(Section):
     logprob head (one graph for all layers and row lengths). `auto`: on CUDA only (on a CPU the
     compile time outweighs the gain)."""
 
+    compile_stack: bool = True
+    """Where it applies (a dense native model on one rank without FSDP, `selective` or no activation
+    checkpointing, no context parallelism), compile all the blocks as one graph instead of each block's halves
+    apart: far less host time per step (`tandem.trainer.stack`), a longer first compile."""
+
     sdpa_backends: list[SDPABackendName] = ["cudnn", "flash", "efficient", "math"]
     """Fused SDPA kernels for rows of one document on CUDA, most preferred first (the first that
     supports the inputs runs). Packed rows use variable-length FlashAttention."""

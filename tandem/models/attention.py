@@ -62,6 +62,9 @@ def document_lengths(position_ids: list[int]) -> list[int]:
     return [end - start for start, end in zip(starts, starts[1:] + [len(position_ids)])]
 
 
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes of variable-length FlashAttention (`varlen_attn`)."""
+
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 """Names of the fused SDPA kernels `DocumentCausalAttention` may be told to prefer."""
@@ -98,8 +101,13 @@ class DocumentCausalAttention:
             self.cu_seqlens = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
             self.max_len = max(flat)
 
+    def traceable(self, dtype: torch.dtype) -> bool:
+        """Whether attention in `dtype` runs the same ops whatever the document lengths (one document per row, or
+        variable-length kernels), so that one compiled graph serves every batch; not where it loops over documents."""
+        return not self.packed or (self.cu_seqlens is not None and dtype in VARLEN_DTYPES)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.cu_seqlens is not None and q.dtype in (torch.bfloat16, torch.float16):  # FlashAttention's dtypes
+        if self.cu_seqlens is not None and q.dtype in VARLEN_DTYPES:
             B, T, H, D = q.shape
             out = _varlen_attn(q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
                                self.cu_seqlens, self.max_len)

@@ -193,9 +193,14 @@ class DecoderLM(nn.Module):
         backend = attention if attention is not None else PackedCausalAttention(position_ids)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, h.dtype, self.args.rope_scaling)
+        return self.model.norm(self.run_layers(h, cos, sin, backend))
+
+    def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """The blocks in order. A method of its own so that the trainer can run them otherwise (all of them as one
+        compiled graph: `tandem.trainer.stack`) without touching the model."""
         for layer in self.model.layers:
             h = layer(h, cos, sin, backend)
-        return self.model.norm(h)
+        return h
 
     def init_weights(self, seed: int = 0) -> None:
         """Random weights in place (`tandem.models.random_init`: values set by seed, name and device kind)."""

@@ -21,6 +21,7 @@ eagerly after the compiled `attention_residual`. Compiled, the halves keep eager
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,32 +35,44 @@ from tandem.trainer.compiled import compiled, mark_dynamic
 def training_forward(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                      *, compile: bool, recompute: bool) -> torch.Tensor:
     """`block.forward(x, cos, sin, backend)` for training; `recompute`: selective checkpointing."""
-    attn, mlp, eps = block.self_attn, block.mlp, block.eps
+    mlp = block.mlp
+    dense = mlp.tensor_function is not None
+    # The weights are read from the block at call time, also in the recompute: FSDP swaps the
+    # block's parameters between their sharded and gathered forms around forward and backward.
+    return halves_forward(x, cos, sin, backend, block.layer_idx, block.eps, block.self_attn.head_dim,
+                          block.before_attention_args, block.residual_args, mlp.tensor_function,
+                          mlp.tensor_args if dense else tuple, None if dense else mlp, compile=compile, recompute=recompute)
+
+
+def halves_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, layer_idx: int,
+                   eps: float, head_dim: int, before_args: Callable[[], tuple], residual_args: Callable[[], tuple],
+                   feed_forward: Callable[..., torch.Tensor] | None, ffn_args: Callable[[], tuple],
+                   eager_mlp: Callable[[torch.Tensor], torch.Tensor] | None, *, compile: bool, recompute: bool) -> torch.Tensor:
+    """A block's two halves around attention, its weights read by `before_args()`, `residual_args()` and
+    `ffn_args()` when each half runs. The feed-forward is `feed_forward(h, *ffn_args())` inside the second half,
+    or (None) `eager_mlp(h)` after it; `compile`: each half a compiled graph of its own."""
     before = compiled(before_attention) if compile else before_attention
-    feed_forward = mlp.tensor_function
     after = compiled(after_attention) if compile and feed_forward is not None else after_attention
     residual = compiled(attention_residual) if compile else attention_residual
 
-    # The weights are read from the block at call time, also in the recompute: FSDP swaps the
-    # block's parameters between their sharded and gathered forms around forward and backward.
     def run_before(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if compile:
             mark_dynamic(1, x, cos, sin)
-        return before(x, cos, sin, *block.before_attention_args(), eps, attn.head_dim)
+        return before(x, cos, sin, *before_args(), eps, head_dim)
 
     def run_after(x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         if compile:
             mark_dynamic(1, x, attended)
         if feed_forward is not None:
-            return after(x, attended, *block.residual_args(), eps, feed_forward, *mlp.tensor_args())
-        x, h = residual(x, attended, *block.residual_args(), eps)
-        return x + mlp(h)
+            return after(x, attended, *residual_args(), eps, feed_forward, *ffn_args())
+        x, h = residual(x, attended, *residual_args(), eps)
+        return x + eager_mlp(h)
 
     if recompute:  # no randomness in a block: no RNG state to stash
         q, k, v = checkpoint(run_before, x, cos, sin, use_reentrant=False, preserve_rng_state=False)
     else:
         q, k, v = run_before(x, cos, sin)
-    attended = backend.attend(block.layer_idx, q, k, v)
+    attended = backend.attend(layer_idx, q, k, v)
     if recompute:
         return checkpoint(run_after, x, attended, use_reentrant=False, preserve_rng_state=False)
     return run_after(x, attended)

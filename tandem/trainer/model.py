@@ -48,6 +48,7 @@ from tandem.trainer.parallel.fsdp import apply_fsdp
 from tandem.trainer.parallel.one_rank import OneRank, apply_one_rank
 from tandem.trainer.phases import phase
 from tandem.trainer.router import RouterMonitor, build_router_monitor
+from tandem.trainer.stack import apply_compiled_stack, stack_applies
 
 
 @dataclass
@@ -76,6 +77,8 @@ class PolicyModel(nn.Module):
         """Statistics and load balancing of the MoE routers (None for a dense model)."""
         self.context_parallel = ParallelConfig()
         """`parallel.cp_attention` and `parallel.cp_query_chunk`: how a context-parallel shard attends."""
+        self.compiled_stack = False
+        """Whether the blocks run as one compiled graph where the batch allows (`tandem.trainer.stack`)."""
         self.one_rank: OneRank | None = None
         """The one-rank path's mixed precision (`tandem.trainer.parallel.one_rank`); None under FSDP or when the
         parameters are already in the compute dtype."""
@@ -190,13 +193,18 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     elif checkpointing.mode == "selective":  # transformers' blocks cannot be split at attention
         checkpointing = ActivationCheckpointConfig(mode="full")
     apply_activation_checkpoint(policy.blocks, checkpointing)
+    one_rank = dims.world_size == 1 and not parallel.fsdp_at_one_rank
+    stack = (compile and native and one_rank and kernels.compile_stack and checkpointing.mode in ("selective", "off")
+             and stack_applies(policy.blocks))
+    if stack:
+        apply_compiled_stack(lm, recompute=checkpointing.mode == "selective")
+        policy.compiled_stack = True
     check_context_parallel(dims.cp_size, parallel.cp_attention, hf_config, str(folder / "config.json"))
     if dims.cp_size > 1 and not native:
         raise ValueError(f"`parallel.cp` = {dims.cp_size} needs a model tandem runs natively; {folder / 'config.json'} has "
                          f"model_type {hf_config.get('model_type')!r} (transformers fallback); set `parallel.cp` = 1")
     if dims.ep_size > 1:
         apply_expert_parallel_to(policy, hf_config, dims, str(folder / "config.json"))
-    one_rank = dims.world_size == 1 and not parallel.fsdp_at_one_rank
     if not one_rank:
         apply_fsdp(policy, policy.blocks, dims.mesh, param_dtype=compute_dtype(model, dims.device),
                    reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward,
@@ -216,7 +224,8 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     elif one_rank:  # FSDP would have moved the shards to the device
         policy.to(dims.device)
     if one_rank:
-        policy.one_rank = apply_one_rank(policy, policy.blocks, compute_dtype(model, dims.device), parallel.reshard_after_forward)
+        policy.one_rank = apply_one_rank(policy, policy.blocks, compute_dtype(model, dims.device), parallel.reshard_after_forward,
+                                         per_block=not stack)
     policy.router = build_router_monitor(policy.blocks, router.aux_loss_coef, router.bias_update_rate, dims.device,
                                          str(folder / "config.json"))
     return policy.train(), hf_config

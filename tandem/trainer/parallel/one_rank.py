@@ -38,9 +38,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 class OneRank:
     """Mixed precision over a plain one-rank model; built by `apply_one_rank`."""
 
-    def __init__(self, root: nn.Module, blocks: nn.ModuleList, param_dtype: torch.dtype, reshard_after_forward: bool):
+    def __init__(self, root: nn.Module, blocks: nn.ModuleList, param_dtype: torch.dtype, reshard_after_forward: bool,
+                 per_block: bool = True):
         self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
+        self.per_block = per_block
         found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
         for module in root.modules():
             for name, param in module._parameters.items():
@@ -52,8 +54,9 @@ class OneRank:
         self.block_params = {id(block): [index[id(p)] for p in block.parameters()] for block in blocks}
         """Indices (into `masters`) of each block's parameters: rounded at its forward, freed after it."""
         in_blocks = {i for indices in self.block_params.values() for i in indices}
-        self.root_params = [i for i in range(len(self.masters)) if i not in in_blocks]
-        """Those outside every block (embeddings, final norm, LM head): rounded at the root's forward."""
+        self.root_params = [i for i in range(len(self.masters)) if i not in in_blocks] if per_block else list(range(len(self.masters)))
+        """Those rounded at the root's forward: outside every block (embeddings, final norm, LM head), or all of them
+        without `per_block`."""
         self.compute: list[nn.Parameter] = []
         self.installed = False
         self.backward_pending = False
@@ -109,10 +112,13 @@ class OneRank:
             self.installed = True
 
     def uninstall(self) -> None:
-        """Put the masters back into the modules."""
+        """Put the masters back into the modules; without `per_block`, free the compute copies (after a backward
+        their gradients freed them already; after a forward without gradients nothing else would)."""
         if self.installed:
             self._swap_in(self.masters)
             self.installed = False
+            if not self.per_block:
+                self._free(self.root_params)
 
     def _fold_gradient(self, master: nn.Parameter):
         # A weak reference: the hook lives in the copy's C++ autograd metadata, where the garbage collector
@@ -173,13 +179,18 @@ class OneRank:
 
 
 def apply_one_rank(root: nn.Module, blocks: nn.ModuleList, param_dtype: torch.dtype,
-                   reshard_after_forward: bool) -> OneRank | None:
+                   reshard_after_forward: bool, per_block: bool = True) -> OneRank | None:
     """Compute `root` in `param_dtype` over its fp32 masters as FSDP2 at one rank would; None when there is
-    nothing to cast (every parameter is already `param_dtype`: the plain module is FSDP's numerics already)."""
-    one_rank = OneRank(root, blocks, param_dtype, reshard_after_forward)
+    nothing to cast (every parameter is already `param_dtype`: the plain module is FSDP's numerics already).
+    `per_block`: round each block's copies at its own forward (and with `reshard_after_forward` free them after
+    it); without, every copy is rounded at the root's forward and kept until backward has used it (the compiled
+    stack, `tandem.trainer.stack`, calls no block module: the same numbers, the blocks' copies held for the pass).
+    The blocks' inputs are cast to `param_dtype` by the block hooks only: without them the caller's embeddings
+    already compute in it."""
+    one_rank = OneRank(root, blocks, param_dtype, reshard_after_forward, per_block)
     if not one_rank.casts():
         return None
-    for block in blocks:
+    for block in blocks if per_block else ():
         block.register_forward_pre_hook(one_rank.block_pre_forward, with_kwargs=True)
         block.register_forward_hook(one_rank.block_post_forward)
     root.register_forward_pre_hook(one_rank.pre_forward)
