@@ -14,13 +14,17 @@ allowed guesses, a vocabulary a tiny model can learn in a short warm-up.
 
 Reward, with k = the number of guesses (turns) used up to the correct one:
 
-    reward = solved + efficiency + 0.2 * partial
+    reward = solved + efficiency + 0.2 * partial + format_weight * format
     solved     = 1 if some guess equals the answer, else 0
     efficiency = (7 - k) / 6 if solved, else 0          (1 for k = 1 ... 1/6 for k = 6)
     partial    = (greens + 0.5 * yellows) / 5 of the last valid guess, 0 if none
+    format     = the mean over the model's turns of `XMLParser.format_score` (0 for a turn whose
+                 guess has no well-closed <guess> tags)
 
-so a first-guess solve scores 2.2, a sixth-guess solve 1.3667, and an unsolved game at most
-0.16 (four greens). The format score is reported as a metric only.
+so with the default `format_weight` 0 a first-guess solve scores 2.2, a sixth-guess solve 1.3667,
+and an unsolved game at most 0.16 (four greens); the format score is then a metric only. A rejected
+guess costs its turn, which an unsolved game's reward barely sees: `format_weight` (verifiers' wordle
+also scores the format) makes each malformed turn cost format_weight / turns.
 """
 
 import random
@@ -171,18 +175,22 @@ def load_environment(
     seed: int = 0,
     num_words: int = -1,
     held_out_answers: bool = True,
+    format_weight: float = 0.0,
     **kwargs: Any,
 ) -> WordleEnv:
     """Answers are split by `seed` into disjoint eval and train words; `num_train_examples`
     -1 takes every answer not in the eval set. `held_out_answers` false: eval and train answers are drawn
     from every answer word (-1 train answers: all of them), so the eval measures play on the game's list
-    rather than finding words never trained on. `num_words`: see `vocabulary`."""
+    rather than finding words never trained on. `num_words`: see `vocabulary`; `format_weight`: see the module's
+    docstring."""
+    if format_weight < 0:
+        raise ValueError(f"wordle: `format_weight` = {format_weight} must be >= 0")
     words = vocabulary(num_words)
     train, eval_words = _split_answers(words, num_train_examples, num_eval_examples, seed, held_out_answers)
     format_reward_func = PARSER.get_format_reward_func()
     rubric = Rubric(
         funcs=[words.solved_reward, words.efficiency_reward, words.partial_reward, format_reward_func],
-        weights=[1.0, 1.0, 0.2, 0.0],
+        weights=[1.0, 1.0, 0.2, format_weight],
         parser=PARSER,
     )
     return WordleEnv(

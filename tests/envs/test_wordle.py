@@ -11,8 +11,9 @@ def guess(word: str) -> str:
     return f"<guess>{word}</guess>"
 
 
-def play(answer: str, replies, scripted_client, num_words: int = -1):
-    env = wordle.load_environment(num_train_examples=10, num_eval_examples=10, num_words=num_words)
+def play(answer: str, replies, scripted_client, num_words: int = -1, format_weight: float = 0.0):
+    env = wordle.load_environment(num_train_examples=10, num_eval_examples=10, num_words=num_words,
+                                  format_weight=format_weight)
     prompt = env.get_dataset(1)[0]["prompt"]
     client = scripted_client(replies)
     completion, state = asyncio.run(env.rollout(client, "m", prompt, answer, "wordle"))
@@ -69,6 +70,17 @@ def test_scripted_game_with_an_invalid_guess(scripted_client):
         "format_reward_func": pytest.approx(0.75),
     }
     assert score.reward == pytest.approx(1 + 0.5 + 0.2)
+
+
+def test_format_weight_makes_each_malformed_turn_cost(scripted_client):
+    """A game solved at turn 3 after a misclosed guess: the same solve, minus format_weight * (1 - 2/3)."""
+    replies = [guess("slate"), "<guess>trace</gues>", guess("crane")]
+    _, _, plain = play("crane", replies, scripted_client)
+    _, _, weighted = play("crane", replies, scripted_client, format_weight=0.3)
+    assert weighted.metrics["format_reward_func"] == pytest.approx(2 / 3)
+    assert weighted.reward == pytest.approx(plain.reward + 0.3 * 2 / 3)
+    with pytest.raises(ValueError, match="format_weight"):
+        wordle.load_environment(format_weight=-1)
 
 
 def test_last_turn_gets_no_feedback(scripted_client):
