@@ -99,11 +99,22 @@ def test_the_stack_trains_bit_for_bit_like_blocks_compiled_apart_and_compiles_on
     assert not apart.policy.compiled_stack
     assert [apart.step(rows, step) for step, rows in enumerate(ONE_DOCUMENT_ROWS)] == losses
     assert_same_weights(stacked, apart)
+    assert_no_compute_copy_held(stacked)  # after backward
     mbs = batches(ONE_DOCUMENT_ROWS[0], 9, dims.device)
     expected = evaluate(apart.policy, mbs, apart.objective, dims)
     one_by_one_calls.clear()  # the blocks-apart trainer's passes counted too
     assert evaluate(stacked.policy, mbs, stacked.objective, dims) == expected
     assert len(one_by_one_calls) == 1  # without gradients: no second whole-stack graph for one evaluation
+    assert_no_compute_copy_held(stacked)  # after a forward without gradients
+
+
+def assert_no_compute_copy_held(trainer: Trainer) -> None:
+    """The stack rounds every block's bf16 copy at the root's forward: after a backward (their gradients folded) and
+    after a forward without gradients (nothing else frees them) none is left allocated, and the masters are back."""
+    one_rank = trainer.policy.one_rank
+    assert one_rank is not None and not one_rank.per_block
+    assert all(copy is master or copy.untyped_storage().size() == 0 for copy, master in zip(one_rank.compute, one_rank.masters))
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
 
 
 def test_in_fp32_the_stack_computes_the_same_forward_and_gradients_to_rounding(tiny_model, dims, traced):
@@ -130,23 +141,6 @@ def test_packed_rows_on_a_cpu_run_the_blocks_one_by_one_with_the_same_numbers(ti
     apart = Trainer(tiny_model, dims, stack=False)
     assert [apart.step(rows, step) for step, rows in enumerate(PACKED_ROWS)] == losses
     assert_same_weights(stacked, apart)
-
-
-def test_the_stack_holds_no_compute_copy_between_passes(tiny_model, dims, traced):
-    """The stack rounds every block's bf16 copy at the root's forward; after a backward (their gradients folded)
-    and after a forward without gradients (nothing else frees them) none is left allocated, and the masters are back."""
-    stacked = Trainer(tiny_model, dims, stack=True)
-    one_rank = stacked.policy.one_rank
-    assert one_rank is not None and not one_rank.per_block
-
-    def allocated() -> list[int]:
-        return [i for i, (copy, master) in enumerate(zip(one_rank.compute, one_rank.masters))
-                if copy is not master and copy.untyped_storage().size() > 0]
-    stacked.step(ONE_DOCUMENT_ROWS[0], 0)
-    assert not allocated()
-    evaluate(stacked.policy, batches(ONE_DOCUMENT_ROWS[1], 1, dims.device), stacked.objective, dims)
-    assert not allocated()
-    assert all(p.dtype == torch.float32 for p in stacked.policy.parameters())
 
 
 def test_a_mixture_of_experts_keeps_its_blocks_apart(tiny_moe_model, dims, traced):
