@@ -158,7 +158,8 @@ class ActivationCheckpointConfig(Section):
 
 class ParallelConfig(Section):
     reshard_after_forward: bool = True
-    """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward)."""
+    """FSDP: free each block's gathered parameters after its forward (less memory, one more all-gather in backward).
+    At one rank its compute copies likewise, except under `kernels.compile_stack`, which holds them for the pass."""
 
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter."""
