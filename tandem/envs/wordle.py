@@ -24,7 +24,7 @@ Reward, with k = the number of guesses (turns) used up to the correct one:
 so with the default `format_weight` 0 a first-guess solve scores 2.2, a sixth-guess solve 1.3667,
 and an unsolved game at most 0.16 (four greens); the format score is then a metric only. A rejected
 guess costs its turn, which an unsolved game's reward barely sees: `format_weight` (verifiers' wordle
-also scores the format) makes each malformed turn cost format_weight / turns.
+has a format reward function in its rubric too) makes each malformed turn cost format_weight / turns.
 """
 
 import random

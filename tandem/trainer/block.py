@@ -41,7 +41,7 @@ def training_forward(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, si
     # block's parameters between their sharded and gathered forms around forward and backward.
     return halves_forward(x, cos, sin, backend, block.layer_idx, block.eps, block.self_attn.head_dim,
                           block.before_attention_args, block.residual_args, mlp.tensor_function,
-                          mlp.tensor_args if dense else tuple, None if dense else mlp, compile=compile, recompute=recompute)
+                          mlp.tensor_args if dense else lambda: (), None if dense else mlp, compile=compile, recompute=recompute)
 
 
 def halves_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, layer_idx: int,

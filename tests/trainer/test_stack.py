@@ -26,18 +26,12 @@ from tandem.trainer.rl.train import rl_objective
 from tandem.trainer.step import count_loss_tokens, evaluate, train_step
 
 from test_block import traced  # noqa: F401  (a fixture: compile with the aot_eager backend)
+from test_one_rank import assert_same_weights, dims  # noqa: F401  (dims: a fixture, the CPU process group)
 from trainer_helpers import random_row
 
 ONE_DOCUMENT_ROWS = [[(3, 9)], [(5, 14)], [(4, 6)]]
 """(prompt, completion) of each step's row: three row lengths, one document each."""
 PACKED_ROWS = [[(3, 5), (2, 9)], [(4, 7), (3, 3), (2, 2)], [(6, 6), (1, 4)]]
-
-
-@pytest.fixture
-def dims():
-    d = init_parallel("cpu")
-    yield d
-    close_parallel()
 
 
 @pytest.fixture
@@ -70,17 +64,18 @@ class Trainer:
         assert not result.skipped
         return result.loss, result.grad_norm
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        return gather_full_state(self.policy, torch.float32, keep=True)
+
 
 def batches(rows: list[tuple[int, int]], step: int, device: torch.device) -> list[MicroBatch]:
     gen = torch.Generator().manual_seed(step)
     return [MicroBatch.from_row(random_row(gen, rows), device)]
 
 
-def assert_same_weights(a: Trainer, b: Trainer) -> None:
-    wa, wb = gather_full_state(a.policy, torch.float32, keep=True), gather_full_state(b.policy, torch.float32, keep=True)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
+def largest_weight_gap(a: Trainer, b: Trainer) -> float:
+    wa, wb = a.weights(), b.weights()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
 @pytest.mark.parametrize("checkpointing", ["selective", "off"])
@@ -98,7 +93,7 @@ def test_the_stack_trains_bit_for_bit_like_blocks_compiled_apart_and_compiles_on
     apart = Trainer(tiny_model, dims, stack=False, checkpointing=checkpointing)
     assert not apart.policy.compiled_stack
     assert [apart.step(rows, step) for step, rows in enumerate(ONE_DOCUMENT_ROWS)] == losses
-    assert_same_weights(stacked, apart)
+    assert_same_weights(stacked.weights(), apart.weights())
     assert_no_compute_copy_held(stacked)  # after backward
     mbs = batches(ONE_DOCUMENT_ROWS[0], 9, dims.device)
     expected = evaluate(apart.policy, mbs, apart.objective, dims)
@@ -127,9 +122,7 @@ def test_in_fp32_the_stack_computes_the_same_forward_and_gradients_to_rounding(t
     assert apart.step(ONE_DOCUMENT_ROWS[0], 0)[0] == first[0]
     for step, rows in enumerate(ONE_DOCUMENT_ROWS[1:], start=1):
         assert stacked.step(rows, step) == pytest.approx(apart.step(rows, step), rel=1e-5), step
-    a = gather_full_state(stacked.policy, torch.float32, keep=True)
-    b = gather_full_state(apart.policy, torch.float32, keep=True)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert largest_weight_gap(stacked, apart) < 1e-4
 
 
 def test_packed_rows_on_a_cpu_run_the_blocks_one_by_one_with_the_same_numbers(tiny_model, dims, traced, one_by_one_calls):
@@ -140,7 +133,7 @@ def test_packed_rows_on_a_cpu_run_the_blocks_one_by_one_with_the_same_numbers(ti
     assert len(one_by_one_calls) == len(PACKED_ROWS)
     apart = Trainer(tiny_model, dims, stack=False)
     assert [apart.step(rows, step) for step, rows in enumerate(PACKED_ROWS)] == losses
-    assert_same_weights(stacked, apart)
+    assert_same_weights(stacked.weights(), apart.weights())
 
 
 def test_a_mixture_of_experts_keeps_its_blocks_apart(tiny_moe_model, dims, traced):
@@ -160,8 +153,6 @@ def test_on_cuda_the_stack_trains_like_blocks_compiled_apart(tiny_model, rows):
         assert stacked.policy.compiled_stack
         for step, row in enumerate(rows):
             assert stacked.step(row, step) == pytest.approx(apart.step(row, step), rel=1e-2, abs=1e-2), step
-        a = gather_full_state(stacked.policy, torch.float32, keep=True)
-        b = gather_full_state(apart.policy, torch.float32, keep=True)
-        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 2 * 1e-2 * len(rows)
+        assert largest_weight_gap(stacked, apart) <= 2 * 1e-2 * len(rows)
     finally:
         close_parallel()
