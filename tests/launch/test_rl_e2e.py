@@ -33,13 +33,14 @@ def tandem(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def sft_config(tmp_path_factory) -> Path:
-    """The example's SFT config, its paths in a tmp folder, cut to 300 of its 1,500 steps (CI's time): RL starts
+    """The example's SFT config, its paths in a tmp folder, cut to 200 of its 1,500 steps (CI's time): RL starts
     from a model that has begun to reverse and has the demonstrator's tag slip to unlearn (the learning test's
-    training reward went 0.17 -> 0.25 over its 12 steps from such a model)."""
+    training reward, mean of the first and last 4 of its 12 steps: 0.20 -> 0.25 after 300 warm-up steps, twice,
+    and 0.19 -> 0.23 after 200, on the 2-core CPU)."""
     root = tmp_path_factory.mktemp("reverse")
     text = (EXAMPLE / "sft.toml").read_text()
     assert "max_steps = 1500" in text
-    text = text.replace("outputs/reverse-text", str(root)).replace("max_steps = 1500", "max_steps = 300")
+    text = text.replace("outputs/reverse-text", str(root)).replace("max_steps = 1500", "max_steps = 200")
     path = root / "sft.toml"
     path.write_text(text)
     return path
