@@ -6,7 +6,9 @@ milliseconds and shows a clear message, never a traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as err:
         print(_missing_module(name, err), file=sys.stderr)
         return 2
+    # `kill -USR1 <pid>` (pids in the run's logs/pids.json) prints every thread's Python stack into the
+    # process's log and lets it go on: what a process that seems hung is waiting for, without a debugger.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return int(entry(config) or 0)
 
 

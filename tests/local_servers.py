@@ -27,11 +27,11 @@ def serving(name: str, argv: list[str], url: str, log_path: Path, start_timeout_
 
 
 @contextlib.contextmanager
-def tandem_inference(model: Path, log_path: Path, *flags: str) -> Iterator[str]:
-    """A `tandem inference` process serving `model` on the CPU on a free loopback port: its URL."""
+def tandem_inference(model: Path, log_path: Path, *flags: str) -> Iterator[tuple[str, ManagedProcess]]:
+    """A `tandem inference` process serving `model` on the CPU on a free loopback port: its URL and process."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(model), "--server.port", str(port),
             "--engine.device", "cpu", *flags]
-    with serving("inference", argv, url, log_path):
-        yield url
+    with serving("inference", argv, url, log_path) as proc:
+        yield url, proc

@@ -20,7 +20,7 @@ LIMIT = ServerConfig().max_request_bytes
 @pytest.fixture(scope="module")
 def server_url(tiny_dir, tmp_path_factory):
     with tandem_inference(tiny_dir, tmp_path_factory.mktemp("body_limit") / "inference.log",
-                          "--engine.num-blocks", "64", "--engine.max-model-len", "512") as url:
+                          "--engine.num-blocks", "64", "--engine.max-model-len", "512") as (url, _):
         yield url
 
 

@@ -1,16 +1,29 @@
 """`tandem inference` as a user runs it: a process that serves until stopped."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
 from local_servers import tandem_inference
 
 
 def test_tandem_inference_serves_from_the_command_line(tiny_dir, tmp_path):
-    with tandem_inference(tiny_dir, tmp_path / "inference.log", "--engine.num-blocks", "64", "--engine.max-model-len", "512") as url:
+    log = tmp_path / "inference.log"
+    with tandem_inference(tiny_dir, log, "--engine.num-blocks", "64", "--engine.max-model-len", "512") as (url, proc):
         body = httpx.post(f"{url}/v1/generate", json={"prompt_token_ids": [1, 2], "max_tokens": 3}).json()
+        # SIGUSR1: every thread's stack into the log (docs/rl.md), and the server goes on serving
+        os.kill(proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while "async_engine.py" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/health").status_code == 200
     assert len(body["choices"][0]["token_ids"]) <= 3
+    stacks = log.read_text()
+    assert "Thread 0x" in stacks and "(most recent call first)" in stacks
+    assert "tandem/inference/engine/async_engine.py" in stacks  # the engine thread, waiting for work
 
 
 def test_a_cache_too_small_for_one_sequence_is_a_config_error(tiny_dir):

@@ -25,10 +25,25 @@ EXAMPLE = REPO / "examples" / "reverse_text"
 pytestmark = pytest.mark.slow
 
 
-def tandem(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def tandem(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
+    """`tandem *args`, run to its end. Past `timeout` (under pytest's 600 s), the run's processes print their
+    stacks into their logs (SIGUSR1) before the launcher is killed, and the failure shows those logs' tails:
+    a resumed run once sat for minutes before its trainer's first log line, and nothing said where."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        logs = Path(args[args.index("--output-dir") + 1]) / "logs"
+        for pid in json.loads((logs / "pids.json").read_text()).values() if (logs / "pids.json").is_file() else []:
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        proc.communicate()
+        tails = {log.name: log.read_text()[-4000:] for log in sorted(logs.glob("*.log"))}
+        pytest.fail(f"tandem {' '.join(args)}: still running after {timeout} s; its logs end with {tails}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")

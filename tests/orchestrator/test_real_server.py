@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def tandem_server(tiny_model, tmp_path):
-    with tandem_inference(tiny_model, tmp_path / "inference.log", "--seq_len", "512") as url:
+    with tandem_inference(tiny_model, tmp_path / "inference.log", "--seq_len", "512") as (url, _):
         yield url
 
 
@@ -110,7 +110,7 @@ def test_episodes_end_at_the_servers_context_when_it_is_shorter_than_seq_len(tin
         finally:
             await pool.aclose()
 
-    with tandem_inference(tiny_model, tmp_path / "inference.log", "--seq_len", "512", "--engine.max-model-len", "160") as url:
+    with tandem_inference(tiny_model, tmp_path / "inference.log", "--seq_len", "512", "--engine.max-model-len", "160") as (url, _):
         seq_len, fitted = asyncio.run(rollout(url, limit_to_server=True))
         _, uncut = asyncio.run(rollout(url, limit_to_server=False))
     assert seq_len == 160
