@@ -5,7 +5,9 @@ feedback, one mark per letter: G (right letter, right spot), Y (in the word, els
 X (not in the word, or no copies left). Duplicates follow the game: greens are matched
 first, then yellows left to right while unmatched copies of the letter remain. A guess that
 is missing, not 5 letters, or not an allowed word gets an error message and still uses up
-one of the 6 turns.
+one of the 6 turns; with `invalid_ends_game` it ends the game instead (the strict rule of game
+arenas that end a game on an invalid move), so a malformed turn costs what the rest of the game
+could have earned.
 
 The words: by default the hidden words are those of `data/wordle_answers.txt` and a guess may
 be any word of `data/wordle_guesses.txt`. `num_words` N plays a smaller game, the difficulty
@@ -138,13 +140,18 @@ def vocabulary(num_words: int = -1) -> Vocabulary:
 class WordleEnv(MultiTurnEnv):
     """Ends on the correct guess or after `MAX_GUESSES` turns."""
 
-    def __init__(self, words: Vocabulary, **kwargs: Any):
+    def __init__(self, words: Vocabulary, invalid_ends_game: bool = False, **kwargs: Any):
         super().__init__(max_turns=MAX_GUESSES, **kwargs)
         self.words = words
+        self.invalid_ends_game = invalid_ends_game
 
     def is_completed(self, messages: Messages, state: State, **kwargs: Any) -> bool:
+        """Ends on the correct guess, or (`invalid_ends_game`) on a guess the game rejects."""
         last = messages[-1]
-        return last["role"] == "assistant" and self.words.read_guess(last["content"]) == state["answer"]
+        if last["role"] != "assistant":
+            return False
+        guess = self.words.read_guess(last["content"])
+        return guess == state["answer"] or (guess is None and self.invalid_ends_game)
 
     def env_response(
         self, messages: Messages, state: State, **kwargs: Any
@@ -176,13 +183,14 @@ def load_environment(
     num_words: int = -1,
     held_out_answers: bool = True,
     format_weight: float = 0.0,
+    invalid_ends_game: bool = False,
     **kwargs: Any,
 ) -> WordleEnv:
     """Answers are split by `seed` into disjoint eval and train words; `num_train_examples`
     -1 takes every answer not in the eval set. `held_out_answers` false: eval and train answers are drawn
     from every answer word (-1 train answers: all of them), so the eval measures play on the game's list
-    rather than finding words never trained on. `num_words`: see `vocabulary`; `format_weight`: see the module's
-    docstring."""
+    rather than finding words never trained on. `num_words`: see `vocabulary`; `format_weight` and
+    `invalid_ends_game`: see the module's docstring."""
     if format_weight < 0:
         raise ValueError(f"wordle: `format_weight` = {format_weight} must be >= 0")
     words = vocabulary(num_words)
@@ -195,6 +203,7 @@ def load_environment(
     )
     return WordleEnv(
         words,
+        invalid_ends_game,
         dataset=[_row(word) for word in train],
         eval_dataset=[_row(word) for word in eval_words],
         system_prompt=SYSTEM_PROMPT,
@@ -205,13 +214,14 @@ def load_environment(
 
 
 def _demonstration(
-    words: Vocabulary, answer: str, rng: random.Random, slips: Callable[[], bool]
+    words: Vocabulary, answer: str, rng: random.Random, slips: Callable[[], bool], invalid_ends_game: bool
 ) -> Messages:
     """One game, each guess drawn at random from the answer words still consistent with all
     the feedback so far: a plain strategy that solves most games in 6 guesses, so the warm-up
     teaches the format and the use of feedback without playing well. The guesses `slips()` says
     so (a share `misclosed_fraction`, `sft_examples`) close with `</gues>`: the game
-    rejects them and the turn is lost. Only wrong guesses slip, and the guess after a slip is
+    rejects them and the turn is lost (with `invalid_ends_game`, the game: the demonstration ends there, as the
+    game does). Only wrong guesses slip, and the guess after a slip is
     another candidate, so no demonstration repeats its last guess: retried words taught the tiny
     model to repeat its last guess, which it then did after valid feedback too."""
     messages: Messages = [
@@ -224,7 +234,7 @@ def _demonstration(
         guess = rng.choice([word for word in candidates if word != slipped])
         misclosed = slips() and guess != answer
         messages.append({"role": "assistant", "content": f"<guess>{guess}</{'gues' if misclosed else 'guess'}>"})
-        if (guess == answer and not misclosed) or turn == MAX_GUESSES:
+        if (guess == answer and not misclosed) or (misclosed and invalid_ends_game) or turn == MAX_GUESSES:
             break
         slipped = guess if misclosed else None
         if not misclosed:
@@ -242,6 +252,7 @@ def sft_examples(
     num_words: int = -1,
     held_out_answers: bool = True,
     misclosed_fraction: float = 0.0,
+    invalid_ends_game: bool = False,
 ) -> list[dict[str, Messages]]:
     """`n` demonstration games on the training answers of `load_environment` with the same seed,
     `num_eval_examples`, `num_words` and `held_out_answers` (never a held-out eval answer; guesses may be any
@@ -250,12 +261,12 @@ def sft_examples(
     `misclosed_fraction`: the share of guesses (drawn at random, seeded apart from the games) that
     close with `</gues>` instead of `</guess>`: an imperfect demonstrator whose slips the game
     rejects, each costing a turn (a lower efficiency, or an unsolved game), which RL's reward can
-    remove."""
+    remove. `invalid_ends_game`: the games follow that rule of the environment (a slip ends the game)."""
     slips = slip_draws(misclosed_fraction, "misclosed_fraction", f"misclosed {seed}")
     words = vocabulary(num_words)
     train, _ = _split_answers(words, -1, num_eval_examples, seed, held_out_answers)
     rng = random.Random(seed)
     return [
-        {"messages": _demonstration(words, train[i % len(train)], rng, slips)}
+        {"messages": _demonstration(words, train[i % len(train)], rng, slips, invalid_ends_game)}
         for i in range(n)
     ]

@@ -11,9 +11,8 @@ def guess(word: str) -> str:
     return f"<guess>{word}</guess>"
 
 
-def play(answer: str, replies, scripted_client, num_words: int = -1, format_weight: float = 0.0):
-    env = wordle.load_environment(num_train_examples=10, num_eval_examples=10, num_words=num_words,
-                                  format_weight=format_weight)
+def play(answer: str, replies, scripted_client, num_words: int = -1, **env_args):
+    env = wordle.load_environment(num_train_examples=10, num_eval_examples=10, num_words=num_words, **env_args)
     prompt = env.get_dataset(1)[0]["prompt"]
     client = scripted_client(replies)
     completion, state = asyncio.run(env.rollout(client, "m", prompt, answer, "wordle"))
@@ -81,6 +80,20 @@ def test_format_weight_makes_each_malformed_turn_cost(scripted_client):
     assert weighted.reward == pytest.approx(plain.reward + 0.3 * 2 / 3)
     with pytest.raises(ValueError, match="format_weight"):
         wordle.load_environment(format_weight=-1)
+
+
+def test_invalid_ends_game_stops_at_the_first_rejected_guess(scripted_client):
+    """The same replies: the lenient game goes on to the solve; the strict one ends at the misclosed guess,
+    keeping the partial reward of the last valid guess (slate vs crane: X X G X G)."""
+    replies = [guess("slate"), "<guess>trace</gues>", guess("crane")]
+    _, state, lenient = play("crane", replies, scripted_client)
+    assert (state["turn"], lenient.metrics["solved_reward"]) == (3, 1.0)
+    completion, state, strict = play("crane", replies, scripted_client, invalid_ends_game=True)
+    assert (state["turn"], state["stop_reason"]) == (2, "completed")
+    assert completion[-1] == {"role": "assistant", "content": "<guess>trace</gues>"}
+    assert strict.reward == pytest.approx(0.2 * 2 / 5) and strict.metrics["solved_reward"] == 0.0
+    _, state, _ = play("crane", [guess("qqqqq")], scripted_client, invalid_ends_game=True)  # not a word: ends too
+    assert state["turn"] == 1
 
 
 def test_last_turn_gets_no_feedback(scripted_client):
@@ -194,3 +207,18 @@ def test_misclosed_demonstrations_slip_and_score_lower(scripted_client):
     assert rewards["clean"] > 1.5 and rewards["slipped"] < rewards["clean"] - 0.1
     with pytest.raises(ValueError, match="misclosed_fraction"):
         wordle.sft_examples(2, misclosed_fraction=1.5)
+
+
+def test_demonstrations_of_the_strict_game_end_at_their_slip(scripted_client):
+    args = dict(seed=1, num_eval_examples=8, num_words=40)
+    rows = wordle.sft_examples(100, misclosed_fraction=0.3, invalid_ends_game=True, **args)
+    train = [e["answer"] for e in wordle.load_environment(**args).get_dataset()]
+    ended_by_slip = 0
+    for row, answer in zip(rows, train * 10):
+        guesses = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        slips = [i for i, text in enumerate(guesses) if text.endswith("</gues>")]
+        assert slips in ([], [len(guesses) - 1])  # at most one slip, the last turn
+        ended_by_slip += bool(slips)
+        completion, _, _ = play(answer, guesses, scripted_client, num_words=40, invalid_ends_game=True)
+        assert completion == row["messages"][2:]  # the game ends where the demonstration does
+    assert 20 < ended_by_slip < 80
