@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # `kill -USR1 <pid>` (pids in the run's logs/pids.json) prints every thread's Python stack into the
     # process's log and lets it go on: what a process that seems hung is waiting for, without a debugger.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # The process's own stderr (`sys.__stderr__`): a caller in the same process may have replaced `sys.stderr`
+    # with an object that has no file descriptor (pytest's capture).
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     return int(entry(config) or 0)
 
 
