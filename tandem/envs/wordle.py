@@ -5,9 +5,8 @@ feedback, one mark per letter: G (right letter, right spot), Y (in the word, els
 X (not in the word, or no copies left). Duplicates follow the game: greens are matched
 first, then yellows left to right while unmatched copies of the letter remain. A guess that
 is missing, not 5 letters, or not an allowed word gets an error message and still uses up
-one of the 6 turns; with `invalid_ends_game` it ends the game instead (the strict rule of game
-arenas that end a game on an invalid move), so a malformed turn costs what the rest of the game
-could have earned.
+one of the 6 turns; with `invalid_ends_game` it ends the game instead, so a malformed turn costs
+what the rest of the game could have earned.
 
 The words: by default the hidden words are those of `data/wordle_answers.txt` and a guess may
 be any word of `data/wordle_guesses.txt`. `num_words` N plays a smaller game, the difficulty
@@ -138,7 +137,7 @@ def vocabulary(num_words: int = -1) -> Vocabulary:
 
 
 class WordleEnv(MultiTurnEnv):
-    """Ends on the correct guess or after `MAX_GUESSES` turns."""
+    """Ends on the correct guess, after `MAX_GUESSES` turns, or (`invalid_ends_game`) on a rejected guess."""
 
     def __init__(self, words: Vocabulary, invalid_ends_game: bool = False, **kwargs: Any):
         super().__init__(max_turns=MAX_GUESSES, **kwargs)
@@ -146,7 +145,6 @@ class WordleEnv(MultiTurnEnv):
         self.invalid_ends_game = invalid_ends_game
 
     def is_completed(self, messages: Messages, state: State, **kwargs: Any) -> bool:
-        """Ends on the correct guess, or (`invalid_ends_game`) on a guess the game rejects."""
         last = messages[-1]
         if last["role"] != "assistant":
             return False
