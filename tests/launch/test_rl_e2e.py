@@ -6,7 +6,7 @@ with `examples/reverse_text`'s configs and fewer RL steps, so that CI stays with
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from short_runs import run_pids, start
 
 from tandem.monitor.metrics import read_metrics
 from tandem.transport.paths import is_stable, rollout_file, weights_dir
@@ -29,19 +30,18 @@ def tandem(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
     """`tandem *args`, run to its end. Past `timeout` (under pytest's 600 s), the run's processes print their
     stacks into their logs (SIGUSR1) before the launcher is killed, and the failure shows those logs' tails:
     a resumed run once sat for minutes before its trainer's first log line, and nothing said where."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start([sys.executable, "-m", "tandem.cli", *args])
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        logs = Path(args[args.index("--output-dir") + 1]) / "logs"
-        for pid in json.loads((logs / "pids.json").read_text()).values() if (logs / "pids.json").is_file() else []:
-            os.kill(pid, signal.SIGUSR1)
+        out = Path(args[args.index("--output-dir") + 1])
+        for pid in run_pids(out).values() if (out / "logs" / "pids.json").is_file() else []:
+            with contextlib.suppress(ProcessLookupError):  # one that has ended already
+                os.kill(pid, signal.SIGUSR1)
         time.sleep(2)
         proc.kill()
         proc.communicate()
-        tails = {log.name: log.read_text()[-4000:] for log in sorted(logs.glob("*.log"))}
+        tails = {log.name: log.read_text()[-4000:] for log in sorted((out / "logs").glob("*.log"))}
         pytest.fail(f"tandem {' '.join(args)}: still running after {timeout} s; its logs end with {tails}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
@@ -113,15 +113,13 @@ def test_rl_learns_then_resumes_without_repeating_steps(sft_config, tmp_path):
 
 def test_killed_trainer_stops_the_run_and_names_it(sft_config, tmp_path):
     out = tmp_path / "killed"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *rl_args(sft_config, out, 50)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start([sys.executable, "-m", "tandem.cli", *rl_args(sft_config, out, 50)])
     try:
         deadline = time.monotonic() + 300
         while not steps_of(out, "trainer", "loss") and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.5)
-        pids = json.loads((out / "logs" / "pids.json").read_text())
+        pids = run_pids(out)
         os.kill(pids["trainer"], signal.SIGKILL)
         killed_at = time.monotonic()
         _, stderr = proc.communicate(timeout=60)
