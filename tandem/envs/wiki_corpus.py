@@ -1,7 +1,8 @@
 """The offline wiki of `wiki_search`: fictional pages generated from templates, and BM25 search.
 
-The corpus is a pure function of `CORPUS_SEED` (built once per process, in well under a second),
-so every machine sees the same pages and no data file ships. Its places, people and rivers are
+A corpus is a pure function of its seed (built once per process, in well under a second), so
+every machine sees the same pages and no data file ships. `CORPUS_SEED` is the environment's
+wiki; other seeds make other wikis of the same kinds of pages (the warm-up's drills). Its places, people and rivers are
 invented, so a model cannot answer from memory: it has to search. Every page holds facts (a
 year, a name, a number) in short sections, and each fact yields one question whose exact answer
 is the fact's value, written in exactly one section.
@@ -153,9 +154,9 @@ class Corpus:
 
 
 @cache
-def build_corpus() -> Corpus:
-    """Every page and fact of the wiki; the same on every call and every machine."""
-    rng = random.Random(CORPUS_SEED)
+def build_corpus(seed: int = CORPUS_SEED) -> Corpus:
+    """Every page and fact of the wiki of `seed`; the same on every call and every machine."""
+    rng = random.Random(seed)
     # Towns and rivers never share a name: "Lorvik" and "Lorvik River" would be one search.
     places = _unique_names(rng, NUM_RIVERS + NUM_TOWNS, _place_name, set())
     rivers = [f"{name} River" for name in places[:NUM_RIVERS]]
@@ -196,5 +197,5 @@ class SearchIndex:
 
 
 @cache
-def search_index() -> SearchIndex:
-    return SearchIndex(build_corpus())
+def search_index(seed: int = CORPUS_SEED) -> SearchIndex:
+    return SearchIndex(build_corpus(seed))

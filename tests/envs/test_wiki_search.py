@@ -98,3 +98,53 @@ def test_sft_examples_use_the_tools_on_training_questions_only(byte_tokenizer):
         assert sum(sample.loss_mask) > 0
     answers = [e["answer"] for e in env.get_dataset(20)]
     assert [wiki_search.exact_match_reward(r["messages"], a) for r, a in zip(rows, answers)] == [1.0] * 20
+
+
+OTHER_WIKIS = dict(other_wikis=2, questions_per_other_wiki=6)
+
+
+def test_the_default_warm_up_has_no_other_wikis_and_drills_come_before_the_demonstrations():
+    rows = wiki_search.sft_examples(32, seed=4, **OTHER_WIKIS)
+    assert wiki_search.sft_examples(20, seed=4) == wiki_search.sft_examples(20, seed=4, other_wikis=0) == rows[12:]
+    assert all(row["messages"][0]["role"] == "user" and "tools" not in row for row in rows[:12])
+    assert wiki_search.sft_examples(32, seed=4, **OTHER_WIKIS) == rows
+
+
+def test_drills_are_whole_episodes_over_other_wikis_that_replay_with_their_tools(scripted_client):
+    """Each drill is an episode of a wiki of another seed, about a page this wiki does not have, and an
+    environment with that wiki's tools replays it: the same replies, reward 1."""
+    from tandem.envs.rubric import Rubric
+    from tandem.envs.tool_env import ToolEnv
+
+    own = build_corpus()
+    rubric = Rubric(funcs=[wiki_search.exact_match_reward], parser=wiki_search.PARSER)
+
+    def replay(seed, fact, turns):
+        env = ToolEnv(tools=wiki_search.wiki_tools(seed), max_turns=5, parser=wiki_search.PARSER, rubric=rubric,
+                      dataset=[{"question": fact.question, "answer": fact.answer}])
+        calls = [m["tool_calls"][0] for m in turns if m.get("tool_calls")]
+        script = [{"tool_calls": [(c["id"], c["function"]["name"], c["function"]["arguments"])]} for c in calls]
+        return asyncio.run(env.run_rollout(scripted_client(script + [turns[-1]["content"]]), "m", env.get_dataset()[0]))
+
+    wikis_replayed = set()
+    for row in wiki_search.sft_examples(12, seed=4, **OTHER_WIKIS):
+        question, *turns = row["messages"]
+        assert question["role"] == "user" and question["content"] not in {fact.question for fact in own.facts}
+        asked = [(seed, fact) for seed in (1, 2) for fact in build_corpus(seed).facts if fact.question == question["content"]]
+        assert asked and all(fact.page_id not in own.pages for _, fact in asked)
+        rollouts = {seed: replay(seed, fact, turns) for seed, fact in asked}
+        replayed = {seed for seed, r in rollouts.items() if r.completion == turns and r.score.reward == 1.0}
+        assert replayed
+        wikis_replayed |= replayed
+    assert wikis_replayed == {1, 2}
+
+
+@pytest.mark.parametrize("args, argument", [
+    (dict(other_wikis=-1), "other_wikis"),
+    (dict(other_wikis=1, questions_per_other_wiki=0), "questions_per_other_wiki"),
+    (dict(other_wikis=1, questions_per_other_wiki=10_000), "questions_per_other_wiki"),
+    (dict(other_wikis=3, questions_per_other_wiki=5), "other_wikis"),
+])
+def test_bad_other_wiki_arguments_are_named(args, argument):
+    with pytest.raises(ValueError, match=argument):
+        wiki_search.sft_examples(10, **args)
