@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths")
     add_engine_arguments(parser)
+    parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path")
     parser.add_argument("--out", help="write the figures to this JSON file")
     return parser.parse_args()
 
@@ -98,7 +99,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = init_model(args.preset, Path(tmp) / args.preset, seed=0)
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        engine = build_engine(ModelConfig(name=str(folder)), engine_config(args, w["num_prompts"], w["prompt_len"] + w["output_len"]), 0)
+        engine = build_engine(ModelConfig(name=str(folder)), engine_config(args, w["num_prompts"], w["prompt_len"] + w["output_len"]), 0,
+                              exact=args.exact)
         warm = dict(w, num_prompts=4, output_len=8)
         timed_run(engine, warm, vocab, 1)
         results = {"timed": timed_run(engine, w, vocab, 2)}

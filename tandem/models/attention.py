@@ -11,7 +11,7 @@ Shapes: q [B, T, Hq, D], k and v [B, T, Hkv, D], output [B, T, Hq, D].
 from __future__ import annotations
 
 import inspect
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 class AttentionBackend(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CachedAttention(Protocol):
+    """A backend whose keys and values live in a cache the block may write itself (the engine's paged cache), so
+    that a kernel computing the keys stores them in their slots directly: where `reads_only_the_cache`, the block
+    writes its step's keys and values into `cache_slots` and calls `attend_cached` instead of `attend`."""
+
+    def reads_only_the_cache(self, head_dim: int, device: torch.device) -> bool: ...
+
+    def cache_slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys [blocks, S, Hkv, D], values, the slot of each token of the step [N])."""
+        ...
+
+    def attend_cached(self, layer_idx: int, q_NHD: torch.Tensor) -> torch.Tensor: ...
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -85,9 +85,17 @@ def before_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm
     A q/k norm weight of `head_dim` features normalizes each head; a longer one (MiniMax-M2)
     normalizes the whole projection, all heads together, before it is split into heads.
     `linear`, `norm`: how projections and norms are computed (exact mode passes batch-invariant kernels)."""
-    B, T, _ = x.shape
     h = norm(x, norm_weight, eps)
     q, k, v = linear(h, wq, bq), linear(h, wk, bk), linear(h, wv, bv)
+    return normed_rotated(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim, norm)
+
+
+def normed_rotated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float, head_dim: int,
+                   norm: Norm = rms_norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The projections q [B, T, Hq * D], k and v [B, T, Hkv * D] -> q and k normed and rotated, split into heads
+    like v: [B, T, heads, D]."""
+    B, T, _ = q.shape
     if q_norm_weight is not None and q_norm_weight.shape[0] != head_dim:
         q, k = norm(q, q_norm_weight, eps), norm(k, k_norm_weight, eps)
     q, k, v = (t.view(B, T, -1, head_dim) for t in (q, k, v))

@@ -6,13 +6,15 @@ and vector or scalar code paths for transcendental functions, from the shapes th
 token gets different roundings. Exact mode has two paths, and engine and trainer pick the same one, by
 the same rule, for each operation:
 
-- kernels (CUDA with Triton, or Triton's interpreter on the CPU; a dense model's blocks): every linear
-  and RMS norm through `tandem.models.batch_invariant` (fixed tiles, a row's reduction independent of
-  the other rows), attention through `attention_kernel.attend_each_token` (each query token a decode
-  query of its own over fixed 512-key chunks: the engine's paged cache, or the trainer's packed keys
-  seen as pages), log_softmax(logits / T) one program per row. Elementwise parts (RoPE, SiLU, residual
-  adds) run as eager torch ops on both sides, which compute each element alike on the GPU. All of it
-  runs inside the engine's CUDA graphs.
+- kernels (CUDA with Triton, or Triton's interpreter on the CPU; a dense model's blocks): the engine's
+  fused block (`exact_kernel_block`): every matmul through `batch_invariant.linear` (fixed tiles, a row's
+  reduction independent of the other rows; q, k, v as one stacked matmul, gate and up as another), the
+  norms with their residual adds, the q/k norms with RoPE, and silu(gate) * up through `block_kernels`
+  (one program per row or token, a launch configuration fixed by the model's widths), attention through
+  `attention_kernel.attend_each_token` (each query token a decode query of its own over fixed 512-key
+  chunks: the engine's paged cache, or the trainer's packed keys seen as pages), log_softmax(logits / T)
+  one program per row. The trainer calls the same kernels forward and differentiates through the model's
+  own formulas. All of it runs inside the engine's CUDA graphs.
 - token by token (the CPU, and a mixture of experts everywhere): blocks `before_attention` and
   `after_attention` one token at a time on [1, 1, hidden] tensors (`exact_block_forward`), the final
   norm likewise, attention by `exact_attention` (one query token against exactly its context keys,
@@ -36,14 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tandem.models import attention_kernel, batch_invariant
-from tandem.models.attention import AttentionBackend, DocumentCausalAttention
-from tandem.models.decoder import DecoderLayer, after_attention, before_attention
-from tandem.models.layers import MLP, RMSNorm, rms_norm, swiglu
-
-KERNELS = dict(linear=batch_invariant.linear, norm=batch_invariant.rms_norm)
-"""The block's projections and norms on the kernel path (`before_attention`'s and `after_attention`'s keywords)."""
-
+from tandem.models import attention_kernel, batch_invariant, block_kernels
+from tandem.models.attention import AttentionBackend, CachedAttention, DocumentCausalAttention
+from tandem.models.decoder import DecoderLayer, after_attention, before_attention, normed_rotated
+from tandem.models.layers import MLP, RMSNorm, rms_norm
+from tandem.models.stacked_projections import SharedInputProjections, concatenated_projections, stack_projections
 
 def block_uses_kernels(block: DecoderLayer, device: torch.device) -> bool:
     """The kernel path for this block here: Triton runs on `device` and the feed-forward is dense (a mixture of
@@ -63,15 +62,13 @@ def model_uses_kernels(lm: nn.Module, device: torch.device) -> bool:
             and attention_uses_kernels(device, lm.layers[0].self_attn.head_dim))
 
 
-def exact_block_forward(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        backend: AttentionBackend) -> torch.Tensor:
-    """`block.forward` batch-invariantly (x [1, N, hidden]): the kernel path, or every token computed alone."""
-    eps, head_dim = block.eps, block.self_attn.head_dim
+def exact_block_forward(block: DecoderLayer, stacked: SharedInputProjections | None, x: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    """`block.forward` batch-invariantly (x [B, T, hidden]): the kernel path, or every token computed alone.
+    `stacked`: the engine's projections stacked once; None: concatenated at each forward (the trainer's)."""
     if block_uses_kernels(block, x.device):
-        q, k, v = before_attention(x, cos, sin, *block.before_attention_args(), eps, head_dim, **KERNELS)
-        attended = backend.attend(block.layer_idx, q, k, v)
-        feed_forward = functools.partial(swiglu, linear=batch_invariant.linear)
-        return after_attention(x, attended, *block.residual_args(), eps, feed_forward, *block.mlp.tensor_args(), **KERNELS)
+        return exact_kernel_block(block, stacked or concatenated_projections(block), x, cos, sin, backend)
+    eps, head_dim = block.eps, block.self_attn.head_dim
     args = block.before_attention_args()
     parts = [before_attention(x[:, t:t + 1], cos[:, t:t + 1], sin[:, t:t + 1], *args, eps, head_dim) for t in range(x.shape[1])]
     q, k, v = (torch.cat(p, dim=1) for p in zip(*parts))
@@ -81,6 +78,108 @@ def exact_block_forward(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
                       for t in range(x.shape[1])], dim=1)
 
 
+def exact_kernel_block(block: DecoderLayer, stacked: SharedInputProjections, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    """A dense block on the kernel path, the same calls in engine and trainer; every kernel computes a row (a
+    token) by one program whose configuration depends on the model's widths only. Where the backend keeps a
+    cache it reads from (the engine's), the q/k kernel writes keys and values into their slots directly."""
+    B, T, hidden = x.shape
+    eps, head_dim, layer_idx = block.eps, block.self_attn.head_dim, block.layer_idx
+    norm_weight, *_, q_norm_weight, k_norm_weight = block.before_attention_args()
+    x_ND, cos_NR, sin_NR = x.reshape(B * T, hidden), cos.reshape(B * T, -1), sin.reshape(B * T, -1)
+    q, k, v = batch_invariant.linear(residual_norm(x_ND, None, norm_weight, eps), stacked.qkv,
+                                     stacked.qkv_bias).split(stacked.qkv_sizes, dim=-1)
+    if isinstance(backend, CachedAttention) and backend.reads_only_the_cache(head_dim, x.device):
+        q_NHD = block_kernels.qk_norm_rope_write(q, k, v, cos_NR, sin_NR, q_norm_weight, k_norm_weight, eps,
+                                                 *backend.cache_slots(layer_idx))
+        attended = backend.attend_cached(layer_idx, q_NHD)
+    else:
+        q, k, v = normed_rotated_tokens(q, k, v, cos_NR, sin_NR, q_norm_weight, k_norm_weight, eps, head_dim)
+        attended = backend.attend(layer_idx, *(t.view(B, T, -1, head_dim) for t in (q, k, v)))
+    wo, bo, post_norm_weight = block.residual_args()
+    x_ND, h = residual_norm(x_ND, batch_invariant.linear(attended.reshape(B * T, -1), wo, bo), post_norm_weight, eps)
+    hidden_ND = silu_mul(batch_invariant.linear(h, stacked.gate_up))
+    return (x_ND + batch_invariant.linear(hidden_ND, block.mlp.down_proj.weight)).view(B, T, hidden)
+
+
+def residual_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """`block_kernels.rms_norm` of x [N, hidden], differentiable through `layers.rms_norm`: its norm, or, with
+    `delta` (the residual add), (x + delta, its norm)."""
+    return _ResidualNorm.apply(x, weight, eps, delta)
+
+
+class _ResidualNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, delta):
+        ctx.save_for_backward(x, weight, delta)
+        ctx.eps = eps
+        total, normed = block_kernels.rms_norm(x, weight, eps, delta)
+        return (total, normed) if delta is not None else normed
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight, delta = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (x, weight, delta) if t is not None]
+            total = inputs[0] + inputs[2] if delta is not None else inputs[0]
+            normed = rms_norm(total, inputs[1], ctx.eps)
+            got = torch.autograd.grad((total, normed) if delta is not None else (normed,), inputs, grads)
+        return got[0], got[1], None, got[2] if delta is not None else None
+
+
+def normed_rotated_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+                          head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`decoder.normed_rotated` of tokens (q [N, Hq * D], k, v [N, Hkv * D], cos, sin [N, R]) by the engine's
+    kernel, which writes keys and values into a cache, here fresh tensors: [N, heads, D] each."""
+    return _NormedRotated.apply(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`block_kernels.silu_mul` (gate_up [N, 2 * I] -> silu(gate) * up), differentiable through `F.silu`."""
+    return _SiluMul.apply(gate_up)
+
+
+class _NormedRotated(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim):
+        ctx.save_for_backward(q, k, cos, sin, q_norm_weight, k_norm_weight)
+        ctx.eps, ctx.head_dim = eps, head_dim
+        N, num_kv_heads = q.shape[0], k.shape[1] // head_dim
+        k_out, v_out = (k.new_empty(N, 1, num_kv_heads, head_dim) for _ in range(2))
+        q_out = block_kernels.qk_norm_rope_write(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, k_out, v_out,
+                                                 torch.arange(N, device=q.device))
+        return q_out, k_out.view(N, num_kv_heads, head_dim), v_out.view(N, num_kv_heads, head_dim)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        q, k, cos, sin, q_norm_weight, k_norm_weight = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() if t is not None else None for t in (q, k, q_norm_weight, k_norm_weight)]
+            q_ref, k_ref, _ = normed_rotated(inputs[0][None], inputs[1][None], k[None], cos[None], sin[None],
+                                             inputs[2], inputs[3], ctx.eps, ctx.head_dim)  # (v: its values unused)
+            wanted = [t for t in inputs if t is not None]
+            got = iter(torch.autograd.grad((q_ref, k_ref), wanted, (grad_q[None], grad_k[None])))
+            grad_q_in, grad_k_in, grad_qw, grad_kw = (next(got) if t is not None else None for t in inputs)
+        return grad_q_in, grad_k_in, grad_v.reshape(grad_v.shape[0], -1), None, None, grad_qw, grad_kw, None, None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return block_kernels.silu_mul(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        with torch.enable_grad():
+            gate_up = gate_up.detach().requires_grad_()
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.autograd.grad(F.silu(gate) * up, gate_up, grad)[0]
+
+
 def exact_norm_forward(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """The final norm, by the kernel or one token at a time (x [1, N, hidden])."""
     if batch_invariant.is_available(x.device):
@@ -88,12 +187,15 @@ def exact_norm_forward(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([rms_norm(x[:, t:t + 1], norm.weight, norm.eps) for t in range(x.shape[1])], dim=1)
 
 
-def apply_exact(lm: nn.Module) -> None:
-    """Give a native causal LM (`tandem.models.decoder.DecoderLM`) the batch-invariant forward, in place."""
+def apply_exact(lm: nn.Module, stack: bool = False) -> None:
+    """Give a native causal LM (`tandem.models.decoder.DecoderLM`) the batch-invariant forward, in place.
+    `stack` (the engine): each kernel-path block's projections stacked once, its parameters made views of them."""
     for block in lm.layers:
         if not isinstance(block, DecoderLayer):
             raise TypeError(f"exact mode needs tandem's decoder blocks, got {type(block).__name__}")
-        block.forward = functools.partial(exact_block_forward, block)
+        with torch.no_grad():
+            stacked = stack_projections(block) if stack and block_uses_kernels(block, lm.lm_head.weight.device) else None
+        block.forward = functools.partial(exact_block_forward, block, stacked)
     lm.model.norm.forward = functools.partial(exact_norm_forward, lm.model.norm)
 
 

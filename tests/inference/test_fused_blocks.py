@@ -47,7 +47,7 @@ KERNEL_CASES = [  # heads, kv heads, head dim, partial rotary factor, q/k norm, 
 def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: int = 0) -> list[float]:
     """Both kernels against the model's functions on random inputs; returns the fraction of equal elements
     of each output (q, k, normed sum) after asserting they are close."""
-    from tandem.inference.engine import block_kernels
+    from tandem.models import block_kernels
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -115,7 +115,7 @@ import torch
 from inference_helpers import teacher_forced_logprobs
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
-from tandem.inference.engine import block_kernels
+from tandem.models import block_kernels
 from tandem.models import attention_kernel
 from tandem.inference.engine.fused_blocks import apply_fused_blocks, fused_block_forward
 from tandem.inference.engine.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""Exact mode's kernels (`tandem.models.batch_invariant`, `attention_kernel.attend_each_token`): a row's result is
+"""Exact mode's kernels (`tandem.models.batch_invariant`, `block_kernels`, `attention_kernel.attend_each_token`): a row's result is
 bitwise the same alone and among other rows (several batch sizes, several positions in a tile), and close to
 torch's; the trainer's packed documents attend bitwise as the engine's paged cache does. Run by Triton's
 interpreter on the CPU (fp32), and on CUDA in bf16."""
@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.models import batch_invariant
+from tandem.models import batch_invariant, block_kernels
 from tandem.models.attention import DocumentCausalAttention
 from tandem.models.attention_kernel import attend_each_token
-from tandem.models.exact import ExactDocumentAttention, exact_causal_attention
+from tandem.models.decoder import normed_rotated
+from tandem.models.exact import ExactDocumentAttention, exact_causal_attention, normed_rotated_tokens, residual_norm, silu_mul
 from tandem.models.layers import rms_norm
 
 
@@ -48,6 +49,25 @@ def check_kernels(device: str, dtype: torch.dtype, hidden: int, out: int, vocab:
     among_others(lambda rows: batch_invariant.rms_norm(rows, norm_weight, 1e-6), x, gen)
     torch.testing.assert_close(batch_invariant.rms_norm(rows, norm_weight, 1e-6), rms_norm(rows, norm_weight, 1e-6),
                                atol=tolerance, rtol=tolerance)
+
+    # The block kernels exact mode runs around attention: the norm with its residual add, silu(gate) * up, and the
+    # q/k norms with RoPE, keys and values written to one slot per token.
+    among_others(lambda rows: torch.stack(block_kernels.rms_norm(rows[:, 0].contiguous(), norm_weight, 1e-6,
+                                                                 rows[:, 1].contiguous()), 1), torch.stack([x, randn(hidden)]), gen)
+    among_others(block_kernels.silu_mul, randn(2 * out), gen)
+    heads, kv_heads, D = 4, 2, 64
+    widths = [heads * D, kv_heads * D, kv_heads * D, D, D]
+    qk_norm_weights = randn(D), randn(D)
+
+    def normed_rotated_rows(rows):
+        q, k, v, cos, sin = rows.split(widths, dim=-1)
+        return torch.cat([t.flatten(1) for t in normed_rotated_tokens(q, k, v, cos, sin, *qk_norm_weights, 1e-6, D)], 1)
+
+    among_others(normed_rotated_rows, randn(sum(widths)), gen)
+    q, k, v, cos, sin = randn(9, sum(widths)).split(widths, dim=-1)
+    for got, expected in zip(normed_rotated_tokens(q, k, v, cos, sin, *qk_norm_weights, 1e-6, D),
+                             normed_rotated(q[None], k[None], v[None], cos[None], sin[None], *qk_norm_weights, 1e-6, D)):
+        torch.testing.assert_close(got, expected[0], atol=tolerance, rtol=tolerance)
 
     logits = torch.randn(vocab, generator=gen).to(device) * 4
     among_others(lambda rows: batch_invariant.log_softmax(rows, torch.full((rows.shape[0],), 0.7, device=device)), logits, gen,
@@ -104,12 +124,21 @@ def check_gradients(device: str, dtype: torch.dtype, tolerance: float) -> None:
     lengths = [5, 9, 2]
     reference_attention = DocumentCausalAttention([lengths], torch.device(device), ["flash", "efficient", "math"])
     temperatures = torch.tensor([0.7, 1.0, 1.3], device=device)
+    cos, sin = (torch.randn(5, 16, generator=gen).to(device, dtype) for _ in range(2))
     cases = [(batch_invariant.linear, F.linear, (randn(2, 3, 80), randn(96, 80), randn(96))),
              (lambda x, w: batch_invariant.rms_norm(x, w, 1e-6), lambda x, w: rms_norm(x, w, 1e-6), (randn(4, 80), randn(80))),
              (lambda x: batch_invariant.log_softmax(x, temperatures), lambda x: (x / temperatures[:, None]).log_softmax(-1),
               (randn(3, 5000),)),
              (ExactDocumentAttention([lengths]).attend, reference_attention.attend,
-              (0, randn(1, 16, 6, 16), randn(1, 16, 2, 16), randn(1, 16, 2, 16)))]
+              (0, randn(1, 16, 6, 16), randn(1, 16, 2, 16), randn(1, 16, 2, 16))),
+             (lambda x, w: residual_norm(x, None, w, 1e-6), lambda x, w: rms_norm(x, w, 1e-6), (randn(4, 80), randn(80))),
+             (lambda x, d, w: torch.cat(residual_norm(x, d, w, 1e-6), -1),
+              lambda x, d, w: torch.cat([x + d, rms_norm(x + d, w, 1e-6)], -1), (randn(4, 80), randn(4, 80), randn(80))),
+             (silu_mul, lambda gu: F.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1], (randn(4, 96),)),
+             (lambda q, k, v, qw, kw: torch.cat([t.flatten(1) for t in normed_rotated_tokens(q, k, v, cos, sin, qw, kw, 1e-6, 16)], 1),
+              lambda q, k, v, qw, kw: torch.cat([t[0].flatten(1) for t in normed_rotated(q[None], k[None], v[None], cos[None],
+                                                                                          sin[None], qw, kw, 1e-6, 16)], 1),
+              (randn(5, 64), randn(5, 32), randn(5, 32), randn(16), randn(16)))]
     for kernel, reference, inputs in cases:
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
         out = kernel(*inputs)

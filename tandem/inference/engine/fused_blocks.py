@@ -19,57 +19,16 @@ algorithm by shape) and in the last bits of silu's exp.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.inference.engine import block_kernels
 from tandem.inference.engine.paged_attention import PagedAttention
+from tandem.models import block_kernels
 from tandem.models.attention import AttentionBackend
 from tandem.models.decoder import DecoderLayer
-from tandem.models.layers import MLP
-
-
-@dataclass
-class SharedInputProjections:
-    """A block's projections that read the same input, each group one matrix (one matmul, not two or three).
-    The layers' parameters become views of these, so in-place weight updates (`load_weights_into` copies into
-    the parameters) reach them, and the model's own forward still sees its `nn.Linear`s."""
-
-    qkv: torch.Tensor
-    """[Hq * D + 2 * Hkv * D, hidden]: q_proj, k_proj, v_proj."""
-    qkv_bias: torch.Tensor | None
-    qkv_sizes: tuple[int, int, int]
-    gate_up: torch.Tensor | None
-    """[2 * intermediate, hidden]: a dense feed-forward's gate_proj and up_proj; None for other feed-forwards."""
-
-
-def stack_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) holding the rows of `linears`, whose parameters become views of it."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    has_bias = [linear.bias is not None for linear in linears]
-    if any(has_bias) and not all(has_bias):
-        raise ValueError("projections stacked into one matmul must all have a bias or none")
-    bias = torch.cat([linear.bias.detach() for linear in linears]) if all(has_bias) else None
-    start = 0
-    for linear in linears:
-        end = start + linear.weight.shape[0]
-        linear.weight.data = weight[start:end]
-        if bias is not None:
-            linear.bias.data = bias[start:end]
-        start = end
-    return weight, bias
-
-
-def stack_projections(block: DecoderLayer) -> SharedInputProjections:
-    attention = block.self_attn
-    linears = [attention.q_proj, attention.k_proj, attention.v_proj]
-    qkv, qkv_bias = stack_rows(linears)
-    gate_up = stack_rows([block.mlp.gate_proj, block.mlp.up_proj])[0] if isinstance(block.mlp, MLP) else None
-    sizes = tuple(linear.weight.shape[0] for linear in linears)
-    return SharedInputProjections(qkv=qkv, qkv_bias=qkv_bias, qkv_sizes=sizes, gate_up=gate_up)
+from tandem.models.stacked_projections import SharedInputProjections, stack_projections
 
 
 def apply_fused_blocks(model: nn.Module) -> int:
@@ -91,9 +50,8 @@ def fused_block_forward(block: DecoderLayer, stacked: SharedInputProjections, x:
     x_ND = x[0]
     _, h = block_kernels.rms_norm(x_ND, norm_weight, block.eps)
     q, k, v = F.linear(h, stacked.qkv, stacked.qkv_bias).split(stacked.qkv_sizes, dim=-1)
-    k_cache, v_cache = backend.cache.layer(block.layer_idx)
     q_NHD = block_kernels.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_norm_weight, k_norm_weight, block.eps,
-                                             k_cache, v_cache, backend.meta.slot_mapping)
+                                             *backend.cache_slots(block.layer_idx))
     attended = backend.attend_cached(block.layer_idx, q_NHD)
     wo, bo, post_norm_weight = block.residual_args()
     x_ND, h = block_kernels.rms_norm(x_ND, post_norm_weight, block.eps, delta=F.linear(attended.flatten(1), wo, bo))

@@ -58,27 +58,32 @@ class PagedAttention:
         num_kv_heads, head_dim = k_cache.shape[2:]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, k_NHD)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, v_NHD)
-        m = self.meta
-        if self.exact and attention_uses_kernels(q_NHD.device, head_dim):
-            tables, contexts = self.token_rows(q_NHD.shape[0])
-            max_context = m.max_context if m.max_context is not None else m.block_tables.shape[1] * k_cache.shape[1]
-            return attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, tables, contexts, max_context)[None]
-        if self.exact:
-            return exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)[None]
         if self.reads_only_the_cache(head_dim, q_NHD.device):
             return self.attend_cached(layer_idx, q_NHD)[None]
-        return reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, m)[None]
+        if self.exact:
+            return exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, self.meta)[None]
+        return reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, self.meta)[None]
 
     def reads_only_the_cache(self, head_dim: int, device: torch.device) -> bool:
-        """Whether `attend` runs the kernel, which reads this step's keys and values back from the cache: then a
-        caller that wrote them into their slots itself may call `attend_cached` instead."""
-        return not self.exact and attention_kernel.serves(head_dim, device)
+        """Whether `attend` runs a kernel, which reads this step's keys and values back from the cache: then a
+        caller that wrote them into their `cache_slots` itself may call `attend_cached` instead
+        (`tandem.models.attention.CachedAttention`)."""
+        if self.exact:
+            return attention_uses_kernels(device, head_dim)
+        return attention_kernel.serves(head_dim, device)
+
+    def cache_slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return *self.cache.layer(layer_idx), self.meta.slot_mapping
 
     def attend_cached(self, layer_idx: int, q_NHD: torch.Tensor) -> torch.Tensor:
         """The kernel's attention of q [N, H, D] over the cache, the step's keys and values already in their
-        slots: [N, H, D]."""
+        slots: [N, H, D]. Exact mode: each token a decode query of its own (`attend_each_token`)."""
         k_cache, v_cache = self.cache.layer(layer_idx)
         m = self.meta
+        if self.exact:
+            tables, contexts = self.token_rows(q_NHD.shape[0])
+            max_context = m.max_context if m.max_context is not None else m.block_tables.shape[1] * k_cache.shape[1]
+            return attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, tables, contexts, max_context)
         return attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
                                                 m.query_start, m.tiles, m.block_q, m.max_context)
 

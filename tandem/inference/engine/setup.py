@@ -94,7 +94,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format)
     if exact:
         check_exact(model.hf_config, str(folder / "config.json"))
-        apply_exact(model)
+        apply_exact(model, stack=True)  # the engine: its projections stacked once
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
