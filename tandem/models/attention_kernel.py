@@ -128,46 +128,63 @@ if triton is not None:
         tl.store(out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
-    # The workspace strides follow the chunk count of the grid's bound (1, a multiple of 16, other): not
-    # specialised, so an eager step with a new bound compiles nothing mid-run.
-    @triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
+    # The workspace strides follow the chunk count of the grid's bound (1, a multiple of 16, other), the tile
+    # count every step: not specialised, so an eager step with a new bound compiles nothing mid-run.
+    @triton.jit(do_not_specialize=["stride_sb", "stride_sh", "num_tiles"])
     def _split_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_stats_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_ptr, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, stride_bt, stride_pb, stride_ph, stride_ps, stride_sm, stride_sb, stride_sh,
-        GROUP: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+        query_start_ptr, tiles_ptr, num_tiles, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_ks,
+        stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pb, stride_ph, stride_ps, stride_sm, stride_sb,
+        stride_sh, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """Chunk `program_id(2)` of the decode of sequence `program_id(0)` by the heads of KV head `program_id(1)`."""
-        seq = tl.program_id(0)
+        """Chunk `program_id(2)` of the queries of tile `program_id(0)` by the heads of KV head `program_id(1)`.
+        BLOCK_Q = 1 (decode): the tile is sequence `program_id(0)`'s one query token; else `tiles` names its
+        sequence and first query, and its BLOCK_Q tokens each see their own keys (causal) within the chunk."""
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+        if BLOCK_Q == 1:
+            seq = tl.program_id(0)
+            q0 = 0
+            q_len = 1
+            q_begin = tl.load(query_start_ptr + seq)
+        else:
+            seq = tl.load(tiles_ptr + tl.program_id(0))
+            q0 = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
+            q_begin = tl.load(query_start_ptr + seq)
+            q_len = tl.load(query_start_ptr + seq + 1) - q_begin
         ctx = tl.load(seq_lens_ptr + seq)
-        lo = split * SPLIT
-        hi = tl.minimum(ctx, lo + SPLIT)
-        g = tl.arange(0, ROWS)  # row = query head of the group
-        row_ok = g < GROUP
+        rows = tl.arange(0, ROWS)  # row = (query token of the tile, query head of the group)
+        tok = rows // GROUP_P
+        g = rows % GROUP_P
+        row_ok = (tok < BLOCK_Q) & (g < GROUP) & (q0 + tok < q_len)
         head = kv_head * GROUP + g
+        q_pos = ctx - q_len + q0 + tok  # a row sees keys 0..q_pos; its context is q_pos + 1
+        lo = split * SPLIT
+        hi = tl.minimum(tl.minimum(ctx, ctx - q_len + q0 + BLOCK_Q), lo + SPLIT)  # the tile's last query's keys
         d = tl.arange(0, HEAD_DIM)
-        token = tl.load(query_start_ptr + seq).to(tl.int64)
-        q = tl.load(q_ptr + token * stride_qn + head[:, None] * stride_qh + d[None, :],
+        token = (q_begin + q0 + tok).to(tl.int64)
+        q = tl.load(q_ptr + token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & (lo < hi), other=0.0)
-        q_pos = tl.zeros([ROWS], tl.int32) + ctx - 1
         m, l, acc = _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, lo, hi,
                                  scale * 1.4426950408889634,  # exp2 instead of exp
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                                  ROWS, BLOCK_N, PAGE, HEAD_DIM, IEEE)
-        if ctx <= SPLIT:  # one chunk (or none: a padding row's zeros) is the whole answer
-            out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-            tl.store(out_ptr + token * stride_on + head[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (split == 0))
+        # A context of one chunk (or none: a padding row's zeros) is finished here; a longer one leaves its chunk.
+        whole = row_ok & (q_pos < SPLIT) & (split == 0)
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=whole[:, None])
+        if BLOCK_Q == 1:  # the workspace's rows: sequences (decode), else tokens
+            slot = seq.to(tl.int64) + tl.zeros([ROWS], tl.int64)
         else:
-            part = seq.to(tl.int64) * stride_pb + head * stride_ph + split * stride_ps
-            keep = row_ok & (lo < ctx)
-            tl.store(part_out_ptr + part[:, None] + d[None, :], acc, mask=keep[:, None])
-            stat = seq.to(tl.int64) * stride_sb + head * stride_sh + split
-            tl.store(part_stats_ptr + stat, m, mask=keep)
-            tl.store(part_stats_ptr + stride_sm + stat, l, mask=keep)
+            slot = token
+        keep = row_ok & (q_pos >= SPLIT) & (lo <= q_pos)
+        part = slot * stride_pb + head * stride_ph + split * stride_ps
+        tl.store(part_out_ptr + part[:, None] + d[None, :], acc, mask=keep[:, None])
+        stat = slot * stride_sb + head * stride_sh + split
+        tl.store(part_stats_ptr + stat, m, mask=keep)
+        tl.store(part_stats_ptr + stride_sm + stat, l, mask=keep)
 
     @triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
     def _combine_splits_kernel(
@@ -271,47 +288,80 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def attend_each_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, max_context: int) -> torch.Tensor:
-    """Exact mode's attention (`tandem.models.exact`): every token of q [N, H, D] a decode query of its own, token i
-    over the first seq_lens[i] keys of its block table row block_tables[i] (its position + 1), [N, H, D].
+def exact_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per program of exact mode's attention: as many as fill the 16 rows a decode program of one
+    token has (its heads of one KV head, padded to 16 for `tl.dot`), so that every exact program has a decode's shape."""
+    return max(1, 16 // _next_pow2(num_heads // num_kv_heads))
 
-    Prefill or decode, in any batch, a token is computed by the same chunk programs and combination (see
-    the module docstring): the engine's steps and the trainer's packed rows get the same outputs."""
+
+def exact_tiles(query_lens: list[int], tile_tokens: int, device: torch.device) -> torch.Tensor:
+    """`attend_each_token`'s work items [2, T]: (sequence, its first query token) for each `tile_tokens`
+    consecutive query tokens of each sequence of `query_lens`."""
+    pairs = [(b, j) for b, n in enumerate(query_lens) for j in range(0, n, tile_tokens)]
+    if not pairs:
+        return torch.zeros(2, 0, dtype=torch.int32, device=device)
+    return torch.tensor(pairs, dtype=torch.int32).T.contiguous().to(device)
+
+
+def attend_each_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start: torch.Tensor, tiles: torch.Tensor, token_contexts: torch.Tensor,
+                      max_context: int) -> torch.Tensor:
+    """Exact mode's attention (`tandem.models.exact`): every token of q [N, H, D] over its own context as a decode
+    query of its own would see it, [N, H, D]. Sequences as `paged_attention`'s (block_tables [B, >= M], seq_lens [B],
+    query_start [B + 1]); `tiles` [2, T] from `exact_tiles` (`exact_tile_tokens` tokens each); token_contexts [N]:
+    each token's position + 1, by which its chunks are combined.
+
+    A row of a program (a token and a query head) is computed by the same instructions whatever the other rows
+    hold: the same chunks of `SPLIT_KEYS` keys, keys past its own position weighing exactly nothing (its running
+    max, sum and output pass through them unchanged), its chunks combined in order. So prefill or decode, in any
+    batch, a token gets the same outputs: the engine's steps and the trainer's packed rows agree bit for bit."""
     out = torch.empty_like(q)
     if q.shape[0]:
-        query_start = torch.arange(q.shape[0] + 1, device=q.device)
-        _split_decode(q.contiguous(), k_cache, v_cache, out, block_tables, seq_lens, query_start, decode_splits(max_context))
+        tokens = exact_tile_tokens(q.shape[1], k_cache.shape[2])
+        _split_decode(q.contiguous(), k_cache, v_cache, out, block_tables, seq_lens, query_start, decode_splits(max_context),
+                      tiles=tiles, block_q=tokens, token_contexts=token_contexts)
     return out
 
 
 def _split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, num_splits: int,
-                  split_keys: int = SPLIT_KEYS, launch: dict = _DECODE_LAUNCH) -> None:
-    """One token per sequence (its row of `query_start`), `num_splits` chunk programs per (sequence, KV head).
+                  split_keys: int = SPLIT_KEYS, launch: dict = _DECODE_LAUNCH, tiles: torch.Tensor | None = None,
+                  block_q: int = 1, token_contexts: torch.Tensor | None = None) -> None:
+    """One token per sequence (its row of `query_start`), `num_splits` chunk programs per (sequence, KV head); or,
+    with `tiles` (exact mode), `block_q` tokens of one sequence per program, and `token_contexts` [N] to combine
+    each token's chunks.
 
     The workspace is allocated per call: under CUDA-graph capture it comes from the graph's pool, so
     replays reuse the very same memory. `split_keys` and `launch` are the engine's constants; the sweep
     of `benchmarks/decode_attention.py` tries others.
     """
-    num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    group_p = _next_pow2(group)
+    num_rows = seq_lens.shape[0] if tiles is None else q.shape[0]  # the workspace's: sequences, or tokens
+    num_programs = seq_lens.shape[0] if tiles is None else tiles.shape[1]
+    if num_programs == 0:
+        return
     # Each chunk's unnormalised output, then its running max (log2 units) and sum: read only where written.
-    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_stats = torch.empty(2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_stats = torch.empty(2, num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
     workspace_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                          part_stats.stride(0), part_stats.stride(1), part_stats.stride(2))
-    _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_stats, block_tables, seq_lens, query_start, head_dim ** -0.5,
+    _split_decode_kernel[(num_programs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_stats, block_tables, seq_lens, query_start,
+        tiles if tiles is not None else seq_lens, num_programs, head_dim ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *workspace_strides,
-        GROUP=group, ROWS=max(16, _next_pow2(group)), SPLIT=split_keys, PAGE=k_cache.shape[1], HEAD_DIM=head_dim,
-        IEEE=q.dtype == torch.float32, **launch,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p), SPLIT=split_keys,
+        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, **launch,
     )
-    if num_splits > 1:  # no sequence has a second chunk otherwise: every output is already written
-        _combine_splits_kernel[(num_seqs, num_kv_heads)](
-            out, part_out, part_stats, seq_lens, query_start, out.stride(0), out.stride(1), *workspace_strides,
-            GROUP=group, GROUP_P=_next_pow2(group), SPLIT=split_keys, HEAD_DIM=head_dim, num_warps=1,
+    if num_splits > 1:  # no context has a second chunk otherwise: every output is already written
+        if tiles is None:
+            contexts, starts = seq_lens, query_start
+        else:  # each token its own row of the combination
+            contexts, starts = token_contexts, torch.arange(num_rows + 1, device=q.device)
+        _combine_splits_kernel[(num_rows, num_kv_heads)](
+            out, part_out, part_stats, contexts, starts, out.stride(0), out.stride(1), *workspace_strides,
+            GROUP=group, GROUP_P=group_p, SPLIT=split_keys, HEAD_DIM=head_dim, num_warps=1,
         )

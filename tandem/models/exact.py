@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -252,13 +253,14 @@ class ExactDocumentAttention:
 
     def __init__(self, row_lengths: list[list[int]]):
         self.row_lengths = row_lengths
-        self._kernel_inputs: tuple[DocumentCausalAttention, torch.Tensor, torch.Tensor, int] | None = None
+        self._kernel_inputs: tuple[DocumentCausalAttention, PackedDocuments] | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if attention_uses_kernels(q.device, q.shape[-1]):
             if self._kernel_inputs is None:  # once per forward: every layer attends over the same documents
+                tile_tokens = attention_kernel.exact_tile_tokens(q.shape[2], k.shape[2])
                 self._kernel_inputs = (DocumentCausalAttention(self.row_lengths, q.device, BACKWARD_SDPA),
-                                       *packed_token_rows(self.row_lengths, q.shape[1], q.device))
+                                       packed_documents(self.row_lengths, q.shape[1], tile_tokens, q.device))
             return _KernelDocumentAttention.apply(q, k, v, *self._kernel_inputs)
         rows = []
         for b, lengths in enumerate(self.row_lengths):
@@ -277,29 +279,47 @@ BACKWARD_SDPA = ["flash", "efficient", "math"]
 batch-invariant: only the forward values are compared with the engine's)."""
 
 
-def packed_token_rows(row_lengths: list[list[int]], seq_len: int, device: torch.device,
-                      page: int = PACKED_PAGE) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Each token of packed rows [B, seq_len] as a decode query over its document's keys: (block tables [B * seq_len,
-    pages of the longest document], whose page j starts at key token doc_start + j * page of the flattened
-    keys; context lengths [B * seq_len] (position + 1); the longest document)."""
-    starts, positions = [], []
-    for b, lengths in enumerate(row_lengths):
+@dataclass
+class PackedDocuments:
+    """The documents of packed rows [B, seq_len] as the sequences of a paged cache over the flattened keys, for
+    `attention_kernel.attend_each_token`: document d's page j starts at key token doc_start + j * page."""
+
+    block_tables: torch.Tensor
+    """[documents, pages of the longest]."""
+    lengths: torch.Tensor
+    """[documents] (a document's context: all of it)."""
+    query_start: torch.Tensor
+    """[documents + 1] offsets of the documents' tokens in the flattened rows."""
+    tiles: torch.Tensor
+    token_contexts: torch.Tensor
+    """[B * seq_len] each token's position + 1."""
+    longest: int
+
+
+def packed_documents(row_lengths: list[list[int]], seq_len: int, tile_tokens: int, device: torch.device,
+                     page: int = PACKED_PAGE) -> PackedDocuments:
+    lengths, starts = [], []
+    for b, row in enumerate(row_lengths):
         offset = b * seq_len
-        for n in lengths:
-            starts.append(np.full(n, offset))
-            positions.append(np.arange(n))
+        for n in row:
+            lengths.append(n)
+            starts.append(offset)
             offset += n
-    longest = max(n for lengths in row_lengths for n in lengths)
-    tables = np.concatenate(starts)[:, None] + np.arange(-(-longest // page))[None] * page
-    contexts = np.concatenate(positions) + 1
-    return torch.from_numpy(tables).to(device), torch.from_numpy(contexts).to(device), longest
+    longest = max(lengths)
+    tables = np.array(starts)[:, None] + np.arange(-(-longest // page))[None] * page
+    contexts = np.concatenate([np.arange(1, n + 1) for n in lengths])
+    to_device = functools.partial(torch.as_tensor, device=device)
+    return PackedDocuments(block_tables=to_device(tables), lengths=to_device(np.array(lengths, dtype=np.int32)),
+                           query_start=to_device(np.array(starts + [starts[-1] + lengths[-1]], dtype=np.int64)),
+                           tiles=attention_kernel.exact_tiles(lengths, tile_tokens, device),
+                           token_contexts=to_device(contexts.astype(np.int32)), longest=longest)
 
 
 class _KernelDocumentAttention(torch.autograd.Function):
-    """Forward: the decode kernel over the packed keys seen as overlapping pages; backward: the reference's."""
+    """Forward: exact mode's kernel over the packed keys seen as overlapping pages; backward: the reference's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, reference, tables, contexts, longest):
+    def forward(ctx, q, k, v, reference, documents):
         ctx.save_for_backward(q, k, v)
         ctx.reference = reference
         B, T, H, D = q.shape
@@ -309,7 +329,9 @@ class _KernelDocumentAttention(torch.autograd.Function):
         # Page p is the `page` key tokens from token p on: pages overlap, so a page may start at any document.
         k_pages, v_pages = (torch.cat([t.reshape(B * T, num_kv, D), t.new_zeros(page, num_kv, D)])
                             .as_strided((B * T, page, num_kv, D), (token, token, D, 1)) for t in (k, v))
-        out = attention_kernel.attend_each_token(q.reshape(B * T, H, D), k_pages, v_pages, tables, contexts, longest)
+        out = attention_kernel.attend_each_token(q.reshape(B * T, H, D), k_pages, v_pages, documents.block_tables,
+                                                 documents.lengths, documents.query_start, documents.tiles,
+                                                 documents.token_contexts, documents.longest)
         return out.view(B, T, H, D)
 
     @staticmethod
@@ -318,7 +340,7 @@ class _KernelDocumentAttention(torch.autograd.Function):
         with torch.enable_grad():
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             grads = torch.autograd.grad(ctx.reference.attend(0, q, k, v), (q, k, v), grad)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None)
 
 
 def check_exact(hf_config: dict, source: str) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tandem.models import batch_invariant, block_kernels
 from tandem.models.attention import DocumentCausalAttention
-from tandem.models.attention_kernel import attend_each_token
+from tandem.models.attention_kernel import attend_each_token, exact_tile_tokens, exact_tiles
 from tandem.models.decoder import normed_rotated
 from tandem.models.exact import ExactDocumentAttention, exact_causal_attention, normed_rotated_tokens, residual_norm, silu_mul
 from tandem.models.layers import rms_norm
@@ -100,15 +100,23 @@ def check_packed_attention_equals_paged(device: str, dtype: torch.dtype, lengths
     T = sum(lengths)
     q, k, v = (torch.randn(1, T, h, D, generator=gen).to(device, dtype) for h in (heads, num_kv, num_kv))
     packed = ExactDocumentAttention([lengths]).attend(0, q, k, v)[0]
+    tile_tokens = exact_tile_tokens(heads, num_kv)
     start = 0
     for n in lengths:
         k_cache, v_cache, table = paged(k[0, start:start + n], v[0, start:start + n], 4, gen)
         contexts = torch.arange(1, n + 1, device=device)
-        prefill = attend_each_token(q[0, start:start + n], k_cache, v_cache, table.expand(n, -1), contexts, n)
-        assert torch.equal(prefill, packed[start:start + n])
+
+        def attend(first: int, count: int, max_context: int) -> torch.Tensor:
+            """Tokens first..first+count-1 of the document as one prefill chunk of its sequence."""
+            return attend_each_token(q[0, start + first:start + first + count], k_cache, v_cache, table,
+                                     contexts[first + count - 1:first + count], torch.tensor([0, count], device=device),
+                                     exact_tiles([count], tile_tokens, device), contexts[first:first + count], max_context)
+
+        assert torch.equal(attend(0, n, n), packed[start:start + n])  # one prefill of the whole document
         for t in range(n):  # a decode: one query, a grid sized for a longer context than it has
-            decode = attend_each_token(q[0, start + t:start + t + 1], k_cache, v_cache, table, contexts[t:t + 1], 4 * n + 600)
-            assert torch.equal(decode[0], packed[start + t])
+            assert torch.equal(attend(t, 1, 4 * n + 600)[0], packed[start + t])
+        if n > 2:  # two chunks whose tiles start at other tokens than the whole prefill's
+            assert torch.equal(torch.cat([attend(0, 3, n), attend(3, n - 3, n)]), packed[start:start + n])
         reference = exact_causal_attention(*(t[0, start:start + n].float() for t in (q, k, v)))
         torch.testing.assert_close(packed[start:start + n].float(), reference, atol=tolerance, rtol=tolerance)
         start += n

@@ -50,7 +50,7 @@ class PagedAttention:
         self.cache = cache
         self.meta = metadata
         self.exact = exact
-        self._token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._exact_work: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_NHD, k_NHD, v_NHD = q[0], k[0], v[0]
@@ -81,25 +81,30 @@ class PagedAttention:
         k_cache, v_cache = self.cache.layer(layer_idx)
         m = self.meta
         if self.exact:
-            tables, contexts = self.token_rows(q_NHD.shape[0])
+            tiles, contexts = self.exact_work(q_NHD.shape[1], k_cache.shape[2])
             max_context = m.max_context if m.max_context is not None else m.block_tables.shape[1] * k_cache.shape[1]
-            return attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, tables, contexts, max_context)
+            return attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start,
+                                                      tiles, contexts, max_context)
         return attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
                                                 m.query_start, m.tiles, m.block_q, m.max_context)
 
-    def token_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token of the step as a decode query: its sequence's block table row and its context (position
-        + 1), [N, >= M] and [N]; built once per step (device ops only: a CUDA graph may capture them)."""
-        if self._token_rows is None:
+    def exact_work(self, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact attention's work items and each token's context (position + 1), [2, T] and [N], built once per step:
+        from the host's lengths, or, on the CUDA-graph path (decodes: one token per sequence), by device ops."""
+        if self._exact_work is None:
             m = self.meta
-            if m.block_q == 1:  # one token per sequence: the rows are the sequences'
-                self._token_rows = m.block_tables, m.seq_lens
+            device = m.seq_lens.device
+            if m.query_lens_host is None:
+                assert m.block_q == 1, "exact attention over prefill chunks needs the host's lengths"
+                num_seqs = m.seq_lens.shape[0]
+                tiles = torch.stack([torch.arange(num_seqs, device=device), torch.zeros(num_seqs, dtype=torch.long, device=device)])
+                self._exact_work = tiles.to(torch.int32), m.seq_lens
             else:
-                tokens = torch.arange(num_tokens, device=m.query_start.device)
-                seq = torch.searchsorted(m.query_start[1:], tokens, right=True)
-                contexts = m.seq_lens[seq] - m.query_start[seq + 1] + 1 + tokens
-                self._token_rows = m.block_tables.index_select(0, seq), contexts
-        return self._token_rows
+                tiles = attention_kernel.exact_tiles(m.query_lens_host, attention_kernel.exact_tile_tokens(num_heads, num_kv_heads),
+                                                     device)
+                contexts = [ctx - n + 1 + j for n, ctx in zip(m.query_lens_host, m.seq_lens_host) for j in range(n)]
+                self._exact_work = tiles, torch.tensor(contexts, dtype=m.seq_lens.dtype).to(device)
+        return self._exact_work
 
 
 def exact_paged_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
