@@ -40,6 +40,22 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size):
     assert not ent.requires_grad
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_weight_grad_sums_its_chunks_in_fp32_on_cuda():
+    """A bf16 head's weight gradient, its 8 chunks summed in fp32 by the matmul itself (`add_product`'s CUDA path),
+    is the fp32 head's within bf16 noise."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = (torch.randn(*shape, generator=gen).cuda() for shape in ((512, 64), (1000, 64)))
+    targets = torch.randint(0, 1000, (512,), generator=gen).cuda()
+    temperatures, upstream = torch.ones(512, device="cuda"), torch.randn(512, generator=gen).cuda()
+    grads = []
+    for dtype in (torch.bfloat16, torch.float32):
+        w = weight.to(dtype).requires_grad_()
+        lp, _ = token_logprobs(hidden.to(dtype), w, None, targets, temperatures, chunk_size=64)
+        grads.append(torch.autograd.grad((lp * upstream).sum(), w)[0].float())
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
+
+
 def test_compiled_head_equals_the_eager_one(monkeypatch):
     """The compiled chunk kernels, traced with `aot_eager` (Dynamo and AOTAutograd, no code generation)."""
     from tandem.trainer import compiled
