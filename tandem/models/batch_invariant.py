@@ -102,6 +102,12 @@ if triton is not None:
             tl.store(y_ptr + row * stride_y + start + v, x - lse, mask=ok)
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must record this call: the wrappers below skip their `autograd.Function` otherwise (its
+    Python cost, about 50-90 us a call, made the exact engine's uncaptured prefill steps host-bound)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     launch: dict = LINEAR_LAUNCH) -> torch.Tensor:
     """`launch`: the engine's constant; the sweep of `benchmarks/exact_kernels.py` tries others."""
@@ -136,7 +142,7 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, each row of x computed alike whatever the others (x [..., K], weight [N, K])."""
-    return _Linear.apply(x, weight, bias)
+    return _Linear.apply(x, weight, bias) if needs_grad(x, weight, bias) else _linear_forward(x, weight, bias)
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,17 +175,22 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`tandem.models.layers.rms_norm` (fp32 statistics, cast back, then the weight), one program per row."""
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps) if needs_grad(x, weight) else _rms_norm_forward(x, weight, eps)
+
+
+def _log_softmax_forward(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    if logits.shape[0]:
+        _log_softmax_kernel[(logits.shape[0],)](logits, temperatures.float().contiguous(), out, logits.shape[1],
+                                                logits.stride(0), out.stride(0), BLOCK=LOG_SOFTMAX_BLOCK)
+    return out
 
 
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, temperatures):
-        logits = logits.contiguous()
-        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        if logits.shape[0]:
-            _log_softmax_kernel[(logits.shape[0],)](logits, temperatures.float().contiguous(), out, logits.shape[1],
-                                                    logits.stride(0), out.stride(0), BLOCK=LOG_SOFTMAX_BLOCK)
+        out = _log_softmax_forward(logits, temperatures)
         ctx.save_for_backward(out, temperatures)
         return out
 
@@ -192,4 +203,4 @@ class _LogSoftmax(torch.autograd.Function):
 
 def log_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits / T) [N, V] fp32 of logits [N, V], each row at its temperature (`temperatures` [N])."""
-    return _LogSoftmax.apply(logits, temperatures)
+    return _LogSoftmax.apply(logits, temperatures) if needs_grad(logits) else _log_softmax_forward(logits, temperatures)

@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tandem.models import attention_kernel, batch_invariant, block_kernels
+from tandem.models.batch_invariant import needs_grad
 from tandem.models.attention import AttentionBackend, CachedAttention, DocumentCausalAttention
 from tandem.models.decoder import DecoderLayer, after_attention, before_attention, normed_rotated
 from tandem.models.layers import MLP, RMSNorm, rms_norm
@@ -106,7 +107,10 @@ def exact_kernel_block(block: DecoderLayer, stacked: SharedInputProjections, x: 
 def residual_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """`block_kernels.rms_norm` of x [N, hidden], differentiable through `layers.rms_norm`: its norm, or, with
     `delta` (the residual add), (x + delta, its norm)."""
-    return _ResidualNorm.apply(x, weight, eps, delta)
+    if needs_grad(x, weight, delta):
+        return _ResidualNorm.apply(x, weight, eps, delta)
+    total, normed = block_kernels.rms_norm(x, weight, eps, delta)
+    return (total, normed) if delta is not None else normed
 
 
 class _ResidualNorm(torch.autograd.Function):
@@ -133,12 +137,22 @@ def normed_rotated_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
                           head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`decoder.normed_rotated` of tokens (q [N, Hq * D], k, v [N, Hkv * D], cos, sin [N, R]) by the engine's
     kernel, which writes keys and values into a cache, here fresh tensors: [N, heads, D] each."""
-    return _NormedRotated.apply(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim)
+    if needs_grad(q, k, v, q_norm_weight, k_norm_weight):
+        return _NormedRotated.apply(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim)
+    return _normed_rotated_forward(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`block_kernels.silu_mul` (gate_up [N, 2 * I] -> silu(gate) * up), differentiable through `F.silu`."""
-    return _SiluMul.apply(gate_up)
+    return _SiluMul.apply(gate_up) if needs_grad(gate_up) else block_kernels.silu_mul(gate_up)
+
+
+def _normed_rotated_forward(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim):
+    N, num_kv_heads = q.shape[0], k.shape[1] // head_dim
+    k_out, v_out = (k.new_empty(N, 1, num_kv_heads, head_dim) for _ in range(2))
+    q_out = block_kernels.qk_norm_rope_write(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, k_out, v_out,
+                                             torch.arange(N, device=q.device))
+    return q_out, k_out.view(N, num_kv_heads, head_dim), v_out.view(N, num_kv_heads, head_dim)
 
 
 class _NormedRotated(torch.autograd.Function):
@@ -147,11 +161,7 @@ class _NormedRotated(torch.autograd.Function):
     def forward(ctx, q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim):
         ctx.save_for_backward(q, k, cos, sin, q_norm_weight, k_norm_weight)
         ctx.eps, ctx.head_dim = eps, head_dim
-        N, num_kv_heads = q.shape[0], k.shape[1] // head_dim
-        k_out, v_out = (k.new_empty(N, 1, num_kv_heads, head_dim) for _ in range(2))
-        q_out = block_kernels.qk_norm_rope_write(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, k_out, v_out,
-                                                 torch.arange(N, device=q.device))
-        return q_out, k_out.view(N, num_kv_heads, head_dim), v_out.view(N, num_kv_heads, head_dim)
+        return _normed_rotated_forward(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
