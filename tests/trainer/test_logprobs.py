@@ -41,9 +41,8 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_weight_grad_sums_its_chunks_in_fp32_on_cuda():
-    """A bf16 head's weight gradient, its 8 chunks summed in fp32 by the matmul itself (`add_product`'s CUDA path),
-    is the fp32 head's within bf16 noise."""
+def test_bf16_head_grad_is_the_fp32_heads_on_cuda():
+    """A bf16 head's weight gradient, its 8 chunks summed in fp32, is the fp32 head's within bf16 noise."""
     gen = torch.Generator().manual_seed(0)
     hidden, weight = (torch.randn(*shape, generator=gen).cuda() for shape in ((512, 64), (1000, 64)))
     targets = torch.randint(0, 1000, (512,), generator=gen).cuda()
