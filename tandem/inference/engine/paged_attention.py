@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -89,21 +90,19 @@ class PagedAttention:
                                                 m.query_start, m.tiles, m.block_q, m.max_context)
 
     def exact_work(self, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact attention's work items and each token's context (position + 1), [2, T] and [N], built once per step:
-        from the host's lengths, or, on the CUDA-graph path (decodes: one token per sequence), by device ops."""
+        """Exact attention's work items and each token's context (position + 1), [2, T] and [N], once per step. A
+        decode-only step (the CUDA-graph path among them) has them already: its tiles, one per sequence, and the
+        sequences' contexts; a step that prefills builds them from the host's lengths."""
         if self._exact_work is None:
             m = self.meta
-            device = m.seq_lens.device
-            if m.query_lens_host is None:
-                assert m.block_q == 1, "exact attention over prefill chunks needs the host's lengths"
-                num_seqs = m.seq_lens.shape[0]
-                tiles = torch.stack([torch.arange(num_seqs, device=device), torch.zeros(num_seqs, dtype=torch.long, device=device)])
-                self._exact_work = tiles.to(torch.int32), m.seq_lens
+            if m.block_q == 1:
+                self._exact_work = m.tiles, m.seq_lens
             else:
+                device = m.seq_lens.device
                 tiles = attention_kernel.exact_tiles(m.query_lens_host, attention_kernel.exact_tile_tokens(num_heads, num_kv_heads),
                                                      device)
-                contexts = [ctx - n + 1 + j for n, ctx in zip(m.query_lens_host, m.seq_lens_host) for j in range(n)]
-                self._exact_work = tiles, torch.tensor(contexts, dtype=m.seq_lens.dtype).to(device)
+                contexts = np.concatenate([np.arange(ctx - n + 1, ctx + 1) for n, ctx in zip(m.query_lens_host, m.seq_lens_host)])
+                self._exact_work = tiles, torch.from_numpy(contexts).to(device, m.seq_lens.dtype)
         return self._exact_work
 
 
