@@ -12,6 +12,8 @@ NCCL runs one rank per device). The SFT warm-up runs first when its model is mis
 directory; `--out` receives `summary.json` (eval reward per evaluated step, mean mismatch KL,
 median step time, wall time, exit code), `metrics.jsonl`, the logs, the preflight report and the
 resolved configs. Past `--timeout-s` the run is stopped as by Ctrl-C and recorded as timed out.
+`--exact` runs it with `run.exact = true` (issue 20: every step with on-policy tokens must log mismatch KL 0;
+the summary keeps the largest); `--model DIR` starts from a carried model instead of the warm-up.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["tandem", "vllm"], required=True)
     parser.add_argument("--max-steps", type=int, default=40, help="RL steps (evals at 0, every 25 and at the last)")
+    parser.add_argument("--exact", action="store_true", help="`run.exact = true` (issue 20): on-policy mismatch KL must be 0")
+    parser.add_argument("--model", help="start RL from this model folder instead of the example's SFT warm-up")
     parser.add_argument("--timeout-s", type=float, default=540.0)
     parser.add_argument("--out", required=True, help="folder for the summary and the run's logs")
     parser.add_argument("--commit", help="the commit measured (default: git's HEAD)")
@@ -51,6 +55,8 @@ def run_rl(args: argparse.Namespace, run_dir: Path) -> tuple[int | str, float]:
     argv = [sys.executable, "-m", "tandem.cli", "rl", "@", "examples/reverse_text/rl.toml", "--deployment.type", "gpu",
             "--deployment.trainer_devices", "[0]", "--inference.backend", args.backend, "--max_steps", str(args.max_steps),
             "--output_dir", str(run_dir)]
+    argv += ["--run.exact", "true"] if args.exact else []
+    argv += ["--model.name", args.model] if args.model else []
     start = time.monotonic()
     launcher = subprocess.Popen(argv, cwd=REPO)
     try:
@@ -76,6 +82,7 @@ def summarize(run_dir: Path) -> dict:
     kls = [row["mismatch_kl"] for row in trainer_steps if row.get("mismatch_kl") is not None]
     step_s = [row["time/step_s"] for row in rows if row.get("time/step_s") is not None]
     return {"eval_reward_by_step": evals, "mismatch_kl_mean": statistics.fmean(kls) if kls else None,
+            "mismatch_kl_max": max(kls) if kls else None,
             "num_trainer_steps": len(trainer_steps), "num_steps_with_on_policy_tokens": len(kls), "step_s_median": statistics.median(step_s) if step_s else None,
             "num_orchestrator_steps": len(step_s), "publish_s_median": statistics.median(publish_s) if publish_s else None,
             "policy_load_s_median": statistics.median(loads) if loads else None, "num_policy_loads": len(loads)}
@@ -98,7 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / f"rl-{args.backend}"
         exit_code, wall_s = run_rl(args, run_dir)
-        summary = {"backend": args.backend, "max_steps": args.max_steps, "exit_code": exit_code, "wall_s": wall_s,
+        summary = {"backend": args.backend, "exact": args.exact, "max_steps": args.max_steps, "exit_code": exit_code, "wall_s": wall_s,
                    "commit": source_commit(args.commit), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                    **summarize(run_dir)}
         keep(run_dir, out)
