@@ -191,7 +191,7 @@ class SearchIndex:
         if not words:
             return []
         found, scores = self.retriever.retrieve(
-            [words], k=min(k, len(self.page_ids)), show_progress=False, n_threads=1
+            [words], k=min(k, len(self.page_ids)), show_progress=False, n_threads=0  # 0: no thread pool (1 starts one for every query)
         )
         return [self.page_ids[i] for i, score in zip(found[0], scores[0]) if score > 0]
 
