@@ -31,7 +31,7 @@ def test_the_example_warmup_data_can_be_written(folder, monkeypatch, tmp_path):
     import tandem.envs.code_fix as code_fix
     from tandem.launch.warmup import write_sft_data
 
-    async def no_demonstration(row, limits):
+    async def no_demonstration(row, *_):
         return [{"role": "user", "content": row["question"]}]
 
     monkeypatch.setattr(code_fix, "_demonstration", no_demonstration)

@@ -156,7 +156,8 @@ def _row(repo: Repository) -> Row:
     modules = ", ".join(sorted(p for p in repo.files if p.startswith("app/") and p != "app/__init__.py"))
     question = f"The test {repo.failing_test} fails. The package has {modules}. Fix the bug."
     info = {"files": repo.files, "test_files": list(repo.test_files), "num_tests": repo.num_tests,
-            "buggy_function": repo.buggy_function, "bug_kind": repo.bug_kind, "fix": list(repo.fix)}
+            "buggy_function": repo.buggy_function, "bug_kind": repo.bug_kind, "fix": list(repo.fix),
+            "short_fix": list(repo.short_fix)}
     # The repository itself makes a question distinct: two rows differ iff their files do.
     return {"question": question, "answer": "", "task": "code_fix", "info": info,
             "key": json.dumps(repo.files, sort_keys=True)}
@@ -192,10 +193,11 @@ def load_environment(
     )
 
 
-async def _demonstration(row: Row, limits: SandboxLimits) -> Messages:
-    """Run the tests, read the bugged module, fix it, run the tests again: with real replies."""
+async def _demonstration(row: Row, limits: SandboxLimits, fix: str) -> Messages:
+    """Run the tests, read the bugged module, fix it (`fix`: the info key of the edit), run the
+    tests again: with real replies."""
     info = row["info"]
-    path, old, new = info["fix"]
+    path, old, new = info[fix]
     messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
     with tempfile.TemporaryDirectory(prefix="tandem-code-fix-", ignore_cleanup_errors=True) as workdir:
         workspace = Workspace(Path(workdir) / "repo", info["num_tests"], limits)
@@ -212,13 +214,17 @@ async def _demonstration(row: Row, limits: SandboxLimits) -> Messages:
 
 
 def sft_examples(
-    n: int, seed: int = 0, num_eval_examples: int = 100, num_functions: int = 4, max_concurrent: int = 4,
-    progress: Callable[[int], None] | None = None,
+    n: int, seed: int = 0, num_eval_examples: int = 100, num_functions: int = 4, short_fix: bool = False,
+    max_concurrent: int = 4, progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """`n` chats `{"messages": [...], "tools": [...]}` demonstrating the fix of the first `n`
     training repositories of `load_environment` with the same seed, `num_eval_examples` and
     `num_functions` (never an eval one), with the tools' real replies (each test run is a real
-    sandboxed run, about 0.1 s). `progress(done)` after each demonstration: a thousand take minutes."""
+    sandboxed run, about 0.1 s). `progress(done)` after each demonstration: a thousand take minutes.
+
+    `short_fix`: the edit replaces the shortest unique run of words around the bug (`-=` -> `+=`)
+    instead of the whole buggy lines: a small model copies a few characters from the viewed file
+    far more reliably than a line of code."""
     train, _ = _splits(n, num_eval_examples, seed, num_functions)
     schemas = [tool_schema(tool, hidden=STATE_ARGS) for tool in TOOLS]
     done = 0
@@ -229,7 +235,7 @@ def sft_examples(
         async def bounded(row: Row) -> Messages:
             nonlocal done
             async with semaphore:
-                messages = await _demonstration(row, SandboxLimits())
+                messages = await _demonstration(row, SandboxLimits(), "short_fix" if short_fix else "fix")
             done += 1
             if progress is not None:
                 progress(done)

@@ -8,6 +8,7 @@ replacing the buggy line(s), which are unique in the module (tests hold this for
 the random generator, so a seed always gives the same ones.
 """
 
+import itertools
 import random
 import textwrap
 from dataclasses import dataclass
@@ -171,6 +172,9 @@ class Repository:
     fix: tuple[str, str, str]
     """(path, old, new): the `replace_text` that undoes the bug. `old` is the whole buggy line(s),
     which occur once in the module even where the bug's own text does not."""
+    short_fix: tuple[str, str, str]
+    """(path, old, new): the same edit with the shortest `old` of whole words that occurs once
+    (`shortest_fix`), e.g. ("app/numbers.py", "-=", "+=")."""
 
 
 def module_source(functions: list[FunctionTemplate]) -> str:
@@ -197,6 +201,50 @@ def plant(source: str, bug: Bug) -> tuple[str, str, str]:
     return source.replace(bug.correct, bug.buggy), correct_lines.replace(bug.correct, bug.buggy), correct_lines
 
 
+def _word_bounds(text: str, index: int, step: int, count: int) -> list[int]:
+    """`index`, then the positions reached by moving it `count` whitespace-separated words left
+    (`step` -1) or right (1)."""
+    bounds = [index]
+    for _ in range(count):
+        i = bounds[-1]
+        if step < 0:
+            while i > 0 and text[i - 1].isspace():
+                i -= 1
+            while i > 0 and not text[i - 1].isspace():
+                i -= 1
+        else:
+            while i < len(text) and text[i].isspace():
+                i += 1
+            while i < len(text) and not text[i].isspace():
+                i += 1
+        bounds.append(i)
+    return bounds
+
+
+def shortest_fix(buggy: str, correct: str, max_words: int = 6) -> tuple[str, str]:
+    """(old, new) with `buggy.replace(old, new) == correct`, `old` the shortest run of whole words
+    around the change that occurs once in `buggy`: far less to copy than the whole buggy lines
+    (e.g. "-=" -> "+=" for `total -= i`). Raises when no run of up to `max_words` more words on
+    each side is unique."""
+    prefix = 0
+    while prefix < min(len(buggy), len(correct)) and buggy[prefix] == correct[prefix]:
+        prefix += 1
+    suffix = 0
+    while suffix < min(len(buggy), len(correct)) - prefix and buggy[-1 - suffix] == correct[-1 - suffix]:
+        suffix += 1
+    start, end = prefix, len(buggy) - suffix
+    while start > 0 and not buggy[start - 1].isspace():
+        start -= 1
+    while end < len(buggy) and not buggy[end].isspace():
+        end += 1
+    spans = itertools.product(_word_bounds(buggy, start, -1, max_words), _word_bounds(buggy, end, 1, max_words))
+    unique = [(a, b) for a, b in spans if buggy.count(buggy[a:b]) == 1]
+    if not unique:
+        raise ValueError("no run of whole words around the change occurs once")
+    a, b = min(unique, key=lambda span: span[1] - span[0])
+    return buggy[a:b], correct[a:len(correct) - (len(buggy) - b)]
+
+
 def generate_repository(rng: random.Random, num_functions: int = 4) -> Repository:
     """`num_functions` distinct functions over their topics' modules, one of them bugged."""
     functions = rng.sample(TEMPLATES, num_functions)
@@ -211,6 +259,8 @@ def generate_repository(rng: random.Random, num_functions: int = 4) -> Repositor
         tests.append(f"tests/test_{topic}.py")
     files["tests/__init__.py"] = ""
     path = f"app/{target.topic}.py"
-    files[path], buggy_lines, correct_lines = plant(files[path], bug)
+    correct = files[path]
+    files[path], buggy_lines, correct_lines = plant(correct, bug)
     return Repository(files, tuple(tests + ["tests/__init__.py"]), num_functions, target.name, bug.kind,
-                      f"tests/test_{target.topic}.py::test_{target.name}", (path, buggy_lines, correct_lines))
+                      f"tests/test_{target.topic}.py::test_{target.name}", (path, buggy_lines, correct_lines),
+                      (path, *shortest_fix(files[path], correct)))

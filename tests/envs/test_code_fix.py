@@ -196,3 +196,18 @@ def test_sft_examples_demonstrate_a_passing_fix_on_training_repositories_only(by
     counts: list[int] = []
     assert rows == code_fix.sft_examples(3, seed=2, num_eval_examples=10, progress=counts.append)  # deterministic
     assert sorted(counts) == [1, 2, 3]
+
+
+def test_short_fix_demonstrations_replace_a_few_words_and_pass(scripted_client):
+    rows = code_fix.sft_examples(3, seed=2, num_eval_examples=10, short_fix=True)
+    env = code_fix.load_environment(num_train_examples=3, num_eval_examples=10, seed=2)
+    for row, example in zip(rows, env.get_dataset()):
+        edit = json.loads(row["messages"][6]["tool_calls"][0]["function"]["arguments"])
+        path, old, new = example["info"]["short_fix"]
+        assert edit == {"path": path, "old": old, "new": new} and len(old) < len(example["info"]["fix"][1])
+        assert row["messages"][9]["content"].startswith("PASSED")
+    # the environment scores the short edit as any other: the original tests pass
+    example = env.get_dataset()[0]
+    path, old, new = example["info"]["short_fix"]
+    rollout = play(env, scripted_client, [[("replace_text", {"path": path, "old": old, "new": new})]], example)
+    assert rollout.score.reward == 1.0
