@@ -27,6 +27,7 @@ from tandem.envs.code_fix_repos import Repository, generate_repository
 from tandem.envs.code_fix_workspace import Workspace
 from tandem.envs.rubric import Rubric
 from tandem.envs.sandbox import SandboxLimits
+from tandem.envs.slips import slip_draws
 from tandem.envs.splits import Row, draw_disjoint_splits
 from tandem.envs.tool_env import ToolEnv, demo_tool_turn
 from tandem.envs.tool_schema import tool_schema
@@ -38,6 +39,7 @@ SYSTEM_PROMPT = (
     "without a tool call."
 )
 MAX_VIEW_CHARS = 20_000
+GIVE_UP_REPLY = "I could not find the bug."
 # The rollout's temporary directory, set by `CodeFixEnv.rollout` for its `setup_state`, which
 # the base loop calls without a way to pass it.
 _workdir: ContextVar[Path] = ContextVar("code_fix_workdir")
@@ -193,9 +195,9 @@ def load_environment(
     )
 
 
-async def _demonstration(row: Row, limits: SandboxLimits, fix: str) -> Messages:
+async def _demonstration(row: Row, limits: SandboxLimits, fix: str, gives_up: bool) -> Messages:
     """Run the tests, read the bugged module, fix it (`fix`: the info key of the edit), run the
-    tests again: with real replies."""
+    tests again: with real replies. `gives_up`: stop after reading the module, without the edit."""
     info = row["info"]
     path, old, new = info[fix]
     messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
@@ -204,6 +206,9 @@ async def _demonstration(row: Row, limits: SandboxLimits, fix: str) -> Messages:
         workspace.write_files(info["files"])
         messages += demo_tool_turn("call_1", "run_tests", {}, await run_tests(workspace))
         messages += demo_tool_turn("call_2", "view_file", {"path": path}, view_file(path, workspace))
+        if gives_up:
+            messages.append({"role": "assistant", "content": GIVE_UP_REPLY})
+            return messages
         edit = {"path": path, "old": old, "new": new}
         messages += demo_tool_turn("call_3", "replace_text", edit, replace_text(path, old, new, workspace))
         messages += demo_tool_turn("call_4", "run_tests", {}, await run_tests(workspace))
@@ -215,7 +220,7 @@ async def _demonstration(row: Row, limits: SandboxLimits, fix: str) -> Messages:
 
 def sft_examples(
     n: int, seed: int = 0, num_eval_examples: int = 100, num_functions: int = 4, short_fix: bool = False,
-    max_concurrent: int = 4, progress: Callable[[int], None] | None = None,
+    give_up_fraction: float = 0.0, max_concurrent: int = 4, progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """`n` chats `{"messages": [...], "tools": [...]}` demonstrating the fix of the first `n`
     training repositories of `load_environment` with the same seed, `num_eval_examples` and
@@ -224,23 +229,28 @@ def sft_examples(
 
     `short_fix`: the edit replaces the shortest unique run of words around the bug (`-=` -> `+=`)
     instead of the whole buggy lines: a small model copies a few characters from the viewed file
-    far more reliably than a line of code."""
+    far more reliably than a line of code.
+
+    `give_up_fraction`: the share of demonstrations (drawn at random, seeded) that stop after reading
+    the module and reply without a fix (reward 0): an imperfect demonstrator whose slip the warm-up
+    learns and RL's reward can remove (reverse_text's `misclosed_fraction` is the same idea)."""
     train, _ = _splits(n, num_eval_examples, seed, num_functions)
+    slips = slip_draws(give_up_fraction, "give_up_fraction", f"give up {seed}")
     schemas = [tool_schema(tool, hidden=STATE_ARGS) for tool in TOOLS]
     done = 0
 
     async def all_demonstrations() -> list[Messages]:
         semaphore = asyncio.Semaphore(max_concurrent)
 
-        async def bounded(row: Row) -> Messages:
+        async def bounded(row: Row, gives_up: bool) -> Messages:
             nonlocal done
             async with semaphore:
-                messages = await _demonstration(row, SandboxLimits(), "short_fix" if short_fix else "fix")
+                messages = await _demonstration(row, SandboxLimits(), "short_fix" if short_fix else "fix", gives_up)
             done += 1
             if progress is not None:
                 progress(done)
             return messages
 
-        return await asyncio.gather(*(bounded(row) for row in train))
+        return await asyncio.gather(*[bounded(row, slips()) for row in train])  # slips drawn in row order
 
     return [{"messages": messages, "tools": schemas} for messages in asyncio.run(all_demonstrations())]

@@ -211,3 +211,17 @@ def test_short_fix_demonstrations_replace_a_few_words_and_pass(scripted_client):
     path, old, new = example["info"]["short_fix"]
     rollout = play(env, scripted_client, [[("replace_text", {"path": path, "old": old, "new": new})]], example)
     assert rollout.score.reward == 1.0
+
+
+def test_give_up_slips_stop_after_reading_the_module_in_a_seeded_share(scripted_client):
+    rows = code_fix.sft_examples(12, seed=2, num_eval_examples=10, short_fix=True, give_up_fraction=0.5)
+    gave_up = [row["messages"][-1]["content"] == code_fix.GIVE_UP_REPLY for row in rows]
+    assert 0 < sum(gave_up) < 12
+    for row, slipped in zip(rows, gave_up):
+        names = [m["tool_calls"][0]["function"]["name"] for m in row["messages"] if m.get("tool_calls")]
+        assert names == (["run_tests", "view_file"] if slipped else ["run_tests", "view_file", "replace_text", "run_tests"])
+    assert rows == code_fix.sft_examples(12, seed=2, num_eval_examples=10, short_fix=True, give_up_fraction=0.5)
+    fixed = code_fix.sft_examples(12, seed=2, num_eval_examples=10, short_fix=True)
+    assert [r for r, slipped in zip(rows, gave_up) if not slipped] == [r for r, slipped in zip(fixed, gave_up) if not slipped]
+    with pytest.raises(ValueError, match="give_up_fraction"):
+        code_fix.sft_examples(1, give_up_fraction=1.5)
