@@ -1,4 +1,4 @@
-"""`tandem rl` end to end on CPU: warm-up, async RL, resume, a killed trainer, two trainer ranks.
+"""`tandem rl` end to end on CPU: warm-up, async RL, resume, exact mode, a killed trainer, two trainer ranks.
 
 These run the real three processes (inference server, orchestrator, trainer) on the tiny model,
 with `examples/reverse_text`'s configs and fewer RL steps, so that CI stays within minutes.
@@ -109,6 +109,23 @@ def test_rl_learns_then_resumes_without_repeating_steps(sft_config, tmp_path):
     rewards = [r["reward/mean"] for r in read_metrics(out, "orchestrator") if "reward/mean" in r]
     print("rewards", rewards)
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
+
+
+def test_an_exact_run_logs_mismatch_kl_zero_at_every_step(sft_config, tmp_path):
+    """`run.exact = true` through the three real processes, synchronous so that every step trains only on tokens
+    its own policy sampled: their mismatch KL is exactly 0 at every step, in metrics.jsonl and in the report. So the
+    engine's logprobs crossed HTTP and the batch files with all their bits, and the server's reloaded policy 1 is
+    the trainer's to the last bit (fp32 on the CPU; the engine's exact path, token by token)."""
+    out = tmp_path / "exact"
+    small = ("--orchestrator.batch-size", "8", "--orchestrator.group-size", "4")
+    result = tandem(*rl_args(sft_config, out, 2, "--run.exact", "true", "--orchestrator.max-async-level", "0", *small,
+                             "--orchestrator.advantage.filter-zero-groups", "false", "--orchestrator.eval.interval", "0",
+                             "--ckpt.enabled", "false"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    trainer = list(read_metrics(out, "trainer"))
+    assert [(r["step"], r["mismatch_kl"], r["off_policy_kl"]) for r in trainer] == [(1, 0.0, None), (2, 0.0, None)]
+    assert trainer[0]["loss"] != 0  # step 1 moved the weights: step 2 sampled and scored a new policy
+    assert "<td>mismatch_kl_mean</td><td>0</td>" in (out / "report.html").read_text()
 
 
 def test_killed_trainer_stops_the_run_and_names_it(sft_config, tmp_path):
