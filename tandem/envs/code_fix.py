@@ -1,8 +1,8 @@
 """code_fix: repair the planted bug of a small Python repository, SWE-style.
 
 Each rollout gets its own temporary directory holding a generated repository
-(`code_fix_repos`) whose tests fail. Tools: `list_files`, `view_file`, `replace_text` (one exact
-occurrence; tests/ is read-only) and `run_tests`. The episode ends when the model replies without
+(`code_fix_repos`) whose tests fail. Tools: `list_files`, `view_file`, `view_function` (one
+function of a file), `replace_text` (one exact occurrence; tests/ is read-only) and `run_tests`. The episode ends when the model replies without
 a tool call. Reward = 1 when the repository's original tests pass after the episode, else 0: test
 files are restored before that last run, so editing them gains nothing.
 
@@ -14,6 +14,7 @@ the repository (no absolute paths, `..` or symlinks), so the tools, which run un
 process, never touch anything else. What a passing test run proves, and what it does not: see `code_fix_workspace`.
 """
 
+import ast
 import asyncio
 import json
 import shutil
@@ -34,8 +35,8 @@ from tandem.envs.tool_schema import tool_schema
 from tandem.envs.types import Info, Messages, State
 
 SYSTEM_PROMPT = (
-    "You fix bugs in Python repositories with the tools list_files, view_file, replace_text and "
-    "run_tests. Change the code in app/ (tests/ is read-only) until run_tests passes, then reply "
+    "You fix bugs in Python repositories with the tools list_files, view_file, view_function, "
+    "replace_text and run_tests. Change the code in app/ (tests/ is read-only) until run_tests passes, then reply "
     "without a tool call."
 )
 MAX_VIEW_CHARS = 20_000
@@ -59,6 +60,20 @@ def view_file(path: str, workspace: Workspace) -> str:
     """
     text = workspace.path(path).read_text(errors="replace")
     return text if len(text) <= MAX_VIEW_CHARS else text[:MAX_VIEW_CHARS] + "\n[... cut]"
+
+
+def view_function(path: str, name: str, workspace: Workspace) -> str:
+    """Show one function of a Python file of the repository.
+
+    Args:
+        path: The file's path from the repository root, e.g. app/text.py.
+        name: The function's name, e.g. count_vowels.
+    """
+    source = workspace.path(path).read_text(errors="replace")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return ast.get_source_segment(source, node)
+    raise ValueError(f"no function {name!r} in {path}")
 
 
 def replace_text(path: str, old: str, new: str, workspace: Workspace) -> str:
@@ -85,7 +100,7 @@ async def run_tests(workspace: Workspace) -> str:
     return (await workspace.run_tests()).report
 
 
-TOOLS = [list_files, view_file, replace_text, run_tests]
+TOOLS = [list_files, view_file, view_function, replace_text, run_tests]
 STATE_ARGS = ("workspace",)
 
 
@@ -195,9 +210,10 @@ def load_environment(
     )
 
 
-async def _demonstration(row: Row, limits: SandboxLimits, fix: str, gives_up: bool) -> Messages:
-    """Run the tests, read the bugged module, fix it (`fix`: the info key of the edit), run the
-    tests again: with real replies. `gives_up`: stop after reading the module, without the edit."""
+async def _demonstration(row: Row, limits: SandboxLimits, fix: str, by_function: bool, gives_up: bool) -> Messages:
+    """Run the tests, read the bugged module (`by_function`: only the bugged function), fix it
+    (`fix`: the info key of the edit), run the tests again: with real replies. `gives_up`: stop
+    after reading, without the edit."""
     info = row["info"]
     path, old, new = info[fix]
     messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
@@ -205,7 +221,12 @@ async def _demonstration(row: Row, limits: SandboxLimits, fix: str, gives_up: bo
         workspace = Workspace(Path(workdir) / "repo", info["num_tests"], limits)
         workspace.write_files(info["files"])
         messages += demo_tool_turn("call_1", "run_tests", {}, await run_tests(workspace))
-        messages += demo_tool_turn("call_2", "view_file", {"path": path}, view_file(path, workspace))
+        if by_function:
+            name = info["buggy_function"]
+            messages += demo_tool_turn("call_2", "view_function", {"path": path, "name": name},
+                                       view_function(path, name, workspace))
+        else:
+            messages += demo_tool_turn("call_2", "view_file", {"path": path}, view_file(path, workspace))
         if gives_up:
             messages.append({"role": "assistant", "content": GIVE_UP_REPLY})
             return messages
@@ -220,7 +241,8 @@ async def _demonstration(row: Row, limits: SandboxLimits, fix: str, gives_up: bo
 
 def sft_examples(
     n: int, seed: int = 0, num_eval_examples: int = 100, num_functions: int = 4, short_fix: bool = False,
-    give_up_fraction: float = 0.0, max_concurrent: int = 4, progress: Callable[[int], None] | None = None,
+    read_function: bool = False, give_up_fraction: float = 0.0, max_concurrent: int = 4,
+    progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """`n` chats `{"messages": [...], "tools": [...]}` demonstrating the fix of the first `n`
     training repositories of `load_environment` with the same seed, `num_eval_examples` and
@@ -229,10 +251,11 @@ def sft_examples(
 
     `short_fix`: the edit replaces the shortest unique run of words around the bug (`-=` -> `+=`)
     instead of the whole buggy lines: a small model copies a few characters from the viewed file
-    far more reliably than a line of code.
+    far more reliably than a line of code. `read_function`: read only the function the failing test
+    names (`view_function`) instead of its whole module (`view_file`): fewer lines to find the bug in.
 
     `give_up_fraction`: the share of demonstrations (drawn at random, seeded) that stop after reading
-    the module and reply without a fix (reward 0): an imperfect demonstrator whose slip the warm-up
+    the code and reply without a fix (reward 0): an imperfect demonstrator whose slip the warm-up
     learns and RL's reward can remove (reverse_text's `misclosed_fraction` is the same idea)."""
     train, _ = _splits(n, num_eval_examples, seed, num_functions)
     slips = slip_draws(give_up_fraction, "give_up_fraction", f"give up {seed}")
@@ -245,7 +268,8 @@ def sft_examples(
         async def bounded(row: Row, gives_up: bool) -> Messages:
             nonlocal done
             async with semaphore:
-                messages = await _demonstration(row, SandboxLimits(), "short_fix" if short_fix else "fix", gives_up)
+                messages = await _demonstration(row, SandboxLimits(), "short_fix" if short_fix else "fix", read_function,
+                                                  gives_up)
             done += 1
             if progress is not None:
                 progress(done)

@@ -225,3 +225,27 @@ def test_give_up_slips_stop_after_reading_the_module_in_a_seeded_share(scripted_
     assert [r for r, slipped in zip(rows, gave_up) if not slipped] == [r for r, slipped in zip(fixed, gave_up) if not slipped]
     with pytest.raises(ValueError, match="give_up_fraction"):
         code_fix.sft_examples(1, give_up_fraction=1.5)
+
+
+def test_view_function_shows_one_function_and_refuses_a_missing_one(env, scripted_client):
+    example = env.get_eval_dataset(1)[0]
+    path, function = example["info"]["fix"][0], example["info"]["buggy_function"]
+    rollout = play(env, scripted_client, [[("view_function", {"path": path, "name": function}),
+                                           ("view_function", {"path": path, "name": "no_such_function"}),
+                                           ("view_function", {"path": "../x.py", "name": function})]], example)
+    shown, missing, outside = tool_replies(rollout)
+    module = example["info"]["files"][path]
+    assert shown.startswith(f"def {function}(") and shown in module and len(shown) < len(module)
+    assert shown.count("\ndef ") == 0  # no other function
+    assert "no function 'no_such_function'" in missing and "without '..'" in outside
+
+
+def test_read_function_demonstrations_view_only_the_bugged_function():
+    rows = code_fix.sft_examples(3, seed=2, num_eval_examples=10, short_fix=True, read_function=True)
+    env = code_fix.load_environment(num_train_examples=3, num_eval_examples=10, seed=2)
+    for row, example in zip(rows, env.get_dataset()):
+        view = json.loads(row["messages"][4]["tool_calls"][0]["function"]["arguments"])
+        assert row["messages"][4]["tool_calls"][0]["function"]["name"] == "view_function"
+        assert view == {"path": example["info"]["fix"][0], "name": example["info"]["buggy_function"]}
+        assert example["info"]["short_fix"][1] in row["messages"][5]["content"]
+        assert row["messages"][9]["content"].startswith("PASSED")

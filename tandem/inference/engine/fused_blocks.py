@@ -5,7 +5,7 @@ eager mode its norms, RoPE and the cache write are many small kernels per block 
 in the code; not counted by a profiler), more GPU time in a small model's decode step than its matmuls. The engine's version of a block:
     input norm (one kernel) -> q, k, v projections (one matmul: the three weights stacked)
     -> q/k norms, RoPE, k and v written to their cache slots (one kernel, `block_kernels`)
-    -> paged attention over the cache (`PagedAttention.attend_cached`)
+    -> attention over the cache (`CachedAttention.attend_cached`: the engine's paged attention)
     -> o projection -> residual add and post norm (one kernel)
     -> the block's `mlp` (a dense one: gate and up as one matmul, then silu(gate) * up in one kernel)
     -> residual add.
@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.inference.engine.paged_attention import PagedAttention
 from tandem.models import block_kernels
-from tandem.models.attention import AttentionBackend
+from tandem.models.attention import AttentionBackend, CachedAttention
 from tandem.models.decoder import DecoderLayer
 from tandem.models.stacked_projections import SharedInputProjections, stack_projections
 
@@ -43,7 +42,7 @@ def apply_fused_blocks(model: nn.Module) -> int:
 def fused_block_forward(block: DecoderLayer, stacked: SharedInputProjections, x: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
     """What `DecoderLayer.forward` computes (x [1, N, hidden]), with the kernels where they serve."""
-    if not (isinstance(backend, PagedAttention) and backend.reads_only_the_cache(block.self_attn.head_dim, x.device)
+    if not (isinstance(backend, CachedAttention) and backend.reads_only_the_cache(block.self_attn.head_dim, x.device)
             and block_kernels.is_available(x)):
         return DecoderLayer.forward(block, x, cos, sin, backend)
     norm_weight, *_, q_norm_weight, k_norm_weight = block.before_attention_args()
