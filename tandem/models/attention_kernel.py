@@ -294,13 +294,16 @@ def exact_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
     return max(1, 16 // _next_pow2(num_heads // num_kv_heads))
 
 
+def query_tiles(query_lens: list[int], tile_tokens: int) -> list[list[int]]:
+    """The kernels' work items, [sequences, first query tokens]: one for each `tile_tokens` consecutive query
+    tokens of each sequence of `query_lens`."""
+    starts = [range(0, n, tile_tokens) for n in query_lens]
+    return [[b for b, s in enumerate(starts) for _ in s], [j for s in starts for j in s]]
+
+
 def exact_tiles(query_lens: list[int], tile_tokens: int, device: torch.device) -> torch.Tensor:
-    """`attend_each_token`'s work items [2, T]: (sequence, its first query token) for each `tile_tokens`
-    consecutive query tokens of each sequence of `query_lens`."""
-    pairs = [(b, j) for b, n in enumerate(query_lens) for j in range(0, n, tile_tokens)]
-    if not pairs:
-        return torch.zeros(2, 0, dtype=torch.int32, device=device)
-    return torch.tensor(pairs, dtype=torch.int32).T.contiguous().to(device)
+    """`attend_each_token`'s work items [2, T] (`query_tiles`) on `device`."""
+    return torch.tensor(query_tiles(query_lens, tile_tokens), dtype=torch.int32).view(2, -1).to(device)
 
 
 def attend_each_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tandem.inference.engine.scheduler import ScheduledBatch
+from tandem.models.attention_kernel import query_tiles
 
 PREFILL_BLOCK_Q = 16
 """Query tokens per attention tile in steps that prefill (decode-only steps use 1)."""
@@ -128,7 +129,6 @@ class StepInputBuilder:
             pos_parts: list[np.ndarray] = []
             slot_parts: list[np.ndarray] = []
             seq_lens, query_lens, sample_index = [], [], []
-            tiles: list[list[int]] = [[], []]
             offset = 0
             for i, (seq, n) in enumerate(zip(seqs, num_new)):
                 start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -144,13 +144,11 @@ class StepInputBuilder:
                 slot_parts.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
                 seq_lens.append(end)
                 query_lens.append(n)
-                q_starts = range(0, n, PREFILL_BLOCK_Q)
-                tiles[0].extend([i] * len(q_starts))
-                tiles[1].extend(q_starts)
                 offset += n
                 if batch.samples(i):
                     sample_index.append(offset - 1)
             ids = [t for part in id_parts for t in part]
+            tiles = query_tiles(query_lens, PREFILL_BLOCK_Q)
             positions = np.concatenate(pos_parts)
             slots = np.concatenate(slot_parts)
         query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
