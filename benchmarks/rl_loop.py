@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from statistics import fmean as mean
+from statistics import fmean as mean, median
 
 import tomli_w
 import torch
@@ -50,7 +50,7 @@ STOP_GRACE_S = 60.0
 """How long a run past `--timeout-s` gets to stop its processes after SIGTERM."""
 
 WORKLOADS = {
-    "cuda": dict(batch_size=256, group_size=8, completion_tokens=512, prompt_chars=64, seq_len=8192, steps=6, warmup=2),
+    "cuda": dict(batch_size=256, group_size=8, completion_tokens=512, prompt_chars=64, seq_len=8192, steps=10, warmup=2),
     "cpu": dict(batch_size=8, group_size=4, completion_tokens=16, prompt_chars=16, seq_len=256, steps=4, warmup=1),
 }
 """Default workload per device type: 256 rollouts x 512 tokens a step on a GPU, a few short ones on a CPU."""
@@ -161,6 +161,7 @@ def level_figures(run_dir: Path, warmup: int, level: int) -> dict:
         "timed_steps": timed,
         "step_s": period,
         "step_s_each": step_s,
+        "step_s_median": median(step_s),  # beside the mean: one slow step among few moved the mean by 10% (2026-12-04)
         "trained_tokens_per_s": mean(trainer[s]["num_tokens"] for s in timed) / period,
         "sampled_tokens_per_s": mean(trainer[s]["num_loss_tokens"] for s in timed) / period,
         "trainer": {
