@@ -210,12 +210,12 @@ def load_environment(
     )
 
 
-async def _demonstration(row: Row, limits: SandboxLimits, fix: str, by_function: bool, gives_up: bool) -> Messages:
+async def _demonstration(row: Row, limits: SandboxLimits, short_fix: bool, by_function: bool, gives_up: bool) -> Messages:
     """Run the tests, read the bugged module (`by_function`: only the bugged function), fix it
-    (`fix`: the info key of the edit), run the tests again: with real replies. `gives_up`: stop
-    after reading, without the edit."""
+    (`short_fix`: by the shortest unique edit), run the tests again: with real replies. `gives_up`:
+    stop after reading, without the edit."""
     info = row["info"]
-    path, old, new = info[fix]
+    path, old, new = info["short_fix" if short_fix else "fix"]
     messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
     with tempfile.TemporaryDirectory(prefix="tandem-code-fix-", ignore_cleanup_errors=True) as workdir:
         workspace = Workspace(Path(workdir) / "repo", info["num_tests"], limits)
@@ -268,8 +268,7 @@ def sft_examples(
         async def bounded(row: Row, gives_up: bool) -> Messages:
             nonlocal done
             async with semaphore:
-                messages = await _demonstration(row, SandboxLimits(), "short_fix" if short_fix else "fix", read_function,
-                                                  gives_up)
+                messages = await _demonstration(row, SandboxLimits(), short_fix, read_function, gives_up)
             done += 1
             if progress is not None:
                 progress(done)
