@@ -17,7 +17,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from tandem.config.orchestrator import OrchestratorConfig
-from tandem.monitor.metrics import MetricsWriter
+from tandem.monitor.metrics import MetricsWriter, read_metrics
 from tandem.monitor.prometheus import serve_metrics
 from tandem.orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from tandem.orchestrator.environments import LoadedEnv
@@ -110,8 +110,13 @@ class Orchestrator:
             log.warning("ckpt.resume: no orchestrator checkpoint in %s; starting at step 1", self.run_dir)
             return 0
         self.sampler.load_state_dict(state["sampler"])
-        log.info("resumed from the orchestrator checkpoint of step %d", state["step"])
-        return int(state["step"])
+        step = int(state["step"])
+        # The stopped run's evals up to the checkpoint stay in the run folder (the cut keeps them): evaluating one
+        # of those policies again would log its eval twice.
+        self.evaluated = {r["step"] for r in read_metrics(self.run_dir, "orchestrator")
+                          if r["step"] <= step and any(k.startswith("eval/") for k in r)}
+        log.info("resumed from the orchestrator checkpoint of step %d", step)
+        return step
 
     def _start_group(self, step: int) -> Awaitable[GroupResult]:
         cfg = self.config

@@ -22,6 +22,9 @@ from tandem.monitor.report import summarize
 
 MAX_STEPS = 4
 PARTS = ("rollouts", "weights", "eval", "checkpoints")
+EVERY_CHECKPOINT = ("--orchestrator.eval.interval", "2")
+"""Evals at the checkpoints' steps too: the stopped run has evaluated policy 2, which the resumed run must not
+evaluate again (it did, logging a second eval row of step 2)."""
 
 pytestmark = pytest.mark.slow
 
@@ -43,11 +46,11 @@ def printed_steps(stdout: str) -> list[int]:
 
 def test_a_resumed_run_leaves_the_records_of_a_run_that_never_stopped(tmp_path):
     model = init_model("tiny", tmp_path / "model", seed=0)
-    straight = run(rl_command(model, tmp_path / "straight", MAX_STEPS))
+    straight = run(rl_command(model, tmp_path / "straight", MAX_STEPS, *EVERY_CHECKPOINT))
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     out = tmp_path / "stopped"
-    proc = start(rl_command(model, out, MAX_STEPS))
+    proc = start(rl_command(model, out, MAX_STEPS, *EVERY_CHECKPOINT))
     try:
         wait_for_trainer_step(proc, out, 3)
         os.kill(run_pids(out)["trainer"], signal.SIGKILL)
@@ -59,7 +62,7 @@ def test_a_resumed_run_leaves_the_records_of_a_run_that_never_stopped(tmp_path):
     stale = [r for r in read_metrics(out) if r["step"] > 2]
     assert stale, "the stopped run left no record after its checkpoint: nothing to test"
 
-    resumed = run(rl_command(model, out, MAX_STEPS, "--resume"))
+    resumed = run(rl_command(model, out, MAX_STEPS, *EVERY_CHECKPOINT, "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after step 2; removed the stopped run's later records" in resumed.stderr
     left, expected = records(out), records(tmp_path / "straight")
