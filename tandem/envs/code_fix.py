@@ -210,8 +210,8 @@ def load_environment(
     )
 
 
-async def _demonstration(row: Row, limits: SandboxLimits, short_fix: bool, by_function: bool, gives_up: bool) -> Messages:
-    """Run the tests, read the bugged module (`by_function`: only the bugged function), fix it
+async def _demonstration(row: Row, limits: SandboxLimits, short_fix: bool, read_function: bool, gives_up: bool) -> Messages:
+    """Run the tests, read the bugged module (`read_function`: only the bugged function), fix it
     (`short_fix`: by the shortest unique edit), run the tests again: with real replies. `gives_up`:
     stop after reading, without the edit."""
     info = row["info"]
@@ -221,7 +221,7 @@ async def _demonstration(row: Row, limits: SandboxLimits, short_fix: bool, by_fu
         workspace = Workspace(Path(workdir) / "repo", info["num_tests"], limits)
         workspace.write_files(info["files"])
         messages += demo_tool_turn("call_1", "run_tests", {}, await run_tests(workspace))
-        if by_function:
+        if read_function:
             name = info["buggy_function"]
             messages += demo_tool_turn("call_2", "view_function", {"path": path, "name": name},
                                        view_function(path, name, workspace))

@@ -114,7 +114,7 @@ class Orchestrator:
         # The stopped run's evals up to the checkpoint stay in the run folder (the cut keeps them): evaluating one
         # of those policies again would log its eval twice.
         self.evaluated = {r["step"] for r in read_metrics(self.run_dir, "orchestrator")
-                          if isinstance(r.get("step"), int) and r["step"] <= step and any(k.startswith("eval/") for k in r)}
+                          if "eval/reward_mean" in r and isinstance(r.get("step"), int) and r["step"] <= step}
         log.info("resumed from the orchestrator checkpoint of step %d", step)
         return step
 

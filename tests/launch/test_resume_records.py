@@ -23,8 +23,8 @@ from tandem.monitor.report import summarize
 MAX_STEPS = 4
 PARTS = ("rollouts", "weights", "eval", "checkpoints")
 EVERY_CHECKPOINT = ("--orchestrator.eval.interval", "2")
-"""Evals at the checkpoints' steps too: the stopped run has evaluated policy 2, which the resumed run must not
-evaluate again (it did, logging a second eval row of step 2)."""
+"""Evals at the checkpoints' steps too: the stopped run evaluates policy 2 before its trainer logs step 3, and the
+resumed run must not evaluate it again (it did, logging a second eval row of step 2)."""
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +61,8 @@ def test_a_resumed_run_leaves_the_records_of_a_run_that_never_stopped(tmp_path):
     assert proc.returncode != 0
     stale = [r for r in read_metrics(out) if r["step"] > 2]
     assert stale, "the stopped run left no record after its checkpoint: nothing to test"
+    assert any(r["step"] == 2 and "eval/reward_mean" in r for r in read_metrics(out, "orchestrator")), \
+        "the stopped run had not evaluated policy 2: the second-eval case is not tested"
 
     resumed = run(rl_command(model, out, MAX_STEPS, *EVERY_CHECKPOINT, "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
