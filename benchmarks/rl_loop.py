@@ -175,6 +175,8 @@ def level_figures(run_dir: Path, warmup: int, level: int) -> dict:
             "wait_trainer_s": mean(orchestrator[s]["time/wait_trainer_s"] for s in orchestrator_timed),
             "update_weights_s": mean(orchestrator[s]["time/update_weights_s"] for s in orchestrator_timed),
             "pack_s": mean(orchestrator[s]["time/pack_s"] for s in orchestrator_timed),
+            "rollout_inference_mean_s": mean(orchestrator[s]["time/rollout_inference_mean_s"] for s in orchestrator_timed),
+            "rollout_inference_max_s": mean(orchestrator[s]["time/rollout_inference_max_s"] for s in orchestrator_timed),
         },
         "orchestrator_timed_steps": orchestrator_timed,
         "off_policy_max": max(r["off_policy/max"] for r in orchestrator.values()),
@@ -210,6 +212,8 @@ def print_table(levels: dict[str, dict], totals: dict) -> None:
             ("orch.: wait for policy (s)", lambda f: f["orchestrator"]["wait_trainer_s"]),
             ("orch.: reload weights (s)", lambda f: f["orchestrator"]["update_weights_s"]),
             ("orch.: pack (s)", lambda f: f["orchestrator"]["pack_s"]),
+            ("rollout on the server, mean (s)", lambda f: f["orchestrator"]["rollout_inference_mean_s"]),
+            ("rollout on the server, max (s)", lambda f: f["orchestrator"]["rollout_inference_max_s"]),
             ("off-policy max (steps)", lambda f: f["off_policy_max"])]
     names = list(levels)
     print(f"{'max_async_level':<30}" + "".join(f"{n:>14}" for n in names))

@@ -68,6 +68,10 @@ def step_metrics(step: int, finished: FinishedStep, samples: list[Sample], num_d
         "time/wait_trainer_s": finished.wait_trainer_s,
         "time/wait_inference_s": finished.step_s - finished.wait_trainer_s,
         "time/pack_s": pack_s,
+        # Each rollout's time waiting on the servers: against `time/wait_inference_s` it tells the servers' latency
+        # from the orchestrator's own work (environments, tokenizing, scheduling).
+        "time/rollout_inference_mean_s": _mean([r.inference_s for r in trained]),
+        "time/rollout_inference_max_s": max((r.inference_s for r in trained), default=0.0),
         "time/update_weights_s": update_weights_s,
         "batch/num_rows": stats.num_rows,
         "batch/num_padding_rows": stats.num_padding_rows,

@@ -35,7 +35,8 @@ def write_metrics(run_dir: Path, trainer_times: list[float], orchestrator_waits:
     for step, wait in enumerate(orchestrator_waits, start=1):
         lines.append({"process": "orchestrator", "step": step, "time": 0.0, "reward/mean": 0.5, "off_policy/max": 1,
                       "time/step_s": 3.0, "time/wait_trainer_s": wait, "time/wait_inference_s": 3.0 - wait,
-                      "time/update_weights_s": 0.1, "time/pack_s": 0.01})
+                      "time/update_weights_s": 0.1, "time/pack_s": 0.01,
+                      "time/rollout_inference_mean_s": 1.5 + step, "time/rollout_inference_max_s": 2.5 + step})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
@@ -47,6 +48,8 @@ def test_figures_leave_out_the_warm_up_on_both_sides(rl_loop, tmp_path):
     assert figures["orchestrator_timed_steps"] == [4, 5]
     assert figures["orchestrator"]["wait_trainer_s"] == pytest.approx(1.0)
     assert figures["orchestrator"]["generation_s"] == pytest.approx(2.0)
+    assert figures["orchestrator"]["rollout_inference_mean_s"] == pytest.approx(6.0)  # steps 4 and 5: 5.5, 6.5
+    assert figures["orchestrator"]["rollout_inference_max_s"] == pytest.approx(7.0)
     assert figures["trained_tokens_per_s"] == pytest.approx(1000 / 3) and figures["sampled_tokens_per_s"] == pytest.approx(800 / 3)
     assert figures["trainer"] == {"wait_batch_s": 0.5, "compute_s": 2.0, "publish_s": 0.25}
     with pytest.raises(RuntimeError, match="raise --steps"):

@@ -68,6 +68,7 @@ def test_a_run_writes_every_batch_metrics_samples_and_evals(tmp_path, tiny_model
                 "off_policy/max", "off_policy/num_dropped", "throughput/rollouts_per_s", "throughput/tokens_per_s",
                 "time/wait_inference_s", "time/wait_trainer_s", "metrics/exact_match", "groups/num_filtered"]:
         assert key in steps[0], key
+    assert all(0.0 < m["time/rollout_inference_mean_s"] <= m["time/rollout_inference_max_s"] for m in steps)
     evals = [m for m in lines if "eval/reward_mean" in m]
     assert [m["step"] for m in evals] == [0, 2, 3]
     assert all(0.0 <= m["eval/pass@1"] <= m["eval/pass@2"] <= 1.0 for m in evals)
