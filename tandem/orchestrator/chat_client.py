@@ -14,6 +14,8 @@ One client serves one rollout: `turns` is that rollout's record, in call order.
 
 from __future__ import annotations
 
+import functools
+
 import random
 import time
 from dataclasses import dataclass, field
@@ -60,9 +62,17 @@ class TokenLogprob:
     logprob: float
 
 
-@dataclass
 class ChoiceLogprobs:
-    content: list[TokenLogprob]
+    """`content`: one `TokenLogprob` per completion token, built when first read. Most environments never read
+    it, and building it for every answer was a sixth of the orchestrator's CPU (512-token completions, py-spy)."""
+
+    def __init__(self, token_ids: list[int], logprobs: list[float], tokenizer: Any):
+        self._token_ids, self._logprobs, self._tokenizer = token_ids, logprobs, tokenizer
+
+    @functools.cached_property
+    def content(self) -> list[TokenLogprob]:
+        tokens = self._tokenizer.convert_ids_to_tokens(self._token_ids) if self._token_ids else []
+        return [TokenLogprob(str(t), lp) for t, lp in zip(tokens, self._logprobs)]
 
 
 @dataclass
@@ -192,13 +202,12 @@ def _generate_request(kwargs: dict[str, Any]) -> dict[str, Any]:
 def _completion(model: str, content: str, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float],
                 finish_reason: str, version: int | None, tool_calls: list[ToolCall], tokenizer: Any,
                 response_id: str | None = None) -> ChatCompletion:
-    tokens = tokenizer.convert_ids_to_tokens(completion_ids) if completion_ids else []
     choice = Choice(
         index=0,
         message=ChatMessage(content=content, tool_calls=tool_calls or None),
         finish_reason=finish_reason,
         token_ids=completion_ids,
-        logprobs=ChoiceLogprobs([TokenLogprob(str(t), lp) for t, lp in zip(tokens, logprobs)]),
+        logprobs=ChoiceLogprobs(completion_ids, logprobs, tokenizer),
         weight_version=version,
     )
     usage = Usage(len(prompt_ids), len(completion_ids), len(prompt_ids) + len(completion_ids))

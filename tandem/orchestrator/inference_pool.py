@@ -35,16 +35,26 @@ class InferenceUnavailableError(Exception):
     """A request failed on every attempt (transport errors or 5xx)."""
 
 
+CLIENT_SHARDS = 16
+"""HTTP clients (connection pools) the requests are spread over: 256 requests in flight leave 16 connections in each."""
+
+
 class InferencePool:
     def __init__(self, config: ClientConfig):
         self.config = config
         self.base_urls = [url.rstrip("/") for url in config.base_urls]
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         # No pool limit: concurrency is bounded by the orchestrator, and a cap here would
-        # queue requests invisibly inside httpx.
-        self._http = httpx.AsyncClient(
-            headers=headers, timeout=config.timeout_s, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        )
+        # queue requests invisibly inside httpx. Several clients: httpcore's pool walks all its connections
+        # at every request and answer, so one pool of 256 connections spent most of the orchestrator's CPU
+        # there (py-spy, 256 rollouts in flight); requests take the clients in turn, each holding a share.
+        tls = httpx.create_ssl_context()  # one for all: each client would load the CA bundle again (25 ms each)
+        self._clients = [
+            httpx.AsyncClient(headers=headers, timeout=config.timeout_s, verify=tls,
+                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+            for _ in range(CLIENT_SHARDS)
+        ]
+        self._next_client = itertools.count()
         self._round_robin = itertools.count()
         self.excluded: set[int] = set()
         """Servers that missed a weight update: no requests go there until `readmit`."""
@@ -156,7 +166,7 @@ class InferencePool:
         for url in self.base_urls:
             while True:
                 try:
-                    if (await self._http.get(f"{url}/health", timeout=5.0)).status_code == 200:
+                    if (await self._client().get(f"{url}/health", timeout=5.0)).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
@@ -173,15 +183,18 @@ class InferencePool:
         lengths: list[int] = []
         for url in self.base_urls:
             try:
-                response = await self._http.get(f"{url}/v1/models", timeout=10.0)
+                response = await self._client().get(f"{url}/v1/models", timeout=10.0)
                 models = response.json().get("data", []) if response.status_code == 200 else []
             except (httpx.HTTPError, ValueError, AttributeError):
                 continue
             lengths += [m["max_model_len"] for m in models if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)]
         return min(lengths, default=None)
 
+    def _client(self) -> httpx.AsyncClient:
+        return self._clients[next(self._next_client) % CLIENT_SHARDS]
+
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await asyncio.gather(*(client.aclose() for client in self._clients))
 
     async def _post(self, path: str, payload: dict[str, Any], first_server: int, failover: bool,
                     max_retries: int | None = None) -> tuple[dict[str, Any], int]:
@@ -205,7 +218,7 @@ class InferencePool:
                 await self._serving[server].wait()
             version = self.versions[server]
             try:
-                response = await self._http.post(url, json=payload)
+                response = await self._client().post(url, json=payload)
             except httpx.TransportError as err:
                 last_error = f"{url}: {type(err).__name__}: {err}"
                 log.debug("retrying after %s", last_error)
