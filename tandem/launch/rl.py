@@ -216,24 +216,43 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
            stop_signal: list[int], log) -> bool:
     """Start `roles` in order; for `inference`, every inference server of this node, each until it answers
     `/health`, then the preflight (one node only: its probe runs the trainer beside the servers). True when
-    `preflight_only` ends the run there."""
+    `preflight_only` ends the run there. Without a preflight and with no GPU shared, the servers do not hold
+    the rest back: every process starts at once and the launcher waits for the servers' health after."""
     commands = _commands(config, configs)
     logs = config.run_dir / "logs"
     suffix = _node_suffix(config)
     urls = _server_urls(config)
+    together = _starts_together(config)
     for name in (n for role in roles for n in (urls if role == "inference" else [role])):
         argv, devices = commands[name]
         procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _child_env(devices))
         atomic_write_text(logs / f"pids{suffix}.json", json.dumps({n: p.pid for n, p in procs.items()}))
         if name in urls:
             log.info("starting inference server %s (%s)", name, urls[name])
+            if together:
+                continue
             wait_healthy(urls[name], procs[name], config.orchestrator.client.health_timeout_s, stop_signal)
-            if name == list(urls)[-1] and config.preflight.enabled and config.deployment.cluster.num_nodes == 1:
+            if name == list(urls)[-1] and _runs_preflight(config):
                 _preflight(config, commands)
                 if config.preflight_only:
                     return True
+    if together:
+        for name in (n for n in urls if n in procs):
+            wait_healthy(urls[name], procs[name], config.orchestrator.client.health_timeout_s, stop_signal,
+                         beside=[p for p in procs.values() if p is not procs[name]])
     log.info("%s started; logs in %s", ", ".join(roles), logs)
     return False
+
+
+def _starts_together(config: RLConfig) -> bool:
+    """Whether this node's processes may start at once instead of after its servers are healthy: not when the
+    preflight runs (it goes between the servers and the trainer) nor when trainer and server share a GPU (the
+    engine sizes its KV cache from the memory it finds free, which a trainer starting beside it would take)."""
+    return not _runs_preflight(config) and not config.deployment.shares_a_gpu
+
+
+def _runs_preflight(config: RLConfig) -> bool:
+    return config.preflight.enabled and config.deployment.cluster.num_nodes == 1
 
 
 def _server_urls(config: RLConfig) -> dict[str, str]:
@@ -321,22 +340,25 @@ def _preflight(config: RLConfig, commands: dict[str, tuple[list[str], list[int] 
             proc.stop()
 
 
-def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None) -> None:
-    """Return once the server of `proc` answers `GET /health` with 200; RunFailed if it exits, a
-    signal was caught (`stop_signal`), or `timeout_s` passes."""
+def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None,
+                 beside: list[ManagedProcess] | None = None) -> None:
+    """Return once the server of `proc` answers `GET /health` with 200; RunFailed if it exits, a process
+    started `beside` it fails, a signal was caught (`stop_signal`), or `timeout_s` passes."""
     url = base_url.rstrip("/") + "/health"
     stop_signal = stop_signal or []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if stop_signal:
             raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
-        if proc.poll() is not None:
-            tail = "\n".join(f"  | {line}" for line in proc.tail(20))
-            raise RunFailed(f"the {proc.name} process failed at start (exit code {proc.poll()}); last lines of {proc.log_path}:\n{tail}")
+        for other in (proc, *(beside or [])):
+            if other.poll() is not None:  # before the server answers, no process of the run may end
+                tail = "\n".join(f"  | {line}" for line in other.tail(20))
+                raise RunFailed(f"the {other.name} process failed at start (exit code {other.poll()}); last lines of "
+                                f"{other.log_path}:\n{tail}")
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise RunFailed(f"the inference server did not answer {url} within {timeout_s:.0f} s")

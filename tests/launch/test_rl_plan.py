@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 import tomllib
 
+import pytest
+
 from tandem.config.resolve import parse_rl_args
-from tandem.launch.rl import _child_env, _commands, _write_process_configs
+from tandem.launch.process import ManagedProcess
+from tandem.launch.rl import RunFailed, _child_env, _commands, _starts_together, _write_process_configs, wait_healthy
 
 
 class TwoGPUs:
@@ -52,3 +58,30 @@ def test_each_node_runs_its_trainer_ranks_in_one_c10d_rendezvous_served_by_node_
         assert f"--rdzv-conf join_timeout=300,is_host={int(rank == 0)}" in joined and "--nproc-per-node 3" in joined
         assert (tmp_path / "configs" / f"rl.node{rank}.toml").is_file()
     assert not (tmp_path / "configs" / "rl.toml").exists()
+
+
+def test_processes_start_at_once_unless_the_preflight_or_a_shared_gpu_needs_the_servers_up_first(tmp_path):
+    def starts_together(*args: str) -> bool:
+        return _starts_together(parse_rl_args(["--output-dir", str(tmp_path), *args], environ={}, machine=TwoGPUs()))
+
+    gpus_apart = ("--deployment.type", "gpu", "--deployment.inference-devices", "[0]", "--deployment.trainer-devices", "[1]")
+    gpu_shared = ("--deployment.type", "gpu", "--deployment.inference-devices", "[0]", "--deployment.trainer-devices", "[0]")
+    assert starts_together("--deployment.type", "cpu", "--preflight.enabled", "false")
+    assert starts_together(*gpus_apart, "--preflight.enabled", "false")
+    assert not starts_together("--deployment.type", "cpu")  # the preflight runs between the servers and the trainer
+    assert not starts_together(*gpus_apart)
+    assert not starts_together(*gpu_shared, "--preflight.enabled", "false")  # the engine sizes its cache from free memory
+
+
+def test_a_process_failing_beside_a_starting_server_ends_the_wait_naming_it(tmp_path):
+    server = ManagedProcess("inference", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "i.log", dict(os.environ))
+    trainer = ManagedProcess("trainer", [sys.executable, "-c", "print('bad config'); raise SystemExit(2)"], tmp_path / "t.log",
+                             dict(os.environ))
+    start = time.monotonic()
+    try:
+        with pytest.raises(RunFailed, match=r"the trainer process failed at start \(exit code 2\)[^|]*\| bad config"):
+            wait_healthy("http://127.0.0.1:9", server, timeout_s=30, beside=[trainer])
+    finally:
+        server.stop()
+        trainer.stop()
+    assert time.monotonic() - start < 10
