@@ -2,7 +2,8 @@
 
 Three short `tandem rl` runs on CPU from a random tiny model (no SFT warm-up: the records are the point, not
 learning): 4 steps straight; 4 steps with the trainer killed once it logged step 3 (checkpoints every 2 steps,
-so the orchestrator had gone on to step 3 or 4); then `--resume` to step 4. Metrics rows, rollouts and
+so the orchestrator had gone on to step 3 or 4); the same command again, refused (the folder holds a run); then
+`--resume` to step 4. Metrics rows, rollouts and
 samples, weights, evals, checkpoints, the summary and the console must match the straight run step by step.
 """
 
@@ -59,10 +60,15 @@ def test_a_resumed_run_leaves_the_records_of_a_run_that_never_stopped(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    stale = [r for r in read_metrics(out) if r["step"] > 2]
+    stopped_rows = list(read_metrics(out))
+    stale = [r for r in stopped_rows if r["step"] > 2]
     assert stale, "the stopped run left no record after its checkpoint: nothing to test"
     assert any(r["step"] == 2 and "eval/reward_mean" in r for r in read_metrics(out, "orchestrator")), \
         "the stopped run had not evaluated policy 2: the second-eval case is not tested"
+
+    refused = run(rl_command(model, out, MAX_STEPS, *EVERY_CHECKPOINT))  # neither --resume nor --clean
+    assert refused.returncode != 0 and "already holds a run" in refused.stderr and "--resume" in refused.stderr
+    assert list(read_metrics(out)) == stopped_rows, "a refused run touched the folder"
 
     resumed = run(rl_command(model, out, MAX_STEPS, *EVERY_CHECKPOINT, "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
