@@ -15,8 +15,10 @@ Every figure comes from the run's `metrics.jsonl`, as the processes log it. Over
   (tokens trained; tokens sampled);
 - the trainer's side: waiting for its batch, computing the step, publishing the weights;
 - the orchestrator's side: rollouts in flight (generation), gated on a newer policy (waiting on the trainer), the
-  servers' weight reloads (within one of those two) and packing. Orchestrator step n's window holds its wait for
-  policy n-1-level, so its steps count from `1 + level` steps after the trainer's, clear of the trainer's warm-up.
+  servers' weight reloads (within one of those two) and packing, and the mean and longest time a rollout waited on
+  the server (against generation: what the orchestrator's own work adds). Orchestrator step n's window holds its
+  wait for policy n-1-level, so its steps count from `1 + level` steps after the trainer's, clear of the trainer's
+  warm-up.
 At level 0 generation and training never overlap, so that run also measures each alone: generation alone is its
 generation time, training alone its trainer compute + publish time. The summary gives the async speedup (level 0's
 step time over level 1's) and the goal's ratio: level 1's step time over the slower of generation and training
