@@ -15,7 +15,6 @@ One client serves one rollout: `turns` is that rollout's record, in call order.
 from __future__ import annotations
 
 import functools
-
 import random
 import time
 from dataclasses import dataclass, field
