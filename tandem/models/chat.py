@@ -37,16 +37,22 @@ class ParsedToolCall:
 def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
     """Prompt token ids of a conversation, through the tokenizer's chat template."""
+    text = render_chat_text(tokenizer, messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+    """`render_chat`'s text, before tokenization (`tokenizer(texts, add_special_tokens=False)` encodes many at once)."""
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("the model's tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}),
         )
     except Exception as err:  # jinja raises TemplateError (and raise_exception() in templates) for bad conversations
         raise ChatTemplateError(f"the chat template rejected the messages: {err}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.models.chat import ChatTemplateError, render_chat
+from tandem.models.chat import ChatTemplateError, render_chat_text
 from tandem.transport.types import PackedRow
 
 
@@ -63,63 +64,97 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+ENCODE_CHUNK = 1024
+"""Rows whose texts are tokenized in one batch call (the tokenizer's Rust side spreads a batch over the cores)."""
+
+
+@dataclass
+class _RowTexts:
+    """The texts a row needs tokenized, and how to make its sample from their ids (in the same order)."""
+
+    texts: list[str]
+    sample: Callable[[list[list[int]]], Sample]
+
+
 def tokenize_record(record: dict[str, Any], tokenizer, loss_roles: list[str], where: str) -> Sample:
+    return tokenize_records([(record, where)], tokenizer, loss_roles)[0]
+
+
+def tokenize_records(records: list[tuple[dict[str, Any], str]], tokenizer, loss_roles: list[str]) -> list[Sample]:
+    """The sample of each (record, where it came from): every text of the rows rendered first, then all of them
+    tokenized in one call, as `tokenizer.encode(text, add_special_tokens=False)` tokenizes one."""
+    rows = [_row_texts(record, tokenizer, loss_roles, where) for record, where in records]
+    texts = [text for row in rows for text in row.texts]
+    ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    return [row.sample([list(next(ids)) for _ in row.texts]) for row in rows]
+
+
+def _row_texts(record: dict[str, Any], tokenizer, loss_roles: list[str], where: str) -> _RowTexts:
     if "messages" in record:
-        return _tokenize_chat(record["messages"], record.get("tools"), tokenizer, loss_roles, where)
+        return _chat_texts(record["messages"], record.get("tools"), tokenizer, loss_roles, where)
     if "prompt" in record and "completion" in record:
-        prompt, completion = record["prompt"], record["completion"]
-        if not isinstance(prompt, str) or not isinstance(completion, str):
+        if not isinstance(record["prompt"], str) or not isinstance(record["completion"], str):
             raise SFTDataError(f"{where}: `prompt` and `completion` must be strings")
-        p = _encode(tokenizer, prompt)
-        c = _encode(tokenizer, completion) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-        return Sample(p + c, [0] * len(p) + [1] * len(c))
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+        def sample(encoded: list[list[int]]) -> Sample:
+            p, c = encoded[0], encoded[1] + eos
+            return Sample(p + c, [0] * len(p) + [1] * len(c))
+        return _RowTexts([record["prompt"], record["completion"]], sample)
     raise SFTDataError(f"{where}: a row needs `messages`, or `prompt` and `completion` (keys: {sorted(record)})")
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _tokenize_chat(messages: Any, tools: list[dict] | None, tokenizer, loss_roles: list[str], where: str) -> Sample:
-    """`tools`: the row's tool schemas, rendered as RL prompts render them (the same `render_chat`), so a
+def _chat_texts(messages: Any, tools: list[dict] | None, tokenizer, loss_roles: list[str], where: str) -> _RowTexts:
+    """`tools`: the row's tool schemas, rendered as RL prompts render them (the same `render_chat_text`), so a
     warm-up on tool-use demonstrations sees the tool list its RL prompts will carry."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise SFTDataError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
 
-    def render(msgs: list[dict], generation_prompt: bool) -> list[int]:
+    def render(msgs: list[dict], generation_prompt: bool) -> int:
+        """The index of the rendering among the row's texts."""
         try:
-            return render_chat(tokenizer, msgs, tools, add_generation_prompt=generation_prompt)
+            texts.append(render_chat_text(tokenizer, msgs, tools, add_generation_prompt=generation_prompt))
         except ChatTemplateError as err:
             raise SFTDataError(f"{where}: {err}") from None
+        return len(texts) - 1
 
-    ids = render(messages, False)
-    mask = [0] * len(ids)
+    texts: list[str] = []
+    render(messages, False)
+    spans = []  # (message, its prefix's text or None for the first message, the text it ends)
     for i, message in enumerate(messages):
-        if message["role"] not in loss_roles:
-            continue
-        start_ids = render(messages[:i], message["role"] == "assistant") if i else []
-        end_ids = ids if i == len(messages) - 1 else render(messages[: i + 1], False)  # the last ends the chat
-        if ids[: len(start_ids)] != start_ids or ids[: len(end_ids)] != end_ids:
-            raise SFTDataError(f"{where}: the chat template does not render message {i}'s prefix as a prefix of the chat, "
-                               "so its loss tokens cannot be located (a template that rewrites earlier turns?)")
-        mask[len(start_ids): len(end_ids)] = [1] * (len(end_ids) - len(start_ids))
-    return Sample(ids, mask)
+        if message["role"] in loss_roles:
+            start = render(messages[:i], message["role"] == "assistant") if i else None
+            end = 0 if i == len(messages) - 1 else render(messages[: i + 1], False)  # the last one ends the chat
+            spans.append((i, start, end))
+
+    def sample(encoded: list[list[int]]) -> Sample:
+        ids = encoded[0]
+        mask = [0] * len(ids)
+        for i, start, end in spans:
+            start_ids, end_ids = (encoded[start] if start is not None else []), encoded[end]
+            if ids[: len(start_ids)] != start_ids or ids[: len(end_ids)] != end_ids:
+                raise SFTDataError(f"{where}: the chat template does not render message {i}'s prefix as a prefix of the chat, "
+                                   "so its loss tokens cannot be located (a template that rewrites earlier turns?)")
+            mask[len(start_ids): len(end_ids)] = [1] * (len(end_ids) - len(start_ids))
+        return Sample(ids, mask)
+    return _RowTexts(texts, sample)
 
 
 def load_samples(path: Path, tokenizer, loss_roles: list[str], seq_len: int) -> tuple[list[Sample], dict[str, int]]:
     """Tokenized samples cut to `seq_len` tokens; samples left without loss tokens are dropped. Returns counts too."""
     samples, counts = [], {"rows": 0, "truncated": 0, "dropped_no_loss_tokens": 0}
-    for n, record in enumerate(read_records(path), 1):
-        counts["rows"] += 1
-        sample = tokenize_record(record, tokenizer, loss_roles, f"{path}: row {n}")
-        if len(sample.input_ids) > seq_len:
-            counts["truncated"] += 1
-            sample = Sample(sample.input_ids[:seq_len], sample.loss_mask[:seq_len])
-        sample.loss_mask[0] = 0  # nothing predicts a sample's first token
-        if len(sample.input_ids) < 2 or not any(sample.loss_mask):
-            counts["dropped_no_loss_tokens"] += 1
-            continue
-        samples.append(sample)
+    records = [(record, f"{path}: row {n}") for n, record in enumerate(read_records(path), 1)]
+    for chunk in range(0, len(records), ENCODE_CHUNK):
+        for sample in tokenize_records(records[chunk: chunk + ENCODE_CHUNK], tokenizer, loss_roles):
+            counts["rows"] += 1
+            if len(sample.input_ids) > seq_len:
+                counts["truncated"] += 1
+                sample = Sample(sample.input_ids[:seq_len], sample.loss_mask[:seq_len])
+            sample.loss_mask[0] = 0  # nothing predicts a sample's first token
+            if len(sample.input_ids) < 2 or not any(sample.loss_mask):
+                counts["dropped_no_loss_tokens"] += 1
+                continue
+            samples.append(sample)
     if not samples:
         raise SFTDataError(f"{path}: no row has loss tokens for roles {loss_roles}")
     return samples, counts
