@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from tandem.orchestrator.samples import Sample
+from tandem.transport.row_packing import first_fit_decreasing
 from tandem.transport.types import PackedRow, TrainingBatch
 
 
@@ -33,23 +34,6 @@ def truncate(sample: Sample, seq_len: int) -> bool:
     for name in ("token_ids", "loss_mask", "logprobs", "temperatures", "routed_experts"):
         setattr(sample, name, getattr(sample, name)[:seq_len])
     return True
-
-
-def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into bins of at most `capacity`, longest items placed first."""
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i] > capacity:
-            raise ValueError(f"item {i} of length {lengths[i]} exceeds the bin capacity {capacity}")
-        slot = next((b for b, room in enumerate(free) if room >= lengths[i]), None)
-        if slot is None:
-            bins.append([])
-            free.append(capacity)
-            slot = len(bins) - 1
-        bins[slot].append(i)
-        free[slot] -= lengths[i]
-    return bins
 
 
 def balance(loads: list[int], num_ranks: int) -> list[list[int]]:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tandem.orchestrator.packing import PackingStats, balance, first_fit_decreasing, pack_step
+from tandem.orchestrator.packing import PackingStats, balance, pack_step
 from tandem.orchestrator.samples import Sample
 from tandem.transport.types import TrainingBatch, decode_batch, encode_batch
 
@@ -85,13 +85,6 @@ def assert_packing_invariants(samples: list[Sample], seq_len: int, num_ranks: in
         assert max(stats.tokens_per_rank) - min(stats.tokens_per_rank) <= seq_len
     assert sorted(v for b in batches for v in b.policy_versions) == sorted(s.versions[0] for s in samples)
     return batches, stats
-
-
-def test_first_fit_decreasing_fills_bins_tightly():
-    bins = first_fit_decreasing([6, 5, 4, 3, 2], capacity=10)
-    assert [sorted(b) for b in bins] == [[0, 2], [1, 3, 4]]
-    with pytest.raises(ValueError, match="exceeds the bin capacity"):
-        first_fit_decreasing([11], capacity=10)
 
 
 def test_balance_keeps_counts_equal_and_loads_close():

@@ -110,19 +110,6 @@ def test_packing_keeps_every_sample_once_within_seq_len():
     assert len(rows) < len(samples)  # it packs
 
 
-def test_packing_is_first_fit_decreasing():
-    """Each sample, longest first, goes to the first row with room: the rows a scan of every row gives."""
-    rng = random.Random(1)
-    for seq_len, count in ((40, 300), (1024, 2000)):
-        samples = [Sample(list(range(n)), [0] + [1] * (n - 1)) for n in (rng.randint(2, seq_len) for _ in range(count))]
-        expected: list[list[int]] = []
-        for n in sorted((len(s.input_ids) for s in samples), reverse=True):
-            row = next((r for r in expected if sum(r) + n <= seq_len), None)
-            row.append(n) if row is not None else expected.append([n])
-        rows = pack(samples, seq_len)
-        assert [[b - a for a, b in zip(*_bounds(r.position_ids))] for r in rows] == expected
-
-
 def _bounds(positions):
     starts = [i for i, p in enumerate(positions) if p == 0]
     return starts, starts[1:] + [len(positions)]
