@@ -100,6 +100,19 @@ def test_long_samples_are_cut_and_samples_without_loss_tokens_dropped(tokenizer,
     assert all(s.loss_mask[0] == 0 for s in samples)
 
 
+def test_rows_tokenized_in_chunks_report_progress_and_give_each_rows_own_sample(tokenizer, tmp_path, monkeypatch):
+    rows = [CHAT, {"prompt": "Reverse abc: ", "completion": "cba"}] * 5
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr("tandem.trainer.sft.data.ENCODE_CHUNK", 4)
+    calls = []
+    samples, _ = load_samples(tmp_path / "d.jsonl", tokenizer, ["assistant"], seq_len=256, progress=lambda *a: calls.append(a))
+    assert calls == [(0, 10), (4, 10), (8, 10), (10, 10)]
+    alone = [tokenize_record(r, tokenizer, ["assistant"], "row") for r in rows]
+    for sample in alone:
+        sample.loss_mask[0] = 0
+    assert samples == alone
+
+
 def test_packing_keeps_every_sample_once_within_seq_len():
     rng = random.Random(0)
     samples = [Sample(list(range(n)), [0] + [1] * (n - 1)) for n in (rng.randint(2, 30) for _ in range(50))]

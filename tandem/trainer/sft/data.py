@@ -141,11 +141,16 @@ def _chat_texts(messages: Any, tools: list[dict] | None, tokenizer, loss_roles: 
     return _RowTexts(texts, sample)
 
 
-def load_samples(path: Path, tokenizer, loss_roles: list[str], seq_len: int) -> tuple[list[Sample], dict[str, int]]:
-    """Tokenized samples cut to `seq_len` tokens; samples left without loss tokens are dropped. Returns counts too."""
+def load_samples(path: Path, tokenizer, loss_roles: list[str], seq_len: int,
+                 progress: Callable[[int, int], None] | None = None) -> tuple[list[Sample], dict[str, int]]:
+    """Tokenized samples cut to `seq_len` tokens; samples left without loss tokens are dropped. Returns counts too.
+
+    `progress(rows done, rows)` is called after each chunk of rows."""
     samples, counts = [], {"rows": 0, "truncated": 0, "dropped_no_loss_tokens": 0}
     records = [(record, f"{path}: row {n}") for n, record in enumerate(read_records(path), 1)]
     for chunk in range(0, len(records), ENCODE_CHUNK):
+        if progress:
+            progress(chunk, len(records))
         for sample in tokenize_records(records[chunk: chunk + ENCODE_CHUNK], tokenizer, loss_roles):
             counts["rows"] += 1
             if len(sample.input_ids) > seq_len:
@@ -156,6 +161,8 @@ def load_samples(path: Path, tokenizer, loss_roles: list[str], seq_len: int) -> 
                 counts["dropped_no_loss_tokens"] += 1
                 continue
             samples.append(sample)
+    if progress:
+        progress(len(records), len(records))
     if not samples:
         raise SFTDataError(f"{path}: no row has loss tokens for roles {loss_roles}")
     return samples, counts

@@ -8,12 +8,16 @@ from. Eval loss (mean per loss token over the held-out rows) every `eval.interva
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tandem.config.sft import SFTConfig
+from tandem.monitor.progress import StepBar
 from tandem.trainer.batch import MicroBatch, prepare_micro_batches
 from tandem.trainer.model import TokenLogprobs
 from tandem.trainer.publish import link_final
@@ -43,7 +47,7 @@ def load_data(config: SFTConfig, log) -> SFTData:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(config.model.name)))
     data = config.data
-    train, counts = load_samples(data.path, tokenizer, data.loss_roles, config.seq_len)
+    train, counts = load_samples(data.path, tokenizer, data.loss_roles, config.seq_len, _rows_bar())
     log.info("SFT data %s: %s", data.path, counts)
     held: list = []
     if data.eval_path is not None:
@@ -53,6 +57,21 @@ def load_data(config: SFTConfig, log) -> SFTData:
         train, held = split_eval(train, data.eval_fraction, config.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SFTData(StepRows(train, config.seq_len, data.rows_per_step, data.shuffle, config.seed), pack(held, config.seq_len), pad_id)
+
+
+def _rows_bar() -> Callable[[int, int], None] | None:
+    """A progress bar of the training rows tokenized, on the first rank only (a large file takes minutes)."""
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    bar: StepBar | None = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        bar = bar or StepBar("sft data", total, sys.stderr, unit="row")
+        bar.update(done)
+        if done == total:
+            bar.close()
+    return progress
 
 
 def eval_batches(data: SFTData, session: Session) -> list[MicroBatch]:
