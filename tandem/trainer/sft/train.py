@@ -11,7 +11,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,8 @@ def load_data(config: SFTConfig, log) -> SFTData:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(config.model.name)))
     data = config.data
-    train, counts = load_samples(data.path, tokenizer, data.loss_roles, config.seq_len, _rows_bar())
+    with _rows_bar() as progress:
+        train, counts = load_samples(data.path, tokenizer, data.loss_roles, config.seq_len, progress)
     log.info("SFT data %s: %s", data.path, counts)
     held: list = []
     if data.eval_path is not None:
@@ -59,19 +61,21 @@ def load_data(config: SFTConfig, log) -> SFTData:
     return SFTData(StepRows(train, config.seq_len, data.rows_per_step, data.shuffle, config.seed), pack(held, config.seq_len), pad_id)
 
 
-def _rows_bar() -> Callable[[int, int], None] | None:
-    """A progress bar of the training rows tokenized, on the first rank only (a large file takes minutes)."""
-    if os.environ.get("RANK", "0") != "0":
-        return None
+@contextmanager
+def _rows_bar() -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar of the training rows tokenized, on the first rank only (a large file takes minutes);
+    closed however the loading ends."""
     bar: StepBar | None = None
 
     def progress(done: int, total: int) -> None:
         nonlocal bar
         bar = bar or StepBar("sft data", total, sys.stderr, unit="row")
         bar.update(done)
-        if done == total:
+    try:
+        yield progress if os.environ.get("RANK", "0") == "0" else None
+    finally:
+        if bar is not None:
             bar.close()
-    return progress
 
 
 def eval_batches(data: SFTData, session: Session) -> list[MicroBatch]:
