@@ -316,8 +316,10 @@ def _raise_on_failure(config: RLConfig, procs: dict[str, ManagedProcess], peers:
 
 
 def _raise_if_hung(hang_watch: HangWatch, server: ManagedProcess) -> None:
+    """A hung server is killed at once: it would not use the grace period that SIGTERM gives the others."""
     silent_s = hang_watch.silent_for()
     if silent_s is not None and server.poll() is None:
+        server.stop(grace=0)
         raise RunFailed(f"the inference server is hung: alive, but no answer to {hang_watch.url} for {silent_s:.0f} s "
                         f"(`hang_timeout_s`); the log of {server.name}: {server.log_path}")
 
