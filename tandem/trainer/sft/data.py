@@ -145,7 +145,7 @@ def load_samples(path: Path, tokenizer, loss_roles: list[str], seq_len: int,
                  progress: Callable[[int, int], None] | None = None) -> tuple[list[Sample], dict[str, int]]:
     """Tokenized samples cut to `seq_len` tokens; samples left without loss tokens are dropped. Returns counts too.
 
-    `progress(rows done, rows)` is called after each chunk of rows."""
+    `progress(rows done, rows)` is called before each chunk of rows and once all are done."""
     samples, counts = [], {"rows": 0, "truncated": 0, "dropped_no_loss_tokens": 0}
     records = [(record, f"{path}: row {n}") for n, record in enumerate(read_records(path), 1)]
     for chunk in range(0, len(records), ENCODE_CHUNK):
