@@ -66,7 +66,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 ENCODE_CHUNK = 1024
-"""Rows whose texts are tokenized in one batch call (the tokenizer's Rust side spreads a batch over the cores)."""
+"""Rows whose texts are tokenized in one call of the tokenizer: transformers' cost per call is paid once a chunk,
+not once a text (the reverse-text warm-up's 20,000 chats: 5.9-6.8 s against 7.4-8.7 s one text at a time)."""
 
 
 @dataclass
@@ -111,6 +112,8 @@ def _chat_texts(messages: Any, tools: list[dict] | None, tokenizer, loss_roles: 
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise SFTDataError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
 
+    texts: list[str] = []
+
     def render(msgs: list[dict], generation_prompt: bool) -> int:
         """The index of the rendering among the row's texts."""
         try:
@@ -119,7 +122,6 @@ def _chat_texts(messages: Any, tools: list[dict] | None, tokenizer, loss_roles: 
             raise SFTDataError(f"{where}: {err}") from None
         return len(texts) - 1
 
-    texts: list[str] = []
     render(messages, False)
     spans = []  # (message, its prefix's text or None for the first message, the text it ends)
     for i, message in enumerate(messages):
