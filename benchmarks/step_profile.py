@@ -9,7 +9,8 @@ For a shape, after its timed steps, three more steps run:
    host: Python, dispatch, launches, hooks;
 3. under `torch.profiler` (CPU, and CUDA where there is one), undisturbed: the top ops by self
    device time and by self CPU time, each phase's CPU time on the calling thread, the fraction of
-   the step the GPU is busy (well below 1: the host is what the step waits for), and a trace.
+   the step the GPU is busy (well below 1: the host is what the step waits for), the GPU's longest
+   waits with what the host did meanwhile (`device_idle`), and a trace.
 
 Then one publish of the weights is timed (`publish_ms`: the RL loop writes `weights/step_N/` after
 every `weights.interval` steps, outside the step the benchmark times).
@@ -32,6 +33,8 @@ import torch
 
 TOP_OPS = 30
 """Rows of each op table."""
+IDLE_GAPS = 15
+"""The device's longest waits listed per profiled step."""
 
 
 def sync(device: torch.device) -> None:
@@ -101,6 +104,50 @@ def kernel_intervals(events) -> list[tuple[float, float]]:
             if e.device_type == DeviceType.CUDA and not is_device_annotation(e)]
 
 
+def idle_gaps(events, count: int = IDLE_GAPS) -> dict:
+    """Where the device waits within a step: every stretch between its work (and before its first and after its last
+    kernel, within the host's events), the `count` longest with what the host was doing then: the phase and the ops
+    that cover most of the gap, the innermost first among equals.
+    The host's ops during a gap name its cause: a sync it waits on, the Python between two launches, a phase's
+    setup. Times in milliseconds from the first host event."""
+    from torch.autograd import DeviceType
+
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    kernels = sorted(kernel_intervals(events))
+    if not host or not kernels:
+        return {}
+    origin, finish = min(e.time_range.start for e in host), max(e.time_range.end for e in host)
+    names = {(e.time_range.start, e.time_range.end): e.key for e in events
+             if e.device_type == DeviceType.CUDA and not is_device_annotation(e)}
+    merged: list[list[float]] = []
+    for lo, hi in kernels:
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    edges = [(origin, merged[0][0])] + [(a[1], b[0]) for a, b in zip(merged, merged[1:])] + [(merged[-1][1], finish)]
+    gaps = [(lo, hi) for lo, hi in edges if hi > lo]
+
+    def kernel_at(time: float, ending: bool) -> str | None:
+        for (lo, hi), name in names.items():
+            if (hi if ending else lo) == time:
+                return name
+        return None
+
+    def described(lo: float, hi: float) -> dict:
+        def cover(e) -> float:
+            return min(hi, e.time_range.end) - max(lo, e.time_range.start)
+
+        holding = sorted((e for e in host if cover(e) > 0), key=lambda e: (-cover(e), -e.time_range.start))
+        phases = [e.key.removeprefix("step/") for e in holding if e.key.startswith("step/")]
+        return {"start_ms": (lo - origin) / 1e3, "ms": (hi - lo) / 1e3, "phase": phases[0] if phases else None,
+                "host_ops": [e.key for e in holding if not e.key.startswith("step/")][:4],
+                "after_kernel": kernel_at(lo, ending=True), "before_kernel": kernel_at(hi, ending=False)}
+
+    return {"idle_ms": sum(hi - lo for lo, hi in gaps) / 1e3, "gaps": len(gaps),
+            "longest": [described(lo, hi) for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:count]]}
+
+
 def busy_by_phase(events) -> dict[str, float]:
     """GPU busy milliseconds of each phase of a synchronised step: each kernel counts for the innermost phase
     whose range holds it (synchronised, a phase's kernels run inside its range); "outside phases" for the rest."""
@@ -163,13 +210,14 @@ def profiled_step(run: Callable[..., object], inputs: tuple, device: torch.devic
     ops = [e for e in averages if not e.key.startswith("step/") and not is_device_annotation(e)]
     phases = {e.key.removeprefix("step/"): {"calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3}
               for e in averages if e.key.startswith("step/") and e.device_type == DeviceType.CPU}
-    kernels = kernel_intervals(prof.events())
+    events = prof.events()
+    kernels = kernel_intervals(events)
     gpu_busy = union_ms(kernels) if kernels else None
     return {"step_ms_under_profiler": step_ms, "gpu_busy_ms": gpu_busy,
             "gpu_busy_fraction": None if gpu_busy is None else gpu_busy / step_ms, "phases": phases,
             "top_ops_by_self_device_time": [op_row(e) for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:TOP_OPS]],
             "top_ops_by_self_cpu_time": [op_row(e) for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:TOP_OPS]],
-            "trace": trace.name}
+            "device_idle": idle_gaps(events), "trace": trace.name}
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device) -> float:

@@ -71,6 +71,23 @@ def test_kernels_count_for_the_innermost_phase_and_annotations_are_not_kernels()
     assert step_profile.union_ms(step_profile.kernel_intervals(events)) == pytest.approx(0.065)
 
 
+def test_device_idle_lists_the_longest_waits_with_the_host_ops_of_the_time():
+    step_profile = load_step_profile()
+    events = [event("step/forward", 0, 100, DeviceType.CPU), event("step/metrics_transfer", 100, 166, DeviceType.CPU),
+              event("aten::item", 150, 166, DeviceType.CPU), event("cudaStreamSynchronize", 151, 165, DeviceType.CPU),
+              event("step/optimizer", 166, 200, DeviceType.CPU),
+              event("embedding", 5, 20, DeviceType.CUDA), event("gemm", 15, 150, DeviceType.CUDA),  # one busy stretch
+              event("adamw", 170, 190, DeviceType.CUDA),
+              event("step/forward", 0, 100, DeviceType.CUDA, annotation=True)]  # an annotation, not work
+    idle = step_profile.idle_gaps(events, count=2)
+    assert idle["idle_ms"] == pytest.approx(0.035) and idle["gaps"] == 3  # 0-5, 150-170, 190-200
+    first, second = idle["longest"]
+    assert first == {"start_ms": pytest.approx(0.150), "ms": pytest.approx(0.020), "phase": "metrics_transfer",
+                     "host_ops": ["aten::item", "cudaStreamSynchronize"], "after_kernel": "gemm", "before_kernel": "adamw"}
+    assert (second["start_ms"], second["phase"], second["after_kernel"]) == (pytest.approx(0.190), "optimizer", "adamw")
+    assert step_profile.idle_gaps([event("gemm", 0, 10, DeviceType.CUDA)]) == {}  # no host events: no window
+
+
 def test_trainer_benchmark_profiles_a_shape_on_the_cpu(tmp_path):
     out, folder = tmp_path / "result.json", tmp_path / "profile"
     cmd = [sys.executable, str(BENCHMARKS / "trainer.py"), "--preset", "tiny", "--device", "cpu", "--shapes", "64:2:2", "32:1:1",
