@@ -7,7 +7,7 @@ import torch
 
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import ParallelConfig
-from tandem.trainer.logprobs import token_logprobs
+from tandem.trainer.logprobs import add_product, token_logprobs
 from tandem.trainer.model import build_policy
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 
@@ -53,6 +53,22 @@ def test_bf16_head_grad_is_the_fp32_heads_on_cuda():
         lp, _ = token_logprobs(hidden.to(dtype), w, None, targets, temperatures, chunk_size=64)
         grads.append(torch.autograd.grad((lp * upstream).sum(), w)[0].float())
     torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_head_weight_gradient_sums_each_chunk_in_fp32_on_cuda():
+    """`add_product` sums bf16 products into an fp32 total unrounded: closer to the exact sum than adding each
+    product rounded to bf16, and equal to the fp32 product of the bf16 inputs."""
+    gen = torch.Generator().manual_seed(0)
+    chunks = [(torch.randn(256, 512, generator=gen).bfloat16().cuda(), torch.randn(512, 128, generator=gen).bfloat16().cuda())
+              for _ in range(8)]
+    exact = sum(a.double() @ b.double() for a, b in chunks)
+    fused, rounded = (torch.zeros(256, 128, device="cuda") for _ in range(2))
+    for a, b in chunks:
+        add_product(fused, a, b)
+        rounded += a @ b
+    assert (fused.double() - exact).abs().max() < (rounded.double() - exact).abs().max() / 10
+    torch.testing.assert_close(fused, sum(a.float() @ b.float() for a, b in chunks), rtol=1e-5, atol=1e-4)
 
 
 def test_compiled_head_equals_the_eager_one(monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.trainer.rl.train import rl_objective
 from tandem.trainer.sft.data import padding_row
-from tandem.trainer.step import count_loss_tokens, evaluate, train_step
+from tandem.trainer.step import accumulate_gradients, count_loss_tokens, evaluate, skips_on_device, train_step
 
 from trainer_helpers import random_row
 
@@ -97,3 +99,37 @@ def test_mismatch_kl_counts_only_tokens_of_the_trained_policy(tiny_model, dims):
     assert kls["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
     expected_off = mismatch_kl(LossInputs(torch.zeros(5), torch.full((5,), -0.5), torch.zeros(5), torch.ones(5, dtype=torch.bool))).mean()
     assert kls["off_policy_kl"] == pytest.approx(float(expected_off), rel=1e-4)
+
+
+def test_fused_adamw_drops_a_non_finite_step_on_the_device_and_takes_a_finite_one_as_before(tiny_model, dims):
+    """With fused AdamW on plain tensors the update is launched before the host reads the NaN guard's test
+    (`skips_on_device`): a non-finite step changes no weight, moment or step count; a finite one gives the
+    weights of reading the test first, bit for bit. Fused AdamW runs on a CPU too, so the path is tested here."""
+    gen = torch.Generator().manual_seed(0)
+    finite, blown_up = ([MicroBatch.from_row(random_row(gen, [(4, 8)], advantage_scale=scale), dims.device)]
+                        for scale in (1.0, 3e38))  # 3e38: finite advantages whose sum overflows fp32
+    objective = rl_objective(build_loss(AIPOLoss()))
+
+    def fresh(fused: bool):
+        policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=8)
+        optimizer = torch.optim.AdamW([p for _, p in policy.hf_named_parameters()], lr=1e-2, fused=fused)
+        return policy, optimizer, build_scheduler(optimizer, ConstantSchedule(), 3)
+
+    policy, optimizer, scheduler = fresh(fused=True)
+    reference, reference_optimizer, reference_scheduler = fresh(fused=True)
+    assert skips_on_device(optimizer) and not skips_on_device(fresh(fused=False)[1])
+    for batch in (finite, blown_up, finite):
+        result = train_step(policy, optimizer, scheduler, batch, objective, 8, 1.0, dims)
+        grads = accumulate_gradients(reference, batch, objective, 8, 1.0, dims)  # the test read first, then the update
+        skipped = not (math.isfinite(grads.loss) and math.isfinite(grads.grad_norm))
+        if not skipped:
+            reference_optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+        reference_scheduler.step()
+        assert result.skipped == skipped == (batch is blown_up)
+        for p, q in zip(optimizer.param_groups[0]["params"], reference_optimizer.param_groups[0]["params"]):
+            assert torch.equal(p, q)
+            assert optimizer.state[p].keys() == reference_optimizer.state[q].keys()
+            assert all(torch.equal(v, reference_optimizer.state[q][k]) for k, v in optimizer.state[p].items())
+    assert {state["step"].item() for state in optimizer.state.values()} == {2.0}  # the blown-up step did not count
+    assert not hasattr(optimizer, "found_inf")
