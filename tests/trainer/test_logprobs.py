@@ -42,7 +42,9 @@ def test_chunked_logprobs_equal_full_logits_in_value_and_gradient(chunk_size):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_head_grad_is_the_fp32_heads_on_cuda():
-    """A bf16 head's weight gradient, its 8 chunks summed in fp32, is the fp32 head's within bf16 noise."""
+    """A bf16 head's weight gradient, its 8 chunks summed in fp32, is the fp32 head's within bf16 noise: rounding
+    hidden states and weights to bf16 moves the logits, hence the softmax, so the whole gradient is off by about 1%
+    (0.99-1.00% on an H100, with either way of summing the chunks; the largest entry's error 1.2% of the largest)."""
     gen = torch.Generator().manual_seed(0)
     hidden, weight = (torch.randn(*shape, generator=gen).cuda() for shape in ((512, 64), (1000, 64)))
     targets = torch.randint(0, 1000, (512,), generator=gen).cuda()
@@ -52,7 +54,9 @@ def test_bf16_head_grad_is_the_fp32_heads_on_cuda():
         w = weight.to(dtype).requires_grad_()
         lp, _ = token_logprobs(hidden.to(dtype), w, None, targets, temperatures, chunk_size=64)
         grads.append(torch.autograd.grad((lp * upstream).sum(), w)[0].float())
-    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
+    bf16, fp32 = grads
+    assert (bf16 - fp32).norm() < 3e-2 * fp32.norm()
+    assert (bf16 - fp32).abs().max() < 3e-2 * fp32.abs().max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
