@@ -312,8 +312,13 @@ def run_baseline(folder: Path, shape: Shape, args, peak: float) -> dict:
     return out
 
 
-def attention_kernel_rates(hf_config: dict, seq_len: int, repeats: int = 3) -> dict:
-    """Forward + backward TFLOP/s of each SDPA kernel alone on one causal bf16 sequence of the model's heads."""
+def attention_kernel_rates(hf_config: dict, seq_len: int, repeats: int = 10, warmup: int = 3) -> dict:
+    """Forward + backward TFLOP/s of each SDPA kernel alone on one causal bf16 sequence of the model's heads.
+
+    Every kernel is warmed up before any is timed: this runs first in the process, on a GPU whose clocks may still
+    be low, and cuDNN builds its plans at its first call. Timed after one call each, cuDNN first, an H100 read
+    32-58 TFLOP/s for cuDNN at 4,096 tokens and 334-480 at 16,384 (flash 155-163 and 263-264); warmed up, 299-311
+    and 481-491 (flash 172-175 and 256), two runs each in one process."""
     from torch.nn.attention import sdpa_kernel
 
     from tandem.models.attention import SDPA_BACKENDS
@@ -323,20 +328,28 @@ def attention_kernel_rates(hf_config: dict, seq_len: int, repeats: int = 3) -> d
     q = torch.randn(1, heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     flops = 6 * heads * head_dim * seq_len**2  # one layer, forward and backward, causal
-    rates = {}
+
+    def step(name: str) -> None:
+        with sdpa_kernel([SDPA_BACKENDS[name]]):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+            out.backward(torch.ones_like(out))
+
+    rates: dict[str, float | str] = {}
     for name in ("cudnn", "flash"):
         try:
-            with sdpa_kernel([SDPA_BACKENDS[name]]):
-                for i in range(repeats + 1):
-                    if i == 1:
-                        sync(q.device)
-                        start = time.perf_counter()
-                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
-                    out.backward(torch.ones_like(out))
-                sync(q.device)
-            rates[name] = flops * repeats / (time.perf_counter() - start) / 1e12
+            for _ in range(warmup):
+                step(name)
         except RuntimeError as err:
             rates[name] = f"unavailable: {err}"[:300]
+    for name in ("cudnn", "flash"):
+        if name in rates:
+            continue
+        sync(q.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step(name)
+        sync(q.device)
+        rates[name] = flops * repeats / (time.perf_counter() - start) / 1e12
     return rates
 
 
