@@ -79,14 +79,20 @@ def op_row(event) -> dict:
             "cpu_total_ms": event.cpu_time_total / 1e3}
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as disjoint intervals, in order."""
+    out: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals in microseconds, as milliseconds."""
-    total, end = 0.0, float("-inf")
-    for lo, hi in sorted(intervals):
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total / 1e3
+    return sum(hi - lo for lo, hi in merged(intervals)) / 1e3
 
 
 def is_device_annotation(event) -> bool:
@@ -96,12 +102,16 @@ def is_device_annotation(event) -> bool:
     return event.device_type != DeviceType.CPU and bool(getattr(event, "is_user_annotation", False))
 
 
-def kernel_intervals(events) -> list[tuple[float, float]]:
-    """[start, end) in microseconds of the device's work among profiler events: kernels, copies, sets."""
+def device_work(events) -> list:
+    """The device's work among profiler events: kernels, copies, sets."""
     from torch.autograd import DeviceType
 
-    return [(e.time_range.start, e.time_range.end) for e in events
-            if e.device_type == DeviceType.CUDA and not is_device_annotation(e)]
+    return [e for e in events if e.device_type == DeviceType.CUDA and not is_device_annotation(e)]
+
+
+def kernel_intervals(events) -> list[tuple[float, float]]:
+    """[start, end) in microseconds of the device's work."""
+    return [(e.time_range.start, e.time_range.end) for e in device_work(events)]
 
 
 def idle_gaps(events, count: int = IDLE_GAPS) -> dict:
@@ -113,26 +123,15 @@ def idle_gaps(events, count: int = IDLE_GAPS) -> dict:
     from torch.autograd import DeviceType
 
     host = [e for e in events if e.device_type == DeviceType.CPU]
-    kernels = sorted(kernel_intervals(events))
-    if not host or not kernels:
+    work = device_work(events)
+    if not host or not work:
         return {}
     origin, finish = min(e.time_range.start for e in host), max(e.time_range.end for e in host)
-    names = {(e.time_range.start, e.time_range.end): e.key for e in events
-             if e.device_type == DeviceType.CUDA and not is_device_annotation(e)}
-    merged: list[list[float]] = []
-    for lo, hi in kernels:
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    edges = [(origin, merged[0][0])] + [(a[1], b[0]) for a, b in zip(merged, merged[1:])] + [(merged[-1][1], finish)]
+    busy = merged([(e.time_range.start, e.time_range.end) for e in work])
+    edges = [(origin, busy[0][0])] + [(a[1], b[0]) for a, b in zip(busy, busy[1:])] + [(busy[-1][1], finish)]
     gaps = [(lo, hi) for lo, hi in edges if hi > lo]
-
-    def kernel_at(time: float, ending: bool) -> str | None:
-        for (lo, hi), name in names.items():
-            if (hi if ending else lo) == time:
-                return name
-        return None
+    ending = {e.time_range.end: e.key for e in work}
+    starting = {e.time_range.start: e.key for e in work}
 
     def described(lo: float, hi: float) -> dict:
         def cover(e) -> float:
@@ -142,7 +141,7 @@ def idle_gaps(events, count: int = IDLE_GAPS) -> dict:
         phases = [e.key.removeprefix("step/") for e in holding if e.key.startswith("step/")]
         return {"start_ms": (lo - origin) / 1e3, "ms": (hi - lo) / 1e3, "phase": phases[0] if phases else None,
                 "host_ops": [e.key for e in holding if not e.key.startswith("step/")][:4],
-                "after_kernel": kernel_at(lo, ending=True), "before_kernel": kernel_at(hi, ending=False)}
+                "after_kernel": ending.get(lo), "before_kernel": starting.get(hi)}
 
     return {"idle_ms": sum(hi - lo for lo, hi in gaps) / 1e3, "gaps": len(gaps),
             "longest": [described(lo, hi) for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:count]]}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -89,6 +91,23 @@ class StepBar:
         self._last_plain = time.monotonic()
         print(f"{self.label}: {self.unit} {self.done}/{self.total} ({self._rate() or f'no {self.unit} yet'}, "
               f"{self._last_plain - self._start:.0f} s)", file=self.stream, flush=True)
+
+
+@contextmanager
+def bar_once_total_known(label: str, unit: str, stream=None) -> Iterator[Callable[[int, int], None]]:
+    """`progress(done, total)` for work whose total is known only once it reports: the `StepBar` is made at the
+    first report and closed however the work ends."""
+    bar: StepBar | None = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        bar = bar or StepBar(label, total, stream or sys.stderr, unit=unit)
+        bar.update(done)
+    try:
+        yield progress
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class ProgressPrinter:

@@ -7,7 +7,6 @@ prints the metrics.
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any
 
 from tandem.config.eval import EvalConfig
@@ -15,7 +14,7 @@ from tandem.monitor.logging import setup_logging
 
 
 async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict[str, float], list]:
-    from tandem.monitor.progress import StepBar
+    from tandem.monitor.progress import bar_once_total_known
     from tandem.orchestrator.evaluation import evaluate
     from tandem.orchestrator.inference_pool import InferencePool
     from tandem.orchestrator.rollout import RolloutContext, episode_limit
@@ -24,19 +23,9 @@ async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict
     try:
         await pool.wait_healthy()
         ctx = RolloutContext(pool, tokenizer, config.model.name, await episode_limit(pool, config.seq_len))
-        bar: StepBar | None = None  # made at the first finished rollout, when the total is known
-
-        def on_progress(done: int, total: int) -> None:
-            nonlocal bar
-            bar = bar or StepBar("eval", total, sys.stderr, unit="rollout")
-            bar.update(done)
-
-        try:
+        with bar_once_total_known("eval", "rollout") as on_progress:  # the total is known at the first finished rollout
             return await evaluate(ctx, envs, config.eval, config.sampling, config.seed, config.max_concurrent_rollouts,
                                   on_progress)
-        finally:
-            if bar is not None:
-                bar.close()
     finally:
         await pool.aclose()
 

@@ -10,7 +10,7 @@ import httpx
 
 from tandem.config.resolve import free_port
 from tandem.monitor.metrics import METRICS_FILE, MetricsWriter, read_metrics
-from tandem.monitor.progress import ProgressPrinter, StepBar
+from tandem.monitor.progress import ProgressPrinter, StepBar, bar_once_total_known
 from tandem.monitor.prometheus import serve_metrics
 from tandem.monitor.report import summarize, write_report
 
@@ -115,6 +115,21 @@ def test_off_a_terminal_a_step_bar_prints_a_plain_line_now_and_then():
     bar.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sft: step 600/600 (") and "steps/s" in lines[0]
+
+
+def test_a_bar_made_at_the_first_report_is_closed_however_the_work_ends():
+    silent = io.StringIO()
+    with bar_once_total_known("data", "row", silent):
+        pass
+    assert silent.getvalue() == ""  # no report: no bar
+    out = io.StringIO()
+    try:
+        with bar_once_total_known("data", "row", out) as progress:
+            progress(3, 10)
+            raise ValueError("a bad row")
+    except ValueError:
+        pass
+    assert out.getvalue().startswith("data: row 3/10")  # closed: its last plain line
 
 
 def test_what_a_process_logs_is_on_its_prometheus_metrics(tmp_path):

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from tandem.config.sft import SFTConfig
-from tandem.monitor.progress import StepBar
+from tandem.monitor.progress import bar_once_total_known
 from tandem.trainer.batch import MicroBatch, prepare_micro_batches
 from tandem.trainer.model import TokenLogprobs
 from tandem.trainer.publish import link_final
@@ -48,8 +45,9 @@ def load_data(config: SFTConfig, log) -> SFTData:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(config.model.name)))
     data = config.data
-    with _rows_bar() as progress:
-        train, counts = load_samples(data.path, tokenizer, data.loss_roles, config.seq_len, progress)
+    first_rank = os.environ.get("RANK", "0") == "0"  # before the session: the rank is torchrun's
+    with bar_once_total_known("sft data", "row") as progress:  # a large file takes minutes
+        train, counts = load_samples(data.path, tokenizer, data.loss_roles, config.seq_len, progress if first_rank else None)
     log.info("SFT data %s: %s", data.path, counts)
     held: list = []
     if data.eval_path is not None:
@@ -59,23 +57,6 @@ def load_data(config: SFTConfig, log) -> SFTData:
         train, held = split_eval(train, data.eval_fraction, config.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SFTData(StepRows(train, config.seq_len, data.rows_per_step, data.shuffle, config.seed), pack(held, config.seq_len), pad_id)
-
-
-@contextmanager
-def _rows_bar() -> Iterator[Callable[[int, int], None] | None]:
-    """A progress bar of the training rows tokenized, on the first rank only (a large file takes minutes);
-    closed however the loading ends."""
-    bar: StepBar | None = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar
-        bar = bar or StepBar("sft data", total, sys.stderr, unit="row")
-        bar.update(done)
-    try:
-        yield progress if os.environ.get("RANK", "0") == "0" else None
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def eval_batches(data: SFTData, session: Session) -> list[MicroBatch]:
