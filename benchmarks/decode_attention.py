@@ -1,4 +1,4 @@
-"""Decode attention alone on the GPU: the split-KV kernels (`attention_kernel.py`) at the decode shapes of
+"""Decode attention alone on the GPU: the split-KV kernels (`tandem/kernels/attention.py`) at the decode shapes of
 the engine benchmark's workloads, against the unsplit walk (one program per sequence and KV head over its
 whole context: the kernel before the split), with a few other chunk sizes and launch settings.
 
@@ -21,8 +21,8 @@ import torch
 
 from provenance import environment
 from roofline import measured_copy_bandwidth
-from tandem.models import attention_kernel
-from tandem.models.attention_kernel import SPLIT_KEYS, _DECODE_LAUNCH, _split_decode
+from tandem.kernels import attention as attention_kernel
+from tandem.kernels.attention import SPLIT_KEYS, _DECODE_LAUNCH, _split_decode
 
 SHAPES = {"A": (256, 640), "C": (128, 4352), "D_mid": (64, 5120), "D": (64, 9216), "E": (4, 32896), "F": (4, 131072)}
 """Name: (sequences, context); the longest context of each workload (D_mid: half-way through D)."""

@@ -1,4 +1,4 @@
-"""Exact mode's batch-invariant kernels alone on the GPU (`tandem.models.batch_invariant`), against torch's.
+"""Exact mode's batch-invariant kernels alone on the GPU (`tandem.kernels.batch_invariant`), against torch's.
 
     python benchmarks/exact_kernels.py --out $OUT/exact-kernels.json     # CUDA, under a minute
 
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from decode_attention import time_call
 from provenance import environment
-from tandem.models import batch_invariant
-from tandem.models.batch_invariant import LINEAR_LAUNCH, _linear_forward
+from tandem.kernels import batch_invariant
+from tandem.kernels.batch_invariant import LINEAR_LAUNCH, _linear_forward
 
 LINEARS = {"q": (1024, 2048), "k_v": (1024, 1024), "o": (2048, 1024), "gate_up": (1024, 3072), "down": (3072, 1024),
            "head": (1024, 151_936)}

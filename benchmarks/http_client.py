@@ -34,7 +34,6 @@ import json
 import multiprocessing
 import os
 import random
-import statistics
 import string
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Tune the engine's MoE grouped-matmul tiles on this GPU: the table `tandem.inference.engine.moe_tiles` reads.
+"""Tune the engine's MoE grouped-matmul tiles on this GPU: the table `tandem.kernels.moe_tiles` reads.
 
     python benchmarks/moe_tune.py --preset qwen3-30b-a3b --out $OUT          # about 2-3 minutes on one H200
     TRITON_INTERPRET=1 python benchmarks/moe_tune.py --preset tiny-moe --token-counts 1,40 --quick --out /tmp/t
@@ -18,7 +18,7 @@ and the coarse one if the pool failed and compiling took the time): token counts
 
 Writes, under `--out`:
 - `moe_tiles.json`: the table. The engine uses it with `engine.moe_tile_table` (`benchmarks/inference.py
-  --moe-tile-table`); to ship it, copy it to `tandem/inference/engine/moe_tiles/<GPU name>.json` (the path
+  --moe-tile-table`); to ship it, copy it to `tandem/kernels/moe_tile_tables/<GPU name>.json` (the path
   printed at the end);
 - `moe_tune.json`: per token count, each chosen matmul's time, the bytes it must read and write (the weights
   of the experts hit + activations + output) and its GB/s as a fraction of the GPU's nominal bandwidth, its
@@ -43,9 +43,9 @@ import torch
 
 from provenance import environment
 from roofline import nominal_bandwidth
-from tandem.inference.engine import moe_kernel
+from tandem.kernels import moe as moe_kernel
 from tandem.inference.engine.fused_moe import fused_experts
-from tandem.inference.engine.moe_tiles import TILE_KEYS, rule_tiles, shape_key, shipped_table_path
+from tandem.kernels.moe_tiles import TILE_KEYS, rule_tiles, shape_key, shipped_table_path
 from tandem.models.loading import NATIVE, build_native
 from tandem.models.moe import MoE, MoEArgs
 from tandem.models.presets import PRESETS, preset_config

@@ -91,7 +91,8 @@ from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPO
 from tandem.models.loading import DUMMY_SEED, build_native
 from tandem.models.presets import PRESETS, init_model
 from tandem.models.random_init import initial_value
-from tandem.trainer.batch import MicroBatch, prepare_micro_batches
+from tandem.trainer.batch import prepare_micro_batches
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.data import fake_batch
 from tandem.trainer.flops import active_params, model_flops, training_flops
 from tandem.trainer.loss import LossInputs, build_loss

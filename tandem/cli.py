@@ -33,7 +33,7 @@ COMMANDS: dict[str, Command] = {
                   parse="tandem.config.resolve:parse_rl_args"),
     "sft": Command("tandem.config.sft:SFTConfig", "tandem.trainer.sft.train:main",
                    "Supervised fine-tuning on local chat or prompt/completion data."),
-    "eval": Command("tandem.config.eval:EvalConfig", "tandem.orchestrator.eval:main",
+    "eval": Command("tandem.config.eval:EvalConfig", "tandem.orchestrator.eval_entry:main",
                     "Evaluate a model on environments against an inference server."),
     "trainer": Command("tandem.config.trainer:TrainerConfig", "tandem.trainer.rl.train:main",
                        "The RL trainer process (FSDP2)."),

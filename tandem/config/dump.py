@@ -10,7 +10,8 @@ from pydantic import BaseModel
 from tandem.config.base import ProcessConfig
 from tandem.config.loader import _models_in
 from tandem.config.resolve import inference_server_name, process_configs
-from tandem.config.rl import DeploymentConfig, RLConfig
+from tandem.config.deployment import DeploymentConfig
+from tandem.config.rl import RLConfig
 
 
 def to_toml(config: BaseModel) -> str:

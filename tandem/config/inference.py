@@ -85,7 +85,7 @@ class EngineConfig(Section):
     moe_tile_table: str | None = None
     """CUDA, mixtures of experts: a JSON table of the expert matmuls' tiles by token count, written by
     `benchmarks/moe_tune.py` on this GPU; unset: the table shipped for this GPU
-    (`tandem/inference/engine/moe_tiles/<GPU name>.json`) where there is one. A forward takes the entry of
+    (`tandem/kernels/moe_tile_tables/<GPU name>.json`) where there is one. A forward takes the entry of
     the smallest tuned token count that holds it; expert shapes a table lacks get tiles from a rule of
     the rows per expert."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from tandem.config.resolve import free_port
-from tandem.config.rl import DeploymentConfig
+from tandem.config.deployment import DeploymentConfig
 
 
 def trainer_argv(deployment: DeploymentConfig, config_path: str, rendezvous_host: str, is_host: str | None,

@@ -9,7 +9,7 @@ the same rule, for each operation:
 - kernels (CUDA with Triton, or Triton's interpreter on the CPU; a dense model's blocks): the engine's
   fused block (`exact_kernel_block`): every matmul through `batch_invariant.linear` (fixed tiles, a row's
   reduction independent of the other rows; q, k, v as one stacked matmul, gate and up as another), the
-  norms with their residual adds, the q/k norms with RoPE, and silu(gate) * up through `block_kernels`
+  norms with their residual adds, the q/k norms with RoPE, and silu(gate) * up through `pointwise`
   (one program per row or token, a launch configuration fixed by the model's widths), attention through
   `attention_kernel.attend_each_token` (each query token a decode query of its own over fixed 512-key
   chunks: the engine's paged cache, or the trainer's packed keys seen as pages), log_softmax(logits / T)
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tandem.models import attention_kernel, batch_invariant, block_kernels
-from tandem.models.batch_invariant import needs_grad
+from tandem.kernels import attention as attention_kernel, batch_invariant, pointwise
+from tandem.kernels.batch_invariant import needs_grad
 from tandem.models.attention import AttentionBackend, CachedAttention, DocumentCausalAttention
 from tandem.models.decoder import DecoderLayer, after_attention, before_attention, normed_rotated
 from tandem.models.layers import MLP, RMSNorm, rms_norm
@@ -92,7 +92,7 @@ def exact_kernel_block(block: DecoderLayer, stacked: SharedInputProjections, x: 
     q, k, v = batch_invariant.linear(residual_norm(x_ND, None, norm_weight, eps), stacked.qkv,
                                      stacked.qkv_bias).split(stacked.qkv_sizes, dim=-1)
     if isinstance(backend, CachedAttention) and backend.reads_only_the_cache(head_dim, x.device):
-        q_NHD = block_kernels.qk_norm_rope_write(q, k, v, cos_NR, sin_NR, q_norm_weight, k_norm_weight, eps,
+        q_NHD = pointwise.qk_norm_rope_write(q, k, v, cos_NR, sin_NR, q_norm_weight, k_norm_weight, eps,
                                                  *backend.cache_slots(layer_idx))
         attended = backend.attend_cached(layer_idx, q_NHD)
     else:
@@ -105,11 +105,11 @@ def exact_kernel_block(block: DecoderLayer, stacked: SharedInputProjections, x: 
 
 
 def residual_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """`block_kernels.rms_norm` of x [N, hidden], differentiable through `layers.rms_norm`: its norm, or, with
+    """`pointwise.rms_norm` of x [N, hidden], differentiable through `layers.rms_norm`: its norm, or, with
     `delta` (the residual add), (x + delta, its norm)."""
     if needs_grad(x, weight, delta):
         return _ResidualNorm.apply(x, weight, eps, delta)
-    total, normed = block_kernels.rms_norm(x, weight, eps, delta)
+    total, normed = pointwise.rms_norm(x, weight, eps, delta)
     return (total, normed) if delta is not None else normed
 
 
@@ -118,7 +118,7 @@ class _ResidualNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps, delta):
         ctx.save_for_backward(x, weight, delta)
         ctx.eps = eps
-        total, normed = block_kernels.rms_norm(x, weight, eps, delta)
+        total, normed = pointwise.rms_norm(x, weight, eps, delta)
         return (total, normed) if delta is not None else normed
 
     @staticmethod
@@ -143,14 +143,14 @@ def normed_rotated_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`block_kernels.silu_mul` (gate_up [N, 2 * I] -> silu(gate) * up), differentiable through `F.silu`."""
-    return _SiluMul.apply(gate_up) if needs_grad(gate_up) else block_kernels.silu_mul(gate_up)
+    """`pointwise.silu_mul` (gate_up [N, 2 * I] -> silu(gate) * up), differentiable through `F.silu`."""
+    return _SiluMul.apply(gate_up) if needs_grad(gate_up) else pointwise.silu_mul(gate_up)
 
 
 def _normed_rotated_forward(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim):
     N, num_kv_heads = q.shape[0], k.shape[1] // head_dim
     k_out, v_out = (k.new_empty(N, 1, num_kv_heads, head_dim) for _ in range(2))
-    q_out = block_kernels.qk_norm_rope_write(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, k_out, v_out,
+    q_out = pointwise.qk_norm_rope_write(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, k_out, v_out,
                                              torch.arange(N, device=q.device))
     return q_out, k_out.view(N, num_kv_heads, head_dim), v_out.view(N, num_kv_heads, head_dim)
 
@@ -180,7 +180,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up):
         ctx.save_for_backward(gate_up)
-        return block_kernels.silu_mul(gate_up)
+        return pointwise.silu_mul(gate_up)
 
     @staticmethod
     def backward(ctx, grad):

@@ -7,7 +7,7 @@
   (`n_group`, `topk_group`), renormalized (`norm_topk_prob`), scaled by `routed_scaling_factor`,
   plus `n_shared_experts` shared experts.
 The multi-token-prediction layers of the checkpoints (`num_nextn_predict_layers`) are not part of
-the causal LM; `tandem.models.checkpoint` leaves them out when loading.
+the causal LM; `tandem.models.expert_layout` leaves them out when loading.
 """
 
 from __future__ import annotations

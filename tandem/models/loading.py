@@ -7,8 +7,6 @@ and `hf_config` (the config.json dict).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 

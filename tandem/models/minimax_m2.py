@@ -8,7 +8,7 @@ As transformers 5 implements it (`MiniMaxM2*`), which is what the released confi
   scores plus `e_score_correction_bias` (on the block: `mlp.e_score_correction_bias`) to choose the
   `num_experts_per_tok` experts, whose unbiased scores are renormalized to sum to 1.
 On disk the block is `block_sparse_moe` and the experts' projections `w1` (gate), `w3` (up), `w2`
-(down); `tandem.models.checkpoint` converts.
+(down); `tandem.models.expert_layout` converts.
 """
 
 from __future__ import annotations

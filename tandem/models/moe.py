@@ -12,7 +12,7 @@ all-to-all the rows to the ranks owning their experts before, and back after.
 
 Parameter names are transformers 5's in-memory names (`mlp.gate.weight`, `mlp.experts.gate_up_proj`
 [E, 2*I, H] with the gate rows first, `mlp.experts.down_proj` [E, H, I]); checkpoints on disk
-store one tensor per expert, converted in `tandem.models.checkpoint`. The score correction bias
+store one tensor per expert, converted in `tandem.models.expert_layout`. The score correction bias
 (sigmoid routers) is a parameter without gradient, so sharding, loading, publishing and
 checkpointing treat it as any other weight; an optimizer skips it (aux-free balancing updates it).
 

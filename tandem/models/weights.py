@@ -1,7 +1,7 @@
 """Read and write Hugging Face-named safetensors weights of a model folder.
 
 Tensors are named as the models hold them in memory; experts are converted from and to their
-on-disk layout here (`tandem.models.checkpoint`), the one door every reader and writer goes through.
+on-disk layout here (`tandem.models.expert_layout`), the one door every reader and writer goes through.
 Writers are atomic per file (tmp + rename) because another process (the inference server)
 reads these folders while the trainer writes the next one.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.models.checkpoint import to_disk, to_memory
+from tandem.models.expert_layout import to_disk, to_memory
 
 
 def weight_files(folder: Path) -> list[Path]:

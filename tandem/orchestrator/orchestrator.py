@@ -19,7 +19,7 @@ from typing import Any
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.monitor.metrics import MetricsWriter, read_metrics
 from tandem.monitor.prometheus import serve_metrics
-from tandem.orchestrator.checkpoint import load_checkpoint, save_checkpoint
+from tandem.orchestrator.resume_state import load_checkpoint, save_checkpoint
 from tandem.orchestrator.environments import LoadedEnv
 from tandem.orchestrator.evaluation import evaluate
 from tandem.orchestrator.inference_pool import InferencePool

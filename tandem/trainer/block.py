@@ -5,7 +5,7 @@
 The halves are the model's own functions of tensors (`DecoderLayer.forward` calls the same ones),
 so that
 - `torch.compile` fuses their pointwise work (fp32 norms, RoPE, SiLU) once for every layer
-  (`tandem.trainer.compiled`), instead of eager's one kernel and one fp32 copy per op;
+  (`tandem.trainer.dynamic_compile`), instead of eager's one kernel and one fp32 copy per op;
 - `selective` activation checkpointing recomputes the halves in backward and keeps only each
   block's input, q, k, v and the attention output. The recompute costs the forward matmuls of
   the blocks (a third of their dense FLOPs), never attention, whose cost grows with the square
@@ -15,7 +15,7 @@ so that
 The feed-forward is the block's `mlp`: one whose `tensor_function` is set (dense SwiGLU) is
 compiled into the second half; one without (a mixture of experts: shapes depend on routing) runs
 eagerly after the compiled `attention_residual`. Compiled, the halves keep eager mode's bf16 roundings
-(`tandem.models.compiling`), as the engine's kernels do.
+(`tandem.models.eager_rounding`), as the engine's kernels do.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tandem.models.attention import AttentionBackend
 from tandem.models.decoder import DecoderLayer, after_attention, attention_residual, before_attention
-from tandem.trainer.compiled import compiled, mark_dynamic
+from tandem.trainer.dynamic_compile import compiled, mark_dynamic
 
 
 def training_forward(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,

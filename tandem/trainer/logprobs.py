@@ -11,7 +11,7 @@ in chunks of `chunk_size`:
   latter accumulated over chunks in fp32 by the matmul itself: `add_product`).
 So no [tokens x vocab] tensor outlives its chunk, in forward or backward, and a chunk holds its
 logits once in the compute dtype plus, without compilation, a few fp32 copies. With
-`compile`, each chunk's fp32 work is one fused kernel (`tandem.trainer.compiled`) that reads
+`compile`, each chunk's fp32 work is one fused kernel (`tandem.trainer.dynamic_compile`) that reads
 the logits once or twice instead of a dozen eager passes over [chunk x vocab] fp32 tensors.
 
 Temperature is applied as the inference server's sampler applies it: log_softmax(logits / T)
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.trainer.compiled import compiled, mark_dynamic
+from tandem.trainer.dynamic_compile import compiled, mark_dynamic
 
 
 def chunk_statistics(logits: torch.Tensor, inv_temperature: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

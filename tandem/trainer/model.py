@@ -12,7 +12,7 @@ Loading (`build_policy`):
   target device, then each rank copies only its shard out of the (memory-mapped) safetensors. No
   rank ever holds the whole model in device memory, so this scales to models larger than one
   device (host memory does hold the experts of a mixture of experts whole while they are
-  stacked: `tandem.models.checkpoint`). With `model.load_format = "dummy"` each rank draws each
+  stacked: `tandem.models.expert_layout`). With `model.load_format = "dummy"` each rank draws each
   full tensor on its device instead (`tandem.models.random_init`, the engine's values too) and
   keeps its shard.
 - anything else falls back to transformers' model (`HFCausalLM`), loaded whole on the CPU, then
@@ -41,7 +41,8 @@ from tandem.models.weights import load_state_dict
 from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpoint
-from tandem.trainer.parallel.context_parallel import ContextShard, check_context_parallel, context_attention
+from tandem.trainer.micro_batch import ContextShard
+from tandem.trainer.parallel.context_parallel import check_context_parallel, context_attention
 from tandem.trainer.parallel.dims import EP, ParallelDims
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp

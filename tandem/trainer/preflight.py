@@ -22,7 +22,7 @@ import torch
 
 from tandem.config.trainer import RolloutDataConfig, TrainerConfig
 from tandem.models.loading import resolve_dtype
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.data import BatchError, check_step_batch, fake_batch
 from tandem.trainer.loss import build_loss
 from tandem.trainer.rl.train import kl_metrics, rl_objective

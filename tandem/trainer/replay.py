@@ -26,7 +26,7 @@ import torch
 from tandem.config.replay import ReplayConfig, read_run_trainer_config
 from tandem.config.trainer import LossConfig, TrainerCheckpointConfig, TrainerConfig
 from tandem.monitor.metrics import read_metrics
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.data import BatchError, check_batch
 from tandem.trainer.loss import build_loss
 from tandem.trainer.model import TokenLogprobs

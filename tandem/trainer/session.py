@@ -22,7 +22,7 @@ from tandem.models.loading import read_hf_config
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.prometheus import serve_metrics
 from tandem.trainer.broadcast_publish import WeightBroadcaster
-from tandem.trainer.ckpt import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
+from tandem.trainer.checkpoint import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
 from tandem.trainer.model import PolicyModel, announced_state, build_policy, full_parameters, gather_full_state, to_published
 from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.parallel.context_parallel import check_context_parallel

@@ -29,7 +29,7 @@ from torch import nn
 from tandem.models.attention import AttentionBackend, DocumentCausalAttention
 from tandem.models.decoder import DecoderLayer, DecoderLM
 from tandem.trainer.block import halves_forward
-from tandem.trainer.compiled import compiled, mark_dynamic
+from tandem.trainer.dynamic_compile import compiled, mark_dynamic
 
 BlockWeights = tuple[tuple, tuple, tuple]
 """One block's tensors: `before_attention`'s, `attention_residual`'s and its feed-forward's (`tensor_args`)."""

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tandem.models.moe import replayed_routing
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.model import PolicyModel, TokenLogprobs
 from tandem.trainer.parallel.dims import ParallelDims
 from tandem.trainer.phases import phase

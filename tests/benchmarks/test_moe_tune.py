@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.inference.engine.moe_tiles import TileTable, rule_tiles, shape_key
+from tandem.kernels.moe_tiles import TileTable, rule_tiles, shape_key
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -159,7 +159,6 @@ def test_code_cannot_delete_write_or_connect_outside(env, scripted_client, confi
 
 
 def test_tests_rewritten_by_the_code_do_not_count(env, scripted_client):
-    example = env.get_eval_dataset(1)[0]
     fake = "import unittest\\nclass T(unittest.TestCase):\\n    def test_a(self): pass\\n    def test_b(self): pass\\n    def test_c(self): pass\\n    def test_d(self): pass\\n"
     payload = "\n".join([
         "import pathlib",

@@ -94,7 +94,7 @@ def check_split_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
     """The kernel's split decode of `SPLIT_DECODES` against dense attention (within `tolerance`), and each
     sequence's output bitwise the same alone (its own grid bound), in the batch, and under a CUDA graph's
     bound (what the block tables hold)."""
-    from tandem.models.attention_kernel import SPLIT_KEYS, paged_attention
+    from tandem.kernels.attention import SPLIT_KEYS, paged_attention
 
     assert SPLIT_KEYS == 512, "SPLIT_DECODES are chosen around a chunk of 512 keys"
     q, k, v, k_cache, v_cache, meta = mixed_step(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

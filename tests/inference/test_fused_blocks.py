@@ -1,4 +1,4 @@
-"""The engine's fused decoder blocks (`fused_blocks`, `block_kernels`) compute what the model's blocks compute.
+"""The engine's fused decoder blocks (`fused_blocks`, `pointwise`) compute what the model's blocks compute.
 
 On CPU: the routing (other backends and the CPU keep the model's forward), and the kernels under Triton's
 interpreter in fp32 against the model's own functions, alone and inside the engine (its logprobs against a
@@ -47,7 +47,7 @@ KERNEL_CASES = [  # heads, kv heads, head dim, partial rotary factor, q/k norm, 
 def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: int = 0) -> list[float]:
     """Both kernels against the model's functions on random inputs; returns the fraction of equal elements
     of each output (q, k, normed sum) after asserting they are close."""
-    from tandem.models import block_kernels
+    from tandem.kernels import pointwise
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -65,7 +65,7 @@ def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: in
         cache = KVCache(1, num_tokens, 4, kv_heads, head_dim, dtype, torch.device(device))
         slots = torch.randperm(4 * num_tokens, generator=gen)[:num_tokens].to(device)
         k_cache, v_cache = cache.layer(0)
-        q_out = block_kernels.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_w, k_w, 1e-6, k_cache, v_cache, slots)
+        q_out = pointwise.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_w, k_w, 1e-6, k_cache, v_cache, slots)
         ref_q, ref_k, ref_v = reference_qk(q, k, v, cos[0], sin[0], q_w, k_w, 1e-6, head_dim)
         written_k = k_cache.reshape(-1, kv_heads, head_dim)[slots]
         assert torch.equal(v_cache.reshape(-1, kv_heads, head_dim)[slots], ref_v)
@@ -74,18 +74,18 @@ def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: in
             check_close(out, ref, dtype)
             equal.append((out == ref).float().mean().item())
     x, delta, weight = rand(num_tokens, 48), rand(num_tokens, 48), rand(48)
-    total, normed = block_kernels.rms_norm(x, weight, 1e-6, delta=delta)
+    total, normed = pointwise.rms_norm(x, weight, 1e-6, delta=delta)
     assert torch.equal(total, x + delta)
     check_close(normed, rms_norm(x + delta, weight, 1e-6), dtype)
     equal.append((normed == rms_norm(x + delta, weight, 1e-6)).float().mean().item())
-    same, normed = block_kernels.rms_norm(x, weight, 1e-6)
+    same, normed = pointwise.rms_norm(x, weight, 1e-6)
     assert same is x
     check_close(normed, rms_norm(x, weight, 1e-6), dtype)
     inter = 1100  # two programs per row, the second one part masked
     gate_up = rand(num_tokens, 2 * inter + 5)[:, :2 * inter]  # rows wider than gate and up (a view)
     ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    check_close(block_kernels.silu_mul(gate_up), ref, dtype)
-    equal.append((block_kernels.silu_mul(gate_up) == ref).float().mean().item())
+    check_close(pointwise.silu_mul(gate_up), ref, dtype)
+    equal.append((pointwise.silu_mul(gate_up) == ref).float().mean().item())
     return equal
 
 
@@ -115,8 +115,8 @@ import torch
 from inference_helpers import teacher_forced_logprobs
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
-from tandem.models import block_kernels
-from tandem.models import attention_kernel
+from tandem.kernels import pointwise
+from tandem.kernels import attention as attention_kernel
 from tandem.inference.engine.fused_blocks import apply_fused_blocks, fused_block_forward
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
@@ -124,10 +124,10 @@ from tandem.models.loading import load_causal_lm
 from tandem.models.presets import init_model
 
 attention_kernel.serves = lambda head_dim, device: True  # the interpreter runs the kernels on CPU tensors
-block_kernels.is_available = lambda x: True
+pointwise.is_available = lambda x: True
 calls = []
-kernel = block_kernels.qk_norm_rope_write
-block_kernels.qk_norm_rope_write = lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k)
+kernel = pointwise.qk_norm_rope_write
+pointwise.qk_norm_rope_write = lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k)
 for preset in ("tiny", "tiny-minimax-m2"):  # Qwen3; q/k norms over all heads, partial rotary, a MoE feed-forward
     folder = init_model(preset, Path(tempfile.mkdtemp()) / preset, seed=0)
     engine = build_engine(ModelConfig(name=str(folder), dtype="float32"),

@@ -19,8 +19,8 @@ from inference_helpers import make_config
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine.fused_moe import moe_blocks
-from tandem.inference.engine.moe_kernel import ExpertBlocks
-from tandem.inference.engine.moe_tiles import TileTable, rule_tiles, shape_key, shipped_table_path
+from tandem.kernels.moe import ExpertBlocks
+from tandem.kernels.moe_tiles import TileTable, rule_tiles, shape_key, shipped_table_path
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.inference.server import BackgroundServer
@@ -192,8 +192,8 @@ import tempfile
 import torch
 from test_fused_moe import align_to_blocks as reference_layout
 from tandem.inference.engine.fused_moe import compile_tile_variants, fused_experts, fused_moe_forward, load_tiles
-from tandem.inference.engine.moe_kernel import align_to_blocks
-from tandem.inference.engine.moe_tiles import rule_tiles, shape_key
+from tandem.kernels.moe import align_to_blocks
+from tandem.kernels.moe_tiles import rule_tiles, shape_key
 from tandem.models.moe import MoE, MoEArgs, route
 
 torch.manual_seed(0)

@@ -10,8 +10,8 @@ from inference_helpers import teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
-from tandem.inference.engine import sampling_kernel
-from tandem.models.attention_kernel import paged_attention
+from tandem.kernels import sampling as sampling_kernel
+from tandem.kernels.attention import paged_attention
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm
@@ -87,6 +87,12 @@ def test_engine_with_cuda_graphs_matches_a_teacher_forced_pass(tiny_dir, seeded)
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
 
 
+def kernel_sample(logits: torch.Tensor, temperatures: list[float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_temp, noise = sampling_kernel.sampling_inputs(temperatures)
+    return sampling_kernel.sample(logits, torch.tensor(inv_temp, device=logits.device),
+                                  torch.tensor(noise, dtype=torch.int8, device=logits.device), seed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampling_kernel_draws_from_the_scaled_softmax_and_reports_its_logprob(dtype):
     vocab, rows, temperature = 3000, 40000, 0.7
@@ -95,22 +101,22 @@ def test_sampling_kernel_draws_from_the_scaled_softmax_and_reports_its_logprob(d
     logits[:6] = head
     logits = logits.to(dtype).cuda()
     batch = logits.repeat(rows, 1)
-    tokens, logprobs = sampling_kernel.sample(batch, [temperature] * rows, seed=123)
+    tokens, logprobs = kernel_sample(batch, [temperature] * rows, seed=123)
     full = (logits.float() / temperature).log_softmax(-1)
     torch.testing.assert_close(logprobs, full[tokens.long()], atol=2e-6, rtol=0)
     counts = torch.bincount(tokens.long(), minlength=vocab).float() / rows
     expected = full.exp()
     assert (counts[:6] - expected[:6]).abs().max().item() < 0.01
     assert abs(counts[6:].sum().item() - expected[6:].sum().item()) < 0.01  # the tail is drawn too
-    again, _ = sampling_kernel.sample(batch, [temperature] * rows, seed=123)
-    other, _ = sampling_kernel.sample(batch, [temperature] * rows, seed=124)
+    again, _ = kernel_sample(batch, [temperature] * rows, seed=123)
+    other, _ = kernel_sample(batch, [temperature] * rows, seed=124)
     assert torch.equal(tokens, again) and not torch.equal(tokens, other)
 
 
 def test_sampling_kernel_greedy_rows_take_the_argmax_with_the_t1_logprob():
     logits = torch.randn(8, 151936, device="cuda")
     temps = [0.0, 1.0] * 4
-    tokens, logprobs = sampling_kernel.sample(logits, temps, seed=0)
+    tokens, logprobs = kernel_sample(logits, temps, seed=0)
     greedy = logits.argmax(-1)
     assert torch.equal(tokens[0::2].long(), greedy[0::2])
     torch.testing.assert_close(logprobs, logits.log_softmax(-1).gather(-1, tokens.long()[:, None])[:, 0], atol=1e-5, rtol=0)

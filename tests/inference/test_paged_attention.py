@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch
 from attention_cases import MIXED, check_split_decode, dense_reference, mixed_step
-from tandem.models.attention_kernel import paged_attention
+from tandem.kernels.attention import paged_attention
 
 check_split_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=16, tolerance=1e-5)
 q, k, v, k_cache, v_cache, meta = mixed_step("cpu", torch.float32, shapes=MIXED)

@@ -2,7 +2,7 @@
 
 import torch
 
-from tandem.models.attention_kernel import SPLIT_KEYS, decode_context_bounds, decode_splits
+from tandem.kernels.attention import SPLIT_KEYS, decode_context_bounds, decode_splits
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
 from tandem.inference.engine.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from fake_trainer import FakeTrainer
 from scripted_envs import right_or_wrong, say_env
 from test_orchestrator_run import make_config, run
 
-from tandem.orchestrator.checkpoint import load_checkpoint, save_checkpoint
+from tandem.orchestrator.resume_state import load_checkpoint, save_checkpoint
 from tandem.orchestrator.orchestrator import Orchestrator
 from tandem.orchestrator.task_sampler import TaskSampler
 from tandem.transport.paths import rollouts_dir

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import AIPOLoss, KernelsConfig, ParallelConfig, RolloutDataConfig
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.data import fake_batch
 from tandem.trainer.loss import build_loss
 from tandem.trainer.model import build_policy, gather_full_state

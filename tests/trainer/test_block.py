@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from tandem.models.attention import DocumentCausalAttention
 from tandem.models.loading import load_causal_lm
-from tandem.trainer import compiled
+from tandem.trainer import dynamic_compile
 from tandem.trainer.block import apply_training_blocks
 
 BACKENDS = ["cudnn", "flash", "efficient", "math"]
@@ -21,12 +21,12 @@ BACKENDS = ["cudnn", "flash", "efficient", "math"]
 @pytest.fixture
 def traced(monkeypatch):
     """`torch.compile` with the `aot_eager` backend: Dynamo and AOTAutograd as on a GPU, no code generation."""
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    compiled.compiled.cache_clear()
+    monkeypatch.setattr(dynamic_compile, "BACKEND", "aot_eager")
+    dynamic_compile.compiled.cache_clear()
     torch._dynamo.reset()
     counters.clear()
     yield
-    compiled.compiled.cache_clear()
+    dynamic_compile.compiled.cache_clear()
     torch._dynamo.reset()
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.monitor.logging import setup_logging
-from tandem.trainer.parallel.context_parallel import zigzag_indices
+from tandem.trainer.micro_batch import zigzag_indices
 
 from test_distributed import BENCHMARK, torchrun_trainer
 from test_expert_parallel import torchrun_env

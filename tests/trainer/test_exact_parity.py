@@ -25,7 +25,7 @@ from tandem.inference.engine.setup import build_engine
 from tandem.models.exact import model_uses_kernels
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.samples import Turn, build_samples
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.model import build_policy
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.transport.types import decode_batch, encode_batch

@@ -77,10 +77,10 @@ def test_head_weight_gradient_sums_each_chunk_in_fp32_on_cuda():
 
 def test_compiled_head_equals_the_eager_one(monkeypatch):
     """The compiled chunk kernels, traced with `aot_eager` (Dynamo and AOTAutograd, no code generation)."""
-    from tandem.trainer import compiled
+    from tandem.trainer import dynamic_compile
 
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    compiled.compiled.cache_clear()
+    monkeypatch.setattr(dynamic_compile, "BACKEND", "aot_eager")
+    dynamic_compile.compiled.cache_clear()
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(40, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(300, 16, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -90,7 +90,7 @@ def test_compiled_head_equals_the_eager_one(monkeypatch):
     for compile in (False, True):
         lp, ent = token_logprobs(hidden, weight, None, targets, temperatures, 16, compile=compile)
         results.append((lp, ent, *torch.autograd.grad(lp.sum(), [hidden, weight])))
-    compiled.compiled.cache_clear()
+    dynamic_compile.compiled.cache_clear()
     for eager, traced in zip(*results):
         torch.testing.assert_close(traced, eager, rtol=1e-10, atol=1e-10)
 
@@ -189,7 +189,7 @@ def test_host_positions_select_what_the_loss_mask_selects_without_a_sync(tiny_mo
     gradients of the positions the model finds on the device from `loss_mask`."""
     from trainer_helpers import random_row
 
-    from tandem.trainer.batch import MicroBatch
+    from tandem.trainer.micro_batch import MicroBatch
 
     policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), world_of_one, chunk_size=4)
     mb = MicroBatch.from_row(random_row(torch.Generator().manual_seed(3), samples), world_of_one.device)

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import ActivationCheckpointConfig, AdamWConfig, AIPOLoss, ConstantSchedule, KernelsConfig, ParallelConfig
-from tandem.trainer.batch import MicroBatch
-from tandem.trainer.ckpt import load_checkpoint, save_checkpoint
+from tandem.trainer.micro_batch import MicroBatch
+from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.loss import build_loss
 from tandem.trainer.model import build_policy, gather_full_state
 from tandem.trainer.optim import build_optimizer, build_scheduler

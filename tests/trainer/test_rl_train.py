@@ -14,7 +14,7 @@ import torch
 from tandem.cli import main as cli_main
 from tandem.models.loading import load_causal_lm
 from tandem.models.weights import load_state_dict
-from tandem.trainer.ckpt import complete_checkpoints
+from tandem.trainer.checkpoint import complete_checkpoints
 from tandem.transport.paths import STABLE, checkpoint_dir, weights_dir
 
 from trainer_helpers import losses, metrics, random_row, run_trainer, write_rollouts

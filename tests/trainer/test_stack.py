@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import ActivationCheckpointConfig, AdamWConfig, AIPOLoss, ConstantSchedule, KernelsConfig, ParallelConfig
 from tandem.models.decoder import DecoderLM
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.loss import build_loss
 from tandem.trainer.model import build_policy, gather_full_state
 from tandem.trainer.optim import build_optimizer, build_scheduler

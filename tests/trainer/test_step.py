@@ -9,7 +9,7 @@ import torch
 
 from tandem.config.base import ModelConfig
 from tandem.config.trainer import AIPOLoss, ParallelConfig, SGDConfig, ConstantSchedule
-from tandem.trainer.batch import MicroBatch
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.loss import build_loss
 from tandem.trainer.model import build_policy
 from tandem.trainer.optim import build_optimizer, build_scheduler

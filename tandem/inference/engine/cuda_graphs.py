@@ -7,7 +7,7 @@ static input buffers; a step of B decodes replays the smallest captured size >= 
 past B padded (context 0, writes to the cache's pad slot). Prefill and mixed steps run eager.
 
 The decode attention's grid has a program per chunk of the longest context it may meet
-(`attention_kernel.py`), fixed at capture: so each batch size has a graph per context bound
+(`tandem/kernels/attention.py`), fixed at capture: so each batch size has a graph per context bound
 (`attention_kernel.decode_context_bounds`), and a step replays the smallest bound that holds its
 longest context. Short contexts then launch no idle chunk programs; the outputs are the same
 under every bound (the kernel's chunks depend only on each sequence's own context).

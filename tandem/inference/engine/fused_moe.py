@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.inference.engine import moe_kernel
-from tandem.inference.engine.moe_tiles import TileTable, shape_key, shipped_table_path
-from tandem.models.compiling import compile_like_eager
+from tandem.kernels import moe as moe_kernel
+from tandem.kernels.moe_tiles import TileTable, shape_key, shipped_table_path
+from tandem.models.eager_rounding import compile_like_eager
 from tandem.models.moe import MoE, MoEArgs, route
 
 

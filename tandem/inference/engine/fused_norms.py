@@ -14,7 +14,7 @@ import functools
 
 from torch import nn
 
-from tandem.models.compiling import compile_like_eager
+from tandem.models.eager_rounding import compile_like_eager
 from tandem.models.layers import RMSNorm, rms_norm
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.attention_kernel import decode_context_bounds
+from tandem.kernels.attention import decode_context_bounds
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.kv_cache import KVCache

@@ -3,7 +3,7 @@ attend over each sequence's whole context.
 
 Legend: N = tokens of the step (all sequences, flattened), B = sequences of the step, H = query
 heads, Hkv = KV heads, D = head dim, Bd = decoding sequences, M = most blocks of one of them,
-S = block size. On CUDA one Triton kernel (`tandem.models.attention_kernel`) reads the cache in
+S = block size. On CUDA one Triton kernel (`tandem.kernels.attention`) reads the cache in
 place for every token of the step; in exact mode each token as a decode query of its own
 (`attend_each_token`, the trainer's kernel too), or token by token in torch where those kernels
 cannot run. Elsewhere the torch reference runs: prefill chunks one sequence at a time (causal,
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.models import attention_kernel
+from tandem.kernels import attention as attention_kernel
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.models.exact import attention_uses_kernels, exact_causal_attention
 

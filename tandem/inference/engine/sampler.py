@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.inference.engine import sampling_kernel
+from tandem.kernels import sampling as sampling_kernel
 from tandem.inference.engine.host_copies import HostRead, to_device
 from tandem.inference.engine.sequence import Sequence
 from tandem.models.exact import exact_log_softmax
@@ -87,7 +87,7 @@ class Sampler:
     """Sampling on the device, never waiting for it; the host reads the step's results in one transfer.
 
     On CUDA, batches whose rows need no filter, own seed or top logprobs (the RL case) go through
-    one Triton kernel (`sampling_kernel.py`); the others through the torch path below.
+    one Triton kernel (`tandem/kernels/sampling.py`); the others through the torch path below.
     """
 
     def __init__(self, device: torch.device, seed: int, exact: bool = False):
@@ -106,7 +106,9 @@ class Sampler:
         num_top = [s.params.num_top_logprobs for s in seqs]
         if sampling_kernel.is_available(logits) and all(
                 s.generator is None and not s.params.needs_filtering and k == 0 for s, k in zip(seqs, num_top)):
-            tokens, chosen = sampling_kernel.sample(logits, temps, self.kernel_seeds.getrandbits(31))
+            inv_temp, noise = sampling_kernel.sampling_inputs(temps)
+            tokens, chosen = sampling_kernel.sample(logits, to_device(inv_temp, torch.float32, logits.device),
+                                                    to_device(noise, torch.int8, logits.device), self.kernel_seeds.getrandbits(31))
             if self.exact:
                 chosen = self._exact_logprobs(logits, temps).gather(-1, tokens[:, None])[:, 0]
             return PendingSample(tokens, chosen, None, num_top)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tandem.inference.engine.scheduler import ScheduledBatch
-from tandem.models.attention_kernel import query_tiles
+from tandem.kernels.attention import query_tiles
 
 PREFILL_BLOCK_Q = 16
 """Query tokens per attention tile in steps that prefill (decode-only steps use 1)."""

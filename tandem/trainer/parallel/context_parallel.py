@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -34,44 +33,10 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from tandem.models.attention import DocumentCausalAttention, document_ids
 
+from tandem.trainer.micro_batch import ContextShard, MicroBatch, zigzag_indices
+
 if TYPE_CHECKING:
-    from tandem.trainer.batch import MicroBatch
     from tandem.transport.types import PackedRow
-
-
-@dataclass
-class ContextShard:
-    """Where this rank's tokens sit in their row, and which document each token of the row is in."""
-
-    group: dist.ProcessGroup
-    """The `cp` group: ranks holding the other shards of the same rows."""
-    size: int
-    rank: int
-    """This rank's index in the group (its shard)."""
-    row_document_ids: torch.Tensor
-    """[T_padded] document index of every token of the whole (padded) row."""
-    row_document_lengths: list[int]
-    """Host-side lengths of the documents of the padded row (the padding last)."""
-    targets: torch.Tensor
-    """[1, T_local] the token each local position predicts (the row's next token)."""
-    num_real: int
-    """Tokens of the row before its padding."""
-
-    def token_index(self, cp_rank: int) -> torch.Tensor:
-        """Global indices in the padded row of the tokens shard `cp_rank` holds."""
-        return zigzag_indices(self.row_document_ids.numel(), self.size, cp_rank, self.row_document_ids.device)
-
-    def real_tokens(self) -> torch.Tensor:
-        """[T_local] bool: which of this rank's tokens are the row's, not its padding."""
-        return self.token_index(self.rank) < self.num_real
-
-
-def zigzag_indices(length: int, cp_size: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
-    """Indices of chunks `cp_rank` and `2 cp_size - 1 - cp_rank` of a row of `length` (a multiple of 2 cp_size)."""
-    chunk = length // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    last_start = (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([first, torch.arange(last_start, last_start + chunk, device=device)])
 
 
 def gather_group_rows(rows: list[PackedRow], group: dist.ProcessGroup) -> list[PackedRow]:

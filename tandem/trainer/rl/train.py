@@ -13,7 +13,8 @@ import torch
 
 from tandem.config.run_folder import prepare_run_folder
 from tandem.config.trainer import TrainerConfig
-from tandem.trainer.batch import MicroBatch, prepare_micro_batches
+from tandem.trainer.batch import prepare_micro_batches
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.broadcast_publish import WeightBroadcaster
 from tandem.trainer.data import BatchError, check_step_batch, fake_batch, wait_for_batch
 from tandem.trainer.loss import LossFn, LossInputs, build_loss, mismatch_kl

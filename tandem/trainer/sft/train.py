@@ -16,7 +16,8 @@ import torch
 
 from tandem.config.sft import SFTConfig
 from tandem.monitor.progress import bar_once_total_known
-from tandem.trainer.batch import MicroBatch, prepare_micro_batches
+from tandem.trainer.batch import prepare_micro_batches
+from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.model import TokenLogprobs
 from tandem.trainer.publish import link_final
 from tandem.trainer.session import Session, open_session, peak_memory_gib

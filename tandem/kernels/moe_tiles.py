@@ -12,7 +12,7 @@ and writes the fastest as a table:
 one list per expert shape (`shape_key`), sorted by `num_tokens`. A forward of T tokens takes the entry
 of the smallest tuned count >= T (the largest past the end); both matmuls share one row layout, so
 their BLOCK_M agree. The engine reads `engine.moe_tile_table`, else the table shipped for its GPU
-(`moe_tiles/<GPU name>.json` beside this module) where there is one; shapes a table lacks, and CPU
+(`moe_tile_tables/<GPU name>.json` beside this module) where there is one; shapes a table lacks, and CPU
 runs, get the rule (`rule_tiles`).
 """
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 """What one matmul's tiles name: the kernel's block sizes and launch options."""
 
-SHIPPED = Path(__file__).with_name("moe_tiles")
+SHIPPED = Path(__file__).with_name("moe_tile_tables")
 """Tables shipped with tandem, one per GPU name (`shipped_table_path`)."""
 
 

@@ -2,7 +2,7 @@
 
 Why: inductor fuses a chain of bf16 operations and by default keeps the intermediates in fp32, skipping the
 rounding eager mode does after each operation. The trainer's compiled blocks then computed other logprobs
-than the engine, whose kernels round where eager mode does (`models/block_kernels.py`): on the
+than the engine, whose kernels round where eager mode does (`kernels/pointwise.py`): on the
 reverse-text model in bf16 the preflight's probe (2,208 tokens, CPU) measured a mismatch KL of 7.6e-4 with the
 trainer compiled against 1.0e-5 eager, and the H200 run of that example 7.6e-4 on its probe. With inductor's
 `emulate_precision_casts` every rounding is kept: 9.8e-6. The model's `rms_norm` compiled this way equals

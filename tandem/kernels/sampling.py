@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from tandem.inference.engine.host_copies import to_device
 
 try:
     import triton
@@ -94,21 +93,25 @@ if triton is not None:
         tl.store(logprobs_ptr + row, chosen_x - lse)
 
 
+def sampling_inputs(temperatures: list[float]) -> tuple[list[float], list[bool]]:
+    """The kernel's per-row inputs from the rows' temperatures: 1 / T (1 for greedy rows), and whether to add noise."""
+    return [1.0 / t if t > 0 else 1.0 for t in temperatures], [t > 0 for t in temperatures]
+
+
 SPLITS = 16
 """Vocabulary splits per row: 16 x B programs keep an H200 busy at decode batch sizes (one program
 per row left most of the chip idle: 0.4 ms for 256 rows of 151,936 logits)."""
 
 
-def sample(logits: torch.Tensor, temperatures: list[float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [B] (int64, what the next step's input ids are) and their logprobs under softmax(logits / T) [B] (float32), on the device.
 
-    `logits` [B, V] (any float dtype); T = 0 rows are greedy (T = 1 logprob).
+    `logits` [B, V] (any float dtype); `inv_temp` [B] float32 holds 1 / T (1 for greedy rows) and `noise` [B] int8
+    is 0 for greedy rows (T = 0: the argmax and its T = 1 logprob), both on the logits' device (`sampling_inputs`).
     """
     rows, vocab = logits.shape
     assert vocab < 2**24, "token ids travel between the kernels as float32"
     device = logits.device
-    inv_temp = to_device([1.0 / t if t > 0 else 1.0 for t in temperatures], torch.float32, device)
-    noise = to_device([t > 0 for t in temperatures], torch.int8, device)
     parts = torch.empty(rows, SPLITS, 5, dtype=torch.float32, device=device)
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from tandem.models.compiling import compile_like_eager
+from tandem.models.eager_rounding import compile_like_eager
 
 BACKEND = "inductor"
 """The `torch.compile` backend (the tests use `aot_eager`: the same tracing, no code generation)."""
@@ -23,7 +23,7 @@ BACKEND = "inductor"
 @functools.cache
 def compiled(fn: Callable) -> Callable:
     """`fn` compiled as one graph (a graph break is an error, not a silent slowdown), rounding like eager mode
-    as the engine does (`tandem.models.compiling`)."""
+    as the engine does (`tandem.models.eager_rounding`)."""
     return compile_like_eager(fn, backend=BACKEND, fullgraph=True)
 
 

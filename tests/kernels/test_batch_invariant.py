@@ -1,4 +1,4 @@
-"""Exact mode's kernels (`tandem.models.batch_invariant`, `block_kernels`, `attention_kernel.attend_each_token`): a row's result is
+"""Exact mode's kernels (`tandem.kernels.batch_invariant`, `pointwise`, `attention_kernel.attend_each_token`): a row's result is
 bitwise the same alone and among other rows (several batch sizes, several positions in a tile), and close to
 torch's; the trainer's packed documents attend bitwise as the engine's paged cache does. Run by Triton's
 interpreter on the CPU (fp32), and on CUDA in bf16."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.models import batch_invariant, block_kernels
+from tandem.kernels import batch_invariant, pointwise
 from tandem.models.attention import DocumentCausalAttention
-from tandem.models.attention_kernel import attend_each_token, exact_tile_tokens, exact_tiles
+from tandem.kernels.attention import attend_each_token, exact_tile_tokens, exact_tiles
 from tandem.models.decoder import normed_rotated
 from tandem.models.exact import ExactDocumentAttention, exact_causal_attention, normed_rotated_tokens, residual_norm, silu_mul
 from tandem.models.layers import rms_norm
@@ -52,9 +52,9 @@ def check_kernels(device: str, dtype: torch.dtype, hidden: int, out: int, vocab:
 
     # The block kernels exact mode runs around attention: the norm with its residual add, silu(gate) * up, and the
     # q/k norms with RoPE, keys and values written to one slot per token.
-    among_others(lambda rows: torch.stack(block_kernels.rms_norm(rows[:, 0].contiguous(), norm_weight, 1e-6,
+    among_others(lambda rows: torch.stack(pointwise.rms_norm(rows[:, 0].contiguous(), norm_weight, 1e-6,
                                                                  rows[:, 1].contiguous()), 1), torch.stack([x, randn(hidden)]), gen)
-    among_others(block_kernels.silu_mul, randn(2 * out), gen)
+    among_others(pointwise.silu_mul, randn(2 * out), gen)
     heads, kv_heads, D = 4, 2, 64
     widths = [heads * D, kv_heads * D, kv_heads * D, D, D]
     qk_norm_weights = randn(D), randn(D)

@@ -1,4 +1,4 @@
-"""Compiled model functions round where eager mode rounds (`tandem.models.compiling`), so that the trainer's compiled
+"""Compiled model functions round where eager mode rounds (`tandem.models.eager_rounding`), so that the trainer's compiled
 blocks and the engine compute the same bf16 numbers."""
 
 import shutil
@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from tandem.models.compiling import compile_like_eager
+from tandem.models.eager_rounding import compile_like_eager
 from tandem.models.layers import rms_norm, swiglu
 
 
