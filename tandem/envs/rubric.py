@@ -10,6 +10,7 @@ and is reported in `RolloutScore.errors`.
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from tandem.envs.callables import function_name, maybe_await, select_kwargs
 from tandem.envs.parsers import Parser
@@ -106,18 +107,9 @@ class RubricGroup(Rubric):
     def add_reward_func(self, func: RewardFunc, weight: float = 1.0) -> None:
         self.rubrics[0].add_reward_func(func, weight)
 
-    async def score_rollout(
-        self,
-        prompt: Messages,
-        completion: Messages,
-        answer: str,
-        state: State,
-        task: str = "default",
-        info: Info | None = None,
-    ) -> RolloutScore:
-        scores = await asyncio.gather(
-            *(r.score_rollout(prompt, completion, answer, state, task, info) for r in self.rubrics)
-        )
+    async def score_rollout(self, *args: Any, **kwargs: Any) -> RolloutScore:
+        """Each rubric scores the rollout from `Rubric.score_rollout`'s arguments, passed on as given."""
+        scores = await asyncio.gather(*(r.score_rollout(*args, **kwargs) for r in self.rubrics))
         metrics: dict[str, float] = {}
         for score in scores:
             for name, value in score.metrics.items():

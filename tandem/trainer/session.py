@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,21 @@ class Session:
         if self.broadcaster is not None:
             self.broadcaster.close()
         close_parallel(wait_for_peers)
+
+    def run_and_close(self, work: Callable[[], None], bad_input: type[Exception], what: str) -> int:
+        """Run `work`, close the session, and return the process's exit code: 0, or 1 when `work` raised
+        `bad_input` (logged as `what`). Only a rank whose work ended normally waits for its peers at the close:
+        the peers of a rank that stopped may never reach the barrier. Other errors propagate."""
+        completed = False
+        try:
+            work()
+            completed = True
+        except bad_input as err:
+            self.log.error("%s, stopping: %s", what, err)
+            return 1
+        finally:
+            self.close(wait_for_peers=completed)
+        return 0
 
 
 def peak_memory_gib(device: torch.device) -> float:

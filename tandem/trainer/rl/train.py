@@ -117,16 +117,11 @@ def main(config: TrainerConfig) -> int:
     except (FileNotFoundError, KeyError, ValueError) as err:
         setup_logging("trainer").error("cannot start the trainer: %s", err)
         return 1
-    completed = False
-    try:
+
+    def run() -> None:
         if session.dims.is_main:  # what `tandem replay` reads back
             prepare_run_folder(config, "trainer")
         open_weight_transport(config, session)
         train(config, session, objective)
-        completed = True
-    except BatchError as err:
-        session.log.error("bad input, stopping: %s", err)
-        return 1
-    finally:
-        session.close(wait_for_peers=completed)
-    return 0
+
+    return session.run_and_close(run, BatchError, "bad input")

@@ -108,13 +108,4 @@ def main(config: SFTConfig) -> int:
     except (SFTDataError, FileNotFoundError, KeyError, ValueError) as err:
         log.error("cannot start SFT: %s", err)
         return 1
-    completed = False
-    try:
-        train(config, session, data)
-        completed = True
-    except SFTDataError as err:
-        session.log.error("bad SFT data, stopping: %s", err)
-        return 1
-    finally:
-        session.close(wait_for_peers=completed)
-    return 0
+    return session.run_and_close(lambda: train(config, session, data), SFTDataError, "bad SFT data")
