@@ -85,9 +85,10 @@ class RunConfig(Section):
     exact: bool = False
     """Bitwise parity of engine and trainer: both compute every token with batch-invariant kernels
     (`tandem.models.exact`), so on-policy tokens get importance ratio 1 and mismatch KL 0 exactly.
-    Native models with the `tandem` backend. On CUDA, Triton kernels (dense blocks): on one H200 the engine
-    runs at about 0.87 of its default speed, the trainer several times slower; on the CPU and for a mixture
-    of experts' blocks, token by token: far slower (one kernel call per token and op)."""
+    Native models with the `tandem` backend. On CUDA, Triton kernels (dense blocks): the engine somewhat
+    slower than by default, the trainer several times slower (`benchmarks/results/exact-h200-2026-12-05.json`,
+    `benchmarks/results/trainer-h200-2026-12-05.json`); on the CPU and for a mixture of experts' blocks,
+    token by token: far slower (one kernel call per token and op)."""
 
 
 class ProcessConfig(Section):

@@ -72,9 +72,11 @@ class EngineConfig(Section):
     """CUDA, native models: run each decoder block's pointwise work around attention as Triton kernels
     (input norm; q/k norms, RoPE and the KV-cache write in one launch; residual add and post norm;
     silu(gate) * up) and q/k/v and gate/up as one matmul each (`inference/engine/fused_blocks.py`).
-    Off in `[run] exact`. On the H200: Qwen3-0.6B decode step at 256 sequences 4.6 ms against 7.9 ms
-    without, Qwen3-30B-A3B 22 ms against 28 ms; logprobs differ from the trainer's a little more
-    (mean k3 4.1e-5 against 3.5e-5: the sums run in another order)."""
+    Off in `[run] exact`. Fewer launches and passes over memory make decode steps shorter; logprobs differ
+    from the trainer's a little more, as the sums run in another order
+    (`benchmarks/results/engine-h200-2026-12-04-fused-blocks.json` against
+    `benchmarks/results/engine-h200-2026-12-04-unfused.json`; a mixture of experts:
+    `benchmarks/results/engine-moe-h200-2026-12-04-fused-blocks.json`)."""
 
     cuda_graphs: bool = True
     """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,

@@ -220,8 +220,8 @@ def _demonstration(
     so (a share `misclosed_fraction`, `sft_examples`) close with `</gues>`: the game
     rejects them and the turn is lost (with `invalid_ends_game`, the game: the demonstration ends there, as the
     game does). Only wrong guesses slip, and the guess after a slip is
-    another candidate, so no demonstration repeats its last guess: retried words taught the tiny
-    model to repeat its last guess, which it then did after valid feedback too."""
+    another candidate, so no demonstration repeats its last guess: retried words teach a tiny
+    model to repeat its last guess, which it then does after valid feedback too."""
     messages: Messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": QUESTION},

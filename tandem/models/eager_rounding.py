@@ -1,12 +1,13 @@
 """`torch.compile` that rounds where eager PyTorch rounds, for every process that compiles model functions.
 
 Why: inductor fuses a chain of bf16 operations and by default keeps the intermediates in fp32, skipping the
-rounding eager mode does after each operation. The trainer's compiled blocks then computed other logprobs
-than the engine, whose kernels round where eager mode does (`kernels/pointwise.py`): on the
-reverse-text model in bf16 the preflight's probe (2,208 tokens, CPU) measured a mismatch KL of 7.6e-4 with the
-trainer compiled against 1.0e-5 eager, and the H200 run of that example 7.6e-4 on its probe. With inductor's
-`emulate_precision_casts` every rounding is kept: 9.8e-6. The model's `rms_norm` compiled this way equals
-eager bit for bit (`tests/models/test_compiling.py`; without the option 75% of its elements did).
+rounding eager mode does after each operation. The trainer's compiled blocks would then compute other logprobs
+than the engine, whose kernels round where eager mode does (`kernels/pointwise.py`), and the mismatch KL of a
+bf16 model grows many times over (`benchmarks/results/rl-tandem-h200-2026-12-04.json` compiled without this,
+`benchmarks/results/rl-tandem-h200-2026-12-04-same-warmup.json` with it; the preflight probe's figures
+compiled, eager and with this are in `benchmarks/RESULTS.md`). With inductor's `emulate_precision_casts` every
+rounding is kept, and the mismatch is eager mode's. The model's `rms_norm` compiled this way equals eager bit
+for bit (`tests/models/test_eager_rounding.py`; without the option only some of its elements do).
 """
 
 from __future__ import annotations

@@ -46,8 +46,9 @@ class InferencePool:
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         # No pool limit: concurrency is bounded by the orchestrator, and a cap here would
         # queue requests invisibly inside httpx. Several clients: httpcore's pool walks all its connections
-        # at every request and answer, so one pool of 256 connections spent most of the orchestrator's CPU
-        # there (py-spy, 256 rollouts in flight); requests take the clients in turn, each holding a share.
+        # at every request and answer, so one pool of hundreds of connections spends most of the orchestrator's
+        # CPU there (`benchmarks/results/rl-loop-h100-2026-12-05-before.json`); requests take the clients in turn,
+        # each holding a share.
         tls = httpx.create_ssl_context()  # one for all: each client would load the CA bundle again (25 ms each)
         self._clients = [
             httpx.AsyncClient(headers=headers, timeout=config.timeout_s, verify=tls,

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 
 NO_EXPERTS: tuple = ()
-"""A token's routed experts where none are known: one shared immutable object, not a new list per token (the next
-place py-spy found the orchestrator's CPU once its HTTP pool was fixed, 256 rollouts of 512 tokens). Encoded like
-an empty list."""
+"""A token's routed experts where none are known: one shared immutable object, not a new list per token (a list
+for every token of every rollout is a share of the orchestrator's CPU:
+`benchmarks/results/rl-loop-h100-2026-12-05.json`). Encoded like an empty list."""
 
 
 @dataclass

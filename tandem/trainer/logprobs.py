@@ -47,9 +47,9 @@ def chunk_logit_grad(logits: torch.Tensor, inv_temperature: torch.Tensor, target
 
 def add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """total += a @ b. A bf16 product summed into an fp32 total on CUDA is one matmul that accumulates in fp32
-    and adds the total in its epilogue: no rounded [V, H] product, no separate pass over the fp32 total (those
-    adds were 5.0-5.6 ms, 1.4-1.6%, of a 16k-token step of Qwen3-0.6B on an H200 and an H100). Elsewhere (no
-    such matmul on a CPU; one dtype) a product, then an add."""
+    and adds the total in its epilogue: no rounded [V, H] product, no separate pass over the fp32 total, whose
+    adds cost a long step a percent or two (`benchmarks/results/trainer-h100-2026-12-05-guard-addmm.json`).
+    Elsewhere (no such matmul on a CPU; one dtype) a product, then an add."""
     if total.is_cuda and total.dtype != a.dtype:
         torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
     else:

@@ -80,9 +80,8 @@ def link_final(run_dir: Path, step: int) -> Path:
 
 class BackgroundWriter:
     """Runs one folder write at a time on a thread, so that the trainer's next step computes while the disk
-    takes the last policy (issue 23: publishing Qwen3-0.6B took 1.4-1.6 s a step on an H200 with the write
-    in line; with it here, `benchmarks/rl_loop.py` still measured 1.5-1.7 s a step in the publish
-    phase, the gather to the host and the hand-off: see `gather_full_state`). The state it writes is a host
+    takes the last policy; what publishing leaves in the step is the gather to the host and the hand-off
+    (`gather_full_state`; timed in `benchmarks/results/rl-loop-h200-2026-12-04.json`). The state it writes is a host
     copy of its own (`gather_full_state` copies), which the next step cannot change. A failed write is
     raised by the next `submit` or by `wait`: the trainer then stops, one step later at most, naming the error."""
 

@@ -2,9 +2,11 @@
 
 Why: compiled per block (`tandem.trainer.block`), each block costs the host, per pass, two compiled calls (guards,
 AOTAutograd's wrappers), two checkpointed regions (Python hooks that recompute in backward) and an eager attention
-call. At 4,096 tokens of Qwen3-0.6B the H200 was busy 20% of a step, 74 ms of host time in forward for 12 ms of GPU
-work (issue 23; `docs/trainer.md`). One graph over every block is one call in forward and one in backward; the
-selective recompute becomes the partitioner's (the checkpointed halves are traced as such), attention an op in it.
+call. On a small model's short steps that host time, not the GPU's work, sets the step's length
+(`benchmarks/results/trainer-h200-2026-12-04-one-rank-profile-4096.json` per block,
+`benchmarks/results/trainer-h200-2026-12-04-stack-profile-4096.json` as one graph). One graph over every block is
+one call in forward and one in backward; the selective recompute becomes the partitioner's (the checkpointed halves
+are traced as such), attention an op in it.
 
 Where it applies (`stack_applies`): native blocks whose feed-forward is a function of tensors (dense: a mixture of
 experts routes tokens eagerly), one rank without FSDP (whose hooks gather and free each block's weights around its

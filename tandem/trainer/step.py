@@ -8,10 +8,10 @@ the same at any world size.
 NaN guard: a step whose loss or gradient norm is not finite is skipped (no optimizer update, the
 gradients are dropped) and reported; the scheduler still advances so the schedule stays a
 function of the step index. With fused AdamW on one rank the update is launched before the host
-reads the test, which the optimizer then reads on the device (`skips_on_device`): the device no
-longer waits, between backward and the update, for the host to read the figures and then launch
-the optimizer (on an H100 at 16k tokens of Qwen3-0.6B that wait was 1.9 ms of a 357 ms step; 1.4 ms
-is left where the host is still launching the optimizer when the device finishes backward).
+reads the test, which the optimizer then reads on the device (`skips_on_device`): the device does
+not wait, between backward and the update, for the host to read the figures and then launch the
+optimizer (`benchmarks/results/trainer-h100-2026-12-05-guard-addmm.json`; a shorter wait remains
+where the host is still launching the optimizer when the device finishes backward).
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 Both producers of packed rows use it: the orchestrator for each RL step's samples and the SFT trainer for
 each epoch of its data. Longest first, each sample goes to the first row with room for it (ties in index
-order); the row with room is found in a max segment tree, in O(log rows), where a scan from the first row
-made packing quadratic (the reverse-text warm-up's 20,000 chats into 3,303 rows: 1.35 s with the scan, 0.43 s
-with the tree, on a 2-core CPU).
+order); the row with room is found in a max segment tree, in O(log rows): a scan from the first row makes
+packing quadratic in the rows (timings: `benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations

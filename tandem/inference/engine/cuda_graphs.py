@@ -8,7 +8,7 @@ past B padded (context 0, writes to the cache's pad slot). Prefill and mixed ste
 
 The decode attention's grid has a program per chunk of the longest context it may meet
 (`tandem/kernels/attention.py`), fixed at capture: so each batch size has a graph per context bound
-(`attention_kernel.decode_context_bounds`), and a step replays the smallest bound that holds its
+(`tandem.kernels.attention.decode_context_bounds`), and a step replays the smallest bound that holds its
 longest context. Short contexts then launch no idle chunk programs; the outputs are the same
 under every bound (the kernel's chunks depend only on each sequence's own context).
 """

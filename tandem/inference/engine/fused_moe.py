@@ -84,8 +84,8 @@ def compile_tile_variants(block: MoE, tiles: TileTable, max_tokens: int) -> None
 
     Why: Triton compiles a kernel variant on its first launch. Decode batches are warmed by the CUDA-graph
     captures, but prefill steps run eagerly, and a tuned table gives each range of token counts its own
-    tiles: each first prefill of a new range was a compile stall of 0.5-2 s in the middle of serving (seen
-    on an H200 with the 30B-A3B shape's table)."""
+    tiles, so without this each first prefill in a new range would stall serving for a compile of seconds
+    (`benchmarks/results/engine-moe-h200-2026-12-04-tuned.json`: its first prefill steps)."""
     weight = block.experts.gate_up_proj
     args = block.args
     generator = torch.Generator(device=weight.device).manual_seed(0)

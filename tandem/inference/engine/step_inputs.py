@@ -31,10 +31,11 @@ PREFILL_BLOCK_Q = 16
 
 VIEW_ALIGNMENT = 2
 """Each view starts at a multiple of this many int64 elements (16 bytes) of the buffer. Triton compiles a kernel
-once per alignment class of its pointers: packed end to end, a step with an odd number of sequences moved the
-views after the first odd-sized one off 16 bytes, and kernels reading them (paged attention's lengths and tiles)
-compiled again mid-run: the likely cause, inferred from where they fell and not traced, of the 0.6-1.3 s steps at
-an engine's first prefill with an odd number of sequences on the H200."""
+once per alignment class of its pointers: packed end to end, a step with an odd number of sequences would move
+the views after the first odd-sized one off 16 bytes, and kernels reading them (paged attention's lengths and
+tiles) would compile again mid-run, the likely cause (inferred from where they fell, not traced) of the
+second-long first prefill steps with an odd number of sequences in
+`benchmarks/results/engine-h200-2026-12-04-unfused.json`."""
 
 
 def aligned(size: int) -> int:

@@ -2,7 +2,10 @@
 
 At world size 1 FSDP2 shards nothing, yet every step pays for it on the host: a copy-in and copy-out
 per block for each forward and each recompute, a reduce per block, and DTensor dispatch in the
-optimizer and the gradient clipping (issue 23: at 4,096 tokens the H200 was busy 29% of the step).
+optimizer and the gradient clipping, enough on a small model's short steps to leave the GPU idle most of
+the step (`benchmarks/results/trainer-profile-h200-2026-12-03-4096.json`; both paths timed in
+`benchmarks/results/trainer-h200-2026-12-04-one-rank.json` and
+`benchmarks/results/trainer-h200-2026-12-04-fsdp-at-one-rank.json`).
 `OneRank` computes the same numbers with plain tensors:
 
 - the module's parameters stay the fp32 master weights, plain tensors: the optimizer (fused AdamW),

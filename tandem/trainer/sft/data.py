@@ -67,7 +67,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 ENCODE_CHUNK = 1024
 """Rows whose texts are tokenized in one call of the tokenizer: transformers' cost per call is paid once a chunk,
-not once a text (the reverse-text warm-up's 20,000 chats: 5.9-6.8 s against 7.4-8.7 s one text at a time)."""
+not once a text (timings: `benchmarks/RESULTS.md`)."""
 
 
 @dataclass
