@@ -20,7 +20,7 @@ run() {  # name, seconds, command...: its output in OUT_DIR/name.log, its exit s
     echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/status.txt"
 }
 
-run tests 150 "$python" -m pytest -q -rs -p no:cacheprovider tests/models/test_batch_invariant.py tests/trainer/test_exact_parity.py \
+run tests 150 "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_batch_invariant.py tests/trainer/test_exact_parity.py \
     -k "cuda" --junitxml "$out/tests.xml"
 model=$(mktemp -d)/qwen3-0.6b
 run model 60 "$python" -c "from pathlib import Path; from tandem.models.presets import init_model; init_model('qwen3-0.6b', Path('$model'))"

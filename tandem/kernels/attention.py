@@ -22,6 +22,9 @@ block_tables [rows, M], seq_lens [B] (context after the step), query_start [B + 
 each sequence's tokens in N), tiles [2, T] (sequence, first query offset). A row with
 seq_len 0 (CUDA-graph padding) attends to nothing and outputs zeros. Query token j of a
 sequence with q_len tokens and context c sits at position c - q_len + j and sees keys <= it.
+
+Reference: `tandem.inference.engine.paged_attention.reference_attention` (the torch path); both equal dense attention.
+Tests: `tests/kernels/test_attention.py`; exact mode's `attend_each_token`: `tests/kernels/test_batch_invariant.py`.
 """
 
 from __future__ import annotations
@@ -226,9 +229,8 @@ if triton is not None:
 
 _PREFILL_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=2)
 _DECODE_LAUNCH = dict(BLOCK_N=32, num_warps=1, num_stages=2)
-"""Decode tiles hold one token: one warp per (sequence, KV head) over 32-key blocks was the fastest of a
-sweep on an H200 before the split (Qwen3-0.6B heads, 256 sequences of 192-640 tokens: 112 us against 129 us
-for the prefill setting at 384 tokens, about 3.6 TB/s of KV read); each chunk program keeps it."""
+"""Decode tiles hold one token: one warp per program over 32-key blocks reads the cache faster at decode shapes
+than the prefill setting; each chunk program keeps it (`benchmarks/decode_attention.py` times other settings)."""
 
 
 def _next_pow2(n: int) -> int:

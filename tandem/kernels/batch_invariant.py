@@ -14,6 +14,9 @@ runs over fixed chunks in a fixed order inside one program, and nothing is split
 Backward passes (the trainer's) are plain torch: only forward values must match the engine's.
 On the CPU they run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the tests check
 them; without it the CPU keeps exact mode's token-by-token torch path.
+
+Reference: torch's `F.linear`, `tandem.models.layers.rms_norm` and `log_softmax(logits / T)`, each row alone.
+Tests: `tests/kernels/test_batch_invariant.py` (also exact mode's attention and pointwise kernels).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ if triton is not None:
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd must record this call: the wrappers below skip their `autograd.Function` otherwise (its
-    Python cost, about 50-90 us a call, made the exact engine's uncaptured prefill steps host-bound)."""
+    Python cost per call would make the exact engine's uncaptured prefill steps host-bound)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 

@@ -15,6 +15,9 @@ rounded up, the most any routing needs, so every shape is fixed by N. Program (m
 rows by its expert's weight [n-tile, K] and writes output rows in copy order (each row once: deterministic).
 The gate_up matmul (`gated`) reads the gate and the up rows of its n-tile and writes SiLU(gate) * up:
 the [N*k, 2I] intermediate is never written.
+
+Reference: `tandem.models.moe.MoE` (experts: `GroupedExperts`); the row layout's is the test's `align_to_blocks`.
+Tests: `tests/kernels/test_moe_kernels.py` (interpreter); on CUDA `tests/inference/test_gpu_moe.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tile sizes of the MoE grouped matmuls (`moe_kernel`), by token count: a tuned table, else a rule.
+"""Tile sizes of the MoE grouped matmuls (`tandem.kernels.moe`), by token count: a tuned table, else a rule.
 
 Why a table: the best tiles depend on the GPU, the expert shapes and the rows each expert gets, and
 guessing them left the decode step's expert matmuls far below memory speed. `benchmarks/moe_tune.py`
@@ -14,6 +14,9 @@ of the smallest tuned count >= T (the largest past the end); both matmuls share 
 their BLOCK_M agree. The engine reads `engine.moe_tile_table`, else the table shipped for its GPU
 (`moe_tile_tables/<GPU name>.json` beside this module) where there is one; shapes a table lacks, and CPU
 runs, get the rule (`rule_tiles`).
+
+Reference: none (it picks launch options; the kernels' tests run them under several tiles).
+Tests: `tests/kernels/test_moe_kernels.py` (loading, lookup by token count, errors naming the key and file).
 """
 
 from __future__ import annotations

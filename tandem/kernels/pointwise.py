@@ -8,13 +8,16 @@ in its matmuls. Here:
 - `qk_norm_rope_write`: the q/k norms (per head, over all heads, or none), RoPE (the model's cos
   and sin, so partial rotary and YaRN's scaling come with them) and the write of k and v into
   their paged-cache slots, for every token of a step.
-Both compute in fp32 and round to the activations' dtype exactly where the model's torch chain
+All three compute in fp32 and round to the activations' dtype exactly where the model's torch chain
 rounds (`tandem.models.layers.rms_norm`, `apply_rope`): bf16 products and sums of bf16 values are
 exact in fp32, so the only differences left are the order of the norms' sums. Shapes are fixed by
 the token count and nothing is read on the host: decode steps run inside CUDA graphs.
 
 Layouts: rows of q [N, Hq * D], k and v [N, Hkv * D] (a row stride, heads contiguous within it),
 cos and sin [N, R] (R <= D rotary features), caches [blocks, S, Hkv, D] (contiguous), slots [N].
+
+Reference: `tandem.models.layers.rms_norm` and `apply_rope` (the q/k steps of `decoder.before_attention`), silu * up.
+Tests: `tests/kernels/test_pointwise.py`; inside the engine's blocks: `tests/inference/test_fused_blocks.py`.
 """
 
 from __future__ import annotations

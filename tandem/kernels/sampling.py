@@ -11,6 +11,9 @@ generator state on the device and the host only picks a fresh `seed` per step.
 Scope: rows without top-k / top-p / min-p, without a seed of their own and without top
 logprobs; the sampler sends other batches through its torch path. A greedy row (T = 0) takes the
 argmax and reports the T = 1 logprob, as the torch path does.
+
+Reference: the sampler's torch path (`tandem.inference.engine.sampler`): softmax(logits / T) and its logprob.
+Tests: `tests/kernels/test_sampling.py` (CUDA).
 """
 
 from __future__ import annotations
@@ -99,8 +102,8 @@ def sampling_inputs(temperatures: list[float]) -> tuple[list[float], list[bool]]
 
 
 SPLITS = 16
-"""Vocabulary splits per row: 16 x B programs keep an H200 busy at decode batch sizes (one program
-per row left most of the chip idle: 0.4 ms for 256 rows of 151,936 logits)."""
+"""Vocabulary splits per row: at decode batch sizes one program per row, each walking a whole vocabulary, leaves
+most of the GPU idle; 16 x B programs fill it."""
 
 
 def sample(logits: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

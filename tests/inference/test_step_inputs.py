@@ -2,7 +2,6 @@
 
 import torch
 
-from tandem.kernels.attention import SPLIT_KEYS, decode_context_bounds, decode_splits
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
 from tandem.inference.engine.sampling_params import SamplingParams
@@ -21,19 +20,6 @@ def test_graph_sizes_cover_every_batch_with_little_padding():
     for b in range(1, 101):
         padded = padded_batch_size(sizes, b)
         assert b <= padded <= max(8, b + 15)
-
-
-def test_decode_graph_context_bounds_hold_every_context_with_few_idle_chunks():
-    assert decode_context_bounds(300) == [300] and decode_context_bounds(9216) == [512, 2048, 9216]
-    assert decode_context_bounds(40960) == [512, 2048, 8192, 40960]
-    for max_model_len in (1, 511, 512, 513, 640, 4352, 9216, 33_000, 131_072):
-        bounds = decode_context_bounds(max_model_len)
-        assert bounds == sorted(set(bounds)) and bounds[-1] == max_model_len
-        for context in range(1, max_model_len + 1, 97):
-            bound = padded_batch_size(bounds, context)
-            assert context <= bound and decode_splits(bound) * SPLIT_KEYS >= bound
-            # Idle chunk programs: at most 4 chunks per chunk in use, or the short class's one.
-            assert decode_splits(bound) <= max(4 * decode_splits(context), decode_splits(bounds[0]), 4)
 
 
 def setup(num_seqs: int, prompt_len: int):

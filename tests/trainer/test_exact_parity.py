@@ -102,7 +102,7 @@ print("ok")
 def test_the_kernel_path_under_tritons_interpreter(tmp_path):
     """The GPU's path on the CPU: Triton kernels (linear, norms, attention as one decode query per token,
     log_softmax) in engine and trainer, a dense model; mixed batches only (the interpreter is slow; a row alone
-    among others: `tests/models/test_batch_invariant.py`)."""
+    among others: `tests/kernels/test_batch_invariant.py`)."""
     script = INTERPRETED.format(tests=str(Path(__file__).parent), folder=str(tmp_path / "tiny"))
     done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
                           text=True, timeout=600)

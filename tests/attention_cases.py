@@ -1,4 +1,6 @@
-"""A random mixed step over a paged cache, to compare the Triton kernel with the torch reference."""
+"""A random mixed step over a paged cache, and dense float64 attention over it: what the Triton kernels
+(`tests/kernels/test_attention.py`) and the torch reference (`tests/inference/test_paged_attention.py`) are checked
+against."""
 
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def dense_reference(q, k_cache, v_cache, meta) -> torch.Tensor:
 
 
 SPLIT_DECODES = [(1, 40), (1, 512), (1, 1300), (1, 513), (1, 0)]
-"""Decode contexts around the kernel's chunk of 512 keys (`attention_kernel.SPLIT_KEYS`): shorter, equal,
+"""Decode contexts around the kernel's chunk of 512 keys (`tandem.kernels.attention.SPLIT_KEYS`): shorter, equal,
 several chunks, one key past a chunk, and a CUDA-graph padding row (context 0, last)."""
 
 

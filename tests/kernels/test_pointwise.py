@@ -1,0 +1,123 @@
+"""The pointwise kernels (`tandem.kernels.pointwise`: `rms_norm`, `silu_mul`, `qk_norm_rope_write`) against the
+model's own functions (`tandem.models.layers.rms_norm`, `apply_rope`; silu(gate) * up): in fp32 under Triton's
+interpreter, and in bf16 on CUDA. The interpreter truncates when it casts to bf16 (the GPU rounds to nearest, as
+torch does), so bf16 runs on CUDA only. The engine's blocks that run them: `tests/inference/test_fused_blocks.py`."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.inference.engine.kv_cache import KVCache
+from tandem.models.layers import YarnScaling, apply_rope, rms_norm, rope_cos_sin
+
+
+def reference_qk(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim):
+    """`before_attention`'s steps after the projections, on one step's tokens [N, heads * D]."""
+    n = q.shape[0]
+    if q_norm_weight is not None and q_norm_weight.shape[0] != head_dim:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    q, k, v = (t.reshape(1, n, -1, head_dim) for t in (q, k, v))
+    if q_norm_weight is not None and q_norm_weight.shape[0] == head_dim:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    return apply_rope(q, cos[None], sin[None])[0], apply_rope(k, cos[None], sin[None])[0], v[0]
+
+
+KERNEL_CASES = [  # heads, kv heads, head dim, partial rotary factor, q/k norm, YaRN
+    (4, 2, 16, 1.0, "head", None),  # Qwen3
+    (5, 1, 16, 0.5, "none", None),  # GLM-4.5: partial rotary, no q/k norm, heads not a power of 2
+    (3, 3, 8, 1.0, "all_heads", YarnScaling(4.0, 64, 1.2)),  # MiniMax-M2's norm over all heads, YaRN's cos/sin
+]
+
+
+def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: int = 0) -> list[float]:
+    """Both kernels against the model's functions on random inputs; returns the fraction of equal elements
+    of each output (q, k, normed sum) after asserting they are close."""
+    from tandem.kernels import pointwise
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    equal = []
+    for heads, kv_heads, head_dim, rotary, norm, yarn in KERNEL_CASES:
+        q = rand(num_tokens, heads * head_dim + 3)[:, :heads * head_dim]  # rows wider than their heads (a view)
+        k, v = rand(num_tokens, kv_heads * head_dim), rand(num_tokens, kv_heads * head_dim)
+        q_w, k_w = {"head": (rand(head_dim), rand(head_dim)), "none": (None, None),
+                    "all_heads": (rand(heads * head_dim), rand(kv_heads * head_dim))}[norm]
+        positions = torch.arange(3, 3 + num_tokens, device=device)[None]
+        cos, sin = rope_cos_sin(positions, int(head_dim * rotary), 10_000.0, dtype, yarn)
+        cache = KVCache(1, num_tokens, 4, kv_heads, head_dim, dtype, torch.device(device))
+        slots = torch.randperm(4 * num_tokens, generator=gen)[:num_tokens].to(device)
+        k_cache, v_cache = cache.layer(0)
+        q_out = pointwise.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_w, k_w, 1e-6, k_cache, v_cache, slots)
+        ref_q, ref_k, ref_v = reference_qk(q, k, v, cos[0], sin[0], q_w, k_w, 1e-6, head_dim)
+        written_k = k_cache.reshape(-1, kv_heads, head_dim)[slots]
+        assert torch.equal(v_cache.reshape(-1, kv_heads, head_dim)[slots], ref_v)
+        assert int((k_cache != 0).sum()) == int((written_k != 0).sum())  # nothing written outside the slots
+        for out, ref in ((q_out, ref_q), (written_k, ref_k)):
+            check_close(out, ref, dtype)
+            equal.append((out == ref).float().mean().item())
+    x, delta, weight = rand(num_tokens, 48), rand(num_tokens, 48), rand(48)
+    total, normed = pointwise.rms_norm(x, weight, 1e-6, delta=delta)
+    assert torch.equal(total, x + delta)
+    check_close(normed, rms_norm(x + delta, weight, 1e-6), dtype)
+    equal.append((normed == rms_norm(x + delta, weight, 1e-6)).float().mean().item())
+    same, normed = pointwise.rms_norm(x, weight, 1e-6)
+    assert same is x
+    check_close(normed, rms_norm(x, weight, 1e-6), dtype)
+    inter = 1100  # two programs per row, the second one part masked
+    gate_up = rand(num_tokens, 2 * inter + 5)[:, :2 * inter]  # rows wider than gate and up (a view)
+    ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    check_close(pointwise.silu_mul(gate_up), ref, dtype)
+    equal.append((pointwise.silu_mul(gate_up) == ref).float().mean().item())
+    return equal
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: within a few ulps; bf16: within a few roundings of the largest element (a norm's sum in another
+    order can move an intermediate rounding by an ulp, which the weight and RoPE carry on)."""
+    scale = ref.abs().max().item()
+    tolerance = 4e-6 * scale if dtype == torch.float32 else 2 ** -5 * scale
+    assert (out.float() - ref.float()).abs().max().item() <= tolerance
+
+
+INTERPRETED_KERNELS = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_pointwise import check_kernels
+import torch
+check_kernels("cpu", torch.float32)
+check_kernels("cpu", torch.float32, num_tokens=1, seed=1)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
+                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+def test_the_kernels_under_tritons_interpreter_compute_the_models_functions():
+    """fp32, CPU tensors: the kernels against the model's functions (Qwen3's per-head norms, GLM's partial
+    rotary without norms, a norm over all heads with YaRN), at seven tokens and at one."""
+    script = INTERPRETED_KERNELS.format(tests=str(Path(__file__).parent))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernels_round_where_the_model_rounds():
+    """bf16: within a few roundings (`check_close`), and most elements equal: the kernels round where the torch
+    chain rounds, but a norm's sum in another order moves its result by an ulp now and then, which the weight and
+    RoPE carry on (79-95% equal per output on the H200 at one token). Decode-sized and prefill-sized steps.
+    (fp32: the interpreter's test, and the engine tests of `tests/inference/test_gpu_engine.py` and `test_gpu_moe.py`,
+    which run these.)"""
+    for num_tokens, seed in ((1, 0), (256, 1), (4096, 2)):
+        equal = check_kernels("cuda", torch.bfloat16, num_tokens, seed)
+        assert min(equal) > 0.7, equal
