@@ -1,4 +1,4 @@
-"""Exact mode's kernels (`tandem.kernels.batch_invariant`, `pointwise`, `attention_kernel.attend_each_token`): a row's result is
+"""Exact mode's kernels (`tandem.kernels.batch_invariant`, `pointwise`, `tandem.kernels.attention.attend_each_token`): a row's result is
 bitwise the same alone and among other rows (several batch sizes, several positions in a tile), and close to
 torch's; the trainer's packed documents attend bitwise as the engine's paged cache does. Run by Triton's
 interpreter on the CPU (fp32), and on CUDA in bf16."""
