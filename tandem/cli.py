@@ -44,6 +44,8 @@ COMMANDS: dict[str, Command] = {
                                  "The trainer's preflight mode, run by `tandem rl` before step 1 (probe logprobs, memory plan)."),
     "orchestrator": Command("tandem.config.orchestrator:OrchestratorConfig", "tandem.orchestrator.main:main",
                             "The orchestrator process: rollouts, advantages, batches."),
+    "orchestrator-preflight": Command("tandem.config.orchestrator:OrchestratorConfig", "tandem.orchestrator.preflight:main",
+                                      "The orchestrator's preflight mode, run by `tandem rl` before step 1 (probe batch, prefix check)."),
     "inference": Command("tandem.config.inference:InferenceConfig", "tandem.inference.entry:main",
                          "The OpenAI-compatible inference server."),
 }

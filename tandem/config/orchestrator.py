@@ -172,6 +172,17 @@ class FilesystemTransportConfig(Section):
     """`rollouts/step_N/rank_R.msgpack` files in the run folder, written atomically."""
 
 
+class ProbeConfig(Section):
+    """The probe of the preflight that `tandem rl` runs before step 1 (`tandem orchestrator-preflight`):
+    conversations sampled by the first server, packed for the trainer to recompute."""
+
+    num_conversations: int = Field(4, ge=1)
+    """Probe conversations, each of two model turns (the second turn tests the chat-template prefix rule)."""
+
+    max_tokens: int = Field(16, ge=1)
+    """Most tokens of each probe turn."""
+
+
 class OrchestratorConfig(ProcessConfig):
     """Root config of the orchestrator."""
 
@@ -222,6 +233,9 @@ class OrchestratorConfig(ProcessConfig):
 
     weight_transport: WeightTransportConfig = FilesystemWeightTransport()
     """How new policies reach the inference servers (the trainer's `weight_transport`, same value)."""
+
+    preflight: ProbeConfig = ProbeConfig()
+    """The preflight's probe (`tandem orchestrator-preflight`); `tandem rl` copies its `preflight` keys here."""
 
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":

@@ -47,6 +47,8 @@ SHARED_KEYS: dict[str, tuple[str, ...]] = {
     "ckpt.enabled": ("orchestrator", "trainer"),  # both checkpoint the same steps, so they resume together
     "ckpt.interval": ("orchestrator", "trainer"),
     "weight_transport": ("orchestrator", "trainer"),  # the trainer sends what the orchestrator has the servers load
+    "preflight.num_conversations": ("orchestrator",),  # the orchestrator's preflight process samples the probe
+    "preflight.max_tokens": ("orchestrator",),
 }
 """Dotted key of `RLConfig` -> the processes whose config gets its value."""
 

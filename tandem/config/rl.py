@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from tandem.config.base import CheckpointConfig, ProcessConfig, Section
 from tandem.config.deployment import DeploymentConfig
 from tandem.config.inference import InferenceConfig
-from tandem.config.orchestrator import OrchestratorConfig
+from tandem.config.orchestrator import OrchestratorConfig, ProbeConfig
 from tandem.config.trainer import TrainerConfig
 from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
@@ -44,8 +44,9 @@ class WarmupConfig(Section):
     """Number of generated SFT examples written next to it for eval loss (`eval.jsonl`)."""
 
 
-class PreflightConfig(Section):
-    """Checks `tandem rl` runs before step 1, once the inference server is up (`tandem.launch.preflight`)."""
+class PreflightConfig(ProbeConfig):
+    """Checks `tandem rl` runs before step 1, once the inference server is up (`tandem.launch.preflight`); the
+    probe's keys are the orchestrator's (`orchestrator.preflight`), which the shared keys fill from these."""
 
     enabled: bool = True
     """Run the preflight: a probe batch through server and trainer, a chat-template prefix check, a memory
@@ -54,12 +55,6 @@ class PreflightConfig(Section):
     max_mismatch_kl: float = Field(1e-3, gt=0)
     """Stop the run when the mismatch KL between trainer and server on the probe batch (k3, per token) is
     above this: trainer and server then disagree on the policy, and importance ratios would be noise."""
-
-    num_conversations: int = Field(4, ge=1)
-    """Probe conversations, each of two model turns (the second turn tests the chat-template prefix rule)."""
-
-    max_tokens: int = Field(16, ge=1)
-    """Most tokens of each probe turn."""
 
 
 class WandbConfig(Section):

@@ -3,9 +3,10 @@
 It executes a config resolved by `tandem.config.resolve` as it is: every port, rank, device and
 URL was decided there (and shown by `--dry-run`); nothing here edits a config. Order: warm-up
 (model init, SFT data, SFT) if the starting model is missing; every inference server of this node, until
-each answers `/health`; then orchestrator and trainer. The run ends when orchestrator and trainer
-have exited 0, or at the first failure, Ctrl-C or SIGTERM: every process tree is then stopped
-and the culprit is named with the last lines of its log.
+each answers `/health`; the preflight, two processes of its own (`tandem orchestrator-preflight`, then
+`tandem trainer-preflight`: `tandem.launch.preflight`); then orchestrator and trainer. The run ends when
+orchestrator and trainer have exited 0, or at the first failure, Ctrl-C or SIGTERM: every process tree is
+then stopped and the culprit is named with the last lines of its log.
 
 On several nodes (`deployment.cluster`), `tandem rl` runs once per node and starts the processes
 `ClusterConfig.roles` gives its node; the launchers wait for each other and then watch each other
@@ -131,6 +132,7 @@ def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[lis
     return {
         **servers,
         "orchestrator": ([*py, "orchestrator", "@", str(configs["orchestrator"])], [] if gpu else None),
+        "orchestrator-preflight": ([*py, "orchestrator-preflight", "@", str(configs["orchestrator"])], [] if gpu else None),
         "trainer": (trainer, deployment.trainer_devices if gpu else None),
         "trainer-preflight": (trainer_argv(deployment, str(configs["trainer"]), hosts[0], str(int(deployment.cluster.node_rank == 0)),
                                            command="trainer-preflight"), deployment.trainer_devices if gpu else None),
@@ -325,18 +327,18 @@ def _raise_if_hung(hang_watch: HangWatch, server: ManagedProcess) -> None:
 
 
 def _preflight(config: RLConfig, commands: dict[str, tuple[list[str], list[int] | None]]) -> None:
-    """The checks of `tandem.launch.preflight`, the trainer's part in its own process (stopped on the way out)."""
-    from tandem.launch.preflight import run_preflight  # torch and the tokenizer: 2-3 s of start-up, only when on
+    """The checks of `tandem.launch.preflight`, each process's part in a process of its own (stopped on the way out)."""
+    from tandem.launch.preflight import run_preflight  # torch (the server's dtype): imported only when on
 
-    argv, devices = commands["trainer-preflight"]
     started: list[ManagedProcess] = []
 
-    def start_trainer() -> ManagedProcess:
-        started.append(ManagedProcess("preflight", argv, config.run_dir / "logs" / "preflight.log", _child_env(devices)))
+    def start(name: str) -> ManagedProcess:
+        argv, devices = commands[name]
+        started.append(ManagedProcess(name, argv, config.run_dir / "logs" / f"{name}.log", _child_env(devices)))
         return started[-1]
 
     try:
-        run_preflight(config, config.orchestrator.client.base_urls[0], start_trainer)
+        run_preflight(config, start)
     finally:
         for proc in started:
             proc.stop()

@@ -1,8 +1,8 @@
 """The trainer's preflight mode (`tandem trainer-preflight @ trainer.toml`, run by `tandem rl` before step 1).
 
 It builds the policy exactly as training will (same config, ranks, devices, dtype, kernels), reads the
-launcher's probe batch (`preflight/probe/rank_R.msgpack`: the inference server's samples, logprobs
-included, packed by the orchestrator's packing), recomputes their logprobs with the run's objective and
+orchestrator's probe batch (`preflight/probe/rank_R.msgpack`: the inference server's samples, logprobs
+included, packed as a step is), recomputes their logprobs with the run's objective and
 writes `preflight/trainer.json` (rank 0): mismatch KL, tokens/s and the trainer's memory plan. It never
 steps the optimizer and never publishes: the run then starts from the same state.
 

@@ -28,13 +28,19 @@ def rollout_file(run_dir: Path, step: int, rank: int) -> Path:
 
 
 def preflight_dir(run_dir: Path) -> Path:
-    """`preflight/`: the launcher's probe batch in (`probe/rank_R.msgpack`), the trainer's `trainer.json` and the report out."""
+    """`preflight/`: the orchestrator's probe batch (`probe/rank_R.msgpack`) and `orchestrator.json`, the trainer's
+    `trainer.json`, the launcher's report."""
     return Path(run_dir) / "preflight"
 
 
 def probe_file(run_dir: Path, rank: int) -> Path:
     """The preflight's probe batch of one trainer rank (a `TrainingBatch` of step 0)."""
     return preflight_dir(run_dir) / "probe" / f"rank_{rank}.msgpack"
+
+
+def preflight_orchestrator_report(run_dir: Path) -> Path:
+    """The orchestrator's part of the preflight (JSON: turns, prefix breaks, problems, the probe's size, tokens/s)."""
+    return preflight_dir(run_dir) / "orchestrator.json"
 
 
 def preflight_trainer_report(run_dir: Path) -> Path:

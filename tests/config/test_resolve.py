@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.config.loader import ConfigError
+from tandem.config.orchestrator import ProbeConfig
 from tandem.config.dump import dump_process_configs
 from tandem.config.resolve import DERIVED_RULES, SHARED_KEYS, parse_rl_args, process_configs
 from tandem.transport.paths import CHECKPOINT_COMPLETE, checkpoint_dir
@@ -85,6 +86,14 @@ def test_checkpoints_are_shared_by_trainer_and_orchestrator():
         assert sub.ckpt.enabled and sub.ckpt.interval == 3
     with pytest.raises(ConfigError, match=r"`orchestrator.ckpt.interval` = 5 \(from the command line\) contradicts the shared"):
         resolve("--ckpt.interval", "3", "--orchestrator.ckpt.interval", "5")
+
+
+def test_the_preflights_probe_keys_reach_the_orchestrator_which_samples_the_probe():
+    cfg = resolve("--preflight.num-conversations", "2", "--preflight.max-tokens", "8")
+    assert (cfg.orchestrator.preflight.num_conversations, cfg.orchestrator.preflight.max_tokens) == (2, 8)
+    assert resolve().orchestrator.preflight.model_dump() == ProbeConfig().model_dump()  # one source of defaults
+    with pytest.raises(ConfigError, match=r"`orchestrator.preflight.max_tokens` = 4 \(from the command line\) contradicts the shared"):
+        resolve("--preflight.max-tokens", "8", "--orchestrator.preflight.max-tokens", "4")
 
 
 def test_trainer_ranks_follow_the_deployment():
@@ -281,7 +290,8 @@ def test_every_rule_and_shared_key_is_exercised_above():
     assert [r.__name__ for r in DERIVED_RULES] == ["model_options", "nodes", "trainer_ranks", "devices", "inference_servers",
                                                    "inference_device_slices", "exact", "backend", "weight_broadcast", "resume"]
     assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "run.exact", "seq_len", "max_steps",
-                                "output_dir", "seed", "ckpt.enabled", "ckpt.interval", "weight_transport"}
+                                "output_dir", "seed", "ckpt.enabled", "ckpt.interval", "weight_transport",
+                                "preflight.num_conversations", "preflight.max_tokens"}
 
 
 TWO_NODES = ("--deployment.cluster.num-nodes", "2", "--deployment.cluster.hosts", '["a.cluster", "b.cluster"]',

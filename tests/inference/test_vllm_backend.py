@@ -23,14 +23,13 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from tandem.config.inference import InferenceConfig
-from tandem.config.orchestrator import ClientConfig
-from tandem.config.rl import RLConfig
+from tandem.config.orchestrator import ClientConfig, OrchestratorConfig
 from tandem.config.resolve import free_port
 from tandem.config.vllm import TANDEM_SET_FLAGS
 from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv
-from tandem.launch.preflight import sample_conversation
 from tandem.models.byte_tokenizer import build_byte_tokenizer
 from tandem.orchestrator.inference_pool import InferencePool
+from tandem.orchestrator.preflight import sample_conversation
 from tandem.orchestrator.server_dialect import VllmDialect
 from tandem.transport.broadcast_types import update_info_of
 
@@ -193,10 +192,10 @@ def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
                                                 "/update_weights", "/finish_weight_update", "/resume"]
     assert calls[6]["update_info"]["dtype_names"] == ["bfloat16"] and calls[6]["update_info"]["packed"] is True
 
-    # The launcher's preflight samples through the same dialect (vLLM's route, no echoed prompt).
+    # The orchestrator's preflight samples through the same dialect (vLLM's route, no echoed prompt).
     with httpx.Client(timeout=30) as client:
         turns, problems = sample_conversation(client, url, build_byte_tokenizer(), 0,
-                                              RLConfig.model_validate({"inference": {"backend": "vllm"}}))
+                                              OrchestratorConfig.model_validate({"client": {"backend": "vllm"}}))
     assert problems == [] and len(turns) == 2 and turns[1].logprobs[:2] == [-0.5, -1.0]
 
     proc.send_signal(signal.SIGTERM)

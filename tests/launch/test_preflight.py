@@ -1,5 +1,5 @@
-"""The preflight of `tandem rl` on the CPU with the tiny model: a real server over HTTP, the real trainer
-preflight process, real files; mismatch KL, the chat-template prefix check, the memory plan, the report."""
+"""The preflight of `tandem rl` on the CPU with the tiny model: a real server over HTTP, the real orchestrator
+and trainer preflight processes, real files; mismatch KL, the chat-template prefix check, the memory plan, the report."""
 
 from __future__ import annotations
 
@@ -8,17 +8,20 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 
 from tandem.config.resolve import parse_rl_args
 from tandem.inference.server import BackgroundServer
-from tandem.launch import preflight as preflight_module
-from tandem.launch.preflight import run_preflight
-from tandem.launch.process import ManagedProcess, RunFailed
-from tandem.launch.rl import _child_env, _commands, _write_process_configs
+from tandem.launch.preflight import likely_causes
+from tandem.launch.process import RunFailed
+from tandem.launch.rl import _commands, _preflight, _write_process_configs
 from tandem.models.presets import init_model
-from tandem.transport.paths import preflight_dir
+from tandem.orchestrator.preflight import probe, write_probe
+from tandem.orchestrator.tokenizer import load_tokenizer
+from tandem.transport.paths import preflight_dir, probe_file
+from tandem.transport.types import decode_batch
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +29,23 @@ def tiny(tmp_path_factory):
     return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
-def preflight(tiny, out, *extra):
-    """The launcher's preflight step against a server built from the run's inference config."""
-    config = parse_rl_args(["--model.name", str(tiny), "--output-dir", str(out), "--seq-len", "256",
-                            "--orchestrator.batch-size", "8", "--orchestrator.group-size", "4", *extra], environ={})
-    (out / "configs").mkdir(parents=True)
-    (out / "logs").mkdir()
-    argv, devices = _commands(config, _write_process_configs(config))["trainer-preflight"]
-    server = BackgroundServer(config.inference)
+@contextmanager
+def served(tiny, out, *extra):
+    """A server built from the run's inference config, and the run's config resolved with the server's port."""
+    args = ["--model.name", str(tiny), "--output-dir", str(out), "--seq-len", "256", "--orchestrator.batch-size", "8",
+            "--orchestrator.group-size", "4", *extra]
+    server = BackgroundServer(parse_rl_args(args, environ={}).inference)
     try:
-        return run_preflight(config, server.url, lambda: ManagedProcess("preflight", argv, out / "logs" / "preflight.log",
-                                                                         _child_env(devices)))
+        yield parse_rl_args([*args, "--inference.server.port", str(server.port)], environ={})
     finally:
         server.stop()
+
+
+def preflight(tiny, out, *extra):
+    """The launcher's preflight step (its processes, their files, the report) against a real server."""
+    with served(tiny, out, *extra) as config:
+        _preflight(config, _commands(config, _write_process_configs(config)))
+    return json.loads((preflight_dir(out) / "report.json").read_text())
 
 
 class FaithfulText:
@@ -63,33 +70,46 @@ class FaithfulText:
         return self.inner.apply_chat_template(kept, **kwargs)
 
 
-def with_tokenizer(monkeypatch, drop_history: bool) -> None:
-    real = preflight_module.load_tokenizer
-    monkeypatch.setattr(preflight_module, "load_tokenizer", lambda model: FaithfulText(real(model), drop_history))
-
-
-def test_matching_engine_and_trainer_pass_with_a_plan_and_a_table(tiny, tmp_path, monkeypatch, capsys):
-    with_tokenizer(monkeypatch, drop_history=False)
+def test_matching_engine_and_trainer_pass_with_a_plan_and_a_table(tiny, tmp_path, capsys):
     report = preflight(tiny, tmp_path)
     # fp32 on both sides: the engine's paged attention and the trainer's SDPA round differently, but barely.
     assert report["kl_ok"] and 0 <= report["mismatch_kl"] < 1e-7
-    assert report["num_turns"] == 8 and report["num_prefix_breaks"] == 0
+    assert report["num_turns"] == 8 and report["num_loss_tokens"] > 0
     memory = report["memory_gib"]
     assert memory["weights"] > 0 and memory["optimizer"] == pytest.approx(2 * memory["weights"])  # AdamW, fp32
     assert memory["engine_share"] == 1.0 and memory["fits"] and memory["device_total"] > memory["process_peak"] > 0
     overlap = report["overlap"]
     assert overlap["step_async_s"] == pytest.approx(max(overlap["t_generate_s"], overlap["t_train_s"]))
     saved = preflight_dir(tmp_path)
-    assert json.loads((saved / "report.json").read_text())["mismatch_kl"] == report["mismatch_kl"]
-    assert "chat-template prefix breaks  0 of 8 turns" in (saved / "report.txt").read_text()
+    assert f"chat-template prefix breaks  {report['num_prefix_breaks']} of 8 turns" in (saved / "report.txt").read_text()
     assert "mismatch KL (probe)" in capsys.readouterr().out
+    assert json.loads((saved / "orchestrator.json").read_text())["num_turns"] == 8
 
 
-def test_a_template_that_rewrites_history_is_counted(tiny, tmp_path, monkeypatch):
-    with_tokenizer(monkeypatch, drop_history=True)
-    report = preflight(tiny, tmp_path, "--preflight.num-conversations", "2")
-    assert report["num_turns"] == 4 and report["num_prefix_breaks"] == 2
-    assert any(c.startswith("chat template: 2 of 4 turns") for c in report["likely_causes"])
+def probe_with(tiny, out, drop_history: bool, *extra):
+    """The orchestrator preflight's probe in this process, against a real server, with a tokenizer that
+    round-trips the tiny model's completions (and, with `drop_history`, a template that rewrites history)."""
+    with served(tiny, out, *extra) as config:
+        samples, findings = probe(config.orchestrator, FaithfulText(load_tokenizer(config.orchestrator.model), drop_history))
+        write_probe(config.orchestrator, samples, 0)
+    return config, findings
+
+
+def test_a_template_that_keeps_history_makes_one_sample_per_conversation_packed_for_the_trainer(tiny, tmp_path):
+    _, findings = probe_with(tiny, tmp_path, False, "--deployment.num-trainer-processes", "2")
+    assert findings["num_turns"] == 8 and findings["num_prefix_breaks"] == 0 and findings["num_samples"] == 4
+    assert findings["problems"] == [] and findings["gen_tokens_per_s"] > 0
+    batches = [decode_batch(probe_file(tmp_path, rank).read_bytes()) for rank in range(2)]
+    # every sampled token once, over both ranks' rows; each rank's file carries the global count
+    assert sum(sum(row.loss_mask) for b in batches for row in b.rows) == findings["completion_tokens"]
+    assert [b.num_loss_tokens for b in batches] == [findings["completion_tokens"]] * 2
+
+
+def test_a_template_that_rewrites_history_is_counted(tiny, tmp_path):
+    config, findings = probe_with(tiny, tmp_path, True, "--preflight.num-conversations", "2")
+    assert findings["num_turns"] == 4 and findings["num_prefix_breaks"] == 2 and findings["num_samples"] == 4
+    causes = likely_causes(config, findings, {"dtype": "float32"})
+    assert any(c.startswith("chat template: 2 of 4 turns") for c in causes)
 
 
 def test_a_dtype_mismatch_stops_the_run_naming_it(tiny, tmp_path):
@@ -99,6 +119,16 @@ def test_a_dtype_mismatch_stops_the_run_naming_it(tiny, tmp_path):
     assert "`preflight.max_mismatch_kl` = 1e-07" in str(failed.value)
     assert "dtype: the server computes in bfloat16, the trainer in float32" in str(failed.value)
     assert not json.loads((preflight_dir(tmp_path) / "report.json").read_text())["kl_ok"]
+
+
+def test_a_server_that_does_not_answer_stops_the_orchestrator_preflight_naming_it(tiny, tmp_path):
+    with served(tiny, tmp_path) as config:
+        pass  # stopped: its port now refuses connections
+    with pytest.raises(RunFailed) as failed:
+        _preflight(config, _commands(config, _write_process_configs(config)))
+    assert "`tandem orchestrator-preflight` failed (exit code 1)" in str(failed.value)
+    assert config.orchestrator.client.base_urls[0] in str(failed.value)
+    assert not (preflight_dir(tmp_path) / "trainer.json").exists()
 
 
 @pytest.mark.slow
