@@ -12,11 +12,12 @@ from tandem.config.loader import _models_in
 from tandem.config.resolve import inference_server_name, process_configs
 from tandem.config.deployment import DeploymentConfig
 from tandem.config.rl import RLConfig
+from tandem.config.secret import redacted_dump
 
 
 def to_toml(config: BaseModel) -> str:
-    """The config as TOML; `None` values are left out (TOML has no null)."""
-    return tomli_w.dumps(_drop_none(config.model_dump(mode="json")))
+    """The config as TOML, secrets redacted (`tandem.config.secret`); `None` values are left out (TOML has no null)."""
+    return tomli_w.dumps(_drop_none(redacted_dump(config)))
 
 
 def dump_process_configs(config: ProcessConfig) -> str:

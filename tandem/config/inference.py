@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tandem.config.base import ProcessConfig, Section
+from tandem.config.secret import Secret
 from tandem.config.vllm import VllmConfig
 
 
@@ -17,8 +18,9 @@ class ServerConfig(Section):
     port: int = 8000
     """TCP port of the OpenAI-compatible API; under `tandem rl`, 0 picks a free port when the run is resolved."""
 
-    api_key: str | None = None
-    """When set, every request but `GET /health` must carry `Authorization: Bearer <api_key>`."""
+    api_key: Secret = None
+    """When set, every request but `GET /health` must carry `Authorization: Bearer <api_key>`. A secret: redacted
+    wherever tandem writes or prints a config."""
 
     access_log: bool = False
     """Log one line per HTTP request (an RL run sends thousands; off keeps the log readable)."""

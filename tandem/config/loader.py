@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from tandem.config.secret import REDACTED, is_secret, secrets_of
 
 ENV_PREFIX = "TANDEM_"
 
@@ -99,13 +103,35 @@ def _check_boolean_flag(config_cls: type[BaseModel], key: str, flag: str) -> Non
 
 def _annotations_at(model: type[BaseModel], key: str) -> list[Any]:
     """The type annotations of dotted `key` in `model`, one per union variant that has it."""
+    return [f.annotation for f in _fields_at(model, key)]
+
+
+def _fields_at(model: type[BaseModel], key: str) -> list[FieldInfo]:
+    """The fields of dotted `key` in `model`, one per union variant that has it."""
     models, parts = [model], key.split(".")
     for depth, part in enumerate(parts):
         fields = [m.model_fields[part] for m in models if part in m.model_fields]
         if depth == len(parts) - 1:
-            return [f.annotation for f in fields]
+            return fields
         models = [sub for f in fields for sub in _models_in(f.annotation)]
     return []
+
+
+def shown(config_cls: type[BaseModel], key: str, value: Any) -> Any:
+    """`value` of dotted `key` as a message may show it: `REDACTED` for a secret (`tandem.config.secret`)."""
+    return REDACTED if any(is_secret(f) for f in _fields_at(config_cls, key)) else value
+
+
+def env_name(key: str) -> str:
+    """The environment variable that sets dotted `key` (`server.api_key`: `TANDEM_SERVER__API_KEY`)."""
+    return ENV_PREFIX + key.replace(".", "__").upper()
+
+
+def secret_env(config: BaseModel) -> dict[str, str]:
+    """The environment variables that give a process of root config `config` its secrets, each value a TOML
+    string (variables are read as TOML literals: `"123"` stays the string it is)."""
+    return {env_name(key): tomli_w.dumps({"v": value}).removeprefix("v = ").rstrip("\n")
+            for key, value in secrets_of(config).items()}
 
 
 def _split_if_list(config_cls: type[BaseModel], key: str, value: Any) -> Any:
@@ -177,7 +203,7 @@ def _explain(config_cls: type[BaseModel], data: dict[str, Any], sources: dict[st
         return f"unknown key `{key}`{where}{hint}"
     if error["type"] == "missing":
         return f"missing required key `{key}`{where}"
-    return f"invalid value for `{key}`{where}: {value!r}: {error['msg']}"
+    return f"invalid value for `{key}`{where}: {shown(config_cls, key, value)!r}: {error['msg']}"
 
 
 def _key_of(data: dict[str, Any], loc: tuple) -> tuple[str, Any]:

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, PrometheusConfig, Section
 from tandem.config.inference import ServerConfig
+from tandem.config.secret import Secret
 from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
 
@@ -24,8 +25,9 @@ class ClientConfig(Section):
     """What serves `base_urls` (`inference.backend`; `tandem rl` sets it): their token-in routes and
     how they report policy versions differ (`tandem/orchestrator/server_dialect.py`)."""
 
-    api_key: str | None = None
-    """Sent as `Authorization: Bearer <api_key>` when set (the server's `server.api_key`)."""
+    api_key: Secret = None
+    """Sent as `Authorization: Bearer <api_key>` when set (the server's `server.api_key`). A secret: redacted
+    wherever tandem writes or prints a config."""
 
     timeout_s: float = 600.0
     """Limit of one HTTP request; a long CPU generation must fit in it."""

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from tandem.config.base import ModelConfig, ProcessConfig
-from tandem.config.loader import ConfigError, RawConfig, read_args, validate
+from tandem.config.loader import ConfigError, RawConfig, read_args, shown, validate
 from tandem.config.rl import RLConfig
 from tandem.transport.paths import common_checkpoint_steps, complete_checkpoint_steps
 
@@ -390,8 +390,8 @@ def _apply(data: dict[str, Any], sources: dict[str, str], derived: Derived, fix:
         return
     if leaf in section and section[leaf] != derived.value and section[leaf] != derived.placeholder:
         where = f" (from {sources[derived.key]})" if derived.key in sources else ""
-        raise ConfigError(f"`{derived.key}` = {section[leaf]!r}{where} contradicts {derived.because}, which makes it "
-                          f"{derived.value!r}: {fix}")
+        raise ConfigError(f"`{derived.key}` = {shown(RLConfig, derived.key, section[leaf])!r}{where} contradicts "
+                          f"{derived.because}, which makes it {shown(RLConfig, derived.key, derived.value)!r}: {fix}")
     _write(data, sources, derived)
 
 

@@ -22,7 +22,7 @@ from tandem.inference.weight_transfer_api import receive_update
 from tandem.models.weights import load_state_dict
 
 public = APIRouter()
-"""Routes served without the API key."""
+"""Routes served without the API key (`api_key.OPEN_PATHS`), so their operations declare no 401."""
 router = APIRouter()
 
 

@@ -8,7 +8,9 @@ These models are the API's schema: FastAPI generates `/openapi.json` from them, 
 server enforces is a constraint here (numbers finite, counts bounded, strings and lists non-empty
 where the engine needs them), and the document states what the server accepts. What no JSON Schema
 can say (a prompt plus `max_tokens` within the context, token ids below the vocabulary size) the
-engine checks and reports with the field's name.
+engine checks and reports with the field's name; the fields those bounds apply to carry a mark
+(`BELOW_VOCAB_SIZE`, `WITHIN_CONTEXT`) from which the document states them with the served model's numbers
+(`tandem.inference.openapi`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ from tandem.inference.errors import BODY_FORMS
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
+
+
+BELOW_VOCAB_SIZE = "x-below-vocab-size"
+"""Schema key marking token ids that must be below the served model's vocabulary size."""
+
+WITHIN_CONTEXT = "x-within-context"
+"""Schema key marking what counts toward the served model's context: prompt tokens plus completion tokens."""
 
 
 def _integral(value: Any) -> Any:
@@ -79,7 +88,8 @@ def token_ids(min_length: int) -> Any:
 
     fail_fast: a union tries each member, and a long list must not collect an error per id for each.
     """
-    return Annotated[list[Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]], Field(min_length=min_length, fail_fast=True),
+    return Annotated[list[Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]],
+                     Field(min_length=min_length, fail_fast=True, json_schema_extra={BELOW_VOCAB_SIZE: True}),
                      WrapValidator(_integral_items)]
 
 
@@ -107,7 +117,7 @@ def neutral_only(kind: Any, neutral: Any) -> Any:
 
 class SamplingFields(Body):
     n: integer(1, 256) = 1
-    max_tokens: integer(ge=1) | None = None
+    max_tokens: integer(ge=1) | None = Field(None, json_schema_extra={WITHIN_CONTEXT: True})
     """Unset: whatever context is left after the prompt."""
     temperature: Temperature | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -155,7 +165,8 @@ class CompletionRequest(SamplingFields):
     prompt: (Annotated[str, Field(min_length=1)]
              | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, fail_fast=True)]
              | token_ids(1)
-             | Annotated[list[token_ids(1)], Field(min_length=1, fail_fast=True)])
+             | Annotated[list[token_ids(1)], Field(min_length=1, fail_fast=True)]) = Field(
+        json_schema_extra={WITHIN_CONTEXT: True})
     """A text, texts, token ids, or lists of token ids; each one a prompt."""
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -207,12 +218,12 @@ class ChatCompletionRequest(SamplingFields):
         "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={WITHIN_CONTEXT: True})
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     """`required` and named tool choice need constrained decoding, which tandem does not do."""
     parallel_tool_calls: bool = True
-    max_completion_tokens: integer(ge=1) | None = None
+    max_completion_tokens: integer(ge=1) | None = Field(None, json_schema_extra={WITHIN_CONTEXT: True})
     """Takes precedence over the older `max_tokens`."""
     logprobs: bool = False
     top_logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
@@ -241,7 +252,7 @@ class ChatCompletionRequest(SamplingFields):
 class GenerateRequest(SamplingFields):
     """`POST /v1/generate`: token ids in, token ids and logprobs out (no re-tokenization)."""
 
-    prompt_token_ids: token_ids(1)
+    prompt_token_ids: token_ids(1) = Field(json_schema_extra={WITHIN_CONTEXT: True})
     model: str | None = None
     return_routed_experts: bool = False
     """Add `routed_experts` to each choice: per completion token, [MoE layer][k] the expert ids that sampled

@@ -1,6 +1,8 @@
 """`tandem rl --k8s`: the Kubernetes objects of a run, one role per workload.
 
-- a ConfigMap with each process's resolved config, mounted at `/config`;
+- a ConfigMap with each process's resolved config, mounted at `/config` (secrets redacted);
+- a Secret holding the secrets those configs lack (`tandem.config.secret`), when the run has any: each
+  container gets those of its process as the environment variables that override its config file;
 - a ReadWriteMany volume claim for the run folder, mounted in every pod at the run folder's path
   (under the working directory `/workspace` when it is relative), so the configs need no rewriting;
 - the inference servers: a StatefulSet behind a headless Service, so that pod j is
@@ -21,8 +23,10 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from tandem.config.dump import to_toml
+from tandem.config.loader import secret_env
 from tandem.config.resolve import PROCESSES, cluster_hosts
 from tandem.config.rl import RLConfig
+from tandem.config.secret import REDACTED
 from tandem.launch.torchrun import trainer_argv
 
 WORKDIR = PurePosixPath("/workspace")
@@ -41,6 +45,9 @@ def render_manifests(config: RLConfig) -> list[dict[str, Any]]:
 
     configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("config"),
                  "data": {f"{p}.toml": to_toml(getattr(config, p)) for p in PROCESSES}}
+    values = {_secret_key(p, name): value for p in PROCESSES for name, value in secret_env(getattr(config, p)).items()}
+    secret = [{"apiVersion": "v1", "kind": "Secret", "metadata": meta("secrets"), "type": "Opaque",
+               "stringData": values}] if values else []
     claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": k8s.storage}}}
     if k8s.storage_class:
         claim_spec["storageClassName"] = k8s.storage_class
@@ -63,11 +70,22 @@ def render_manifests(config: RLConfig) -> list[dict[str, Any]]:
     orchestrator = _job(config, "orchestrator", meta("orchestrator"), 1, _tandem("orchestrator"), ports=[], gpus=0)
     services = [_headless_service(config, meta(role), role, p) for role, p in
                 (("inference", port), ("trainer", cluster.rendezvous_port))]
-    return [configmap, claim, *services, inference, trainer, orchestrator]
+    return [configmap, *secret, claim, *services, inference, trainer, orchestrator]
 
 
 def to_documents(objects: list[dict[str, Any]]) -> str:
     return "".join(f"---\n{json.dumps(obj, indent=2)}\n" for obj in objects)
+
+
+def redacted(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`objects` as they may be shown: each value of a Secret replaced by `REDACTED`."""
+    return [{**obj, "stringData": dict.fromkeys(obj["stringData"], REDACTED)} if obj["kind"] == "Secret" else obj
+            for obj in objects]
+
+
+def _secret_key(process: str, variable: str) -> str:
+    """The key of the run's Secret that holds environment variable `variable` of `process`."""
+    return f"{process}.{variable}"
 
 
 def _labels(config: RLConfig, role: str) -> dict[str, str]:
@@ -92,7 +110,10 @@ def _pod(config: RLConfig, role: str, command: list[str], restart: str, ports: l
     run_path = WORKDIR / config.run_dir.as_posix()
     container: dict[str, Any] = {
         "name": role, "image": k8s.image, "command": command, "workingDir": str(WORKDIR),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
+                *({"name": variable, "valueFrom": {"secretKeyRef": {"name": k8s.object_name(config.run.name, "secrets"),
+                                                                     "key": _secret_key(role, variable)}}}
+                  for variable in secret_env(getattr(config, role)))],
         "ports": [{"containerPort": p} for p in ports],
         "volumeMounts": [{"name": "config", "mountPath": str(CONFIG_DIR), "readOnly": True},
                          {"name": "run", "mountPath": str(run_path)}],

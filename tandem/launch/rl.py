@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from tandem.config.dump import to_toml
+from tandem.config.loader import secret_env
 from tandem.config.resolve import cluster_hosts, inference_server_name, process_configs
 from tandem.config.rl import RLConfig
 from tandem.launch.hang import HangWatch
@@ -93,7 +94,7 @@ def _holds_results(path: Path) -> bool:
 
 def _write_process_configs(config: RLConfig) -> dict[str, Path]:
     """Write the resolved config of each process (each inference server included), and the whole RL
-    config, under `configs/`."""
+    config, under `configs/`; secrets redacted: each process gets them in its environment (`_process_env`)."""
     paths = {}
     for name, process_config in process_configs(config).items():
         paths[name] = config.run_dir / "configs" / f"{name}.toml"
@@ -118,6 +119,13 @@ def _child_env(cuda_devices: list[int] | None) -> dict[str, str]:
         ids = seen.split(",") if seen else None
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[d] if ids else str(d) for d in cuda_devices)
     return env
+
+
+def _process_env(config: RLConfig, name: str, cuda_devices: list[int] | None) -> dict[str, str]:
+    """`_child_env` and the secrets of the config that process `name` reads (a preflight reads its process's),
+    which its file holds redacted (`tandem.config.secret`)."""
+    reads = process_configs(config).get(name.removesuffix("-preflight"))
+    return {**_child_env(cuda_devices), **(secret_env(reads) if reads is not None else {})}
 
 
 def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[list[str], list[int] | None]]:
@@ -227,7 +235,7 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
     together = _starts_together(config)
     for name in (n for role in roles for n in (urls if role == "inference" else [role])):
         argv, devices = commands[name]
-        procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _child_env(devices))
+        procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _process_env(config, name, devices))
         atomic_write_text(logs / f"pids{suffix}.json", json.dumps({n: p.pid for n, p in procs.items()}))
         if name in urls:
             log.info("starting inference server %s (%s)", name, urls[name])
@@ -334,7 +342,7 @@ def _preflight(config: RLConfig, commands: dict[str, tuple[list[str], list[int] 
 
     def start(name: str) -> ManagedProcess:
         argv, devices = commands[name]
-        started.append(ManagedProcess(name, argv, config.run_dir / "logs" / f"{name}.log", _child_env(devices)))
+        started.append(ManagedProcess(name, argv, config.run_dir / "logs" / f"{name}.log", _process_env(config, name, devices)))
         return started[-1]
 
     try:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import numbers
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
 from tandem.config.rl import RLConfig
+from tandem.config.secret import redacted_dump, secrets_of
 from tandem.monitor.progress import MetricsFollower
 from tandem.transport.files import atomic_write_text
 from tandem.transport.paths import rollouts_dir
@@ -42,11 +44,14 @@ class WandbMirror:
         self.settings = config.wandb
         self.metrics = MetricsFollower(self.run_dir)
         run_id, resumed = self._run_id(config.resume)
+        # W&B's metadata of a run holds this process's command line: not when a secret is on it (a flag's value).
+        secret_on_command_line = any(value in " ".join(sys.argv) for value in secrets_of(config).values())
         self.run = wandb.init(
             project=self.settings.project, entity=self.settings.entity, name=self.settings.name or config.run.name,
             group=self.settings.group, tags=self.settings.tags or None, mode=self.settings.mode, dir=self.run_dir,
-            id=run_id, resume="allow", config=config.model_dump(mode="json"),
-            settings=wandb.Settings(console="off", quiet=True, disable_git=True, save_code=False),
+            id=run_id, resume="allow", config=redacted_dump(config),
+            settings=wandb.Settings(console="off", quiet=True, disable_git=True, save_code=False,
+                                    x_disable_meta=secret_on_command_line),
         )
         for process in ("orchestrator", "trainer"):
             self.run.define_metric(f"{process}/step")

@@ -1,10 +1,11 @@
 """Schemathesis hooks of `test_fuzz.py` (loaded by `st run` through SCHEMATHESIS_HOOKS).
 
 Schema-valid (positive) requests name the served model, so that they reach the engine instead of a 404, and
-are kept only if the model takes them: their chat template accepts the messages, their token ids are in the
-vocabulary, their prompt and completion fit the context, and they ask for routed experts only of a
-mixture of experts (the fuzzed model is dense). These rules are the model's (its template, tokenizer
-and size), which no JSON Schema of the API can state. Negative requests are left exactly as generated.
+are kept only if the model takes them: their chat template accepts the messages, their token ids (prompts and
+`stop_token_ids`) are in the vocabulary, their prompt and completion fit the context, and they ask for routed
+experts only of a mixture of experts (the fuzzed model is dense). These rules are the model's (its template,
+tokenizer and size), which no JSON Schema of the API can state (the document's descriptions do). Negative
+requests are left exactly as generated.
 
 One exclusion: a valid `POST /init_weight_transfer_engine` is never sent. It joins a torch.distributed group and
 waits, up to `server.weight_transfer_timeout_s` (300 s), for the trainer at `init_info.master_address`, which an
@@ -69,7 +70,8 @@ def filter_case(context, case) -> bool:
         except APIError:
             return False  # the model's chat template refuses these messages: its rules are no JSON Schema's
         max_tokens = body.max_completion_tokens or body.max_tokens
-    return all(max(p) < len(TOKENIZER) and len(p) + (max_tokens or 1) <= MAX_MODEL_LEN for p in prompts)
+    token_ids = [t for p in prompts for t in p] + list(body.stop_token_ids or ())
+    return max(token_ids) < len(TOKENIZER) and all(len(p) + (max_tokens or 1) <= MAX_MODEL_LEN for p in prompts)
 
 
 def joins_a_group(body) -> bool:

@@ -26,7 +26,7 @@ from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import ClientConfig, OrchestratorConfig
 from tandem.config.resolve import free_port
 from tandem.config.vllm import TANDEM_SET_FLAGS
-from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv
+from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv, serve_env
 from tandem.models.byte_tokenizer import build_byte_tokenizer
 from tandem.orchestrator.inference_pool import InferencePool
 from tandem.orchestrator.preflight import sample_conversation
@@ -55,13 +55,14 @@ def test_tandem_keys_map_onto_vllm_flags():
     assert pairs["--served-model-name"] == "/models/qwen3" and pairs["--dtype"] == "bfloat16"
     assert pairs["--gpu-memory-utilization"] == "0.4" and pairs["--max-model-len"] == "2048"
     assert pairs["--max-num-seqs"] == "32" and pairs["--seed"] == "5" and pairs["--port"] == "8123"
-    assert pairs["--tensor-parallel-size"] == "2" and pairs["--api-key"] == "k"
+    assert pairs["--tensor-parallel-size"] == "2"
+    assert "--api-key" not in argv and serve_env(config)["VLLM_API_KEY"] == "k"  # a command line is public (`ps`)
     assert json.loads(pairs["--weight-transfer-config"]) == {"backend": "nccl"}
     assert pairs["--logprobs-mode"] == "processed_logprobs"  # log_softmax(logits / T), as tandem's engine reports
     assert "--no-enable-prefix-caching" in argv and "--no-trust-remote-code" in argv
     assert "--disable-uvicorn-access-log" in argv  # `server.access_log` = false: no line per request
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and "--enforce-eager" in argv
-    assert set(mapped_flags(config)) == TANDEM_SET_FLAGS  # every flag tandem sets is refused as a pass-through
+    assert {*mapped_flags(config), "api_key"} == TANDEM_SET_FLAGS  # every flag tandem sets is refused as a pass-through
 
 
 def test_pass_through_errors_name_the_key():

@@ -124,6 +124,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", "prompt")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"`stop_token_ids` must be in [0, {self.vocab_size}), got {bad[:5]}", "stop_token_ids")
         if params.return_routed_experts and self.runner.recorder is None:
             raise InvalidRequest("`return_routed_experts` needs a mixture-of-experts model served by the paged engine",
                                  "return_routed_experts")

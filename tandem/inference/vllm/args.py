@@ -2,9 +2,10 @@
 
 Mapped keys: `model.name` (served under that name too), `model.dtype` (`auto` is bfloat16, as on
 tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `engine.max_model_len`,
-`engine.max_num_seqs`, `seed`, `server.host`/`port`/`api_key`/`access_log`, `vllm.tensor_parallel_size`,
-`vllm.enable_prefix_caching`; the weight-transfer engine is always on (NCCL), so either weight
-transport can drive the server; logprobs are always `processed_logprobs`. Anything else goes through
+`engine.max_num_seqs`, `seed`, `server.host`/`port`/`access_log`, `vllm.tensor_parallel_size`,
+`vllm.enable_prefix_caching`; `server.api_key` goes through the environment (`serve_env`). The weight-transfer
+engine is always on (NCCL), so either weight transport can drive the server; logprobs are always
+`processed_logprobs`. Anything else goes through
 `vllm.extra_args`. Flag names and forms checked against vLLM 0.26's `EngineArgs.add_cli_args`
 (`vllm/engine/arg_utils.py`; booleans are `BooleanOptionalAction`s, so `--no-x` exists) and
 `FrontendArgs` (`vllm/entrypoints/openai/cli_args.py`).
@@ -52,9 +53,14 @@ def mapped_flags(config: InferenceConfig) -> dict[str, str | bool]:
     }
     if engine.max_model_len is not None:
         flags["max_model_len"] = str(engine.max_model_len)
-    if config.server.api_key is not None:
-        flags["api_key"] = config.server.api_key
     return flags
+
+
+def serve_env(config: InferenceConfig) -> dict[str, str]:
+    """The variables `vllm serve` needs besides the caller's: dev mode, and the API key as `VLLM_API_KEY`, which
+    vLLM reads when `--api-key` is absent: a command line is visible to every user of the machine (`ps`)."""
+    key = config.server.api_key
+    return {**DEV_MODE_ENV, **({"VLLM_API_KEY": key} if key is not None else {})}
 
 
 def check_extra_args(config: InferenceConfig, known_flags: set[str]) -> None:

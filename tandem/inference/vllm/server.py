@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from tandem.config.inference import InferenceConfig
-from tandem.inference.vllm.args import DEV_MODE_ENV, SUPPORTED_VERSION, check_extra_args, flags_in_help, serve_argv
+from tandem.inference.vllm.args import SUPPORTED_VERSION, check_extra_args, flags_in_help, serve_argv, serve_env
 
 TAIL_LINES = 30
 """Lines of vLLM's output quoted when it fails."""
@@ -57,7 +57,7 @@ def known_flags(command: list[str]) -> set[str]:
 
 def run_vllm(command: list[str], config: InferenceConfig) -> int:
     """Run `vllm serve` until it exits or this process is told to stop; returns its exit code."""
-    proc = subprocess.Popen([*command, "serve", *serve_argv(config)], env={**os.environ, **DEV_MODE_ENV},
+    proc = subprocess.Popen([*command, "serve", *serve_argv(config)], env={**os.environ, **serve_env(config)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True, errors="replace")
 
