@@ -1,5 +1,5 @@
 """A random mixed step over a paged cache, and dense float64 attention over it: what the Triton kernels
-(`tests/kernels/test_attention.py`) and the torch reference (`tests/inference/test_paged_attention.py`) are checked
+(`tests/kernels/test_paged_attention_kernels.py`) and the torch reference (`tests/inference/test_paged_attention.py`) are checked
 against."""
 
 from __future__ import annotations

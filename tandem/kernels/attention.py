@@ -24,7 +24,7 @@ seq_len 0 (CUDA-graph padding) attends to nothing and outputs zeros. Query token
 sequence with q_len tokens and context c sits at position c - q_len + j and sees keys <= it.
 
 Reference: `tandem.inference.engine.paged_attention.reference_attention` (the torch path); both equal dense attention.
-Tests: `tests/kernels/test_attention.py`; exact mode's `attend_each_token`: `tests/kernels/test_batch_invariant.py`.
+Tests: `tests/kernels/test_paged_attention_kernels.py`; exact mode's `attend_each_token`: `tests/kernels/test_batch_invariant.py`.
 """
 
 from __future__ import annotations

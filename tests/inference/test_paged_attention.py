@@ -1,5 +1,5 @@
 """Paged attention's torch reference (`reference_attention`, the CPU path) against plain softmax attention. The
-Triton kernels are checked against the same dense attention in `tests/kernels/test_attention.py`."""
+Triton kernels are checked against the same dense attention in `tests/kernels/test_paged_attention_kernels.py`."""
 
 import pytest
 import torch
