@@ -68,6 +68,8 @@ def read_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, s
         elif key.startswith("no-"):
             key, value, i = key[3:], False, i + 1
             _check_boolean_flag(config_cls, _normalize(key), arg)
+        elif i + 1 < len(argv) and argv[i + 1].startswith("@") and _is_boolean_key(config_cls, _normalize(key)):
+            value, i = True, i + 1  # `--resume @ more.toml`: the flag, then a file; never the file's content as its value
         elif i + 1 < len(argv) and argv[i + 1] == "@" and i + 2 < len(argv):
             path = argv[i + 2]
             overrides.append((_normalize(key), load_toml(Path(path)), path))
@@ -99,6 +101,12 @@ def _check_boolean_flag(config_cls: type[BaseModel], key: str, flag: str) -> Non
     if annotations and not any(_allows_bool(a) for a in annotations):
         raise ConfigError(f"flag `{flag}` (from the command line) has no value, but `{key}` is not a boolean key: "
                           f"write `{flag.replace('--no-', '--', 1)} VALUE`")
+
+
+def _is_boolean_key(config_cls: type[BaseModel], key: str) -> bool:
+    """Whether dotted `key` takes a boolean and nothing a file could give (a section)."""
+    annotations = _annotations_at(config_cls, key)
+    return bool(annotations) and all(_allows_bool(a) and not _models_in(a) for a in annotations)
 
 
 def _annotations_at(model: type[BaseModel], key: str) -> list[Any]:

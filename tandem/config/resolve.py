@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from tandem.config.base import ModelConfig, ProcessConfig
-from tandem.config.loader import ConfigError, RawConfig, read_args, shown, validate
+from tandem.config.loader import ConfigError, RawConfig, parse_args, read_args, shown, validate
 from tandem.config.rl import RLConfig
-from tandem.transport.paths import common_checkpoint_steps, complete_checkpoint_steps
+from tandem.config.sft import SFTConfig
+from tandem.models.hub import is_hub_name
+from tandem.transport.paths import common_checkpoint_steps, complete_checkpoint_steps, final_weights_dir, weights_dir
 
 PROCESSES = ("inference", "orchestrator", "trainer")
 """The sections of `RLConfig` that are process configs."""
@@ -298,6 +300,45 @@ def resume(config: RLConfig, machine: Machine) -> list[Derived]:
                   for name in processes if common]
 
 
+def starting_model(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`model.name` is a model folder that exists, a hub name (`org/model`: no such path, one `/`, fetched at
+    start), or what the SFT warm-up (`warmup.sft`, one node only) leaves: `weights/final` (or its target,
+    `weights/step_<max_steps>`) under the SFT config's `output_dir`. Under `--slurm` and `--k8s`, each node checks
+    at its start. It decides no value."""
+    name = config.model.name
+    if config.deployment.launcher != "local" or Path(name).expanduser().exists():
+        return []
+    sft = warmup_sft(config)
+    if sft is None:
+        if is_hub_name(name):
+            return []
+        raise ConfigError(f"`model.name` = {name!r} is no folder and no hub name (org/model): correct it, or set "
+                          "`warmup.sft` to an SFT config that writes it")
+    if config.deployment.cluster.num_nodes > 1:
+        raise ConfigError(f"`model.name` = {name!r} does not exist, and a run of several nodes (`deployment.cluster."
+                          "num_nodes`) does not run the warm-up (`warmup.sft`): run it first on one node (`tandem sft`, or "
+                          "a one-node `tandem rl`)")
+    final = final_weights_dir(sft.run_dir)
+    if _normalized(name) not in (_normalized(final), _normalized(weights_dir(sft.run_dir, sft.max_steps))):
+        raise ConfigError(f"`model.name` = {name!r} does not exist, and the warm-up `warmup.sft` = {str(config.warmup.sft)!r} "
+                          f"does not write it: its result is {final}; correct `model.name`")
+    return []
+
+
+def warmup_sft(config: RLConfig) -> SFTConfig | None:
+    """The SFT config `warmup.sft` names (its own file alone: `TANDEM_*` variables are the RL run's), or None."""
+    if config.warmup.sft is None:
+        return None
+    try:
+        return parse_args(SFTConfig, ["@", str(config.warmup.sft)], environ={})
+    except ConfigError as err:
+        raise ConfigError(f"`warmup.sft` = {str(config.warmup.sft)!r}: {err}") from None
+
+
+def _normalized(path: str | Path) -> str:
+    return os.path.normpath(os.path.abspath(Path(path).expanduser()))
+
+
 def exact(config: RLConfig, machine: Machine) -> list[Derived]:
     """`run.exact = true` needs what can compute batch-invariantly, on both sides: the `tandem` backend (vLLM's
     kernels are not batch-invariant) and a model native to tandem (a `model_type` that falls back to transformers
@@ -335,7 +376,7 @@ def model_options(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 DERIVED_RULES: tuple[Rule, ...] = (model_options, nodes, trainer_ranks, devices, inference_servers,
-                                   inference_device_slices, exact, backend, weight_broadcast, resume)
+                                   inference_device_slices, starting_model, exact, backend, weight_broadcast, resume)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 
 

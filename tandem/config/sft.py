@@ -48,8 +48,14 @@ class SFTConfig(TrainingProcessConfig):
     eval: EvalConfig = EvalConfig()
     """Eval loss."""
 
+    clean: bool = False
+    """Delete an earlier run in `output_dir` before starting. A folder that holds one is refused unless this
+    or `ckpt.resume` (continue it) is set."""
+
     @model_validator(mode="after")
     def _check_eval(self) -> "SFTConfig":
         if self.eval.interval and self.data.eval_path is None and self.data.eval_fraction == 0:
             raise ValueError("`eval.interval` is set but there is no eval data: set `data.eval_path` or `data.eval_fraction`")
+        if self.clean and self.ckpt.resume:
+            raise ValueError("`clean` and `ckpt.resume` exclude each other: choose one")
         return self

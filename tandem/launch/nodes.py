@@ -96,7 +96,7 @@ class PeerWatch:
             if seen.joined:
                 seen.state, seen.reason = record["state"], record["reason"]
 
-    def wait_joined(self, timeout_s: float, on_wait=lambda: None) -> None:
+    def wait_joined(self, timeout_s: float) -> None:
         """Return once every peer is beating; RunFailed naming the absent ones after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -108,7 +108,6 @@ class PeerWatch:
                 raise RunFailed(f"{', '.join(self.name(r) for r in missing)} did not join within {timeout_s:g} s "
                                 f"(`deployment.cluster.join_timeout_s`); is `tandem rl` running there with that "
                                 f"`deployment.cluster.node_rank`, and is the run folder shared?")
-            on_wait()
             time.sleep(BEAT_INTERVAL_S / 2)
 
     def problem(self) -> str | None:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -30,33 +28,32 @@ from tandem.config.dump import to_toml
 from tandem.config.loader import secret_env
 from tandem.config.resolve import cluster_hosts, inference_server_name, process_configs
 from tandem.config.rl import RLConfig
+from tandem.config.run_folder import remove_run, results_in
 from tandem.launch.hang import HangWatch
 from tandem.launch.nodes import Beacon, PeerWatch, Peers
 from tandem.launch.process import ManagedProcess, RunFailed
 from tandem.launch.resume import cut_run_records
 from tandem.launch.torchrun import trainer_argv
-from tandem.launch.warmup import run_warmup
+from tandem.launch.warmup import plan_warmup, run_warmup
 from tandem.monitor.logging import setup_logging
 from tandem.monitor.progress import ProgressPrinter
 from tandem.monitor.report import summarize, write_report
+from tandem.monitor.stop_signals import Stopped, held_signals, stops_cleanly
 from tandem.monitor.wandb_run import WandbMirror
 from tandem.transport.files import atomic_write_text
 
-RESULT_MARKERS = ("metrics.jsonl", "weights", "rollouts", "checkpoints")
 
-
+@stops_cleanly("rl")
 def main(config: RLConfig) -> int:
     log = setup_logging("launch")
     run_dir = config.run_dir
     try:
+        warmup = plan_warmup(config)  # every folder checked before anything is removed, written or started
         _check_run_folder(config)
         if config.resume:
             _cut_to_checkpoint(run_dir, config.trainer.ckpt.resume_step or 0, log)
-        if not Path(config.model.name).exists() and config.warmup.sft is not None:
-            if config.deployment.cluster.num_nodes > 1:
-                raise RunFailed(f"the starting model {config.model.name} does not exist: a multi-node run does not run the "
-                                "SFT warm-up; run it first on one node (`tandem sft`, or a one-node `tandem rl`)")
-            run_warmup(config, log)
+        if warmup is not None:
+            run_warmup(config, warmup, log)
         configs = _write_process_configs(config)
         return _run(config, configs, log)
     except RunFailed as err:
@@ -67,14 +64,12 @@ def main(config: RLConfig) -> int:
 
 
 def _check_run_folder(config: RLConfig) -> None:
-    """Refuse or clean an earlier run's results; only node 0 does, the other nodes share its folder."""
+    """Refuse or clean an earlier run (`tandem.config.run_folder`); only node 0 does, the other nodes share its folder."""
     run_dir = config.run_dir
     is_first_node = config.deployment.cluster.node_rank == 0
-    has_results = [m for m in RESULT_MARKERS if _holds_results(run_dir / m)] if is_first_node else []
+    has_results = results_in(run_dir) if is_first_node else []
     if has_results and config.clean:
-        for marker in RESULT_MARKERS + ("logs", "configs", "report.html", "preflight"):
-            path = run_dir / marker
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        remove_run(run_dir)
     elif has_results and not config.resume:
         raise RunFailed(f"{run_dir} already holds a run ({', '.join(has_results)}); pass --resume to continue it or --clean to start over")
     for sub in ("configs", "logs"):
@@ -86,10 +81,6 @@ def _cut_to_checkpoint(run_dir: Path, step: int, log) -> None:
     without one) are recomputed: remove them first."""
     removed = cut_run_records(run_dir, step)
     log.info("resuming after step %d%s", step, f"; removed the stopped run's later records: {', '.join(removed)}" if removed else "")
-
-
-def _holds_results(path: Path) -> bool:
-    return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
 def _write_process_configs(config: RLConfig) -> dict[str, Path]:
@@ -151,21 +142,15 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
     """Start this node's processes and watch them (and, on several nodes, the other nodes) to the end."""
     cluster = config.deployment.cluster
     roles = cluster.roles(cluster.node_rank)
-    stop_signal: list[int] = []
-
-    def on_signal(signum, frame):
-        stop_signal.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     peers: Peers | None = None
     procs: dict[str, ManagedProcess] = {}
     mirror: WandbMirror | None = None
     try:
-        peers = _join(config, stop_signal, log) if cluster.num_nodes > 1 else None
+        peers = _join(config, log) if cluster.num_nodes > 1 else None
         mirror = _wandb_mirror(config, roles)
-        if _start(config, configs, roles, procs, stop_signal, log):
+        if _start(config, configs, roles, procs, log):
             return 0  # `preflight_only`: the preflight ran and passed
-        _watch(config, procs, peers, stop_signal, mirror)
+        _watch(config, procs, peers, mirror)
         if "orchestrator" in roles:
             report = write_report(config.run_dir)
             summary = summarize(config.run_dir)
@@ -177,17 +162,16 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
         if peers:
             peers.beacon.close("ended")
         return 0
-    except RunFailed as err:
+    except (RunFailed, Stopped) as err:
         if peers:
             peers.beacon.close("failed", str(err).splitlines()[0])
         raise
     finally:
-        if mirror:
-            mirror.finish(None, None, failed=True)
-        for proc in procs.values():
-            proc.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        with held_signals():  # a signal during the stop (after a failure) lets it end: every process is stopped
+            if mirror:
+                mirror.finish(None, None, failed=True)
+            for proc in procs.values():
+                proc.stop()
 
 
 def _wandb_mirror(config: RLConfig, roles: list[str]) -> WandbMirror | None:
@@ -201,29 +185,23 @@ def _wandb_mirror(config: RLConfig, roles: list[str]) -> WandbMirror | None:
         raise RunFailed(f"W&B logging (`wandb.project` = {config.wandb.project!r}) could not start: {err}") from err
 
 
-def _join(config: RLConfig, stop_signal: list[int], log) -> Peers:
+def _join(config: RLConfig, log) -> Peers:
     """Start this node's heartbeat and wait for every other node's (`deployment.cluster.join_timeout_s`)."""
     cluster = config.deployment.cluster
     hosts = cluster_hosts(config)
     beacon = Beacon(config.run_dir, cluster.rendezvous_id, cluster.node_rank, hosts[cluster.node_rank])
     watch = PeerWatch(config.run_dir, cluster.rendezvous_id, cluster.node_rank, hosts, cluster.peer_timeout_s)
     log.info("node %d of %d (%s): waiting for the other nodes", cluster.node_rank, cluster.num_nodes, hosts[cluster.node_rank])
-
-    def stopped():
-        if stop_signal:
-            raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
-
     try:
-        watch.wait_joined(cluster.join_timeout_s, on_wait=stopped)
-    except RunFailed as err:
+        watch.wait_joined(cluster.join_timeout_s)
+    except (RunFailed, Stopped) as err:
         beacon.close("failed", str(err))
         raise
     log.info("all %d nodes joined", cluster.num_nodes)
     return Peers(beacon, watch)
 
 
-def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: dict[str, ManagedProcess],
-           stop_signal: list[int], log) -> bool:
+def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: dict[str, ManagedProcess], log) -> bool:
     """Start `roles` in order; for `inference`, every inference server of this node, each until it answers
     `/health`, then the preflight (one node only: its probe runs the trainer beside the servers). True when
     `preflight_only` ends the run there. Without a preflight and with no GPU shared, the servers do not hold
@@ -235,20 +213,21 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
     together = _starts_together(config)
     for name in (n for role in roles for n in (urls if role == "inference" else [role])):
         argv, devices = commands[name]
-        procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _process_env(config, name, devices))
+        with held_signals():  # no signal between the start and `procs`: the stop on the way out reaches every process
+            procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _process_env(config, name, devices))
         atomic_write_text(logs / f"pids{suffix}.json", json.dumps({n: p.pid for n, p in procs.items()}))
         if name in urls:
             log.info("starting inference server %s (%s)", name, urls[name])
             if together:
                 continue
-            wait_healthy(urls[name], procs[name], config.orchestrator.client.health_timeout_s, stop_signal)
+            wait_healthy(urls[name], procs[name], config.orchestrator.client.health_timeout_s)
             if name == list(urls)[-1] and _runs_preflight(config):
                 _preflight(config, commands)
                 if config.preflight_only:
                     return True
     if together:
         for name in (n for n in urls if n in procs):
-            wait_healthy(urls[name], procs[name], config.orchestrator.client.health_timeout_s, stop_signal,
+            wait_healthy(urls[name], procs[name], config.orchestrator.client.health_timeout_s,
                          beside=[p for p in procs.values() if p is not procs[name]])
     log.info("%s started; logs in %s", ", ".join(roles), logs)
     return False
@@ -277,30 +256,28 @@ def _server_urls(config: RLConfig) -> dict[str, str]:
     return {inference_server_name(i): url for i, url in enumerate(urls[:len(ports)])}
 
 
-def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None,
-           stop_signal: list[int], mirror: WandbMirror | None) -> None:
+def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None, mirror: WandbMirror | None) -> None:
     """Return once this node's orchestrator and trainer exited 0 (and, on several nodes, every node's);
-    RunFailed at the first failure here or on another node, or at a signal. `mirror` follows the run folder."""
+    RunFailed at the first failure here or on another node. `mirror` follows the run folder."""
     finite = [n for n in ("orchestrator", "trainer") if n in procs]
     progress = ProgressPrinter(config.run_dir, config.max_steps) if "orchestrator" in procs else None
     hang_watches = {name: HangWatch(url, config.hang_timeout_s) for name, url in _server_urls(config).items() if name in procs}
     try:
         finished = False
         while not finished or (peers and not peers.watch.all_in(("finished", "ended"))):
-            if progress:
-                progress.update()
-            if mirror:
-                mirror.update()
-            if stop_signal:
-                raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
-            _raise_on_failure(config, procs, peers)
-            for name, hang_watch in hang_watches.items():
-                _raise_if_hung(hang_watch, procs[name])
-            if not finished and all(procs[n].poll() == 0 for n in finite):
-                finished = True
-                if peers:
-                    peers.beacon.set_state("finished")
-                continue
+            with held_signals():  # a signal stops the watch between two looks, never amid one (W&B, a server's stop)
+                if progress:
+                    progress.update()
+                if mirror:
+                    mirror.update()
+                _raise_on_failure(config, procs, peers)
+                for name, hang_watch in hang_watches.items():
+                    _raise_if_hung(hang_watch, procs[name])
+                if not finished and all(procs[n].poll() == 0 for n in finite):
+                    finished = True
+                    if peers:
+                        peers.beacon.set_state("finished")
+                    continue
             time.sleep(0.5)
         if progress:
             progress.finish()
@@ -342,26 +319,24 @@ def _preflight(config: RLConfig, commands: dict[str, tuple[list[str], list[int] 
 
     def start(name: str) -> ManagedProcess:
         argv, devices = commands[name]
-        started.append(ManagedProcess(name, argv, config.run_dir / "logs" / f"{name}.log", _process_env(config, name, devices)))
+        with held_signals():  # no signal between the start and `started`: the stop below reaches every process
+            started.append(ManagedProcess(name, argv, config.run_dir / "logs" / f"{name}.log", _process_env(config, name, devices)))
         return started[-1]
 
     try:
         run_preflight(config, start)
     finally:
-        for proc in started:
-            proc.stop()
+        with held_signals():
+            for proc in started:
+                proc.stop()
 
 
-def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, stop_signal: list[int] | None = None,
-                 beside: list[ManagedProcess] | None = None) -> None:
+def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, beside: list[ManagedProcess] | None = None) -> None:
     """Return once the server of `proc` answers `GET /health` with 200; RunFailed if it exits, a process
-    started `beside` it fails, a signal was caught (`stop_signal`), or `timeout_s` passes."""
+    started `beside` it fails, or `timeout_s` passes."""
     url = base_url.rstrip("/") + "/health"
-    stop_signal = stop_signal or []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if stop_signal:
-            raise RunFailed(f"stopped by {signal.Signals(stop_signal[0]).name}")
         for other in (proc, *(beside or [])):
             if other.poll() is not None:  # before the server answers, no process of the run may end
                 tail = "\n".join(f"  | {line}" for line in other.tail(20))

@@ -2,6 +2,11 @@
 
 Three idempotent steps, each skipped when its output exists: the base model
 (`tandem model init`), the SFT data (an environment's `sft_examples`), the SFT run itself.
+
+The SFT folder (`output_dir` of `warmup.sft`) follows the rule of `tandem.config.run_folder`: a finished
+warm-up (`weights/final` complete) is never run again, its result is the starting model; an unfinished one
+is continued from its newest complete checkpoint, or, without one, started over under `tandem rl --clean`
+and refused otherwise. `plan_warmup` decides that before anything is written or started.
 """
 
 from __future__ import annotations
@@ -13,27 +18,58 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.config.loader import ConfigError, parse_args
+from tandem.config.resolve import warmup_sft
 from tandem.config.rl import RLConfig
+from tandem.config.run_folder import remove_run, results_in
+from tandem.config.sft import SFTConfig
 from tandem.launch.process import ManagedProcess, RunFailed
+from tandem.launch.resume import cut_run_records
+from tandem.monitor.metrics import read_metrics
 from tandem.monitor.progress import MetricsFollower, StepBar
+from tandem.monitor.stop_signals import held_signals
 from tandem.transport.files import atomic_write_text
+from tandem.transport.paths import complete_checkpoint_steps, final_weights_dir, is_stable
 
 
-def run_warmup(config: RLConfig, log: logging.Logger) -> None:
-    from tandem.config.sft import SFTConfig
+@dataclass(frozen=True)
+class WarmupPlan:
+    sft: SFTConfig
+    resume_step: int | None = None
+    """The SFT run's checkpoint to continue from; None: the SFT starts at step 0."""
+    start_over: bool = False
+    """Remove the unfinished SFT run of the folder first (`tandem rl --clean`)."""
 
-    warmup = config.warmup
-    sft_file = str(warmup.sft)
-    try:
-        sft = parse_args(SFTConfig, ["@", sft_file], environ={})
-    except ConfigError as err:
-        raise RunFailed(f"warm-up SFT config {sft_file}: {err}") from None
+
+def plan_warmup(config: RLConfig) -> WarmupPlan | None:
+    """What the warm-up does, decided from the SFT folder before anything starts; None when the starting
+    model exists (or no warm-up is set). RunFailed for a folder the warm-up may not write into."""
+    if Path(config.model.name).expanduser().exists() or config.warmup.sft is None:
+        return None
+    sft = warmup_sft(config)
+    folder = sft.run_dir
+    if is_stable(final_weights_dir(folder)):  # finished, but not at `model.name` (`weights/step_<max_steps>` of a longer run)
+        raise RunFailed(f"the warm-up's SFT run in {folder} has finished without writing the starting model "
+                        f"{config.model.name}: start from {final_weights_dir(folder)}, or remove the folder to run it again")
+    if not results_in(folder):
+        return WarmupPlan(sft)
+    checkpoints = complete_checkpoint_steps(folder, "trainer")
+    if checkpoints:
+        return WarmupPlan(sft, resume_step=checkpoints[-1])
+    if config.clean:
+        return WarmupPlan(sft, start_over=True)
+    done = max((r["step"] for r in read_metrics(folder, "sft")), default=0)
+    raise RunFailed(f"the warm-up's SFT folder {folder} holds an unfinished run (step {done} of {sft.max_steps}, no "
+                    "complete checkpoint to continue from): pass --clean to start the warm-up over, or remove the folder")
+
+
+def run_warmup(config: RLConfig, plan: WarmupPlan, log: logging.Logger) -> None:
+    warmup, sft, sft_file = config.warmup, plan.sft, str(config.warmup.sft)
     log.info("starting model %s does not exist: running the SFT warm-up %s first", config.model.name, sft_file)
     base = Path(sft.model.name)
-    if not base.exists() and warmup.base_preset:
+    if not (base / "config.json").is_file() and warmup.base_preset:  # written last: a folder without it is unfinished
         from tandem.models.presets import init_model
 
         log.info("warm-up: creating the base model %s (preset %s)", base, warmup.base_preset)
@@ -46,14 +82,27 @@ def run_warmup(config: RLConfig, log: logging.Logger) -> None:
         except (ValueError, TypeError) as err:  # too many examples asked, an argument sft_examples does not take
             raise RunFailed(f"warm-up data (`warmup.data_env`, `warmup.num_examples`, `warmup.num_eval_examples`, "
                             f"`warmup.data_args`): {err}") from None
+    argv = [sys.executable, "-m", "tandem.cli", "sft", "@", sft_file]
+    if plan.start_over:
+        log.info("warm-up: removing the unfinished SFT run in %s (--clean)", sft.run_dir)
+        remove_run(sft.run_dir)
+    if plan.resume_step is not None:
+        removed = cut_run_records(sft.run_dir, plan.resume_step)
+        log.info("warm-up: continuing the SFT run in %s after step %d%s", sft.run_dir, plan.resume_step,
+                 f"; removed its later records: {', '.join(removed)}" if removed else "")
+        argv += ["--ckpt.resume", "true", "--ckpt.resume-step", str(plan.resume_step)]
     log_path = config.run_dir / "logs" / "sft.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"PYTHONUNBUFFERED": "1"}
-    proc = ManagedProcess("sft", [sys.executable, "-m", "tandem.cli", "sft", "@", sft_file], log_path, env)
     log.info("warm-up: SFT log in %s", log_path)
+    proc = None
     try:
+        with held_signals():  # no signal between the start and `proc`: the stop below reaches every process started
+            proc = ManagedProcess("sft", argv, log_path, env)
         code = _wait_showing_steps(proc, sft.run_dir, sft.max_steps)
     finally:
-        proc.stop()
+        with held_signals():
+            if proc is not None:
+                proc.stop()
     if code != 0:
         tail = "\n".join(f"  | {line}" for line in proc.tail(20))
         raise RunFailed(f"the sft warm-up failed (exit code {code}); last lines of {log_path}:\n{tail}")

@@ -13,11 +13,17 @@ def resolve_model_path(name: str) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")
         return path
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+    if not is_hub_name(name):
         raise FileNotFoundError(f"model {name!r} is neither a model folder nor a hub name (org/model)")
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+
+
+def is_hub_name(name: str) -> bool:
+    """Whether `name` reads as a hub name (`org/model`): no existing path, nothing that starts a path
+    (`.`, `/`, `~`), exactly one `/`."""
+    return not Path(name).expanduser().exists() and not name.startswith((".", "/", "~")) and name.count("/") == 1
 
 
 def read_hf_config(folder: Path) -> dict:

@@ -11,6 +11,7 @@ from typing import Any
 
 from tandem.config.eval import EvalConfig
 from tandem.monitor.logging import setup_logging
+from tandem.monitor.stop_signals import stops_cleanly
 
 
 async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict[str, float], list]:
@@ -30,6 +31,7 @@ async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict
         await pool.aclose()
 
 
+@stops_cleanly("eval")
 def main(config: EvalConfig) -> int:
     from tandem.monitor.metrics import MetricsWriter
     from tandem.orchestrator.environments import load_envs

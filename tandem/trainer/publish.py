@@ -20,13 +20,10 @@ import torch
 
 from tandem.models.weights import save_state_dict
 from tandem.transport.files import atomic_write_bytes, atomic_write_text
-from tandem.transport.paths import STABLE, weights_dir
+from tandem.transport.paths import STABLE, final_weights_dir, weights_dir
 
 WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth)$|.*\.safetensors\.index\.json$")
 """Files of a model folder that are weights, which publishing writes itself instead of copying."""
-
-FINAL = "final"
-"""`weights/final`: a symlink to the last step's folder (written by SFT, the folder RL starts from)."""
 
 
 def published_dtype(hf_config: dict) -> torch.dtype:
@@ -70,8 +67,8 @@ def prune_weights(run_dir: Path, keep: int | None, keep_every: int | None = None
 
 def link_final(run_dir: Path, step: int) -> Path:
     """Point `weights/final` at `step_N` (replaced atomically)."""
-    link = Path(run_dir) / "weights" / FINAL
-    tmp = link.with_name(f".{FINAL}.tmp{os.getpid()}")
+    link = final_weights_dir(run_dir)
+    tmp = link.with_name(f".{link.name}.tmp{os.getpid()}")
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(weights_dir(run_dir, step).name, target_is_directory=True)
     os.replace(tmp, link)

@@ -19,6 +19,11 @@ def weights_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "weights" / f"step_{step}"
 
 
+def final_weights_dir(run_dir: Path) -> Path:
+    """`weights/final`: a link to the last step's folder, made by SFT once its run is complete (an RL run starts from it)."""
+    return Path(run_dir) / "weights" / "final"
+
+
 def rollouts_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "rollouts" / f"step_{step}"
 

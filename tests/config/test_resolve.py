@@ -34,9 +34,9 @@ def resolve(*argv: str, machine: FakeMachine | None = None):
 
 
 def test_shared_keys_reach_every_process():
-    cfg = resolve("--model.name", "m", "--seq-len", "128", "--max-steps", "4", "--seed", "3", "--run.name", "r")
+    cfg = resolve("--model.name", "org/m", "--seq-len", "128", "--max-steps", "4", "--seed", "3", "--run.name", "r")
     for sub in (cfg.trainer, cfg.orchestrator, cfg.inference):
-        assert (sub.model.name, sub.seq_len, sub.max_steps, sub.seed, sub.run.name) == ("m", 128, 4, 3, "r")
+        assert (sub.model.name, sub.seq_len, sub.max_steps, sub.seed, sub.run.name) == ("org/m", 128, 4, 3, "r")
         assert sub.run_dir == Path("outputs/r")
     cfg = resolve("--trainer.model.dtype", "bfloat16")  # dtype is not shared: each process keeps its own
     assert cfg.trainer.model.dtype == "bfloat16" and cfg.inference.model.dtype == "auto"
@@ -285,10 +285,33 @@ def test_exact_is_one_switch_and_refuses_what_cannot_honour_it(tmp_path):
         resolve("--run.exact", "true", "--trainer.parallel.cp", "2", "--deployment.num-trainer-processes", "2")
 
 
+def test_the_starting_model_is_a_folder_a_hub_name_or_the_warm_ups_result(tmp_path):
+    (tmp_path / "model").mkdir()
+    assert resolve("--model.name", str(tmp_path / "model")).model.name == str(tmp_path / "model")
+    assert resolve("--model.name", "Qwen/Qwen3-0.6B").model.name == "Qwen/Qwen3-0.6B"  # fetched later, by the processes
+    for name in (str(tmp_path / "typo"), "./org/model", "org/team/model"):
+        with pytest.raises(ConfigError, match=r"`model.name` = .* is no folder and no hub name"):
+            resolve("--model.name", name)
+    assert resolve("--model.name", str(tmp_path / "typo"), "--deployment.launcher", "slurm",  # each node checks at its start
+                   "--deployment.cluster.num-nodes", "2", "--inference.server.port", "8100").model.name
+    sft = tmp_path / "sft.toml"
+    sft.write_text(f'output_dir = "{tmp_path / "sft"}"\nmax_steps = 30\n[data]\npath = "d.jsonl"\n')
+    for written in ("final", "step_30"):
+        assert resolve("--model.name", str(tmp_path / "sft" / "weights" / written), "--warmup.sft", str(sft)).warmup.sft == sft
+    with pytest.raises(ConfigError, match=r"does not exist, and the warm-up `warmup.sft` = .* does not write it: its result is "
+                                          r".*/sft/weights/final"):
+        resolve("--model.name", str(tmp_path / "sft" / "weights" / "finall"), "--warmup.sft", str(sft))
+    with pytest.raises(ConfigError, match=r"a run of several nodes .* does not run the warm-up"):
+        resolve("--model.name", str(tmp_path / "sft" / "weights" / "final"), "--warmup.sft", str(sft), *TWO_NODES)
+    with pytest.raises(ConfigError, match=r"`warmup.sft` = .*missing.toml': config file not found"):
+        resolve("--model.name", str(tmp_path / "sft" / "weights" / "final"), "--warmup.sft", str(tmp_path / "missing.toml"))
+
+
 def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
     assert [r.__name__ for r in DERIVED_RULES] == ["model_options", "nodes", "trainer_ranks", "devices", "inference_servers",
-                                                   "inference_device_slices", "exact", "backend", "weight_broadcast", "resume"]
+                                                   "inference_device_slices", "starting_model", "exact", "backend",
+                                                   "weight_broadcast", "resume"]
     assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "run.exact", "seq_len", "max_steps",
                                 "output_dir", "seed", "ckpt.enabled", "ckpt.interval", "weight_transport",
                                 "preflight.num_conversations", "preflight.max_tokens"}
