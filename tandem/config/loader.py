@@ -64,7 +64,7 @@ def read_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, s
         value: Any
         if "=" in key:
             key, raw = key.split("=", 1)
-            value, i = _parse_value(raw), i + 1
+            value, i = _typed_value(config_cls, _normalize(key), raw), i + 1
         elif key.startswith("no-"):
             key, value, i = key[3:], False, i + 1
             _check_boolean_flag(config_cls, _normalize(key), arg)
@@ -76,7 +76,7 @@ def read_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, s
             i += 3
             continue
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value, i = _parse_value(argv[i + 1]), i + 2
+            value, i = _typed_value(config_cls, _normalize(key), argv[i + 1]), i + 2
         else:
             value, i = True, i + 1
             _check_boolean_flag(config_cls, _normalize(key), arg)
@@ -88,7 +88,7 @@ def read_args(config_cls: type[BaseModel], argv: list[str], environ: dict[str, s
         parts = name[len(ENV_PREFIX):].lower().split("__") if name.startswith(ENV_PREFIX) else []
         if parts and parts[0] in config_cls.model_fields:
             key = ".".join(parts)
-            _merge(data, _nest(key, _split_if_list(config_cls, key, _parse_value(raw))), sources,
+            _merge(data, _nest(key, _split_if_list(config_cls, key, _typed_value(config_cls, key, raw))), sources,
                    source=f"environment variable {name}")
     for key, value, source in overrides:
         _merge(data, _nest(key, value), sources, source=source)
@@ -283,6 +283,15 @@ def _nest(key: str, value: Any) -> dict[str, Any]:
 
 def _normalize(key: str) -> str:
     return key.replace("-", "_")
+
+
+def _typed_value(config_cls: type[BaseModel], key: str, raw: str) -> Any:
+    """A flag's or variable's text for `key`: as given where the key only takes text (an API key or a run name of
+    digits stays a string), else read as a TOML literal."""
+    annotations = _annotations_at(config_cls, key)
+    text_only = annotations and all({a for a in typing.get_args(t) or (t,) if a is not type(None)} == {str}
+                                    for t in annotations)
+    return raw if text_only else _parse_value(raw)
 
 
 def _parse_value(raw: str) -> Any:

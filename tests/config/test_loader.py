@@ -133,3 +133,13 @@ def test_a_section_check_names_the_flag_that_broke_it_not_the_whole_section(tmp_
         parse_args(OrchestratorConfig, ["@", f, "--batch_size", "-3"], environ={})
     assert str(err.value) == (f"`batch_size` = -3 must be a positive multiple of `group_size` = 4 "
                               f"(`batch_size` from the command line; `group_size` from {f})")
+
+
+def test_a_text_key_keeps_a_flag_or_variables_text_as_given():
+    """A value of digits (or `true`) for a key that only takes text is that text, not the number TOML reads."""
+    from tandem.config.inference import InferenceConfig
+
+    cfg = parse_args(InferenceConfig, ["--server.api-key", "0123", "--run.name=true", "--server.port", "8001"], environ={})
+    assert (cfg.server.api_key, cfg.run.name, cfg.server.port) == ("0123", "true", 8001)
+    cfg = parse_args(InferenceConfig, [], environ={"TANDEM_SERVER__API_KEY": "42", "TANDEM_SERVER__PORT": "9000"})
+    assert (cfg.server.api_key, cfg.server.port) == ("42", 9000)
