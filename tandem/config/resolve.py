@@ -351,6 +351,10 @@ def exact(config: RLConfig, machine: Machine) -> list[Derived]:
     if config.inference.backend != "tandem":
         raise ConfigError(f"`run.exact` = true needs `inference.backend` = \"tandem\", not {config.inference.backend!r}: "
                           "vLLM's kernels depend on the batch, so its logprobs cannot equal the trainer's bit for bit")
+    if config.inference.engine.quantization != "none":
+        raise ConfigError(f"`run.exact` = true with `inference.engine.quantization` = "
+                          f"{config.inference.engine.quantization!r}: rollouts from FP8 products cannot be bitwise equal "
+                          "to a bf16 trainer's; set one of them off")
     hf_config = Path(config.model.name) / "config.json"
     if hf_config.is_file():
         from tandem.models.loading import is_native  # torch, only for exact runs

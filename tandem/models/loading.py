@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.models.fp8 import checkpoint_quantization, convert_to_fp8, init_fp8_weights, match_quantization
 from tandem.models.glm4_moe import Glm4MoeArgs, Glm4MoeForCausalLM
 from tandem.models.hf_config import UnsupportedConfig
 from tandem.models.hf_fallback import HFCausalLM
@@ -57,9 +58,13 @@ def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: to
     return model
 
 
-def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype, source: str = "config.json") -> nn.Module:
-    """A native model with uninitialized memory on `device` (built on `meta`: no init work), tied again."""
+def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype, source: str = "config.json",
+                 quantization: str = "none") -> nn.Module:
+    """A native model with uninitialized memory on `device` (built on `meta`: no init work), tied again;
+    `quantization` "fp8": its dense projections held in FP8 blocks (`tandem.models.fp8`)."""
     model = build_native(hf_config, "meta", dtype, source)
+    if quantization == "fp8":
+        convert_to_fp8(model)
     model.to_empty(device=device)
     retie(model)
     return model
@@ -71,8 +76,10 @@ def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: 
 
     A floating parameter takes any floating dtype (cast on copy: fp32 weights into a bf16 model);
     integers never pass for weights, and a non-floating tensor of the model needs its own dtype.
+    Weights are first brought to the precision the model holds them in (`tandem.models.fp8.match_quantization`).
     """
     params = dict(model.state_dict())
+    state = match_quantization(params, state, source)
     missing = [k for k in params if k not in state and not (k == "lm_head.weight" and "model.embed_tokens.weight" in state and _tied(model))]
     unexpected = [k for k in state if k not in params]
     if strict and (missing or unexpected):
@@ -122,17 +129,27 @@ def _tied(model: nn.Module) -> bool:
 
 
 def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "auto", trust_remote_code: bool = False,
-                   load_format: str = "safetensors") -> nn.Module:
+                   load_format: str = "safetensors", quantization: str = "none") -> nn.Module:
     """Load weights of `name` (folder or hub name) onto `device`: meta init, then weights (read,
-    or random ones made on the device with `load_format` "dummy")."""
+    or random ones made on the device with `load_format` "dummy"). `quantization` "fp8" (native models):
+    the dense projections held in FP8 blocks, read as such from an FP8 checkpoint, else quantized on load;
+    without it, an FP8 checkpoint's weights are dequantized to `dtype`."""
     folder = resolve_model_path(name)
     hf_config = read_hf_config(folder)
     torch_dtype = resolve_dtype(dtype, device)
     check_load_format(load_format, hf_config)
+    if quantization != "none" and not is_native(hf_config):
+        raise ValueError(f"{quantization} layers need a model native to tandem; {folder / 'config.json'} says "
+                         f"model_type {hf_config.get('model_type')!r}, which loads through transformers")
     if is_native(hf_config):
-        model = empty_native(hf_config, device, torch_dtype, source=str(folder / "config.json"))
+        source = str(folder / "config.json")
+        checkpoint_quantization(hf_config, source)  # an error for any scheme but block FP8
+        unquantized = {k: v for k, v in hf_config.items() if k != "quantization_config"}  # the layers' shapes are the same
+        model = empty_native(unquantized, device, torch_dtype, source, quantization)
+        model.hf_config = hf_config
         if load_format == "dummy":
             model.init_weights(DUMMY_SEED)
+            init_fp8_weights(model, DUMMY_SEED, torch_dtype)
         else:
             load_weights_into(model, load_state_dict(folder, device), source=f"the weights in {folder}")
         return model.eval()

@@ -17,6 +17,7 @@ import torch
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_device
 from tandem.inference.engine.fused_blocks import apply_fused_blocks
 from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe, moe_blocks
 from tandem.inference.engine.fused_norms import apply_compiled_norms
@@ -90,8 +91,16 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
 def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exact: bool = False) -> LLMEngine:
     """`exact`: batch-invariant computation (`[run] exact`, `tandem.models.exact`)."""
     device = resolve_device(engine.device)
+    fp8 = engine.quantization == "fp8"
+    if fp8:
+        if exact:
+            raise ValueError("`engine.quantization` = 'fp8' cannot run exact: FP8 products cannot equal the trainer's bit for bit")
+        check_fp8_device(device)
     folder = resolve_model_path(model_config.name)
-    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format)
+    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format,
+                           engine.quantization)
+    if fp8:  # before anything runs the model: its own forward cannot multiply by FP8 layers
+        apply_fp8_blocks(model, kernels=engine.fused_blocks)
     if exact:
         check_exact(model.hf_config, str(folder / "config.json"))
         apply_exact(model, stack=True)  # the engine: its projections stacked once
@@ -108,7 +117,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
-        if engine.fused_blocks and device.type == "cuda" and not exact:  # exact: its own blocks (`tandem.models.exact`)
+        if engine.fused_blocks and device.type == "cuda" and not (exact or fp8):  # exact, fp8: their own blocks
             apply_fused_blocks(model)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
         graphs = engine.cuda_graphs and (not exact or model_uses_kernels(model, device))

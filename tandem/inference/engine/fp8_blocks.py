@@ -1,0 +1,108 @@
+"""The engine's decoder blocks with FP8 projections (`engine.quantization = "fp8"`), installed from outside.
+
+Why a block forward of its own: the model's `DecoderLayer.forward` multiplies by its layers' `.weight`
+with `F.linear`, and an FP8 layer (`tandem.models.fp8.Fp8Linear`) needs its block scales and activations
+quantized per token (`tandem.kernels.fp8.fp8_linear`). The block here computes what the model's does
+with every dense projection in block FP8: q, k and v as one stacked matmul, o, and a dense feed-forward's
+gate and up as one matmul, then down. A mixture of experts' feed-forward runs as the model's (the
+engine's `fused_moe` kernels, experts in the model's dtype).
+
+On CUDA with the engine's paged cache (and `kernels`), the pointwise work around the matmuls runs as
+`fused_blocks` runs it (`tandem.kernels.pointwise`); anywhere else (the CPU) the model's own functions
+compute it and the FP8 products run as torch's dequantized reference of the scheme: slow, but the
+same numbers up to the order of the sums.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels import pointwise
+from tandem.kernels.fp8 import MIN_CAPABILITY, BlockFp8Weight, fp8_linear, kernel_serves
+from tandem.models.attention import AttentionBackend, CachedAttention
+from tandem.models.decoder import DecoderLayer, attention_residual, normed_rotated
+from tandem.models.fp8 import Fp8Linear, stack_fp8_rows
+from tandem.models.layers import rms_norm
+
+
+@dataclass
+class Fp8Projections:
+    """A block's FP8 projections, stacked where they read the same input; the layers' tensors are views of these."""
+
+    qkv: BlockFp8Weight
+    qkv_bias: torch.Tensor | None
+    qkv_sizes: tuple[int, int, int]
+    o: BlockFp8Weight
+    o_bias: torch.Tensor | None
+    gate_up: BlockFp8Weight | None
+    """A dense feed-forward's gate and up projections; None for a mixture of experts."""
+    down: BlockFp8Weight | None
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse, at engine start, a GPU whose FP8 products cannot run (no FP8 tensor cores, or no Triton)."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        raise ValueError(f"`engine.quantization` = 'fp8' needs a GPU of compute capability {MIN_CAPABILITY[0]}."
+                         f"{MIN_CAPABILITY[1]} or newer (FP8 tensor cores); {torch.cuda.get_device_name(device)} has "
+                         f"{major}.{minor}: set `engine.quantization` = 'none'")
+    if not kernel_serves(device):
+        raise ValueError("`engine.quantization` = 'fp8' on CUDA needs Triton, which is not installed")
+
+
+def fp8_projections(block: DecoderLayer) -> Fp8Projections:
+    attention = block.self_attn
+    parts = [attention.q_proj, attention.k_proj, attention.v_proj]
+    sizes = tuple(linear.out_features for linear in parts)
+    qkv, qkv_bias = stack_fp8_rows(parts)
+    o, o_bias = stack_fp8_rows([attention.o_proj])
+    gate_up = down = None
+    if isinstance(getattr(block.mlp, "down_proj", None), Fp8Linear):
+        gate_up = stack_fp8_rows([block.mlp.gate_proj, block.mlp.up_proj])[0]
+        down = stack_fp8_rows([block.mlp.down_proj])[0]
+    return Fp8Projections(qkv, qkv_bias, sizes, o, o_bias, gate_up, down)
+
+
+def apply_fp8_blocks(model: nn.Module, kernels: bool) -> int:
+    """Give every `DecoderLayer` of `model` (its layers converted by `tandem.models.fp8.convert_to_fp8`) the FP8 block
+    forward, in place; `kernels`: the pointwise kernels where they serve. Returns how many blocks."""
+    blocks = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    with torch.no_grad():
+        for block in blocks:
+            block.forward = functools.partial(fp8_block_forward, block, fp8_projections(block), kernels)
+    return len(blocks)
+
+
+def fp8_block_forward(block: DecoderLayer, proj: Fp8Projections, kernels: bool, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    """What `DecoderLayer.forward` computes (x [1, N, hidden]), its projections in block FP8."""
+    eps, head_dim, layer = block.eps, block.self_attn.head_dim, block.layer_idx
+    norm_weight, *_, q_norm_weight, k_norm_weight = block.before_attention_args()
+    post_norm_weight = block.post_attention_layernorm.weight
+    if (kernels and isinstance(backend, CachedAttention) and backend.reads_only_the_cache(head_dim, x.device)
+            and pointwise.is_available(x)):
+        x_ND = x[0]
+        _, h = pointwise.rms_norm(x_ND, norm_weight, eps)
+        q, k, v = fp8_linear(h, proj.qkv, proj.qkv_bias).split(proj.qkv_sizes, dim=-1)
+        q_NHD = pointwise.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_norm_weight, k_norm_weight, eps,
+                                             *backend.cache_slots(layer))
+        attended = backend.attend_cached(layer, q_NHD)
+        x_ND, h = pointwise.rms_norm(x_ND, post_norm_weight, eps, delta=fp8_linear(attended.flatten(1), proj.o, proj.o_bias))
+        if proj.gate_up is None:
+            return (x_ND + block.mlp(h[None])[0])[None]
+        return (x_ND + fp8_linear(pointwise.silu_mul(fp8_linear(h, proj.gate_up)), proj.down))[None]
+    h = rms_norm(x, norm_weight, eps)
+    q, k, v = fp8_linear(h, proj.qkv, proj.qkv_bias).split(proj.qkv_sizes, dim=-1)
+    attended = backend.attend(layer, *normed_rotated(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim))
+    x, h = attention_residual(x, attended, proj.o, proj.o_bias, post_norm_weight, eps, linear=fp8_linear)
+    if proj.gate_up is None:
+        return x + block.mlp(h)
+    gate, up = fp8_linear(h, proj.gate_up).chunk(2, dim=-1)
+    return x + fp8_linear(F.silu(gate) * up, proj.down)

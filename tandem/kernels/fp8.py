@@ -1,0 +1,230 @@
+"""Block-scaled FP8 matrix products (W8A8): y = x @ W.T with both factors in float8_e4m3fn.
+
+The scheme (DeepSeek-V3's, which released FP8 checkpoints such as Qwen3's follow):
+- weights in blocks of 128 rows x 128 columns, one fp32 scale per block (`scale_inv`: a weight is its
+  FP8 value times its block's scale);
+- activations quantized as they arrive, one fp32 scale per token and group of 128 columns;
+- each 128-wide slice of the reduction multiplied in FP8 with fp32 sums, then scaled by its two scales
+  and added up in fp32; the result is rounded once, to the activations' dtype.
+
+A weight may be several matrices stacked by rows (the engine's q/k/v and gate/up): each keeps the
+128-row blocks of its own checkpoint, so a block never spans two of them, and `scale_rows` gives
+every row of the stack the row of `scale_inv` that scales it (for one matrix: row // 128).
+
+Three implementations of one function: `reference_matmul` dequantizes in fp32 and multiplies with
+torch (any device: the CPU path, and the reference the others are tested against); a Triton kernel
+(`matmul`; CUDA, compute capability 8.9 or newer: FP8 tensor cores) whose tiles span exactly one
+128-column group, so that each partial product meets its own scales, and which reads any `scale_rows`;
+and cuBLAS's block-scaled product through `torch._scaled_mm` (Hopper on), faster where it serves: weights
+whose blocks are the plain 128-row grid (no stacked part of a length off that grid), widths multiples of 128.
+
+Reference: `reference_matmul`, `reference_quantize_activations`.
+Tests: `tests/kernels/test_fp8.py`; in the engine: `tests/inference/test_fp8_engine.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference serves
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+"""448: the largest e4m3 value; a group's largest magnitude maps to it."""
+GROUP = 128
+"""Columns (and weight rows) sharing one scale."""
+MIN_AMAX = 1e-12
+"""Floor of a group's largest magnitude, so that an all-zero group gets a finite scale (its values stay 0)."""
+MIN_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (8.9) and Hopper (9.0) on."""
+
+
+@dataclass
+class BlockFp8Weight:
+    """One weight matrix, or several stacked by rows, in FP8 128 x 128 blocks."""
+
+    weight: torch.Tensor
+    """float8_e4m3fn [N, K]."""
+    scale_inv: torch.Tensor
+    """fp32 [blocks of rows, ceil(K / 128)]: a weight's value is its FP8 value times its block's entry."""
+    scale_rows: torch.Tensor
+    """int32 [N]: the row of `scale_inv` of each row of `weight`."""
+    on_block_grid: bool = field(init=False)
+    """Every row's scale row is row // 128 (read once, at construction: a host sync)."""
+
+    def __post_init__(self) -> None:
+        grid = torch.arange(self.weight.shape[0], device=self.scale_rows.device, dtype=self.scale_rows.dtype) // GROUP
+        self.on_block_grid = bool(torch.equal(self.scale_rows, grid))
+
+
+def kernel_serves(device: torch.device) -> bool:
+    """The Triton kernel runs here: a CUDA GPU of compute capability 8.9 or newer, or Triton's interpreter on the CPU."""
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return _capability(device.index) >= MIN_CAPABILITY
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    """Read once per device: `fp8_linear` asks at every call, and the driver's answer costs microseconds."""
+    return torch.cuda.get_device_capability(index)
+
+
+def scaled_mm_serves(x_fp8: torch.Tensor, weight: BlockFp8Weight) -> bool:
+    """cuBLAS's block-scaled product takes this weight: Hopper or newer, scales on the plain 128 x 128 grid."""
+    N, K = weight.weight.shape
+    return (x_fp8.is_cuda and _capability(x_fp8.device.index) >= (9, 0) and weight.on_block_grid
+            and N % GROUP == 0 and K % GROUP == 0)
+
+
+def fp8_linear(x: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` with a block-FP8 weight: x [..., K] -> [..., N] in x's dtype (bias added after the product, in fp32)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if kernel_serves(x.device):
+        x_fp8, x_scale = quantize_activations(x2)
+        if scaled_mm_serves(x_fp8, weight):
+            out = scaled_mm(x_fp8, x_scale, weight, bias, x.dtype)
+        else:
+            out = matmul(x_fp8, x_scale, weight, bias, x.dtype)
+    else:
+        x_fp8, x_scale = reference_quantize_activations(x2)
+        out = reference_matmul(x_fp8, x_scale, weight, bias, x.dtype)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def reference_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], fp32 scales [M, ceil(K / 128)]): each row's groups of 128 columns scaled so that
+    their largest magnitude is 448, then rounded to nearest (ties to even)."""
+    M, K = x.shape
+    groups = -(-K // GROUP)
+    padded = F.pad(x.float(), (0, groups * GROUP - K)).view(M, groups, GROUP)
+    scale = padded.abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(M, groups * GROUP)[:, :K], scale
+
+
+def expand_scales(scales: torch.Tensor, rows: torch.Tensor | None, K: int) -> torch.Tensor:
+    """Per-group scales [R, ceil(K / 128)] -> one per element [len(rows), K] (`rows`: which row of `scales` each
+    row takes; None: every row its own)."""
+    per_row = scales if rows is None else scales[rows.long()]
+    return per_row.repeat_interleave(GROUP, dim=1)[:, :K]
+
+
+def reference_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """The scheme in torch: both factors dequantized to fp32, one fp32 product (sums in another order than the
+    kernel's: results agree to fp32 rounding)."""
+    K = x_fp8.shape[1]
+    x = x_fp8.float() * expand_scales(x_scale, None, K)
+    w = weight.weight.float() * expand_scales(weight.scale_inv, weight.scale_rows, K)
+    out = x @ w.T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+QUANTIZE_ROWS = 16
+"""Rows of one program of the activation quantizer (each program: QUANTIZE_ROWS x 128 values)."""
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_quantize_activations` by a Triton kernel; the scales come token-minor ([M, groups] with strides
+    (1, M)), the layout cuBLAS's block-scaled product reads."""
+    M, K = x.shape
+    groups = -(-K // GROUP)
+    x = x.contiguous()
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    scale = torch.empty(groups, M, dtype=torch.float32, device=x.device)
+    _quantize_kernel[(triton.cdiv(M, QUANTIZE_ROWS), groups)](x, q, scale, M, K, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+                                                             GROUP=GROUP, ROWS=QUANTIZE_ROWS)
+    return q, scale.t()
+
+
+def scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """`reference_matmul` by cuBLAS (`scaled_mm_serves`); a bias is added to the fp32 product, as the others add it."""
+    out = torch._scaled_mm(x_fp8, weight.weight.t(), x_scale, weight.scale_inv.t(),
+                           out_dtype=out_dtype if bias is None else torch.float32)
+    return out if bias is None else (out + bias.float()).to(out_dtype)
+
+
+def launch_config(M: int) -> dict:
+    """Tiles by the number of rows: small tiles where few tokens run (decode), so that more programs share the
+    weight's columns; BLOCK_K is the scale group, so each partial product has one pair of scales."""
+    if M <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+    if M <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+
+
+def matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """`reference_matmul` by the Triton kernel."""
+    M, K = x_fp8.shape
+    N = weight.weight.shape[0]
+    w = weight.weight
+    if w.stride(1) != 1:
+        raise ValueError(f"the FP8 weight must have contiguous rows, got strides {tuple(w.stride())}")
+    out = torch.empty(M, N, dtype=out_dtype, device=x_fp8.device)
+    config = launch_config(M)
+    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
+    _matmul_kernel[grid](x_fp8, x_scale, w, weight.scale_inv, weight.scale_rows, bias if bias is not None else out, out,
+                         M, N, K, x_fp8.stride(0), *x_scale.stride(), w.stride(0), weight.scale_inv.stride(0),
+                         out.stride(0), HAS_BIAS=bias is not None, BLOCK_K=GROUP, **config)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+                         GROUP: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        group = tl.program_id(1)
+        cols = group * GROUP + tl.arange(0, GROUP)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        # Divisions rounded as IEEE (and torch) round them: the quantized values equal the reference's bit for bit.
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), FP8_MAX)
+        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + group * M + rows, scale, mask=rows < M)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xsm, stride_xsg,
+                       stride_wn, stride_wsr, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < N
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+        w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
+        xs_rows = xs_ptr + rm.to(tl.int64) * stride_xsm
+        ws_rows = ws_ptr + tl.load(rows_ptr + rn, mask=n_ok, other=0).to(tl.int64) * stride_wsr
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for group in range(0, tl.cdiv(K, BLOCK_K)):
+            k = group * BLOCK_K + rk
+            k_ok = k < K
+            a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a_scale = tl.load(xs_rows + group * stride_xsg, mask=m_ok, other=0.0)
+            b_scale = tl.load(ws_rows + group, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,235 @@
+"""The engine with `engine.quantization = "fp8"`: what it holds in FP8, what it computes, FP8 checkpoints, updates,
+and the settings it refuses.
+
+How close FP8 logprobs stay to the unquantized model's: e4m3 rounds each factor of a product by up to 2^-4 of itself,
+2^-4 / sqrt(3) as a root mean square (uniform rounding), so each FP8 product's output is off by about
+sqrt(2) * 2^-4 / sqrt(3) of its size, and the errors of the L products between an embedding and a logit (4 per block:
+q/k/v, o, gate/up, down) add up like independent ones: logits move by about RHO = sqrt(2 L) * 2^-4 / sqrt(3) of their
+spread (their standard deviation over the vocabulary). A token's logprob, its logit minus the log-sum-exp, moves
+by that on average and by at most about twice that in the tails."""
+
+import json
+import math
+import random
+import re
+import shutil
+
+import pytest
+import torch
+from inference_helpers import teacher_forced_logprobs
+
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig
+from tandem.config.loader import ConfigError
+from tandem.config.resolve import parse_rl_args
+from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_device
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.setup import build_engine
+from tandem.kernels.fp8 import FP8
+from tandem.models.fp8 import Fp8Linear, dequantize_weight, quantize_weight
+from tandem.models.loading import DUMMY_SEED, load_causal_lm
+from tandem.models.random_init import initial_value
+from tandem.models.weights import load_state_dict, save_state_dict
+
+QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+"""The on-disk names of the weights an FP8 checkpoint of a dense Qwen3 holds in FP8."""
+CHECKPOINT_SCHEME = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def engine_for(model_dir, device: str = "cpu", quantization: str = "fp8", load_format: str = "safetensors", **settings):
+    config = {"device": device, "num_blocks": 64, "block_size": 16, "max_model_len": 256, "max_num_batched_tokens": 256,
+              "quantization": quantization, **settings}
+    return build_engine(ModelConfig(name=str(model_dir), load_format=load_format), EngineConfig(**config), seed=0)
+
+
+def generate(engine, num_requests: int = 6, max_tokens: int = 24, seed: int = 0) -> dict[str, tuple[list[int], list[int], list[float], float]]:
+    """Random prompts sampled at several temperatures; per request: (prompt, completion, logprobs, temperature)."""
+    rng = random.Random(seed)
+    requests = {}
+    for i in range(num_requests):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 60))]
+        temperature = [0.0, 1.0, 0.7][i % 3]
+        requests[str(i)] = (prompt, temperature)
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True))
+    results: dict[str, tuple[list[int], list[float]]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            ids, logprobs = results.setdefault(out.request_id, ([], []))
+            ids += out.token_ids
+            logprobs += out.logprobs
+    assert len(results) == num_requests and all(len(ids) == max_tokens for ids, _ in results.values())
+    return {rid: (requests[rid][0], ids, logprobs, requests[rid][1]) for rid, (ids, logprobs) in results.items()}
+
+
+def fp8_state(engine) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in engine.weight_target.state_dict().items() if v.dtype == FP8 or k.endswith("_scale_inv")}
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        as_bits = (lambda t: t.view(torch.uint8)) if tensor.dtype == FP8 else (lambda t: t)
+        assert torch.equal(as_bits(tensor), as_bits(expected[name].to(tensor.device))), name
+
+
+def quantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The FP8 weights and scales of `state`'s dense projections, as an FP8 checkpoint names them."""
+    out = {}
+    for name in filter(QUANTIZED.fullmatch, state):
+        out[name], out[name + "_scale_inv"] = quantize_weight(state[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8_dir(tiny_dir, tmp_path_factory):
+    """The tiny model as a released FP8 checkpoint stores it: projections in FP8 beside their block scales."""
+    folder = tmp_path_factory.mktemp("tiny_fp8") / "model"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = CHECKPOINT_SCHEME
+    state = load_state_dict(tiny_dir)
+    save_state_dict({**state, **quantized(state)}, folder, config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("settings", [{}, {"num_blocks": 12, "max_num_batched_tokens": 40, "max_model_len": 160}],
+                         ids=["roomy", "memory-starved"])
+def test_the_engine_computes_the_fp8_scheme_through_paging_chunking_and_preemption(tiny_dir, settings):
+    """The engine's logprobs against one teacher-forced pass of the same FP8 blocks. Activations are quantized per
+    token, so batching changes nothing but the order of fp32 sums; rarely that moves a value across an e4m3
+    rounding boundary in the next layer (one element off by 2^-4 of itself), hence the rare token let off to 2^-6."""
+    engine = engine_for(tiny_dir, **settings)
+    model = load_causal_lm(str(tiny_dir), quantization="fp8")
+    apply_fp8_blocks(model, kernels=False)
+    differences = []
+    for prompt, ids, logprobs, temperature in generate(engine, num_requests=8).values():
+        differences.append((torch.tensor(logprobs) - teacher_forced_logprobs(model, prompt, ids, temperature)).abs())
+    differences = torch.cat(differences)
+    assert (differences <= 1e-5).float().mean() >= 0.95 and differences.max() <= 2.0 ** -6
+    if settings:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def check_close_to_unquantized(results: dict, model: torch.nn.Module, device: str) -> None:
+    """Each sampled token's FP8 logprob against the unquantized model's, relative to the spread of its logits
+    (the module docstring's RHO): within RHO on average, 2 RHO at most; and not equal (FP8 ran)."""
+    rho = math.sqrt(2 * 4 * len(model.layers)) * 2.0 ** -4 / math.sqrt(3)
+    ratios = []
+    for prompt, ids, logprobs, temperature in results.values():
+        tokens = torch.tensor([prompt + ids], device=device)
+        with torch.no_grad():
+            logits = model.lm_head(model(tokens, torch.arange(tokens.shape[1], device=device)[None]))[0].float().cpu()
+        logits = logits[len(prompt) - 1:-1] / (temperature if temperature > 0 else 1.0)  # what the logprobs are of
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        ratios.append((torch.tensor(logprobs) - expected).abs() / logits.std(-1))
+    ratios = torch.cat(ratios)
+    assert ratios.mean() <= rho and ratios.max() <= 2 * rho, (ratios.mean(), ratios.max(), rho)
+    assert ratios.max() > 0
+
+
+def test_fp8_logprobs_stay_close_to_the_unquantized_models(tiny_dir, tiny_model):
+    check_close_to_unquantized(generate(engine_for(tiny_dir)), tiny_model, "cpu")
+
+
+def test_only_the_dense_projections_are_held_in_fp8(tiny_dir, tiny_moe_dir):
+    """Embeddings, norms and the LM head keep the model's dtype, and a mixture of experts' experts and router too."""
+    for folder, num_fp8 in ((tiny_dir, 7), (tiny_moe_dir, 4)):
+        state = engine_for(folder).weight_target.state_dict()
+        fp8 = {name for name, t in state.items() if t.dtype == FP8}
+        assert len(fp8) == num_fp8 * 2 and all(QUANTIZED.fullmatch(name) for name in fp8)
+        assert all(t.dtype == torch.float32 for name, t in state.items() if name not in fp8), folder
+
+
+def test_a_mixture_of_experts_generates_with_fp8_attention(tiny_moe_dir):
+    model = load_causal_lm(str(tiny_moe_dir))
+    rho = math.sqrt(2 * 2 * len(model.layers)) * 2.0 ** -4 / math.sqrt(3)  # q/k/v and o only: experts unquantized
+    results = generate(engine_for(tiny_moe_dir))
+    differences = torch.cat([(torch.tensor(lp) - teacher_forced_logprobs(model, p, ids, t)).abs()
+                             for p, ids, lp, t in results.values()])
+    assert 0 < differences.mean() <= rho
+
+
+def test_an_fp8_checkpoint_loads_as_it_is_and_generates(tiny_dir, tiny_fp8_dir):
+    """Its FP8 tensors and scales are what the engine holds, bit for bit: the same as quantizing the bf16 checkpoint
+    on load, so both engines sample the same tokens with the same logprobs. Without `quantization` the checkpoint's
+    weights are dequantized into the model's dtype."""
+    from_checkpoint = engine_for(tiny_fp8_dir)
+    on_load = engine_for(tiny_dir)
+    on_disk = quantized(load_state_dict(tiny_dir))
+    assert_same_tensors(fp8_state(from_checkpoint), on_disk)
+    assert_same_tensors(fp8_state(on_load), on_disk)
+    assert generate(from_checkpoint) == generate(on_load)
+
+    dequantized = engine_for(tiny_fp8_dir, quantization="none")
+    state = dequantized.weight_target.state_dict()
+    assert not fp8_state(dequantized)
+    for name in filter(QUANTIZED.fullmatch, on_disk):
+        assert torch.equal(state[name], dequantize_weight(on_disk[name], on_disk[name + "_scale_inv"]))
+    generate(dequantized)
+
+
+@pytest.mark.parametrize("field, value", [("quant_method", "gptq"), ("fmt", "e5m2"), ("activation_scheme", "static"),
+                                          ("weight_block_size", [64, 64])])
+def test_other_quantization_schemes_are_refused_naming_the_file_and_the_field(tiny_fp8_dir, tmp_path, field, value):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_fp8_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {**CHECKPOINT_SCHEME, field: value}
+    (folder / "config.json").write_text(json.dumps(config))
+    for quantization in ("fp8", "none"):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(folder / 'config.json'))}: `quantization_config.{field}`"):
+            engine_for(folder, quantization=quantization)
+
+
+def test_a_bf16_update_is_quantized_on_load(tiny_dir, tiny_other_dir):
+    """The engine's weights after an update are the update's weights quantized, in the layers and in the stacked
+    matrices the blocks multiply by, so it then samples exactly as an engine started from those weights."""
+    engine = engine_for(tiny_dir)
+    update = load_state_dict(tiny_other_dir)
+    engine.update_weights(update)
+    assert_same_tensors(fp8_state(engine), quantized(update))
+    block = engine.weight_target.layers[1]
+    projections = block.forward.args[1]  # the stacks `apply_fp8_blocks` gave the block's forward
+    q, q_scale = quantize_weight(update["model.layers.1.self_attn.q_proj.weight"])
+    v, v_scale = quantize_weight(update["model.layers.1.self_attn.v_proj.weight"])
+    assert torch.equal(projections.qkv.weight[:128].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(projections.qkv.weight[192:].view(torch.uint8), v.view(torch.uint8))
+    assert torch.equal(projections.qkv.scale_inv, torch.cat([q_scale, quantize_weight(
+        update["model.layers.1.self_attn.k_proj.weight"])[1], v_scale]))
+    assert generate(engine) == generate(engine_for(tiny_other_dir))
+
+
+def test_dummy_weights_are_the_random_weights_quantized(tiny_dir):
+    engine = engine_for(tiny_dir, load_format="dummy")
+    name = "model.layers.0.mlp.down_proj.weight"
+    layer = engine.weight_target.get_submodule(name.removesuffix(".weight"))
+    assert isinstance(layer, Fp8Linear)
+    q, scale_inv = quantize_weight(initial_value(name, layer.weight.shape, DUMMY_SEED, "cpu"))
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale_inv, scale_inv)
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_at_engine_start(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"`engine.quantization` = 'fp8' needs a GPU of compute capability 8.9 or newer.*"
+                                         r"NVIDIA A100 has 8.0"):
+        check_fp8_device(torch.device("cuda"))
+    check_fp8_device(torch.device("cpu"))  # the CPU runs the reference
+
+
+def test_exact_runs_refuse_fp8(tiny_dir):
+    with pytest.raises(ConfigError, match=r"`run.exact` = true with `inference.engine.quantization` = 'fp8': rollouts "
+                                          r"from FP8 products cannot be bitwise equal"):
+        parse_rl_args(["--run.exact", "true", "--inference.engine.quantization", "fp8"], environ={})
+    with pytest.raises(ValueError, match="cannot run exact"):
+        build_engine(ModelConfig(name=str(tiny_dir)), EngineConfig(device="cpu", quantization="fp8"), seed=0, exact=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU of compute capability 8.9 or newer")
+def test_fp8_on_cuda_stays_close_to_bf16(tiny_dir):
+    """The kernel path: Triton FP8 products, the pointwise kernels around them, decode steps from CUDA graphs."""
+    engine = engine_for(tiny_dir, device="cuda", max_num_seqs=8)
+    assert engine.runner.graphs is not None
+    check_close_to_unquantized(generate(engine), load_causal_lm(str(tiny_dir), "cuda"), "cuda")
