@@ -41,3 +41,13 @@ def test_the_example_warmup_data_can_be_written(folder, monkeypatch, tmp_path):
     write_sft_data(warmup.data_env, path, warmup.num_examples, warmup.num_eval_examples, warmup.data_args)
     assert len(path.read_text().splitlines()) == warmup.num_examples
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == warmup.num_eval_examples
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in EXAMPLES.iterdir() if (p / "eval.toml").is_file()))
+def test_the_eval_example_resolves_and_its_environments_load(folder, monkeypatch):
+    from tandem.config.eval import EvalConfig
+    from tandem.orchestrator.environments import load_envs
+
+    monkeypatch.chdir(EXAMPLES.parent)
+    config = parse_args(EvalConfig, ["@", f"examples/{folder}/eval.toml"], environ={})
+    assert all(env.env.get_eval_dataset() for env in load_envs(config.envs))

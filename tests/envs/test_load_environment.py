@@ -7,7 +7,7 @@ from tandem.envs import BUILTIN_ENVIRONMENTS, Environment, load_environment
 
 
 @pytest.mark.parametrize(
-    "env_id", ["reverse_text", "reverse-text", "alphabet-sort", "wordle", "math"]
+    "env_id", ["reverse_text", "reverse-text", "alphabet-sort", "wordle", "math", "humaneval"]
 )
 def test_builtins_load_with_kwargs(env_id):
     env = load_environment(env_id, num_train_examples=4, num_eval_examples=3, seed=1)

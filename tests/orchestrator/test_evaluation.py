@@ -59,3 +59,28 @@ def test_tandem_eval_says_when_the_eval_split_is_smaller_than_asked(tmp_path, ti
     (metrics,) = read_metrics(run_dir, "eval")
     assert metrics["eval/reverse_text/num_rollouts"] == 3
     assert "environment reverse_text has 3 eval examples, fewer than eval.num_examples = 8" in caplog.text
+
+
+def test_tandem_eval_gives_pass_at_k_on_humaneval(tmp_path, tiny_model, fake_servers):
+    """Each problem's first reply is its canonical solution, the second an empty body: every solution runs in
+    the sandbox, so pass@1 = 0.5 and pass@2 = 1."""
+    from tandem.envs.humaneval import load_problems
+
+    problems = load_problems()
+    num_replies: dict[str, int] = {}
+
+    def solve_once(prompt, rng):
+        problem = next(p for p in problems if p["prompt"].rstrip() in prompt)
+        num_replies[problem["task_id"]] = num_replies.get(problem["task_id"], 0) + 1
+        return problem["canonical_solution"] if num_replies[problem["task_id"]] == 1 else ""
+
+    (_, url), = fake_servers(respond=solve_once)
+    run_dir = tmp_path / "run"
+    code = tandem_main(["eval", "--model.name", str(tiny_model), "--output_dir", str(run_dir), "--seq_len", "4096",
+                        "--client.base_urls", url, "--sampling.max_tokens", "1024",
+                        "--eval.num_examples", "4", "--eval.rollouts_per_example", "2", "--envs", '[{id = "humaneval"}]'])
+    assert code == 0
+    (metrics,) = read_metrics(run_dir, "eval")
+    assert metrics["eval/humaneval/num_rollouts"] == 8 and metrics["eval/num_failed"] == 0
+    assert metrics["eval/pass@1"] == 0.5 and metrics["eval/pass@2"] == 1.0
+    assert sorted(num_replies.values()) == [2, 2, 2, 2]
