@@ -289,9 +289,15 @@ def _typed_value(config_cls: type[BaseModel], key: str, raw: str) -> Any:
     """A flag's or variable's text for `key`: as given where the key only takes text (an API key or a run name of
     digits stays a string), else read as a TOML literal."""
     annotations = _annotations_at(config_cls, key)
-    text_only = annotations and all({a for a in typing.get_args(t) or (t,) if a is not type(None)} == {str}
-                                    for t in annotations)
+    text_only = annotations and all(_text_types(t) == {str} for t in annotations)
     return raw if text_only else _parse_value(raw)
+
+
+def _text_types(annotation: Any) -> set[Any]:
+    """The types a value of `annotation` may take, None left out (`str | None` -> {str}; `list[str]` -> {list[str]})."""
+    unions = (typing.Union, types.UnionType)
+    variants = typing.get_args(annotation) if typing.get_origin(annotation) in unions else (annotation,)
+    return {v for v in variants if v is not type(None)}
 
 
 def _parse_value(raw: str) -> Any:

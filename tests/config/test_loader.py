@@ -143,3 +143,5 @@ def test_a_text_key_keeps_a_flag_or_variables_text_as_given():
     assert (cfg.server.api_key, cfg.run.name, cfg.server.port) == ("0123", "true", 8001)
     cfg = parse_args(InferenceConfig, [], environ={"TANDEM_SERVER__API_KEY": "42", "TANDEM_SERVER__PORT": "9000"})
     assert (cfg.server.api_key, cfg.server.port) == ("42", 9000)
+    urls = parse_args(OrchestratorConfig, ["--client.base-urls", '["http://a:1", "http://b:2"]'], environ={}).client.base_urls
+    assert urls == ["http://a:1", "http://b:2"]  # a list key still reads a TOML list
