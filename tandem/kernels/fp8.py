@@ -11,12 +11,10 @@ A weight may be several matrices stacked by rows (the engine's q/k/v and gate/up
 128-row blocks of its own checkpoint, so a block never spans two of them, and `scale_rows` gives
 every row of the stack the row of `scale_inv` that scales it (for one matrix: row // 128).
 
-Three implementations of one function: `reference_matmul` dequantizes in fp32 and multiplies with
-torch (any device: the CPU path, and the reference the others are tested against); a Triton kernel
+Two implementations of one function: `reference_matmul` dequantizes in fp32 and multiplies with
+torch (any device: the CPU path, and the reference the kernel is tested against), and a Triton kernel
 (`matmul`; CUDA, compute capability 8.9 or newer: FP8 tensor cores) whose tiles span exactly one
-128-column group, so that each partial product meets its own scales, and which reads any `scale_rows`;
-and cuBLAS's block-scaled product through `torch._scaled_mm` (Hopper on), faster where it serves: weights
-whose blocks are the plain 128-row grid (no stacked part of a length off that grid), widths multiples of 128.
+128-column group, so that each partial product meets its own scales.
 
 Reference: `reference_matmul`, `reference_quantize_activations`.
 Tests: `tests/kernels/test_fp8.py`; in the engine: `tests/inference/test_fp8_engine.py`.
@@ -26,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +38,9 @@ except ImportError:  # CPU-only installs: the reference serves
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 """448: the largest e4m3 value; a group's largest magnitude maps to it."""
+INV_FP8_MAX = 1.0 / FP8_MAX
+"""A scale is amax times this (one rounded product, the same in torch on any device and in Triton; torch's CUDA
+division by a number is itself a product by its reciprocal, so amax / 448 would round otherwise there)."""
 GROUP = 128
 """Columns (and weight rows) sharing one scale."""
 MIN_AMAX = 1e-12
@@ -58,12 +59,6 @@ class BlockFp8Weight:
     """fp32 [blocks of rows, ceil(K / 128)]: a weight's value is its FP8 value times its block's entry."""
     scale_rows: torch.Tensor
     """int32 [N]: the row of `scale_inv` of each row of `weight`."""
-    on_block_grid: bool = field(init=False)
-    """Every row's scale row is row // 128 (read once, at construction: a host sync)."""
-
-    def __post_init__(self) -> None:
-        grid = torch.arange(self.weight.shape[0], device=self.scale_rows.device, dtype=self.scale_rows.dtype) // GROUP
-        self.on_block_grid = bool(torch.equal(self.scale_rows, grid))
 
 
 def kernel_serves(device: torch.device) -> bool:
@@ -81,22 +76,12 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def scaled_mm_serves(x_fp8: torch.Tensor, weight: BlockFp8Weight) -> bool:
-    """cuBLAS's block-scaled product takes this weight: Hopper or newer, scales on the plain 128 x 128 grid."""
-    N, K = weight.weight.shape
-    return (x_fp8.is_cuda and _capability(x_fp8.device.index) >= (9, 0) and weight.on_block_grid
-            and N % GROUP == 0 and K % GROUP == 0)
-
-
 def fp8_linear(x: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` with a block-FP8 weight: x [..., K] -> [..., N] in x's dtype (bias added after the product, in fp32)."""
     x2 = x.reshape(-1, x.shape[-1])
     if kernel_serves(x.device):
         x_fp8, x_scale = quantize_activations(x2)
-        if scaled_mm_serves(x_fp8, weight):
-            out = scaled_mm(x_fp8, x_scale, weight, bias, x.dtype)
-        else:
-            out = matmul(x_fp8, x_scale, weight, bias, x.dtype)
+        out = matmul(x_fp8, x_scale, weight, bias, x.dtype)
     else:
         x_fp8, x_scale = reference_quantize_activations(x2)
         out = reference_matmul(x_fp8, x_scale, weight, bias, x.dtype)
@@ -109,7 +94,7 @@ def reference_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch
     M, K = x.shape
     groups = -(-K // GROUP)
     padded = F.pad(x.float(), (0, groups * GROUP - K)).view(M, groups, GROUP)
-    scale = padded.abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX
+    scale = padded.abs().amax(-1).clamp(min=MIN_AMAX) * INV_FP8_MAX
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(M, groups * GROUP)[:, :K], scale
 
@@ -140,23 +125,15 @@ QUANTIZE_ROWS = 16
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference_quantize_activations` by a Triton kernel; the scales come token-minor ([M, groups] with strides
-    (1, M)), the layout cuBLAS's block-scaled product reads."""
+    (1, M)): a tile of the product reads one group's scales of consecutive tokens, contiguous so."""
     M, K = x.shape
     groups = -(-K // GROUP)
     x = x.contiguous()
     q = torch.empty(M, K, dtype=FP8, device=x.device)
     scale = torch.empty(groups, M, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(triton.cdiv(M, QUANTIZE_ROWS), groups)](x, q, scale, M, K, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-                                                             GROUP=GROUP, ROWS=QUANTIZE_ROWS)
+    _quantize_kernel[(triton.cdiv(M, QUANTIZE_ROWS), groups)](x, q, scale, M, K, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX,
+                                                             MIN_AMAX=MIN_AMAX, GROUP=GROUP, ROWS=QUANTIZE_ROWS)
     return q, scale.t()
-
-
-def scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """`reference_matmul` by cuBLAS (`scaled_mm_serves`); a bias is added to the fp32 product, as the others add it."""
-    out = torch._scaled_mm(x_fp8, weight.weight.t(), x_scale, weight.scale_inv.t(),
-                           out_dtype=out_dtype if bias is None else torch.float32)
-    return out if bias is None else (out + bias.float()).to(out_dtype)
 
 
 def launch_config(M: int) -> dict:
@@ -189,16 +166,16 @@ def matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, b
 if triton is not None:
 
     @triton.jit
-    def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-                         GROUP: tl.constexpr, ROWS: tl.constexpr):
+    def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                         MIN_AMAX: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         group = tl.program_id(1)
         cols = group * GROUP + tl.arange(0, GROUP)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        # Divisions rounded as IEEE (and torch) round them: the quantized values equal the reference's bit for bit.
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), FP8_MAX)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) * INV_FP8_MAX
+        # Rounded as IEEE division (torch's of two tensors) rounds, not approximated: the reference's values bit for bit.
         q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + group * M + rows, scale, mask=rows < M)

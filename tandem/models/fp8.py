@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from tandem.kernels.fp8 import FP8, FP8_MAX, GROUP, MIN_AMAX, BlockFp8Weight, expand_scales
+from tandem.kernels.fp8 import FP8, FP8_MAX, GROUP, INV_FP8_MAX, MIN_AMAX, BlockFp8Weight, expand_scales
 from tandem.models.decoder import DecoderLayer
 from tandem.models.layers import MLP
 from tandem.models.random_init import initial_value
@@ -55,7 +55,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.zeros(rows * GROUP, cols * GROUP, dtype=torch.float32, device=weight.device)
     padded[:N, :K] = weight
     blocks = padded.view(rows, GROUP, cols, GROUP)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) * INV_FP8_MAX
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(rows * GROUP, cols * GROUP)[:N, :K].contiguous(), scale
 
