@@ -42,6 +42,14 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)
 
 
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: query t may see key s (same document, s <= t)."""
+    doc = document_ids(position_ids)
+    T = position_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return (doc[:, :, None] == doc[:, None, :]) & causal
+
+
 class PackedCausalAttention:
     """Causal attention within each packed document, through `scaled_dot_product_attention`.
 
@@ -53,11 +61,7 @@ class PackedCausalAttention:
         starts = (position_ids[:, 1:] == 0).any()
         self.mask: torch.Tensor | None = None
         if bool(starts):
-            doc = document_ids(position_ids)
-            T = position_ids.shape[-1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
-            self.mask = (doc[:, :, None] == doc[:, None, :]) & causal  # [B, T, T]
-            self.mask = self.mask[:, None]
+            self.mask = document_causal_mask(position_ids)[:, None]  # [B, 1, T, T]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]

@@ -139,10 +139,12 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(q_dim, eps), RMSNorm(k_dim, eps)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); `mlp` is any `FeedForward`."""
+class PreNormBlock(nn.Module):
+    """A pre-norm block's parts under Hugging Face's names: x + attention(norm(x)), then x + mlp(norm(x)); `mlp` is
+    any `FeedForward`. `DecoderLayer` is the one split at attention; latent attention has its own
+    (`tandem.models.glm_moe_dsa`)."""
 
-    def __init__(self, layer_idx: int, attention: Attention, mlp: FeedForward, hidden_size: int, eps: float):
+    def __init__(self, layer_idx: int, attention: nn.Module, mlp: FeedForward, hidden_size: int, eps: float):
         super().__init__()
         self.layer_idx = layer_idx
         self.eps = eps
@@ -150,6 +152,10 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+
+class DecoderLayer(PreNormBlock):
+    """The block of grouped-query `Attention`, split at it: `before_attention`, the backend, `after_attention`."""
 
     def before_attention_args(self) -> tuple[torch.Tensor | None, ...]:
         """The tensors `before_attention` takes after (x, cos, sin), read now (FSDP swaps them)."""
@@ -183,6 +189,9 @@ class DecoderLM(nn.Module):
 
     The caller applies `lm_head` where it needs logits (the engine on last tokens, the trainer in
     chunks), so full logits never exist unasked."""
+
+    split_blocks: ClassVar[bool] = True
+    """The blocks are `DecoderLayer`s, split at attention (`tandem.models.loading.has_split_blocks`)."""
 
     def __init__(self, args: DecoderArgs, layers: list[DecoderLayer]):
         super().__init__()

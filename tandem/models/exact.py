@@ -355,11 +355,14 @@ class _KernelDocumentAttention(torch.autograd.Function):
 
 def check_exact(hf_config: dict, source: str) -> None:
     """Refuse what exact mode cannot honour, saying why (the config's resolve step says it first, by key)."""
-    from tandem.models.loading import is_native
+    from tandem.models.loading import has_split_blocks, is_native
 
     if not is_native(hf_config):
         raise ValueError(f"`run.exact` needs a model native to tandem; {source} says model_type "
                          f"{hf_config.get('model_type')!r}, which falls back to transformers, whose kernels are not batch-invariant")
+    if not has_split_blocks(hf_config):
+        raise ValueError(f"`run.exact` needs decoder blocks split at attention; {source} says model_type "
+                         f"{hf_config.get('model_type')!r} (latent attention), which has no batch-invariant path yet")
 
 
 def exact_token_logprobs(hidden_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,

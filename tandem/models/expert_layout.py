@@ -1,4 +1,4 @@
-"""Expert weights in memory vs on disk: the one place that converts between them.
+"""Expert weights (and multi-token prediction layers) in memory vs on disk: the one place that converts between them.
 
 In memory (tandem's models, as transformers 5's) each sparse block holds its experts stacked:
 `{p}.mlp.experts.gate_up_proj` [E, 2*I, H] (expert j's gate rows, then its up rows) and
@@ -8,6 +8,10 @@ them back that way. `weights.load_state_dict` and `weights.save_state_dict` call
 `to_disk`, so every reader and writer of a model folder (`tandem model init`, the trainer's
 loading and published `weights/step_N`, the engine's loading and weight updates) agrees.
 Stacking copies: while a folder is loaded, its experts exist once more in host memory.
+
+The multi-token prediction layers that checkpoints hold after the last block (`model.layers.{N + i}`, N =
+`num_hidden_layers`) are left out for GLM-4.5, whose causal LM does not use them, and kept for the families of
+`KEEPS_MTP_LAYERS`, whose models hold them apart from the blocks as `model.mtp_layers.{i}`.
 """
 
 from __future__ import annotations
@@ -29,19 +33,28 @@ class ExpertLayout:
     down: str = "down_proj"
 
 
-EXPERT_LAYOUTS = {"qwen3_moe": ExpertLayout(), "glm4_moe": ExpertLayout(),
-                  "minimax_m2": ExpertLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
+EXPERT_LAYOUTS = {"qwen3_moe": ExpertLayout(), "glm4_moe": ExpertLayout(), "glm_moe_dsa": ExpertLayout(),
+                  "deepseek_v3": ExpertLayout(), "minimax_m2": ExpertLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
 """model_type -> its on-disk layout, for the native mixture-of-experts families. Other families'
 tensors pass unchanged: a transformers fallback model publishes and reloads its own in-memory names."""
 
 
+KEEPS_MTP_LAYERS = frozenset({"glm_moe_dsa", "deepseek_v3"})
+"""Families whose models keep the checkpoints' multi-token prediction layers (as `model.mtp_layers.{i}`)."""
+
+
 def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
     """On-disk names -> in-memory names: per-expert tensors stacked, the block renamed `mlp`, the
-    multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`, after the last block) left out."""
-    layout = EXPERT_LAYOUTS.get(hf_config.get("model_type", ""))
+    multi-token-prediction layers (`num_nextn_predict_layers`, after the last block) renamed
+    `model.mtp_layers.{i}` (`KEEPS_MTP_LAYERS`) or left out (GLM-4.5)."""
+    model_type = hf_config.get("model_type", "")
+    layout = EXPERT_LAYOUTS.get(model_type)
     if layout is None:
         return state
-    state = {name: t for name, t in state.items() if not _is_mtp_layer(name, hf_config)}
+    if model_type in KEEPS_MTP_LAYERS:
+        state = {_mtp_in_memory(name, hf_config["num_hidden_layers"]): t for name, t in state.items()}
+    else:
+        state = {name: t for name, t in state.items() if not _is_mtp_layer(name, hf_config)}
     if layout.block != "mlp":
         state = {name.replace(f".{layout.block}.", ".mlp."): t for name, t in state.items()}
     pattern = re.compile(rf"(.*)\.mlp\.experts\.(\d+)\.({layout.gate}|{layout.up}|{layout.down})\.weight")
@@ -56,7 +69,8 @@ def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torc
             per_expert.setdefault(prefix, {}).setdefault(proj, {})[int(j)] = tensor
     for prefix, projections in per_expert.items():
         count = 1 + max(j for tensors in projections.values() for j in tensors)
-        gate, up, down = (_stack(projections.get(p, {}), count, f"{prefix}.{layout.block}.experts.{{j}}.{p}.weight")
+        disk_prefix = _mtp_on_disk(prefix + ".", hf_config["num_hidden_layers"])[:-1] if model_type in KEEPS_MTP_LAYERS else prefix
+        gate, up, down = (_stack(projections.get(p, {}), count, f"{disk_prefix}.{layout.block}.experts.{{j}}.{p}.weight")
                           for p in (layout.gate, layout.up, layout.down))
         out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[f"{prefix}.mlp.experts.down_proj"] = down
@@ -69,6 +83,20 @@ def _is_mtp_layer(name: str, hf_config: dict) -> bool:
     return match is not None and num_layers <= int(match.group(1)) < num_layers + num_mtp
 
 
+def _mtp_in_memory(name: str, num_layers: int) -> str:
+    """`model.layers.{num_layers + i}.x` -> `model.mtp_layers.{i}.x`; other names unchanged."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    if match is None or int(match.group(1)) < num_layers:
+        return name
+    return f"model.mtp_layers.{int(match.group(1)) - num_layers}.{name[match.end():]}"
+
+
+def _mtp_on_disk(name: str, num_layers: int) -> str:
+    """`model.mtp_layers.{i}.x` -> `model.layers.{num_layers + i}.x`; other names unchanged."""
+    match = re.match(r"model\.mtp_layers\.(\d+)\.", name)
+    return name if match is None else f"model.layers.{num_layers + int(match.group(1))}.{name[match.end():]}"
+
+
 def _stack(tensors: dict[int, torch.Tensor], count: int, name: str) -> torch.Tensor:
     """The tensors of experts 0..count-1 stacked; a missing expert is an error naming its tensor."""
     missing = [j for j in range(count) if j not in tensors]
@@ -79,12 +107,16 @@ def _stack(tensors: dict[int, torch.Tensor], count: int, name: str) -> torch.Ten
 
 def to_disk(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
     """In-memory names -> on-disk names: stacked experts split into one tensor per expert (copies,
-    as safetensors stores no shared memory), the block renamed as the family names it."""
-    layout = EXPERT_LAYOUTS.get(hf_config.get("model_type", ""))
+    as safetensors stores no shared memory), the block renamed as the family names it, the kept
+    multi-token prediction layers named as the checkpoints name them."""
+    model_type = hf_config.get("model_type", "")
+    layout = EXPERT_LAYOUTS.get(model_type)
     if layout is None:
         return state
     out = {}
     for name, tensor in state.items():
+        if model_type in KEEPS_MTP_LAYERS:
+            name = _mtp_on_disk(name, hf_config["num_hidden_layers"])
         disk_name = name.replace(".mlp.", f".{layout.block}.")
         if name.endswith(".mlp.experts.gate_up_proj"):
             prefix = disk_name.removesuffix(".gate_up_proj")

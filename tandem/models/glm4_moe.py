@@ -50,16 +50,8 @@ class Glm4MoeArgs(DecoderArgs):
     def from_hf(cls, config: dict[str, Any]) -> "Glm4MoeArgs":
         """Read a GLM-4.5 `config.json`; unsupported values raise `UnsupportedConfig`."""
         hf = transformers_config(config)
-        groups_fit = hf.n_routed_experts % hf.n_group == 0 and (hf.n_group == 1 or hf.n_routed_experts // hf.n_group >= 2)
-        if not groups_fit or not 1 <= hf.topk_group <= hf.n_group:
-            raise UnsupportedConfig("n_group", hf.n_group, f"must split n_routed_experts = {hf.n_routed_experts} into groups "
-                                    f"of 2 or more experts and be at least topk_group = {hf.topk_group}")
-        return cls(**decoder_fields(hf), intermediate_size=hf.intermediate_size, moe_intermediate_size=hf.moe_intermediate_size,
-                   n_routed_experts=hf.n_routed_experts, n_shared_experts=hf.n_shared_experts,
-                   num_experts_per_tok=hf.num_experts_per_tok, n_group=hf.n_group, topk_group=hf.topk_group,
-                   routed_scaling_factor=float(hf.routed_scaling_factor), norm_topk_prob=hf.norm_topk_prob,
-                   first_k_dense_replace=hf.first_k_dense_replace, attention_bias=hf.attention_bias,
-                   use_qk_norm=hf.use_qk_norm)
+        return cls(**decoder_fields(hf), **routing_fields(hf), first_k_dense_replace=hf.first_k_dense_replace,
+                   attention_bias=hf.attention_bias, use_qk_norm=hf.use_qk_norm)
 
     def moe_args(self) -> MoEArgs:
         return MoEArgs(num_experts=self.n_routed_experts, top_k=self.num_experts_per_tok, hidden_size=self.hidden_size,
@@ -67,6 +59,19 @@ class Glm4MoeArgs(DecoderArgs):
                        norm_topk_prob=self.norm_topk_prob, n_group=self.n_group, topk_group=self.topk_group,
                        routed_scaling_factor=self.routed_scaling_factor, score_bias="router", router_fp32=True,
                        num_shared_experts=self.n_shared_experts)
+
+
+def routing_fields(hf: Any) -> dict[str, Any]:
+    """The feed-forward fields of `Glm4MoeArgs` from a transformers config object of GLM-4.5's routing (GLM-5 and
+    DeepSeek-V3 route the same way), the expert groups checked."""
+    groups_fit = hf.n_routed_experts % hf.n_group == 0 and (hf.n_group == 1 or hf.n_routed_experts // hf.n_group >= 2)
+    if not groups_fit or not 1 <= hf.topk_group <= hf.n_group:
+        raise UnsupportedConfig("n_group", hf.n_group, f"must split n_routed_experts = {hf.n_routed_experts} into groups "
+                                f"of 2 or more experts and be at least topk_group = {hf.topk_group}")
+    return dict(intermediate_size=hf.intermediate_size, moe_intermediate_size=hf.moe_intermediate_size,
+                n_routed_experts=hf.n_routed_experts, n_shared_experts=hf.n_shared_experts,
+                num_experts_per_tok=hf.num_experts_per_tok, n_group=hf.n_group, topk_group=hf.topk_group,
+                routed_scaling_factor=float(hf.routed_scaling_factor), norm_topk_prob=hf.norm_topk_prob)
 
 
 class Glm4MoeForCausalLM(DecoderLM):

@@ -66,9 +66,10 @@ def yarn_scaling(rope: dict[str, Any], max_position_embeddings: int) -> YarnScal
                        beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)))
 
 
-def decoder_fields(config: Any) -> dict[str, Any]:
-    """The `DecoderArgs` fields of a transformers config object, after the checks every family shares."""
-    check_common(config)
+def decoder_fields(config: Any, layer_types: tuple[str, ...] = ("full_attention",)) -> dict[str, Any]:
+    """The `DecoderArgs` fields of a transformers config object, after the checks every family shares
+    (`layer_types`: the attention kinds the family implements)."""
+    check_common(config, layer_types)
     rope = rope_parameters(config)
     heads = config.num_attention_heads
     return dict(
@@ -87,14 +88,15 @@ def decoder_fields(config: Any) -> dict[str, Any]:
     )
 
 
-def check_common(config: Any) -> None:
-    """Full causal attention in every layer, SiLU-gated feed-forwards, no dropout, unquantized weights."""
+def check_common(config: Any, layer_types: tuple[str, ...] = ("full_attention",)) -> None:
+    """Attention of the kinds in `layer_types` in every layer (full causal attention unless the family says
+    otherwise: GLM-5's `indexed_attention`), SiLU-gated feed-forwards, no dropout, unquantized weights."""
     quantization = getattr(config, "quantization_config", None)
     if quantization:
         raise UnsupportedConfig("quantization_config", quantization, "unquantized weights only")
     expect(config, "hidden_act", ("silu",), "silu")
     expect(config, "use_sliding_window", (False,), False)
     expect(config, "attention_dropout", (0, 0.0), 0.0)
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise UnsupportedConfig("layer_types", layer_types, "only 'full_attention' layers")
+    found = getattr(config, "layer_types", None) or []
+    if any(t not in layer_types for t in found):
+        raise UnsupportedConfig("layer_types", found, f"only {' or '.join(map(repr, layer_types))} layers")

@@ -12,6 +12,7 @@ from torch import nn
 
 from tandem.models.fp8 import checkpoint_quantization, convert_to_fp8, init_fp8_weights, match_quantization
 from tandem.models.glm4_moe import Glm4MoeArgs, Glm4MoeForCausalLM
+from tandem.models.glm_moe_dsa import DeepseekV3Args, GlmMoeDsaArgs, LatentMoeForCausalLM
 from tandem.models.hf_config import UnsupportedConfig
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import read_hf_config, resolve_model_path
@@ -26,6 +27,8 @@ NATIVE = {
     "qwen3_moe": (Qwen3MoeArgs, Qwen3MoeForCausalLM),
     "glm4_moe": (Glm4MoeArgs, Glm4MoeForCausalLM),
     "minimax_m2": (MiniMaxM2Args, MiniMaxM2ForCausalLM),
+    "glm_moe_dsa": (GlmMoeDsaArgs, LatentMoeForCausalLM),
+    "deepseek_v3": (DeepseekV3Args, LatentMoeForCausalLM),
 }
 """model_type -> (args class, model class) implemented natively."""
 
@@ -39,6 +42,13 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
 
 def is_native(hf_config: dict) -> bool:
     return hf_config.get("model_type") in NATIVE
+
+
+def has_split_blocks(hf_config: dict) -> bool:
+    """Whether the model is native and made of `decoder.DecoderLayer`s, split at attention: what the engine's paged
+    KV cache, FP8 layers and exact mode and the trainer's compiled block halves work on. The latent-attention
+    families (`glm_moe_dsa`, `deepseek_v3`) run whole blocks (`tandem.models.glm_moe_dsa`)."""
+    return is_native(hf_config) and NATIVE[hf_config["model_type"]][1].split_blocks
 
 
 def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
@@ -143,7 +153,13 @@ def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "
                          f"model_type {hf_config.get('model_type')!r}, which loads through transformers")
     if is_native(hf_config):
         source = str(folder / "config.json")
-        checkpoint_quantization(hf_config, source)  # an error for any scheme but block FP8
+        fp8_checkpoint = checkpoint_quantization(hf_config, source)  # an error for any scheme but block FP8
+        if fp8_checkpoint and not has_split_blocks(hf_config):
+            raise ValueError(f"{source}: `quantization_config` = {hf_config['quantization_config']!r}: FP8 checkpoints of "
+                             f"model_type {hf_config['model_type']!r} (latent attention) are not supported; use bf16 weights")
+        if quantization != "none" and not has_split_blocks(hf_config):
+            raise ValueError(f"{quantization} layers need decoder blocks split at attention; {source} says model_type "
+                             f"{hf_config['model_type']!r} (latent attention), whose blocks run whole")
         unquantized = {k: v for k, v in hf_config.items() if k != "quantization_config"}  # the layers' shapes are the same
         model = empty_native(unquantized, device, torch_dtype, source, quantization)
         model.hf_config = hf_config

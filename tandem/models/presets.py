@@ -43,6 +43,17 @@ PRESETS: dict[str, dict] = {
     "tiny-minimax-m2": dict(model_type="minimax_m2", vocab_size=VOCAB_SIZE, intermediate_size=32, num_hidden_layers=2,
                             num_local_experts=8, num_experts_per_tok=2, rope_parameters=dict(partial_rotary_factor=0.5),
                             **_TINY_ATTENTION),
+    # GLM-5's block at a CPU size: MLA (query rank 64, key/value rank 32, heads of 32 + 16 RoPE features), a DSA
+    # indexer of 8 heads in every other layer (the others share its choice) keeping 64 tokens per query, GLM-4.5's
+    # routing after a dense first block, one multi-token prediction layer.
+    "tiny-glm5": dict(model_type="glm_moe_dsa", vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=192,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_topk=64, index_n_heads=8,
+                      index_head_dim=32, index_topk_freq=2, index_skip_topk_offset=1, moe_intermediate_size=32,
+                      n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, num_nextn_predict_layers=1,
+                      tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
+                      dtype="float32"),
     # The real Qwen3-30B-A3B shape (48 layers, 128 experts, 8 per token).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -57,6 +68,15 @@ PRESETS: dict[str, dict] = {
                         attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=0, tie_word_embeddings=False,
                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
                         rope_parameters=dict(partial_rotary_factor=0.5), dtype="bfloat16"),
+    # The real GLM-5 shape (78 layers, the first 3 dense; MLA; a DSA indexer in every layer keeping 2,048 tokens per
+    # query; 256 routed experts, 8 per token, 1 shared; one multi-token prediction layer).
+    "glm-5": dict(model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+                  num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+                  qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_n_heads=32,
+                  index_head_dim=128, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+                  num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  first_k_dense_replace=3, num_nextn_predict_layers=1, tie_word_embeddings=False,
+                  max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=1_000_000.0, dtype="bfloat16"),
     # The real MiniMax-M2 shape (62 layers, 256 experts, 8 per token, rotary on 64 of 128 features).
     "minimax-m2": dict(model_type="minimax_m2", vocab_size=200064, hidden_size=3072, intermediate_size=1536,
                        num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
@@ -109,7 +129,8 @@ def shape_config(shape: dict) -> dict:
 
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "minimax_m2": "MiniMaxM2ForCausalLM"}
+                 "minimax_m2": "MiniMaxM2ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 """model_type -> the transformers class named in config.json's `architectures`."""
 
 

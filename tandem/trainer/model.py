@@ -6,8 +6,8 @@ models attend through `DocumentCausalAttention` (document lengths from the batch
 run the trainer's block forward (`tandem.trainer.block`: compiled halves, selective recompute).
 
 Loading (`build_policy`):
-- native models (`tandem.models.loading.NATIVE`): built on the meta device, activation
-  checkpointing, expert parallelism (`parallel.ep` > 1) and FSDP applied (at world size 1 the plain
+- native models (`tandem.models.loading.NATIVE`): built on the meta device, the training block forward (decoder
+  blocks only: latent-attention blocks run whole, `tandem.models.glm_moe_dsa`), activation checkpointing, expert parallelism (`parallel.ep` > 1) and FSDP applied (at world size 1 the plain
   one-rank path instead: `tandem.trainer.parallel.one_rank`), then `to_empty` on the
   target device, then each rank copies only its shard out of the (memory-mapped) safetensors. No
   rank ever holds the whole model in device memory, so this scales to models larger than one
@@ -35,7 +35,8 @@ from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.exact import ExactDocumentAttention, apply_exact, check_exact, exact_token_logprobs
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
-from tandem.models.loading import DUMMY_SEED, build_native, check_load_format, is_native, read_hf_config, resolve_dtype
+from tandem.models.loading import (DUMMY_SEED, build_native, check_load_format, has_split_blocks, is_native, read_hf_config,
+                                   resolve_dtype)
 from tandem.models.random_init import RandomWeights
 from tandem.models.weights import load_state_dict
 from tandem.trainer.block import apply_training_blocks
@@ -189,9 +190,9 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     if exact:  # the engine's forward, token by token; `selective` needs the training blocks: whole blocks instead
         apply_exact(lm)
         checkpointing = ActivationCheckpointConfig(mode="full") if checkpointing.mode == "selective" else checkpointing
-    elif native:
+    elif has_split_blocks(hf_config):
         apply_training_blocks(policy.blocks, compile=compile, recompute=checkpointing.mode == "selective")
-    elif checkpointing.mode == "selective":  # transformers' blocks cannot be split at attention
+    elif checkpointing.mode == "selective":  # transformers' and latent-attention blocks are not split at attention
         checkpointing = ActivationCheckpointConfig(mode="full")
     apply_activation_checkpoint(policy.blocks, checkpointing)
     one_rank = dims.world_size == 1 and not parallel.fsdp_at_one_rank
@@ -201,9 +202,10 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         apply_compiled_stack(lm, recompute=checkpointing.mode == "selective")
         policy.compiled_stack = True
     check_context_parallel(dims.cp_size, parallel.cp_attention, hf_config, str(folder / "config.json"))
-    if dims.cp_size > 1 and not native:
-        raise ValueError(f"`parallel.cp` = {dims.cp_size} needs a model tandem runs natively; {folder / 'config.json'} has "
-                         f"model_type {hf_config.get('model_type')!r} (transformers fallback); set `parallel.cp` = 1")
+    if dims.cp_size > 1 and not has_split_blocks(hf_config):
+        kind = "latent attention, whose sparse selection needs every token" if native else "transformers fallback"
+        raise ValueError(f"`parallel.cp` = {dims.cp_size} needs decoder blocks split at attention; {folder / 'config.json'} has "
+                         f"model_type {hf_config.get('model_type')!r} ({kind}); set `parallel.cp` = 1")
     if dims.ep_size > 1:
         apply_expert_parallel_to(policy, hf_config, dims, str(folder / "config.json"))
     if not one_rank:

@@ -1,7 +1,8 @@
 """Build an `LLMEngine` from the config: device, model, tokenizer, KV-cache size, runner.
 
-Native models (`tandem.models.loading.NATIVE`: Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) get the
-paged KV cache; any other architecture loads through transformers and runs on the recompute path. On CUDA the cache takes what `memory_fraction`
+Native models of decoder blocks (`tandem.models.loading.has_split_blocks`: Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) get
+the paged KV cache; the native latent-attention families (GLM-5, DeepSeek-V3: no latent cache yet) and any other
+architecture (loaded through transformers) run on the recompute path. On CUDA the cache takes what `memory_fraction`
 leaves after the weights and the activations of a full-budget warmup step.
 """
 
@@ -28,7 +29,7 @@ from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
 from tandem.models.hub import resolve_model_path
-from tandem.models.loading import is_native, load_causal_lm
+from tandem.models.loading import has_split_blocks, is_native, load_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
     max_model_len = resolve_max_model_len(engine, model.hf_config)
-    if is_native(model.hf_config):
+    if has_split_blocks(model.hf_config):
         args = model.args
         dtype = model.lm_head.weight.dtype
         per_block = KVCache.bytes_per_block(args.num_hidden_layers, engine.block_size, args.num_key_value_heads, args.head_dim, dtype)
@@ -131,8 +132,10 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
         runner = RecomputeModelRunner(model, device)
         overlap = False
-        weight_target = model.hf_model
-        log.info("%s is not native to tandem: transformers model, recomputed every step (slow path)", model.hf_config.get("model_type"))
+        native = is_native(model.hf_config)
+        weight_target = model if native else model.hf_model
+        log.info("%s: %s, recomputed every step (slow path)", model.hf_config.get("model_type"),
+                 "latent attention has no paged cache yet" if native else "not native to tandem: transformers model")
     block_manager = BlockManager(num_blocks, engine.block_size)
     return LLMEngine(
         runner=runner,

@@ -1,0 +1,96 @@
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5): a light indexer picks, for each query, the `index_topk`
+tokens of its document it attends to.
+
+    I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s]) / sqrt(D_I)     the index score of key s for query t
+      q_I[t, j] = RoPE(wq_b(latent_t)) head j of `index_n_heads`     (latent: MLA's normed query latent)
+      k_I[s]    = RoPE(LayerNorm(wk(x_s)))                          (one head, shared by the query heads)
+      w[t, j]   = weights_proj(x_t)[j] / sqrt(index_n_heads)
+RoPE turns the first Dr (`qk_rope_head_dim`) features of q_I and k_I, in interleaved pairs for GLM-5; x is the
+block's normed input; scores are computed in fp32. Query t attends to the `index_topk` tokens s <= t of its
+document with the highest I[t, s] (all of them where it sees fewer): MLA's softmax over those only. A `shared`
+layer (GLM-5's `indexer_types`) has no indexer and reuses the selection of the last `full` layer before it.
+
+The selection is a discrete choice: no gradient flows through it, and the indexer's weights get none (its forward
+runs without autograd, as in DeepSeek-V3.2's and transformers' code); they are frozen (`requires_grad` off).
+Training them needs DeepSeek-V3.2's separate indexer loss (a KL divergence to the dense attention's distribution),
+which tandem does not implement. DeepSeek's kernels also turn q_I and k_I by a Hadamard matrix and quantize them to
+FP8 before the product: the rotation is orthogonal (no dot product changes) and the quantization an inference
+approximation, so both are left out, as transformers leaves them out.
+
+Where no query sees more than `index_topk` tokens (no document longer), the selection is every visible token:
+`sparse_context` is None and the layers attend densely through the model's attention backend, without indexer.
+Otherwise the selection is a boolean mask [B, T, T] and attention runs under it (`sparse_attend`): a plain PyTorch
+reference whose memory grows with T^2 (the indexer's with T^2 x index_n_heads), not a sparse kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.attention import document_causal_mask
+from tandem.models.mla import rotate
+
+INDEXER_NORM_EPS = 1e-6
+"""Epsilon of the indexer's key LayerNorm (`indexer.k_norm`)."""
+
+
+@dataclass
+class SparseContext:
+    """What every DSA layer of one forward shares."""
+
+    visible: torch.Tensor
+    """[B, T, T] bool: key s is in query t's document and s <= t."""
+    index_topk: int
+
+
+def sparse_context(position_ids: torch.Tensor, index_topk: int) -> SparseContext | None:
+    """The forward's `SparseContext`, or None where the selection would keep every visible token: query t sees
+    position_t + 1 tokens (positions restart at each packed document). Reading the longest is a host sync."""
+    if int(position_ids.max()) < index_topk:
+        return None
+    return SparseContext(document_causal_mask(position_ids), index_topk)
+
+
+class Indexer(nn.Module):
+    """The DSA indexer of one layer under Hugging Face's names (`self_attn.indexer.wq_b`, ...); frozen."""
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rope_dim: int, interleaved: bool):
+        super().__init__()
+        self.num_heads, self.head_dim, self.rope_dim, self.interleaved = num_heads, head_dim, rope_dim, interleaved
+        self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Normed block input x [B, T, hidden] and query latent [B, T, q_lora_rank] -> index scores I [B, T, T] fp32
+        (every pair; `select` masks what a query may not see)."""
+        B, T, _ = x.shape
+        H, D, Dr = self.num_heads, self.head_dim, self.rope_dim
+        q = self.wq_b(latent).view(B, T, H, D)
+        q = torch.cat((rotate(q[..., :Dr], cos, sin, self.interleaved), q[..., Dr:]), dim=-1)
+        k = self.k_norm(self.wk(x)).view(B, T, 1, D)
+        k = torch.cat((rotate(k[..., :Dr], cos, sin, self.interleaved), k[..., Dr:]), dim=-1)[:, :, 0]
+        scores = F.relu(torch.matmul(q.float(), k.float().transpose(-1, -2)[:, None]) * D ** -0.5)  # [B, T, H, T]
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * H ** -0.5  # [B, T, H]
+        return torch.matmul(weights[:, :, None], scores)[:, :, 0]
+
+
+def select(scores: torch.Tensor, context: SparseContext) -> torch.Tensor:
+    """Index scores [B, T, T] -> the selection [B, T, T] bool: each query's `index_topk` visible keys of highest score."""
+    scores = scores.masked_fill(~context.visible, float("-inf"))
+    top = scores.topk(min(context.index_topk, scores.shape[-1]), dim=-1).indices
+    return torch.zeros_like(context.visible).scatter_(-1, top, True) & context.visible
+
+
+def sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
+    """q, k [B, T, H, D], v [B, T, H, Dv] attending to the selected keys only (`selection` [B, T, T]) -> [B, T, H, Dv];
+    the scale is attention's default 1 / sqrt(D), as through a backend."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=selection[:, None])
+    return out.transpose(1, 2)
