@@ -151,7 +151,7 @@ def test_grouped_experts_compute_each_experts_swiglu():
     ("glm4_moe", "n_group", 3),
     ("minimax_m2", "scoring_func", "softmax"),
     ("minimax_m2", "attn_type_list", [0, 1]),
-    ("minimax_m2", "quantization_config", {"quant_method": "fp8"}),
+    ("minimax_m2", "quantization_config", {"quant_method": "awq"}),
 ])
 def test_unsupported_config_values_name_the_field_and_file(model_type, field, value, tmp_path):
     shape = {"qwen3_moe": TINY_MOE, "qwen3": dict(TINY_MOE, model_type="qwen3"), "glm4_moe": TINY_GLM,
@@ -160,7 +160,7 @@ def test_unsupported_config_values_name_the_field_and_file(model_type, field, va
     config = json.loads((folder / "config.json").read_text())
     config[field] = value
     (folder / "config.json").write_text(json.dumps(config))
-    reported = "rope_type" if field == "rope_parameters" else field
+    reported = {"rope_parameters": "rope_type", "quantization_config": "quantization_config.quant_method"}.get(field, field)
     with pytest.raises(ValueError, match=f"{folder / 'config.json'}: `{reported}` = "):
         load_causal_lm(str(folder))
 
