@@ -26,15 +26,21 @@ def test_the_example_resolves(folder, monkeypatch):
 @pytest.mark.parametrize("folder", sorted(p.name for p in EXAMPLES.iterdir() if (p / "rl.toml").is_file()))
 def test_the_example_warmup_data_can_be_written(folder, monkeypatch, tmp_path):
     """The `[warmup]` counts fit the environment (a wiki of 1,580 questions cannot give 2,100
-    demonstrations): the data step runs as `tandem rl` runs it. code_fix's demonstrations run the
-    tests in the sandbox twice each (minutes for 1,100), so there only the repositories are drawn."""
+    demonstrations): the data step runs as `tandem rl` runs it. code_fix's and swe's demonstrations run the
+    tests in the sandbox twice each (minutes for 1,100), so there only the tasks are drawn (swe's instances
+    still checked at their base commits)."""
     import tandem.envs.code_fix as code_fix
+    import tandem.envs.swe as swe
     from tandem.launch.warmup import write_sft_data
 
     async def no_demonstration(row, *_):
         return [{"role": "user", "content": row["question"]}]
 
+    async def no_swe_demonstration(store, prepared, limits):
+        return [{"role": "user", "content": prepared.instance.problem_statement}]
+
     monkeypatch.setattr(code_fix, "_demonstration", no_demonstration)
+    monkeypatch.setattr(swe, "_demonstration", no_swe_demonstration)
     monkeypatch.chdir(EXAMPLES.parent)
     warmup = parse_rl_args(["@", f"examples/{folder}/rl.toml"], environ={}).warmup
     path = tmp_path / "train.jsonl"

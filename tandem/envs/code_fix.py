@@ -85,7 +85,7 @@ def replace_text(path: str, old: str, new: str, workspace: Workspace) -> str:
         new: The text to put in its place.
     """
     if Path(path).parts[:1] == ("tests",):
-        raise ValueError("tests/ is read-only: fix the code in app/")
+        raise ValueError("tests/ is read-only: fix the code, not the tests")
     target = workspace.path(path)
     text = target.read_text()
     count = text.count(old) if old else 0

@@ -14,6 +14,7 @@ BUILTIN_ENVIRONMENTS = {
     "math": "tandem.envs.math_problems",
     "wiki_search": "tandem.envs.wiki_search",
     "code_fix": "tandem.envs.code_fix",
+    "swe": "tandem.envs.swe",
     "humaneval": "tandem.envs.humaneval",
     "fixed_length": "tandem.envs.fixed_length",
 }

@@ -9,11 +9,16 @@ A reply is a string (the content) or a dict with optional `content`, `finish_rea
 JSON-encode or a raw string.
 """
 
+import asyncio
 import json
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from tandem.envs.sandbox import SandboxLimits, run_python_sandboxed
 
 
 class ScriptedClient:
@@ -54,3 +59,12 @@ def byte_tokenizer():
     from tandem.models.byte_tokenizer import build_byte_tokenizer
 
     return build_byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def confined():
+    """Skip tests that need the root-only confinement (own uid, process limit, namespaces)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        result = asyncio.run(run_python_sandboxed(["-c", "pass"], Path(workdir), SandboxLimits()))
+    if not all(result.enforced.values()):
+        pytest.skip(f"the sandbox is not fully confined here: {result.enforced}")

@@ -1,4 +1,4 @@
-"""wiki_search and code_fix through the orchestrator's client over HTTP: a fake server plays a
+"""wiki_search, code_fix and swe through the orchestrator's client over HTTP: a fake server plays a
 model that writes each SFT demonstration's assistant turns exactly as the chat template renders
 them. The rollout must call the real tools, get the demonstration's replies, score 1, and keep
 every turn in one token-exact sample: the demonstrations teach the very format RL rollouts
@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 from test_chat_client import run, with_client
 
-from tandem.envs import code_fix, wiki_search
+from tandem.envs import code_fix, swe, wiki_search
 from tandem.orchestrator.samples import build_samples
 
 ENVS = {
     "wiki_search": (wiki_search, {"num_eval_examples": 10, "seed": 3}),
     "code_fix": (code_fix, {"num_eval_examples": 10, "seed": 3}),
+    "swe": (swe, {"instance_ids": ["tkem__cachetools-462e8679", "PyCQA__pyflakes-e19886e5"], "num_eval_examples": 1}),
 }
 
 
