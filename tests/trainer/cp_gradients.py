@@ -5,9 +5,10 @@ mixture of experts the router statistics (which must not count the padding CP ad
 For a mixture of experts the completion tokens replay given experts (router replay), the prompt
 tokens route themselves: a replay misaligned with its tokens would change the loss.
 
-    torchrun --nproc-per-node 4 tests/trainer/cp_gradients.py MODEL_FOLDER OUT.pt CP:EP[:ATTENTION] ...
+    torchrun --nproc-per-node 4 tests/trainer/cp_gradients.py OUT.pt MODEL_FOLDER CP:EP[:ATTENTION] ... [MODEL_FOLDER ...]
 
-(ATTENTION: `parallel.cp_attention`, ring by default.) Results are keyed by those strings.
+(ATTENTION: `parallel.cp_attention`, ring by default.) Results are keyed by folder, then by those strings: one
+launch serves several models (each start of 4 ranks importing torch costs seconds of the CI's 2 cores).
 """
 
 from __future__ import annotations
@@ -83,12 +84,17 @@ def gradients_at(folder: str, cp: int, ep: int, attention: str) -> dict:
             "grad_norm": float(clip_grad_norm(policy, 0.0)), "grads": grads, "rank": dims.rank, "router": router}
 
 
-def main(folder: str, out: str, *sizes: str) -> None:
-    results = {}
-    for size in sizes:
-        cp, ep, *attention = size.split(":")
-        results[size] = gradients_at(folder, int(cp), int(ep), attention[0] if attention else "ring")
-    if results[next(iter(results))]["rank"] == 0:
+def main(out: str, *args: str) -> None:
+    results, rank = {}, None
+    for arg in args:
+        if ":" not in arg:  # a model folder; the sizes that follow are its own
+            folder = arg
+            results[folder] = {}
+            continue
+        cp, ep, *attention = arg.split(":")
+        results[folder][arg] = run = gradients_at(folder, int(cp), int(ep), attention[0] if attention else "ring")
+        rank = run["rank"]
+    if rank == 0:
         torch.save(results, out)
     close_parallel(wait_for_peers=True)
 

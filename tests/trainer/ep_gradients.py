@@ -2,7 +2,10 @@
 each expert-parallel size dividing the world size; rank 0 saves the losses, full gradients and norms,
 and the full state that published weights are made of.
 
-    torchrun --nproc-per-node 4 tests/trainer/ep_gradients.py MODEL_FOLDER OUT.pt
+    torchrun --nproc-per-node 4 tests/trainer/ep_gradients.py OUT.pt MODEL_FOLDER ...
+
+Results are keyed by folder: one launch serves several models (each start of 4 ranks importing torch costs
+seconds of the CI's 2 cores).
 """
 
 from __future__ import annotations
@@ -42,13 +45,13 @@ def gradients_at(folder: str, ep: int) -> dict:
             "grads": grads, "published": published, "rank": dims.rank, "world_size": dims.world_size}
 
 
-def main(folder: str, out: str) -> None:
+def main(out: str, *folders: str) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
-    results = {ep: gradients_at(folder, ep) for ep in (1, 2, 4) if world_size % ep == 0}
-    if results[1]["rank"] == 0:
+    results = {folder: {ep: gradients_at(folder, ep) for ep in (1, 2, 4) if world_size % ep == 0} for folder in folders}
+    if results[folders[0]][1]["rank"] == 0:
         torch.save(results, out)
     close_parallel(wait_for_peers=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

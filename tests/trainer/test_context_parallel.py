@@ -31,18 +31,30 @@ def test_zigzag_shards_cover_the_row_once_with_balanced_causal_work():
     assert len({int((s + 1).sum()) for s in shards}) == 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model, sizes", [
-    ("tiny_model", ["1:1", "2:1", "4:1", "2:1:ulysses"]),  # CP:EP[:attention]; CP = 2 on 4 ranks is CP x FSDP = 2 x 2
-    ("tiny_moe_model", ["1:1", "2:2", "4:2", "2:2:ulysses"]),  # with expert parallelism and router replay
-])
-def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, sizes, request, tmp_path):
-    out = tmp_path / "grads.pt"
+SIZES = {
+    "tiny_model": ["1:1", "2:1", "4:1", "2:1:ulysses"],  # CP:EP[:attention]; CP = 2 on 4 ranks is CP x FSDP = 2 x 2
+    "tiny_moe_model": ["1:1", "2:2", "4:2", "2:2:ulysses"],  # with expert parallelism and router replay
+}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(request, tmp_path_factory) -> dict:
+    """Every model's sizes from one launch of 4 ranks, by fixture name."""
+    folders = {model: str(request.getfixturevalue(model)) for model in SIZES}
+    out = tmp_path_factory.mktemp("cp") / "grads.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(HERE / "cp_gradients.py"), str(request.getfixturevalue(model)), str(out), *sizes]
+           str(HERE / "cp_gradients.py"), str(out), *(arg for model in SIZES for arg in (folders[model], *SIZES[model]))]
     result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = torch.load(out, weights_only=False)
+    return {model: runs[folders[model]] for model in SIZES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(SIZES))
+def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, cp_runs):
+    runs, sizes = cp_runs[model], SIZES[model]
+    assert sorted(runs) == sorted(sizes)
     ref = runs["1:1"]
     if ref["router"] is not None:  # every token of the four rows counted k times in each MoE layer
         assert {sum(layer) for layer in ref["router"]["router/tokens_per_expert"]} == {(37 + 26 + 26 + 29) * 2}

@@ -22,15 +22,26 @@ from trainer_helpers import losses, metrics, run_trainer
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny_moe_model", "tiny_glm_model"])  # GLM: shared expert, grouped sigmoid router
-def test_expert_parallel_sizes_give_the_gradients_of_ep_1(model, request, tmp_path):
-    out = tmp_path / "grads.pt"
+MODELS = ["tiny_moe_model", "tiny_glm_model"]  # GLM: shared expert, grouped sigmoid router
+
+
+@pytest.fixture(scope="module")
+def ep_runs(request, tmp_path_factory) -> dict:
+    """Every model's expert-parallel sizes from one launch of 4 ranks, by fixture name."""
+    folders = {model: str(request.getfixturevalue(model)) for model in MODELS}
+    out = tmp_path_factory.mktemp("ep") / "grads.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(HERE / "ep_gradients.py"), str(request.getfixturevalue(model)), str(out)]
+           str(HERE / "ep_gradients.py"), str(out), *folders.values()]
     result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = torch.load(out, weights_only=False)
+    return {model: runs[folders[model]] for model in MODELS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_expert_parallel_sizes_give_the_gradients_of_ep_1(model, ep_runs):
+    runs = ep_runs[model]
     assert sorted(runs) == [1, 2, 4]
     ref = runs[1]
     expert_names = [n for n in ref["grads"] if "experts" in n]
