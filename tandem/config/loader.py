@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomli_w
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
@@ -136,10 +135,9 @@ def env_name(key: str) -> str:
 
 
 def secret_env(config: BaseModel) -> dict[str, str]:
-    """The environment variables that give a process of root config `config` its secrets, each value a TOML
-    string (variables are read as TOML literals: `"123"` stays the string it is)."""
-    return {env_name(key): tomli_w.dumps({"v": value}).removeprefix("v = ").rstrip("\n")
-            for key, value in secrets_of(config).items()}
+    """The environment variables that give a process of root config `config` its secrets, each value as it is
+    (a secret is typed text, whose variable is read as given: `123` stays the string it is)."""
+    return {env_name(key): value for key, value in secrets_of(config).items()}
 
 
 def _split_if_list(config_cls: type[BaseModel], key: str, value: Any) -> Any:

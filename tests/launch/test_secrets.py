@@ -60,9 +60,10 @@ def test_a_written_config_needs_the_key_from_a_flag_or_the_environment(tmp_path)
 
 
 def test_config_errors_do_not_show_a_secret(tmp_path):
+    (tmp_path / "server.toml").write_text("[server]\napi_key = 20240917\n")  # a TOML integer: the wrong type
     with pytest.raises(ConfigError) as refused:
-        parse_args(InferenceConfig, ["--server.api-key", "20240917"], environ={})  # read as a TOML integer
-    assert "20240917" not in str(refused.value) and f"`server.api_key` (from the command line): '{REDACTED}'" in str(refused.value)
+        parse_args(InferenceConfig, ["@", str(tmp_path / "server.toml")], environ={})
+    assert "20240917" not in str(refused.value) and f"`server.api_key` (from {tmp_path / 'server.toml'}): '{REDACTED}'" in str(refused.value)
     with pytest.raises(ConfigError) as refused:
         parse_rl_args(["--output-dir", str(tmp_path), "--inference.server.api-key", KEY,
                        "--orchestrator.client.api-key", "another-key"], environ={})
