@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,18 +48,19 @@ def printed_steps(stdout: str) -> list[int]:
 
 def test_a_resumed_run_leaves_the_records_of_a_run_that_never_stopped(tmp_path):
     model = init_model("tiny", tmp_path / "model", seed=0)
-    straight = run(rl_command(model, tmp_path / "straight", MAX_STEPS, *EVERY_CHECKPOINT))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-
     out = tmp_path / "stopped"
-    proc = start(rl_command(model, out, MAX_STEPS, *EVERY_CHECKPOINT))
-    try:
-        wait_for_trainer_step(proc, out, 3)
-        os.kill(run_pids(out)["trainer"], signal.SIGKILL)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with ThreadPoolExecutor() as pool:  # the straight run beside the one to stop: each leaves a CI core idle at times
+        straight_run = pool.submit(run, rl_command(model, tmp_path / "straight", MAX_STEPS, *EVERY_CHECKPOINT))
+        proc = start(rl_command(model, out, MAX_STEPS, *EVERY_CHECKPOINT))
+        try:
+            wait_for_trainer_step(proc, out, 3)
+            os.kill(run_pids(out)["trainer"], signal.SIGKILL)
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        straight = straight_run.result()
+    assert straight.returncode == 0, straight.stderr[-3000:]
     assert proc.returncode != 0
     stopped_rows = list(read_metrics(out))
     stale = [r for r in stopped_rows if r["step"] > 2]
