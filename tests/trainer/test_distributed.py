@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,10 +32,11 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
     common = ["--model.name", str(tiny_model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
               "--max-steps", "4", "--seq-len", "64", "--optim.lr", "3e-3", "--device", "cpu",
               "--ckpt.enabled", "--ckpt.interval", "2", "--ckpt.keep", "2"]
-    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    assert run_trainer(*common, "--output-dir", str(one)) == 0
-
-    result = torchrun_trainer(*common, "--output-dir", str(two))
+    one, two, resumed, back = tmp_path / "one", tmp_path / "two", tmp_path / "resumed", tmp_path / "back"
+    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (which leaves a CI core idle alone)
+        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(two))
+        assert run_trainer(*common, "--output-dir", str(one)) == 0
+        result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     ref = losses(one)
     assert sorted(losses(two)) == [1, 2, 3, 4]
@@ -47,17 +49,18 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
     # The 1-rank checkpoint of step 2, resumed by 2 ranks: DCP reshards model and optimizer state.
+    # And back, beside it: the 2-rank (FSDP) checkpoint of step 2, resumed by the one-rank path's plain tensors.
     shutil.copytree(one / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
-    result = torchrun_trainer(*common, "--output-dir", str(resumed), "--ckpt.resume")
+    shutil.copytree(two / "checkpoints" / "step_2", back / "checkpoints" / "step_2")
+    with ThreadPoolExecutor() as pool:
+        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(resumed), "--ckpt.resume")
+        assert run_trainer(*common, "--output-dir", str(back), "--ckpt.resume") == 0
+        result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(losses(resumed)) == [3, 4]
     for step, loss in losses(resumed).items():
         assert loss == pytest.approx(ref[step], abs=1e-5), step
 
-    # And back: the 2-rank (FSDP) checkpoint of step 2, resumed by the one-rank path's plain tensors.
-    back = tmp_path / "back"
-    shutil.copytree(two / "checkpoints" / "step_2", back / "checkpoints" / "step_2")
-    assert run_trainer(*common, "--output-dir", str(back), "--ckpt.resume") == 0
     assert sorted(losses(back)) == [3, 4]
     for step, loss in losses(back).items():
         assert loss == pytest.approx(ref[step], abs=1e-5), step
@@ -76,9 +79,9 @@ def run_benchmark(out: Path, nproc: int | None = None, extra_env: dict | None = 
 
 def test_trainer_benchmark_under_torchrun_trains_the_same_global_batch(tmp_path):
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    for out, nproc in ((one, None), (two, 2)):
-        result = run_benchmark(out, nproc)
-        assert result.returncode == 0, result.stderr[-3000:]
+    with ThreadPoolExecutor() as pool:  # side by side: one process alone leaves a CI core idle
+        for result in pool.map(run_benchmark, (one, two), (None, 2)):
+            assert result.returncode == 0, result.stderr[-3000:]
     (single,), (double,) = json.loads(one.read_text())["runs"], json.loads(two.read_text())["runs"]
     assert single["world_size"] == 1 and double["world_size"] == 2
     assert [x["loss"] for x in double["losses"]] == pytest.approx([x["loss"] for x in single["losses"]], abs=1e-5)
