@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,10 @@ def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe
               "--max-steps", "3", "--seq-len", "32", "--optim.lr", "3e-3", "--device", "cpu",
               "--ckpt.enabled", "--ckpt.interval", "1", "--ckpt.keep", "3"]
     one, ep2 = tmp_path / "one", tmp_path / "ep2"
-    assert run_trainer(*common, "--output-dir", str(one)) == 0
-    result = torchrun_trainer(*common, "--output-dir", str(ep2), "--parallel.ep", "2", nproc=4)
+    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
+        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(ep2), "--parallel.ep", "2", nproc=4)
+        assert run_trainer(*common, "--output-dir", str(one)) == 0
+        result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     ref = losses(one)
     assert len(set(ref.values())) == 3  # the trajectory moves
@@ -81,13 +84,17 @@ def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe
     assert [m["router/tokens_per_expert"] for m in metrics(ep2)] == [m["router/tokens_per_expert"] for m in metrics(one)]
     assert_same_weights(one, ep2, step=3)
 
-    # EP = 2's checkpoint of step 1, resumed at EP = 4 (4 ranks) and at EP = 1 (one rank).
-    for name, resume in (("ep4", lambda out: torchrun_trainer(*common, "--output-dir", str(out), "--ckpt.resume",
-                                                              "--parallel.ep", "4", nproc=4).returncode),
-                         ("ep1", lambda out: run_trainer(*common, "--output-dir", str(out), "--ckpt.resume"))):
+    # EP = 2's checkpoint of step 1, resumed at EP = 4 (4 ranks) and, beside it, at EP = 1 (one rank).
+    for name in ("ep4", "ep1"):
+        shutil.copytree(ep2 / "checkpoints" / "step_1", tmp_path / name / "checkpoints" / "step_1")
+    with ThreadPoolExecutor() as pool:
+        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(tmp_path / "ep4"), "--ckpt.resume",
+                               "--parallel.ep", "4", nproc=4)
+        returncodes = {"ep1": run_trainer(*common, "--output-dir", str(tmp_path / "ep1"), "--ckpt.resume")}
+        returncodes["ep4"] = launched.result().returncode
+    for name in ("ep4", "ep1"):
         out = tmp_path / name
-        shutil.copytree(ep2 / "checkpoints" / "step_1", out / "checkpoints" / "step_1")
-        assert resume(out) == 0, name
+        assert returncodes[name] == 0, name
         assert sorted(losses(out)) == [2, 3]
         assert losses(out) == pytest.approx({s: ref[s] for s in (2, 3)}, abs=1e-5), name
         assert_same_weights(one, out, step=3)
