@@ -3,14 +3,12 @@ Triton's interpreter (tiny preset, a grid of two tiles) and writes a table the e
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ from tandem.kernels.moe_tiles import TileTable, rule_tiles, shape_key
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import moe_tune  # noqa: E402
+from triton_interpreter import needs_triton_interpreter
 
 
 def test_row_blocks_follow_the_rows_per_expert():
@@ -42,9 +41,7 @@ def test_the_grid_leaves_out_tiles_a_block_cannot_hold(matmul):
     assert not moe_tune.fits(big, matmul == "gate_up")  # 3 stages of 128x256 + 256x256 bf16 tiles: 576 KiB
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+@needs_triton_interpreter
 def test_the_tuner_runs_under_the_interpreter_and_writes_a_table_the_engine_loads(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))

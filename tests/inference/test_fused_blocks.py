@@ -4,14 +4,13 @@ On CPU: the routing (other backends and the CPU keep the model's forward), and t
 pointwise kernels under Triton's interpreter in fp32 (their logprobs against a teacher-forced pass). The kernels
 alone, against the model's functions: `tests/kernels/test_pointwise.py`."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
+from triton_interpreter import needs_triton_interpreter
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
@@ -68,9 +67,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+@needs_triton_interpreter
 def test_engines_with_fused_blocks_under_tritons_interpreter_match_a_teacher_forced_pass():
     """fp32, CPU tensors: tiny engines (Qwen3's block, MiniMax-M2's) whose blocks run the kernels, their prefill
     chunks and decodes against a teacher-forced pass."""

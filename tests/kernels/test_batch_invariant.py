@@ -4,12 +4,8 @@ torch's; the trainer's packed documents attend bitwise as the engine's paged cac
 interpreter on the CPU (fp32), and on CUDA in bf16."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +16,7 @@ from tandem.kernels.attention import attend_each_token, exact_tile_tokens, exact
 from tandem.models.decoder import normed_rotated
 from tandem.models.exact import ExactDocumentAttention, exact_causal_attention, normed_rotated_tokens, residual_norm, silu_mul
 from tandem.models.layers import rms_norm
+from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 
 def among_others(fn, probe: torch.Tensor, gen: torch.Generator, sizes=(1, 5, 64, 70, 130)) -> None:
@@ -170,14 +167,10 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+@needs_triton_interpreter
 def test_kernels_under_tritons_interpreter_are_batch_invariant():
     script = INTERPRETED.format(tests=str(Path(__file__).parent))
-    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(script, timeout=300)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None, reason="needs CUDA and Triton")

@@ -6,13 +6,8 @@ scale. Each product x * w then errs by at most |x| e_w + e_x (|w| + e_w), and a 
 each test asserts element by element. The Triton kernel is held to the torch reference on the same quantized inputs
 (CUDA of compute capability 8.9 on; and under Triton's interpreter on the CPU where that runs FP8)."""
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,6 +15,7 @@ from tandem.kernels.fp8 import (FP8, FP8_MAX, GROUP, INV_FP8_MAX, BlockFp8Weight
                                 kernel_serves, matmul, quantize_activations, reference_matmul,
                                 reference_quantize_activations)
 from tandem.models.fp8 import Fp8Linear, dequantize_weight, quantize_weight, stack_fp8_rows
+from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 UNIT = 2.0 ** -4
 """Largest relative rounding error of an e4m3 normal number: half the spacing of 3 mantissa bits."""
@@ -190,14 +186,10 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+@needs_triton_interpreter
 def test_kernels_under_tritons_interpreter_match_the_reference():
     script = INTERPRETED.format(tests=str(Path(__file__).parent))
-    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(script, timeout=600)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernel_serves(torch.device("cuda")),

@@ -3,19 +3,18 @@
 what the model's MoE computes; the kernels under Triton's interpreter build that layout and compute that
 MoE; tile tables load and choose by token count. On CUDA: `tests/inference/test_gpu_moe.py`."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from tandem.kernels.moe import ExpertBlocks
 from tandem.kernels.moe_tiles import TileTable, rule_tiles, shape_key, shipped_table_path
 from tandem.models.moe import MoE, MoEArgs, permute
+from triton_interpreter import needs_triton_interpreter
 
 
 def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
@@ -140,9 +139,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+@needs_triton_interpreter
 def test_the_kernel_under_tritons_interpreter_computes_the_models_moe():
     """The real kernels on CPU tensors (fp32, exact dot products), run by Triton's interpreter: the layout
     kernels against their torch specification, the fused experts (SiLU * up in the gate_up kernel) against

@@ -3,15 +3,14 @@
 `tests/inference/test_paged_attention.py`): run by Triton's interpreter on CPU tensors, and on CUDA. Also the
 decode grids' context bounds, which CUDA graphs are captured for."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from triton_interpreter import needs_triton_interpreter
 from attention_cases import DECODES, MIXED, check_split_decode, dense_reference, mixed_step
 
 from tandem.inference.engine.cuda_graphs import padded_batch_size
@@ -32,9 +31,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+@needs_triton_interpreter
 def test_kernels_under_tritons_interpreter_equal_dense_attention_and_decodes_are_batch_invariant():
     """The kernels on CPU tensors (fp32, exact dot products), run by Triton's interpreter. Split-KV decode:
     GQA groups of 3 (padded to 4), contexts around the chunk size, a padding row; each sequence's output

@@ -3,18 +3,17 @@ model's own functions (`tandem.models.layers.rms_norm`, `apply_rope`; silu(gate)
 interpreter, and in bf16 on CUDA. The interpreter truncates when it casts to bf16 (the GPU rounds to nearest, as
 torch does), so bf16 runs on CUDA only. The engine's blocks that run them: `tests/inference/test_fused_blocks.py`."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.models.layers import YarnScaling, apply_rope, rms_norm, rope_cos_sin
+from triton_interpreter import needs_triton_interpreter
 
 
 def reference_qk(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim):
@@ -99,9 +98,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+@needs_triton_interpreter
 def test_the_kernels_under_tritons_interpreter_compute_the_models_functions():
     """fp32, CPU tensors: the kernels against the model's functions (Qwen3's per-head norms, GLM's partial
     rotary without norms, a norm over all heads with YaRN), at seven tokens and at one."""

@@ -5,14 +5,9 @@ orchestrator's samples, packing and the wire format. On the CPU in fp32 by both 
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 
 import pytest
 import torch
@@ -31,6 +26,7 @@ from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.transport.types import decode_batch, encode_batch
 
 from trainer_helpers import metrics, run_trainer
+from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 NUM_TURNS = {0: 1, 1: 2, 2: 1, 3: 2}
 """Conversation -> model turns (1: single-turn, 2: multi-turn)."""
@@ -96,17 +92,13 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4),
-                    reason="Triton 3.6's interpreter fails on numpy >= 2.4 (int() of a one-element array)")
+@needs_triton_interpreter
 def test_the_kernel_path_under_tritons_interpreter(tmp_path):
     """The GPU's path on the CPU: Triton kernels (linear, norms, attention as one decode query per token,
     log_softmax) in engine and trainer, a dense model; mixed batches only (the interpreter is slow; a row alone
     among others: `tests/kernels/test_batch_invariant.py`)."""
     script = INTERPRETED.format(tests=str(Path(__file__).parent), folder=str(tmp_path / "tiny"))
-    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(script, timeout=600)
 
 
 def check_parity(tiny_model: Path, dims, alone: bool = True) -> None:
