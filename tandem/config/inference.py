@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tandem.config.base import ProcessConfig, Section
+from tandem.config.lora import LoraConfig
 from tandem.config.secret import Secret
 from tandem.config.vllm import VllmConfig
 
@@ -107,6 +108,11 @@ class EngineConfig(Section):
     quantized on load. Embeddings, norms, the LM head, routers and experts keep `model.dtype`. `none`: every
     weight in `model.dtype` (an FP8 checkpoint is dequantized). Not with `[run] exact`."""
 
+    lora: LoraConfig = LoraConfig()
+    """The policy is the base model plus LoRA adapters, which weight updates send alone: the engine keeps a host
+    copy of the targeted base weights and merges each update's adapters into them
+    (`tandem.inference.engine.lora_merge`). `tandem rl` copies the trainer's `lora` here."""
+
 
 class InferenceConfig(ProcessConfig):
     """Root config of the inference server."""
@@ -135,6 +141,18 @@ class InferenceConfig(ProcessConfig):
             raise ValueError("`model.load_format` = 'dummy' with `backend` = 'vllm': vLLM's random weights are not the ones "
                              "tandem's trainer makes (`tandem.models.random_init`); write the weights "
                              "(`tandem model init` without --config-only) and keep 'safetensors'")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora_is_merged(self) -> "InferenceConfig":
+        if not self.engine.lora.enabled:
+            return self
+        if self.backend == "vllm":
+            raise ValueError("`engine.lora.enabled` with `backend` = 'vllm': tandem does not drive vLLM's LoRA adapters "
+                             "(`--enable-lora`, `/v1/load_lora_adapter`) yet; use the `tandem` backend for LoRA runs")
+        if self.engine.quantization != "none":
+            raise ValueError(f"`engine.lora.enabled` with `engine.quantization` = {self.engine.quantization!r}: adapters are "
+                             "merged into the base's weights in `model.dtype`, which FP8 projections do not hold; set one off")
         return self
 
     @model_validator(mode="after")

@@ -369,6 +369,16 @@ def exact(config: RLConfig, machine: Machine) -> list[Derived]:
     return []
 
 
+def lora(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`trainer.lora` reaches `inference.engine.lora` whole: the servers merge the adapters the trainer publishes
+    with its rank, scale and targets. Left off, the engine's stays off too."""
+    if not config.trainer.lora.enabled:
+        return []
+    because = "`trainer.lora` (the servers merge what the trainer's adapters adapt)"
+    return [Derived(f"inference.engine.lora.{field}", value, because)
+            for field, value in config.trainer.lora.model_dump(mode="json").items()]
+
+
 def model_options(config: RLConfig, machine: Machine) -> list[Derived]:
     """`model.dtype` and `model.trust_remote_code`, set for the run, reach every process. Left at their defaults,
     each process keeps its own (`trainer.model.dtype = "float32"` beside a bf16 engine is a choice one can make),
@@ -383,7 +393,7 @@ def model_options(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 DERIVED_RULES: tuple[Rule, ...] = (model_options, nodes, trainer_ranks, devices, inference_servers,
-                                   inference_device_slices, starting_model, exact, backend, weight_broadcast, resume)
+                                   inference_device_slices, starting_model, exact, backend, weight_broadcast, lora, resume)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, Tag, model_validator
 
 from tandem.config.base import ProcessCheckpointConfig, ProcessConfig, PrometheusConfig, Section, default_type_tag as _default_tag
+from tandem.config.lora import LoraConfig
 from tandem.config.weight_transport import FilesystemWeightTransport, WeightTransportConfig
 
 
@@ -291,6 +292,9 @@ class TrainingProcessConfig(ProcessConfig):
 
     kernels: KernelsConfig = KernelsConfig()
     """Compilation and attention kernels."""
+
+    lora: LoraConfig = LoraConfig()
+    """Low-rank adapters instead of full fine-tuning."""
 
     router: RouterConfig = RouterConfig()
     """Load balancing of MoE routers."""

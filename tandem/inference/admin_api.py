@@ -11,6 +11,7 @@ import asyncio
 from pathlib import Path
 from typing import Annotated, Literal
 
+import torch
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 
@@ -19,6 +20,7 @@ from tandem.inference.metrics import render_metrics
 from tandem.inference.protocol import BroadcastUpdateRequest, UpdateWeightsBody
 from tandem.inference.serving import Served
 from tandem.inference.weight_transfer_api import receive_update
+from tandem.models.lora import LoraSpec, is_adapter_folder, read_adapter_folder
 from tandem.models.weights import load_state_dict
 
 public = APIRouter()
@@ -50,16 +52,24 @@ async def update_weights(body: UpdateWeightsBody, request: Request) -> dict:
     if not folder.is_dir():
         raise APIError(404, f"weights folder not found: {body.path}", "path")
     try:
-        state = await asyncio.to_thread(load_state_dict, folder)
+        state, spec = await asyncio.to_thread(read_update_folder, folder)
     except FileNotFoundError as err:  # a folder without weights: what the request names is not there
         raise APIError(404, f"could not read weights from {body.path}: {err}", "path") from None
     except Exception as err:  # unreadable safetensors: the caller's folder is at fault
         raise APIError(400, f"could not read weights from {body.path}: {err}", "path") from None
     try:
-        version = await served.engine.update_weights(state, body.version)
+        version = await served.engine.update_weights(state, body.version, spec)
     except (KeyError, ValueError) as err:
         raise APIError(400, f"weights in {body.path} do not fit the model: {err.args[0]}", "path") from None
     return {"weight_version": version}
+
+
+def read_update_folder(folder: Path) -> tuple[dict[str, torch.Tensor], LoraSpec | None]:
+    """A policy folder's tensors: a model's weights, or a PEFT LoRA adapter folder's adapters with their spec."""
+    if is_adapter_folder(folder):
+        spec, state = read_adapter_folder(folder)
+        return state, spec
+    return load_state_dict(folder), None
 
 
 @router.post("/pause", responses=error_responses(400))

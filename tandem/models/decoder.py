@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.attention import AttentionBackend, PackedCausalAttention
-from tandem.models.layers import RMSNorm, YarnScaling, apply_rope, rms_norm, rope_cos_sin
+from tandem.models.layers import RMSNorm, YarnScaling, apply_rope, projection_weight, rms_norm, rope_cos_sin
 from tandem.models.random_init import initial_value
 
 
@@ -160,13 +160,13 @@ class DecoderLayer(PreNormBlock):
     def before_attention_args(self) -> tuple[torch.Tensor | None, ...]:
         """The tensors `before_attention` takes after (x, cos, sin), read now (FSDP swaps them)."""
         a = self.self_attn
-        return (self.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                a.v_proj.weight, a.v_proj.bias, a.q_norm.weight if a.q_norm is not None else None,
+        return (self.input_layernorm.weight, projection_weight(a.q_proj), a.q_proj.bias, projection_weight(a.k_proj),
+                a.k_proj.bias, projection_weight(a.v_proj), a.v_proj.bias, a.q_norm.weight if a.q_norm is not None else None,
                 a.k_norm.weight if a.k_norm is not None else None)
 
     def residual_args(self) -> tuple[torch.Tensor | None, ...]:
         """The tensors `attention_residual` takes after (x, attended)."""
-        return self.self_attn.o_proj.weight, self.self_attn.o_proj.bias, self.post_attention_layernorm.weight
+        return projection_weight(self.self_attn.o_proj), self.self_attn.o_proj.bias, self.post_attention_layernorm.weight
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         q, k, v = before_attention(x, cos, sin, *self.before_attention_args(), self.eps, self.self_attn.head_dim)

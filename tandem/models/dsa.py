@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.attention import document_causal_mask
+from tandem.models.layers import projection_weight
 from tandem.models.mla import rotate
 
 INDEXER_NORM_EPS = 1e-6
@@ -78,7 +79,7 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(x)).view(B, T, 1, D)
         k = torch.cat((rotate(k[..., :Dr], cos, sin, self.interleaved), k[..., Dr:]), dim=-1)[:, :, 0]
         scores = F.relu(torch.matmul(q.float(), k.float().transpose(-1, -2)[:, None]) * D ** -0.5)  # [B, T, H, T]
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * H ** -0.5  # [B, T, H]
+        weights = F.linear(x.float(), projection_weight(self.weights_proj).float()) * H ** -0.5  # [B, T, H]
         return torch.matmul(weights[:, :, None], scores)[:, :, 0]
 
 

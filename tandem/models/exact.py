@@ -43,7 +43,7 @@ from tandem.kernels import attention as attention_kernel, batch_invariant, point
 from tandem.kernels.batch_invariant import needs_grad
 from tandem.models.attention import AttentionBackend, CachedAttention, DocumentCausalAttention
 from tandem.models.decoder import DecoderLayer, after_attention, before_attention, normed_rotated
-from tandem.models.layers import MLP, RMSNorm, rms_norm
+from tandem.models.layers import MLP, RMSNorm, projection_weight, rms_norm
 from tandem.models.stacked_projections import SharedInputProjections, concatenated_projections, stack_projections
 
 def block_uses_kernels(block: DecoderLayer, device: torch.device) -> bool:
@@ -101,7 +101,7 @@ def exact_kernel_block(block: DecoderLayer, stacked: SharedInputProjections, x: 
     wo, bo, post_norm_weight = block.residual_args()
     x_ND, h = residual_norm(x_ND, batch_invariant.linear(attended.reshape(B * T, -1), wo, bo), post_norm_weight, eps)
     hidden_ND = silu_mul(batch_invariant.linear(h, stacked.gate_up))
-    return (x_ND + batch_invariant.linear(hidden_ND, block.mlp.down_proj.weight)).view(B, T, hidden)
+    return (x_ND + batch_invariant.linear(hidden_ND, projection_weight(block.mlp.down_proj))).view(B, T, hidden)
 
 
 def residual_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):

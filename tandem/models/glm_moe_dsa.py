@@ -30,7 +30,7 @@ from tandem.models.decoder import DecoderLM, PreNormBlock, after_attention
 from tandem.models.dsa import Indexer, SparseContext, select, sparse_attend, sparse_context
 from tandem.models.glm4_moe import Glm4MoeArgs, routing_fields
 from tandem.models.hf_config import UnsupportedConfig, decoder_fields, expect, transformers_config
-from tandem.models.layers import MLP, RMSNorm, rms_norm, rope_cos_sin
+from tandem.models.layers import MLP, RMSNorm, projection_weight, rms_norm, rope_cos_sin
 from tandem.models.mla import LatentAttention
 from tandem.models.moe import MoE
 
@@ -153,7 +153,7 @@ class LatentAttentionBlock(PreNormBlock):
             elif selection is None:
                 raise ValueError(f"layer {self.layer_idx} shares the DSA selection of an earlier layer, but none came before")
             attended = sparse_attend(q, k, v, selection)
-        x = after_attention(x, attended, attention.o_proj.weight, attention.o_proj.bias,
+        x = after_attention(x, attended, projection_weight(attention.o_proj), attention.o_proj.bias,
                             self.post_attention_layernorm.weight, self.eps, self.mlp)
         return x, selection
 

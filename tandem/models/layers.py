@@ -99,6 +99,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rot if rest is None else torch.cat((rot, rest), dim=-1)
 
 
+def projection_weight(linear: nn.Linear) -> torch.Tensor:
+    """The matrix a projection multiplies by: its `weight`, or, for a projection with a LoRA adapter
+    (`tandem.models.lora.LoraLinear`), the adapted weight."""
+    adapted = getattr(linear, "adapted_weight", None)
+    return linear.weight if adapted is None else adapted()
+
+
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
            linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     """The dense feed-forward: down(silu(gate(x)) * up(x)), weights in `nn.Linear` layout [out, in]; `linear`
@@ -119,7 +126,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def tensor_args(self) -> tuple[torch.Tensor, ...]:
-        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        return projection_weight(self.gate_proj), projection_weight(self.up_proj), projection_weight(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, *self.tensor_args())

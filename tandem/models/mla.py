@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models.layers import RMSNorm, apply_rope, rms_norm
+from tandem.models.layers import RMSNorm, apply_rope, projection_weight, rms_norm
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of `q_a_layernorm` and `kv_a_layernorm`."""
@@ -78,7 +78,7 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(latent)
         q_nope, q_rope = q.view(B, T, H, Dn + Dr).split((Dn, Dr), dim=-1)
         c, k_rope = self.kv_a_proj_with_mqa(h).split((self.kv_lora_rank, Dr), dim=-1)
-        kv = F.linear(rms_norm(c, self.kv_a_layernorm.weight, LATENT_NORM_EPS), self.kv_b_proj.weight)
+        kv = F.linear(rms_norm(c, self.kv_a_layernorm.weight, LATENT_NORM_EPS), projection_weight(self.kv_b_proj))
         k_nope, v = kv.view(B, T, H, Dn + self.v_head_dim).split((Dn, self.v_head_dim), dim=-1)
         k_rope = rotate(k_rope.view(B, T, 1, Dr), cos, sin, self.rope_interleave)
         q = torch.cat((q_nope, rotate(q_rope, cos, sin, self.rope_interleave)), dim=-1)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tandem.models.decoder import DecoderLayer
-from tandem.models.layers import MLP
+from tandem.models.layers import MLP, projection_weight
 
 
 @dataclass
@@ -66,7 +66,8 @@ def stack_projections(block: DecoderLayer) -> SharedInputProjections:
 def concatenated_projections(block: DecoderLayer) -> SharedInputProjections:
     """The trainer's: the block's current parameters (FSDP swaps them per forward) concatenated, differentiably."""
     linears = _qkv_linears(block)
-    qkv = torch.cat([linear.weight for linear in linears])
-    gate_up = torch.cat([block.mlp.gate_proj.weight, block.mlp.up_proj.weight]) if isinstance(block.mlp, MLP) else None
+    qkv = torch.cat([projection_weight(linear) for linear in linears])
+    gate_up = (torch.cat([projection_weight(block.mlp.gate_proj), projection_weight(block.mlp.up_proj)])
+               if isinstance(block.mlp, MLP) else None)
     return SharedInputProjections(qkv=qkv, qkv_bias=_stacked_bias([linear.bias for linear in linears]),
                                   qkv_sizes=tuple(linear.weight.shape[0] for linear in linears), gate_up=gate_up)

@@ -10,12 +10,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.models.expert_layout import to_disk, to_memory
+from tandem.transport.paths import STABLE
+
+
+WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth)$|.*\.safetensors\.index\.json$")
+"""Files of a model folder that are weights, which a writer of a new folder writes itself instead of copying."""
+
+
+def side_files(model_folder: Path) -> list[Path]:
+    """The non-weight files of a model folder (config, generation config, tokenizer), copied as is by writers of
+    new folders; dot files (a run folder's `STABLE` marker and tmp files) are not part of a model."""
+    return sorted(p for p in Path(model_folder).iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.name != STABLE and not WEIGHT_FILE.match(p.name))
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -30,11 +30,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tandem.config.base import ModelConfig
+from tandem.config.lora import LoraConfig
 from tandem.config.trainer import ActivationCheckpointConfig, KernelsConfig, ParallelConfig, RouterConfig
 from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.exact import ExactDocumentAttention, apply_exact, check_exact, exact_token_logprobs
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
+from tandem.models.lora import LoraSpec, apply_lora, initial_adapters, is_adapter_name
 from tandem.models.loading import (DUMMY_SEED, build_native, check_load_format, has_split_blocks, is_native, read_hf_config,
                                    resolve_dtype)
 from tandem.models.random_init import RandomWeights
@@ -84,6 +86,8 @@ class PolicyModel(nn.Module):
         self.one_rank: OneRank | None = None
         """The one-rank path's mixed precision (`tandem.trainer.parallel.one_rank`); None under FSDP or when the
         parameters are already in the compute dtype."""
+        self.lora: LoraSpec | None = None
+        """The adapters' spec when only LoRA adapters train (`tandem.models.lora`); None for full fine-tuning."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -145,10 +149,22 @@ class PolicyModel(nn.Module):
         where = torch.unravel_index(predicted, targets.shape)  # not a view of a flat tensor: FSDP hooks the outputs
         return TokenLogprobs(zeros.index_put(where, lp), zeros.index_put(where, ent))
 
-    def hf_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Parameters under their Hugging Face names (a tied LM head appears once, as the embedding)."""
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         inner = self.lm.hf_model if isinstance(self.lm, HFCausalLM) else self.lm
         return list(inner.named_parameters())
+
+    def hf_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The model's parameters under their Hugging Face names (a tied LM head appears once, as the embedding),
+        without LoRA adapters."""
+        return [(name, param) for name, param in self._named_parameters() if not is_adapter_name(name)]
+
+    def adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The LoRA adapters' parameters (`<projection>.lora_A.weight`, `.lora_B.weight`); empty without LoRA."""
+        return [(name, param) for name, param in self._named_parameters() if is_adapter_name(name)]
+
+    def published_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """What a policy update holds: the adapters with LoRA, else every parameter."""
+        return self.adapter_parameters() if self.lora is not None else self.hf_named_parameters()
 
 
 def mask_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -170,9 +186,10 @@ def should_compile(kernels: KernelsConfig, device: torch.device) -> bool:
 
 def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, chunk_size: int,
                  kernels: KernelsConfig = KernelsConfig(), router: RouterConfig = RouterConfig(),
-                 exact: bool = False) -> tuple[PolicyModel, dict]:
-    """Load `model.name`, apply the training blocks (or, `exact`, the batch-invariant ones), activation
-    checkpointing, expert parallelism, FSDP and the router hooks; returns the model and its config.json."""
+                 exact: bool = False, lora: LoraConfig = LoraConfig(), seed: int = 0) -> tuple[PolicyModel, dict]:
+    """Load `model.name`, apply the training blocks (or, `exact`, the batch-invariant ones), LoRA adapters
+    (`lora.enabled`: started from `seed`), activation checkpointing, expert parallelism, FSDP and the router hooks;
+    returns the model and its config.json."""
     folder = resolve_model_path(model.name)
     hf_config = read_hf_config(folder)
     check_load_format(model.load_format, hf_config)
@@ -186,6 +203,13 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     compile = should_compile(kernels, dims.device) and not exact
     policy = PolicyModel(lm, chunk_size, compile_head=compile and native, sdpa_backends=kernels.sdpa_backends, exact=exact)
     policy.context_parallel = parallel
+    if lora.enabled:
+        policy.lora = LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules))
+        apply_lora(lm, policy.lora, source="the config's `lora.target_modules`")
+        frozen_dtype = compute_dtype(model, dims.device)  # the base never steps: no fp32 master
+        for param in lm.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(frozen_dtype)
     checkpointing = parallel.activation_checkpoint
     if exact:  # the engine's forward, token by token; `selective` needs the training blocks: whole blocks instead
         apply_exact(lm)
@@ -226,6 +250,8 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
             load_shards(policy, load_state_dict(folder), source=str(folder))
     elif one_rank:  # FSDP would have moved the shards to the device
         policy.to(dims.device)
+    if lora.enabled:
+        load_shards(policy, initial_adapters(lm, seed), source="the adapters' start", params=policy.adapter_parameters())
     if one_rank:
         policy.one_rank = apply_one_rank(policy, policy.blocks, compute_dtype(model, dims.device), parallel.reshard_after_forward,
                                          per_block=not stack)
@@ -243,10 +269,11 @@ def apply_expert_parallel_to(policy: PolicyModel, hf_config: dict, dims: Paralle
     apply_expert_parallel(policy.blocks, dims.expert_mesh[EP])
 
 
-def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: str) -> None:
-    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter; errors name
-    `source`, the folder `state` was read from."""
-    params = policy.hf_named_parameters()
+def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: str,
+                params: list[tuple[str, nn.Parameter]] | None = None) -> None:
+    """Copy each full HF-named tensor of `state` into this rank's shard of the parameter (of `params`, default
+    `hf_named_parameters()`); errors name `source`, the folder `state` was read from."""
+    params = policy.hf_named_parameters() if params is None else params
     missing = [name for name, _ in params if name not in state]
     if missing:
         raise KeyError(f"the weights in {source} lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -265,9 +292,9 @@ def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: 
 
 
 def full_parameters(policy: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each HF-named parameter whole, one at a time (a view of the parameter at one rank). Under FSDP each is
-    all-gathered in turn, a collective: every rank must run this to the end, in step with the others."""
-    for name, param in policy.hf_named_parameters():
+    """Each published parameter (`PolicyModel.published_parameters`) whole, one at a time (a view of the parameter at
+    one rank). Under FSDP each is all-gathered in turn, a collective: every rank must run this to the end, in step with the others."""
+    for name, param in policy.published_parameters():
         yield name, param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
@@ -284,7 +311,7 @@ def to_published(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device 
 def announced_state(policy: PolicyModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Meta tensors of `full_parameters`' names, whole shapes and `dtype`: what a broadcast announces before
     the tensors themselves come, one at a time."""
-    return {name: torch.empty(param.shape, dtype=dtype, device="meta") for name, param in policy.hf_named_parameters()}
+    return {name: torch.empty(param.shape, dtype=dtype, device="meta") for name, param in policy.published_parameters()}
 
 
 def gather_full_state(policy: PolicyModel, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:

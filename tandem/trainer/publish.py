@@ -18,13 +18,10 @@ from typing import Callable
 
 import torch
 
-from tandem.models.weights import save_state_dict
+from tandem.models.lora import LoraSpec, write_adapter_folder
+from tandem.models.weights import save_state_dict, side_files
 from tandem.transport.files import atomic_write_bytes, atomic_write_text
 from tandem.transport.paths import STABLE, final_weights_dir, weights_dir
-
-WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth)$|.*\.safetensors\.index\.json$")
-"""Files of a model folder that are weights, which publishing writes itself instead of copying."""
-
 
 def published_dtype(hf_config: dict) -> torch.dtype:
     """Weights are published in the dtype of the model folder they started from."""
@@ -32,21 +29,20 @@ def published_dtype(hf_config: dict) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name), torch.float32)
 
 
-def side_files(model_folder: Path) -> list[Path]:
-    """The non-weight files of a model folder (config, generation config, tokenizer), copied as is."""
-    return sorted(p for p in Path(model_folder).iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.name != STABLE and not WEIGHT_FILE.match(p.name))
-
-
-def write_weights_folder(run_dir: Path, step: int, state: dict[str, torch.Tensor], model_folder: Path, hf_config: dict) -> Path:
+def write_weights_folder(run_dir: Path, step: int, state: dict[str, torch.Tensor], model_folder: Path, hf_config: dict,
+                         lora: LoraSpec | None = None, base_model: str = "") -> Path:
     """Write `weights/step_N/` in the order readers rely on (`hf_config`: the model's config.json,
-    which says the on-disk layout); returns the folder."""
+    which says the on-disk layout); returns the folder. With `lora`, `state` holds the adapters, written as a PEFT
+    adapter folder of `base_model` (the name the run loaded its base by)."""
     folder = weights_dir(run_dir, step)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / STABLE).unlink(missing_ok=True)
-    save_state_dict(state, folder, hf_config)
-    for src in side_files(model_folder):
-        atomic_write_bytes(folder / src.name, src.read_bytes())
+    if lora is not None:
+        write_adapter_folder(folder, state, lora, base_model)
+    else:
+        save_state_dict(state, folder, hf_config)
+        for src in side_files(model_folder):
+            atomic_write_bytes(folder / src.name, src.read_bytes())
     atomic_write_text(folder / STABLE, "")
     return folder
 

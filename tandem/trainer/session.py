@@ -20,6 +20,8 @@ import torch.distributed as dist
 from tandem.config.trainer import TrainingProcessConfig
 from tandem.models.hub import resolve_model_path
 from tandem.models.loading import read_hf_config
+from tandem.models.lora import base_fingerprint
+from tandem.models.weights import weight_files
 from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.prometheus import serve_metrics
 from tandem.trainer.broadcast_publish import WeightBroadcaster
@@ -51,6 +53,9 @@ class Session:
     """Rank 0 with the broadcast weight transport: publishing sends over the group instead of writing folders."""
     writer: BackgroundWriter = field(default_factory=BackgroundWriter)
     """Writes published folders while training goes on (`publish`)."""
+    base_model: dict[str, str] | None = None
+    """A LoRA run's base model, `name` and `sha256` (`tandem.models.lora.base_fingerprint`), saved with each checkpoint
+    and checked at resume; None for full fine-tuning."""
 
     @property
     def vocab_size(self) -> int:
@@ -74,7 +79,8 @@ class Session:
             self.broadcaster.send(step, state)
 
         def write() -> None:
-            write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config)
+            write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config, self.model.lora,
+                                 self.config.model.name)
             prune_weights(self.config.run_dir, self.config.weights.keep, self.config.weights.keep_every)
 
         if step < self.config.max_steps:
@@ -90,7 +96,8 @@ class Session:
         ckpt = self.config.ckpt
         if not ckpt.enabled or not (step % ckpt.interval == 0 or step == self.config.max_steps):
             return None
-        folder = save_checkpoint(self.config.run_dir, step, self.model, self.optimizer, self.scheduler, data_position, self.dims)
+        folder = save_checkpoint(self.config.run_dir, step, self.model, self.optimizer, self.scheduler, data_position, self.dims,
+                                 self.base_model)
         if self.dims.is_main:
             prune_checkpoints(self.config.run_dir, ckpt.keep)
             self.log.info("step %d: checkpoint %s", step, folder)
@@ -132,6 +139,11 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is in KiB on Linux
 
 
+def base_model_fingerprint(folder: Path, load_format: str) -> str:
+    """The base's `base_fingerprint`: of config.json alone for `dummy` weights (made from its shapes and a fixed seed)."""
+    return base_fingerprint(folder, [] if load_format == "dummy" else weight_files(folder))
+
+
 def open_session(config: TrainingProcessConfig, process: str) -> Session:
     """Join the ranks, build the model and optimizer, and resume if asked."""
     from tandem.monitor.logging import setup_logging
@@ -148,12 +160,14 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
     try:
         torch.manual_seed(config.seed + dims.rank)
         model, hf_config = build_policy(config.model, config.parallel, dims, config.logprob_chunk_size, config.kernels,
-                                       config.router, config.run.exact)
+                                       config.router, config.run.exact, config.lora, config.seed)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
         metrics = (MetricsWriter(config.run_dir, process, serve_metrics(process, config.prometheus.host, config.prometheus.port))
                    if dims.is_main else None)
         session = Session(config, dims, model, hf_config, folder, optimizer, scheduler, log, metrics)
+        if config.lora.enabled:
+            session.base_model = {"name": config.model.name, "sha256": base_model_fingerprint(folder, config.model.load_format)}
         if config.ckpt.resume:
             _resume(session)
     except BaseException:
@@ -176,6 +190,7 @@ def _resume(session: Session) -> None:
         session.log.warning("ckpt.resume is set but %s holds no complete checkpoint: starting from step 0",
                             session.config.run_dir / "checkpoints")
         return
-    resumed = load_checkpoint(Path(choice[0]), session.model, session.optimizer, session.scheduler, session.dims)
+    resumed = load_checkpoint(Path(choice[0]), session.model, session.optimizer, session.scheduler, session.dims,
+                              session.base_model)
     session.start_step, session.data_position = resumed.step, resumed.data
     session.log.info("resumed from %s (step %d, data position %s)", choice[0], resumed.step, resumed.data)

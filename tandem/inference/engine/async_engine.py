@@ -25,6 +25,7 @@ import torch
 
 from tandem.inference.engine.llm_engine import EngineStats, LLMEngine, SequenceOutput
 from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.models.lora import LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,9 @@ class AsyncEngine:
             if num_finished < n:
                 self._send(lambda: self.engine.abort_request(request_id))
 
-    async def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
-        return await self._call(lambda: self.engine.update_weights(state, version))
+    async def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None,
+                             lora: LoraSpec | None = None) -> int:
+        return await self._call(lambda: self.engine.update_weights(state, version, lora))
 
     async def pause(self) -> None:
         await self._call(lambda: setattr(self, "_paused", True))

@@ -26,11 +26,13 @@ from torch import nn
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.host_copies import HostRead
+from tandem.inference.engine.lora_merge import AdapterMerger
 from tandem.inference.engine.sampler import PendingSample, Sampler
 from tandem.inference.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.inference.engine.sequence import Sequence
 from tandem.models.loading import load_weights_into
+from tandem.models.lora import LoraSpec, is_adapter_name
 
 
 class ModelRunner(Protocol):
@@ -97,6 +99,7 @@ class LLMEngine:
         vocab_size: int,
         device: torch.device,
         overlap: bool = False,
+        adapters: AdapterMerger | None = None,
     ):
         self.runner = runner
         self.weight_target = weight_target
@@ -111,6 +114,8 @@ class LLMEngine:
         self.device = device
         self.overlap = overlap
         """Launch each step before reading the previous one (see the module docstring)."""
+        self.adapters = adapters
+        """With `engine.lora`: the kept base, which every update's adapters are merged into; None serves full weights."""
         self.in_flight: LaunchedStep | None = None
         self.weight_version = 0
         self.requests: dict[str, list[Sequence]] = {}
@@ -262,9 +267,24 @@ class LLMEngine:
         seq.text = seq.text[:pos + (len(stop) if seq.params.include_stop_str_in_output else 0)]
         return True
 
-    def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
-        """Load HF-named tensors into the live model; on any mismatch nothing is changed."""
-        load_weights_into(self.weight_target, state)  # checks every name and shape before copying
+    def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None, lora: LoraSpec | None = None) -> int:
+        """Load HF-named tensors into the live model, or with `engine.lora` merge LoRA adapters into the kept base
+        (`lora`: the adapters' own spec, where their folder says it); on any mismatch nothing is changed."""
+        with_adapters = any(is_adapter_name(name) for name in state)
+        if self.adapters is not None:
+            served = self.adapters.spec
+            if lora is not None and (lora.rank, lora.alpha) != (served.rank, served.alpha):
+                raise ValueError(f"adapters of rank {lora.rank} and alpha {lora.alpha}; this server merges rank "
+                                 f"{served.rank} and alpha {served.alpha} (`engine.lora`)")
+            if not with_adapters:
+                raise KeyError("this server's policy is LoRA adapters on a fixed base (`engine.lora.enabled`): an update "
+                               "holds adapters only, not full weights")
+            self.adapters.apply(state)
+        elif with_adapters:
+            raise KeyError("LoRA adapters sent to a server of full weights: set `engine.lora.enabled` (`tandem rl` does "
+                           "when `trainer.lora.enabled` is set)")
+        else:
+            load_weights_into(self.weight_target, state)  # checks every name and shape before copying
         self.weight_version = self.weight_version + 1 if version is None else version
         self.block_manager.reset_prefix_cache()
         return self.weight_version

@@ -24,12 +24,14 @@ from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe, 
 from tandem.inference.engine.fused_norms import apply_compiled_norms
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.llm_engine import LLMEngine
+from tandem.inference.engine.lora_merge import AdapterMerger
 from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
 from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
 from tandem.models.hub import resolve_model_path
 from tandem.models.loading import has_split_blocks, is_native, load_causal_lm
+from tandem.models.lora import LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +139,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         log.info("%s: %s, recomputed every step (slow path)", model.hf_config.get("model_type"),
                  "latent attention has no paged cache yet" if native else "not native to tandem: transformers model")
     block_manager = BlockManager(num_blocks, engine.block_size)
+    lora = engine.lora
+    adapters = AdapterMerger(weight_target, LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules))) if lora.enabled else None
     return LLMEngine(
         runner=runner,
         weight_target=weight_target,
@@ -149,6 +153,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         vocab_size=model.lm_head.weight.shape[0],
         device=device,
         overlap=overlap,
+        adapters=adapters,
     )
 
 

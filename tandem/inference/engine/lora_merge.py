@@ -1,0 +1,65 @@
+"""The engine's side of LoRA: a policy update is adapters only, merged into a kept copy of the base.
+
+The engine multiplies by merged weights (`W + B @ A * scale`, `tandem.models.lora.adapted_weight`, the function
+the trainer's forward uses), so its kernels, CUDA graphs and stacked projections run unchanged and a decode step
+reads no more bytes than the base model's. Merging from a kept copy of the base, never from the previous merged
+weights, keeps every update exact: no rounding accumulates over hundreds of updates. The copy holds the targeted
+projections only, on the host (pinned on CUDA), so the device holds one copy of the model; each update moves
+them to the device one projection at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.models.lora import LoraSpec, adapted_weight, adapter_pairs
+
+
+class AdapterMerger:
+    def __init__(self, model: nn.Module, spec: LoraSpec, source: str = "`engine.lora.target_modules`"):
+        """Keep host copies of `model`'s projections that `spec` targets (every `nn.Linear` whose last name part is
+        a target, the LM head never); a target that matches nothing is an error naming `source` and the model's
+        projections."""
+        self.spec = spec
+        self.params = {f"{name}.weight": module.weight for name, module in model.named_modules()
+                       if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in spec.target_modules
+                       and not name.endswith("lm_head")}
+        found = {name.rsplit(".", 2)[-2] for name in self.params}
+        if missing := sorted(set(spec.target_modules) - found):
+            projections = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ValueError(f"{source} names {missing}, which match no linear projection of the model; its projections "
+                             f"are {projections}")
+        for name, param in self.params.items():
+            if not param.is_floating_point() or param.element_size() < 2:
+                raise ValueError(f"{name} is held as {param.dtype}: LoRA adapters merge into bf16, fp16 or fp32 weights")
+        pin = next(iter(self.params.values())).device.type == "cuda"
+        self.base = {name: param.detach().to("cpu", copy=True) for name, param in self.params.items()}
+        if pin:
+            self.base = {name: tensor.pin_memory() for name, tensor in self.base.items()}
+
+    def check(self, adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The adapters by the weight they adapt; an error names what does not fit (before anything is changed)."""
+        pairs = adapter_pairs(adapters)
+        missing, unexpected = sorted(set(self.base) - set(pairs)), sorted(set(pairs) - set(self.base))
+        if missing or unexpected:
+            raise KeyError(f"the adapters do not match the served model's LoRA targets {list(self.spec.target_modules)}: "
+                           f"missing for {missing[:5]}, unexpected for {unexpected[:5]}")
+        for name, (lora_a, lora_b) in pairs.items():
+            out_features, in_features = self.base[name].shape
+            if lora_a.shape != (self.spec.rank, in_features) or lora_b.shape != (out_features, self.spec.rank):
+                raise ValueError(f"adapter shapes for {name}: A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)}; rank "
+                                 f"{self.spec.rank} needs A ({self.spec.rank}, {in_features}), B ({out_features}, {self.spec.rank})")
+            if not (lora_a.is_floating_point() and lora_b.is_floating_point()):
+                raise ValueError(f"adapter dtypes for {name}: {lora_a.dtype}, {lora_b.dtype}; floating point is needed")
+        return pairs
+
+    def apply(self, adapters: dict[str, torch.Tensor]) -> None:
+        """Merge `adapters` (HF-named `<projection>.lora_A.weight`, `.lora_B.weight`) into the live weights, in place
+        (stacked projections see it: their parameters are views); nothing changes unless all fit."""
+        pairs = self.check(adapters)
+        with torch.no_grad():
+            for name, (lora_a, lora_b) in pairs.items():
+                param = self.params[name]
+                base = self.base[name].to(param.device, non_blocking=True)
+                param.copy_(adapted_weight(base, lora_a.to(param.device), lora_b.to(param.device), self.spec.scale))

@@ -1,0 +1,234 @@
+"""LoRA: low-rank adapters on a model's linear projections, applied from outside the model code.
+
+An adapted projection multiplies by `W + (B @ A) * alpha / r`: the base `W` [out, in] frozen, `A` [r, in] and
+`B` [out, r] trained (Hu et al. 2021; `B` starts at zero, so step 0 is the base model). The families read
+their projections' weights into functional halves (`tandem.models.decoder`) through
+`tandem.models.layers.projection_weight`, which gives a `LoraLinear`'s adapted weight, formed by
+`adapted_weight`: the trainer's forward, the engine's merge
+(`tandem.inference.engine.lora_merge`) and `tandem model export --merge` all call that one function, so on the
+same device and dtype they hold the same bits, and the engine samples from the policy the trainer trains.
+
+Names follow PEFT: `<projection>.lora_A.weight` and `<projection>.lora_B.weight` beside the base's
+`<projection>.weight`, which keeps its Hugging Face name. An adapter folder is PEFT's (`adapter_config.json`,
+`adapter_model.safetensors`, tensors under `base_model.model.`), loadable by `peft`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
+from torch import nn
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+"""PEFT's prefix of every tensor name in an adapter file (its wrapper around the causal LM)."""
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What an adapter is: its rank, scale and the projections it adapts (by module name's last part)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    """Sorted, so that two specs of the same targets are equal."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_modules", tuple(sorted(self.target_modules)))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def adapted_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """`base + (B @ A) * scale` in `base`'s dtype: the weight an adapted projection multiplies by (see the module
+    docstring for why every side computes it here)."""
+    return base + (lora_b.to(base.dtype) @ lora_a.to(base.dtype)) * scale
+
+
+class LoraLinear(nn.Linear):
+    """An `nn.Linear` with an adapter. Its parameters are the base's `weight` (and `bias`), frozen, under their own
+    names, and the adapter's `lora_A.weight` and `lora_B.weight`. Model code reads a projection's weight through
+    `tandem.models.layers.projection_weight`, which gives `adapted_weight()` here; `weight` itself stays the base
+    parameter, which FSDP and the one-rank path shard, gather and swap as for any `nn.Linear`."""
+
+    def __init__(self, base: nn.Linear, rank: int, scale: float):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.scale = scale
+        device = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
+
+    def adapted_weight(self) -> torch.Tensor:
+        return adapted_weight(self.weight, self.lora_A.weight, self.lora_B.weight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.adapted_weight(), self.bias)
+
+
+def projection_names(model: nn.Module) -> list[str]:
+    """Every distinct last name part of the model's `nn.Linear` modules: what `target_modules` may name."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, source: str, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
+    """Replace every `nn.Linear` whose last name part is in `spec.target_modules` (not those of `skip`) by a
+    `LoraLinear`, in place, and freeze every other parameter; returns the adapted modules' names. `source` (the
+    config file that named the targets) is named by the error when a target names no module."""
+    found = {target: [] for target in spec.target_modules}
+    for name, module in list(model.named_modules()):
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and not isinstance(module, LoraLinear) and last in found and last not in skip:
+            found[last].append(name)
+    unknown = [target for target, names in found.items() if not names]
+    if unknown:
+        raise ValueError(f"{source}: `lora.target_modules` names {unknown}, which match no linear projection of the model; "
+                         f"its projections are {[n for n in projection_names(model) if n not in skip]}")
+    model.requires_grad_(False)
+    adapted = sorted(name for names in found.values() for name in names)
+    for name in adapted:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoraLinear(getattr(parent, child), spec.rank, spec.scale))
+    return adapted
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoraLinear]]:
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLinear)]
+
+
+def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Every adapter's start, whole, under its parameter name, drawn from `seed` in module order (the same on every
+    rank and in every run): PEFT's, A uniform in +-1/sqrt(in) (Kaiming with a = sqrt(5)) and B zero, so the adapted
+    weight starts as the base."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, module in lora_modules(model):
+        bound = 1 / math.sqrt(module.in_features)
+        shape = (module.lora_A.out_features, module.in_features)
+        state[f"{name}.lora_A.weight"] = torch.rand(shape, generator=generator).mul_(2 * bound).sub_(bound)
+        state[f"{name}.lora_B.weight"] = torch.zeros(module.out_features, shape[0])
+    return state
+
+
+def is_adapter_name(name: str) -> bool:
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+def adapter_config_json(spec: LoraSpec, base_model: str) -> dict:
+    """PEFT's `adapter_config.json` for `spec` (the fields `peft.LoraConfig` reads, at their meaning here)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
+            "lora_alpha": spec.alpha, "target_modules": sorted(spec.target_modules), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "modules_to_save": None, "inference_mode": True}
+
+
+def write_adapter_folder(folder: Path, state: dict[str, torch.Tensor], spec: LoraSpec, base_model: str) -> None:
+    """`adapter_model.safetensors` (under PEFT's names) and `adapter_config.json`, each written tmp + rename."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + name: t.detach().contiguous().cpu() for name, t in state.items()}
+    tmp = folder / f".{ADAPTER_WEIGHTS}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / ADAPTER_WEIGHTS)
+    tmp = folder / f".{ADAPTER_CONFIG}.tmp"
+    tmp.write_text(json.dumps(adapter_config_json(spec, base_model), indent=2) + "\n")
+    os.replace(tmp, folder / ADAPTER_CONFIG)
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter_folder(folder: Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """The spec and the adapter tensors (under the model's own names) of a PEFT LoRA folder; a scheme this
+    module does not compute (DoRA, rsLoRA, biases, saved modules) is an error naming the file and field."""
+    folder = Path(folder)
+    config_file = folder / ADAPTER_CONFIG
+    config = json.loads(config_file.read_text())
+    refused = {"peft_type": ("LORA",), "use_dora": (False, None), "use_rslora": (False, None), "bias": ("none", None),
+               "modules_to_save": (None, []), "fan_in_fan_out": (False, None)}
+    for field, allowed in refused.items():
+        if config.get(field, allowed[-1]) not in allowed:
+            raise ValueError(f"{config_file}: `{field}` = {config.get(field)!r} is not supported (LoRA adapters as "
+                             f"`W + B @ A * alpha / r` only)")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list):
+        raise ValueError(f"{config_file}: `target_modules` = {targets!r}: a list of module names is needed")
+    spec = LoraSpec(int(config["r"]), float(config["lora_alpha"]), tuple(targets))
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    state = {}
+    for name, tensor in tensors.items():
+        own = name.removeprefix(PEFT_PREFIX).replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        if not is_adapter_name(own):
+            raise ValueError(f"{folder / ADAPTER_WEIGHTS}: {name!r} is no LoRA A or B matrix")
+        state[own] = tensor
+    return spec, state
+
+
+def adapter_pairs(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Adapter tensors grouped by the base weight they adapt: `<module>.weight` -> (A, B); a module with only one
+    of its two matrices is an error."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        for which, suffix in (("A", ".lora_A.weight"), ("B", ".lora_B.weight")):
+            if name.endswith(suffix):
+                pairs.setdefault(name.removesuffix(suffix) + ".weight", {})[which] = tensor
+    lonely = [name for name, pair in pairs.items() if len(pair) != 2]
+    if lonely:
+        raise KeyError(f"adapters without both LoRA matrices: {lonely[:5]}")
+    return {name: (pair["A"], pair["B"]) for name, pair in pairs.items()}
+
+
+def merged_state(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """`base` (HF-named) with every adapted weight replaced by `adapted_weight`; the adapters must fit the base."""
+    merged = dict(base)
+    for name, (lora_a, lora_b) in adapter_pairs(adapters).items():
+        if name not in base:
+            raise KeyError(f"an adapter for {name}, which the base model does not have")
+        merged[name] = adapted_weight(base[name], lora_a, lora_b, spec.scale)
+    return merged
+
+
+def base_fingerprint(folder: Path, weight_files: list[Path]) -> str:
+    """SHA-256 of a base model's config.json and weight files: what a LoRA checkpoint was trained on, checked
+    when it resumes (adapters mean nothing on another base)."""
+    digest = hashlib.sha256()
+    for path in [Path(folder) / "config.json", *weight_files]:
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export_merged(adapter_folder: Path, out: Path, base: str | None = None) -> Path:
+    """Write a Hugging Face model folder at `out`: the base model (`base`, default the adapter folder's
+    `base_model_name_or_path`) with the adapters merged in, in the base's dtype, and the base's config and tokenizer."""
+    from tandem.models.hub import read_hf_config, resolve_model_path
+    from tandem.models.weights import load_state_dict, save_state_dict, side_files
+
+    spec, adapters = read_adapter_folder(adapter_folder)
+    name = base or json.loads((Path(adapter_folder) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not name:
+        raise ValueError(f"{Path(adapter_folder) / ADAPTER_CONFIG} names no `base_model_name_or_path`: pass the base model")
+    folder = resolve_model_path(name)
+    merged = merged_state(load_state_dict(folder), adapters, spec)
+    out = Path(out)
+    save_state_dict(merged, out, read_hf_config(folder))
+    for src in side_files(folder):
+        (out / src.name).write_bytes(src.read_bytes())
+    return out

@@ -1,0 +1,163 @@
+"""LoRA adapters (`tandem.models.lora`): the adapted model, PEFT's files and merge, the engine's merge without drift."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.inference.engine.lora_merge import AdapterMerger
+from tandem.models.layers import projection_weight
+from tandem.models.loading import load_causal_lm
+from tandem.models.lora import (ADAPTER_CONFIG, LoraLinear, LoraSpec, adapted_weight, apply_lora, export_merged, initial_adapters,
+                                lora_modules, read_adapter_folder, write_adapter_folder)
+from tandem.models.presets import init_model
+from tandem.models.weights import load_state_dict
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=TARGETS)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return init_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, torch.arange(ids.shape[1])[None].expand_as(ids))
+
+
+def random_adapters(model: nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Adapters as training would leave them: A and B both away from their start."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, module in lora_modules(model):
+        state[f"{name}.lora_A.weight"] = (torch.randn(module.lora_A.weight.shape, generator=gen) * 0.1).to(dtype)
+        state[f"{name}.lora_B.weight"] = (torch.randn(module.lora_B.weight.shape, generator=gen) * 0.1).to(dtype)
+    return state
+
+
+def adapted(tiny, spec: LoraSpec = SPEC, adapters_seed: int | None = None) -> nn.Module:
+    model = load_causal_lm(str(tiny), "cpu", "float32")
+    apply_lora(model, spec, source="test")
+    state = initial_adapters(model, seed=0) if adapters_seed is None else random_adapters(model, adapters_seed)
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def test_adapters_start_as_the_base_and_the_base_keeps_its_names(tiny):
+    base = load_causal_lm(str(tiny), "cpu", "float32")
+    model = adapted(tiny)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(hidden(model, ids), hidden(base, ids))  # B = 0: the base model, to the bit
+    names = {n for n, _ in model.named_parameters()}
+    assert set(dict(base.named_parameters())) <= names
+    assert "model.layers.0.self_attn.q_proj.lora_A.weight" in names and "model.layers.1.mlp.down_proj.lora_B.weight" in names
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in names if ".lora_" in n} and len(trainable) == 2 * 7 * base.args.num_hidden_layers
+    assert not any(isinstance(m, LoraLinear) for n, m in model.named_modules() if n.endswith("lm_head"))
+
+
+def test_the_adapted_weight_is_what_the_model_multiplies_by(tiny):
+    model = adapted(tiny, adapters_seed=1)
+    q = model.model.layers[0].self_attn.q_proj
+    base, a, b = q.weight, q.lora_A.weight, q.lora_B.weight
+    torch.testing.assert_close(projection_weight(q), base + b @ a * 2.0, rtol=0, atol=1e-6)
+    # Every adapted projection, as a merged plain model: the same forward.
+    merged = load_causal_lm(str(tiny), "cpu", "float32")
+    merged.load_state_dict({f"{n}.weight": m.adapted_weight().detach() for n, m in lora_modules(model)}, strict=False)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(hidden(model, ids), hidden(merged, ids), rtol=0, atol=0)
+
+
+def test_gradients_reach_only_the_adapters(tiny):
+    model = adapted(tiny, adapters_seed=2)
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    hidden(model, ids).square().mean().backward()
+    for name, param in model.named_parameters():
+        assert (param.grad is not None and param.grad.abs().sum() > 0) == (".lora_" in name), name
+
+
+def test_a_target_that_names_no_projection_lists_the_models(tiny):
+    model = load_causal_lm(str(tiny), "cpu", "float32")
+    with pytest.raises(ValueError, match=r"cfg.toml: `lora.target_modules` names \['qkv'\], which match no linear projection.*"
+                                         r"\['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]"):
+        apply_lora(model, LoraSpec(4, 8.0, ("q_proj", "qkv")), source="cfg.toml")
+
+
+def test_the_adapter_folder_is_peft_s_and_peft_computes_what_tandem_computes(tiny, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = adapted(tiny, adapters_seed=3)
+    state = {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+    write_adapter_folder(tmp_path / "adapters", state, SPEC, str(tiny))
+    config = json.loads((tmp_path / "adapters" / ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, str(tiny))
+    spec, read = read_adapter_folder(tmp_path / "adapters")
+    assert spec == SPEC and read.keys() == state.keys() and all(torch.equal(read[k], state[k]) for k in state)
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with_adapters = peft.PeftModel.from_pretrained(hf, tmp_path / "adapters")
+    ids = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(3))
+    ours = model.lm_head(hidden(model, ids))
+    torch.testing.assert_close(with_adapters(ids).logits, ours, atol=2e-5, rtol=1e-5)
+    # `tandem model export --merge` against PEFT's own merge
+    export_merged(tmp_path / "adapters", tmp_path / "merged")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    peft_merged = with_adapters.merge_and_unload()
+    for name, tensor in peft_merged.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
+    torch.testing.assert_close(exported(ids).logits, ours, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_merges_what_the_trainer_multiplies_by_and_never_drifts(tiny, dtype):
+    """The engine merges each update into its kept base: after 100 updates, the adapters of the first give the
+    first's weights to the bit, and those are the trainer's adapted weights (same function, same dtype)."""
+    served = load_causal_lm(str(tiny), "cpu", "float32").to(dtype)
+    merger = AdapterMerger(served, SPEC)
+    trainer = adapted(tiny).to(dtype)
+    first = random_adapters(trainer, seed=10, dtype=dtype)
+    merger.apply(first)
+    first_weights = {n: p.clone() for n, p in served.state_dict().items()}
+    trainer.load_state_dict(first, strict=False)
+    for name, module in lora_modules(trainer):
+        assert torch.equal(first_weights[f"{name}.weight"], module.adapted_weight()), name
+    for seed in range(11, 110):
+        merger.apply(random_adapters(trainer, seed=seed, dtype=dtype))
+    merger.apply(first)
+    assert all(torch.equal(first_weights[n], p) for n, p in served.state_dict().items())
+    # what a bad update names, and that it changes nothing
+    bad = dict(first)
+    bad.pop("model.layers.1.self_attn.q_proj.lora_B.weight")
+    with pytest.raises(KeyError, match="without both LoRA matrices.*layers.1.self_attn.q_proj"):
+        merger.apply(bad)
+    wide = {**first, "model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, served.args.hidden_size, dtype=dtype)}
+    with pytest.raises(ValueError, match="rank 4 needs A"):
+        merger.apply(wide)
+    assert all(torch.equal(first_weights[n], p) for n, p in served.state_dict().items())
+
+
+def test_adapted_weight_rounds_in_the_base_dtype():
+    base = torch.randn(8, 6).to(torch.bfloat16)
+    a, b = torch.randn(2, 6), torch.randn(8, 2)
+    out = adapted_weight(base, a, b, 0.5)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, base + (b.to(torch.bfloat16) @ a.to(torch.bfloat16)) * 0.5)
+
+
+def test_export_merge_is_the_base_with_each_adapted_weight_replaced(tiny, tmp_path):
+    model = adapted(tiny, adapters_seed=4)
+    write_adapter_folder(tmp_path / "a", {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}, SPEC, str(tiny))
+    merged = load_state_dict(export_merged(tmp_path / "a", tmp_path / "m"))
+    base = load_state_dict(tiny)
+    assert merged.keys() == base.keys()
+    for name, tensor in merged.items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in TARGETS:
+            assert torch.equal(tensor, model.get_submodule(module).adapted_weight().detach()), name
+        else:
+            assert torch.equal(tensor, base[name]), name
