@@ -181,3 +181,19 @@ def test_broadcast_weights_to_two_servers_give_the_rewards_of_folders(sft_config
     assert len(rewards(folders)) == 3 and rewards(broadcast) == pytest.approx(rewards(folders), abs=1e-12)
     assert "loaded policy 3 into 2 server(s)" in (broadcast / "logs" / "orchestrator.log").read_text()
     assert not weights_dir(broadcast, 2).exists() and is_stable(weights_dir(broadcast, 3))  # only the result is written
+
+
+def test_lora_rl_learns_with_its_adapters_broadcast(sft_config, tmp_path):
+    """`trainer.lora`: only the adapters train and travel (broadcast over gloo, kilobytes), the server merges each
+    update into its kept base; trainer and server agree as with full weights (mismatch KL), and reward rises."""
+    out = tmp_path / "lora"
+    result = tandem(*rl_args(sft_config, out, 12, "--trainer.lora.enabled", "true", "--trainer.optim.lr", "2e-3",
+                             "--weight-transport.type", "broadcast", "--ckpt.enabled", "false"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    trainer = list(read_metrics(out, "trainer"))
+    kls = [r["mismatch_kl"] for r in trainer if r["mismatch_kl"] is not None]
+    assert len(trainer) == 12 and sum(kls) / len(kls) < 1e-3, kls
+    rewards = [r["reward/mean"] for r in read_metrics(out, "orchestrator") if "reward/mean" in r]
+    print("rewards", rewards)
+    assert len(rewards) == 12 and sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
+    assert {p.name for p in weights_dir(out, 12).iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "STABLE"}
