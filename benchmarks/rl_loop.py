@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from statistics import fmean as mean, median
@@ -67,6 +68,11 @@ def parse_args() -> argparse.Namespace:
     for name in WORKLOADS["cuda"]:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default: {WORKLOADS['cuda'][name]} on cuda, "
                                                                           f"{WORKLOADS['cpu'][name]} on cpu")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
+    parser.add_argument("--engine-memory-gib", type=float,
+                        help="cuda: the engine's share of the GPU (weights, KV cache, activations) in GiB; default "
+                             "`deployment.shared_gpu_memory_fraction`'s")
+    parser.add_argument("--activation-checkpoint", choices=["off", "selective", "full"], help="the trainer's mode")
     parser.add_argument("--timeout-s", type=float, default=600, help="limit of each level's run")
     parser.add_argument("--keep", help="keep the model and the run folders in this folder (default: a temporary one)")
     parser.add_argument("--out", help="write the figures to this JSON file (rewritten after each level)")
@@ -89,8 +95,16 @@ def rl_config(args: argparse.Namespace, level: int, model: Path, run_dir: Path) 
     deployment = {"type": "cpu"}
     if args.device == "cuda":
         deployment = {"type": "gpu", "inference_devices": [0], "trainer_devices": [0]}
+    if args.engine_memory_gib is not None:
+        deployment["shared_gpu_memory_fraction"] = args.engine_memory_gib * 2**30 / torch.cuda.mem_get_info(0)[1]
+    trainer: dict = {}
+    if args.lora_rank:
+        trainer["lora"] = {"enabled": True, "rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}
+    if args.activation_checkpoint:
+        trainer["parallel"] = {"activation_checkpoint": {"mode": args.activation_checkpoint}}
     return {
         "model": {"name": str(model), "load_format": "dummy"},
+        "trainer": trainer,
         "output_dir": str(run_dir),
         "seq_len": args.seq_len,
         "max_steps": args.steps,
@@ -121,18 +135,58 @@ def run_level(args: argparse.Namespace, level: int, model: Path, root: Path) -> 
     start = time.monotonic()
     launcher = subprocess.Popen([sys.executable, "-m", "tandem.cli", "rl", "@", str(config_path)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    memory = GpuMemory() if args.device == "cuda" else None
     try:
         _, stderr = launcher.communicate(timeout=args.timeout_s)
     except subprocess.TimeoutExpired:
         stderr = stop(launcher)
         return {"error": f"the run took more than --timeout-s = {args.timeout_s:.0f}s: {stderr[-3000:]}"}
+    finally:
+        if memory is not None:
+            memory.stop()
     if launcher.returncode != 0:
         return {"error": f"`tandem rl` exited {launcher.returncode}: {stderr[-3000:]}"}
     wall_s = time.monotonic() - start
+    gpu = {} if memory is None else {"gpu_memory": memory.figures(run_dir)}
     try:
-        return {"wall_s": wall_s, **level_figures(run_dir, args.warmup, level)}
+        return {"wall_s": wall_s, **gpu, **level_figures(run_dir, args.warmup, level)}
     except (KeyError, RuntimeError) as err:  # a run that logged less than expected: keep the other levels
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+class GpuMemory:
+    """What `nvidia-smi` shows each process of the run holding on the GPU (its CUDA context, caching allocator and
+    all), sampled every half second: the peak of their sum is what the run needs of the GPU."""
+
+    def __init__(self, interval_s: float = 0.5):
+        self.samples: list[dict[int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _poll(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True).stdout
+            self.samples.append({int(pid): float(mib) / 1024 for pid, mib in
+                                 (line.split(",") for line in out.strip().splitlines() if line.strip())})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def figures(self, run_dir: Path) -> dict:
+        """Peak GiB of the processes together and of each (named from the run's `logs/pids.json`)."""
+        pids = json.loads((run_dir / "logs" / "pids.json").read_text()) if (run_dir / "logs" / "pids.json").is_file() else {}
+        names = {int(pid): name for name, pid in pids.items()}
+        each: dict[str, float] = {}
+        for sample in self.samples:
+            for pid, gib in sample.items():
+                name = names.get(pid, str(pid))
+                each[name] = max(each.get(name, 0.0), gib)
+        return {"peak_total_gib": max((sum(s.values()) for s in self.samples), default=0.0), "peak_each_gib": each,
+                "trainer_peak_allocated_gib": max((r.get("peak_memory_gib", 0.0) for r in read_metrics(run_dir, "trainer")
+                                                   if "loss" in r), default=0.0)}
 
 
 def stop(launcher: subprocess.Popen) -> str:

@@ -13,9 +13,10 @@ class LoraConfig(Section):
     [out, rank] of each targeted projection train, and only they are checkpointed and published."""
 
     enabled: bool = False
-    """Train adapters instead of every weight. The base is held in `model.dtype`'s compute dtype with no fp32
-    master and no optimizer state; published policies are PEFT adapter folders (`adapter_config.json`,
-    `adapter_model.safetensors`), and `tandem model export --merge` writes a merged model folder."""
+    """The policy is a frozen base plus adapters. A trainer trains only the adapters (the base held in the compute
+    dtype, with no fp32 master and no optimizer state) and publishes PEFT adapter folders (`adapter_config.json`,
+    `adapter_model.safetensors`); an engine merges each update's adapters into a kept copy of its base.
+    `tandem model export --merge` turns an adapter folder into a model folder."""
 
     rank: int = Field(16, ge=1)
     """Rank r of each adapter."""

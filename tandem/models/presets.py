@@ -29,6 +29,13 @@ PRESETS: dict[str, dict] = {
     "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0, dtype="bfloat16"),
+    # The real Qwen3-4B and Qwen3-8B shapes: LoRA on one 24 GB GPU (`examples/reverse_text/rl_lora_gpu.toml`).
+    "qwen3-4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0, dtype="bfloat16"),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0, dtype="bfloat16"),
     # Qwen3-MoE, ~0.5M parameters (8 experts of 64 features, 2 per token): runs on a CPU in seconds.
     "tiny-moe": dict(model_type="qwen3_moe", vocab_size=VOCAB_SIZE, intermediate_size=384, num_hidden_layers=2,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,

@@ -25,11 +25,12 @@ import torch
 
 from tandem.config.replay import ReplayConfig, read_run_trainer_config
 from tandem.config.trainer import LossConfig, TrainerCheckpointConfig, TrainerConfig
+from tandem.models.lora import read_adapter_folder
 from tandem.monitor.metrics import read_metrics
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.data import BatchError, check_batch
 from tandem.trainer.loss import build_loss
-from tandem.trainer.model import TokenLogprobs
+from tandem.trainer.model import TokenLogprobs, load_shards
 from tandem.trainer.rl.train import kl_metrics, rl_objective
 from tandem.trainer.session import Session, open_session
 from tandem.trainer.step import Objective, accumulate_gradients
@@ -60,11 +61,17 @@ def policy_folder(run: TrainerConfig, run_dir: Path, step: int) -> str:
 
 
 def replay_session(config: ReplayConfig, run: TrainerConfig) -> Session:
-    """The run's model, built as the trainer builds it, on the weights step N started from."""
-    model = run.model.model_copy(update={"name": policy_folder(run, config.run_dir, config.step)})
+    """The run's model, built as the trainer builds it, on the weights step N started from (a LoRA run's base, with
+    the adapters of that folder)."""
+    policy = policy_folder(run, config.run_dir, config.step)
+    model = run.model if run.lora.enabled else run.model.model_copy(update={"name": policy})
     replay = run.model_copy(update={"model": model, "device": config.device, "output_dir": config.run_dir,
                                     "ckpt": TrainerCheckpointConfig(enabled=False)})
-    return open_session(replay, "replay")
+    session = open_session(replay, "replay")
+    if run.lora.enabled and config.step > 1:
+        _, adapters = read_adapter_folder(Path(policy))
+        load_shards(session.model, adapters, policy, session.model.adapter_parameters())
+    return session
 
 
 def recording(objective: Objective, log_ratios: list[torch.Tensor]) -> Objective:

@@ -307,11 +307,24 @@ def test_the_starting_model_is_a_folder_a_hub_name_or_the_warm_ups_result(tmp_pa
         resolve("--model.name", str(tmp_path / "sft" / "weights" / "final"), "--warmup.sft", str(tmp_path / "missing.toml"))
 
 
+def test_lora_reaches_the_engine_whole_and_a_contradiction_is_named():
+    cfg = resolve("--trainer.lora.enabled", "true", "--trainer.lora.rank", "8", "--trainer.lora.target-modules", '["q_proj"]')
+    engine = cfg.inference.engine.lora
+    assert (engine.enabled, engine.rank, engine.alpha, engine.target_modules) == (True, 8, 32.0, ["q_proj"])
+    assert cfg.trainer.lora == engine
+    assert not resolve().inference.engine.lora.enabled
+    with pytest.raises(ConfigError, match=r"`inference.engine.lora.rank` = 4 .* contradicts"):
+        resolve("--trainer.lora.enabled", "true", "--inference.engine.lora.rank", "4")
+    with pytest.raises(ConfigError, match="does not drive vLLM's LoRA adapters"):
+        resolve("--trainer.lora.enabled", "true", "--inference.backend", "vllm", "--deployment.type", "gpu",
+                machine=FakeMachine(cuda_devices=2))
+
+
 def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
     assert [r.__name__ for r in DERIVED_RULES] == ["model_options", "nodes", "trainer_ranks", "devices", "inference_servers",
                                                    "inference_device_slices", "starting_model", "exact", "backend",
-                                                   "weight_broadcast", "resume"]
+                                                   "weight_broadcast", "lora", "resume"]
     assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "run.exact", "seq_len", "max_steps",
                                 "output_dir", "seed", "ckpt.enabled", "ckpt.interval", "weight_transport",
                                 "preflight.num_conversations", "preflight.max_tokens"}

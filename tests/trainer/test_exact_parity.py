@@ -14,14 +14,17 @@ import torch
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
+from tandem.config.lora import LoraConfig
 from tandem.config.trainer import ParallelConfig
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.exact import model_uses_kernels
+from tandem.models.loading import load_causal_lm
+from tandem.models.lora import LoraSpec, apply_lora, lora_modules
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.samples import Turn, build_samples
 from tandem.trainer.micro_batch import MicroBatch
-from tandem.trainer.model import build_policy
+from tandem.trainer.model import build_policy, load_shards
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.transport.types import decode_batch, encode_batch
 
@@ -30,6 +33,18 @@ from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 NUM_TURNS = {0: 1, 1: 2, 2: 1, 3: 2}
 """Conversation -> model turns (1: single-turn, 2: multi-turn)."""
+
+
+LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
+
+
+def trained_adapters(model_folder: Path) -> dict[str, torch.Tensor]:
+    """Adapters as training leaves them (A and B away from their start), for every projection `LORA` targets."""
+    model = load_causal_lm(str(model_folder), "cpu", "float32")
+    apply_lora(model, LoraSpec(LORA.rank, LORA.alpha, tuple(LORA.target_modules)), source="test")
+    gen = torch.Generator().manual_seed(0)
+    return {f"{name}.{ab}.weight": torch.randn(getattr(module, ab).weight.shape, generator=gen) * 0.2
+            for name, module in lora_modules(model) for ab in ("lora_A", "lora_B")}
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -43,11 +58,15 @@ def dims(request):
     close_parallel()
 
 
-def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: bool, device: str = "cpu") -> dict[int, list[Turn]]:
+def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: bool, device: str = "cpu",
+                         adapters: dict[str, torch.Tensor] | None = None) -> dict[int, list[Turn]]:
     """Conversations from an exact engine; `staggered`: each new turn joins while others decode (mixed batches),
-    else each request runs alone."""
+    else each request runs alone. `adapters`: the policy is `LORA` with these adapters."""
     engine = build_engine(ModelConfig(name=str(model_folder)), EngineConfig(
-        device=device, num_blocks=128, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens), seed=0, exact=True)
+        device=device, num_blocks=128, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens,
+        lora=LORA if adapters else LoraConfig()), seed=0, exact=True)
+    if adapters:
+        engine.update_weights(adapters)
     runner = engine.runner  # decode steps replay CUDA graphs wherever the whole forward takes the kernel path
     assert (runner.graphs is not None) == (device == "cuda" and model_uses_kernels(runner.model, torch.device(device)))
     rng = random.Random(0)
@@ -77,6 +96,12 @@ def test_engine_logprobs_equal_the_trainers_bitwise(model, dims, request):
     check_parity(request.getfixturevalue(model), dims)  # dense, and a mixture of experts (routing token by token too)
 
 
+def test_a_lora_policy_keeps_exact_parity(tiny_model, dims):
+    """The engine multiplies by merged weights, the trainer by base + adapters formed at each forward: the one
+    function `adapted_weight` makes them the same matrices, so exact mode holds for LoRA policies too."""
+    check_parity(tiny_model, dims, alone=False, adapters=trained_adapters(tiny_model))
+
+
 INTERPRETED = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -101,11 +126,11 @@ def test_the_kernel_path_under_tritons_interpreter(tmp_path):
     run_interpreted(script, timeout=600)
 
 
-def check_parity(tiny_model: Path, dims, alone: bool = True) -> None:
+def check_parity(tiny_model: Path, dims, alone: bool = True, adapters: dict[str, torch.Tensor] | None = None) -> None:
     """Conversations from an exact engine, staggered (and `alone`: each request alone, the same tokens and
-    logprobs), then the trainer's logprobs of their packed samples."""
+    logprobs), then the trainer's logprobs of their packed samples. `adapters`: a LoRA policy on both sides."""
     device = dims.device.type
-    mixed = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device)
+    mixed = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device, adapters=adapters)
     if alone:
         by_itself = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device)
         # Batch-invariant engine: the same seeds draw the same tokens with the same logprobs in any batch.
@@ -119,7 +144,10 @@ def check_parity(tiny_model: Path, dims, alone: bool = True) -> None:
     rows = decode_batch(encode_batch(batches[0])).rows
     assert any(sum(p == 0 for p in row.position_ids) > 1 for row in rows)  # packed rows: several documents
     # Head chunks of 5 rows: a row's logprob does not depend on the chunk it is computed in.
-    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=5, exact=True)
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=5, exact=True,
+                             lora=LORA if adapters else LoraConfig())
+    if adapters:
+        load_shards(policy, adapters, "the test's adapters", policy.adapter_parameters())
     num_loss_tokens = 0
     with torch.no_grad():
         for row in rows:
