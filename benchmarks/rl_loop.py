@@ -112,7 +112,8 @@ def rl_config(args: argparse.Namespace, level: int, model: Path, run_dir: Path) 
         "deployment": deployment,
         "ckpt": {"enabled": False},
         "preflight": {"enabled": False},
-        "inference": {"server": {"port": 0}, "engine": {"max_num_seqs": args.batch_size}},
+        # No sequence longer than a training row is of use: the cache need not hold one of the model's whole context.
+        "inference": {"server": {"port": 0}, "engine": {"max_num_seqs": args.batch_size, "max_model_len": args.seq_len}},
         "orchestrator": {
             "batch_size": args.batch_size,
             "group_size": args.group_size,
