@@ -76,6 +76,7 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
     # Peak activations of the largest step, measured with a causal prefill of the full token budget.
     num_tokens = min(engine.max_num_batched_tokens, max_model_len)
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # what loading freed (random weights' fp32 draws) is not in use: the budget counts only what is
     torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
