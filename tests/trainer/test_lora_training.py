@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -78,11 +79,12 @@ def test_a_lora_checkpoint_is_refused_on_another_base(tiny_model, tmp_path, capl
     assert "this run's model is no LoRA (full weights)" in caplog.text
 
 
-def test_fsdp_and_the_one_rank_path_train_the_same_adapters(tiny_model, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: fp32 adapter masters beside a bf16 base
+def test_fsdp_and_the_one_rank_path_train_the_same_adapters(tiny_model, tmp_path, dtype):
     for name, extra in (("one_rank", []), ("fsdp", ["--parallel.fsdp-at-one-rank"])):
         rollouts(tmp_path / name, 2)
         assert run_trainer("--model.name", str(tiny_model), "--max-steps", "2", "--seq-len", "64", "--optim.lr", "1e-2",
-                           "--output-dir", str(tmp_path / name), *LORA, *extra) == 0
+                           "--output-dir", str(tmp_path / name), "--model.dtype", dtype, *LORA, *extra) == 0
     assert [r["loss"] for r in metrics(tmp_path / "one_rank")] == [r["loss"] for r in metrics(tmp_path / "fsdp")]
     _, a = read_adapter_folder(weights_dir(tmp_path / "one_rank", 2))
     _, b = read_adapter_folder(weights_dir(tmp_path / "fsdp", 2))

@@ -86,6 +86,8 @@ class OneRank:
         """Round these masters into their compute copies, every time: backward freed the copies, and the masters'
         version counters cannot tell whether they changed (fused AdamW does not bump them)."""
         pairs = [(self.compute[i], self.masters[i]) for i in indices if self.compute[i] is not self.masters[i]]
+        if not pairs:  # all already in the compute dtype (a LoRA model's frozen base)
+            return
         with torch.no_grad(), contextlib.ExitStack() as versions:
             for copy, _ in pairs:
                 storage = copy.untyped_storage()
