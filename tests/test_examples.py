@@ -23,6 +23,25 @@ def test_the_example_resolves(folder, monkeypatch):
     assert sft.output_dir.as_posix() in config.model.name  # RL starts from the model its warm-up writes
 
 
+class OneGpu:
+    """A machine with one CUDA device, for the examples written for one GPU."""
+
+    def num_cuda_devices(self) -> int:
+        return 1
+
+    def free_port(self) -> int:
+        return 43210
+
+
+@pytest.mark.parametrize("config", sorted(str(p.relative_to(EXAMPLES.parent)) for p in EXAMPLES.glob("*/*_gpu.toml")))
+def test_the_one_gpu_examples_resolve_on_one_gpu(config, monkeypatch):
+    monkeypatch.chdir(EXAMPLES.parent)
+    resolved = parse_rl_args(["@", config], environ={}, machine=OneGpu())
+    assert resolved.deployment.trainer_devices == resolved.deployment.inference_devices == [0]
+    if resolved.trainer.lora.enabled:
+        assert resolved.inference.engine.lora == resolved.trainer.lora
+
+
 @pytest.mark.parametrize("folder", sorted(p.name for p in EXAMPLES.iterdir() if (p / "rl.toml").is_file()))
 def test_the_example_warmup_data_can_be_written(folder, monkeypatch, tmp_path):
     """The `[warmup]` counts fit the environment (a wiki of 1,580 questions cannot give 2,100
