@@ -239,6 +239,8 @@ def level_figures(run_dir: Path, warmup: int, level: int) -> dict:
         "off_policy_max": max(r["off_policy/max"] for r in orchestrator.values()),
         "reward_mean": mean(r["reward/mean"] for r in orchestrator.values()),
         "loss_mean": mean(trainer[s]["loss"] for s in timed),
+        "mismatch_kl_mean": mean(kls) if (kls := [r["mismatch_kl"] for r in trainer.values()
+                                                   if r.get("mismatch_kl") is not None]) else None,
     }
 
 
