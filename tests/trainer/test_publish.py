@@ -47,13 +47,13 @@ def test_a_failed_write_is_raised_by_the_next_call():
 
 
 class TwoParameters:
-    """What `gather_full_state` reads of a policy: its HF-named parameters."""
+    """What `gather_full_state` reads of a policy: the HF-named parameters it publishes."""
 
     def __init__(self):
         self.params = {"model.norm.weight": torch.nn.Parameter(torch.ones(4)),
                        "lm_head.weight": torch.nn.Parameter(torch.arange(8.0).view(2, 4))}
 
-    def hf_named_parameters(self):
+    def published_parameters(self):
         return iter(self.params.items())
 
 
