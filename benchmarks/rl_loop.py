@@ -73,6 +73,7 @@ def parse_args() -> argparse.Namespace:
                         help="cuda: the engine's share of the GPU (weights, KV cache, activations) in GiB; default "
                              "`deployment.shared_gpu_memory_fraction`'s")
     parser.add_argument("--activation-checkpoint", choices=["off", "selective", "full"], help="the trainer's mode")
+    parser.add_argument("--logprob-chunk-size", type=int, help="the trainer's `logprob_chunk_size`")
     parser.add_argument("--timeout-s", type=float, default=600, help="limit of each level's run")
     parser.add_argument("--keep", help="keep the model and the run folders in this folder (default: a temporary one)")
     parser.add_argument("--out", help="write the figures to this JSON file (rewritten after each level)")
@@ -96,12 +97,14 @@ def rl_config(args: argparse.Namespace, level: int, model: Path, run_dir: Path) 
     if args.device == "cuda":
         deployment = {"type": "gpu", "inference_devices": [0], "trainer_devices": [0]}
     if args.engine_memory_gib is not None:
-        deployment["shared_gpu_memory_fraction"] = args.engine_memory_gib * 2**30 / torch.cuda.mem_get_info(0)[1]
+        deployment["shared_gpu_memory_fraction"] = args.engine_memory_gib * 2**30 / gpu_total_bytes()
     trainer: dict = {}
     if args.lora_rank:
         trainer["lora"] = {"enabled": True, "rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}
     if args.activation_checkpoint:
         trainer["parallel"] = {"activation_checkpoint": {"mode": args.activation_checkpoint}}
+    if args.logprob_chunk_size:
+        trainer["logprob_chunk_size"] = args.logprob_chunk_size
     return {
         "model": {"name": str(model), "load_format": "dummy"},
         "trainer": trainer,
@@ -153,6 +156,13 @@ def run_level(args: argparse.Namespace, level: int, model: Path, root: Path) -> 
         return {"wall_s": wall_s, **gpu, **level_figures(run_dir, args.warmup, level)}
     except (KeyError, RuntimeError) as err:  # a run that logged less than expected: keep the other levels
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+def gpu_total_bytes() -> int:
+    """GPU 0's memory, from `nvidia-smi`: this process makes no CUDA context, whose memory would count in the run's."""
+    out = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.strip()) * 2**20
 
 
 class GpuMemory:
