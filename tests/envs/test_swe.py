@@ -1,9 +1,8 @@
 """swe end to end on the shipped instances: real repositories (git bundles), real sandboxed test runs.
 
-Every shipped instance's gold, base and wrong patches are checked by `tandem.envs.swe_mining` when the set
-is built (three sandboxed grading runs each, about a minute for all); here a fixed sample of four, two of
-each repository, keeps the file within seconds. Hostile completions put their payload at the top of the
-module the tests import, and stop; the grading imports it again.
+Every shipped instance's gold, base and wrong patches are graded here, as `tandem.envs.swe_mining` grades them
+when it builds the set (three sandboxed grading runs each). Hostile completions put their payload at the top of
+the module the tests import, and stop; the grading imports it again.
 """
 
 import asyncio
@@ -27,7 +26,6 @@ from tandem.envs.swe_mining import verdicts
 
 INSTANCES = read_instances(swe.DATA_DIR / "instances.json")
 BY_ID = {i.instance_id: i for i in INSTANCES}
-SAMPLE = ["tkem__cachetools-462e8679", "tkem__cachetools-57d2e481", "PyCQA__pyflakes-d6f54c33", "PyCQA__pyflakes-e19886e5"]
 # tests/test_keys.py of cachetools: four tests, 0.1 s of CPU
 KEYS = "tkem__cachetools-462e8679"
 LIMITS = {"cpu_s": 1, "wall_s": 2, "memory_mb": 512, "output_bytes": 200_000, "max_processes": 16}
@@ -66,11 +64,22 @@ def test_the_shipped_set_is_real_licensed_and_within_its_size_budget():
         assert instance.fail_to_pass and instance.patch and instance.test_patch and instance.problem_statement
 
 
-@pytest.mark.parametrize("instance_id", SAMPLE)
-def test_gold_patch_resolves_and_base_and_wrong_patch_do_not(instance_id):
+def test_every_shipped_instance_is_resolved_by_its_gold_patch_only():
+    """SWE-bench's check of a dataset, on every shipped instance: the gold patch scores 1, the base and a wrong
+    patch (tests rewritten to pass, the code left alone) score 0. Two instances at a time (one per core)."""
     store = RepositoryStore(swe.DATA_DIR / "repos")
-    results = asyncio.run(verdicts(store, prepare(store, BY_ID[instance_id]), SandboxLimits()))
-    assert results == {"gold": True, "base": False, "wrong": False}
+
+    async def check_all() -> dict[str, dict[str, bool]]:
+        slots = asyncio.Semaphore(2)
+
+        async def check(instance) -> tuple[str, dict[str, bool]]:
+            async with slots:
+                return instance.instance_id, await verdicts(store, prepare(store, instance), SandboxLimits())
+        return dict(await asyncio.gather(*(check(instance) for instance in INSTANCES)))
+
+    results = asyncio.run(check_all())
+    assert len(results) == len(INSTANCES) == 38
+    assert {k: v for k, v in results.items() if v != {"gold": True, "base": False, "wrong": False}} == {}
 
 
 def test_replaying_the_fix_with_the_tools_scores_one(env, scripted_client, monkeypatch):
