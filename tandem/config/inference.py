@@ -72,8 +72,8 @@ class SpeculativeConfig(Section):
             raise ValueError("`engine.speculative.method` = 'draft_model' needs `engine.speculative.draft_model`: the "
                              "draft's folder")
         if self.method != "draft_model" and self.draft_model is not None:
-            raise ValueError(f"`engine.speculative.draft_model` is set but `engine.speculative.method` = {self.method!r}: "
-                             "set the method to 'draft_model' or remove the folder")
+            raise ValueError(f"`engine.speculative.draft_model` is set but `engine.speculative.method` = "
+                             f"{self.method!r}: set the method to 'draft_model' or remove the folder")
         return self
 
     @property
@@ -190,9 +190,9 @@ class InferenceConfig(ProcessConfig):
             raise ValueError("`engine.speculative` is tandem's engine's: with `backend` = 'vllm' pass vLLM's own "
                              "`speculative_config` through `vllm.extra_args`")
         if self.run.exact:
-            raise ValueError("`engine.speculative` with `run.exact`: the verifying forward computes k + 1 tokens of a "
-                             "sequence at once, which is not yet proven to give the trainer's logprobs bit for bit; turn "
-                             "one of them off")
+            raise ValueError("`engine.speculative` with `run.exact`: the verifying forward computes k + 1 tokens of "
+                             "a sequence at once, which is not yet proven to give the trainer's logprobs bit for bit; "
+                             "turn one of them off")
         return self
 
     @model_validator(mode="after")

@@ -76,9 +76,9 @@ def test_seeded_outputs_are_the_same_with_deterministic_drafts_on_or_off(tiny_di
         engine = engine_for(tiny_dir, speculative=spec, **settings)
         engine.eos_token_ids = {7, 33}  # tokens the tiny model samples: some completions stop at EOS
         out: dict = {}
-        for k, (rid, prompt, params) in enumerate(seeded_requests(18)):
+        for k, (rid, prompt, params) in enumerate(seeded_requests(12)):
             engine.add_request(rid, prompt, params, n=2)
-            if k % 6 == 5:  # later requests arrive while earlier ones run
+            if k % 4 == 3:  # later requests arrive while earlier ones run
                 run(engine, out, max_steps=3)
         run(engine, out)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -88,7 +88,7 @@ def test_seeded_outputs_are_the_same_with_deterministic_drafts_on_or_off(tiny_di
     assert {r["finish"] for r in plain.values()} == {"stop", "length"}
     if settings:
         assert stats.num_preemptions > 0
-    assert set(plain) == set(speculated) and len(plain) == 36
+    assert set(plain) == set(speculated) and len(plain) == 24
     for key, r in plain.items():
         s = speculated[key]
         assert (s["ids"], s["text"], s["finish"]) == (r["ids"], r["text"], r["finish"]), key
@@ -107,8 +107,9 @@ def test_logprobs_are_the_policys_teacher_forced_ones(tiny_dir, tiny_model, tiny
     requests = {}
     for rid, prompt, params in seeded_requests(9):
         requests[rid] = prompt, params
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=20, temperature=params.temperature, top_k=params.top_k,
-                                                       seed=params.seed, num_top_logprobs=3, ignore_eos=True))
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=20, temperature=params.temperature,
+                                                       top_k=params.top_k, seed=params.seed, num_top_logprobs=3,
+                                                       ignore_eos=True))
     results = run(engine)
     assert engine.stats().num_accepted_tokens > 0
     for (rid, _), r in results.items():
@@ -170,8 +171,8 @@ def test_a_sampled_draft_keeps_the_policys_distribution(sharp_dir, blurred_dir, 
 
     def completions(folder, seed: int, **speculative) -> tuple[list[list[int]], object]:
         engine = engine_for(folder, speculative=speculative, **settings)
-        engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=temperature, seed=seed, ignore_eos=True),
-                           n=400, incremental=False)
+        params = SamplingParams(max_tokens=4, temperature=temperature, seed=seed, ignore_eos=True)
+        engine.add_request("r", prompt, params, n=400, incremental=False)
         outputs = []
         while engine.has_unfinished:
             outputs += engine.step()
@@ -222,8 +223,8 @@ def test_metrics_count_drafted_and_accepted_tokens(tiny_dir):
         after = httpx.get(f"{running.url}/metrics").text
     finally:
         running.stop()
-    drafted = metric(after, "tandem_spec_decode_draft_tokens_total") - metric(before, "tandem_spec_decode_draft_tokens_total")
-    accepted = metric(after, "tandem_spec_decode_accepted_tokens_total") - metric(before, "tandem_spec_decode_accepted_tokens_total")
+    drafted, accepted = (metric(after, name) - metric(before, name) for name in
+                         ("tandem_spec_decode_draft_tokens_total", "tandem_spec_decode_accepted_tokens_total"))
     assert drafted >= accepted > 0
 
 

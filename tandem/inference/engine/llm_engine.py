@@ -247,7 +247,8 @@ class LLMEngine:
                 self.num_draft_tokens += num_rows - 1
                 self.num_accepted_tokens += len(accepted)
                 for m, (token, logprob, top) in enumerate(accepted):
-                    seq.accept_draft(token, logprob, top, step.weight_version, routed[first_row + m] if wants_experts else None)
+                    experts = routed[first_row + m] if wants_experts else None
+                    seq.accept_draft(token, logprob, top, step.weight_version, experts)
                     self._emitted(seq, outputs)
                     if seq.is_finished:
                         break

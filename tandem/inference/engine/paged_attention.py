@@ -4,11 +4,12 @@ attend over each sequence's whole context.
 Legend: N = tokens of the step (all sequences, flattened), B = sequences of the step, H = query
 heads, Hkv = KV heads, D = head dim, Bs = sequences of a few new tokens, Lq = most new tokens of
 one of them, M = most blocks of one of them, S = block size. On CUDA one Triton kernel
-(`tandem.kernels.attention`) reads the cache in place for every token of the step; in exact mode each token as a decode query of its own
-(`attend_each_token`, the trainer's kernel too), or token by token in torch where those kernels
-cannot run. Elsewhere the torch reference runs: prefill chunks one sequence at a time (causal,
-offset by what the cache already held), decodes and other short queries (a token and its drafts) as one
-padded batch of gathered blocks. The model code and the runner only see `attend(layer_idx, q, k, v)`.
+(`tandem.kernels.attention`) reads the cache in place for every token of the step; in exact mode
+each token as a decode query of its own (`attend_each_token`, the trainer's kernel too), or token by
+token in torch where those kernels cannot run. Elsewhere the torch reference runs: prefill chunks
+one sequence at a time (causal, offset by what the cache already held), decodes and other short
+queries (a token and its drafts) as one padded batch of gathered blocks. The model code and the
+runner only see `attend(layer_idx, q, k, v)`.
 """
 
 from __future__ import annotations

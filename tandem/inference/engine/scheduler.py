@@ -9,9 +9,10 @@ free; otherwise it (and everything behind it) waits, so memory pressure delays r
 of failing them. When a running sequence needs a new block and none is free, the most recently
 admitted sequence is preempted (blocks freed, recomputed later from its tokens), never an error.
 
-Speculative decoding (`num_lookahead_tokens` > 0): a decoding sequence also gets budget and free blocks for up to
-that many drafted tokens (never preempting anyone for them); the speculator then fills `drafts` with as many as it
-proposes, and the engine frees the blocks of the drafts that were rejected.
+Speculative decoding (`num_lookahead_tokens` > 0): once every decode has its token and block, each decoding
+sequence also gets budget and free blocks for up to that many drafted tokens (so drafts never preempt anyone);
+the speculator then fills `drafts` with as many as it proposes, and the engine frees the blocks of the drafts
+that were rejected.
 
 Shared prefills: a sequence whose prompt has the same full blocks as an earlier one still
 prefilling (the `n` samples of a request, the rollouts of a GRPO group sent as separate requests)
@@ -117,9 +118,10 @@ class Scheduler:
                 if not self._make_room(seq):
                     continue
                 num_new = min(seq.num_uncomputed_tokens, budget)
-                lookahead = self._reserve_lookahead(seq, budget - num_new) if decoding else 0
-                batch.add(seq, num_new, lookahead)
-                budget -= num_new + lookahead
+                batch.add(seq, num_new)
+                budget -= num_new
+            if decoding and self.num_lookahead_tokens:
+                budget -= self._reserve_lookahead(batch, budget)
         if self.num_preemptions == num_preemptions:  # memory is short: admit nobody new this step
             self._admit(batch, budget)
         return batch
@@ -135,11 +137,18 @@ class Scheduler:
         bm.append_blocks(seq)
         return True
 
-    def _reserve_lookahead(self, seq: Sequence, budget: int) -> int:
-        """Room for drafts after a decoding sequence's token: within the budget, before `max_tokens` (the step
-        emits at most one token more than it drafts), and in free blocks only."""
-        wanted = min(self.num_lookahead_tokens, budget, seq.params.max_tokens - seq.num_completion_tokens - 1)
-        return self.block_manager.append_lookahead_blocks(seq, wanted) if wanted > 0 else 0
+    def _reserve_lookahead(self, batch: ScheduledBatch, budget: int) -> int:
+        """Room for drafts after each decoding sequence's token, once every decode has its own block (so drafts
+        never cost a preemption): within the budget, before `max_tokens` (a step emits at most one token more
+        than it drafts), in free blocks only. Returns the budget it took."""
+        taken = 0
+        for i, seq in enumerate(batch.seqs):
+            room_before_max_tokens = seq.params.max_tokens - seq.num_completion_tokens - 1
+            wanted = min(self.num_lookahead_tokens, budget - taken, room_before_max_tokens)
+            if wanted > 0:
+                batch.num_lookahead[i] = self.block_manager.append_lookahead_blocks(seq, wanted)
+                taken += batch.num_lookahead[i]
+        return taken
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         kept: deque[Sequence] = deque()
