@@ -19,11 +19,13 @@ overwritten by later tokens or their blocks freed (`BlockManager.free_lookahead_
 
 The draft model keeps a paged cache of its own, indexed by the policy's block ids: it runs every batch the policy
 runs, so wherever the policy's cache holds a token, the draft's holds its own keys and values of that token.
-Drafting then needs no block manager of its own: draft step j runs the sequence's last token and its j drafts.
+Drafting then needs no block manager of its own: draft step j decodes each drafting sequence's token at its last
+position + j (its last token, then its drafts) into the slots the scheduler reserved for the drafts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -75,8 +77,27 @@ class NgramProposer:
         pass
 
 
+@dataclass
+class DraftPosition:
+    """A sequence as one draft step computes it: the token at `num_computed_tokens`, its last one or a draft.
+
+    It offers what the step inputs read of a `Sequence` (`step_inputs.py`): a draft the host has not read is,
+    like a pending token, the previous draft step's token on the device (row `pending_row`), so a draft step is a
+    decode step and the draft steps of a sequence run without waiting for the host."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    pending_row: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_computed_tokens + 1
+
+
 class DraftModelProposer:
-    """A smaller model of the same vocabulary drafts, greedily or at the request's temperature and filters."""
+    """A smaller model of the same vocabulary drafts, greedily or at the request's temperature and filters, one
+    decode step per draft over the sequences that still draft."""
 
     def __init__(self, runner: PagedModelRunner, sampler: Sampler, sampled: bool):
         self.runner = runner
@@ -86,24 +107,29 @@ class DraftModelProposer:
 
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         drafting = [i for i, lookahead in enumerate(batch.num_lookahead) if lookahead]
-        distributions: dict[Sequence, list[torch.Tensor]] = {}
+        steps: list[tuple[list[int], torch.Tensor, list[torch.Tensor | None]]] = []
+        previous: torch.Tensor | None = None
+        rows: dict[int, int] = {}  # batch index -> its row of the previous draft step
         for j in range(max((batch.num_lookahead[i] for i in drafting), default=0)):
             active = [i for i in drafting if batch.num_lookahead[i] > j]
             step = ScheduledBatch()
             for i in active:
-                step.add(batch.seqs[i], 1, batch.num_lookahead[i])
-                step.set_drafts(len(step.seqs) - 1, batch.drafts[i])
-            logits = self.runner.run(step).view(len(active), j + 1, -1)[:, -1].float()
-            seqs = [batch.seqs[i] for i in active]
-            tokens, q = self._draw(logits, seqs)
-            for row, (i, token) in enumerate(zip(active, tokens)):
+                seq = batch.seqs[i]
+                step.add(DraftPosition(seq.token_ids, seq.block_table, seq.num_computed_tokens + j, rows.get(i, -1)), 1)
+            tokens, q = self._draw(self.runner.run(step, previous).float(), [batch.seqs[i] for i in active])
+            steps.append((active, tokens, q))
+            previous, rows = tokens, {i: row for row, i in enumerate(active)}
+        distributions: dict[Sequence, list[torch.Tensor]] = {}
+        for active, tokens, q in steps:
+            for row, (i, token) in enumerate(zip(active, tokens.tolist())):
                 batch.set_drafts(i, batch.drafts[i] + [token])
                 if q[row] is not None:
                     distributions.setdefault(batch.seqs[i], []).append(q[row])
         return {seq: torch.stack(rows) for seq, rows in distributions.items()}
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Each row's draft token and, where it was sampled, the distribution q it was drawn from."""
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Each row's draft token ([B] on the device) and, where it was sampled, the distribution q it was drawn
+        from."""
         tokens = logits.argmax(-1)
         q: list[torch.Tensor | None] = [None] * len(seqs)
         sampled = [r for r, s in enumerate(seqs) if self.sampled and not s.params.is_greedy]
@@ -120,7 +146,7 @@ class DraftModelProposer:
             probs = filtered.softmax(-1)
             for k, r in enumerate(sampled):
                 q[r] = probs[k]
-        return tokens.tolist(), q
+        return tokens, q
 
     def observe(self, batch: ScheduledBatch) -> None:
         self.runner.run(batch)
