@@ -35,7 +35,7 @@ from tandem.inference.engine.sampler import PendingSample, Sampler
 from tandem.inference.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.inference.engine.sequence import Sequence
-from tandem.inference.engine.speculative import Speculator
+from tandem.inference.engine.speculative import Speculator, VerifiedSample
 from tandem.models.loading import load_weights_into
 
 
@@ -54,7 +54,7 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     """The sequences that sample, in the order of the sampled rows."""
-    sample: PendingSample
+    sample: PendingSample | VerifiedSample
     weight_version: int
     routed_experts: HostRead | None = None
     """The sampled rows' expert ids on their way to the host, when a sequence asked for them."""
@@ -89,9 +89,9 @@ class EngineStats:
     num_generation_tokens: int
     num_preemptions: int
     weight_version: int
-    num_draft_tokens: int = 0
+    num_draft_tokens: int
     """Tokens drafted and verified (speculative decoding)."""
-    num_accepted_tokens: int = 0
+    num_accepted_tokens: int
     """Drafted tokens the policy accepted."""
 
 
@@ -205,14 +205,15 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
         if self.speculator is not None and any(batch.num_lookahead):
             self.speculator.propose(batch)
+        # Only a `PendingSample` is ever in flight: speculation reads each step at once.
         previous_tokens = self.in_flight.sample.tokens if self.in_flight is not None else None
         logits = self.runner.run(batch, previous_tokens)
         if self.speculator is not None:
             self.speculator.observe(batch)
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         sampling = [batch.seqs[i] for i in sampled]
-        for seq, num_new, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
-            seq.num_computed_tokens += num_new - len(drafts)  # a draft counts once accepted (`Sequence.accept_draft`)
+        for seq, num_new, seq_drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
+            seq.num_computed_tokens += num_new - len(seq_drafts)  # drafts count once accepted (`Sequence.accept_draft`)
             self.block_manager.register_computed_blocks(seq)
         if not sampling:
             return None

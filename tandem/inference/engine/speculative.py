@@ -159,10 +159,9 @@ class VerifiedSample:
     def __init__(self, first_rows: list[int], num_drafts: list[int], emitted: torch.Tensor, accepted: torch.Tensor,
                  logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, num_top: list[int],
                  rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]]):
-        self.tokens = emitted
-        self.first_rows = first_rows
+        self._first_rows = first_rows
         """Per sequence, its first row of the step's sampled rows (its last token's); then one per draft."""
-        self.num_drafts = num_drafts
+        self._num_drafts = num_drafts
         self._read = HostRead([torch.stack([emitted.double(), accepted.double(), logprobs.double()]), *(top or ())])
         self._num_top = num_top
         self._rewinds = rewinds
@@ -173,7 +172,7 @@ class VerifiedSample:
         emitted, accepted, logprobs = host[0].tolist()
         top_values, top_ids = (host[1].tolist(), host[2].tolist()) if len(host) == 3 else (None, None)
         token_ids, own_logprobs, own_top, drafts = [], [], [], []
-        for i, (first, d) in enumerate(zip(self.first_rows, self.num_drafts)):
+        for i, (first, d) in enumerate(zip(self._first_rows, self._num_drafts)):
             a = 0
             while a < d and accepted[first + a]:
                 a += 1
