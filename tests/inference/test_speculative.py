@@ -6,6 +6,7 @@ import random
 import shutil
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from inference_helpers import make_config, teacher_forced_logprobs
@@ -38,12 +39,17 @@ def blurred_dir(sharp_dir, tmp_path_factory):
 
 
 def test_ngram_drafts_continue_the_latest_occurrence_of_the_longest_suffix():
+    def drafts(tokens: list[int], ngram_max: int, num_drafts: int) -> list[int]:
+        return ngram_drafts(np.array(tokens), ngram_max, num_drafts)
+
     tokens = [1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3]
-    assert ngram_drafts(tokens, 3, 2) == [9, 2]  # "1 2 3" occurs at the start
-    assert ngram_drafts(tokens, 2, 2) == [8, 7]  # "2 3": its latest earlier occurrence
-    assert ngram_drafts(tokens, 3, 10) == [9, 2, 3, 8, 7, 1, 2, 3]  # as many as follow, up to the last token
-    assert ngram_drafts([5, 6, 7], 3, 4) == []  # nothing earlier to copy
-    assert ngram_drafts([4, 4, 4], 3, 4) == [4]  # the suffix may overlap what it proposes
+    assert drafts(tokens, 3, 2) == [9, 2]  # "1 2 3" occurs at the start
+    assert drafts(tokens, 2, 2) == [8, 7]  # "2 3": its latest earlier occurrence
+    assert drafts(tokens, 1, 2) == [8, 7]  # "3" alone: the same place
+    assert drafts(tokens, 3, 10) == [9, 2, 3, 8, 7, 1, 2, 3]  # as many as follow, up to the last token
+    assert drafts([2, 3, 5, 2, 3], 4, 1) == [5]  # a match may start at the first token
+    assert drafts([5, 6, 7], 3, 4) == []  # nothing earlier to copy
+    assert drafts([4, 4, 4], 3, 4) == [4]  # the suffix may overlap what it proposes
 
 
 def seeded_requests(num: int) -> list[tuple[str, list[int], SamplingParams]]:

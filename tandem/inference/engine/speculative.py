@@ -25,6 +25,7 @@ position + j (its last token, then its drafts) into the slots the scheduler rese
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,18 +39,25 @@ from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.inference.engine.sequence import Sequence
 
 
-def ngram_drafts(tokens: list[int], ngram_max: int, num_drafts: int) -> list[int]:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
-    (`ngram_max` tokens down to 1), at most `num_drafts` of them; none without an occurrence."""
-    ids = np.asarray(tokens)
-    for n in range(min(ngram_max, len(ids) - 1), 0, -1):
-        # Windows that end before the last token, so that at least one token follows each.
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return ids[start:start + num_drafts].tolist()
-    return []
+def ngram_drafts(ids: np.ndarray, ngram_max: int, num_drafts: int) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest suffix of `ids`
+    (`ngram_max` tokens down to 1), at most `num_drafts` of them; none without an occurrence.
+
+    One pass over the sequence finds where its last token occurred before (each such place has a token after
+    it); the suffix match at those places is then extended one token back at a time."""
+    last = len(ids) - 1
+    ends = np.flatnonzero(ids[:last] == ids[last])
+    if not ends.size:
+        return []
+    length = np.ones(ends.size, dtype=np.int64)
+    for m in range(1, min(ngram_max, last)):
+        longer = (length == m) & (ends >= m)
+        longer[longer] = ids[ends[longer] - m] == ids[last - m]
+        if not longer.any():
+            break
+        length[longer] += 1
+    start = int(ends[length == length.max()][-1]) + 1
+    return ids[start:start + num_drafts].tolist()
 
 
 class Proposer(Protocol):
@@ -66,12 +74,27 @@ class Proposer(Protocol):
 class NgramProposer:
     def __init__(self, ngram_max: int):
         self.ngram_max = ngram_max
+        self._ids: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
+        """Per sequence, a buffer of its tokens and how many it holds, extended as the sequence grows: rebuilding
+        the array every step would read the whole Python list of every sequence every step."""
 
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         for i, lookahead in enumerate(batch.num_lookahead):
             if lookahead:
-                batch.set_drafts(i, ngram_drafts(batch.seqs[i].token_ids, self.ngram_max, lookahead))
+                batch.set_drafts(i, ngram_drafts(self._tokens(batch.seqs[i]), self.ngram_max, lookahead))
         return {}
+
+    def _tokens(self, seq: Sequence) -> np.ndarray:
+        """`seq.token_ids` as an array (its tokens only grow, preemption included)."""
+        buffer, known = self._ids.get(seq, (np.empty(0, dtype=np.int64), 0))
+        n = len(seq.token_ids)
+        if n > buffer.shape[0]:
+            grown = np.empty(max(n, 2 * buffer.shape[0]), dtype=np.int64)
+            grown[:known] = buffer[:known]
+            buffer = grown
+        buffer[known:n] = seq.token_ids[known:n]
+        self._ids[seq] = buffer, n
+        return buffer[:n]
 
     def observe(self, batch: ScheduledBatch) -> None:
         pass
