@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from inference_helpers import make_config, teacher_forced_logprobs
+from inference_helpers import give_counting_head, make_config, teacher_forced_logprobs
 from pydantic import ValidationError
 from test_admin import metric
 from test_engine import engine_for, run
@@ -123,6 +123,48 @@ def test_logprobs_are_the_policys_teacher_forced_ones(tiny_dir, tiny_model, tiny
         expected = teacher_forced_logprobs(tiny_model, prompt, r["ids"], params.temperature)
         assert len(r["ids"]) == 20
         assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
+
+
+def test_a_sampled_draft_gives_the_same_tokens_for_the_same_seed(tiny_dir, tiny_other_dir):
+    speculative = {"method": "draft_model", "draft_model": str(tiny_other_dir), "draft_sampling": "sampled"}
+    outputs = []
+    for _ in range(2):
+        engine = engine_for(tiny_dir, speculative=speculative)
+        for rid, prompt, params in seeded_requests(6):
+            engine.add_request(rid, prompt, params, n=2)
+        outputs.append(run(engine))
+    assert outputs[0] == outputs[1]
+
+
+@pytest.fixture(scope="module")
+def counting_moe_dir(tiny_moe_dir, tmp_path_factory):
+    """The tiny mixture of experts with `sharp_dir`'s counting LM head (token t's embedding maps to t + 1): its
+    greedy completions of a counting prompt go on counting, so n-gram drafts copied from the prompt are accepted
+    and the accepted tokens differ from each other."""
+    folder = tmp_path_factory.mktemp("counting_moe") / "model"
+    shutil.copytree(tiny_moe_dir, folder)
+    return give_counting_head(folder)
+
+
+def test_routed_experts_are_those_of_the_forward_that_sampled_each_token(counting_moe_dir):
+    """A mixture of experts reports, for an accepted draft as for any token, the experts of the row that gave
+    it: the same as without speculation."""
+    routed = {}
+    for spec in ({}, {"method": "ngram"}):
+        engine = engine_for(counting_moe_dir, speculative=spec)
+        for i in range(4):
+            prompt = list(range(10 * i, 10 * i + 40)) + list(range(10 * i, 10 * i + 3))
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=[0.0, 0.7][i % 2], seed=i,
+                                                              ignore_eos=True, return_routed_experts=True))
+        experts: dict = collections.defaultdict(list)
+        while engine.has_unfinished:
+            for out in engine.step():
+                assert len(out.routed_experts) == len(out.token_ids)
+                experts[out.request_id] += out.routed_experts
+        routed[bool(spec)] = experts, engine.stats()
+    (plain, _), (speculated, stats) = routed[False], routed[True]
+    assert stats.num_accepted_tokens > 0
+    assert speculated == plain
 
 
 def chi_square_p_value(a: list[list[int]], b: list[list[int]], positions: range) -> float:
