@@ -21,6 +21,9 @@ The draft model keeps a paged cache of its own, indexed by the policy's block id
 runs, so wherever the policy's cache holds a token, the draft's holds its own keys and values of that token.
 Drafting then needs no block manager of its own: draft step j decodes each drafting sequence's token at its last
 position + j (its last token, then its drafts) into the slots the scheduler reserved for the drafts.
+
+Verifying steps run eager. A CUDA graph of them needs a fixed shape: every sequence padded to k drafts (slots
+reserved for all k, acceptance stopping at its own drafts), so k + 1 query tokens per sequence.
 """
 
 from __future__ import annotations
