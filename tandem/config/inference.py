@@ -41,6 +41,47 @@ class ServerConfig(Section):
         return f"http://{self.host}:{self.port}"
 
 
+class SpeculativeConfig(Section):
+    """Speculative decoding: a draft proposes tokens, the policy checks them all in one forward and keeps the
+    longest run it would itself have sampled; the tokens drawn and their logprobs follow the policy's own
+    distribution, as without speculation (`tandem/inference/engine/speculative.py`)."""
+
+    method: Literal["off", "ngram", "draft_model"] = "off"
+    """`ngram`: prompt lookup, no weights (the tokens that followed the latest earlier occurrence of the
+    sequence's last tokens); pays where outputs copy their context (code edits, tool outputs). `draft_model`:
+    a smaller model of the same tokenizer (`draft_model`)."""
+
+    num_tokens: int = Field(4, ge=1)
+    """Most tokens drafted per sequence and step (k); the policy's forward then computes k + 1 tokens of it."""
+
+    ngram_max: int = Field(4, ge=1)
+    """`ngram`: the longest suffix of the sequence looked up (from `ngram_max` tokens down to 1)."""
+
+    draft_model: str | None = None
+    """`draft_model`: the draft's folder (or hub name); its vocabulary must be the policy's. It keeps its
+    weights when the policy's change, so its acceptance falls as training moves the policy."""
+
+    draft_sampling: Literal["greedy", "sampled"] = "greedy"
+    """`draft_model`: `greedy` drafts the draft's most likely tokens and accepts those the policy's own seeded
+    sample equals, so a seed gives the same tokens with speculation on or off; `sampled` drafts at the
+    request's temperature and accepts by rejection sampling (more tokens accepted at high temperature, the
+    same distribution, but other tokens for a given seed than without speculation)."""
+
+    @model_validator(mode="after")
+    def _draft_model_named(self) -> "SpeculativeConfig":
+        if self.method == "draft_model" and self.draft_model is None:
+            raise ValueError("`engine.speculative.method` = 'draft_model' needs `engine.speculative.draft_model`: the "
+                             "draft's folder")
+        if self.method != "draft_model" and self.draft_model is not None:
+            raise ValueError(f"`engine.speculative.draft_model` is set but `engine.speculative.method` = "
+                             f"{self.method!r}: set the method to 'draft_model' or remove the folder")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 class EngineConfig(Section):
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`. The dtype is `model.dtype`."""
@@ -113,6 +154,10 @@ class EngineConfig(Section):
     copy of the targeted base weights and merges each update's adapters into them
     (`tandem.inference.engine.lora_merge`). `tandem rl` copies the trainer's `lora` here."""
 
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    """Speculative decoding (off by default). Needs `overlap_steps` = false on CUDA; not with `[run] exact`
+    or the vLLM backend."""
+
 
 class InferenceConfig(ProcessConfig):
     """Root config of the inference server."""
@@ -153,6 +198,19 @@ class InferenceConfig(ProcessConfig):
         if self.engine.quantization != "none":
             raise ValueError(f"`engine.lora.enabled` with `engine.quantization` = {self.engine.quantization!r}: adapters are "
                              "merged into the base's weights in `model.dtype`, which FP8 projections do not hold; set one off")
+        return self
+
+    @model_validator(mode="after")
+    def _check_speculative_can_hold(self) -> "InferenceConfig":
+        if not self.engine.speculative.enabled:
+            return self
+        if self.backend == "vllm":
+            raise ValueError("`engine.speculative` is tandem's engine's: with `backend` = 'vllm' pass vLLM's own "
+                             "`speculative_config` through `vllm.extra_args`")
+        if self.run.exact:
+            raise ValueError("`engine.speculative` with `run.exact`: the verifying forward computes k + 1 tokens of "
+                             "a sequence at once, which is not yet proven to give the trainer's logprobs bit for bit; "
+                             "turn one of them off")
         return self
 
     @model_validator(mode="after")

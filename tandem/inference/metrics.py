@@ -15,6 +15,10 @@ SERIES = [
     ("tandem_generation_tokens_total", "counter", "Tokens sampled.", "num_generation_tokens"),
     ("tandem_num_preemptions_total", "counter", "Sequences preempted (to be recomputed) for lack of KV blocks.", "num_preemptions"),
     ("tandem_weight_version", "gauge", "Version of the weights now serving.", "weight_version"),
+    ("tandem_spec_decode_draft_tokens_total", "counter", "Tokens drafted and verified (speculative decoding).",
+     "num_draft_tokens"),
+    ("tandem_spec_decode_accepted_tokens_total", "counter",
+     "Drafted tokens the policy accepted (speculative decoding).", "num_accepted_tokens"),
 ]
 """Name (as exposed), type, help and the `EngineStats` field of each series."""
 

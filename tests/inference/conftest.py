@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from inference_helpers import make_config
+from inference_helpers import give_counting_head, make_config
 
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 from tandem.models.presets import init_model
-from tandem.models.weights import load_state_dict, save_state_dict
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
@@ -47,16 +45,7 @@ def sharp_dir(tmp_path_factory) -> Path:
     context (attention) still moves about a third of the choices: varied outputs, top-2 logit
     margins above 1e-3, a thousand times float32 rounding.
     """
-    folder = init_model("tiny", tmp_path_factory.mktemp("sharp"), seed=2)
-    config = json.loads((folder / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (folder / "config.json").write_text(json.dumps(config))
-    state = load_state_dict(folder)
-    embed = state["model.embed_tokens.weight"] * 0.5
-    state["model.embed_tokens.weight"] = embed
-    state["lm_head.weight"] = 10 * torch.roll(embed / embed.norm(dim=-1, keepdim=True), 1, 0)
-    save_state_dict(state, folder, config)
-    return folder
+    return give_counting_head(init_model("tiny", tmp_path_factory.mktemp("sharp"), seed=2))
 
 
 @pytest.fixture(scope="session")

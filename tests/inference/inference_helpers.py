@@ -1,12 +1,14 @@
-"""Helpers of the inference tests: server configs, teacher-forced logprobs."""
+"""Helpers of the inference tests: server configs, teacher-forced logprobs, a counting LM head."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from tandem.config.inference import InferenceConfig
+from tandem.models.weights import load_state_dict, save_state_dict
 
 ENGINE = {"device": "cpu", "num_blocks": 512, "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
 """Engine settings of the test servers: CPU (fp32, exact parity), an 8k-token cache allocated in no time."""
@@ -25,3 +27,16 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completio
 
 def make_config(model_dir: Path, **engine) -> InferenceConfig:
     return InferenceConfig.model_validate({"model": {"name": str(model_dir)}, "engine": {**ENGINE, **engine}})
+
+
+def give_counting_head(folder: Path) -> Path:
+    """Untie the model's LM head and make it map token t's (halved) embedding to token t + 1 (see `sharp_dir`)."""
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    state = load_state_dict(folder)
+    embed = state["model.embed_tokens.weight"] * 0.5
+    state["model.embed_tokens.weight"] = embed
+    state["lm_head.weight"] = 10 * torch.roll(embed / embed.norm(dim=-1, keepdim=True), 1, 0)
+    save_state_dict(state, folder, config)
+    return folder

@@ -87,11 +87,14 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free[block] = None
+
     def free_blocks(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free[block] = None
+            self._release(block)
         seq.block_table = []
         seq.block_hashes = []
 
@@ -105,6 +108,25 @@ class BlockManager:
     def append_blocks(self, seq: Sequence) -> None:
         for _ in range(self.num_missing_blocks(seq)):
             seq.block_table.append(self._take_free_block())
+
+    def append_lookahead_blocks(self, seq: Sequence, num_lookahead: int) -> int:
+        """Blocks from the free list for up to `num_lookahead` slots past the sequence's tokens (drafts); returns
+        how many slots it has room for."""
+        room = len(seq.block_table) * self.block_size - seq.num_tokens
+        while room < num_lookahead and self.free:
+            seq.block_table.append(self._take_free_block())
+            room += self.block_size
+        return min(room, num_lookahead)
+
+    def free_lookahead_blocks(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (the slots of rejected drafts): they were taken fresh
+        and never registered, and their keys and values are overwritten before they are read. The table becomes
+        a new list, as when all blocks are freed: lists only grow in place (`step_inputs.py` relies on it)."""
+        needed = self.num_blocks_for(seq.num_tokens)
+        if len(seq.block_table) > needed:
+            for block in seq.block_table[needed:]:
+                self._release(block)
+            seq.block_table = seq.block_table[:needed]
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Make the sequence's newly computed full blocks whose tokens the host knows available to later sequences."""

@@ -9,6 +9,11 @@ sequence of step N continues with its token still pending on the device (`sequen
 that stops at EOS, a stop token or a stop string computes one more token, which is dropped;
 one that ends at `max_tokens` is not scheduled again. Without `overlap` each step is read at once.
 
+With a `speculator` (speculative decoding, `speculative.py`) a step first drafts tokens for its decoding
+sequences, the policy computes each one's last token and drafts at once, and reading the step emits the
+accepted drafts and then the policy's own token, each through the same stop checks as any token. The next
+step cannot be planned before the accepted counts are read, so speculation runs without `overlap`.
+
 Nothing here is thread-safe: one thread owns the engine (`async_engine.AsyncEngine`), and weight
 updates, like new requests, take effect between two `step()` calls, so for the steps launched
 after them. A token's logprob therefore always comes from the weights that sampled it, and
@@ -31,6 +36,7 @@ from tandem.inference.engine.sampler import PendingSample, Sampler
 from tandem.inference.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.inference.engine.sequence import Sequence
+from tandem.inference.engine.speculative import Speculator, VerifiedSample
 from tandem.models.loading import load_weights_into
 from tandem.models.lora import LoraSpec, is_adapter_name
 
@@ -50,10 +56,12 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     """The sequences that sample, in the order of the sampled rows."""
-    sample: PendingSample
+    sample: PendingSample | VerifiedSample
     weight_version: int
     routed_experts: HostRead | None = None
     """The sampled rows' expert ids on their way to the host, when a sequence asked for them."""
+    drafts: list[list[int]] | None = None
+    """A step that verifies drafts: per sequence, the drafted tokens its rows after the first verify."""
 
 
 @dataclass
@@ -83,6 +91,10 @@ class EngineStats:
     num_generation_tokens: int
     num_preemptions: int
     weight_version: int
+    num_draft_tokens: int
+    """Tokens drafted and verified (speculative decoding)."""
+    num_accepted_tokens: int
+    """Drafted tokens the policy accepted."""
 
 
 class LLMEngine:
@@ -100,6 +112,7 @@ class LLMEngine:
         device: torch.device,
         overlap: bool = False,
         adapters: AdapterMerger | None = None,
+        speculator: Speculator | None = None,
     ):
         self.runner = runner
         self.weight_target = weight_target
@@ -116,11 +129,15 @@ class LLMEngine:
         """Launch each step before reading the previous one (see the module docstring)."""
         self.adapters = adapters
         """With `engine.lora`: the kept base, which every update's adapters are merged into; None serves full weights."""
+        assert not (overlap and speculator), "speculative decoding reads each step before planning the next"
+        self.speculator = speculator
         self.in_flight: LaunchedStep | None = None
         self.weight_version = 0
         self.requests: dict[str, list[Sequence]] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request cannot run; safe to call from any thread."""
@@ -191,39 +208,73 @@ class LLMEngine:
         return self._read(previous)
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
+        if self.speculator is not None and any(batch.num_lookahead):
+            self.speculator.propose(batch)
+        # Only a `PendingSample` is ever in flight: speculation reads each step at once.
         previous_tokens = self.in_flight.sample.tokens if self.in_flight is not None else None
         logits = self.runner.run(batch, previous_tokens)
-        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
+        if self.speculator is not None:
+            self.speculator.observe(batch)
+        sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        sampling = [batch.seqs[i] for i in sampled]
+        for seq, num_new, seq_drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
+            seq.num_computed_tokens += num_new - len(seq_drafts)  # drafts count once accepted (`Sequence.accept_draft`)
             self.block_manager.register_computed_blocks(seq)
         if not sampling:
             return None
-        sample = self.sampler.sample(logits, sampling)
+        drafts = None
+        if batch.has_drafts:
+            drafts = [batch.drafts[i] for i in sampled]
+            sample = self.speculator.verify(logits, sampling, drafts)
+        else:
+            sample = self.sampler.sample(logits, sampling)
         for row, seq in enumerate(sampling):
             seq.mark_pending(row)
         routed = None
         if self.runner.routed_experts is not None and any(s.params.return_routed_experts for s in sampling):
             routed = HostRead([self.runner.routed_experts])
-        return LaunchedStep(sampling, sample, self.weight_version, routed)
+        return LaunchedStep(sampling, sample, self.weight_version, routed, drafts)
 
     def _read(self, step: LaunchedStep | None) -> list[SequenceOutput]:
         if step is None:
             return []
         result = step.sample.result()
         routed = step.routed_experts.values()[0].tolist() if step.routed_experts is not None else None
-        outputs = []
+        outputs: list[SequenceOutput] = []
+        row = 0  # the sampled row of each token: one per sequence, plus one per draft in a verifying step
         for j, seq in enumerate(step.seqs):
+            num_rows = 1 + (len(step.drafts[j]) if step.drafts is not None else 0)
+            row, first_row = row + num_rows, row
             if seq.is_finished:  # stopped by its previous token, or aborted, while this step ran
                 continue
-            experts = routed[j] if routed is not None and seq.params.return_routed_experts else None
-            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], step.weight_version, experts)
-            self.block_manager.register_computed_blocks(seq)
-            self.num_generation_tokens += 1
-            out = self._postprocess(seq)
-            if out is not None:
-                outputs.append(out)
+            wants_experts = routed is not None and seq.params.return_routed_experts
+            if result.accepted_drafts is not None:
+                accepted = result.accepted_drafts[j]
+                self.num_draft_tokens += num_rows - 1
+                self.num_accepted_tokens += len(accepted)
+                for m, (token, logprob, top) in enumerate(accepted):
+                    experts = routed[first_row + m] if wants_experts else None
+                    seq.accept_draft(token, logprob, top, step.weight_version, experts)
+                    self._emitted(seq, outputs)
+                    if seq.is_finished:
+                        break
+                if seq.is_finished:
+                    continue
+                first_row += len(accepted)
+            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], step.weight_version,
+                             routed[first_row] if wants_experts else None)
+            self._emitted(seq, outputs)
+            if self.speculator is not None and not seq.is_finished:
+                self.block_manager.free_lookahead_blocks(seq)
         return outputs
+
+    def _emitted(self, seq: Sequence, outputs: list[SequenceOutput]) -> None:
+        """The host appended a token to `seq`: share its full blocks, check its stops, report it."""
+        self.block_manager.register_computed_blocks(seq)
+        self.num_generation_tokens += 1
+        out = self._postprocess(seq)
+        if out is not None:
+            outputs.append(out)
 
     def _postprocess(self, seq: Sequence) -> SequenceOutput | None:
         params, token = seq.params, seq.token_ids[-1]
@@ -299,4 +350,6 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             weight_version=self.weight_version,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -1,8 +1,9 @@
 """Turn a scheduled batch into logits: input prep, one forward pass, the LM head on last tokens.
 
 Two runners share the interface `run(batch, previous_tokens) -> logits [S, V]` (the model's dtype,
-one row per sequence that samples this step, in batch order; `previous_tokens`: the last launched
-step's sampled tokens on the device, where input ids the host has not read yet are):
+one row per sequence that samples this step, in batch order, followed by one per draft it verifies;
+`previous_tokens`: the last launched step's sampled tokens on the device, where input ids the host
+has not read yet are):
 - `PagedModelRunner`: tandem's native models; every token is computed once and its keys and
   values kept in the paged cache (`step_inputs.py` builds the step's tensors, `cuda_graphs.py`
   replays decode steps); for a mixture of experts, `routed_experts` holds after each run the
@@ -113,9 +114,9 @@ class RecomputeModelRunner:
         rows = []
         for i, seq in enumerate(batch.seqs):
             if batch.samples(i):  # a chunk that does not reach the end leaves nothing to keep
-                ids = torch.tensor([seq.token_ids], device=self.device)
-                hidden = self.model(ids, torch.arange(seq.num_tokens, device=self.device)[None])
-                rows.append(hidden[0, -1])
+                ids = torch.tensor([seq.token_ids + batch.drafts[i]], device=self.device)
+                hidden = self.model(ids, torch.arange(ids.shape[1], device=self.device)[None])
+                rows.append(hidden[0, -1 - len(batch.drafts[i]):])
         if not rows:
             return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
-        return self.model.lm_head(torch.stack(rows))
+        return self.model.lm_head(torch.cat(rows))

@@ -2,12 +2,14 @@
 attend over each sequence's whole context.
 
 Legend: N = tokens of the step (all sequences, flattened), B = sequences of the step, H = query
-heads, Hkv = KV heads, D = head dim, Bd = decoding sequences, M = most blocks of one of them,
-S = block size. On CUDA one Triton kernel (`tandem.kernels.attention`) reads the cache in
-place for every token of the step; in exact mode each token as a decode query of its own
-(`attend_each_token`, the trainer's kernel too), or token by token in torch where those kernels
-cannot run. Elsewhere the torch reference runs: prefill chunks one sequence at a time (causal,
-offset by what the cache already held), decodes as one padded batch of gathered blocks. The model code and the runner only see `attend(layer_idx, q, k, v)`.
+heads, Hkv = KV heads, D = head dim, Bs = sequences of a few new tokens, Lq = most new tokens of
+one of them, M = most blocks of one of them, S = block size. On CUDA one Triton kernel
+(`tandem.kernels.attention`) reads the cache in place for every token of the step; in exact mode
+each token as a decode query of its own (`attend_each_token`, the trainer's kernel too), or token by
+token in torch where those kernels cannot run. Elsewhere the torch reference runs: prefill chunks
+one sequence at a time (causal, offset by what the cache already held), decodes and other short
+queries (a token and its drafts) as one padded batch of gathered blocks. The model code and the
+runner only see `attend(layer_idx, q, k, v)`.
 """
 
 from __future__ import annotations
@@ -124,21 +126,26 @@ def exact_paged_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch
     return torch.cat(out)
 
 
+SHORT_QUERY_TOKENS = 16
+"""Sequences that compute at most this many tokens after cached ones (decodes; speculative verification, a token
+and its drafts) attend as one padded batch in the torch path; longer chunks one at a time, where padding would
+cost more than the loop."""
+
+
 def reference_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """The torch path (CPU, and the GPU tests' reference): gathered blocks and SDPA, [N, H, D]."""
     assert meta.query_lens_host is not None and meta.seq_lens_host is not None, "the torch path needs host lengths"
-    num_kv_heads, head_dim = k_cache.shape[2:]
     block_size = k_cache.shape[1]
-    gqa = q_NHD.shape[1] != num_kv_heads
+    gqa = q_NHD.shape[1] != k_cache.shape[2]
     out = torch.empty_like(q_NHD)  # [N, H, D]
-    decodes: list[int] = []
+    short: list[int] = []
     start = 0
     for i, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         s, e = start, start + q_len
         start = e
-        if q_len == 1 and ctx > 1:
-            decodes.append(i)
+        if q_len < ctx and q_len <= SHORT_QUERY_TOKENS:
+            short.append(i)
             continue
         q_i = q_NHD[s:e].transpose(0, 1)[None]
         if q_len == ctx:  # nothing cached before the chunk: plain causal over its own keys
@@ -151,17 +158,31 @@ def reference_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.T
             mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q_NHD.device).tril(ctx - q_len)
             o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, enable_gqa=gqa)
         out[s:e] = o[0].transpose(0, 1)
-    if decodes:
-        rows = torch.tensor(decodes, device=q_NHD.device)
-        lens = [meta.seq_lens_host[i] for i in decodes]
-        width = -(-max(lens) // block_size)
-        blocks = meta.block_tables[rows, :width]  # [Bd, M]
-        idx = meta.query_start[rows]
-        q_d = q_NHD[idx][:, :, None]  # [Bd, H, 1, D]
-        k_d = k_cache.index_select(0, blocks.reshape(-1)).view(len(decodes), -1, num_kv_heads, head_dim).transpose(1, 2)
-        v_d = v_cache.index_select(0, blocks.reshape(-1)).view(len(decodes), -1, num_kv_heads, head_dim).transpose(1, 2)
-        positions = torch.arange(width * block_size, device=q_NHD.device)
-        mask = positions[None] < torch.tensor(lens, device=q_NHD.device)[:, None]  # [Bd, M * S]
-        o = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=mask[:, None, None], enable_gqa=gqa)
-        out[idx] = o[:, :, 0]
+    if short:
+        attend_short_queries(q_NHD, k_cache, v_cache, meta, short, out)
     return out
+
+
+def attend_short_queries(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         seqs: list[int], out: torch.Tensor) -> None:
+    """Sequences `seqs` (Bs, each a few tokens after cached ones, all in the cache already) as one batch padded to
+    the longest query (Lq) and context, written into `out`. A padding query repeats its sequence's last token,
+    so it writes that token's own output again."""
+    assert meta.query_lens_host is not None and meta.seq_lens_host is not None
+    device = q_NHD.device
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    block_size = k_cache.shape[1]
+    q_lens = torch.tensor([meta.query_lens_host[i] for i in seqs], device=device)
+    lens = torch.tensor([meta.seq_lens_host[i] for i in seqs], device=device)
+    width = -(-int(lens.max()) // block_size)
+    rows = torch.tensor(seqs, device=device)
+    blocks = meta.block_tables[rows, :width]  # [Bs, M]
+    offsets = torch.minimum(torch.arange(int(q_lens.max()), device=device)[None], q_lens[:, None] - 1)  # [Bs, Lq]
+    tokens = meta.query_start[rows][:, None] + offsets  # [Bs, Lq] rows of the step's tokens
+    q_s = q_NHD[tokens].transpose(1, 2)  # [Bs, H, Lq, D]
+    k_s = k_cache.index_select(0, blocks.reshape(-1)).view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+    v_s = v_cache.index_select(0, blocks.reshape(-1)).view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+    positions = (lens - q_lens)[:, None] + offsets  # [Bs, Lq] each query's position
+    mask = torch.arange(width * block_size, device=device)[None, None] <= positions[:, :, None]  # [Bs, Lq, M * S]
+    o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask[:, None], enable_gqa=q_s.shape[1] != num_kv_heads)
+    out[tokens] = o.transpose(1, 2)

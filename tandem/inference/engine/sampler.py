@@ -19,6 +19,7 @@ import torch
 
 from tandem.kernels import sampling as sampling_kernel
 from tandem.inference.engine.host_copies import HostRead, to_device
+from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.sequence import Sequence
 from tandem.models.exact import exact_log_softmax
 
@@ -29,6 +30,9 @@ class SampleResult:
     logprobs: list[float]
     top_logprobs: list[tuple[tuple[int, float], ...]]
     """Per row, the `num_top_logprobs` most likely (token, logprob) pairs; empty when not asked."""
+    accepted_drafts: list[list[tuple[int, float, tuple[tuple[int, float], ...]]]] | None = None
+    """Steps that verify drafts: per row, the drafted tokens the policy accepted, which come before
+    `token_ids[row]`, as (token, logprob, top logprobs)."""
 
 
 def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -114,12 +118,7 @@ class Sampler:
             return PendingSample(tokens, chosen, None, num_top)
         logits = logits.float()
         num_greedy = sum(t == 0 for t in temps)
-        if self.exact:
-            logprobs = self._exact_logprobs(logits, temps)
-        elif any(t not in (0, 1) for t in temps):
-            logprobs = (logits / temperature_scales(temps, logits.device)[:, None]).log_softmax(-1)
-        else:
-            logprobs = logits.log_softmax(-1)
+        logprobs = self.reported_logprobs(logits, temps)
         if num_greedy == len(seqs):
             tokens = logits.argmax(-1)
         else:
@@ -131,23 +130,41 @@ class Sampler:
         top = logprobs.topk(max(num_top), dim=-1) if max(num_top) > 0 else None
         return PendingSample(tokens, chosen, top, num_top)
 
+    def reported_logprobs(self, logits: torch.Tensor, temps: list[float]) -> torch.Tensor:
+        """log_softmax(logits / T) [B, V] fp32 of float32 logits: what each row reports (greedy rows at T = 1)."""
+        if self.exact:
+            return self._exact_logprobs(logits, temps)
+        if any(t not in (0, 1) for t in temps):
+            return (logits / temperature_scales(temps, logits.device)[:, None]).log_softmax(-1)
+        return logits.log_softmax(-1)
+
     def _exact_logprobs(self, logits: torch.Tensor, temps: list[float]) -> torch.Tensor:
         """log_softmax(logits / T) [B, V] fp32 as the exact trainer computes it (greedy rows at T = 1)."""
         return exact_log_softmax(logits, temperature_scales(temps, logits.device))
 
     def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [s.params for s in seqs]
-        if any(p.needs_filtering for p in params):
-            logprobs = filter_logits(
-                logprobs,
-                [p.top_k if p.needs_filtering else -1 for p in params],
-                [p.top_p if p.needs_filtering else 1.0 for p in params],
-                [p.min_p if p.needs_filtering else 0.0 for p in params],
-            )
-        # The race only compares p / E within a row, so the filtered mass needs no renormalizing.
-        probs = logprobs.exp()
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.empty_like(logprobs).exponential_(generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
-        return (probs / noise).argmax(-1)
+        return race(filter_logprobs(logprobs, [s.params for s in seqs]), noise)
+
+
+def filter_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The rows' top-k / top-p / min-p applied (-inf where cut), unnormalized; rows that filter nothing unchanged."""
+    if not any(p.needs_filtering for p in params):
+        return logprobs
+    return filter_logits(
+        logprobs,
+        [p.top_k if p.needs_filtering else -1 for p in params],
+        [p.top_p if p.needs_filtering else 1.0 for p in params],
+        [p.min_p if p.needs_filtering else 0.0 for p in params],
+    )
+
+
+def race(logprobs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per row, the token of the exponential race: argmax of p / E, a draw from p for E ~ Exp(1) ([B] int64).
+
+    The race only compares p / E within a row, so `logprobs` need not be normalized (a filtered row's
+    leftover mass, a residual distribution)."""
+    return (logprobs.exp() / noise).argmax(-1)

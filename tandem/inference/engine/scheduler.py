@@ -9,6 +9,11 @@ free; otherwise it (and everything behind it) waits, so memory pressure delays r
 of failing them. When a running sequence needs a new block and none is free, the most recently
 admitted sequence is preempted (blocks freed, recomputed later from its tokens), never an error.
 
+Speculative decoding (`num_lookahead_tokens` > 0): once every decode has its token and block, each decoding
+sequence also gets budget and free blocks for up to that many drafted tokens (so drafts never preempt anyone);
+the speculator then fills `drafts` with as many as it proposes, and the engine frees the blocks of the drafts
+that were rejected.
+
 Shared prefills: a sequence whose prompt has the same full blocks as an earlier one still
 prefilling (the `n` samples of a request, the rollouts of a GRPO group sent as separate requests)
 waits until that prefill is done, then takes those blocks from the prefix cache.
@@ -27,11 +32,27 @@ from tandem.inference.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    """Tokens each sequence computes this step, from its `num_computed_tokens` on."""
+    """Tokens each sequence computes this step, from its `num_computed_tokens` on (its drafts included)."""
+    num_lookahead: list[int] = field(default_factory=list)
+    """Drafted tokens each sequence has room for (budget and blocks); 0 but for decoding sequences."""
+    drafts: list[list[int]] = field(default_factory=list)
+    """Drafted tokens each sequence computes after its last one (`set_drafts`); the policy's forward returns
+    logits for its last token and each of them."""
 
-    def add(self, seq: Sequence, num_new: int) -> None:
+    def add(self, seq: Sequence, num_new: int, num_lookahead: int = 0) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
+        self.num_lookahead.append(num_lookahead)
+        self.drafts.append([])
+
+    def set_drafts(self, i: int, drafts: list[int]) -> None:
+        assert len(drafts) <= self.num_lookahead[i], "more drafts than the sequence has room for"
+        self.num_new_tokens[i] += len(drafts) - len(self.drafts[i])
+        self.drafts[i] = drafts
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -45,14 +66,17 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, so it samples the next one."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] - len(self.drafts[i]) == seq.num_tokens
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_lookahead_tokens: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        """Most drafted tokens per decoding sequence and step (speculative decoding; 0: off)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -96,6 +120,8 @@ class Scheduler:
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 batch.add(seq, num_new)
                 budget -= num_new
+            if decoding and self.num_lookahead_tokens:
+                budget -= self._reserve_lookahead(batch, budget)
         if self.num_preemptions == num_preemptions:  # memory is short: admit nobody new this step
             self._admit(batch, budget)
         return batch
@@ -110,6 +136,19 @@ class Scheduler:
                 return False
         bm.append_blocks(seq)
         return True
+
+    def _reserve_lookahead(self, batch: ScheduledBatch, budget: int) -> int:
+        """Room for drafts after each decoding sequence's token, once every decode has its own block (so drafts
+        never cost a preemption): within the budget, before `max_tokens` (a step emits at most one token more
+        than it drafts), in free blocks only. Returns the budget it took."""
+        taken = 0
+        for i, seq in enumerate(batch.seqs):
+            room_before_max_tokens = seq.params.max_tokens - seq.num_completion_tokens - 1
+            wanted = min(self.num_lookahead_tokens, budget - taken, room_before_max_tokens)
+            if wanted > 0:
+                batch.num_lookahead[i] = self.block_manager.append_lookahead_blocks(seq, wanted)
+                taken += batch.num_lookahead[i]
+        return taken
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         kept: deque[Sequence] = deque()

@@ -11,6 +11,9 @@ Invariants:
 - `block_table[i]` is the cache block holding tokens [i * block_size, (i + 1) * block_size).
 - `logprobs[j]` belongs to completion token j and comes from the weights that sampled it;
   so does `routed_experts[j]` (when asked): the experts of the forward that sampled it.
+- Speculative decoding: a step that verifies drafts emits the accepted drafts and then the policy's
+  own token. Each accepted draft is appended as known and computed (the verifying forward wrote its
+  keys and values) ahead of the pending token, so one token stays uncomputed throughout.
 - Preemption (recompute) frees the blocks and resets `num_computed_tokens`; the completion so far,
   with its logprobs, is kept and prefilled again as if it were prompt.
 """
@@ -113,6 +116,13 @@ class Sequence:
         """A launched step samples this sequence's next token, into row `row` of its sampled tokens."""
         self.num_pending += 1
         self.pending_row = row
+
+    def accept_draft(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...], weight_version: int,
+                     routed_experts: list[list[int]] | None = None) -> None:
+        """The host read a drafted token the policy accepted, which comes before the step's pending token."""
+        self.append_token(token_id, logprob, top, weight_version, routed_experts)
+        self.num_pending += 1  # the step's own token still follows
+        self.num_computed_tokens += 1
 
     def append_token(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...], weight_version: int,
                      routed_experts: list[list[int]] | None = None) -> None:

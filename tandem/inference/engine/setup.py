@@ -3,7 +3,8 @@
 Native models of decoder blocks (`tandem.models.loading.has_split_blocks`: Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) get
 the paged KV cache; the native latent-attention families (GLM-5, DeepSeek-V3: no latent cache yet) and any other
 architecture (loaded through transformers) run on the recompute path. On CUDA the cache takes what `memory_fraction`
-leaves after the weights and the activations of a full-budget warmup step.
+leaves after the weights and the activations of a full-budget warmup step. A draft model (speculative decoding) gets a
+paged cache of its own with as many blocks as the policy's, sized with it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from tandem.config.base import ModelConfig
-from tandem.config.inference import EngineConfig
+from tandem.config.inference import EngineConfig, SpeculativeConfig
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_device
 from tandem.inference.engine.fused_blocks import apply_fused_blocks
@@ -29,6 +30,7 @@ from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeMode
 from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
+from tandem.inference.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from tandem.models.hub import resolve_model_path
 from tandem.models.loading import has_split_blocks, is_native, load_causal_lm
 from tandem.models.lora import LoraSpec
@@ -112,13 +114,18 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
     max_model_len = resolve_max_model_len(engine, model.hf_config)
+    spec = engine.speculative
+    draft = None
+    if spec.method == "draft_model":
+        draft = load_draft_model(spec, model_config, device, folder, tokenizer, model.hf_config.get("vocab_size"),
+                                 max_model_len)
     if has_split_blocks(model.hf_config):
-        args = model.args
-        dtype = model.lm_head.weight.dtype
-        per_block = KVCache.bytes_per_block(args.num_hidden_layers, engine.block_size, args.num_key_value_heads, args.head_dim, dtype)
+        per_block = cache_bytes_per_block(model, engine.block_size)
+        if draft is not None:
+            per_block += cache_bytes_per_block(draft, engine.block_size)
         num_blocks = plan_num_blocks(engine, model, device, per_block, max_model_len)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
-        cache = KVCache(args.num_hidden_layers, num_blocks, engine.block_size, args.num_key_value_heads, args.head_dim, dtype, device)
+        cache = cache_for(model, num_blocks, engine.block_size, device)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
         if engine.fused_blocks and device.type == "cuda" and not (exact or fp8):  # exact, fp8: their own blocks
@@ -139,23 +146,75 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         weight_target = model if native else model.hf_model
         log.info("%s: %s, recomputed every step (slow path)", model.hf_config.get("model_type"),
                  "latent attention has no paged cache yet" if native else "not native to tandem: transformers model")
+    if spec.enabled and overlap:
+        raise ValueError("`engine.speculative` with `engine.overlap_steps` = true on CUDA: the next step cannot be "
+                         "planned before the drafts each sequence kept are read; set `engine.overlap_steps` = false")
     block_manager = BlockManager(num_blocks, engine.block_size)
     lora = engine.lora
     adapters = AdapterMerger(weight_target, LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules))) if lora.enabled else None
+    sampler = Sampler(device, seed, exact)
+    speculator = None
+    if spec.method == "ngram":
+        speculator = Speculator(NgramProposer(spec.ngram_max), sampler)
+    elif draft is not None:
+        draft_runner = PagedModelRunner(draft, cache_for(draft, num_blocks, engine.block_size, device), device,
+                                        engine.max_num_seqs, max_model_len, cuda_graphs=False)
+        speculator = Speculator(DraftModelProposer(draft_runner, sampler, spec.draft_sampling == "sampled"), sampler)
     return LLMEngine(
         runner=runner,
         weight_target=weight_target,
         tokenizer=tokenizer,
         block_manager=block_manager,
-        scheduler=Scheduler(block_manager, engine.max_num_seqs, engine.max_num_batched_tokens),
-        sampler=Sampler(device, seed, exact),
+        scheduler=Scheduler(block_manager, engine.max_num_seqs, engine.max_num_batched_tokens,
+                            spec.num_tokens if spec.enabled else 0),
+        sampler=sampler,
         eos_token_ids=eos_token_ids(folder, tokenizer),
         max_model_len=max_model_len,
         vocab_size=model.lm_head.weight.shape[0],
         device=device,
         overlap=overlap,
         adapters=adapters,
+        speculator=speculator,
     )
+
+
+def cache_bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
+    args = model.args
+    return KVCache.bytes_per_block(args.num_hidden_layers, block_size, args.num_key_value_heads, args.head_dim,
+                                   model.lm_head.weight.dtype)
+
+
+def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device) -> KVCache:
+    args = model.args
+    return KVCache(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads, args.head_dim,
+                   model.lm_head.weight.dtype, device)
+
+
+def load_draft_model(spec: SpeculativeConfig, model_config: ModelConfig, device: torch.device, policy_folder: Path,
+                     tokenizer: Any, policy_vocab_size: int, max_model_len: int) -> torch.nn.Module:
+    """`engine.speculative.draft_model` on the policy's device and dtype, refused unless it can draft for the policy:
+    a native model of decoder blocks (it needs a paged cache), the policy's vocabulary, room for `max_model_len`."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_model_path(spec.draft_model)
+    draft = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
+    key = "`engine.speculative.draft_model`"
+    if not has_split_blocks(draft.hf_config):
+        raise ValueError(f"{key} = {str(folder)!r} is a {draft.hf_config.get('model_type')!r} model: a draft needs a "
+                         "paged KV cache, which only tandem's native models of decoder blocks have (Qwen3, Qwen3-MoE, "
+                         "GLM-4.5, MiniMax-M2)")
+    draft_tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
+    draft_vocab, policy_vocab = draft.hf_config.get("vocab_size"), policy_vocab_size
+    if draft_vocab != policy_vocab or draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{key} = {str(folder)!r} (vocab_size {draft_vocab}, a tokenizer of {len(draft_tokenizer)} "
+                         f"tokens) does not share the vocabulary of the policy, `model.name` = {str(policy_folder)!r} "
+                         f"(vocab_size {policy_vocab}, a tokenizer of {len(tokenizer)} tokens): a draft must have the "
+                         "policy's tokenizer and vocabulary")
+    limit = draft.hf_config.get("max_position_embeddings")
+    if limit is not None and limit < max_model_len:
+        raise ValueError(f"{key} = {str(folder)!r} holds {limit} positions (max_position_embeddings), fewer than "
+                         f"`engine.max_model_len` = {max_model_len}: lower `engine.max_model_len`")
+    return draft
 
 
 def moe_routing_recorder(model: torch.nn.Module, engine: EngineConfig, device: torch.device,

@@ -13,7 +13,10 @@ one row per batch position. A row is rewritten only when another sequence takes 
 its sequence gained blocks, so a steady decode batch sends a few entries per step, not whole
 tables. Invariant: `_row_owner[i]` is the very `block_table` list whose first `_row_len[i]`
 entries row i holds; the block manager only appends to a sequence's list and replaces it when
-it frees the blocks, so an owner that is still the same list has only gained entries.
+it frees blocks, so an owner that is still the same list has only gained entries.
+
+A sequence with drafts (speculative decoding) computes its last token and its drafts, and every one
+of those rows is sampled: the policy's next token after each.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ class StepInputBuilder:
             offset = 0
             for i, (seq, n) in enumerate(zip(seqs, num_new)):
                 start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-                known = seq.token_ids[start:end]
+                known = seq.token_ids[start:end] + batch.drafts[i]
                 if len(known) < n:  # only the newest token can be pending: the one a decode computes
                     assert len(known) == n - 1, "an input token two steps old was never read"
                     known = known + [0]
@@ -147,7 +150,7 @@ class StepInputBuilder:
                 query_lens.append(n)
                 offset += n
                 if batch.samples(i):
-                    sample_index.append(offset - 1)
+                    sample_index.extend(range(offset - 1 - len(batch.drafts[i]), offset))
             ids = [t for part in id_parts for t in part]
             tiles = query_tiles(query_lens, PREFILL_BLOCK_Q)
             positions = np.concatenate(pos_parts)

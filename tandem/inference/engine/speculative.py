@@ -1,0 +1,296 @@
+"""Speculative decoding: drafts proposed, verified by the policy in one forward, accepted so that the emitted
+tokens follow the policy's own sampling distribution.
+
+A decoding sequence with drafts d1..dd computes its last token and its drafts in one forward (the paged cache
+writes all their keys and values); logit row j is the policy's distribution of the token after row j's input.
+Acceptance, per sequence:
+- deterministic drafts (n-gram, a greedy draft model, and every greedy request): the policy samples each row as
+  the sampler would at that position (same temperature and filters; a seeded sequence's noise of row j is its
+  generator's next draw). Draft j + 1 is accepted when row j's sample equals it; the first mismatch, or row d
+  when all are accepted, gives the policy's own token, and the generator is set back to where as many draws as
+  emitted tokens leave it. The emitted tokens are then those the policy samples without speculation: the same
+  seed gives the same tokens with speculation on or off.
+- sampled drafts (a draft model drawing at the request's temperature from q): draft j + 1 is accepted with
+  probability min(1, p/q), else the row draws from max(0, p - q) normalized and the sequence stops there
+  (rejection sampling, Leviathan et al. and Chen et al. 2023): each emitted token is distributed as p.
+Every emitted token reports the policy's logprob from the verifying forward, log_softmax(logits / T) before the
+filters, as the sampler does; the accepted drafts' keys and values stay, the rejected ones' slots are
+overwritten by later tokens or their blocks freed (`BlockManager.free_lookahead_blocks`).
+
+The draft model keeps a paged cache of its own, indexed by the policy's block ids: it runs every batch the policy
+runs, so wherever the policy's cache holds a token, the draft's holds its own keys and values of that token.
+Drafting then needs no block manager of its own: draft step j decodes each drafting sequence's token at its last
+position + j (its last token, then its drafts) into the slots the scheduler reserved for the drafts.
+
+Verifying steps run eager. A CUDA graph of them needs a fixed shape: every sequence padded to k drafts (slots
+reserved for all k, acceptance stopping at its own drafts), so k + 1 query tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from tandem.inference.engine.host_copies import HostRead, to_device
+from tandem.inference.engine.model_runner import PagedModelRunner
+from tandem.inference.engine.sampler import SampleResult, Sampler, filter_logprobs, race
+from tandem.inference.engine.scheduler import ScheduledBatch
+from tandem.inference.engine.sequence import Sequence
+
+
+def ngram_drafts(ids: np.ndarray, ngram_max: int, num_drafts: int) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest suffix of `ids`
+    (`ngram_max` tokens down to 1), at most `num_drafts` of them; none without an occurrence.
+
+    One pass over the sequence finds where its last token occurred before (each such place has a token after
+    it); the suffix match at those places is then extended one token back at a time."""
+    last = len(ids) - 1
+    ends = np.flatnonzero(ids[:last] == ids[last])
+    if not ends.size:
+        return []
+    length = np.ones(ends.size, dtype=np.int64)
+    for m in range(1, min(ngram_max, last)):
+        longer = (length == m) & (ends >= m)
+        longer[longer] = ids[ends[longer] - m] == ids[last - m]
+        if not longer.any():
+            break
+        length[longer] += 1
+    start = int(ends[length == length.max()][-1]) + 1
+    return ids[start:start + num_drafts].tolist()
+
+
+class Proposer(Protocol):
+    def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
+        """Fill `batch.drafts` within each sequence's lookahead; return, per sequence whose drafts were sampled,
+        the distributions they were drawn from ([d, V] float32)."""
+        ...
+
+    def observe(self, batch: ScheduledBatch) -> None:
+        """See the step the policy just ran."""
+        ...
+
+
+class NgramProposer:
+    def __init__(self, ngram_max: int):
+        self.ngram_max = ngram_max
+        self._ids: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
+        """Per sequence, a buffer of its tokens and how many it holds, extended as the sequence grows: rebuilding
+        the array every step would read the whole Python list of every sequence every step."""
+
+    def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
+        for i, lookahead in enumerate(batch.num_lookahead):
+            if lookahead:
+                batch.set_drafts(i, ngram_drafts(self._tokens(batch.seqs[i]), self.ngram_max, lookahead))
+        return {}
+
+    def _tokens(self, seq: Sequence) -> np.ndarray:
+        """`seq.token_ids` as an array (its tokens only grow, preemption included)."""
+        buffer, known = self._ids.get(seq, (np.empty(0, dtype=np.int64), 0))
+        n = len(seq.token_ids)
+        if n > buffer.shape[0]:
+            grown = np.empty(max(n, 2 * buffer.shape[0]), dtype=np.int64)
+            grown[:known] = buffer[:known]
+            buffer = grown
+        buffer[known:n] = seq.token_ids[known:n]
+        self._ids[seq] = buffer, n
+        return buffer[:n]
+
+    def observe(self, batch: ScheduledBatch) -> None:
+        pass
+
+
+@dataclass
+class DraftPosition:
+    """A sequence as one draft step computes it: the token at `num_computed_tokens`, its last one or a draft.
+
+    It offers what the step inputs read of a `Sequence` (`step_inputs.py`): a draft the host has not read is,
+    like a pending token, the previous draft step's token on the device (row `pending_row`), so a draft step is a
+    decode step and the draft steps of a sequence run without waiting for the host."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    pending_row: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_computed_tokens + 1
+
+
+class DraftModelProposer:
+    """A smaller model of the same vocabulary drafts, greedily or at the request's temperature and filters, one
+    decode step per draft over the sequences that still draft."""
+
+    def __init__(self, runner: PagedModelRunner, sampler: Sampler, sampled: bool):
+        self.runner = runner
+        self.sampler = sampler
+        """Whose shared generator draws the noise of sequences without a seed."""
+        self.sampled = sampled
+
+    def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
+        drafting = [i for i, lookahead in enumerate(batch.num_lookahead) if lookahead]
+        steps: list[tuple[list[int], torch.Tensor, list[torch.Tensor | None]]] = []
+        previous: torch.Tensor | None = None
+        rows: dict[int, int] = {}  # batch index -> its row of the previous draft step
+        for j in range(max((batch.num_lookahead[i] for i in drafting), default=0)):
+            active = [i for i in drafting if batch.num_lookahead[i] > j]
+            step = ScheduledBatch()
+            for i in active:
+                seq = batch.seqs[i]
+                step.add(DraftPosition(seq.token_ids, seq.block_table, seq.num_computed_tokens + j, rows.get(i, -1)), 1)
+            tokens, q = self._draw(self.runner.run(step, previous).float(), [batch.seqs[i] for i in active])
+            steps.append((active, tokens, q))
+            previous, rows = tokens, {i: row for row, i in enumerate(active)}
+        distributions: dict[Sequence, list[torch.Tensor]] = {}
+        for active, tokens, q in steps:
+            for row, (i, token) in enumerate(zip(active, tokens.tolist())):
+                batch.set_drafts(i, batch.drafts[i] + [token])
+                if q[row] is not None:
+                    distributions.setdefault(batch.seqs[i], []).append(q[row])
+        return {seq: torch.stack(rows) for seq, rows in distributions.items()}
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Each row's draft token ([B] on the device) and, where it was sampled, the distribution q it was drawn
+        from."""
+        tokens = logits.argmax(-1)
+        q: list[torch.Tensor | None] = [None] * len(seqs)
+        sampled = [r for r, s in enumerate(seqs) if self.sampled and not s.params.is_greedy]
+        if sampled:
+            rows = to_device(sampled, torch.long, logits.device)
+            params = [seqs[r].params for r in sampled]
+            logprobs = self.sampler.reported_logprobs(logits[rows], [p.temperature for p in params])
+            filtered = filter_logprobs(logprobs, params)
+            noise = torch.empty_like(filtered).exponential_(generator=self.sampler.generator)
+            for k, r in enumerate(sampled):
+                if seqs[r].generator is not None:
+                    noise[k].exponential_(generator=seqs[r].generator)
+            tokens[rows] = race(filtered, noise)
+            probs = filtered.softmax(-1)
+            for k, r in enumerate(sampled):
+                q[r] = probs[k]
+        return tokens, q
+
+    def observe(self, batch: ScheduledBatch) -> None:
+        self.runner.run(batch)
+
+
+class VerifiedSample:
+    """A verifying step's emitted tokens on their way to the host; `result()` also sets seeded generators back
+    to where the emitted tokens' draws leave them (deterministic drafts)."""
+
+    def __init__(self, first_rows: list[int], num_drafts: list[int], emitted: torch.Tensor, accepted: torch.Tensor,
+                 logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, num_top: list[int],
+                 rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]]):
+        self._first_rows = first_rows
+        """Per sequence, its first row of the step's sampled rows (its last token's); then one per draft."""
+        self._num_drafts = num_drafts
+        self._read = HostRead([torch.stack([emitted.double(), accepted.double(), logprobs.double()]), *(top or ())])
+        self._num_top = num_top
+        self._rewinds = rewinds
+        """Per sequence index, its generator and its states before each row's draw."""
+
+    def result(self) -> SampleResult:
+        host = self._read.values()
+        emitted, accepted, logprobs = host[0].tolist()
+        top_values, top_ids = (host[1].tolist(), host[2].tolist()) if len(host) == 3 else (None, None)
+        token_ids, own_logprobs, own_top, drafts = [], [], [], []
+        for i, (first, d) in enumerate(zip(self._first_rows, self._num_drafts)):
+            a = 0
+            while a < d and accepted[first + a]:
+                a += 1
+            rows = []
+            for r in range(first, first + a + 1):
+                k = self._num_top[r]
+                top = tuple(zip(top_ids[r][:k], top_values[r][:k])) if top_ids is not None else ()
+                rows.append((int(emitted[r]), logprobs[r], top))
+            drafts.append(rows[:-1])
+            token_ids.append(rows[-1][0])
+            own_logprobs.append(rows[-1][1])
+            own_top.append(rows[-1][2])
+            if i in self._rewinds and a < d:
+                generator, states = self._rewinds[i]
+                generator.set_state(states[a + 1])
+        return SampleResult(token_ids, own_logprobs, own_top, drafts)
+
+
+class Speculator:
+    """Drafts for the scheduled decodes (`propose`), and the acceptance of a verifying step (`verify`)."""
+
+    def __init__(self, proposer: Proposer, sampler: Sampler):
+        self.proposer = proposer
+        self.sampler = sampler
+        self._distributions: dict[Sequence, torch.Tensor] = {}
+
+    def propose(self, batch: ScheduledBatch) -> None:
+        self._distributions = self.proposer.propose(batch)
+
+    def observe(self, batch: ScheduledBatch) -> None:
+        self.proposer.observe(batch)
+
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> VerifiedSample:
+        """logits: per sequence, one row for its last token and one per draft ([sum(1 + d), V])."""
+        device = logits.device
+        first_rows = np.cumsum([0] + [1 + len(d) for d in drafts])[:-1].tolist()
+        row_params = [seq.params for seq, d in zip(seqs, drafts) for _ in range(1 + len(d))]
+        temps = [p.temperature for p in row_params]
+        logits = logits.float()
+        logprobs = self.sampler.reported_logprobs(logits, temps)
+        filtered = filter_logprobs(logprobs, row_params)
+        noise = torch.empty_like(filtered).exponential_(generator=self.sampler.generator)
+        rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]] = {}
+        for i, (seq, first) in enumerate(zip(seqs, first_rows)):
+            if seq.generator is None or seq.params.is_greedy:
+                continue
+            states = []
+            for r in range(first, first + 1 + len(drafts[i])):
+                states.append(seq.generator.get_state())
+                noise[r].exponential_(generator=seq.generator)
+            if seq not in self._distributions:
+                rewinds[i] = (seq.generator, states)
+        sample = race(filtered, noise)
+        greedy = [p.is_greedy for p in row_params]
+        if any(greedy):
+            sample = torch.where(to_device(greedy, torch.bool, device), logits.argmax(-1), sample)
+        next_draft = to_device([t for d in drafts for t in d + [-1]], torch.long, device)
+        accepted = sample == next_draft
+        replacement = sample
+        rejection_rows = [r for i, seq in enumerate(seqs) if seq in self._distributions
+                          for r in range(first_rows[i], first_rows[i] + len(drafts[i]))]
+        if rejection_rows:
+            accepted, replacement = self._rejection_sample(seqs, filtered, noise, next_draft, accepted, sample,
+                                                           rejection_rows)
+        emitted = torch.where(accepted, next_draft, replacement)
+        chosen = logprobs.gather(-1, emitted[:, None])[:, 0]
+        num_top = [p.num_top_logprobs for p in row_params]
+        top = logprobs.topk(max(num_top), dim=-1) if max(num_top) > 0 else None
+        self._distributions = {}
+        return VerifiedSample(first_rows, [len(d) for d in drafts], emitted, accepted, chosen, top, num_top, rewinds)
+
+    def _rejection_sample(self, seqs: list[Sequence], filtered: torch.Tensor, noise: torch.Tensor,
+                          next_draft: torch.Tensor, accepted: torch.Tensor, sample: torch.Tensor,
+                          rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of sampled drafts: accept with probability min(1, p/q), else draw from max(0, p - q)."""
+        device = filtered.device
+        q = torch.cat([self._distributions[seq] for seq in seqs if seq in self._distributions])
+        index = to_device(rows, torch.long, device)
+        p = filtered[index].softmax(-1)
+        draft = next_draft[index][:, None]
+        uniform = torch.empty(len(rows), device=device)
+        start = 0
+        for seq in seqs:
+            if seq in self._distributions:
+                n = self._distributions[seq].shape[0]
+                uniform[start:start + n].uniform_(generator=seq.generator or self.sampler.generator)
+                start += n
+        keep = uniform * q.gather(-1, draft)[:, 0] < p.gather(-1, draft)[:, 0]
+        residual = (p - q).clamp(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p = q: nothing is ever rejected
+        accepted = accepted.clone()
+        accepted[index] = keep
+        replacement = sample.clone()
+        replacement[index] = race(residual.log(), noise[index])
+        return accepted, replacement

@@ -1,0 +1,304 @@
+"""Speculative decoding: the tokens, their distribution and their logprobs are the policy's, drafts or not."""
+
+import collections
+import json
+import random
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from inference_helpers import give_counting_head, make_config, teacher_forced_logprobs
+from pydantic import ValidationError
+from test_admin import metric
+from test_engine import engine_for, run
+from test_fallback import tiny_llama
+
+from tandem.config.inference import InferenceConfig
+from tandem.inference.engine.model_runner import RecomputeModelRunner
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.speculative import ngram_drafts
+from tandem.inference.server import BackgroundServer
+from tandem.models.loading import load_causal_lm
+from tandem.models.weights import load_state_dict, save_state_dict
+
+
+@pytest.fixture(scope="module")
+def blurred_dir(sharp_dir, tmp_path_factory):
+    """A draft for `sharp_dir`: its weights with a flatter, noisy LM head, so that it is right about a third of
+    the time (its drafts are accepted and rejected alike)."""
+    folder = tmp_path_factory.mktemp("blurred") / "model"
+    shutil.copytree(sharp_dir, folder)
+    state = load_state_dict(folder)
+    head = state["lm_head.weight"]
+    noise = torch.randn(head.shape, generator=torch.Generator().manual_seed(0))
+    state["lm_head.weight"] = 0.5 * head + 0.3 * noise
+    save_state_dict(state, folder, json.loads((folder / "config.json").read_text()))
+    return folder
+
+
+def test_ngram_drafts_continue_the_latest_occurrence_of_the_longest_suffix():
+    def drafts(tokens: list[int], ngram_max: int, num_drafts: int) -> list[int]:
+        return ngram_drafts(np.array(tokens), ngram_max, num_drafts)
+
+    tokens = [1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3]
+    assert drafts(tokens, 3, 2) == [9, 2]  # "1 2 3" occurs at the start
+    assert drafts(tokens, 2, 2) == [8, 7]  # "2 3": its latest earlier occurrence
+    assert drafts(tokens, 1, 2) == [8, 7]  # "3" alone: the same place
+    assert drafts(tokens, 3, 10) == [9, 2, 3, 8, 7, 1, 2, 3]  # as many as follow, up to the last token
+    assert drafts([2, 3, 5, 2, 3], 4, 1) == [5]  # a match may start at the first token
+    assert drafts([5, 6, 7], 3, 4) == []  # nothing earlier to copy
+    assert drafts([4, 4, 4], 3, 4) == [4]  # the suffix may overlap what it proposes
+
+
+def seeded_requests(num: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """Prompts that repeat themselves (n-gram drafts find matches), with every stop and every kind of sampling."""
+    rng = random.Random(3)
+    requests = []
+    for i in range(num):
+        piece = [rng.randrange(256) for _ in range(rng.randint(3, 12))]
+        prompt = piece * rng.randint(2, 4) + [rng.randrange(256) for _ in range(rng.randint(0, 6))]
+        params = SamplingParams(max_tokens=rng.randint(1, 30), temperature=[0.0, 0.7, 1.0][i % 3],
+                                top_k=[-1, 20][i % 2], top_p=[1.0, 0.9][i % 4 // 2], seed=i,
+                                stop=("e",) if i % 5 == 0 else (), stop_token_ids=(piece[1],) if i % 5 == 1 else (),
+                                ignore_eos=i % 2 == 0)
+        requests.append((str(i), prompt, params))
+    return requests
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    # A cache of 14 blocks and a 48-token budget: drafts share the budget, the free blocks run out, sequences
+    # are preempted and recomputed.
+    {"num_blocks": 14, "max_num_batched_tokens": 48, "max_model_len": 128},
+], ids=["roomy", "memory-starved"])
+@pytest.mark.parametrize("draft", ["ngram", "greedy-draft-model"])
+def test_seeded_outputs_are_the_same_with_deterministic_drafts_on_or_off(tiny_dir, tiny_other_dir, settings, draft):
+    speculative = ({"method": "ngram", "num_tokens": 3} if draft == "ngram"
+                   else {"method": "draft_model", "draft_model": str(tiny_other_dir)})
+    results = {}
+    for spec in ({}, speculative):
+        engine = engine_for(tiny_dir, speculative=spec, **settings)
+        engine.eos_token_ids = {7, 33}  # tokens the tiny model samples: some completions stop at EOS
+        out: dict = {}
+        for k, (rid, prompt, params) in enumerate(seeded_requests(12)):
+            engine.add_request(rid, prompt, params, n=2)
+            if k % 4 == 3:  # later requests arrive while earlier ones run
+                run(engine, out, max_steps=3)
+        run(engine, out)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        results[bool(spec)] = out, engine.stats()
+    (plain, _), (speculated, stats) = results[False], results[True]
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert {r["finish"] for r in plain.values()} == {"stop", "length"}
+    if settings:
+        assert stats.num_preemptions > 0
+    assert set(plain) == set(speculated) and len(plain) == 24
+    for key, r in plain.items():
+        s = speculated[key]
+        assert (s["ids"], s["text"], s["finish"]) == (r["ids"], r["text"], r["finish"]), key
+        assert torch.allclose(torch.tensor(s["logprobs"]), torch.tensor(r["logprobs"]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "ngram"},
+    {"method": "draft_model", "draft_sampling": "greedy"},
+    {"method": "draft_model", "draft_sampling": "sampled"},
+], ids=["ngram", "greedy-draft-model", "sampled-draft-model"])
+def test_logprobs_are_the_policys_teacher_forced_ones(tiny_dir, tiny_model, tiny_other_dir, speculative):
+    if speculative["method"] == "draft_model":
+        speculative = {**speculative, "draft_model": str(tiny_other_dir)}
+    engine = engine_for(tiny_dir, speculative=speculative)
+    requests = {}
+    for rid, prompt, params in seeded_requests(9):
+        requests[rid] = prompt, params
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=20, temperature=params.temperature,
+                                                       top_k=params.top_k, seed=params.seed, num_top_logprobs=3,
+                                                       ignore_eos=True))
+    results = run(engine)
+    assert engine.stats().num_accepted_tokens > 0
+    for (rid, _), r in results.items():
+        prompt, params = requests[rid]
+        expected = teacher_forced_logprobs(tiny_model, prompt, r["ids"], params.temperature)
+        assert len(r["ids"]) == 20
+        assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
+
+
+def test_a_sampled_draft_gives_the_same_tokens_for_the_same_seed(tiny_dir, tiny_other_dir):
+    speculative = {"method": "draft_model", "draft_model": str(tiny_other_dir), "draft_sampling": "sampled"}
+    outputs = []
+    for _ in range(2):
+        engine = engine_for(tiny_dir, speculative=speculative)
+        for rid, prompt, params in seeded_requests(6):
+            engine.add_request(rid, prompt, params, n=2)
+        outputs.append(run(engine))
+    assert outputs[0] == outputs[1]
+
+
+@pytest.fixture(scope="module")
+def counting_moe_dir(tiny_moe_dir, tmp_path_factory):
+    """The tiny mixture of experts with `sharp_dir`'s counting LM head (token t's embedding maps to t + 1): its
+    greedy completions of a counting prompt go on counting, so n-gram drafts copied from the prompt are accepted
+    and the accepted tokens differ from each other."""
+    folder = tmp_path_factory.mktemp("counting_moe") / "model"
+    shutil.copytree(tiny_moe_dir, folder)
+    return give_counting_head(folder)
+
+
+def test_routed_experts_are_those_of_the_forward_that_sampled_each_token(counting_moe_dir):
+    """A mixture of experts reports, for an accepted draft as for any token, the experts of the row that gave
+    it: the same as without speculation."""
+    routed = {}
+    for spec in ({}, {"method": "ngram"}):
+        engine = engine_for(counting_moe_dir, speculative=spec)
+        for i in range(4):
+            prompt = list(range(10 * i, 10 * i + 40)) + list(range(10 * i, 10 * i + 3))
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=[0.0, 0.7][i % 2], seed=i,
+                                                              ignore_eos=True, return_routed_experts=True))
+        experts: dict = collections.defaultdict(list)
+        while engine.has_unfinished:
+            for out in engine.step():
+                assert len(out.routed_experts) == len(out.token_ids)
+                experts[out.request_id] += out.routed_experts
+        routed[bool(spec)] = experts, engine.stats()
+    (plain, _), (speculated, stats) = routed[False], routed[True]
+    assert stats.num_accepted_tokens > 0
+    assert speculated == plain
+
+
+def chi_square_p_value(a: list[list[int]], b: list[list[int]], positions: range) -> float:
+    """Two equal-sized samples of completions: the p-value of "the tokens at each of `positions` have the same
+    distribution in both" (a chi-square test of homogeneity; rare tokens of a position pooled)."""
+    count_a = collections.Counter((p, ids[p]) for ids in a for p in positions)
+    count_b = collections.Counter((p, ids[p]) for ids in b for p in positions)
+    statistic, dof = 0.0, 0
+    for p in positions:
+        cells = {key for key in count_a.keys() | count_b.keys() if key[0] == p}
+        common = [key for key in cells if count_a[key] + count_b[key] >= 10]
+        pairs = [(count_a[key], count_b[key]) for key in common]
+        rare = (sum(count_a[key] for key in cells - set(common)), sum(count_b[key] for key in cells - set(common)))
+        pairs += [rare] if sum(rare) else []
+        statistic += sum((x - y) ** 2 / (x + y) for x, y in pairs)
+        dof += len(pairs) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                   torch.tensor(statistic / 2, dtype=torch.float64)).item()
+
+
+def fit_p_value(model, prompt: list[int], completions: list[list[int]], temperature: float, position: int) -> float:
+    """The p-value of "each completion's token at `position` is drawn from the policy's distribution after its
+    prompt and earlier tokens" (a chi-square goodness-of-fit over the contexts that at least 50 completions share,
+    against the teacher-forced distribution of each; unlikely tokens pooled)."""
+    groups = collections.defaultdict(list)
+    for ids in completions:
+        groups[tuple(ids[:position])].append(ids[position])
+    statistic, dof = 0.0, 0
+    for context, tokens in groups.items():
+        if len(tokens) < 50:
+            continue
+        ids = torch.tensor([prompt + list(context)])
+        with torch.no_grad():
+            logits = model.lm_head(model(ids, torch.arange(ids.shape[1])[None]))[0, -1].float()
+        expected = len(tokens) * (logits / temperature).softmax(-1)
+        observed = torch.bincount(torch.tensor(tokens), minlength=expected.shape[0]).double()
+        common = expected >= 5
+        cells = [(observed[common], expected[common]), (observed[~common].sum()[None], expected[~common].sum()[None])]
+        statistic += sum((((o - e) ** 2) / e).sum().item() for o, e in cells)
+        dof += int(common.sum())  # the common tokens and the pooled rest, less one
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                   torch.tensor(statistic / 2, dtype=torch.float64)).item()
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_a_sampled_draft_keeps_the_policys_distribution(sharp_dir, blurred_dir, temperature):
+    """Many seeded completions of one prompt: their 2nd to 4th tokens (the ones verified against drafts) are
+    distributed alike with and without a draft model that samples and is often wrong, and unlike the draft's own;
+    and they fit the policy's teacher-forced distributions."""
+    settings = {"num_blocks": 1200, "max_model_len": 64, "max_num_seqs": 512, "max_num_batched_tokens": 2048}
+    prompt = list(b"Once upon a time, there was")  # its first block is shared, the rest prefilled as a batch
+
+    def completions(folder, seed: int, **speculative) -> tuple[list[list[int]], object]:
+        engine = engine_for(folder, speculative=speculative, **settings)
+        params = SamplingParams(max_tokens=4, temperature=temperature, seed=seed, ignore_eos=True)
+        engine.add_request("r", prompt, params, n=400, incremental=False)
+        outputs = []
+        while engine.has_unfinished:
+            outputs += engine.step()
+        return [out.token_ids for out in outputs], engine.stats()
+
+    plain, _ = completions(sharp_dir, seed=0)
+    speculated, stats = completions(sharp_dir, seed=10**6, method="draft_model", draft_model=str(blurred_dir),
+                                    draft_sampling="sampled", num_tokens=3)
+    drafts_own, _ = completions(blurred_dir, seed=2 * 10**6)
+    assert 0.15 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.6
+    assert chi_square_p_value(plain, speculated, range(1, 4)) > 0.01
+    assert chi_square_p_value(plain, drafts_own, range(1, 4)) < 1e-6  # the test tells the draft from the policy
+    # Stronger: the tokens fit the policy's own teacher-forced distribution, context by context.
+    policy = load_causal_lm(str(sharp_dir))
+    assert fit_p_value(policy, prompt, speculated, temperature, 1) > 0.01
+    assert fit_p_value(policy, prompt, speculated, temperature, 2) > 0.01
+    assert fit_p_value(policy, prompt, drafts_own, temperature, 1) < 1e-6
+
+
+def test_the_recompute_path_speculates_too(tmp_path):
+    """Models without a paged cache (transformers models, latent attention) verify drafts in their full forward."""
+    folder = tiny_llama(tmp_path / "llama", seed=0)
+    model = load_causal_lm(str(folder))
+    results = {}
+    for spec in ({}, {"method": "ngram"}):
+        engine = engine_for(folder, speculative=spec)
+        assert isinstance(engine.runner, RecomputeModelRunner)
+        for rid, prompt, params in seeded_requests(6):
+            engine.add_request(rid, prompt, params)
+        results[bool(spec)] = run(engine), engine.stats()
+    (plain, _), (speculated, stats) = results[False], results[True]
+    assert stats.num_accepted_tokens > 0
+    assert plain.keys() == speculated.keys()
+    for key, r in speculated.items():
+        assert (r["ids"], r["text"], r["finish"]) == (plain[key]["ids"], plain[key]["text"], plain[key]["finish"])
+        prompt, params = next((p, q) for rid, p, q in seeded_requests(6) if rid == key[0])
+        expected = teacher_forced_logprobs(model, prompt, r["ids"], params.temperature)
+        assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
+
+
+def test_metrics_count_drafted_and_accepted_tokens(tiny_dir):
+    config = make_config(tiny_dir, speculative={"method": "ngram"})
+    running = BackgroundServer(config)
+    try:
+        before = httpx.get(f"{running.url}/metrics").text
+        httpx.post(f"{running.url}/v1/generate", timeout=60, json={
+            "prompt_token_ids": [5, 6, 7, 8] * 8, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+        after = httpx.get(f"{running.url}/metrics").text
+    finally:
+        running.stop()
+    drafted, accepted = (metric(after, name) - metric(before, name) for name in
+                         ("tandem_spec_decode_draft_tokens_total", "tandem_spec_decode_accepted_tokens_total"))
+    assert drafted >= accepted > 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_dir, tmp_path):
+    folder = tmp_path / "wider"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] += 64
+    (folder / "config.json").write_text(json.dumps(config))
+    state = load_state_dict(folder)
+    embed = state["model.embed_tokens.weight"]
+    state["model.embed_tokens.weight"] = torch.cat([embed, embed[:64]])
+    save_state_dict(state, folder, config)
+    with pytest.raises(ValueError, match="vocabulary") as err:
+        engine_for(tiny_dir, speculative={"method": "draft_model", "draft_model": str(folder)})
+    message = str(err.value)
+    assert "`engine.speculative.draft_model`" in message and str(folder) in message and str(tiny_dir) in message
+    assert str(config["vocab_size"]) in message and str(config["vocab_size"] - 64) in message
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({"backend": "vllm", "engine": {"speculative": {"method": "ngram"}}}, "vllm.extra_args"),
+    ({"run": {"exact": True}, "engine": {"speculative": {"method": "ngram"}}}, "run.exact"),
+    ({"engine": {"speculative": {"method": "draft_model"}}}, "engine.speculative.draft_model"),
+    ({"engine": {"speculative": {"draft_model": "/some/folder"}}}, "engine.speculative.method"),
+])
+def test_speculation_is_refused_where_it_cannot_hold(tiny_dir, settings, expected):
+    with pytest.raises(ValidationError, match=expected.replace(".", r"\.")):
+        InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, **settings})
