@@ -1,0 +1,106 @@
+"""Speculative decoding in tandem's engine against the same engine without it, in one run.
+
+    python benchmarks/speculative.py --preset tiny --device cpu                      # a quick look
+    python benchmarks/speculative.py --preset qwen3-0.6b --device cuda --out $OUT/spec.json
+
+Three engines on the same model (random weights of the preset's shape, `model.load_format = "dummy"`): the default
+(overlapped steps on CUDA), the same with `overlap_steps = false` (what speculation needs), and n-gram speculation
+(`engine.speculative.method = "ngram"`, k = `--num-tokens`). Each serves the same seeded requests; the figures are
+output tokens/s, the acceptance (accepted over drafted tokens) and whether every request's tokens and logprobs
+equal the non-speculative engine's (the promise of deterministic drafts: the same seed gives the same tokens).
+
+Random weights decode at temperature 1 near uniformly over the vocabulary, where no draft is ever right; greedy
+decoding of random weights falls into loops, which prompt lookup drafts well. `--temperature` picks which: 0 gives
+a best case for n-gram drafts (loops), 1 the worst (nothing repeats). Neither is a trained model's acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from provenance import environment, source_commit
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig, SpeculativeConfig
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.setup import build_engine
+from tandem.models.presets import PRESETS, init_model
+
+
+def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float) -> tuple[dict, float]:
+    """Every request to its end; (request id -> (tokens, logprobs)), seconds."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
+                                                          ignore_eos=True), incremental=False)
+    outputs = {}
+    start = time.perf_counter()
+    while engine.has_unfinished:
+        for out in engine.step():
+            outputs[out.request_id] = (out.token_ids, out.logprobs)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return outputs, time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--num-tokens", type=int, default=4, help="k, tokens drafted per sequence and step")
+    parser.add_argument("--out", help="write the figures to this JSON file")
+    parser.add_argument("--commit", help="the commit measured (default: git's HEAD, which a copied tree may hold stale)")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = init_model(args.preset, Path(tmp) / "model", weights=False)
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+        model = ModelConfig(name=str(folder), load_format="dummy")
+        base = dict(device=args.device, max_num_seqs=args.requests, max_model_len=args.prompt_tokens + args.max_tokens + 16)
+        engines = {"default": EngineConfig(**base),
+                   "no_overlap": EngineConfig(**base, overlap_steps=False),
+                   "ngram": EngineConfig(**base, overlap_steps=False,
+                                         speculative=SpeculativeConfig(method="ngram", num_tokens=args.num_tokens))}
+        results, outputs = {}, {}
+        for name, config in engines.items():
+            engine = build_engine(model, config, seed=0)
+            run(engine, prompts[:2], 8, args.temperature)  # warm-up: compilation, graphs
+            outputs[name], seconds = run(engine, prompts, args.max_tokens, args.temperature)
+            tokens = sum(len(t) for t, _ in outputs[name].values())
+            results[name] = {"seconds": seconds, "output_tokens_per_s": tokens / seconds,
+                             "drafted": engine.num_draft_tokens, "accepted": engine.num_accepted_tokens}
+            print(f"{name}: {tokens / seconds:,.0f} output tokens/s, drafted {engine.num_draft_tokens}, accepted "
+                  f"{engine.num_accepted_tokens}", file=sys.stderr)
+            del engine
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    same_tokens = all(outputs["ngram"][r][0] == outputs["no_overlap"][r][0] for r in outputs["no_overlap"])
+    max_logprob_diff = max(max((abs(a - b) for a, b in zip(outputs["ngram"][r][1], outputs["no_overlap"][r][1])), default=0.0)
+                           for r in outputs["no_overlap"])
+    ngram = results["ngram"]
+    summary = {"acceptance": ngram["accepted"] / max(ngram["drafted"], 1), "same_tokens_as_without": same_tokens,
+               "max_logprob_difference": max_logprob_diff,
+               "speedup_over_no_overlap": ngram["output_tokens_per_s"] / results["no_overlap"]["output_tokens_per_s"],
+               "speedup_over_default": ngram["output_tokens_per_s"] / results["default"]["output_tokens_per_s"]}
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"benchmark": "speculative", "commit": source_commit(args.commit),
+                                              "settings": vars(args), "engines": results, "summary": summary,
+                                              "environment": environment(torch.device(args.device), args.commit)},
+                                             indent=2))
+    return 0 if same_tokens else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
