@@ -11,10 +11,11 @@ On Linux, `run_python_sandboxed` enforces:
   (RLIMIT_NPROC, which counts per uid, so fork bombs stop there); every process of that uid is
   killed after the run, including ones that left the process group; a network namespace with
   no interface but a down loopback (no network); and a mount namespace in which /tmp, /var/tmp,
-  /dev/shm and /run/lock are private tmpfs that vanish with the run (the work directory, if it
-  was under one of them, is bound back at its path; the interpreter's installation is bound
-  read-only into the private /tmp, since the fresh uid may not reach it where it is, e.g. under
-  root's 0700 home).
+  /dev/shm and /run/lock are private tmpfs that vanish with the run (the work directory and a
+  report folder, if under one of them, are bound back at their paths; the interpreter's
+  installation is bound read-only into the private /tmp, since the fresh uid may not reach it
+  where it is, e.g. under root's 0700 home; a virtual environment's site-packages too, when its
+  interpreter runs with its packages).
 - when not root: none of the root-only parts. Such a sandbox can write wherever the user can
   and reach the network, and a fork bomb is bounded only by CPU and wall-clock time; the
   `enforced` dict of each result says which parts held, and tests needing them skip.
