@@ -357,7 +357,8 @@ def _enclosing_function(source: str, line: int) -> str | None:
     return name if sum(n.name == name for n in functions) == 1 else None
 
 
-async def _demonstration(store: RepositoryStore, prepared: PreparedInstance, limits: SandboxLimits) -> Messages:
+async def _demonstration(store: RepositoryStore, prepared: PreparedInstance, limits: SandboxLimits,
+                         pytest_python: str | None) -> Messages:
     """Run the tests, view each function the gold patch changes, make its edits, run the tests again:
     with the tools' real replies."""
     instance = prepared.instance
@@ -367,7 +368,7 @@ async def _demonstration(store: RepositoryStore, prepared: PreparedInstance, lim
     edits = gold_edits(instance.patch, sources)
     messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": _question(instance)}]
     with tempfile.TemporaryDirectory(prefix="tandem-swe-", ignore_cleanup_errors=True) as workdir:
-        workspace = await _checkout(store, prepared, Path(workdir), limits)
+        workspace = await _checkout(store, prepared, Path(workdir), limits, pytest_python)
         calls = 0
 
         def turn(name: str, arguments: dict[str, Any], reply: str) -> None:
@@ -393,15 +394,17 @@ async def _demonstration(store: RepositoryStore, prepared: PreparedInstance, lim
 def sft_examples(
     n: int, seed: int = 0, num_eval_examples: int = 8, instances_path: str | None = None, repos_dir: str | None = None,
     instance_ids: list[str] | None = None, limits: dict[str, Any] | None = None, max_concurrent: int = 4,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, test_runner: str = "harness", python: str | None = None,
 ) -> list[dict[str, Any]]:
     """`n` chats `{"messages": [...], "tools": [...]}` replaying the gold patches of the training instances
-    of `load_environment` with the same instances, seed and `num_eval_examples` (never an eval one), with
+    of `load_environment` with the same instances, seed, `num_eval_examples` (never an eval one) and
+    `test_runner` and `python` (the same instances are usable), with
     the tools' real replies, in the split's order and over again until there are `n` (each instance's
     demonstration is made once). Instances whose patch the tools cannot replay (`NotDemonstrable`) are left
     out. `progress(done)` after each distinct demonstration, and `progress(n)` once all `n` rows are made."""
     sandbox_limits = SandboxLimits(**(limits or {}))
-    store, usable, _ = _load(instances_path, repos_dir, instance_ids, sandbox_limits, max_concurrent)
+    pytest_python = _pytest_python(test_runner, python)
+    store, usable, _ = _load(instances_path, repos_dir, instance_ids, sandbox_limits, max_concurrent, pytest_python)
     train, _ = _splits(usable, num_eval_examples, seed)
     schemas = [tool_schema(tool, hidden=STATE_ARGS) for tool in TOOLS]
     done = 0
@@ -413,7 +416,7 @@ def sft_examples(
             nonlocal done
             async with semaphore:
                 try:
-                    messages = await _demonstration(store, usable[instance_id], sandbox_limits)
+                    messages = await _demonstration(store, usable[instance_id], sandbox_limits, pytest_python)
                 except NotDemonstrable as error:
                     log.info("swe: no demonstration of %s: %s", instance_id, error)
                     messages = None

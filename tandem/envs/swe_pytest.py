@@ -12,9 +12,11 @@ from the report is `missing`.
 What the report proves: it is written to a fresh random file name in a fresh folder outside the
 repository and read after the run, without following links, so a report printed by the code under
 test, or a file it leaves in the repository, or one an earlier run planted, counts for nothing. The
-code under test runs in pytest's own process, though: code that reads pytest's command line, or patches
-pytest's reporting, could still fake a pass. This guards against accidents and crude hacks, not a
-determined adversary (as the standard-library harness of `swe_workspace`).
+code under test runs in pytest's own process, though, and pytest imports what the workspace holds: code
+that reads pytest's command line or patches pytest's reporting, or that an earlier run used to leave a
+`conftest.py` or a module named like pytest's in the workspace (whose folder comes first on `sys.path`),
+could still fake a pass. This guards against accidents and crude hacks, not a determined adversary (as
+the standard-library harness of `swe_workspace`).
 """
 
 import os
@@ -48,6 +50,8 @@ async def run_pytest(python: str, root: Path, files: list[str], ids: list[str] |
                      limits: SandboxLimits) -> tuple[tuple[dict[str, str], dict[str, str]] | None, SandboxResult]:
     """Run `files` under pytest: ((node id -> outcome, node id -> failure text) of `ids`, or of every
     test the report has when `ids` is None; None when the run left no readable report), the run."""
+    if not files:  # pytest given no file runs every test it finds: none of the instance's files exist yet
+        return ({}, {}), SandboxResult(returncode=0, output="")
     report_dir = Path(tempfile.mkdtemp(prefix="tandem-swe-report-"))
     report = report_dir / f"{secrets.token_hex(16)}.xml"
     try:

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem.envs import load_environment
+from tandem.envs import load_environment, swe
+from tandem.envs.sandbox import SandboxLimits
 from tandem.envs.swe_pytest import outcomes_from_junit
+from tandem.envs.swe_workspace import SweWorkspace
 
 BUGGY = "def add(a, b):\n    return a + b\n\n\ndef clamp(x, low, high):\n    return max(low, x)\n"
 FIXED = BUGGY.replace("return max(low, x)", "return max(low, min(x, high))")
@@ -93,14 +95,17 @@ def wrapper(folder: Path, name: str, line: str) -> Path:
     return script
 
 
+def fast_python(folder: Path) -> Path:
+    """tandem's interpreter without the heavy pytest plugins (hypothesis, schemathesis) its virtual
+    environment autoloads, which this repository does not use: a test run takes a fraction of the time."""
+    return wrapper(folder, "python", f'PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec {sys.executable} "$@"')
+
+
 @pytest.fixture(scope="module")
 def env(instance_files):
     path, repos = instance_files
-    # tandem's virtual environment autoloads heavy pytest plugins (hypothesis, schemathesis) that this
-    # repository does not use; without them a test run takes a fraction of the time
-    python = wrapper(path.parent, "python", f'PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec {sys.executable} "$@"')
     return load_environment("swe", instances_path=str(path), repos_dir=str(repos), num_eval_examples=1,
-                            test_runner="pytest", python=str(python))
+                            test_runner="pytest", python=str(fast_python(path.parent)))
 
 
 def play(env, scripted_client, calls: list[tuple[str, dict]]):
@@ -178,3 +183,16 @@ def test_unknown_runners_and_interpreters_without_pytest_are_refused(instance_fi
     with pytest.raises(ValueError, match="does not run"):
         load_environment("swe", instances_path=str(path), repos_dir=str(repos), test_runner="pytest",
                          python=str(tmp_path / "nothing"))
+
+
+def test_demonstrations_replay_the_fix_under_pytest(instance_files):
+    path, repos = instance_files
+    [row] = swe.sft_examples(1, instances_path=str(path), repos_dir=str(repos), num_eval_examples=0,
+                             test_runner="pytest", python=str(fast_python(path.parent)))
+    replies = [m["content"] for m in row["messages"] if m["role"] == "tool"]
+    assert replies[0] == replies[-1] == "PASSED: 4 tests ran: 4 passed" and "Replaced 1 occurrence" in replies[-2]
+
+
+def test_a_run_before_the_test_patch_adds_the_only_test_file_runs_nothing(tmp_path):
+    workspace = SweWorkspace(tmp_path, ["tests/test_new.py"], SandboxLimits(), pytest_python=sys.executable)
+    assert asyncio.run(workspace.run_tests()).report == "FAILED: no test ran"
