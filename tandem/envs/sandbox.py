@@ -11,10 +11,11 @@ On Linux, `run_python_sandboxed` enforces:
   (RLIMIT_NPROC, which counts per uid, so fork bombs stop there); every process of that uid is
   killed after the run, including ones that left the process group; a network namespace with
   no interface but a down loopback (no network); and a mount namespace in which /tmp, /var/tmp,
-  /dev/shm and /run/lock are private tmpfs that vanish with the run (the work directory, if it
-  was under one of them, is bound back at its path; the interpreter's installation is bound
-  read-only into the private /tmp, since the fresh uid may not reach it where it is, e.g. under
-  root's 0700 home).
+  /dev/shm and /run/lock are private tmpfs that vanish with the run (the work directory and a
+  report folder, if under one of them, are bound back at their paths; the interpreter's
+  installation is bound read-only into the private /tmp, since the fresh uid may not reach it
+  where it is, e.g. under root's 0700 home; a virtual environment's site-packages too, when its
+  interpreter runs with its packages).
 - when not root: none of the root-only parts. Such a sandbox can write wherever the user can
   and reach the network, and a fork bomb is bounded only by CPU and wall-clock time; the
   `enforced` dict of each result says which parts held, and tests needing them skip.
@@ -71,16 +72,26 @@ class SandboxResult:
 
 
 async def run_python_sandboxed(
-    args: list[str], workdir: Path, limits: SandboxLimits, stdin: bytes = b""
+    args: list[str], workdir: Path, limits: SandboxLimits, stdin: bytes = b"",
+    interpreter: str | None = None, report_dir: Path | None = None,
 ) -> SandboxResult:
-    """Run `python -I <args>` in `workdir` under `limits`, this process's interpreter (its
-    standard library only); never raises for what the program does."""
+    """Run `python <args>` in `workdir` under `limits`; never raises for what the program does.
+
+    `interpreter` None: this process's interpreter, its standard library only (`-I`). A path: that
+    interpreter with the packages installed in it (a virtual environment's too), run with `-E -s -B`
+    rather than `-I`, so that the working directory comes first on `sys.path` as `python -m pytest`
+    in a checkout expects. `report_dir`: an empty folder outside `workdir` that the run may write too
+    (handed to the sandbox uid, kept visible under the private /tmp), for output read after the run."""
     uid = random.randrange(*_UID_RANGE) if os.geteuid() == 0 else None
     if uid is not None:
         _chown_tree(workdir, uid)
-    config = {**asdict(limits), "uid": uid}
+        if report_dir is not None:
+            os.lchown(report_dir, uid, uid)
+    config = {**asdict(limits), "uid": uid, "packages": interpreter is not None,
+              "report_dir": None if report_dir is None else str(report_dir)}
+    flags = ["-I"] if interpreter is None else ["-E", "-s", "-B"]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", str(LAUNCHER), json.dumps(config), "-I", *args,
+        interpreter or sys.executable, "-I", str(LAUNCHER), json.dumps(config), *flags, *args,
         cwd=workdir, env=_clean_env(workdir), start_new_session=True,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )

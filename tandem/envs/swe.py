@@ -7,7 +7,10 @@ seconds. `run_tests` runs every test of the instance's test files as the workspa
 hidden FAIL_TO_PASS tests, which the test patch adds). When the episode ends, `swe_grading` restores the
 test files, applies the test patch and runs FAIL_TO_PASS and PASS_TO_PASS: reward 1 when the instance is
 resolved (SWE-bench's rule), else 0; `partial_credit` scores the share of FAIL_TO_PASS tests that pass
-instead (0 when a PASS_TO_PASS test breaks). Tests run in `sandbox.run_python_sandboxed` under `limits`.
+instead (0 when a PASS_TO_PASS test breaks). Tests run in `sandbox.run_python_sandboxed` under `limits`,
+by `test_runner`: `harness` (`swe_workspace`: tandem's interpreter, standard library only, no pytest
+fixtures or parametrized ids) or `pytest` (`swe_pytest`: the pytest of the interpreter `python`, which
+the user gives the repository's dependencies).
 
 Instances come from a local file (SWE-bench's JSON fields), by default the set shipped in `data/swe/`
 (real bug fixes of small MIT-licensed repositories, `swe_mining` builds it); repositories from
@@ -20,6 +23,7 @@ import ast
 import asyncio
 import logging
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,6 +54,7 @@ from tandem.envs.swe_instances import (
     read_files,
     read_instances,
 )
+from tandem.envs.swe_pytest import check_pytest
 from tandem.envs.swe_workspace import SweWorkspace
 from tandem.envs.tool_env import ToolEnv, demo_tool_turn
 from tandem.envs.tool_schema import tool_schema
@@ -96,13 +101,14 @@ STATE_ARGS = ("workspace",)
 
 class SweEnv(ToolEnv):
     def __init__(self, instances: dict[str, PreparedInstance], store: RepositoryStore, limits: SandboxLimits,
-                 time_budget_s: float, skipped: dict[str, str], **kwargs: Any):
+                 time_budget_s: float, skipped: dict[str, str], pytest_python: str | None = None, **kwargs: Any):
         kwargs.setdefault("tool_timeout_s", limits.wall_s + 15.0)  # a test run ends at its own wall limit first
         super().__init__(tools=TOOLS, state_args=STATE_ARGS, **kwargs)
         if time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0, got {time_budget_s}")
         self.instances, self.store, self.limits = instances, store, limits
         self.time_budget_s = time_budget_s
+        self.pytest_python = pytest_python  # None: the standard-library harness runs the tests
         self.skipped = skipped  # instance id -> why it was left out at load
 
     def setup_state(self, state: State, **kwargs: Any) -> State:
@@ -132,7 +138,7 @@ class SweEnv(ToolEnv):
         there; the directory is gone when this returns, whatever happened."""
         prepared = self.instances[(info or {})["instance_id"]]
         with tempfile.TemporaryDirectory(prefix="tandem-swe-", ignore_cleanup_errors=True) as workdir:
-            workspace = await _checkout(self.store, prepared, Path(workdir), self.limits)
+            workspace = await _checkout(self.store, prepared, Path(workdir), self.limits, self.pytest_python)
             token = _workspace.set(workspace)
             try:
                 completion, state = await super().rollout(client, model, prompt, answer, task, info, sampling_args)
@@ -148,11 +154,12 @@ class SweEnv(ToolEnv):
         return completion, state
 
 
-async def _checkout(store: RepositoryStore, prepared: PreparedInstance, workdir: Path, limits: SandboxLimits) -> SweWorkspace:
+async def _checkout(store: RepositoryStore, prepared: PreparedInstance, workdir: Path, limits: SandboxLimits,
+                    pytest_python: str | None = None) -> SweWorkspace:
     instance = prepared.instance
     root = workdir / "repo"
     await store.extract(instance.repo, instance.base_commit, root)
-    return SweWorkspace(root, instance.test_files, limits)
+    return SweWorkspace(root, instance.test_files, limits, pytest_python)
 
 
 def resolved_reward(state: State) -> float:
@@ -182,7 +189,7 @@ def _row(prepared: PreparedInstance) -> dict[str, Any]:
 
 
 async def _usable(store: RepositoryStore, instances: list[SweInstance], limits: SandboxLimits,
-                  max_concurrent: int) -> tuple[dict[str, PreparedInstance], dict[str, str]]:
+                  max_concurrent: int, pytest_python: str | None) -> tuple[dict[str, PreparedInstance], dict[str, str]]:
     """(instance id -> prepared instance, instance id -> why it was skipped), each checked at its base commit."""
     semaphore = asyncio.Semaphore(max_concurrent)
 
@@ -190,7 +197,7 @@ async def _usable(store: RepositoryStore, instances: list[SweInstance], limits: 
         async with semaphore:
             prepared = prepare(store, instance)
             with tempfile.TemporaryDirectory(prefix="tandem-swe-", ignore_cleanup_errors=True) as workdir:
-                await check_at_base(await _checkout(store, prepared, Path(workdir), limits), prepared)
+                await check_at_base(await _checkout(store, prepared, Path(workdir), limits, pytest_python), prepared)
             return prepared
 
     results = await asyncio.gather(*(check(i) for i in instances), return_exceptions=True)
@@ -206,7 +213,8 @@ async def _usable(store: RepositoryStore, instances: list[SweInstance], limits: 
 
 
 def _load(instances_path: str | Path | None, repos_dir: str | Path | None, instance_ids: list[str] | None,
-          limits: SandboxLimits, max_concurrent_checks: int) -> tuple[RepositoryStore, dict[str, PreparedInstance], dict[str, str]]:
+          limits: SandboxLimits, max_concurrent_checks: int,
+          pytest_python: str | None) -> tuple[RepositoryStore, dict[str, PreparedInstance], dict[str, str]]:
     path = Path(instances_path) if instances_path is not None else DATA_DIR / "instances.json"
     instances = read_instances(path)
     if instance_ids is not None:
@@ -215,7 +223,7 @@ def _load(instances_path: str | Path | None, repos_dir: str | Path | None, insta
             raise ValueError(f"instance_ids: {unknown} are not in {path}")
         instances = [i for i in instances if i.instance_id in set(instance_ids)]
     store = RepositoryStore(Path(repos_dir) if repos_dir is not None else DATA_DIR / "repos")
-    usable, skipped = asyncio.run(_usable(store, instances, limits, max_concurrent_checks))
+    usable, skipped = asyncio.run(_usable(store, instances, limits, max_concurrent_checks, pytest_python))
     for instance_id, reason in skipped.items():
         log.warning("swe: skipped instance %s: %s", instance_id, reason)
     return store, usable, skipped
@@ -236,20 +244,27 @@ def load_environment(
     partial_credit: bool = False,
     limits: dict[str, Any] | None = None,
     max_concurrent_checks: int = 4,
+    test_runner: str = "harness",
+    python: str | None = None,
     **kwargs: Any,
 ) -> SweEnv:
     """`instances_path`: a JSON or JSON Lines file of SWE-bench instances (default: the shipped set);
     `repos_dir`: the folder of their repositories (default: the shipped bundles); `instance_ids`: use only
     these. The usable instances are split, seeded, into `num_eval_examples` held out and the rest for
     training. `limits`: `SandboxLimits` fields (cpu_s, memory_mb, wall_s, ...); `max_concurrent_checks`:
-    instances checked at their base commit at once while loading."""
+    instances checked at their base commit at once while loading. `test_runner`: `harness` (tandem's
+    interpreter, standard library only) or `pytest` (the repository's own pytest, run by `python`: an
+    interpreter with the repository's dependencies and pytest; default tandem's own, `sys.executable`)."""
     sandbox_limits = SandboxLimits(**(limits or {}))
-    store, usable, skipped = _load(instances_path, repos_dir, instance_ids, sandbox_limits, max_concurrent_checks)
+    pytest_python = _pytest_python(test_runner, python)
+    store, usable, skipped = _load(instances_path, repos_dir, instance_ids, sandbox_limits, max_concurrent_checks,
+                                   pytest_python)
     train, eval_ids = _splits(usable, num_eval_examples, seed)
     rubric = Rubric(funcs=[resolved_reward, fail_to_pass_reward, num_pass_to_pass_broken, num_sandbox_violations],
                     weights=[0.0, 1.0, 0.0, 0.0] if partial_credit else [1.0, 0.0, 0.0, 0.0])
     return SweEnv(
         instances=usable, store=store, limits=sandbox_limits, time_budget_s=time_budget_s, skipped=skipped,
+        pytest_python=pytest_python,
         max_turns=max_turns,
         dataset=[_row(usable[i]) for i in train],
         eval_dataset=[_row(usable[i]) for i in eval_ids],
@@ -257,6 +272,19 @@ def load_environment(
         rubric=rubric,
         **kwargs,
     )
+
+
+def _pytest_python(test_runner: str, python: str | None) -> str | None:
+    """The interpreter whose pytest runs the tests (checked now, once), or None for the harness."""
+    if test_runner == "harness":
+        if python is not None:
+            log.warning("swe: python = %r has no effect with test_runner = 'harness' (set test_runner = 'pytest')", python)
+        return None
+    if test_runner != "pytest":
+        raise ValueError(f"swe: test_runner = {test_runner!r} is not a test runner: use 'harness' or 'pytest'")
+    python = python if python is not None else sys.executable
+    check_pytest(python)
+    return python
 
 
 class NotDemonstrable(Exception):
@@ -329,7 +357,8 @@ def _enclosing_function(source: str, line: int) -> str | None:
     return name if sum(n.name == name for n in functions) == 1 else None
 
 
-async def _demonstration(store: RepositoryStore, prepared: PreparedInstance, limits: SandboxLimits) -> Messages:
+async def _demonstration(store: RepositoryStore, prepared: PreparedInstance, limits: SandboxLimits,
+                         pytest_python: str | None) -> Messages:
     """Run the tests, view each function the gold patch changes, make its edits, run the tests again:
     with the tools' real replies."""
     instance = prepared.instance
@@ -339,7 +368,7 @@ async def _demonstration(store: RepositoryStore, prepared: PreparedInstance, lim
     edits = gold_edits(instance.patch, sources)
     messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": _question(instance)}]
     with tempfile.TemporaryDirectory(prefix="tandem-swe-", ignore_cleanup_errors=True) as workdir:
-        workspace = await _checkout(store, prepared, Path(workdir), limits)
+        workspace = await _checkout(store, prepared, Path(workdir), limits, pytest_python)
         calls = 0
 
         def turn(name: str, arguments: dict[str, Any], reply: str) -> None:
@@ -365,15 +394,17 @@ async def _demonstration(store: RepositoryStore, prepared: PreparedInstance, lim
 def sft_examples(
     n: int, seed: int = 0, num_eval_examples: int = 8, instances_path: str | None = None, repos_dir: str | None = None,
     instance_ids: list[str] | None = None, limits: dict[str, Any] | None = None, max_concurrent: int = 4,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, test_runner: str = "harness", python: str | None = None,
 ) -> list[dict[str, Any]]:
     """`n` chats `{"messages": [...], "tools": [...]}` replaying the gold patches of the training instances
-    of `load_environment` with the same instances, seed and `num_eval_examples` (never an eval one), with
+    of `load_environment` with the same instances, seed, `num_eval_examples` (never an eval one) and
+    `test_runner` and `python` (the same instances are usable), with
     the tools' real replies, in the split's order and over again until there are `n` (each instance's
     demonstration is made once). Instances whose patch the tools cannot replay (`NotDemonstrable`) are left
     out. `progress(done)` after each distinct demonstration, and `progress(n)` once all `n` rows are made."""
     sandbox_limits = SandboxLimits(**(limits or {}))
-    store, usable, _ = _load(instances_path, repos_dir, instance_ids, sandbox_limits, max_concurrent)
+    pytest_python = _pytest_python(test_runner, python)
+    store, usable, _ = _load(instances_path, repos_dir, instance_ids, sandbox_limits, max_concurrent, pytest_python)
     train, _ = _splits(usable, num_eval_examples, seed)
     schemas = [tool_schema(tool, hidden=STATE_ARGS) for tool in TOOLS]
     done = 0
@@ -385,7 +416,7 @@ def sft_examples(
             nonlocal done
             async with semaphore:
                 try:
-                    messages = await _demonstration(store, usable[instance_id], sandbox_limits)
+                    messages = await _demonstration(store, usable[instance_id], sandbox_limits, pytest_python)
                 except NotDemonstrable as error:
                     log.info("swe: no demonstration of %s: %s", instance_id, error)
                     messages = None

@@ -1,12 +1,13 @@
 """One SWE instance's repository on disk, and its tests run in the sandbox, test by test.
 
-The harness needs only the standard library (the sandbox runs tandem's interpreter, not the
-repository's environment): it runs `unittest.TestCase` methods and plain `test*` functions without
-arguments, by pytest node id (`path.py::Class::method`, `path.py::function`); parametrized ids and
-pytest fixtures are not supported (such a test is reported missing). The repository root and its
-`src/` folder, where present, are put on `sys.path`.
+By default the tests run in `HARNESS`, which needs only the standard library (the sandbox runs
+tandem's interpreter, not the repository's environment): it runs `unittest.TestCase` methods and plain
+`test*` functions without arguments, by pytest node id (`path.py::Class::method`, `path.py::function`);
+parametrized ids and pytest fixtures are not supported (such a test is reported missing). The repository
+root and its `src/` folder, where present, are put on `sys.path`. With `pytest_python`, the repository's
+own pytest runs them instead (`swe_pytest`).
 
-What a result proves, as `code_fix_workspace` states for its harness: every `.py` file of the folders
+What a harness result proves, as `code_fix_workspace` states for its harness: every `.py` file of the folders
 holding the test files is read before any code runs, and imported from that copy, so code under test
 that rewrites tests while they run changes nothing; outcomes come back on a line carrying a per-run
 secret, so a fake printed report counts for nothing, and a run that dies early has no outcome (every
@@ -26,7 +27,8 @@ from tandem.envs.code_fix_workspace import (
     TestRun,
     Workspace,
 )
-from tandem.envs.sandbox import SandboxLimits, run_python_sandboxed
+from tandem.envs.sandbox import SandboxLimits, SandboxResult, run_python_sandboxed
+from tandem.envs.swe_pytest import run_pytest
 
 # stdin: the secret, then {"files": [...], "ids": [...] or null (every test of the files)}.
 HARNESS = r'''
@@ -130,6 +132,12 @@ def collect(path, module):
     return ids
 
 
+def needs_arguments(function):
+    # pytest would pass fixtures or parameters; this harness has none to give
+    return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in inspect.signature(function).parameters.values())
+
+
 def run_function(test_id, function):
     try:
         function()
@@ -165,7 +173,7 @@ with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             test = owner(names[1])
             ids_of[id(test)] = test_id
             suite.addTest(test)
-        elif len(names) == 1 and inspect.isfunction(owner):
+        elif len(names) == 1 and inspect.isfunction(owner) and not needs_arguments(owner):
             functions.append((test_id, owner))
         else:
             outcomes[test_id] = "missing"
@@ -191,9 +199,11 @@ class TestOutcomes:
 class SweWorkspace(Workspace):
     """The repository of one rollout, and the test runs made in it."""
 
-    def __init__(self, root: Path, test_files: list[str], limits: SandboxLimits):
+    def __init__(self, root: Path, test_files: list[str], limits: SandboxLimits, pytest_python: str | None = None):
         super().__init__(root, num_tests=0, limits=limits)  # the count is code_fix's; here each test reports itself
         self.test_files = test_files
+        self.pytest_python = pytest_python
+        """None: tests run in the standard-library harness; a path: in that interpreter's pytest (`swe_pytest`)."""
 
     async def run_tests(self) -> TestRun:
         """The agent's test run: every test of the instance's test files as they stand."""
@@ -201,26 +211,38 @@ class SweWorkspace(Workspace):
 
     async def run(self, ids: list[str] | None) -> tuple[TestOutcomes, TestRun]:
         """Run the tests `ids` (None: every test the test files define)."""
-        secret = secrets.token_hex(16)
         # The agent's runs skip test files the test patch has yet to add.
         files = self.test_files if ids is not None else [f for f in self.test_files if (self.root / f).is_file()]
+        if self.pytest_python is None:
+            found, result = await self._run_harness(files, ids)
+        else:
+            found, result = await run_pytest(self.pytest_python, self.root, files, ids, self.limits)
+        output = result.output.replace(f"{self.root}/", "").strip()
+        outcomes = TestOutcomes({}, {})
+        if found is not None and result.violation is None:
+            details = {test_id: text.replace(f"{self.root}/", "") for test_id, text in found[1].items()}
+            outcomes = TestOutcomes(found[0], details)
+        if result.violation is None:  # RLIMIT_AS and RLIMIT_FSIZE make Python raise rather than die
+            seen = output + "".join(outcomes.details.values())
+            result.violation = next((name for error, name in _LIMIT_ERRORS.items() if error in seen), None)
+        report = _report(outcomes, result.violation, output) if found is not None or result.violation else _ended_early(output)
+        run = TestRun(result.violation is None and bool(outcomes.outcomes) and _all_pass(outcomes), report, result)
+        self.runs.append(run)
+        return outcomes, run
+
+    async def _run_harness(self, files: list[str], ids: list[str] | None) -> tuple[tuple[dict[str, str], dict[str, str]] | None, SandboxResult]:
+        """`HARNESS` in the sandbox: its (outcomes, details), None when it printed none; the run, its
+        output without the report line."""
+        secret = secrets.token_hex(16)
         request = json.dumps({"files": files, "ids": ids})
         result = await run_python_sandboxed(["-B", "-c", HARNESS], self.root, self.limits,
                                             stdin=f"{secret}\n{request}\n".encode())
         found = re.findall(rf"^{secret} (.*)$", result.output, re.MULTILINE)
-        output = re.sub(rf"^{secret} .*$", "", result.output, flags=re.MULTILINE).replace(f"{self.root}/", "").strip()
-        outcomes = TestOutcomes({}, {})
-        if found and result.violation is None:
-            record = json.loads(found[-1])
-            details = {test_id: text.replace(f"{self.root}/", "") for test_id, text in record["details"].items()}
-            outcomes = TestOutcomes(record["outcomes"], details)
-        if result.violation is None:  # RLIMIT_AS and RLIMIT_FSIZE make Python raise rather than die
-            seen = output + "".join(outcomes.details.values())
-            result.violation = next((name for error, name in _LIMIT_ERRORS.items() if error in seen), None)
-        report = _report(outcomes, result.violation, output) if found or result.violation else _ended_early(output)
-        run = TestRun(result.violation is None and bool(outcomes.outcomes) and _all_pass(outcomes), report, result)
-        self.runs.append(run)
-        return outcomes, run
+        result.output = re.sub(rf"^{secret} .*$", "", result.output, flags=re.MULTILINE)
+        if not found:
+            return None, result
+        record = json.loads(found[-1])
+        return (record["outcomes"], record["details"]), result
 
 
 def _ended_early(output: str) -> str:

@@ -3,6 +3,7 @@ as on a machine where the kernel refuses namespaces; the full confinement is exe
 hostile-completion tests of test_code_fix.py."""
 
 import asyncio
+import sys
 import time
 
 from tandem.envs.sandbox import SandboxLimits, run_python_sandboxed
@@ -34,3 +35,15 @@ def test_input_reaches_the_program(tmp_path):
     echo = asyncio.run(run_python_sandboxed(["-c", "import sys; print(sys.stdin.read()[::-1])"], tmp_path,
                                             SandboxLimits(isolate=False), stdin=b"abc"))
     assert echo.output.strip() == "cba" and echo.violation is None
+
+
+def test_another_interpreter_runs_with_its_packages_and_may_write_the_report_folder(tmp_path):
+    """What `swe`'s pytest runner relies on, with the full confinement where this process may set it up."""
+    work, reports = tmp_path / "work", tmp_path / "reports"
+    work.mkdir()
+    reports.mkdir()
+    code = "import sys, pytest; print(sys.path[0] == ''); open(sys.argv[1], 'w').write('ok')"
+    result = asyncio.run(run_python_sandboxed(["-c", code, str(reports / "r.txt")], work, SandboxLimits(),
+                                              interpreter=sys.executable, report_dir=reports))
+    assert (result.violation, result.output.strip()) == (None, "True")  # the working directory comes first
+    assert (reports / "r.txt").read_text() == "ok"

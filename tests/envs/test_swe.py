@@ -91,9 +91,9 @@ def test_every_shipped_instance_is_resolved_by_its_gold_patch_only():
 def test_replaying_the_fix_with_the_tools_scores_one(env, scripted_client, monkeypatch):
     folders, checkout = [], swe._checkout
 
-    async def recorded(store, prepared, workdir, limits):
+    async def recorded(store, prepared, workdir, *rest):
         folders.append(workdir)
-        return await checkout(store, prepared, workdir, limits)
+        return await checkout(store, prepared, workdir, *rest)
 
     monkeypatch.setattr(swe, "_checkout", recorded)
     calls = gold_calls(BY_ID[KEYS])
