@@ -16,6 +16,8 @@ from pathlib import Path
 from tandem.monitor.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
+API_KEY = "sk-tandem-7e1f0c2a"
+"""The server's key in the runs that look for where a secret goes (test_secrets.py)."""
 
 
 def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
