@@ -130,7 +130,10 @@ def test_two_trainer_ranks_run_under_torchrun(sft_config, tmp_path):
     """`deployment.num_trainer_processes = 2`: the launcher starts the trainer under torchrun (gloo),
     the orchestrator writes a batch file per rank, and the run ends like a one-rank run."""
     out = tmp_path / "two-ranks"
-    result = tandem(*rl_args(sft_config, out, 3, "--deployment.num-trainer-processes", "2", "--ckpt.enabled", "false"))
+    # The wiring is the point, not learning: small batches of short rollouts, no evals.
+    small = ("--orchestrator.batch-size", "8", "--orchestrator.group-size", "4", "--orchestrator.sampling.max-tokens", "16",
+             "--orchestrator.eval.interval", "0")
+    result = tandem(*rl_args(sft_config, out, 3, "--deployment.num-trainer-processes", "2", "--ckpt.enabled", "false", *small))
     assert result.returncode == 0, result.stderr[-3000:]
     assert steps_of(out, "trainer", "loss") == [1, 2, 3]
     for step in (1, 2, 3):
