@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -150,11 +151,12 @@ def test_broadcast_weights_to_two_servers_give_the_rewards_of_folders(sft_config
             "--orchestrator.advantage.filter-zero-groups", "false", "--orchestrator.batch-size", "32",
             "--orchestrator.eval.interval", "0", "--ckpt.enabled", "false")
     folders, broadcast = tmp_path / "folders", tmp_path / "broadcast"
-    first = tandem(*rl_args(sft_config, folders, 3, *same))
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = tandem(*rl_args(sft_config, broadcast, 3, *same, "--weight-transport.type", "broadcast",
-                             "--deployment.num-inference-servers", "2"))
-    assert second.returncode == 0, second.stderr[-3000:]
+    runs = (rl_args(sft_config, folders, 3, *same),
+            rl_args(sft_config, broadcast, 3, *same, "--weight-transport.type", "broadcast",
+                    "--deployment.num-inference-servers", "2"))
+    with ThreadPoolExecutor() as pool:  # side by side: a synchronous run leaves a CI core idle while it waits
+        for result in pool.map(lambda args: tandem(*args), runs):
+            assert result.returncode == 0, result.stderr[-3000:]
 
     def rewards(run_dir: Path) -> list[float]:
         return [r["reward/mean"] for r in read_metrics(run_dir, "orchestrator") if "reward/mean" in r]
