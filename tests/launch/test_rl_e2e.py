@@ -21,7 +21,7 @@ import pytest
 from short_runs import run_pids, start
 
 from tandem.monitor.metrics import read_metrics
-from tandem.transport.paths import is_stable, rollout_file, weights_dir
+from tandem.transport.paths import final_weights_dir, is_stable, rollout_file, weights_dir
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "reverse_text"
@@ -84,11 +84,31 @@ def steps_of(run_dir: Path, process: str, key: str) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir, process) if key in r]
 
 
-def test_rl_learns_from_the_warm_up(sft_config, tmp_path):
+LORA = ("--trainer.lora.enabled", "true", "--trainer.optim.lr", "2e-3", "--weight-transport.type", "broadcast",
+        "--ckpt.enabled", "false", "--orchestrator.eval.interval", "0")
+"""The LoRA run's options: its test reads the training reward, so it runs no evals."""
+
+
+@pytest.fixture(scope="module")
+def learning_runs(sft_config, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The example's run, 12 steps from the cut warm-up that `tandem rl` runs first, and the LoRA run, 12 steps
+    from the same model, by name. The LoRA run starts once the warm-up has published its model, and the two learn
+    side by side (CI's time: a run's server and trainer wait on each other at times, leaving a core to the other
+    run; one torch thread per process, `short_runs.env`, keeps their threads from outnumbering the cores)."""
+    root = tmp_path_factory.mktemp("learning")
+    model = final_weights_dir(sft_config.parent / "sft")
+    with ThreadPoolExecutor() as pool:
+        full = pool.submit(tandem, *rl_args(sft_config, root / "full", 12))
+        while not is_stable(model) and not full.done():  # a failed warm-up: the LoRA run then fails on its folder
+            time.sleep(1)
+        lora = pool.submit(tandem, *rl_args(sft_config, root / "lora", 12, *LORA))
+        return {"full": (full.result(), root / "full"), "lora": (lora.result(), root / "lora")}
+
+
+def test_rl_learns_from_the_warm_up(learning_runs):
     """The example's run, 12 steps from the cut warm-up: reward rises. Resuming is tested on its own
     (tests/launch/test_resume_records.py: a stopped and resumed run against one that never stopped)."""
-    out = tmp_path / "rl"
-    result = tandem(*rl_args(sft_config, out, 12))
+    result, out = learning_runs["full"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "running the SFT warm-up" in result.stderr
     assert (out / "report.html").is_file()
@@ -167,12 +187,10 @@ def test_broadcast_weights_to_two_servers_give_the_rewards_of_folders(sft_config
     assert not weights_dir(broadcast, 2).exists() and is_stable(weights_dir(broadcast, 3))  # only the result is written
 
 
-def test_lora_rl_learns_with_its_adapters_broadcast(sft_config, tmp_path):
+def test_lora_rl_learns_with_its_adapters_broadcast(learning_runs):
     """`trainer.lora`: only the adapters train and travel (broadcast over gloo, kilobytes), the server merges each
     update into its kept base; trainer and server agree as with full weights (mismatch KL), and reward rises."""
-    out = tmp_path / "lora"
-    result = tandem(*rl_args(sft_config, out, 12, "--trainer.lora.enabled", "true", "--trainer.optim.lr", "2e-3",
-                             "--weight-transport.type", "broadcast", "--ckpt.enabled", "false"))
+    result, out = learning_runs["lora"]
     assert result.returncode == 0, result.stderr[-3000:]
     trainer = list(read_metrics(out, "trainer"))
     kls = [r["mismatch_kl"] for r in trainer if r["mismatch_kl"] is not None]
