@@ -18,7 +18,7 @@ from tandem.trainer.micro_batch import zigzag_indices
 
 from test_distributed import BENCHMARK, torchrun_trainer
 from test_expert_parallel import torchrun_env
-from trainer_helpers import metrics, run_trainer
+from trainer_helpers import metrics, one_thread, run_trainer
 
 HERE = Path(__file__).resolve().parent
 
@@ -81,7 +81,8 @@ def test_cp_2_trains_like_one_rank(tiny_model, tmp_path):
     one, cp2 = tmp_path / "one", tmp_path / "cp2"
     with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
         launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(cp2), "--parallel.cp", "2", nproc=2)
-        assert run_trainer(*common, "--output-dir", str(one)) == 0
+        with one_thread():
+            assert run_trainer(*common, "--output-dir", str(one)) == 0
         result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     assert len({m["loss"] for m in metrics(one)}) == 3  # the trajectory moves
@@ -136,7 +137,8 @@ def test_sft_at_cp_2_trains_and_evaluates_like_one_rank(tiny_model, tmp_path):
            *common, "--device", "cpu", "--output-dir", str(cp2), "--parallel.cp", "2"]
     with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run
         launched = pool.submit(subprocess.run, cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
-        assert sft(*common, "--output-dir", str(one)) == 0
+        with one_thread():
+            assert sft(*common, "--output-dir", str(one)) == 0
         result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     ref, got = metrics(one, "sft"), metrics(cp2, "sft")
