@@ -16,6 +16,8 @@ from pathlib import Path
 from tandem.monitor.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
+API_KEY = "sk-tandem-7e1f0c2a"
+"""The server's key in the runs that look for where a secret goes (test_secrets.py)."""
 
 
 def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
@@ -27,8 +29,10 @@ def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]
 
 
 def env() -> dict[str, str]:
-    """The environment of a user's shell: no TANDEM_* variable of the test session's."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    """The environment of a user's shell (no TANDEM_* variable of the test session's), with one torch thread per
+    process: a run's server and trainer compute at once, and at torch's default of a thread per core each, their
+    threads outnumber the cores, so every small op of one waits for the other's threads to get a core back."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")} | {"OMP_NUM_THREADS": "1"}
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:

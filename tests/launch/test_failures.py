@@ -3,7 +3,7 @@ an inference server that hangs (SIGSTOP) instead of dying, a write into the run 
 
 Stated bound: the run ends within END_S of the death (of `hang_timeout_s` + END_S for a hang), names the
 process at fault, leaves no process running, and leaves nothing half-written that a resume would trust (weights marked STABLE are whole,
-checkpoints marked complete are, every rollout file decodes). The trainer's death is in test_rl_e2e.py.
+checkpoints marked complete are, every rollout file decodes).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def kill_survivors(pids: dict[str, int]) -> list[str]:
     return survivors
 
 
-@pytest.mark.parametrize("victim", ["inference", "orchestrator"])
+@pytest.mark.parametrize("victim", ["inference", "orchestrator", "trainer"])
 def test_a_killed_process_ends_the_run_naming_it(model, tmp_path, victim):
     stderr, ended_s = inject(model, tmp_path / "run", lambda pids: os.kill(pids[victim], signal.SIGKILL))
     assert ended_s < END_S and f"the {victim} process failed" in stderr, (ended_s, stderr[-3000:])

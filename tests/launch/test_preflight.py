@@ -4,13 +4,13 @@ and trainer preflight processes, real files; mismatch KL, the chat-template pref
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from contextlib import contextmanager
 
 import pytest
+from short_runs import env
 
 from tandem.config.resolve import parse_rl_args
 from tandem.inference.server import BackgroundServer
@@ -135,11 +135,10 @@ def test_a_server_that_does_not_answer_stops_the_orchestrator_preflight_naming_i
 def test_preflight_only_runs_the_checks_and_nothing_else(tiny, tmp_path):
     """`tandem rl --preflight-only`: the real launcher, server and trainer processes; no step is trained."""
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     done = subprocess.run([sys.executable, "-m", "tandem.cli", "rl", "--model.name", str(tiny), "--output-dir", str(out),
                            "--preflight-only", "--seq-len", "256", "--orchestrator.batch-size", "8",
                            "--orchestrator.group-size", "4", "--inference.server.port", "0"],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mismatch KL (probe)" in done.stdout and (preflight_dir(out) / "report.json").is_file()
     assert not (out / "metrics.jsonl").exists() and not (out / "rollouts").exists()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from short_runs import env
 
 from tandem.monitor.metrics import read_metrics
 
@@ -74,11 +74,10 @@ def test_summary_compares_level_1_with_each_side_alone_at_level_0(rl_loop):
 def test_benchmark_runs_the_async_loop_on_the_cpu(tmp_path):
     """Level 1 of the real loop (three processes, tiny model, fixed-length rollouts), figures from its metrics."""
     out = tmp_path / "rl-loop.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     cmd = [sys.executable, str(BENCHMARK), "--preset", "tiny", "--device", "cpu", "--levels", "1", "--steps", "4",
            "--warmup", "1", "--batch-size", "4", "--group-size", "2", "--completion-tokens", "8", "--seq-len", "128",
            "--keep", str(tmp_path / "runs"), "--out", str(out)]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step time (s)" in result.stdout
     report = json.loads(out.read_text())

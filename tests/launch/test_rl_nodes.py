@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from short_runs import env
 from test_rl_e2e import EXAMPLE, REPO, steps_of, tandem
 
 from tandem.config.resolve import free_port
@@ -44,8 +45,7 @@ def node_args(tiny: Path, out: Path, rank: int, ports: tuple[int, int], max_step
 
 
 def start_node(args: list[str]) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], cwd=REPO, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

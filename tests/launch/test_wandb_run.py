@@ -1,7 +1,7 @@
 """`tandem rl` with W&B in offline mode: what the launcher mirrors, read back from the W&B run it wrote.
 
-Two short runs on CPU from a random tiny model (no warm-up: the mirror is the point): 4 steps, then
-`--resume` to 6 from the checkpoint at step 4; one W&B run holds both.
+The `wandb_run` fixture (conftest.py): two short runs on CPU from a random tiny model (no warm-up: the mirror is
+the point), 4 steps, then `--resume` to 6 from the checkpoint at step 4; one W&B run holds both.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from short_runs import rl_command, run
 
-from tandem.models.presets import init_model
 from tandem.monitor.metrics import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "monitor"))
@@ -20,16 +18,11 @@ import wandb_records  # noqa: E402  (tests/monitor: reads offline W&B runs)
 
 pytestmark = pytest.mark.slow
 
-WANDB = ("--wandb.project", "tandem-test", "--wandb.mode", "offline", "--wandb.samples-interval", "2")
 
-
-def test_a_run_and_its_resume_log_every_figure_into_one_wandb_run(tmp_path):
-    model = init_model("tiny", tmp_path / "model", seed=0)
-    out = tmp_path / "run"
-    first = run(rl_command(model, out, 4, *WANDB))
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run(rl_command(model, out, 6, "--resume", *WANDB))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+def test_a_run_and_its_resume_log_every_figure_into_one_wandb_run(wandb_run):
+    out = wandb_run.out
+    for result in (wandb_run.first, wandb_run.resumed):
+        assert result.returncode == 0, result.stderr[-3000:]
 
     logged = wandb_records.history(out)
     assert [r["trainer/step"] for r in logged if "trainer/loss" in r] == list(range(1, 7))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tandem.trainer.micro_batch import zigzag_indices
 
 from test_distributed import BENCHMARK, torchrun_trainer
 from test_expert_parallel import torchrun_env
-from trainer_helpers import metrics, run_trainer
+from trainer_helpers import metrics, one_thread, run_trainer
 
 HERE = Path(__file__).resolve().parent
 
@@ -78,8 +79,11 @@ def test_cp_2_trains_like_one_rank(tiny_model, tmp_path):
     common = ["--model.name", str(tiny_model), "--data.fake", "--data.fake-rows", "2", "--data.fake-samples-per-row", "3",
               "--max-steps", "3", "--seq-len", "46", "--optim.lr", "3e-3", "--device", "cpu"]
     one, cp2 = tmp_path / "one", tmp_path / "cp2"
-    assert run_trainer(*common, "--output-dir", str(one)) == 0
-    result = torchrun_trainer(*common, "--output-dir", str(cp2), "--parallel.cp", "2", nproc=2)
+    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
+        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(cp2), "--parallel.cp", "2", nproc=2)
+        with one_thread():
+            assert run_trainer(*common, "--output-dir", str(one)) == 0
+        result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     assert len({m["loss"] for m in metrics(one)}) == 3  # the trajectory moves
     for key in ("loss", "grad_norm", "entropy", "num_loss_tokens"):
@@ -105,13 +109,12 @@ def test_long_sequence_benchmark_runs_yarn_and_context_parallel_on_the_cpu(tmp_p
     common = [str(BENCHMARK), "--preset", "tiny", "--device", "cpu", "--max-position-embeddings", "16384",
               "--shapes", "1024:1:2", "--steps", "1", "--warmup", "1", "--ac", "selective", "--chunk-size", "256"]
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    result = subprocess.run([sys.executable, *common, "--baseline", "1024:1:2", "--out", str(one)], env=torchrun_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run([sys.executable, *launcher, *common, "--cp", "2", "--out", str(two)], env=torchrun_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    commands = ([sys.executable, *common, "--baseline", "1024:1:2", "--out", str(one)],
+                [sys.executable, *launcher, *common, "--cp", "2", "--out", str(two)])
+    with ThreadPoolExecutor() as pool:  # side by side: the one-process run (one thread) leaves a CI core idle
+        for result in pool.map(lambda cmd: subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300), commands):
+            assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(one.read_text())
     assert report["max_position_embeddings"] == 16384
     tandem, baseline = report["runs"]
@@ -130,10 +133,13 @@ def test_sft_at_cp_2_trains_and_evaluates_like_one_rank(tiny_model, tmp_path):
     common = ["--model.name", str(tiny_model), "--data.path", str(train), "--seq-len", "90", "--data.rows-per-step", "2",
               "--optim.lr", "3e-3", "--data.eval-fraction", "0.1", "--eval.interval", "3", "--max-steps", "3"]
     one, cp2 = tmp_path / "one", tmp_path / "cp2"
-    assert sft(*common, "--output-dir", str(one)) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tandem.cli", "sft",
            *common, "--device", "cpu", "--output-dir", str(cp2), "--parallel.cp", "2"]
-    result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
+    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run
+        launched = pool.submit(subprocess.run, cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
+        with one_thread():
+            assert sft(*common, "--output-dir", str(one)) == 0
+        result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     ref, got = metrics(one, "sft"), metrics(cp2, "sft")
     assert "eval_loss" in ref[-1]

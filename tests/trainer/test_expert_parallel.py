@@ -18,7 +18,7 @@ from tandem.monitor.logging import setup_logging
 from tandem.transport.paths import weights_dir
 
 from test_distributed import torchrun_trainer
-from trainer_helpers import losses, metrics, run_trainer
+from trainer_helpers import losses, metrics, one_thread, run_trainer
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,7 +73,8 @@ def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe
     one, ep2 = tmp_path / "one", tmp_path / "ep2"
     with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
         launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(ep2), "--parallel.ep", "2", nproc=4)
-        assert run_trainer(*common, "--output-dir", str(one)) == 0
+        with one_thread():
+            assert run_trainer(*common, "--output-dir", str(one)) == 0
         result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     ref = losses(one)
@@ -90,7 +91,8 @@ def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe
     with ThreadPoolExecutor() as pool:
         launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(tmp_path / "ep4"), "--ckpt.resume",
                                "--parallel.ep", "4", nproc=4)
-        returncodes = {"ep1": run_trainer(*common, "--output-dir", str(tmp_path / "ep1"), "--ckpt.resume")}
+        with one_thread():
+            returncodes = {"ep1": run_trainer(*common, "--output-dir", str(tmp_path / "ep1"), "--ckpt.resume")}
         returncodes["ep4"] = launched.result().returncode
     for name in ("ep4", "ep1"):
         out = tmp_path / name
@@ -106,8 +108,11 @@ def test_bias_update_is_the_same_on_two_expert_parallel_ranks_as_on_one(tiny_min
     common = ["--model.name", str(tiny_minimax_model), "--data.fake", "--data.fake-rows", "2", "--max-steps", "2",
               "--seq-len", "32", "--device", "cpu", "--router.bias-update-rate", "0.01"]
     one, two = tmp_path / "one", tmp_path / "two"
-    assert run_trainer(*common, "--output-dir", str(one)) == 0
-    result = torchrun_trainer(*common, "--output-dir", str(two), "--parallel.ep", "2", nproc=2)
+    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
+        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(two), "--parallel.ep", "2", nproc=2)
+        with one_thread():
+            assert run_trainer(*common, "--output-dir", str(one)) == 0
+        result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
     wa, wb = (load_file(weights_dir(run, 2) / "model.safetensors") for run in (one, two))
     biases = [k for k in wa if k.endswith("e_score_correction_bias")]

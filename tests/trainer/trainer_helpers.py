@@ -7,6 +7,7 @@ in-process process group): the same code path as the command, without paying a P
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -16,6 +17,18 @@ from tandem.config.trainer import TrainerConfig
 from tandem.transport.files import atomic_write_bytes
 from tandem.transport.paths import rollout_file
 from tandem.transport.types import PackedRow, TrainingBatch, encode_batch
+
+
+@contextmanager
+def one_thread():
+    """This process at one torch thread while torchrun's ranks (one thread each) run beside it: otherwise the
+    threads of three processes outnumber CI's two cores, and every small op of the in-process run waits for one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_trainer(*args: str) -> int:
