@@ -55,7 +55,7 @@ def test_the_example_warmup_data_can_be_written(folder, monkeypatch, tmp_path):
     async def no_demonstration(row, *_):
         return [{"role": "user", "content": row["question"]}]
 
-    async def no_swe_demonstration(store, prepared, limits):
+    async def no_swe_demonstration(store, prepared, limits, pytest_python):
         return [{"role": "user", "content": prepared.instance.problem_statement}]
 
     monkeypatch.setattr(code_fix, "_demonstration", no_demonstration)
