@@ -96,6 +96,7 @@ def test_engine_logprobs_equal_the_trainers_bitwise(model, dims, request):
     check_parity(request.getfixturevalue(model), dims)  # dense, and a mixture of experts (routing token by token too)
 
 
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
 def test_a_lora_policy_keeps_exact_parity(tiny_model, dims):
     """The engine multiplies by merged weights, the trainer by base + adapters formed at each forward: the one
     function `adapted_weight` makes them the same matrices, so exact mode holds for LoRA policies too."""
