@@ -85,26 +85,33 @@ def projection_names(model: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, source: str, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
-    """Replace every `nn.Linear` whose last name part is in `spec.target_modules` (not those of `skip`) by a
-    `LoraLinear`, in place, and freeze every other parameter; returns the adapted modules' names. `source` (the
-    config file that named the targets) is named by the error when a target names no module."""
-    found = {target: [] for target in spec.target_modules}
-    for name, module in list(model.named_modules()):
-        last = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and not isinstance(module, LoraLinear) and last in found and last not in skip:
-            found[last].append(name)
-    unknown = [target for target, names in found.items() if not names]
-    if unknown:
-        raise ValueError(f"{source}: `lora.target_modules` names {unknown}, which match no linear projection of the model; "
-                         f"its projections are {[n for n in projection_names(model) if n not in skip]}")
+def targeted_linears(model: nn.Module, targets: tuple[str, ...], skip: tuple[str, ...] = ("lm_head",)) -> dict[str, nn.Linear]:
+    """The model's `nn.Linear`s (name -> module) whose last name part is one of `targets` and none of `skip`: what
+    an adapter of those targets adapts, in the trainer and in the engine alike."""
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets and name.rsplit(".", 1)[-1] not in skip}
+
+
+def check_targets(model: nn.Module, targets: tuple[str, ...], found: dict[str, nn.Linear], source: str) -> None:
+    """An error naming `source` and the model's projections when a target matches none of them."""
+    missing = sorted(set(targets) - {name.rsplit(".", 1)[-1] for name in found})
+    if missing:
+        raise ValueError(f"{source} names {missing}, which match no linear projection of the model; its projections "
+                         f"are {[n for n in projection_names(model) if n != 'lm_head']}")
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, source: str) -> list[str]:
+    """Replace every `nn.Linear` that `spec` targets (`targeted_linears`) by a `LoraLinear`, in place, and freeze
+    every other parameter; returns the adapted modules' names. `source` (the config file that named the targets)
+    is named by the error when a target names no module."""
+    found = targeted_linears(model, spec.target_modules)
+    check_targets(model, spec.target_modules, found, f"{source}: `lora.target_modules`")
     model.requires_grad_(False)
-    adapted = sorted(name for names in found.values() for name in names)
-    for name in adapted:
+    for name in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, LoraLinear(getattr(parent, child), spec.rank, spec.scale))
-    return adapted
+    return sorted(found)
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoraLinear]]:

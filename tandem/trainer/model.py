@@ -205,7 +205,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     policy.context_parallel = parallel
     if lora.enabled:
         policy.lora = LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules))
-        apply_lora(lm, policy.lora, source="the config's `lora.target_modules`")
+        apply_lora(lm, policy.lora, source="the trainer's config")
         frozen_dtype = compute_dtype(model, dims.device)  # the base never steps: no fp32 master
         for param in lm.parameters():
             if not param.requires_grad:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.lora import LoraSpec, adapted_weight, adapter_pairs
+from tandem.models.lora import LoraSpec, adapted_weight, adapter_pairs, check_targets, targeted_linears
 
 
 class AdapterMerger:
@@ -22,14 +22,9 @@ class AdapterMerger:
         a target, the LM head never); a target that matches nothing is an error naming `source` and the model's
         projections."""
         self.spec = spec
-        self.params = {f"{name}.weight": module.weight for name, module in model.named_modules()
-                       if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in spec.target_modules
-                       and not name.endswith("lm_head")}
-        found = {name.rsplit(".", 2)[-2] for name in self.params}
-        if missing := sorted(set(spec.target_modules) - found):
-            projections = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-            raise ValueError(f"{source} names {missing}, which match no linear projection of the model; its projections "
-                             f"are {projections}")
+        found = targeted_linears(model, spec.target_modules)
+        check_targets(model, spec.target_modules, found, source)
+        self.params = {f"{name}.weight": module.weight for name, module in found.items()}
         for name, param in self.params.items():
             if not param.is_floating_point() or param.element_size() < 2:
                 raise ValueError(f"{name} is held as {param.dtype}: LoRA adapters merge into bf16, fp16 or fp32 weights")
