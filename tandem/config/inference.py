@@ -35,6 +35,12 @@ class ServerConfig(Section):
     as token ids or as text. Parsing a body holds the event loop (about 50 ms per MiB at worst: a long list of
     one-digit ids), so a larger limit lets one request delay every other request by that much."""
 
+    base_model_name: str | None = None
+    """With LoRA (`engine.lora`): the name the base model, without adapters, is served under beside the policy
+    (`model.name`), for evals against the start; unset: `<model.name>-base`. The vLLM backend serves both (the
+    policy as a LoRA adapter, updated in place); tandem's engine merges each update into its weights and serves
+    the policy alone, so setting it there is an error."""
+
     @property
     def url(self) -> str:
         """The base URL clients reach this server at."""
@@ -189,16 +195,24 @@ class InferenceConfig(ProcessConfig):
         return self
 
     @model_validator(mode="after")
-    def _check_lora_is_merged(self) -> "InferenceConfig":
+    def _check_lora_can_be_served(self) -> "InferenceConfig":
         if not self.engine.lora.enabled:
+            if self.server.base_model_name is not None:
+                raise ValueError("`server.base_model_name` is set but `engine.lora.enabled` is false: the base model "
+                                 "is served apart from the policy only in a LoRA run")
             return self
-        if self.backend == "vllm":
-            raise ValueError("`engine.lora.enabled` with `backend` = 'vllm': tandem does not drive vLLM's LoRA adapters "
-                             "(`--enable-lora`, `/v1/load_lora_adapter`) yet; use the `tandem` backend for LoRA runs")
+        if self.backend == "tandem" and self.server.base_model_name is not None:
+            raise ValueError("`server.base_model_name` with `backend` = 'tandem': tandem's engine merges the adapters into "
+                             "its weights and serves the policy alone; use the vLLM backend to serve the base beside it")
         if self.engine.quantization != "none":
             raise ValueError(f"`engine.lora.enabled` with `engine.quantization` = {self.engine.quantization!r}: adapters are "
                              "merged into the base's weights in `model.dtype`, which FP8 projections do not hold; set one off")
         return self
+
+    @property
+    def base_served_name(self) -> str:
+        """The name the base model is served under in a LoRA run (`server.base_model_name`)."""
+        return self.server.base_model_name or f"{self.model.name}-base"
 
     @model_validator(mode="after")
     def _check_speculative_can_hold(self) -> "InferenceConfig":

@@ -266,6 +266,10 @@ def weight_broadcast(config: RLConfig, machine: Machine) -> list[Derived]:
     if cluster.num_nodes > 1 and transport.port == 0:
         raise ConfigError("`weight_transport.port` = 0 (a free port) cannot be agreed on by several nodes: "
                           f"set a fixed port for `deployment.cluster.num_nodes` = {cluster.num_nodes}")
+    if config.trainer.lora.enabled and config.inference.backend == "vllm":
+        raise ConfigError("`weight_transport.type` = 'broadcast' with `trainer.lora` and `inference.backend` = 'vllm': "
+                          "vLLM's NCCL weight transfer loads full weights, not adapters; use the filesystem transport "
+                          "(vLLM loads each adapter folder in place)")
     if deployment.shares_a_gpu:
         raise ConfigError(f"`weight_transport.type` = 'broadcast' needs `deployment.trainer_devices` = "
                           f"{deployment.trainer_devices} apart from `deployment.inference_devices` = "

@@ -132,6 +132,19 @@ def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def write_start_folder(folder: Path, model_folder: Path, spec: LoraSpec, seed: int) -> None:
+    """The adapter folder of a policy that starts as the base (B zero, `initial_adapters`) for the model in
+    `model_folder`, shaped from its config alone (the model is built on `meta`): what a server that loads adapters
+    from folders serves before the first update."""
+    from tandem.models.hub import read_hf_config
+    from tandem.models.loading import build_native
+
+    hf_config = read_hf_config(model_folder)
+    model = build_native(hf_config, source=str(Path(model_folder) / "config.json"))
+    apply_lora(model, spec, f"{model_folder}: `lora.target_modules`")
+    write_adapter_folder(folder, initial_adapters(model, seed), spec, str(model_folder))
+
+
 def is_adapter_name(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 

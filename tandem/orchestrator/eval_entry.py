@@ -20,7 +20,7 @@ async def run_eval(config: EvalConfig, envs: list, tokenizer: Any) -> tuple[dict
     from tandem.orchestrator.inference_pool import InferencePool
     from tandem.orchestrator.rollout import RolloutContext, episode_limit
 
-    pool = InferencePool(config.client)
+    pool = InferencePool(config.client, config.model.name)
     try:
         await pool.wait_healthy()
         ctx = RolloutContext(pool, tokenizer, config.model.name, await episode_limit(pool, config.seq_len))

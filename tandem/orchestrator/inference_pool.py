@@ -40,7 +40,8 @@ CLIENT_SHARDS = 16
 
 
 class InferencePool:
-    def __init__(self, config: ClientConfig):
+    def __init__(self, config: ClientConfig, policy_name: str | None = None):
+        """`policy_name`: the served name of the policy (`model.name`), which vLLM's requests name."""
         self.config = config
         self.base_urls = [url.rstrip("/") for url in config.base_urls]
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -61,7 +62,7 @@ class InferencePool:
         """Servers that missed a weight update: no requests go there until `readmit`."""
         self.num_retries = 0
         """Retried attempts so far (a metric)."""
-        self.dialect = dialect_of(config.backend)
+        self.dialect = dialect_of(config.backend, policy_name)
         self.versions = [0] * len(self.base_urls)
         """The policy each server holds, as its last update finished (`server_dialect`)."""
         self._serving = [asyncio.Event() for _ in self.base_urls]
@@ -230,5 +231,7 @@ class InferencePool:
                 continue
             if response.status_code >= 400:
                 raise InferenceRequestError(f"{url}: HTTP {response.status_code}: {response.text[:1000]}")
-            return response.json(), version
+            # vLLM answers some admin routes with plain text (`/v1/load_lora_adapter`): their body says nothing more.
+            is_json = response.headers.get("content-type", "").startswith("application/json")
+            return (response.json() if is_json else {}), version
         raise InferenceUnavailableError(f"POST {path} failed {attempts} times; last: {last_error}")

@@ -44,7 +44,7 @@ class Orchestrator:
         self.config = config
         self.run_dir = config.run_dir
         self.envs = envs
-        self.pool = InferencePool(config.client)
+        self.pool = InferencePool(config.client, config.model.name)
         self.ctx = RolloutContext(self.pool, tokenizer, config.model.name, config.seq_len,
                                   config.sampling.return_routed_experts)
         self.sampler = TaskSampler(envs, config.seed)

@@ -41,7 +41,7 @@ def sample_conversation(client: httpx.Client, base_url: str, tokenizer: Any, ind
     also the problems the server's answers show (an echoed prompt that is not the one sent: a tokenizer mismatch)."""
     messages = [{"role": "user", "content": PROBE_PROMPTS[index % len(PROBE_PROMPTS)]}]
     temperature = config.sampling.temperature
-    dialect = dialect_of(config.client.backend)
+    dialect = dialect_of(config.client.backend, config.model.name)
     turns, problems = [], []
     for _ in range(2):
         prompt = render_chat(tokenizer, messages)

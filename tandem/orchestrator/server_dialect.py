@@ -20,13 +20,22 @@ policy version comes from.
   after starting with the old ones, of which the older is recorded. A request that reached vLLM
   just before a pause but had sampled nothing yet is recorded one version older than it is
   (conservative: never newer).
+  In a LoRA run vLLM serves the base under its own name and the policy as a LoRA adapter named as tandem's
+  model (`tandem/inference/vllm/args.py`): each request names the policy (`model`), and a published adapter
+  folder (PEFT's, with `adapter_config.json`) replaces that adapter in place (`POST /v1/load_lora_adapter
+  {"lora_name", "lora_path", "load_inplace": true}`, inside the same pause, whose cache reset also drops the
+  prefixes cached under the old adapter).
 
 The pool speaks the dialect; everything above it sees tandem's shapes.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that makes a published weights folder a PEFT adapter folder (`tandem.models.lora`)."""
 
 
 class TandemDialect:
@@ -49,13 +58,18 @@ class VllmDialect:
     generate_path = "/inference/v1/generate"
     pauses_for_folder_update = True
 
+    def __init__(self, policy_name: str | None = None):
+        self.policy_name = policy_name
+        """The served name requests ask for (the LoRA adapter's in a LoRA run); None: vLLM's first served name."""
+
     def to_request(self, payload: dict[str, Any]) -> dict[str, Any]:
         if payload.get("return_routed_experts"):
             raise ValueError("`return_routed_experts` (router replay) is served by tandem's engine only: vLLM 0.26 "
                              "returns experts only when started with --enable-return-routed-experts, in another format")
         params = {k: v for k, v in payload.items() if k not in ("prompt_token_ids", "return_routed_experts")}
         # logprobs = 0: the sampled token's logprob only, which is what training needs.
-        return {"token_ids": payload["prompt_token_ids"], "sampling_params": {**params, "logprobs": 0}}
+        request = {"token_ids": payload["prompt_token_ids"], "sampling_params": {**params, "logprobs": 0}}
+        return request | ({"model": self.policy_name} if self.policy_name is not None else {})
 
     def from_response(self, body: dict[str, Any], version_at_send: int) -> dict[str, Any]:
         choices = [{"index": c.get("index", i), "token_ids": c["token_ids"], "finish_reason": c.get("finish_reason"),
@@ -64,13 +78,18 @@ class VllmDialect:
         return {"id": body.get("request_id"), "choices": choices}
 
     def folder_update(self, path: str, version: int) -> tuple[str, dict[str, Any]]:
+        if (Path(path) / ADAPTER_CONFIG).is_file():
+            if self.policy_name is None:
+                raise ValueError(f"{path} is a LoRA adapter folder: loading it into vLLM needs the policy's served name")
+            return "/v1/load_lora_adapter", {"lora_name": self.policy_name, "lora_path": path, "load_inplace": True}
         # `/collective_rpc` passes kwargs as given (strings only, by its own rule); the version stays client-side.
         return "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}
 
 
-def dialect_of(backend: str) -> TandemDialect | VllmDialect:
+def dialect_of(backend: str, policy_name: str | None = None) -> TandemDialect | VllmDialect:
+    """The dialect of `backend`; `policy_name` (`model.name`) is the name vLLM serves the policy under."""
     if backend == "tandem":
         return TandemDialect()
     if backend == "vllm":
-        return VllmDialect()
+        return VllmDialect(policy_name)
     raise ValueError(f"unknown inference backend {backend!r}; known: tandem, vllm")

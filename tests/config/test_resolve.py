@@ -237,6 +237,15 @@ def test_broadcast_refuses_a_gpu_shared_by_trainer_and_server():
                 machine=FakeMachine(cuda_devices=1))
 
 
+def test_a_lora_run_on_vllm_loads_adapter_folders_and_refuses_the_broadcast():
+    cfg = resolve(*GPU_VLLM, "--deployment.trainer_devices", "[1]", "--trainer.lora.enabled", "true",
+                  "--weight_transport.type", "filesystem", machine=FakeMachine(cuda_devices=2))
+    assert cfg.inference.engine.lora.enabled and cfg.inference.base_served_name == f"{cfg.model.name}-base"
+    with pytest.raises(ConfigError, match=r"'broadcast' with `trainer.lora` and `inference.backend` = 'vllm'"):
+        resolve(*GPU_VLLM, "--deployment.trainer_devices", "[1]", "--trainer.lora.enabled", "true",
+                "--weight_transport.type", "broadcast", machine=FakeMachine(cuda_devices=2))
+
+
 def checkpoint(run_dir: Path, step: int, process: str) -> None:
     folder = checkpoint_dir(run_dir, step, process)
     folder.mkdir(parents=True)
@@ -315,9 +324,8 @@ def test_lora_reaches_the_engine_whole_and_a_contradiction_is_named():
     assert not resolve().inference.engine.lora.enabled
     with pytest.raises(ConfigError, match=r"`inference.engine.lora.rank` = 4 .* contradicts"):
         resolve("--trainer.lora.enabled", "true", "--inference.engine.lora.rank", "4")
-    with pytest.raises(ConfigError, match="does not drive vLLM's LoRA adapters"):
-        resolve("--trainer.lora.enabled", "true", "--inference.backend", "vllm", "--deployment.type", "gpu",
-                machine=FakeMachine(cuda_devices=2))
+    with pytest.raises(ConfigError, match="adapters are merged into the base's weights in `model.dtype`"):
+        resolve("--trainer.lora.enabled", "true", "--inference.engine.quantization", "fp8")
 
 
 def test_every_rule_and_shared_key_is_exercised_above():

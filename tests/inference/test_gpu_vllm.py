@@ -37,7 +37,8 @@ from tandem.launch.process import ManagedProcess
 from tandem.launch.rl import wait_healthy
 from tandem.models.chat import render_chat
 from tandem.models.hub import read_hf_config
-from tandem.models.loading import load_causal_lm
+from tandem.models.loading import build_native, load_causal_lm
+from tandem.models.lora import LoraSpec, apply_lora, export_merged, initial_adapters, write_adapter_folder
 from tandem.models.presets import init_model
 from tandem.models.weights import load_state_dict
 from tandem.orchestrator.inference_pool import InferencePool
@@ -48,18 +49,19 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM 0.26 (importable)"),
 ]
 
+LORA = {"enabled": True, "rank": 8, "alpha": 16.0}
 PROMPT = [258, 104, 105, 33, 257, 10]
 """Byte-tokenizer ids: a short ChatML-like prompt (any ids below the vocabulary would do)."""
 
 
 class Served:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, lora: dict | None = None):
         self.model = init_model("tiny", tmp / "model", seed=0)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = InferenceConfig.model_validate({
             "backend": "vllm", "model": {"name": str(self.model)}, "server": {"port": self.port},
-            "engine": {"memory_fraction": 0.3, "max_model_len": 1024, "max_num_seqs": 32},
+            "engine": {"memory_fraction": 0.3, "max_model_len": 1024, "max_num_seqs": 32, "lora": lora or {}},
             "vllm": {"extra_args": {"enforce_eager": True}}})  # no compile or graph capture: a quicker start
         (tmp / "inference.toml").write_text(to_toml(config))
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
@@ -73,9 +75,9 @@ class Served:
         return str(write_weights_folder(self.run_dir, step, state, self.model, read_hf_config(self.model)).resolve())
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    served = Served(tmp_path_factory.mktemp("vllm"))
+def serving(tmp: Path, lora: dict | None = None):
+    """A fixture's body: the server up until the module's tests are done, then stopped, with its last lines."""
+    served = Served(tmp, lora)
     try:
         wait_healthy(served.url, served.process, timeout_s=600)
         yield served
@@ -86,13 +88,23 @@ def served(tmp_path_factory):
 
 def pool_call(served: Served, fn):
     async def run():
-        pool = InferencePool(ClientConfig(base_urls=[served.url], backend="vllm", timeout_s=300))
+        pool = InferencePool(ClientConfig(base_urls=[served.url], backend="vllm", timeout_s=300), str(served.model))
         try:
             return await fn(pool)
         finally:
             await pool.aclose()
 
     return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    yield from serving(tmp_path_factory.mktemp("vllm"))
+
+
+@pytest.fixture(scope="module")
+def served_lora(tmp_path_factory):
+    yield from serving(tmp_path_factory.mktemp("vllm-lora"), LORA)
 
 
 def greedy(pool: InferencePool, max_tokens: int = 12):
@@ -190,3 +202,44 @@ def test_a_paused_server_queues_requests_until_resumed(served):
     assert httpx.post(f"{served.url}/resume", timeout=60).json() == {"status": "resumed"}
     thread.join(timeout=60)
     assert answer and len(answer[0]["choices"][0]["token_ids"]) > 0
+
+
+def test_a_lora_policy_is_served_as_a_vllm_adapter_beside_its_base(served_lora, tmp_path):
+    """A LoRA run on vLLM: the policy (an adapter named as the model) starts as the base; a published adapter
+    folder replaces it in place, and vLLM then samples with the logprobs of tandem's merged model, while the base
+    keeps its own name and answers."""
+    base_name = f"{served_lora.model}-base"
+
+    def base_greedy():
+        body = {"model": base_name, "token_ids": PROMPT, "sampling_params": {"max_tokens": 12, "temperature": 0.0,
+                                                                             "ignore_eos": True, "logprobs": 0}}
+        return httpx.post(f"{served_lora.url}/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
+
+    start, base = pool_call(served_lora, greedy)["choices"][0], base_greedy()
+    assert start["token_ids"] == base["token_ids"]  # B = 0: the policy starts as the base
+    spec = LoraSpec(LORA["rank"], LORA["alpha"], tuple(InferenceConfig().engine.lora.target_modules))
+    model = build_native(read_hf_config(served_lora.model))
+    apply_lora(model, spec, "test")
+    generator = torch.Generator().manual_seed(5)
+    adapters = {name: torch.randn(t.shape, generator=generator) * (0.1 if name.endswith("lora_B.weight") else 1.0)
+                for name, t in initial_adapters(model, 0).items()}
+    folder = tmp_path / "weights" / "step_1"
+    write_adapter_folder(folder, adapters, spec, str(served_lora.model))
+    temperature = 0.5
+
+    async def update_and_sample(pool):
+        await pool.update_weights(str(folder), 1)
+        return await pool.generate({"prompt_token_ids": PROMPT, "max_tokens": 16, "seed": 3, "temperature": temperature,
+                                    "ignore_eos": True, "n": 1}, 0), await greedy(pool), pool.versions
+
+    tempered, after, versions = pool_call(served_lora, update_and_sample)
+    assert versions == [1] and after["choices"][0]["token_ids"] != start["token_ids"]
+    assert base_greedy()["token_ids"] == base["token_ids"]  # the base is untouched by the adapter
+    tokens, logprobs = tempered["choices"][0]["token_ids"], torch.tensor(tempered["choices"][0]["logprobs"])
+    merged = load_causal_lm(str(export_merged(folder, tmp_path / "merged", str(served_lora.model))), device="cuda",
+                            dtype="bfloat16")
+    plain = load_causal_lm(str(served_lora.model), device="cuda", dtype="bfloat16")
+    merged_error, base_error = ((teacher_forced_logprobs(m, PROMPT, tokens, temperature, device="cuda") - logprobs).abs().max().item()
+                                for m in (merged, plain))
+    print(f"\nvLLM LoRA logprobs: max error {merged_error:.4f} against tandem's merged model, {base_error:.4f} against the base")
+    assert merged_error < 0.1 and merged_error < base_error

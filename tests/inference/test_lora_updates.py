@@ -81,7 +81,7 @@ def test_targets_that_name_nothing_are_refused_at_start(tiny_dir, engine, messag
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"backend": "vllm", "engine": {"lora": LORA}}, "does not drive vLLM's LoRA adapters"),
+    ({"engine": {"lora": LORA}, "server": {"base_model_name": "b"}}, "merges the adapters into its weights and serves"),
     ({"engine": {"lora": LORA, "quantization": "fp8"}}, "merged into the base's weights in `model.dtype`"),
     ({"engine": {"lora": {**LORA, "target_modules": []}}}, "`lora.target_modules` is empty"),
 ])

@@ -23,11 +23,15 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from tandem.config.inference import InferenceConfig
+from tandem.config.lora import LoraConfig
 from tandem.config.orchestrator import ClientConfig, OrchestratorConfig
 from tandem.config.resolve import free_port
 from tandem.config.vllm import TANDEM_SET_FLAGS
 from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv, serve_env
 from tandem.models.byte_tokenizer import build_byte_tokenizer
+from tandem.models.hub import read_hf_config
+from tandem.models.loading import build_native
+from tandem.models.lora import LoraSpec, apply_lora, initial_adapters, read_adapter_folder, write_adapter_folder
 from tandem.orchestrator.inference_pool import InferencePool
 from tandem.orchestrator.preflight import sample_conversation
 from tandem.orchestrator.server_dialect import VllmDialect
@@ -62,7 +66,32 @@ def test_tandem_keys_map_onto_vllm_flags():
     assert "--no-enable-prefix-caching" in argv and "--no-trust-remote-code" in argv
     assert "--disable-uvicorn-access-log" in argv  # `server.access_log` = false: no line per request
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and "--enforce-eager" in argv
-    assert {*mapped_flags(config), "api_key"} == TANDEM_SET_FLAGS  # every flag tandem sets is refused as a pass-through
+    lora = vllm_config(engine={"lora": {"enabled": True}})
+    # every flag tandem sets, in a LoRA run or not, is refused as a pass-through
+    assert {*mapped_flags(config), *mapped_flags(lora, "/tmp/start"), "api_key"} == TANDEM_SET_FLAGS
+
+
+def test_a_lora_run_serves_the_base_and_the_policy_as_a_vllm_adapter():
+    config = vllm_config(engine={"lora": {"enabled": True, "rank": 12}})
+    argv = serve_argv(config, "/tmp/start")
+    assert argv[0] == "/models/qwen3" and argv[argv.index("--served-model-name") + 1] == "/models/qwen3-base"
+    assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "1"
+    assert argv[argv.index("--max-lora-rank") + 1] == "16"  # the smallest rank vLLM takes that holds 12
+    assert json.loads(argv[argv.index("--lora-modules") + 1]) == {"name": "/models/qwen3", "path": "/tmp/start"}
+    assert serve_env(config)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in serve_env(vllm_config())
+    named = vllm_config(engine={"lora": {"enabled": True}}, server={"base_model_name": "start"})
+    assert serve_argv(named, "/tmp/start")[serve_argv(named, "/tmp/start").index("--served-model-name") + 1] == "start"
+    with pytest.raises(ValueError, match=r"`engine.lora.rank` = 600: vLLM 0.26 serves adapters of rank at most 512"):
+        mapped_flags(vllm_config(engine={"lora": {"enabled": True, "rank": 600}}), "/tmp/start")
+    with pytest.raises(ValueError, match="needs the folder of the adapters it starts with"):
+        mapped_flags(config)
+    with pytest.raises(ValidationError, match="`server.base_model_name` with `backend` = 'tandem'"):
+        InferenceConfig.model_validate({"engine": {"lora": {"enabled": True}}, "server": {"base_model_name": "b"}})
+    with pytest.raises(ValidationError, match="`server.base_model_name` is set but `engine.lora.enabled` is false"):
+        vllm_config(server={"base_model_name": "b"})
+    request = VllmDialect("/models/qwen3").to_request({"prompt_token_ids": [1], "max_tokens": 2})
+    assert request["model"] == "/models/qwen3"  # the policy's name: in a LoRA run, its adapter's
 
 
 def test_pass_through_errors_name_the_key():
@@ -84,11 +113,16 @@ def test_what_vllm_cannot_serve_as_tandem_does_is_refused():
     assert request == {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "temperature": 1.0, "logprobs": 0}}
 
 
-def inference(tmp_path: Path, path_dirs: list[Path], *args: str, **env: str) -> subprocess.Popen:
+def fake_env(tmp_path: Path, path_dirs: tuple[Path, ...] = (FAKE,), **env: str) -> dict[str, str]:
+    """The environment of `tandem inference` with only `path_dirs` and the system's folders on PATH."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "FAKE_VLLM"))}
     environ["PATH"] = os.pathsep.join([*map(str, path_dirs), *SYSTEM_PATH])
     environ["PYTHONPATH"] = str(REPO)  # a vLLM on the caller's PYTHONPATH must not answer either
-    environ |= {"FAKE_VLLM_RECORD": str(tmp_path / "record.json"), **env}
+    return environ | {"FAKE_VLLM_RECORD": str(tmp_path / "record.json"), **env}
+
+
+def inference(tmp_path: Path, path_dirs: list[Path], *args: str, **env: str) -> subprocess.Popen:
+    environ = fake_env(tmp_path, tuple(path_dirs), **env)
     return subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--backend", "vllm", "--model.name",
                              "/models/qwen3", *args], cwd=REPO, env=environ, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -146,14 +180,18 @@ def is_healthy(url: str) -> bool:
         return False
 
 
-def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
-    port = free_port()
-    proc = inference(tmp_path, [FAKE], "--server.port", str(port))
-    url = f"http://127.0.0.1:{port}"
+def wait_healthy(proc: subprocess.Popen, url: str) -> None:
     deadline = time.monotonic() + 60
     while not is_healthy(url):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
         time.sleep(0.1)
+
+
+def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
+    port = free_port()
+    proc = inference(tmp_path, [FAKE], "--server.port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url)
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["dev_mode"] == "1" and record["pgid"] == record["pid"] != os.getpgid(proc.pid)
     assert record["argv"][:2] == ["serve", "/models/qwen3"]
@@ -196,7 +234,8 @@ def test_serves_through_vllm_in_its_own_group_and_stops_with_it(tmp_path):
     # The orchestrator's preflight samples through the same dialect (vLLM's route, no echoed prompt).
     with httpx.Client(timeout=30) as client:
         turns, problems = sample_conversation(client, url, build_byte_tokenizer(), 0,
-                                              OrchestratorConfig.model_validate({"client": {"backend": "vllm"}}))
+                                              OrchestratorConfig.model_validate({"client": {"backend": "vllm"},
+                                                                                 "model": {"name": "/models/qwen3"}}))
     assert problems == [] and len(turns) == 2 and turns[1].logprobs[:2] == [-0.5, -1.0]
 
     proc.send_signal(signal.SIGTERM)
@@ -210,3 +249,60 @@ def test_real_vllm_knows_every_flag_tandem_passes():
     from tandem.inference.vllm.server import find_vllm, known_flags
 
     assert TANDEM_SET_FLAGS <= known_flags(find_vllm())
+
+
+def test_a_lora_run_loads_each_adapter_folder_in_place_and_keeps_the_base_by_name(tmp_path, tiny_dir):
+    """vLLM starts with the policy's adapters at their start (B zero, a PEFT folder tandem writes from the model's
+    config), requests name the policy, and each published adapter folder replaces it in place inside a pause."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "inference", "--backend", "vllm", "--model.name",
+                             str(tiny_dir), "--engine.lora.enabled", "true", "--engine.lora.rank", "4",
+                             "--server.port", str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=fake_env(tmp_path))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        argv = json.loads((tmp_path / "record.json").read_text())["argv"]
+        assert argv[argv.index("--served-model-name") + 1] == f"{tiny_dir}-base"
+        start = Path(json.loads(argv[argv.index("--lora-modules") + 1])["path"])
+        spec, adapters = read_adapter_folder(start)
+        assert spec == LoraSpec(4, 32.0, tuple(LoraConfig().target_modules))
+        assert adapters and all(t.abs().sum() == 0 for n, t in adapters.items() if n.endswith(".lora_B.weight"))
+        # The folders a LoRA trainer publishes: a new adapter each step.
+        model = build_native(read_hf_config(tiny_dir))
+        apply_lora(model, spec, "test")
+        steps = []
+        for step in (1, 2):
+            state = {n: torch.full_like(t, 0.01 * step) for n, t in initial_adapters(model, step).items()}
+            write_adapter_folder(tmp_path / f"step_{step}", state, spec, str(tiny_dir))
+            steps.append(str(tmp_path / f"step_{step}"))
+
+        async def drive():
+            pool = InferencePool(ClientConfig(base_urls=[url], backend="vllm"), policy_name=str(tiny_dir))
+            request = {"prompt_token_ids": [4, 9], "max_tokens": 2, "temperature": 1.0, "seed": 7}
+            try:
+                answers = [await pool.generate(request, 0)]
+                for version, folder in enumerate(steps, 1):
+                    await pool.update_weights(folder, version)
+                    answers.append(await pool.generate(request, 0))
+                return [a["choices"][0]["token_ids"][0] for a in answers], pool.versions
+            finally:
+                await pool.aclose()
+
+        firsts, versions = asyncio.run(drive())
+        assert len(set(firsts)) == 3 and versions == [2]  # each adapter answers otherwise (the stand-in's rule)
+        calls = [json.loads(line) for line in (tmp_path / "record.json.calls").read_text().splitlines()]
+        assert calls[:3] == [{"route": "/pause", "mode": "keep"},
+                             {"route": "/v1/load_lora_adapter", "lora_name": str(tiny_dir), "lora_path": steps[0],
+                              "load_inplace": True},
+                             {"route": "/resume"}]
+        base = httpx.post(f"{url}/inference/v1/generate", timeout=10,
+                          json={"model": f"{tiny_dir}-base", "token_ids": [4, 9], "sampling_params": {"max_tokens": 2}})
+        assert base.json()["choices"][0]["token_ids"] == [10, 11]  # the base, untouched by the adapters
+        missing = httpx.post(f"{url}/inference/v1/generate", timeout=10,
+                             json={"model": "nobody", "token_ids": [4, 9], "sampling_params": {"max_tokens": 2}})
+        assert missing.status_code == 404
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert not start.exists()  # the start folder lives as long as the server

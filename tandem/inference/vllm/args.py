@@ -3,7 +3,10 @@
 Mapped keys: `model.name` (served under that name too), `model.dtype` (`auto` is bfloat16, as on
 tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `engine.max_model_len`,
 `engine.max_num_seqs`, `seed`, `server.host`/`port`/`access_log`, `vllm.tensor_parallel_size`,
-`vllm.enable_prefix_caching`; `server.api_key` goes through the environment (`serve_env`). The weight-transfer
+`vllm.enable_prefix_caching`; `server.api_key` goes through the environment (`serve_env`). With
+`engine.lora`, the base model is served as `server.base_model_name` and the policy as a LoRA adapter named
+`model.name` (`--enable-lora`, `--lora-modules` with the adapters' start, runtime loading on), which every
+update replaces in place (`/v1/load_lora_adapter`, `tandem/orchestrator/server_dialect.py`). The weight-transfer
 engine is always on (NCCL), so either weight transport can drive the server; logprobs are always
 `processed_logprobs`. Anything else goes through
 `vllm.extra_args`. Flag names and forms checked against vLLM 0.26's `EngineArgs.add_cli_args`
@@ -26,6 +29,12 @@ DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 _DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float32": "float32"}
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.26 takes for `--max-lora-rank` (`vllm/config/lora.py`, `MaxLoRARanks`)."""
+
+RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+"""vLLM serves `/v1/load_lora_adapter`, through which a LoRA run's updates arrive, only with this set."""
+
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's default, `raw_logprobs`, reports log_softmax(logits) before the temperature; tandem's engine and
 trainer use log_softmax(logits / T) (`inference/engine/sampler.py`). `processed_logprobs` is that (and the T = 1
@@ -33,11 +42,24 @@ logprob for greedy rows, as tandem reports), as long as no top-k/top-p filter re
 (`vllm/v1/sample/sampler.py`, `Sampler.sample`)."""
 
 
-def mapped_flags(config: InferenceConfig) -> dict[str, str | bool]:
-    """The flags tandem sets from its own keys, by vLLM's dest name (`max_model_len`)."""
+def max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM takes as `--max-lora-rank` that holds adapters of `rank`."""
+    fitting = [r for r in LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"`engine.lora.rank` = {rank}: vLLM {SUPPORTED_VERSION} serves adapters of rank at most "
+                         f"{LORA_RANKS[-1]}")
+    return fitting[0]
+
+
+def mapped_flags(config: InferenceConfig, adapter_start: str | None = None) -> dict[str, str | bool]:
+    """The flags tandem sets from its own keys, by vLLM's dest name (`max_model_len`). A LoRA run needs
+    `adapter_start`, the folder of the adapters the policy starts with (`tandem/inference/vllm/server.py`)."""
     engine = config.engine
+    lora = engine.lora.enabled
+    if lora and adapter_start is None:
+        raise ValueError("a LoRA run's vLLM server needs the folder of the adapters it starts with")
     flags: dict[str, str | bool] = {
-        "served_model_name": config.model.name,
+        "served_model_name": config.base_served_name if lora else config.model.name,
         "dtype": _DTYPES[config.model.dtype],
         "gpu_memory_utilization": str(engine.memory_fraction),
         "max_num_seqs": str(engine.max_num_seqs),
@@ -53,14 +75,19 @@ def mapped_flags(config: InferenceConfig) -> dict[str, str | bool]:
     }
     if engine.max_model_len is not None:
         flags["max_model_len"] = str(engine.max_model_len)
+    if lora:
+        flags |= {"enable_lora": True, "max_lora_rank": str(max_lora_rank(engine.lora.rank)), "max_loras": "1",
+                  "lora_modules": json.dumps({"name": config.model.name, "path": adapter_start})}
     return flags
 
 
 def serve_env(config: InferenceConfig) -> dict[str, str]:
-    """The variables `vllm serve` needs besides the caller's: dev mode, and the API key as `VLLM_API_KEY`, which
-    vLLM reads when `--api-key` is absent: a command line is visible to every user of the machine (`ps`)."""
+    """The variables `vllm serve` needs besides the caller's: dev mode, runtime LoRA loading in a LoRA run, and the
+    API key as `VLLM_API_KEY`, which vLLM reads when `--api-key` is absent: a command line is visible to every user
+    of the machine (`ps`)."""
     key = config.server.api_key
-    return {**DEV_MODE_ENV, **({"VLLM_API_KEY": key} if key is not None else {})}
+    return {**DEV_MODE_ENV, **(RUNTIME_LORA_ENV if config.engine.lora.enabled else {}),
+            **({"VLLM_API_KEY": key} if key is not None else {})}
 
 
 def check_extra_args(config: InferenceConfig, known_flags: set[str]) -> None:
@@ -71,10 +98,10 @@ def check_extra_args(config: InferenceConfig, known_flags: set[str]) -> None:
             raise ValueError(f"`inference.vllm.extra_args.{key}`: vLLM {SUPPORTED_VERSION} has no flag `--{_dashed(key)}`")
 
 
-def serve_argv(config: InferenceConfig) -> list[str]:
-    """The arguments after `vllm serve`."""
+def serve_argv(config: InferenceConfig, adapter_start: str | None = None) -> list[str]:
+    """The arguments after `vllm serve` (`adapter_start`: see `mapped_flags`)."""
     argv = [config.model.name]
-    for key, value in {**mapped_flags(config), **config.vllm.extra_args}.items():
+    for key, value in {**mapped_flags(config, adapter_start), **config.vllm.extra_args}.items():
         if value is True:
             argv.append(f"--{_dashed(key)}")
         elif value is False:

@@ -15,6 +15,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.vllm.args import SUPPORTED_VERSION, check_extra_args, flags_in_help, serve_argv, serve_env
@@ -55,9 +57,21 @@ def known_flags(command: list[str]) -> set[str]:
     return flags_in_help(result.stdout)
 
 
-def run_vllm(command: list[str], config: InferenceConfig) -> int:
-    """Run `vllm serve` until it exits or this process is told to stop; returns its exit code."""
-    proc = subprocess.Popen([*command, "serve", *serve_argv(config)], env={**os.environ, **serve_env(config)},
+def write_adapter_start(config: InferenceConfig, folder: Path) -> str:
+    """A LoRA run's policy before its first update, as the adapter folder vLLM loads at start (`--lora-modules`):
+    the base (B zero), so the policy's name answers from the first request."""
+    from tandem.models.hub import resolve_model_path
+    from tandem.models.lora import LoraSpec, write_start_folder
+
+    lora = config.engine.lora
+    write_start_folder(folder, resolve_model_path(config.model.name),
+                       LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules)), config.seed)
+    return str(folder)
+
+
+def run_vllm(command: list[str], argv: list[str], config: InferenceConfig) -> int:
+    """Run `vllm serve` with `argv` until it exits or this process is told to stop; returns its exit code."""
+    proc = subprocess.Popen([*command, "serve", *argv], env={**os.environ, **serve_env(config)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True, errors="replace")
 
@@ -80,14 +94,17 @@ def run_vllm(command: list[str], config: InferenceConfig) -> int:
 
 
 def main(config: InferenceConfig) -> int:
-    try:
-        command = find_vllm()
-        if config.vllm.extra_args:
-            check_extra_args(config, known_flags(command))
-    except (VllmUnavailable, ValueError) as err:
-        print(f"tandem inference: {err}", file=sys.stderr)
-        return 2
-    return 1 if run_vllm(command, config) != 0 else 0
+    with tempfile.TemporaryDirectory(prefix="tandem-lora-start-") as scratch:
+        try:
+            command = find_vllm()
+            if config.vllm.extra_args:
+                check_extra_args(config, known_flags(command))
+            adapter_start = write_adapter_start(config, Path(scratch)) if config.engine.lora.enabled else None
+            argv = serve_argv(config, adapter_start)
+        except (VllmUnavailable, ValueError, OSError) as err:
+            print(f"tandem inference: {err}", file=sys.stderr)
+            return 2
+        return 1 if run_vllm(command, argv, config) != 0 else 0
 
 
 def _quote(lines) -> str:
