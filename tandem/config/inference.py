@@ -161,8 +161,8 @@ class EngineConfig(Section):
     (`tandem.inference.engine.lora_merge`). `tandem rl` copies the trainer's `lora` here."""
 
     speculative: SpeculativeConfig = SpeculativeConfig()
-    """Speculative decoding (off by default). Needs `overlap_steps` = false on CUDA; not with `[run] exact`
-    or the vLLM backend."""
+    """Speculative decoding (off by default). Needs `overlap_steps` = false on CUDA; not with `[run] exact`. The
+    vLLM backend gets the same drafts as its `--speculative-config` (`docs/vllm.md`)."""
 
 
 class InferenceConfig(ProcessConfig):
@@ -218,9 +218,6 @@ class InferenceConfig(ProcessConfig):
     def _check_speculative_can_hold(self) -> "InferenceConfig":
         if not self.engine.speculative.enabled:
             return self
-        if self.backend == "vllm":
-            raise ValueError("`engine.speculative` is tandem's engine's: with `backend` = 'vllm' pass vLLM's own "
-                             "`speculative_config` through `vllm.extra_args`")
         if self.run.exact:
             raise ValueError("`engine.speculative` with `run.exact`: the verifying forward computes k + 1 tokens of "
                              "a sequence at once, which is not yet proven to give the trainer's logprobs bit for bit; "

@@ -294,7 +294,6 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_dir, tmp_path
 
 
 @pytest.mark.parametrize(("settings", "expected"), [
-    ({"backend": "vllm", "engine": {"speculative": {"method": "ngram"}}}, "vllm.extra_args"),
     ({"run": {"exact": True}, "engine": {"speculative": {"method": "ngram"}}}, "run.exact"),
     ({"engine": {"speculative": {"method": "draft_model"}}}, "engine.speculative.draft_model"),
     ({"engine": {"speculative": {"draft_model": "/some/folder"}}}, "engine.speculative.method"),

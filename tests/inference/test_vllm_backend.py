@@ -66,9 +66,23 @@ def test_tandem_keys_map_onto_vllm_flags():
     assert "--no-enable-prefix-caching" in argv and "--no-trust-remote-code" in argv
     assert "--disable-uvicorn-access-log" in argv  # `server.access_log` = false: no line per request
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and "--enforce-eager" in argv
-    lora = vllm_config(engine={"lora": {"enabled": True}})
-    # every flag tandem sets, in a LoRA run or not, is refused as a pass-through
+    lora = vllm_config(engine={"lora": {"enabled": True}, "speculative": {"method": "ngram"}})
+    # every flag tandem sets, in a LoRA or speculative run or not, is refused as a pass-through
     assert {*mapped_flags(config), *mapped_flags(lora, "/tmp/start"), "api_key"} == TANDEM_SET_FLAGS
+
+
+@pytest.mark.parametrize("speculative, vllm_fields", [
+    ({"method": "ngram", "num_tokens": 3, "ngram_max": 5},
+     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 1}),
+    ({"method": "draft_model", "draft_model": "/models/small", "draft_sampling": "sampled"},
+     {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}),
+    ({"method": "draft_model", "draft_model": "/models/small"},
+     {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 4, "draft_sample_method": "greedy"}),
+])
+def test_speculative_decoding_maps_onto_vllms_speculative_config(speculative, vllm_fields):
+    argv = serve_argv(vllm_config(engine={"speculative": speculative}))
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == vllm_fields
+    assert "--speculative-config" not in serve_argv(vllm_config())
 
 
 def test_a_lora_run_serves_the_base_and_the_policy_as_a_vllm_adapter():

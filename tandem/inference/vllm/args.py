@@ -6,7 +6,8 @@ tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `eng
 `vllm.enable_prefix_caching`; `server.api_key` goes through the environment (`serve_env`). With
 `engine.lora`, the base model is served as `server.base_model_name` and the policy as a LoRA adapter named
 `model.name` (`--enable-lora`, `--lora-modules` with the adapters' start, runtime loading on), which every
-update replaces in place (`/v1/load_lora_adapter`, `tandem/orchestrator/server_dialect.py`). The weight-transfer
+update replaces in place (`/v1/load_lora_adapter`, `tandem/orchestrator/server_dialect.py`). `engine.speculative`
+becomes `--speculative-config` (`speculative_config`). The weight-transfer
 engine is always on (NCCL), so either weight transport can drive the server; logprobs are always
 `processed_logprobs`. Anything else goes through
 `vllm.extra_args`. Flag names and forms checked against vLLM 0.26's `EngineArgs.add_cli_args`
@@ -42,6 +43,18 @@ logprob for greedy rows, as tandem reports), as long as no top-k/top-p filter re
 (`vllm/v1/sample/sampler.py`, `Sampler.sample`)."""
 
 
+def speculative_config(config: InferenceConfig) -> dict[str, str | int]:
+    """`engine.speculative` in vLLM's `SpeculativeConfig` fields (`vllm/config/speculative.py`): the same drafts,
+    verified by vLLM's rejection sampler, which keeps the policy's distribution; a greedy draft model's drafts count
+    as one-hot there, so a seed does not give the tokens it gives without speculation, as it does in tandem's engine."""
+    spec = config.engine.speculative
+    if spec.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": spec.num_tokens, "prompt_lookup_max": spec.ngram_max,
+                "prompt_lookup_min": 1}
+    return {"method": "draft_model", "model": spec.draft_model, "num_speculative_tokens": spec.num_tokens,
+            "draft_sample_method": "greedy" if spec.draft_sampling == "greedy" else "probabilistic"}
+
+
 def max_lora_rank(rank: int) -> int:
     """The smallest rank vLLM takes as `--max-lora-rank` that holds adapters of `rank`."""
     fitting = [r for r in LORA_RANKS if r >= rank]
@@ -75,6 +88,8 @@ def mapped_flags(config: InferenceConfig, adapter_start: str | None = None) -> d
     }
     if engine.max_model_len is not None:
         flags["max_model_len"] = str(engine.max_model_len)
+    if engine.speculative.enabled:
+        flags["speculative_config"] = json.dumps(speculative_config(config))
     if lora:
         flags |= {"enable_lora": True, "max_lora_rank": str(max_lora_rank(engine.lora.rank)), "max_loras": "1",
                   "lora_modules": json.dumps({"name": config.model.name, "path": adapter_start})}
