@@ -2,7 +2,8 @@
 
 Mapped keys: `model.name` (served under that name too), `model.dtype` (`auto` is bfloat16, as on
 tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `engine.max_model_len`,
-`engine.max_num_seqs`, `seed`, `server.host`/`port`/`access_log`, `vllm.tensor_parallel_size`,
+`engine.max_num_seqs`, `engine.kv_cache_dtype` (`--kv-cache-dtype`: vLLM's `auto` is the model's dtype, its `fp8`
+float8_e4m3fn), `seed`, `server.host`/`port`/`access_log`, `vllm.tensor_parallel_size`,
 `vllm.enable_prefix_caching`; `server.api_key` goes through the environment (`serve_env`). The weight-transfer
 engine is always on (NCCL), so either weight transport can drive the server; logprobs are always
 `processed_logprobs`. Anything else goes through
@@ -41,6 +42,7 @@ def mapped_flags(config: InferenceConfig) -> dict[str, str | bool]:
         "dtype": _DTYPES[config.model.dtype],
         "gpu_memory_utilization": str(engine.memory_fraction),
         "max_num_seqs": str(engine.max_num_seqs),
+        "kv_cache_dtype": engine.kv_cache_dtype,
         "seed": str(config.seed),
         "host": config.server.host,
         "port": str(config.server.port),
