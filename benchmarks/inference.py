@@ -421,7 +421,8 @@ def roofline_of(engine, results: dict, keys: list[str], bandwidths: dict) -> Non
 def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workloads: dict, prompts: dict, vocab: int,
                  parts: set, bandwidths: dict, kv_cache_dtype: str = "auto") -> None:
     """The engine on the shared workloads asked for (A with repeats and its read-each-step baseline; the
-    mismatch on B), one engine sized for them all."""
+    mismatch on B), one engine sized for them all. Its memory is the caller's to free once this returns (the
+    closures here hold the engine until then)."""
     max_seqs = max(w["num_prompts"] * w["n"] for w in workloads.values())
     max_len = max(w["prompt_len"] + w["output_len"] for w in workloads.values())
     t0 = time.perf_counter()
@@ -455,8 +456,6 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
     if "mismatch" in parts and "B" in workloads and moe_blocks(engine.runner.model):
         attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts["B"][:16], workloads["B"]))
     roofline_of(engine, results, ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads)], bandwidths)
-    del engine
-    free_device_memory(args)
 
 
 def bench_long_decode(folder: Path, args: argparse.Namespace, name: str, w: dict, prompts: list[list[int]],
@@ -569,6 +568,7 @@ def main() -> None:
                 if shared:
                     figures: dict = {}
                     bench_engine(folder, args, figures, shared, {k: prompts[k] for k in shared}, vocab, parts, bandwidths, kv)
+                    free_device_memory(args)
                     results.update({f"{key}{kv_suffix(kv)}": value for key, value in figures.items()})
                 for name in (k for k in ("E", "F") if k in workloads):
                     attempt(results, f"engine_{name}{kv_suffix(kv)}",
