@@ -6,6 +6,7 @@
     python benchmarks/inference.py --preset tiny-moe --device cpu --scale 0.0625 --load-format dummy --parts engine
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --parts engine,vllm --workloads C,D,E --out ...
     python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine --moe-tile-table T.json  # tuned MoE tiles
+    python benchmarks/inference.py --preset qwen3-0.6b --device cuda --parts engine,vllm --workloads C,D --kv-cache-dtypes auto,fp8 --out ...
 
 Weights (`--load-format`, as `model.load_format`): `safetensors` writes the preset's folder with its random
 weights; `dummy` (the default for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB)
@@ -53,6 +54,13 @@ Figures:
   experts also `mismatch_B_router_replay`: a run of B's first 16 prompts asking for the routed
   experts, its mismatch without and with the trainer replaying them (`loss.router_replay`).
 
+KV-cache dtypes (`--kv-cache-dtypes`, `engine.kv_cache_dtype`, default `auto`): the engine parts and vLLM's
+run once per dtype listed, each on an engine (and a vLLM) of its own, in the same call. `auto`'s figures keep
+the names above; `fp8`'s carry the suffix `_kv_fp8` (`engine_C_kv_fp8`, `kv_cache_kv_fp8`, `mismatch_B_kv_fp8`,
+`vllm_kv_fp8`: vLLM with its own `kv_cache_dtype="fp8"`), with the ratios `ratio_engine_C_kv_fp8_over_engine_C`,
+`ratio_engine_C_kv_fp8_over_vllm_with_logprobs` (over vLLM in bf16) and
+`ratio_engine_C_kv_fp8_over_vllm_kv_fp8_with_logprobs`.
+
 Each part that fails is recorded in the result file with its error and the run goes on (GPU
 time is scarce; one broken baseline should not cost the others).
 """
@@ -78,7 +86,7 @@ import httpx
 import torch
 
 from provenance import environment
-from roofline import decode_roofline, kv_bytes_per_token, measured_copy_bandwidth, nominal_bandwidth, weight_bytes
+from roofline import decode_roofline, measured_copy_bandwidth, nominal_bandwidth, weight_bytes
 from tandem.config.base import ModelConfig
 from tandem.config.dump import to_toml
 from tandem.config.inference import EngineConfig, InferenceConfig
@@ -104,6 +112,13 @@ WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
              "F": dict(num_prompts=4, n=1, prompt_len=131072 - 128, output_len=128)}
 SHARED_ENGINE = ("A", "B", "C", "D")
 """Workloads run on one engine (and one vLLM) sized for them all; E and F build their own (32k, 128k)."""
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""`engine.kv_cache_dtype`s the engine parts can run with (`--kv-cache-dtypes`)."""
+
+
+def kv_suffix(kv_cache_dtype: str) -> str:
+    """The suffix of the figures of a KV-cache dtype: none for the default, `_kv_fp8` for FP8."""
+    return "" if kv_cache_dtype == "auto" else f"_kv_{kv_cache_dtype}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -125,6 +140,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated workloads of the engine and vLLM parts (server and transformers run A)")
     add_engine_arguments(parser)
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma-separated `engine.kv_cache_dtype`s (auto, fp8): the engine parts and vLLM's run once "
+                        "per dtype; fp8's figures carry the suffix _kv_fp8")
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
                         "(tandem.models.exact); the mismatch part then recomputes as the exact trainer does (expect 0)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
@@ -160,10 +178,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`engine.fused_blocks`: the blocks' norms, RoPE and cache write as Triton kernels")
 
 
-def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int,
+                  kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(device=args.device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens or max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
-                        compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table, fused_blocks=args.fused_blocks)
+                        compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table, fused_blocks=args.fused_blocks,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 def sync(device: torch.device) -> None:
@@ -321,12 +341,13 @@ def with_site(site: str | None) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
 
 
-def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts: dict, tmp: Path) -> dict:
+def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts: dict, tmp: Path,
+               kv_cache_dtype: str = "auto") -> dict:
     spec, out = tmp / "vllm_spec.json", tmp / "vllm_result.json"
     spec.write_text(json.dumps({"workloads": workloads, "prompts": prompts}))
     env = dict(with_site(args.vllm_site), VLLM_USE_FLASHINFER_SAMPLER="0")
     child = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_workloads.py")), "--model", str(folder),
-                            "--spec", str(spec), "--out", str(out)], env=env)
+                            "--spec", str(spec), "--out", str(out), "--kv-cache-dtype", kv_cache_dtype], env=env)
     if child.returncode != 0:
         raise RuntimeError(f"vllm_workloads.py exited with {child.returncode}")
     return json.loads(out.read_text())
@@ -388,7 +409,7 @@ def attempt(results: dict, name: str, fn) -> None:
 
 def roofline_of(engine, results: dict, keys: list[str], bandwidths: dict) -> None:
     """Add each engine result's `decode_roofline` (see `benchmarks/roofline.py`) and drop its bulky lists."""
-    weights, kv_per_token = weight_bytes(engine.runner.model), kv_bytes_per_token(engine.runner.cache)
+    weights, kv_per_token = weight_bytes(engine.runner.model), engine.runner.cache.bytes_per_token
     for key in keys:
         result = results.get(key, {})
         if "decode_steps" in result:
@@ -398,14 +419,15 @@ def roofline_of(engine, results: dict, keys: list[str], bandwidths: dict) -> Non
 
 
 def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workloads: dict, prompts: dict, vocab: int,
-                 parts: set, bandwidths: dict) -> None:
+                 parts: set, bandwidths: dict, kv_cache_dtype: str = "auto") -> None:
     """The engine on the shared workloads asked for (A with repeats and its read-each-step baseline; the
-    mismatch on B), one engine sized for them all."""
+    mismatch on B), one engine sized for them all. Its memory is the caller's to free once this returns (the
+    closures here hold the engine until then)."""
     max_seqs = max(w["num_prompts"] * w["n"] for w in workloads.values())
     max_len = max(w["prompt_len"] + w["output_len"] for w in workloads.values())
     t0 = time.perf_counter()
     model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
-    engine = build_engine(model_config, engine_config(args, max_seqs, max_len), args.seed, exact=args.exact)
+    engine = build_engine(model_config, engine_config(args, max_seqs, max_len, kv_cache_dtype), args.seed, exact=args.exact)
     results["engine_build_s"] = time.perf_counter() - t0
     results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
                            "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}
@@ -434,17 +456,15 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
     if "mismatch" in parts and "B" in workloads and moe_blocks(engine.runner.model):
         attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts["B"][:16], workloads["B"]))
     roofline_of(engine, results, ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads)], bandwidths)
-    del engine
-    free_device_memory(args)
 
 
 def bench_long_decode(folder: Path, args: argparse.Namespace, name: str, w: dict, prompts: list[list[int]],
-                      bandwidths: dict) -> dict:
+                      bandwidths: dict, kv_cache_dtype: str = "auto") -> dict:
     """Workload `name` (E or F) on an engine of its own, sized for it: the decode step at its long context and
     its roofline."""
     model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
-    engine = build_engine(model_config, engine_config(args, w["num_prompts"] * w["n"], w["prompt_len"] + w["output_len"]),
-                          args.seed, exact=args.exact)
+    engine = build_engine(model_config, engine_config(args, w["num_prompts"] * w["n"], w["prompt_len"] + w["output_len"],
+                                                      kv_cache_dtype), args.seed, exact=args.exact)
     run_engine(engine, [[1] * 64, [2] * 64], 1, 4)  # warmup (prompts no later one shares a block with)
     result = {f"engine_{name}": run_engine(engine, prompts, w["n"], w["output_len"])}
     roofline_of(engine, result, [f"engine_{name}"], bandwidths)
@@ -460,7 +480,7 @@ def free_device_memory(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def add_ratios(results: dict, workloads: list[str]) -> None:
+def add_ratios(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) -> None:
     engine_a = results.get("engine_A", {}).get("output_tokens_per_s")
     read_each_step = results.get("engine_A_read_each_step", {}).get("output_tokens_per_s")
     if engine_a and read_each_step:
@@ -473,16 +493,26 @@ def add_ratios(results: dict, workloads: list[str]) -> None:
             if server:
                 results[f"ratio_server_A_over_{base.removeprefix('transformers_')}"] = server / rate
     for key in workloads:
-        engine = results.get(f"engine_{key}", {}).get("output_tokens_per_s")
         anchor = results.get("vllm", {}).get(f"vllm_{key}_logprobs", {}).get("output_tokens_per_s")
-        if engine and anchor:
-            results[f"ratio_engine_{key}_over_vllm_with_logprobs"] = engine / anchor
+        for suffix in map(kv_suffix, kv_cache_dtypes):
+            engine = results.get(f"engine_{key}{suffix}", {}).get("output_tokens_per_s")
+            if engine and anchor:
+                results[f"ratio_engine_{key}{suffix}_over_vllm_with_logprobs"] = engine / anchor
+            if not suffix or not engine:
+                continue
+            default = results.get(f"engine_{key}", {}).get("output_tokens_per_s")
+            if default:
+                results[f"ratio_engine_{key}{suffix}_over_engine_{key}"] = engine / default
+            alike = results.get(f"vllm{suffix}", {}).get(f"vllm_{key}_logprobs", {}).get("output_tokens_per_s")
+            if alike:
+                results[f"ratio_engine_{key}{suffix}_over_vllm{suffix}_with_logprobs"] = engine / alike
 
 
-def summarize(results: dict, workloads: list[str]) -> dict:
+def summarize(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) -> dict:
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items() if k.startswith("ratio")}
-    keys = ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads if k != "A"), "server_A",
-            "transformers_generate_A", "transformers_generate_batch_A", "mismatch_B"]
+    keys = [f"{key}{suffix}" for suffix in map(kv_suffix, kv_cache_dtypes)
+            for key in ("engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads if k != "A"), "mismatch_B")]
+    keys += ["server_A", "transformers_generate_A", "transformers_generate_batch_A"]
     for key in (k for k in keys if k in results):
         r = results[key]
         summary[key] = {k: r[k] for k in ("output_tokens_per_s", "ttft_median_s", "decode_step_median_s_at_full_batch",
@@ -494,9 +524,9 @@ def summarize(results: dict, workloads: list[str]) -> dict:
     replay = results.get("mismatch_B_router_replay", {})
     if replay:
         summary["mismatch_B_router_replay"] = {k: v.get("mean_k3") if isinstance(v, dict) else v for k, v in replay.items()}
-    if "vllm" in results:
-        summary["vllm"] = {k: (v.get("output_tokens_per_s", v.get("error")) if isinstance(v, dict) else v)
-                           for k, v in results["vllm"].items()}
+    for vllm in (f"vllm{kv_suffix(kv)}" for kv in kv_cache_dtypes if f"vllm{kv_suffix(kv)}" in results):
+        summary[vllm] = {k: (v.get("output_tokens_per_s", v.get("error")) if isinstance(v, dict) else v)
+                         for k, v in results[vllm].items()}
     return summary
 
 
@@ -507,11 +537,15 @@ def main() -> None:
     unknown = [k for k in chosen if k not in WORKLOADS]
     if unknown:
         raise SystemExit(f"--workloads: unknown {unknown}; choose among {list(WORKLOADS)}")
+    kv_cache_dtypes = args.kv_cache_dtypes.split(",")
+    if not set(kv_cache_dtypes) <= set(KV_CACHE_DTYPES):
+        raise SystemExit(f"--kv-cache-dtypes: {args.kv_cache_dtypes!r}; choose among {list(KV_CACHE_DTYPES)}")
     device = resolve_device(args.device)
     workloads = {k: scaled(args, k) for k in chosen}
     results: dict = {"workloads": workloads, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
                      "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact,
-                     "fused_blocks": args.fused_blocks, "max_num_batched_tokens": args.max_num_batched_tokens}
+                     "fused_blocks": args.fused_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "kv_cache_dtypes": kv_cache_dtypes}
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
@@ -530,12 +564,19 @@ def main() -> None:
         if parts & {"engine", "mismatch"}:
             bandwidths = {"nominal": nominal_bandwidth(device), "measured_copy": measured_copy_bandwidth(device)}
             results["memory_bandwidth"] = bandwidths
-            if shared:
-                bench_engine(folder, args, results, shared, {k: prompts[k] for k in shared}, vocab, parts, bandwidths)
-            for name in (k for k in ("E", "F") if k in workloads):
-                attempt(results, f"engine_{name}", lambda: bench_long_decode(folder, args, name, workloads[name], prompts[name], bandwidths))
+            for kv in kv_cache_dtypes:
+                if shared:
+                    figures: dict = {}
+                    bench_engine(folder, args, figures, shared, {k: prompts[k] for k in shared}, vocab, parts, bandwidths, kv)
+                    free_device_memory(args)
+                    results.update({f"{key}{kv_suffix(kv)}": value for key, value in figures.items()})
+                for name in (k for k in ("E", "F") if k in workloads):
+                    attempt(results, f"engine_{name}{kv_suffix(kv)}",
+                            lambda: bench_long_decode(folder, args, name, workloads[name], prompts[name], bandwidths, kv))
         if "vllm" in parts and shared:
-            attempt(results, "vllm", lambda: bench_vllm(folder, args, shared, {k: prompts[k] for k in shared}, Path(tmp)))
+            for kv in kv_cache_dtypes:
+                attempt(results, f"vllm{kv_suffix(kv)}",
+                        lambda: bench_vllm(folder, args, shared, {k: prompts[k] for k in shared}, Path(tmp), kv))
         a = scaled(args, "A")
         prompts_a = prompts.get("A") or prompts_for(a, vocab, args.seed)
         if "server" in parts:
@@ -546,8 +587,8 @@ def main() -> None:
                 attempt(results, "transformers_generate_A", lambda: bench_generate(model, device, a, prompts_a))
             if "generate_batch" in parts:
                 attempt(results, "transformers_generate_batch_A", lambda: bench_generate_batch(model, device, a, prompts_a))
-    add_ratios(results, chosen)
-    summary = summarize(results, chosen)
+    add_ratios(results, chosen, kv_cache_dtypes)
+    summary = summarize(results, chosen, kv_cache_dtypes)
     print(json.dumps(summary, indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")

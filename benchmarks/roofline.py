@@ -62,12 +62,6 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def kv_bytes_per_token(cache) -> int:
-    """Keys and values of one token over all layers (`KVCache.keys`: [layers, blocks, S, Hkv, D])."""
-    layers, _, _, kv_heads, head_dim = cache.keys.shape
-    return 2 * layers * kv_heads * head_dim * cache.keys.element_size()
-
-
 def decode_roofline(steps: list[tuple[int, int, float]], weights: int, kv_per_token: int,
                     bandwidths: dict[str, float | None]) -> dict:
     """`steps`: the decode-only steps' (sequences, contexts summed, seconds). The steps at the full batch

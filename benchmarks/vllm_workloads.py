@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--spec", required=True, help="JSON file with workloads and prompts")
     parser.add_argument("--out", required=True, help="write the figures here")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="vLLM's `kv_cache_dtype`: auto (the model's dtype) or fp8 (e4m3, per-tensor scales)")
     args = parser.parse_args()
     import vllm
     from vllm import LLM
@@ -56,8 +58,9 @@ def main() -> None:
     max_seqs = max(w["num_prompts"] * w["n"] for w in workloads.values())
     start = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              max_model_len=max_len, max_num_seqs=max_seqs, gpu_memory_utilization=args.gpu_memory_utilization)
-    results: dict = {"vllm": vllm.__version__, "build_s": time.perf_counter() - start}
+              max_model_len=max_len, max_num_seqs=max_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_dtype=args.kv_cache_dtype)
+    results: dict = {"vllm": vllm.__version__, "build_s": time.perf_counter() - start, "kv_cache_dtype": args.kv_cache_dtype}
     first = next(iter(workloads))
     run(llm, [[(t + 7) % 256 for t in p] for p in prompts[first][:4]], {**workloads[first], "n": 1, "output_len": 8}, 0)  # warmup
     for key, w in workloads.items():

@@ -1,11 +1,12 @@
-"""A random mixed step over a paged cache, and dense float64 attention over it: what the Triton kernels
-(`tests/kernels/test_paged_attention_kernels.py`) and the torch reference (`tests/inference/test_paged_attention.py`) are checked
-against."""
+"""A random mixed step over a paged cache (one layer of a `KVCache`, in the step's dtype or in FP8), and dense
+float64 attention over what it holds: what the Triton kernels (`tests/kernels/test_paged_attention_kernels.py`) and
+the torch reference (`tests/inference/test_paged_attention.py`) are checked against."""
 
 from __future__ import annotations
 
 import torch
 
+from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.paged_attention import AttentionMetadata, reference_attention
 from tandem.inference.engine.step_inputs import PREFILL_BLOCK_Q
 
@@ -17,14 +18,17 @@ DECODES = [(1, 3), (1, 17), (1, 40), (1, 0)]
 
 
 def mixed_step(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
-               block_size: int = 4, seed: int = 0, shapes: list[tuple[int, int]] = MIXED) -> tuple:
-    """(q, k, v, k_cache, v_cache, metadata) of a step of sequences of these `shapes`."""
+               block_size: int = 4, seed: int = 0, shapes: list[tuple[int, int]] = MIXED, fp8: bool = False) -> tuple:
+    """(q, k, v, cache, metadata) of a step of sequences of these `shapes`: k and v as the cache holds them (`fp8`:
+    their round trip through FP8), already written to their slots of the one-layer `cache`; the other slots random."""
     gen = torch.Generator().manual_seed(seed)
     block_q = 1 if all(q_len == 1 for q_len, _ in shapes) else PREFILL_BLOCK_Q
     blocks_needed = [-(-ctx // block_size) for _, ctx in shapes]
     num_blocks = max(64, sum(blocks_needed))
-    k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
-    v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device(device), fp8)
+    every_slot = torch.arange((num_blocks + 1) * block_size, device=device)
+    cache.write(0, every_slot, *(torch.randn(len(every_slot), kv_heads, head_dim, generator=gen).to(device, dtype)
+                                 for _ in range(2)))
     order = torch.randperm(num_blocks, generator=gen).tolist()
     width = max(12, *blocks_needed)
     tables = torch.zeros(len(shapes), width, dtype=torch.long)
@@ -46,8 +50,7 @@ def mixed_step(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 
     k = torch.randn(n, kv_heads, head_dim, generator=gen).to(device, dtype)
     v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device, dtype)
     slot_mapping = torch.tensor(slots, device=device)
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k, v = cache.write(0, slot_mapping, k, v)
     query_lens = [q_len for q_len, _ in shapes]
     query_start = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), device=device)
     meta = AttentionMetadata(
@@ -55,22 +58,32 @@ def mixed_step(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 
         block_tables=tables.to(device), tiles=torch.tensor(tiles, device=device), block_q=block_q,
         query_lens_host=query_lens, seq_lens_host=[c for _, c in shapes],
     )
-    return q, k, v, k_cache, v_cache, meta
+    return q, k, v, cache, meta
 
 
-def reference(q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+def kernel_caches(cache: KVCache) -> dict:
+    """The kernels' cache arguments of the cache's one layer, by name."""
+    (k_cache, v_cache), (k_scales, v_scales) = cache.layer(0), cache.layer_scales(0)
+    return dict(k_cache=k_cache, v_cache=v_cache, k_scales=k_scales, v_scales=v_scales)
+
+
+def reference(q, k, v, cache, meta) -> torch.Tensor:
     """The torch path's output; the padding row (context 0) is defined as zeros."""
     real = slice(0, q.shape[0] - 1)
     meta_real = AttentionMetadata(meta.slot_mapping[real], meta.query_start[:-1], meta.seq_lens[:-1], meta.block_tables[:-1],
                                   meta.tiles, meta.block_q, meta.query_lens_host[:-1], meta.seq_lens_host[:-1])
-    out = reference_attention(q[real], k[real], v[real], k_cache, v_cache, meta_real)
+    out = reference_attention(q[real], k[real], v[real], cache, 0, meta_real)
     return torch.cat([out, torch.zeros_like(q[-1:])])
 
 
-def dense_reference(q, k_cache, v_cache, meta) -> torch.Tensor:
-    """Each query token against its context, one softmax at a time, in float64 (no kernels involved)."""
-    block_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
+def dense_reference(q, cache, meta) -> torch.Tensor:
+    """Each query token against its context, one softmax at a time, in float64 (no kernels involved), over the values
+    the cache holds (FP8: its numbers times their scales, exactly)."""
+    block_size = cache.block_size
+    group = q.shape[1] // cache.keys.shape[3]
+    (k_cache, v_cache), (k_scales, v_scales) = cache.layer(0), cache.layer_scales(0)
+    if k_scales is not None:
+        k_cache, v_cache = k_cache.double() * k_scales[..., None], v_cache.double() * v_scales[..., None]
     out = torch.zeros(q.shape, dtype=torch.float64)
     start = 0
     for i, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
@@ -92,23 +105,24 @@ several chunks, one key past a chunk, and a CUDA-graph padding row (context 0, l
 
 
 def check_split_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, tolerance: float,
-                       seed: int = 0) -> None:
+                       seed: int = 0, fp8: bool = False) -> None:
     """The kernel's split decode of `SPLIT_DECODES` against dense attention (within `tolerance`), and each
     sequence's output bitwise the same alone (its own grid bound), in the batch, and under a CUDA graph's
-    bound (what the block tables hold)."""
+    bound (what the block tables hold). `fp8`: over an FP8 cache."""
     from tandem.kernels.attention import SPLIT_KEYS, paged_attention
 
     assert SPLIT_KEYS == 512, "SPLIT_DECODES are chosen around a chunk of 512 keys"
-    q, k, v, k_cache, v_cache, meta = mixed_step(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                                 block_size=16, seed=seed, shapes=SPLIT_DECODES)
+    q, k, v, cache, meta = mixed_step(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                      block_size=16, seed=seed, shapes=SPLIT_DECODES, fp8=fp8)
 
     def decode(rows: list[int], max_context: int | None) -> torch.Tensor:
-        return paged_attention(q[rows], k_cache, v_cache, meta.block_tables[rows], meta.seq_lens[rows],
-                               torch.arange(len(rows) + 1, device=device), meta.tiles[:, :len(rows)], 1, max_context)
+        return paged_attention(q[rows], block_tables=meta.block_tables[rows], seq_lens=meta.seq_lens[rows],
+                               query_start=torch.arange(len(rows) + 1, device=device), tiles=meta.tiles[:, :len(rows)],
+                               block_q=1, max_context=max_context, **kernel_caches(cache))
 
     rows = list(range(len(SPLIT_DECODES)))
     batch = decode(rows, max(meta.seq_lens_host))
-    error = (batch.double().cpu() - dense_reference(q, k_cache, v_cache, meta)).abs().max().item()
+    error = (batch.double().cpu() - dense_reference(q, cache, meta)).abs().max().item()
     assert error < tolerance, f"split decode differs from dense attention by {error}"
     for i, (_, ctx) in enumerate(SPLIT_DECODES):
         assert torch.equal(decode([i], ctx)[0], batch[i]), f"sequence {i} (context {ctx}) differs alone and in the batch"

@@ -155,6 +155,14 @@ class EngineConfig(Section):
     quantized on load. Embeddings, norms, the LM head, routers and experts keep `model.dtype`. `none`: every
     weight in `model.dtype` (an FP8 checkpoint is dequantized). Not with `[run] exact`."""
 
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """`auto`: the KV cache holds keys and values in `model.dtype`. `fp8`, native models of decoder blocks: in
+    float8_e4m3fn, each token's head with an fp32 scale of its own fitted when it is written
+    (`tandem/inference/engine/kv_cache.py`), so the scales follow the weights as RL moves them: at head_dim 128
+    the cache holds 1.94x the tokens of bf16 in the same memory, and a decode step reads half the bytes per
+    token of context. The CPU dequantizes (slow, for tests); CUDA needs compute capability 8.9 or newer. Not with
+    `[run] exact`; with the vLLM backend it becomes vLLM's `--kv-cache-dtype fp8`."""
+
     lora: LoraConfig = LoraConfig()
     """The policy is the base model plus LoRA adapters, which weight updates send alone: the engine keeps a host
     copy of the targeted base weights and merges each update's adapters into them

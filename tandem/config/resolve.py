@@ -359,6 +359,10 @@ def exact(config: RLConfig, machine: Machine) -> list[Derived]:
         raise ConfigError(f"`run.exact` = true with `inference.engine.quantization` = "
                           f"{config.inference.engine.quantization!r}: rollouts from FP8 products cannot be bitwise equal "
                           "to a bf16 trainer's; set one of them off")
+    if config.inference.engine.kv_cache_dtype != "auto":
+        raise ConfigError(f"`run.exact` = true with `inference.engine.kv_cache_dtype` = "
+                          f"{config.inference.engine.kv_cache_dtype!r}: attention over keys and values rounded to FP8 "
+                          "cannot be bitwise equal to a bf16 trainer's; set one of them off")
     hf_config = Path(config.model.name) / "config.json"
     if hf_config.is_file():
         from tandem.models.loading import has_split_blocks, is_native  # torch, only for exact runs

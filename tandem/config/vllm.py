@@ -14,7 +14,7 @@ from tandem.config.base import Section
 TANDEM_SET_FLAGS = frozenset({
     "served_model_name", "dtype", "gpu_memory_utilization", "max_num_seqs", "seed", "host", "port",
     "tensor_parallel_size", "enable_prefix_caching", "trust_remote_code", "weight_transfer_config",
-    "max_model_len", "api_key", "logprobs_mode", "disable_uvicorn_access_log",
+    "max_model_len", "api_key", "logprobs_mode", "disable_uvicorn_access_log", "kv_cache_dtype",
     "enable_lora", "max_lora_rank", "max_loras", "lora_modules", "speculative_config",
 })
 """`vllm serve` flags (by dest name) that tandem sets from its own keys (`tandem/inference/vllm/args.py`; `api_key`

@@ -17,8 +17,14 @@ output is bitwise the same whatever else is in the batch and whatever the grid's
 (sequences, KV heads, chunks of the longest context allowed) is fixed for a CUDA graph; programs
 past their sequence's context do nothing.
 
-Layouts: q and out [N, H, D] (the step's tokens, flattened), caches [blocks, S, Hkv, D],
-block_tables [rows, M], seq_lens [B] (context after the step), query_start [B + 1] (offsets of
+FP8 caches (`tandem.inference.engine.kv_cache`: float8_e4m3fn keys and values, an fp32 scale per slot and KV
+head) go through the same kernels: a key block is widened to q's dtype in registers (exact: e4m3 values are bf16
+values) and its scales multiply the columns of q k^T; a value block's scales multiply the columns of p before p v.
+So a step reads one byte per cached element instead of two, and the scaling costs a few products per key, not
+per element.
+
+Layouts: q and out [N, H, D] (the step's tokens, flattened), caches [blocks, S, Hkv, D] (FP8: with scales
+[blocks, S, Hkv], heads contiguous), block_tables [rows, M], seq_lens [B] (context after the step), query_start [B + 1] (offsets of
 each sequence's tokens in N), tiles [2, T] (sequence, first query offset). A row with
 seq_len 0 (CUDA-graph padding) attends to nothing and outputs zeros. Query token j of a
 sequence with q_len tokens and context c sits at position c - q_len + j and sees keys <= it.
@@ -60,11 +66,12 @@ def supports_head_dim(head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, lo, hi, qk_scale,
-                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     IEEE: tl.constexpr):
-        """Online softmax of q [ROWS, D] over keys lo..hi-1 (causal at q_pos): running max (log2 units), sum, output."""
+    def _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, lo, hi,
+                     qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_zb, stride_zs,
+                     stride_bt, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     IEEE: tl.constexpr, SCALED: tl.constexpr):
+        """Online softmax of q [ROWS, D] over keys lo..hi-1 (causal at q_pos): running max (log2 units), sum, output.
+        SCALED: FP8 caches, each key's and value's scale at `block * stride_zb + offset * stride_zs + kv_head`."""
         d = tl.arange(0, HEAD_DIM)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l = tl.zeros([ROWS], tl.float32)
@@ -75,10 +82,15 @@ if triton is not None:
             block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
             k = tl.load(k_cache_ptr + block[:, None] * stride_kb + (n % PAGE)[:, None] * stride_ks + kv_head * stride_kh
                         + d[None, :], mask=n_ok[:, None], other=0.0)
+            scale_at = block * stride_zb + (n % PAGE) * stride_zs + kv_head  # SCALED: this key's scale
+            if SCALED:
+                k = k.to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if SCALED:
+                s = s * tl.load(k_scale_ptr + scale_at, mask=n_ok, other=0.0)[None, :]
             s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
@@ -87,6 +99,9 @@ if triton is not None:
             l = l * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + block[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs + kv_head * stride_vh
                         + d[None, :], mask=n_ok[:, None], other=0.0)
+            if SCALED:  # p's columns carry the values' scales; the sum and max stay p's own
+                v = v.to(q.dtype)
+                p = p * tl.load(v_scale_ptr + scale_at, mask=n_ok, other=0.0)[None, :]
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -98,11 +113,11 @@ if triton is not None:
     # count changes every step, and a new variant mid-run is a half-second stall.
     @triton.jit(do_not_specialize=["num_tiles"])
     def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, tiles_ptr,
-        num_tiles, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, stride_bt,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
+        query_start_ptr, tiles_ptr, num_tiles, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_ks,
+        stride_kh, stride_vb, stride_vs, stride_vh, stride_zb, stride_zs, stride_bt,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -123,10 +138,10 @@ if triton is not None:
         q = tl.load(q_ptr + token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
         end = tl.minimum(ctx, ctx - q_len + q0 + BLOCK_Q)  # the tile's last query sees no further
-        m, l, acc = _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, 0, end,
-                                 scale * 1.4426950408889634,  # exp2 instead of exp
-                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                                 ROWS, BLOCK_N, PAGE, HEAD_DIM, IEEE)
+        m, l, acc = _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq,
+                                 kv_head, 0, end, scale * 1.4426950408889634,  # exp2 instead of exp
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_zb, stride_zs,
+                                 stride_bt, ROWS, BLOCK_N, PAGE, HEAD_DIM, IEEE, SCALED)
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -135,11 +150,12 @@ if triton is not None:
     # count every step: not specialised, so an eager step with a new bound compiles nothing mid-run.
     @triton.jit(do_not_specialize=["stride_sb", "stride_sh", "num_tiles"])
     def _split_decode_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_stats_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_ptr, tiles_ptr, num_tiles, scale, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_ks,
-        stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pb, stride_ph, stride_ps, stride_sm, stride_sb,
-        stride_sh, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
-        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_out_ptr, part_stats_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_ptr, tiles_ptr, num_tiles, scale, stride_qn, stride_qh, stride_on,
+        stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_zb, stride_zs, stride_bt,
+        stride_pb, stride_ph, stride_ps, stride_sm, stride_sb, stride_sh, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+        BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
     ):
         """Chunk `program_id(2)` of the queries of tile `program_id(0)` by the heads of KV head `program_id(1)`.
         BLOCK_Q = 1 (decode): the tile is sequence `program_id(0)`'s one query token; else `tiles` names its
@@ -169,10 +185,10 @@ if triton is not None:
         token = (q_begin + q0 + tok).to(tl.int64)
         q = tl.load(q_ptr + token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & (lo < hi), other=0.0)
-        m, l, acc = _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, lo, hi,
-                                 scale * 1.4426950408889634,  # exp2 instead of exp
-                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                                 ROWS, BLOCK_N, PAGE, HEAD_DIM, IEEE)
+        m, l, acc = _attend_keys(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq,
+                                 kv_head, lo, hi, scale * 1.4426950408889634,  # exp2 instead of exp
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_zb, stride_zs,
+                                 stride_bt, ROWS, BLOCK_N, PAGE, HEAD_DIM, IEEE, SCALED)
         # A context of one chunk (or none: a padding row's zeros) is finished here; a longer one leaves its chunk.
         whole = row_ok & (q_pos < SPLIT) & (split == 0)
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
@@ -237,6 +253,16 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _cache_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> tuple:
+    """The kernels' scale arguments: (key scales, value scales, block stride, slot stride). A cache in the model's
+    dtype has none: the cache stands in for the pointers (never read) and the strides are 0."""
+    if k_scales is None:
+        return k_cache, k_cache, 0, 0
+    assert v_scales is not None and k_scales.stride() == v_scales.stride() and k_scales.stride(2) == 1, \
+        "keys' and values' scales share one layout, heads contiguous"
+    return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1)
+
+
 def decode_splits(max_context: int) -> int:
     """Chunks of `SPLIT_KEYS` keys in a context of `max_context` tokens: the decode grid's third axis."""
     return max(1, -(-max_context // SPLIT_KEYS))
@@ -260,11 +286,12 @@ def decode_context_bounds(max_model_len: int) -> list[int]:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start: torch.Tensor, tiles: torch.Tensor, block_q: int,
-                    max_context: int | None = None) -> torch.Tensor:
+                    max_context: int | None = None, k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [N, H, D] of q [N, H, D] over the paged cache (see the module docstring).
 
     `max_context`: a bound on every sequence's context this step (decode steps size their grid by it);
-    None: what the block tables can hold.
+    None: what the block tables can hold. `k_scales`, `v_scales`: an FP8 cache's scales [blocks, S, Hkv].
     """
     out = torch.empty_like(q)
     num_tiles = tiles.shape[1]
@@ -273,19 +300,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if max_context is None:
         max_context = block_tables.shape[1] * k_cache.shape[1]
     if block_q == 1:
-        _split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, query_start, decode_splits(max_context))
+        _split_decode(q, k_cache, v_cache, out, block_tables, seq_lens, query_start, decode_splits(max_context),
+                      k_scales=k_scales, v_scales=v_scales)
         return out
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_p = _next_pow2(group)
     tiles = tiles.contiguous()
+    scales = _cache_scales(k_cache, k_scales, v_scales)
     _paged_attention_kernel[(num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tiles, num_tiles, head_dim ** -0.5,
+        q, k_cache, v_cache, *scales[:2], out, block_tables, seq_lens, query_start, tiles, num_tiles, head_dim ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *scales[2:], block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p), PAGE=k_cache.shape[1],
-        HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, **_PREFILL_LAUNCH,
+        HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, SCALED=k_scales is not None, **_PREFILL_LAUNCH,
     )
     return out
 
@@ -331,7 +360,8 @@ def attend_each_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, num_splits: int,
                   split_keys: int = SPLIT_KEYS, launch: dict = _DECODE_LAUNCH, tiles: torch.Tensor | None = None,
-                  block_q: int = 1, token_contexts: torch.Tensor | None = None) -> None:
+                  block_q: int = 1, token_contexts: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                  v_scales: torch.Tensor | None = None) -> None:
     """One token per sequence (its row of `query_start`), `num_splits` chunk programs per (sequence, KV head); or,
     with `tiles` (exact mode), `block_q` tokens of one sequence per program, and `token_contexts` [N] to combine
     each token's chunks.
@@ -353,13 +383,14 @@ def _split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     part_stats = torch.empty(2, num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
     workspace_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                          part_stats.stride(0), part_stats.stride(1), part_stats.stride(2))
+    scales = _cache_scales(k_cache, k_scales, v_scales)
     _split_decode_kernel[(num_programs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_stats, block_tables, seq_lens, query_start,
+        q, k_cache, v_cache, *scales[:2], out, part_out, part_stats, block_tables, seq_lens, query_start,
         tiles if tiles is not None else seq_lens, num_programs, head_dim ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *workspace_strides,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *scales[2:], block_tables.stride(0), *workspace_strides,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, ROWS=max(16, block_q * group_p), SPLIT=split_keys,
-        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, **launch,
+        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, SCALED=k_scales is not None, **launch,
     )
     if num_splits > 1:  # no context has a second chunk otherwise: every output is already written
         if tiles is None:

@@ -88,15 +88,16 @@ def fp8_linear(x: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def reference_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (FP8 [M, K], fp32 scales [M, ceil(K / 128)]): each row's groups of 128 columns scaled so that
-    their largest magnitude is 448, then rounded to nearest (ties to even)."""
+def reference_quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], fp32 scales [M, ceil(K / group)]): each row's groups of `group` columns scaled so
+    that their largest magnitude is 448, then rounded to nearest (ties to even). (The FP8 KV cache quantizes with a
+    group of one head: `tandem.inference.engine.kv_cache.quantize_heads`.)"""
     M, K = x.shape
-    groups = -(-K // GROUP)
-    padded = F.pad(x.float(), (0, groups * GROUP - K)).view(M, groups, GROUP)
+    groups = -(-K // group)
+    padded = F.pad(x.float(), (0, groups * group - K)).view(M, groups, group)
     scale = padded.abs().amax(-1).clamp(min=MIN_AMAX) * INV_FP8_MAX
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(M, groups * GROUP)[:, :K], scale
+    return q.view(M, groups * group)[:, :K], scale
 
 
 def expand_scales(scales: torch.Tensor, rows: torch.Tensor | None, K: int) -> torch.Tensor:

@@ -7,14 +7,17 @@ in its matmuls. Here:
 - `silu_mul`: a dense feed-forward's silu(gate) * up, from its stacked gate/up projection;
 - `qk_norm_rope_write`: the q/k norms (per head, over all heads, or none), RoPE (the model's cos
   and sin, so partial rotary and YaRN's scaling come with them) and the write of k and v into
-  their paged-cache slots, for every token of a step.
+  their paged-cache slots, for every token of a step; into an FP8 cache each token's head quantized
+  with a scale of its own, written beside it (`tandem.inference.engine.kv_cache.quantize_heads`: the
+  same numbers, the division rounded as torch's).
 All three compute in fp32 and round to the activations' dtype exactly where the model's torch chain
 rounds (`tandem.models.layers.rms_norm`, `apply_rope`): bf16 products and sums of bf16 values are
 exact in fp32, so the only differences left are the order of the norms' sums. Shapes are fixed by
 the token count and nothing is read on the host: decode steps run inside CUDA graphs.
 
 Layouts: rows of q [N, Hq * D], k and v [N, Hkv * D] (a row stride, heads contiguous within it),
-cos and sin [N, R] (R <= D rotary features), caches [blocks, S, Hkv, D] (contiguous), slots [N].
+cos and sin [N, R] (R <= D rotary features), caches [blocks, S, Hkv, D] (contiguous; FP8: scales
+[blocks, S, Hkv], contiguous), slots [N].
 
 Reference: `tandem.models.layers.rms_norm` and `apply_rope` (the q/k steps of `decoder.before_attention`), silu * up.
 Tests: `tests/kernels/test_pointwise.py`; inside the engine's blocks: `tests/inference/test_fused_blocks.py`.
@@ -23,6 +26,8 @@ Tests: `tests/kernels/test_pointwise.py`; inside the engine's blocks: `tests/inf
 from __future__ import annotations
 
 import torch
+
+from tandem.kernels import fp8
 
 try:
     import triton
@@ -51,6 +56,10 @@ def qk_norm_kind(norm_weight: torch.Tensor | None, head_dim: int) -> int:
 
 
 if triton is not None:
+    # The FP8 cache's quantization constants, as the kernels may read them (constexpr globals).
+    FP8_MAX = tl.constexpr(fp8.FP8_MAX)
+    INV_FP8_MAX = tl.constexpr(fp8.INV_FP8_MAX)
+    MIN_AMAX = tl.constexpr(fp8.MIN_AMAX)
 
     @triton.jit
     def _rounded(x, like_ptr):
@@ -110,11 +119,23 @@ if triton is not None:
         return tl.where(rotates, rotated, x)
 
     @triton.jit
+    def _stored_heads(x, scale_ptr, slot, SCALED: tl.constexpr, HKV: tl.constexpr, BLOCK_HKV: tl.constexpr):
+        """One token's heads [BLOCK_HKV, BLOCK_D] (fp32) as the cache stores them: as they are, or (SCALED) divided
+        by a scale per head (its largest magnitude / 448), which is written to the head's entry of `scale_ptr`."""
+        if SCALED:
+            heads = tl.arange(0, BLOCK_HKV)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) * INV_FP8_MAX
+            tl.store(scale_ptr + slot * HKV + heads, scale, mask=heads < HKV)
+            # Rounded as IEEE division (torch's of two tensors) rounds: `quantize_heads`' values bit for bit.
+            x = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+        return x
+
+    @triton.jit
     def _qk_norm_rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
-                                   k_cache_ptr, v_cache_ptr, slot_ptr, stride_q, stride_k, stride_v, stride_rope, eps,
-                                   HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                                   BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-                                   NORM: tl.constexpr):
+                                   k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, stride_q, stride_k,
+                                   stride_v, stride_rope, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                                   R: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                                   BLOCK_D: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cos_row, sin_row = cos_ptr + token * stride_rope, sin_ptr + token * stride_rope
         q = _normed_rotated(q_ptr + token * stride_q, q_weight_ptr, cos_row, sin_row, q_out_ptr, eps,
@@ -122,14 +143,17 @@ if triton is not None:
         heads = tl.arange(0, BLOCK_HQ)[:, None]
         feats = tl.arange(0, BLOCK_D)[None, :]
         tl.store(q_out_ptr + token * HQ * D + heads * D + feats, q, mask=(heads < HQ) & (feats < D))
-        k = _normed_rotated(k_ptr + token * stride_k, k_weight_ptr, cos_row, sin_row, k_cache_ptr, eps,
+        # Rounded to the activations' dtype (k's), as the model's chain rounds, whatever the cache stores.
+        k = _normed_rotated(k_ptr + token * stride_k, k_weight_ptr, cos_row, sin_row, k_ptr, eps,
                             HKV, D, R, BLOCK_HKV, BLOCK_D, NORM)
         kv_heads = tl.arange(0, BLOCK_HKV)[:, None]
         kv_mask = (kv_heads < HKV) & (feats < D)
         slot = tl.load(slot_ptr + token).to(tl.int64)
-        tl.store(k_cache_ptr + slot * HKV * D + kv_heads * D + feats, k, mask=kv_mask)
-        v = tl.load(v_ptr + token * stride_v + kv_heads * D + feats, mask=kv_mask)
-        tl.store(v_cache_ptr + slot * HKV * D + kv_heads * D + feats, v, mask=kv_mask)
+        k = _stored_heads(k, k_scale_ptr, slot, SCALED, HKV, BLOCK_HKV)
+        tl.store(k_cache_ptr + slot * HKV * D + kv_heads * D + feats, k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        v = tl.load(v_ptr + token * stride_v + kv_heads * D + feats, mask=kv_mask, other=0.0).to(tl.float32)
+        v = _stored_heads(v, v_scale_ptr, slot, SCALED, HKV, BLOCK_HKV)
+        tl.store(v_cache_ptr + slot * HKV * D + kv_heads * D + feats, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -161,13 +185,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq * D], k, v [N, Hkv * D], cos, sin [N, R]: normed, rotated keys and the values written to the
-    caches' `slot_mapping` slots; returns the normed, rotated queries [N, Hq, D]."""
+    caches' `slot_mapping` slots (FP8 caches: quantized, their scales written to `k_scales` and `v_scales`
+    [blocks, S, Hkv]); returns the normed, rotated queries [N, Hq, D]."""
     num_tokens = q.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = q.shape[1] // head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the kernel addresses cache slots densely"
+    scaled = k_scales is not None
+    assert not scaled or (v_scales is not None and k_scales.is_contiguous() and v_scales.is_contiguous()), \
+        "the kernel addresses the scales of slots densely"
     assert all(t.stride(-1) == 1 for t in (q, k, v, cos, sin)), "features must be contiguous"
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens:
@@ -176,8 +205,9 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
         q_weight = q_norm_weight if q_norm_weight is not None else q
         k_weight = k_norm_weight if k_norm_weight is not None else k
         _qk_norm_rope_write_kernel[(num_tokens,)](
-            q, k, v, cos, sin, q_weight, k_weight, q_out, k_cache, v_cache, slot_mapping,
-            q.stride(0), k.stride(0), v.stride(0), cos.stride(0), eps, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
-            R=cos.shape[-1], BLOCK_HQ=block_heads, BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_dim,
-            NORM=norm, num_warps=warps_for(block_heads * block_dim))
+            q, k, v, cos, sin, q_weight, k_weight, q_out, k_cache, v_cache, k_scales if scaled else k_cache,
+            v_scales if scaled else v_cache, slot_mapping, q.stride(0), k.stride(0), v.stride(0), cos.stride(0), eps,
+            HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=cos.shape[-1], BLOCK_HQ=block_heads,
+            BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_dim, NORM=norm, SCALED=scaled,
+            num_warps=warps_for(block_heads * block_dim))
     return q_out

@@ -30,8 +30,11 @@ class CachedAttention(Protocol):
 
     def reads_only_the_cache(self, head_dim: int, device: torch.device) -> bool: ...
 
-    def cache_slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(keys [blocks, S, Hkv, D], values, the slot of each token of the step [N])."""
+    def cache_slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                    torch.Tensor | None]:
+        """(keys [blocks, S, Hkv, D], values, the slot of each token of the step [N], the keys' and the values' scales
+        [blocks, S, Hkv] of an FP8 cache, else None and None): the trailing arguments of
+        `tandem.kernels.pointwise.qk_norm_rope_write`."""
         ...
 
     def attend_cached(self, layer_idx: int, q_NHD: torch.Tensor) -> torch.Tensor: ...

@@ -1,13 +1,17 @@
-"""Helpers of the inference tests: server configs, teacher-forced logprobs, a counting LM head."""
+"""Helpers of the inference tests: server configs, teacher-forced logprobs, a counting LM head, and how close an
+engine computing in FP8 (weights, KV cache) stays to the unquantized model."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
 from pathlib import Path
 
 import torch
 
 from tandem.config.inference import InferenceConfig
+from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.models.weights import load_state_dict, save_state_dict
 
 ENGINE = {"device": "cpu", "num_blocks": 512, "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
@@ -40,3 +44,55 @@ def give_counting_head(folder: Path) -> Path:
     state["lm_head.weight"] = 10 * torch.roll(embed / embed.norm(dim=-1, keepdim=True), 1, 0)
     save_state_dict(state, folder, config)
     return folder
+
+
+def generate(engine, num_requests: int = 6, max_tokens: int = 24, seed: int = 0,
+             n: int = 1) -> dict[str, tuple[list[int], list[int], list[float], float]]:
+    """Random prompts sampled at several temperatures, `n` samples each; per sample: (prompt, completion, logprobs,
+    temperature)."""
+    rng = random.Random(seed)
+    requests = {}
+    for i in range(num_requests):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 60))]
+        temperature = [0.0, 1.0, 0.7][i % 3]
+        requests[str(i)] = (prompt, temperature)
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
+                                                          ignore_eos=True), n=n)
+    results: dict[str, tuple[list[int], list[float]]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            key = out.request_id if n == 1 else f"{out.request_id}/{out.index}"
+            ids, logprobs = results.setdefault(key, ([], []))
+            ids += out.token_ids
+            logprobs += out.logprobs
+    assert len(results) == num_requests * n and all(len(ids) == max_tokens for ids, _ in results.values())
+    return {key: (requests[key.split("/")[0]][0], ids, logprobs, requests[key.split("/")[0]][1])
+            for key, (ids, logprobs) in results.items()}
+
+
+def fp8_rho(factors_per_block: int, num_layers: int) -> float:
+    """How far FP8 moves logits, relative to their spread (their standard deviation over the vocabulary).
+
+    e4m3 rounds a value by up to 2^-4 of itself, 2^-4 / sqrt(3) as a root mean square (uniform rounding); a product
+    with one factor in FP8 is off by about that of its size, with both by sqrt(2) times that. The errors of the
+    F factors rounded per block, over L blocks, add up like independent ones: logits move by about
+    RHO = sqrt(F L) * 2^-4 / sqrt(3) of their spread. A token's logprob, its logit minus the log-sum-exp, moves by
+    that on average and by at most about twice that in the tails."""
+    return math.sqrt(factors_per_block * num_layers) * 2.0 ** -4 / math.sqrt(3)
+
+
+def check_close_to_unquantized(results: dict, model: torch.nn.Module, device: str, factors_per_block: int) -> None:
+    """Each sampled token's FP8 logprob against the unquantized model's, relative to the spread of its logits:
+    within `fp8_rho` on average, 2 RHO at most; and not equal (FP8 ran)."""
+    rho = fp8_rho(factors_per_block, len(model.layers))
+    ratios = []
+    for prompt, ids, logprobs, temperature in results.values():
+        tokens = torch.tensor([prompt + ids], device=device)
+        with torch.no_grad():
+            logits = model.lm_head(model(tokens, torch.arange(tokens.shape[1], device=device)[None]))[0].float().cpu()
+        logits = logits[len(prompt) - 1:-1] / (temperature if temperature > 0 else 1.0)  # what the logprobs are of
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        ratios.append((torch.tensor(logprobs) - expected).abs() / logits.std(-1))
+    ratios = torch.cat(ratios)
+    assert ratios.mean() <= rho and ratios.max() <= 2 * rho, (ratios.mean(), ratios.max(), rho)
+    assert ratios.max() > 0

@@ -1,29 +1,20 @@
 """The engine with `engine.quantization = "fp8"`: what it holds in FP8, what it computes, FP8 checkpoints, updates,
-and the settings it refuses.
-
-How close FP8 logprobs stay to the unquantized model's: e4m3 rounds each factor of a product by up to 2^-4 of itself,
-2^-4 / sqrt(3) as a root mean square (uniform rounding), so each FP8 product's output is off by about
-sqrt(2) * 2^-4 / sqrt(3) of its size, and the errors of the L products between an embedding and a logit (4 per block:
-q/k/v, o, gate/up, down) add up like independent ones: logits move by about RHO = sqrt(2 L) * 2^-4 / sqrt(3) of their
-spread (their standard deviation over the vocabulary). A token's logprob, its logit minus the log-sum-exp, moves
-by that on average and by at most about twice that in the tails."""
+and the settings it refuses. How close FP8 logprobs stay to the unquantized model's: `check_close_to_unquantized`,
+with 8 quantized factors per block (q/k/v, o, gate/up and down products, both factors of each in FP8)."""
 
 import json
-import math
-import random
 import re
 import shutil
 
 import pytest
 import torch
-from inference_helpers import teacher_forced_logprobs
+from inference_helpers import check_close_to_unquantized, fp8_rho, generate, teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.config.loader import ConfigError
 from tandem.config.resolve import parse_rl_args
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_device
-from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.kernels.fp8 import FP8
 from tandem.models.fp8 import Fp8Linear, dequantize_weight, quantize_weight
@@ -33,6 +24,8 @@ from tandem.models.weights import load_state_dict, save_state_dict
 
 QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 """The on-disk names of the weights an FP8 checkpoint of a dense Qwen3 holds in FP8."""
+FACTORS_PER_BLOCK = 8
+"""FP8 factors between a block's input and output: both factors of q/k/v, o, gate/up and down."""
 CHECKPOINT_SCHEME = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -40,25 +33,6 @@ def engine_for(model_dir, device: str = "cpu", quantization: str = "fp8", load_f
     config = {"device": device, "num_blocks": 64, "block_size": 16, "max_model_len": 256, "max_num_batched_tokens": 256,
               "quantization": quantization, **settings}
     return build_engine(ModelConfig(name=str(model_dir), load_format=load_format), EngineConfig(**config), seed=0)
-
-
-def generate(engine, num_requests: int = 6, max_tokens: int = 24, seed: int = 0) -> dict[str, tuple[list[int], list[int], list[float], float]]:
-    """Random prompts sampled at several temperatures; per request: (prompt, completion, logprobs, temperature)."""
-    rng = random.Random(seed)
-    requests = {}
-    for i in range(num_requests):
-        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 60))]
-        temperature = [0.0, 1.0, 0.7][i % 3]
-        requests[str(i)] = (prompt, temperature)
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True))
-    results: dict[str, tuple[list[int], list[float]]] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            ids, logprobs = results.setdefault(out.request_id, ([], []))
-            ids += out.token_ids
-            logprobs += out.logprobs
-    assert len(results) == num_requests and all(len(ids) == max_tokens for ids, _ in results.values())
-    return {rid: (requests[rid][0], ids, logprobs, requests[rid][1]) for rid, (ids, logprobs) in results.items()}
 
 
 def fp8_state(engine) -> dict[str, torch.Tensor]:
@@ -111,25 +85,8 @@ def test_the_engine_computes_the_fp8_scheme_through_paging_chunking_and_preempti
         assert engine.scheduler.num_preemptions > 0
 
 
-def check_close_to_unquantized(results: dict, model: torch.nn.Module, device: str) -> None:
-    """Each sampled token's FP8 logprob against the unquantized model's, relative to the spread of its logits
-    (the module docstring's RHO): within RHO on average, 2 RHO at most; and not equal (FP8 ran)."""
-    rho = math.sqrt(2 * 4 * len(model.layers)) * 2.0 ** -4 / math.sqrt(3)
-    ratios = []
-    for prompt, ids, logprobs, temperature in results.values():
-        tokens = torch.tensor([prompt + ids], device=device)
-        with torch.no_grad():
-            logits = model.lm_head(model(tokens, torch.arange(tokens.shape[1], device=device)[None]))[0].float().cpu()
-        logits = logits[len(prompt) - 1:-1] / (temperature if temperature > 0 else 1.0)  # what the logprobs are of
-        expected = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        ratios.append((torch.tensor(logprobs) - expected).abs() / logits.std(-1))
-    ratios = torch.cat(ratios)
-    assert ratios.mean() <= rho and ratios.max() <= 2 * rho, (ratios.mean(), ratios.max(), rho)
-    assert ratios.max() > 0
-
-
 def test_fp8_logprobs_stay_close_to_the_unquantized_models(tiny_dir, tiny_model):
-    check_close_to_unquantized(generate(engine_for(tiny_dir)), tiny_model, "cpu")
+    check_close_to_unquantized(generate(engine_for(tiny_dir)), tiny_model, "cpu", FACTORS_PER_BLOCK)
 
 
 def test_only_the_dense_projections_are_held_in_fp8(tiny_dir, tiny_moe_dir):
@@ -143,7 +100,7 @@ def test_only_the_dense_projections_are_held_in_fp8(tiny_dir, tiny_moe_dir):
 
 def test_a_mixture_of_experts_generates_with_fp8_attention(tiny_moe_dir):
     model = load_causal_lm(str(tiny_moe_dir))
-    rho = math.sqrt(2 * 2 * len(model.layers)) * 2.0 ** -4 / math.sqrt(3)  # q/k/v and o only: experts unquantized
+    rho = fp8_rho(4, len(model.layers))  # both factors of q/k/v and o only: experts unquantized
     results = generate(engine_for(tiny_moe_dir))
     differences = torch.cat([(torch.tensor(lp) - teacher_forced_logprobs(model, p, ids, t)).abs()
                              for p, ids, lp, t in results.values()])
@@ -232,4 +189,4 @@ def test_fp8_on_cuda_stays_close_to_bf16(tiny_dir):
     """The kernel path: Triton FP8 products, the pointwise kernels around them, decode steps from CUDA graphs."""
     engine = engine_for(tiny_dir, device="cuda", max_num_seqs=8)
     assert engine.runner.graphs is not None
-    check_close_to_unquantized(generate(engine), load_causal_lm(str(tiny_dir), "cuda"), "cuda")
+    check_close_to_unquantized(generate(engine), load_causal_lm(str(tiny_dir), "cuda"), "cuda", FACTORS_PER_BLOCK)

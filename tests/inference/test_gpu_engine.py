@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from inference_helpers import teacher_forced_logprobs
+from inference_helpers import check_close_to_unquantized, generate, teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
@@ -63,3 +63,20 @@ def test_engine_with_cuda_graphs_matches_a_teacher_forced_pass(tiny_dir, seeded)
         prompt, params = requests[out.request_id]
         expected = teacher_forced_logprobs(model, prompt, out.token_ids, params.temperature)
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="an FP8 KV cache needs compute capability 8.9 or newer")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_an_fp8_kv_cache_and_cuda_graphs_stays_close_to_the_unquantized_model(tiny_dir, dtype):
+    """`engine.kv_cache_dtype = "fp8"` on the kernel path: the cache write quantizes, prefill chunks and graph-replayed
+    decodes (one and several chunks of context) read FP8 with its scales; logprobs within the bound of 2 FP8
+    factors per block (`inference_helpers.fp8_rho`, as on the CPU: `tests/inference/test_fp8_kv_cache.py`) of the
+    unquantized model's in the same dtype, through paging, n = 2 and preemption."""
+    engine = build_engine(ModelConfig(name=str(tiny_dir), dtype=dtype),
+                          EngineConfig(device="cuda", max_num_seqs=16, max_model_len=1400, max_num_batched_tokens=256,
+                                       num_blocks=100, kv_cache_dtype="fp8"), seed=0)
+    assert engine.runner.graphs is not None and engine.runner.cache.fp8
+    model = load_causal_lm(str(tiny_dir), "cuda", dtype)
+    check_close_to_unquantized(generate(engine, num_requests=8, max_tokens=600, n=2), model, "cuda", 2)
+    assert engine.scheduler.num_preemptions > 0

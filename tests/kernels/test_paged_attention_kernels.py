@@ -1,7 +1,9 @@
 """Paged attention's Triton kernels (`tandem.kernels.attention`) against dense softmax attention in float64
 (`attention_cases.dense_reference`, which the torch reference `reference_attention` is checked against too, in
-`tests/inference/test_paged_attention.py`): run by Triton's interpreter on CPU tensors, and on CUDA. Also the
-decode grids' context bounds, which CUDA graphs are captured for."""
+`tests/inference/test_paged_attention.py`): run by Triton's interpreter on CPU tensors, and on CUDA; over caches in
+the step's dtype and over FP8 caches with their scales (dense attention over what those hold, so the bounds are
+the same: the scales are applied in fp32, and an e4m3 number widens to bf16 exactly). Also the decode grids'
+context bounds, which CUDA graphs are captured for."""
 
 import os
 import subprocess
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from triton_interpreter import needs_triton_interpreter
-from attention_cases import DECODES, MIXED, check_split_decode, dense_reference, mixed_step
+from attention_cases import DECODES, MIXED, check_split_decode, dense_reference, kernel_caches, mixed_step
 
 from tandem.inference.engine.cuda_graphs import padded_batch_size
 from tandem.kernels.attention import SPLIT_KEYS, decode_context_bounds, decode_splits, paged_attention
@@ -20,13 +22,15 @@ INTERPRETED_KERNELS = """
 import sys
 sys.path.insert(0, {tests!r})
 import torch
-from attention_cases import MIXED, check_split_decode, dense_reference, mixed_step
+from attention_cases import MIXED, check_split_decode, dense_reference, kernel_caches, mixed_step
 from tandem.kernels.attention import paged_attention
 
-check_split_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=16, tolerance=1e-5)
-q, k, v, k_cache, v_cache, meta = mixed_step("cpu", torch.float32, shapes=MIXED)
-out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, meta.tiles, meta.block_q)
-torch.testing.assert_close(out.double(), dense_reference(q, k_cache, v_cache, meta), rtol=1e-5, atol=1e-5)
+for fp8 in (False, True):
+    check_split_decode("cpu", torch.float32, heads=6, kv_heads=2, head_dim=16, tolerance=1e-5, fp8=fp8)
+    q, k, v, cache, meta = mixed_step("cpu", torch.float32, shapes=MIXED, fp8=fp8)
+    out = paged_attention(q, block_tables=meta.block_tables, seq_lens=meta.seq_lens, query_start=meta.query_start,
+                          tiles=meta.tiles, block_q=meta.block_q, **kernel_caches(cache))
+    torch.testing.assert_close(out.double(), dense_reference(q, cache, meta), rtol=1e-5, atol=1e-5)
 print("ok")
 """
 
@@ -35,7 +39,8 @@ print("ok")
 def test_kernels_under_tritons_interpreter_equal_dense_attention_and_decodes_are_batch_invariant():
     """The kernels on CPU tensors (fp32, exact dot products), run by Triton's interpreter. Split-KV decode:
     GQA groups of 3 (padded to 4), contexts around the chunk size, a padding row; each sequence's output
-    bitwise equal alone and in the batch, whatever the grid's bound. Then a mixed step (prefill tiles)."""
+    bitwise equal alone and in the batch, whatever the grid's bound. Then a mixed step (prefill tiles). Both over
+    an fp32 cache and over an FP8 one."""
     script = INTERPRETED_KERNELS.format(tests=str(Path(__file__).parents[1]))  # tests/, where attention_cases is
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -45,25 +50,33 @@ def test_kernels_under_tritons_interpreter_equal_dense_attention_and_decodes_are
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                               reason="FP8 caches: a CUDA GPU of compute capability 8.9 or newer")
+FP8_CACHE = [pytest.param(False, id="model-dtype-cache"), pytest.param(True, id="fp8-cache", marks=needs_fp8)]
+
+
 @needs_cuda
+@pytest.mark.parametrize("fp8", FP8_CACHE)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("shapes", [MIXED, DECODES], ids=["mixed", "decodes"])
 @pytest.mark.parametrize("heads, kv_heads", [(16, 8), (40, 8)], ids=["qwen3-0.6b", "group-of-5"])
-def test_kernel_equals_dense_attention(dtype, tolerance, shapes, heads, kv_heads):
+def test_kernel_equals_dense_attention(dtype, tolerance, shapes, heads, kv_heads, fp8):
     for seed in range(2):
-        q, k, v, k_cache, v_cache, meta = mixed_step("cuda", dtype, heads=heads, kv_heads=kv_heads, head_dim=128,
-                                                     block_size=16, seed=seed, shapes=shapes)
-        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, meta.tiles, meta.block_q)
-        ref = dense_reference(q, k_cache, v_cache, meta)
+        q, k, v, cache, meta = mixed_step("cuda", dtype, heads=heads, kv_heads=kv_heads, head_dim=128, block_size=16,
+                                          seed=seed, shapes=shapes, fp8=fp8)
+        out = paged_attention(q, block_tables=meta.block_tables, seq_lens=meta.seq_lens, query_start=meta.query_start,
+                              tiles=meta.tiles, block_q=meta.block_q, **kernel_caches(cache))
+        ref = dense_reference(q, cache, meta)
         assert (out.double().cpu() - ref).abs().max().item() < tolerance
 
 
 @needs_cuda
+@pytest.mark.parametrize("fp8", FP8_CACHE)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(16, 8), (40, 8)], ids=["qwen3-0.6b", "group-of-5"])
-def test_split_decode_equals_dense_attention_and_is_batch_invariant(dtype, tolerance, heads, kv_heads):
+def test_split_decode_equals_dense_attention_and_is_batch_invariant(dtype, tolerance, heads, kv_heads, fp8):
     for seed in range(2):
-        check_split_decode("cuda", dtype, heads, kv_heads, 128, tolerance, seed)
+        check_split_decode("cuda", dtype, heads, kv_heads, 128, tolerance, seed, fp8=fp8)
 
 
 def test_decode_graph_context_bounds_hold_every_context_with_few_idle_chunks():

@@ -1,7 +1,9 @@
 """The pointwise kernels (`tandem.kernels.pointwise`: `rms_norm`, `silu_mul`, `qk_norm_rope_write`) against the
 model's own functions (`tandem.models.layers.rms_norm`, `apply_rope`; silu(gate) * up): in fp32 under Triton's
 interpreter, and in bf16 on CUDA. The interpreter truncates when it casts to bf16 (the GPU rounds to nearest, as
-torch does), so bf16 runs on CUDA only. The engine's blocks that run them: `tests/inference/test_fused_blocks.py`."""
+torch does), so bf16 runs on CUDA only. The cache write into an FP8 cache against `kv_cache.quantize_heads` of what
+the kernel writes into a cache in the model's dtype. The engine's blocks that run them:
+`tests/inference/test_fused_blocks.py`."""
 
 import os
 import subprocess
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.inference.engine.kv_cache import KVCache
+from tandem.inference.engine.kv_cache import KVCache, quantize_heads
 from tandem.models.layers import YarnScaling, apply_rope, rms_norm, rope_cos_sin
 from triton_interpreter import needs_triton_interpreter
 
@@ -87,13 +89,58 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Non
     assert (out.float() - ref.float()).abs().max().item() <= tolerance
 
 
+def check_fp8_cache_write(device: str, dtype: torch.dtype, casts_round: bool, num_tokens: int = 7, seed: int = 0) -> None:
+    """`qk_norm_rope_write` into an FP8 cache stores `quantize_heads` of the keys and values it stores into a cache in
+    the model's dtype: scales bit for bit, and FP8 numbers bit for bit where `casts_round` (a GPU: to nearest, as
+    torch); Triton's interpreter loses the carry where rounding up reaches a power of two (127 becomes 64, not 128),
+    so there a power of two may come out as the one below it. Nothing is written outside the slots."""
+    from tandem.kernels import pointwise
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    for heads, kv_heads, head_dim, rotary, norm, yarn in KERNEL_CASES:
+        # Heads of very different sizes: each gets its own scale.
+        q, k = rand(num_tokens, heads * head_dim), rand(num_tokens, kv_heads * head_dim) * 30.0
+        v = rand(num_tokens, kv_heads * head_dim) * torch.logspace(-2, 2, kv_heads, device=device).repeat_interleave(head_dim)
+        q_w, k_w = {"head": (rand(head_dim), rand(head_dim)), "none": (None, None),
+                    "all_heads": (rand(heads * head_dim), rand(kv_heads * head_dim))}[norm]
+        cos, sin = rope_cos_sin(torch.arange(num_tokens, device=device)[None], int(head_dim * rotary), 10_000.0, dtype, yarn)
+        slots = torch.randperm(4 * num_tokens, generator=gen)[:num_tokens].to(device)
+        written = {}
+        for fp8 in (False, True):
+            cache = KVCache(1, num_tokens, 4, kv_heads, head_dim, dtype, torch.device(device), fp8)
+            pointwise.qk_norm_rope_write(q.to(dtype), k.to(dtype), v.to(dtype), cos[0], sin[0], q_w, k_w, 1e-6,
+                                         *cache.layer(0), slots, *cache.layer_scales(0))
+            written[fp8] = cache
+        for i in range(2):
+            plain = written[False].layer(0)[i].reshape(-1, kv_heads, head_dim)[slots]
+            expected, expected_scales = quantize_heads(plain)
+            stored = written[True].layer(0)[i].view(torch.uint8)
+            scales = written[True].layer_scales(0)[i]
+            assert torch.equal(scales.reshape(-1, kv_heads)[slots], expected_scales)
+            assert int((scales != 0).sum()) == num_tokens * kv_heads and int((stored != 0).sum()) <= plain.numel()
+            codes = stored.reshape(-1, kv_heads, head_dim)[slots]
+            expected_codes = expected.view(torch.uint8)
+            if casts_round:
+                assert torch.equal(codes, expected_codes)
+            else:  # e4m3 codes: sign, 4 exponent bits, 3 mantissa bits; a binade down is 8 codes down
+                power_of_two = (expected_codes & 0x7) == 0
+                carry_lost = power_of_two & (codes.int() == expected_codes.int() - 8)
+                assert ((codes == expected_codes) | carry_lost).all()
+                assert (codes == expected_codes).float().mean() > 0.8
+
+
 INTERPRETED_KERNELS = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_pointwise import check_kernels
+from test_pointwise import check_fp8_cache_write, check_kernels
 import torch
 check_kernels("cpu", torch.float32)
 check_kernels("cpu", torch.float32, num_tokens=1, seed=1)
+check_fp8_cache_write("cpu", torch.float32, casts_round=False)
 print("ok")
 """
 
@@ -101,7 +148,7 @@ print("ok")
 @needs_triton_interpreter
 def test_the_kernels_under_tritons_interpreter_compute_the_models_functions():
     """fp32, CPU tensors: the kernels against the model's functions (Qwen3's per-head norms, GLM's partial
-    rotary without norms, a norm over all heads with YaRN), at seven tokens and at one."""
+    rotary without norms, a norm over all heads with YaRN), at seven tokens and at one; the FP8 cache write."""
     script = INTERPRETED_KERNELS.format(tests=str(Path(__file__).parent))
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -118,3 +165,13 @@ def test_cuda_kernels_round_where_the_model_rounds():
     for num_tokens, seed in ((1, 0), (256, 1), (4096, 2)):
         equal = check_kernels("cuda", torch.bfloat16, num_tokens, seed)
         assert min(equal) > 0.7, equal
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 caches: a CUDA GPU of compute capability 8.9 or newer")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_fp8_cache_write_quantizes_as_the_reference(dtype):
+    """Decode-sized and prefill-sized steps: FP8 numbers and scales bit for bit `quantize_heads`' of what the kernel
+    writes into a cache in the model's dtype."""
+    for num_tokens, seed in ((1, 0), (256, 1)):
+        check_fp8_cache_write("cuda", dtype, casts_round=True, num_tokens=num_tokens, seed=seed)

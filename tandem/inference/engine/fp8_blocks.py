@@ -44,17 +44,18 @@ class Fp8Projections:
     down: BlockFp8Weight | None
 
 
-def check_fp8_device(device: torch.device) -> None:
-    """Refuse, at engine start, a GPU whose FP8 products cannot run (no FP8 tensor cores, or no Triton)."""
+def check_fp8_device(device: torch.device, key: str = "engine.quantization", off: str = "none") -> None:
+    """Refuse, at engine start, a GPU whose FP8 kernels cannot run (no FP8 tensor cores and conversions, or no
+    Triton) for the setting `key` = 'fp8' (FP8 weights, or the FP8 KV cache; `off`: the key's other value)."""
     if device.type != "cuda":
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
-        raise ValueError(f"`engine.quantization` = 'fp8' needs a GPU of compute capability {MIN_CAPABILITY[0]}."
+        raise ValueError(f"`{key}` = 'fp8' needs a GPU of compute capability {MIN_CAPABILITY[0]}."
                          f"{MIN_CAPABILITY[1]} or newer (FP8 tensor cores); {torch.cuda.get_device_name(device)} has "
-                         f"{major}.{minor}: set `engine.quantization` = 'none'")
+                         f"{major}.{minor}: set `{key}` = {off!r}")
     if not kernel_serves(device):
-        raise ValueError("`engine.quantization` = 'fp8' on CUDA needs Triton, which is not installed")
+        raise ValueError(f"`{key}` = 'fp8' on CUDA needs Triton, which is not installed")
 
 
 def fp8_projections(block: DecoderLayer) -> Fp8Projections:

@@ -6,27 +6,111 @@ The cache is zero-filled, so padded reads (a decode batch gathers as many blocks
 context) only ever see finite numbers, which the attention mask then weighs by exactly zero.
 One block more than the block manager hands out holds the writes of padding tokens (CUDA-graph
 batches are padded up to a captured size): `pad_slot` is its first slot.
+
+FP8 (`engine.kv_cache_dtype = "fp8"`): keys and values in float8_e4m3fn, each token's head scaled on its own,
+with one fp32 scale per (layer, slot, KV head) beside the cache ([num_blocks, block_size, kv_heads] per layer;
+a value is its FP8 number times its scale). Why per token and head, computed when the token is written: a slot
+is written once and read until its sequence ends, so its scale can be fitted to exactly what it holds (its head's
+largest magnitude maps to 448), and stays right however the weights move in RL; a static scale calibrated once
+goes stale as training changes the activations' size, and a scale per block or per layer would have to cover
+tokens written later, by other steps (or rescale those written before). Heads get their own because their
+sizes differ by orders of magnitude (keys' outlier heads). The scales cost 4 bytes per head and token beside
+the head's `head_dim` bytes: at head_dim 128 a token takes 264 bytes per KV head and layer for K and V, against
+512 in bf16, so 1.94x the tokens fit in the same memory.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tandem.kernels.fp8 import FP8, reference_quantize_activations
+
+SCALE_DTYPE = torch.float32
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, fp8: bool = False):
+        """`dtype`: the model's (what attention computes in); `fp8`: keys and values stored in FP8 with scales."""
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = torch.zeros(shape, dtype=FP8 if fp8 else dtype, device=device)
+        self.values = torch.zeros(shape, dtype=FP8 if fp8 else dtype, device=device)
+        self.key_scales = self.value_scales = None
+        """FP8: [layers, num_blocks + 1, block_size, kv_heads] fp32, the scale of each slot's head; else None."""
+        if fp8:
+            self.key_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.value_scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+        self.dtype = dtype
         self.block_size = block_size
         self.pad_slot = num_blocks * block_size
         """A slot no sequence owns: padding tokens write their keys and values here."""
+
+    @property
+    def fp8(self) -> bool:
+        return self.key_scales is not None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [num_blocks, block_size, kv_heads, head_dim] of one layer (views, written in place)."""
         return self.keys[layer_idx], self.values[layer_idx]
 
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """FP8: the scales of keys and values [num_blocks, block_size, kv_heads] of one layer (views); else Nones."""
+        if not self.fp8:
+            return None, None
+        return self.key_scales[layer_idx], self.value_scales[layer_idx]
+
+    def write(self, layer_idx: int, slots: torch.Tensor, k_NHD: torch.Tensor,
+              v_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys and values [N, kv_heads, head_dim] of N tokens in their `slots` (FP8: quantized); returns
+        what the cache now holds for them, in the model's dtype (FP8: dequantized)."""
+        held = []
+        for cache, scales, x in zip(self.layer(layer_idx), self.layer_scales(layer_idx), (k_NHD, v_NHD)):
+            flat = cache.view(-1, *cache.shape[2:])
+            if scales is None:
+                flat.index_copy_(0, slots, x)
+                held.append(x)
+                continue
+            x_fp8, x_scales = quantize_heads(x)
+            flat.view(torch.uint8).index_copy_(0, slots, x_fp8.view(torch.uint8))  # torch copies no FP8 by index
+            scales.view(-1, scales.shape[-1]).index_copy_(0, slots, x_scales)
+            held.append(dequantize(x_fp8, x_scales, x.dtype))
+        return held[0], held[1]
+
+    def read_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the cache's `blocks` [n] of one layer, [n, block_size, kv_heads, head_dim] in the model's
+        dtype (FP8: dequantized): what the torch path attends over."""
+        out = []
+        for cache, scales in zip(self.layer(layer_idx), self.layer_scales(layer_idx)):
+            if scales is None:
+                out.append(cache.index_select(0, blocks))
+                continue
+            x = cache.view(torch.uint8).index_select(0, blocks).view(FP8)  # torch gathers no FP8 by index
+            out.append(dequantize(x, scales.index_select(0, blocks), self.dtype))
+        return out[0], out[1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token over all layers, scales included."""
+        layers, _, block_size, num_kv_heads, head_dim = self.keys.shape
+        return self.bytes_per_block(layers, block_size, num_kv_heads, head_dim, self.dtype, self.fp8) // block_size
+
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        fp8: bool = False) -> int:
+        """Bytes of one block's keys and values over all layers: what the memory plan divides its budget by."""
+        per_head = head_dim * (FP8.itemsize if fp8 else dtype.itemsize) + (SCALE_DTYPE.itemsize if fp8 else 0)
+        return 2 * num_layers * block_size * num_kv_heads * per_head
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, heads, D] -> (FP8 [N, heads, D], fp32 scales [N, heads]): each token's head scaled so that its largest
+    magnitude is 448 (`tandem.kernels.fp8`'s activation scheme with a group of one head), rounded to nearest. The
+    cache-writing kernel (`tandem.kernels.pointwise.qk_norm_rope_write`) computes the same numbers."""
+    N, heads, D = x.shape
+    x_fp8, scales = reference_quantize_activations(x.reshape(N * heads, D), group=D)
+    return x_fp8.view(N, heads, D), scales.view(N, heads)
+
+
+def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 values [..., D] times their scales [...], rounded once to `dtype`."""
+    return (x_fp8.float() * scales[..., None]).to(dtype)

@@ -10,6 +10,10 @@ token in torch where those kernels cannot run. Elsewhere the torch reference run
 one sequence at a time (causal, offset by what the cache already held), decodes and other short
 queries (a token and its drafts) as one padded batch of gathered blocks. The model code and the
 runner only see `attend(layer_idx, q, k, v)`.
+
+With an FP8 cache (`KVCache.fp8`) every path attends over what the cache holds: the kernel reads FP8 keys and
+values with their scales in place; the torch path dequantizes the blocks it gathers, and a chunk's own keys and
+values are their round trip through the cache (`KVCache.write`), so both paths compute the same function.
 """
 
 from __future__ import annotations
@@ -56,16 +60,14 @@ class PagedAttention:
         self._exact_work: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q_NHD, k_NHD, v_NHD = q[0], k[0], v[0]
-        k_cache, v_cache = self.cache.layer(layer_idx)  # [blocks, S, Hkv, D]
-        num_kv_heads, head_dim = k_cache.shape[2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, k_NHD)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.meta.slot_mapping, v_NHD)
+        q_NHD = q[0]
+        k_NHD, v_NHD = self.cache.write(layer_idx, self.meta.slot_mapping, k[0], v[0])  # what the cache now holds
+        head_dim = q_NHD.shape[-1]
         if self.reads_only_the_cache(head_dim, q_NHD.device):
             return self.attend_cached(layer_idx, q_NHD)[None]
         if self.exact:
-            return exact_paged_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, self.meta)[None]
-        return reference_attention(q_NHD, k_NHD, v_NHD, k_cache, v_cache, self.meta)[None]
+            return exact_paged_attention(q_NHD, k_NHD, v_NHD, *self.cache.layer(layer_idx), self.meta)[None]
+        return reference_attention(q_NHD, k_NHD, v_NHD, self.cache, layer_idx, self.meta)[None]
 
     def reads_only_the_cache(self, head_dim: int, device: torch.device) -> bool:
         """Whether `attend` runs a kernel, which reads this step's keys and values back from the cache: then a
@@ -75,8 +77,9 @@ class PagedAttention:
             return attention_uses_kernels(device, head_dim)
         return attention_kernel.serves(head_dim, device)
 
-    def cache_slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return *self.cache.layer(layer_idx), self.meta.slot_mapping
+    def cache_slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                    torch.Tensor | None]:
+        return *self.cache.layer(layer_idx), self.meta.slot_mapping, *self.cache.layer_scales(layer_idx)
 
     def attend_cached(self, layer_idx: int, q_NHD: torch.Tensor) -> torch.Tensor:
         """The kernel's attention of q [N, H, D] over the cache, the step's keys and values already in their
@@ -89,7 +92,8 @@ class PagedAttention:
             return attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start,
                                                       tiles, contexts, max_context)
         return attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
-                                                m.query_start, m.tiles, m.block_q, m.max_context)
+                                                m.query_start, m.tiles, m.block_q, m.max_context,
+                                                *self.cache.layer_scales(layer_idx))
 
     def exact_work(self, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact attention's work items and each token's context (position + 1), [2, T] and [N], once per step. A
@@ -132,12 +136,13 @@ and its drafts) attend as one padded batch in the torch path; longer chunks one 
 cost more than the loop."""
 
 
-def reference_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """The torch path (CPU, and the GPU tests' reference): gathered blocks and SDPA, [N, H, D]."""
+def reference_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, cache: KVCache, layer_idx: int,
+                        meta: AttentionMetadata) -> torch.Tensor:
+    """The torch path (CPU, and the GPU tests' reference): gathered blocks of layer `layer_idx` (`KVCache.read_blocks`)
+    and SDPA, [N, H, D]."""
     assert meta.query_lens_host is not None and meta.seq_lens_host is not None, "the torch path needs host lengths"
-    block_size = k_cache.shape[1]
-    gqa = q_NHD.shape[1] != k_cache.shape[2]
+    block_size = cache.block_size
+    gqa = q_NHD.shape[1] != k_NHD.shape[1]
     out = torch.empty_like(q_NHD)  # [N, H, D]
     short: list[int] = []
     start = 0
@@ -152,26 +157,26 @@ def reference_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.T
             k_i, v_i = k_NHD[s:e].transpose(0, 1)[None], v_NHD[s:e].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, enable_gqa=gqa)
         else:
-            blocks = meta.block_tables[i, :-(-ctx // block_size)]
-            k_i = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
-            v_i = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            k_blocks, v_blocks = cache.read_blocks(layer_idx, meta.block_tables[i, :-(-ctx // block_size)])
+            k_i = k_blocks.flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            v_i = v_blocks.flatten(0, 1)[:ctx].transpose(0, 1)[None]
             mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q_NHD.device).tril(ctx - q_len)
             o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, enable_gqa=gqa)
         out[s:e] = o[0].transpose(0, 1)
     if short:
-        attend_short_queries(q_NHD, k_cache, v_cache, meta, short, out)
+        attend_short_queries(q_NHD, cache, layer_idx, meta, short, out)
     return out
 
 
-def attend_short_queries(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def attend_short_queries(q_NHD: torch.Tensor, cache: KVCache, layer_idx: int, meta: AttentionMetadata,
                          seqs: list[int], out: torch.Tensor) -> None:
     """Sequences `seqs` (Bs, each a few tokens after cached ones, all in the cache already) as one batch padded to
     the longest query (Lq) and context, written into `out`. A padding query repeats its sequence's last token,
     so it writes that token's own output again."""
     assert meta.query_lens_host is not None and meta.seq_lens_host is not None
     device = q_NHD.device
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    block_size = k_cache.shape[1]
+    num_kv_heads, head_dim = cache.keys.shape[3:]
+    block_size = cache.block_size
     q_lens = torch.tensor([meta.query_lens_host[i] for i in seqs], device=device)
     lens = torch.tensor([meta.seq_lens_host[i] for i in seqs], device=device)
     width = -(-int(lens.max()) // block_size)
@@ -180,8 +185,8 @@ def attend_short_queries(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     offsets = torch.minimum(torch.arange(int(q_lens.max()), device=device)[None], q_lens[:, None] - 1)  # [Bs, Lq]
     tokens = meta.query_start[rows][:, None] + offsets  # [Bs, Lq] rows of the step's tokens
     q_s = q_NHD[tokens].transpose(1, 2)  # [Bs, H, Lq, D]
-    k_s = k_cache.index_select(0, blocks.reshape(-1)).view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
-    v_s = v_cache.index_select(0, blocks.reshape(-1)).view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+    k_s, v_s = (x.view(len(seqs), -1, num_kv_heads, head_dim).transpose(1, 2)
+                for x in cache.read_blocks(layer_idx, blocks.reshape(-1)))
     positions = (lens - q_lens)[:, None] + offsets  # [Bs, Lq] each query's position
     mask = torch.arange(width * block_size, device=device)[None, None] <= positions[:, :, None]  # [Bs, Lq, M * S]
     o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask[:, None], enable_gqa=q_s.shape[1] != num_kv_heads)

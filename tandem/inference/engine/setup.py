@@ -102,6 +102,12 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         if exact:
             raise ValueError("`engine.quantization` = 'fp8' cannot run exact: FP8 products cannot equal the trainer's bit for bit")
         check_fp8_device(device)
+    fp8_cache = engine.kv_cache_dtype == "fp8"
+    if fp8_cache:
+        if exact:
+            raise ValueError("`engine.kv_cache_dtype` = 'fp8' cannot run exact: attention over FP8 keys and values cannot "
+                             "equal the trainer's bit for bit")
+        check_fp8_device(device, "engine.kv_cache_dtype", "auto")
     folder = resolve_model_path(model_config.name)
     model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format,
                            engine.quantization)
@@ -120,12 +126,12 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         draft = load_draft_model(spec, model_config, device, folder, tokenizer, model.hf_config.get("vocab_size"),
                                  max_model_len)
     if has_split_blocks(model.hf_config):
-        per_block = cache_bytes_per_block(model, engine.block_size)
+        per_block = cache_bytes_per_block(model, engine.block_size, fp8_cache)
         if draft is not None:
-            per_block += cache_bytes_per_block(draft, engine.block_size)
+            per_block += cache_bytes_per_block(draft, engine.block_size, fp8_cache)
         num_blocks = plan_num_blocks(engine, model, device, per_block, max_model_len)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
-        cache = cache_for(model, num_blocks, engine.block_size, device)
+        cache = cache_for(model, num_blocks, engine.block_size, device, fp8_cache)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
         if engine.fused_blocks and device.type == "cuda" and not (exact or fp8):  # exact, fp8: their own blocks
@@ -135,8 +141,12 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, engine.block_size, num_blocks * per_block / 2**30, device)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s) on %s", num_blocks, engine.block_size,
+                 num_blocks * per_block / 2**30, "fp8" if fp8_cache else cache.dtype, device)
     else:
+        if fp8_cache:
+            raise ValueError(f"`engine.kv_cache_dtype` = 'fp8': {model.hf_config.get('model_type')!r} runs on the recompute "
+                             "path, which keeps no KV cache to store in FP8; set `engine.kv_cache_dtype` = 'auto'")
         # No cache tensor on the recompute path; blocks still bound how many tokens run at once.
         num_blocks = engine.num_blocks or engine.max_num_seqs * -(-max_model_len // engine.block_size)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
@@ -157,7 +167,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     if spec.method == "ngram":
         speculator = Speculator(NgramProposer(spec.ngram_max), sampler)
     elif draft is not None:
-        draft_runner = PagedModelRunner(draft, cache_for(draft, num_blocks, engine.block_size, device), device,
+        draft_runner = PagedModelRunner(draft, cache_for(draft, num_blocks, engine.block_size, device, fp8_cache), device,
                                         engine.max_num_seqs, max_model_len, cuda_graphs=False)
         speculator = Speculator(DraftModelProposer(draft_runner, sampler, spec.draft_sampling == "sampled"), sampler)
     return LLMEngine(
@@ -178,16 +188,17 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     )
 
 
-def cache_bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
+def cache_bytes_per_block(model: torch.nn.Module, block_size: int, fp8: bool = False) -> int:
     args = model.args
     return KVCache.bytes_per_block(args.num_hidden_layers, block_size, args.num_key_value_heads, args.head_dim,
-                                   model.lm_head.weight.dtype)
+                                   model.lm_head.weight.dtype, fp8)
 
 
-def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device) -> KVCache:
+def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device, fp8: bool = False) -> KVCache:
+    """`fp8`: keys and values in FP8 with a scale per token and head (`engine.kv_cache_dtype`)."""
     args = model.args
     return KVCache(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads, args.head_dim,
-                   model.lm_head.weight.dtype, device)
+                   model.lm_head.weight.dtype, device, fp8)
 
 
 def load_draft_model(spec: SpeculativeConfig, model_config: ModelConfig, device: torch.device, policy_folder: Path,

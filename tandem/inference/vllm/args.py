@@ -2,7 +2,8 @@
 
 Mapped keys: `model.name` (served under that name too), `model.dtype` (`auto` is bfloat16, as on
 tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `engine.max_model_len`,
-`engine.max_num_seqs`, `seed`, `server.host`/`port`/`access_log`, `vllm.tensor_parallel_size`,
+`engine.max_num_seqs`, `engine.kv_cache_dtype` (`--kv-cache-dtype`: vLLM's `auto` is the model's dtype, its `fp8`
+float8_e4m3fn), `seed`, `server.host`/`port`/`access_log`, `vllm.tensor_parallel_size`,
 `vllm.enable_prefix_caching`; `server.api_key` goes through the environment (`serve_env`). With
 `engine.lora`, the base model is served as `server.base_model_name` and the policy as a LoRA adapter named
 `model.name` (`--enable-lora`, `--lora-modules` with the adapters' start, runtime loading on), which every
@@ -76,6 +77,7 @@ def mapped_flags(config: InferenceConfig, adapter_start: str | None = None) -> d
         "dtype": _DTYPES[config.model.dtype],
         "gpu_memory_utilization": str(engine.memory_fraction),
         "max_num_seqs": str(engine.max_num_seqs),
+        "kv_cache_dtype": engine.kv_cache_dtype,
         "seed": str(config.seed),
         "host": config.server.host,
         "port": str(config.server.port),
