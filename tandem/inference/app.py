@@ -33,6 +33,7 @@ def build_app(served: Served, server: ServerConfig, disaggregation: Disaggregati
             for close in app.state.closers:
                 close()
             if served.remote_prefill is not None:
+                served.remote_prefill.log_stats()
                 await served.remote_prefill.peers.aclose()
 
     app = FastAPI(title="tandem inference", lifespan=lifespan)

@@ -8,6 +8,8 @@ prefilled here: the experts of its first token's forward must be the ones it rep
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Request
 
 from tandem.inference.disaggregated.peers import PrefillPeers
@@ -15,6 +17,7 @@ from tandem.inference.engine.async_engine import AsyncEngine
 from tandem.inference.engine.prefilled import PrefilledPrompt
 from tandem.inference.engine.sampling_params import SamplingParams
 
+log = logging.getLogger("tandem.inference")
 router = APIRouter()
 
 
@@ -33,6 +36,13 @@ class RemotePrefill:
         if len(prompt_token_ids) - num_cached_blocks * block_manager.block_size < self.min_remote_prefill_tokens:
             return None
         return await self.peers.prefill(prompt_token_ids, num_cached_blocks, self.engine.stats().weight_version)
+
+    def log_stats(self) -> None:
+        """One line at the end, so a run's log says where its prompts were prefilled."""
+        counts = self.stats()
+        log.info("prompts handed over by prefill servers: %d; asked and not handed (prefilled here): %d; handed and "
+                 "prefilled here again (another policy, no room): %d", counts["num_prefills_handed"],
+                 counts["num_prefills_failed"], counts["num_prefilled_refused"])
 
     def stats(self) -> dict[str, int]:
         return {"num_prefills_handed": self.peers.num_handed, "num_prefills_failed": self.peers.num_failed,
