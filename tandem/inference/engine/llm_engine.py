@@ -206,8 +206,9 @@ class LLMEngine:
         """Queue a request whose prompt another engine prefilled: the first sample continues from `prefilled`
         (written into this cache now, sampled by the next step), the others share its blocks through the prefix
         cache as the `n` samples of any request do. False, with nothing queued, when it cannot be taken as it is:
-        other weights computed it, the leading blocks it left out are no longer cached here, or there is no room
-        now (a full batch, too few free blocks); the caller then queues it with `add_request`."""
+        other weights computed it, the leading blocks it left out are no longer cached here, its blocks are not
+        this cache's shape (a peer serving another model), or there is no room now (a full batch, too few free
+        blocks); the caller then queues it with `add_request`, so the request never fails for its prefill server."""
         seqs = self._new_sequences(request_id, prompt_token_ids, params, n, incremental)
         first, cache = seqs[0], self.runner.cache
         if (prefilled.weight_version != self.weight_version or len(self.scheduler.running) >= self.scheduler.max_num_seqs
@@ -222,7 +223,7 @@ class LLMEngine:
             cache.write_blocks(first.block_table[num_cached:], prefilled.kv_blocks[:, :, num_cached - prefilled.first_block:])
         except ValueError:
             self.block_manager.free_blocks(first)
-            raise
+            return False
         first.num_computed_tokens = first.num_prompt_tokens
         self.block_manager.register_computed_blocks(first)
         self.scheduler.add_running(first)
