@@ -7,6 +7,7 @@ GPUs.
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import httpx
@@ -39,4 +40,4 @@ class HTTPBodyTransport(KVTransport):
     async def receive(self, client: httpx.AsyncClient, peer: str, answer: PrefillAnswer) -> list[torch.Tensor]:
         response = await client.get(f"{peer}/kv/{answer.transfer_id}")
         response.raise_for_status()
-        return decode(response.content, answer.tensors)
+        return await asyncio.to_thread(decode, response.content, answer.tensors)  # a copy of the body: off the loop
