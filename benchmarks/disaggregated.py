@@ -129,7 +129,8 @@ def main() -> None:
         prefill_url = stack.enter_context(server(folder, logs, "prefill", args, "--disaggregation.role", "prefill"))
         decode_url = stack.enter_context(server(
             folder, logs, "decode", args, "--disaggregation.role", "decode", "--disaggregation.prefill-urls",
-            json.dumps([prefill_url]), "--disaggregation.min-remote-prefill-tokens", str(args.long_prompt_len // 2)))
+            json.dumps([prefill_url]), "--disaggregation.min-remote-prefill-tokens",
+            str((args.decode_prompt_len + args.long_prompt_len) // 2)))
         results["disaggregated"] = asyncio.run(workload(decode_url, args, vocab, str(folder)))
         results["disaggregated"]["stats"] = httpx.get(f"{decode_url}/disaggregation/stats").json()
         results["disaggregated"]["hand_off_ms_per_1k_tokens"] = hand_off_ms_per_1k(prefill_url, args, vocab)
