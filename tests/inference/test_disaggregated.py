@@ -118,6 +118,31 @@ def test_weight_updates_reach_both_pools_and_a_prefill_on_other_weights_is_redon
         other.stop()
 
 
+def test_a_decode_server_reaches_prefill_servers_behind_the_api_key_both_pools_share(tiny_dir):
+    key = {"api_key": "sk-pools"}
+    prefill_config = exact_config(tiny_dir, role="prefill")
+    prefill_config = prefill_config.model_copy(update={"server": prefill_config.server.model_copy(update=key)})
+    locked_prefill = BackgroundServer(prefill_config)
+    try:
+        decode_config = exact_config(tiny_dir, role="decode", prefill_urls=[locked_prefill.url],
+                                     min_remote_prefill_tokens=THRESHOLD)
+        decode_config = decode_config.model_copy(update={"server": decode_config.server.model_copy(update=key)})
+        decode = BackgroundServer(decode_config)
+        try:
+            body = {"prompt_token_ids": prompt_of(11), "max_tokens": 6, "seed": 11, "ignore_eos": True}
+            response = httpx.post(f"{decode.url}/v1/generate", json=body, headers={"Authorization": "Bearer sk-pools"},
+                                  timeout=60)
+            assert response.status_code == 200, response.text
+            handed = httpx.get(f"{decode.url}/disaggregation/stats", headers={"Authorization": "Bearer sk-pools"})
+            assert handed.json()["num_prefills_handed"] == 1
+            assert httpx.post(f"{locked_prefill.url}/prefill", json={"prompt_token_ids": [1], "weight_version": 0}
+                              ).status_code == 401
+        finally:
+            decode.stop()
+    finally:
+        locked_prefill.stop()
+
+
 def test_killing_the_prefill_server_mid_run_loses_no_request(tiny_dir, colocated, tmp_path):
     port = free_port()
     prefill_url = f"http://127.0.0.1:{port}"

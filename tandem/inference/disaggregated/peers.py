@@ -104,8 +104,8 @@ class PrefillPeers:
             async with asyncio.timeout(self.timeout_s):
                 response = await self.client.post(f"{url}/prefill", json={
                     "prompt_token_ids": prompt_token_ids, "weight_version": weight_version, "first_block": first_block})
-                if response.status_code == 409:  # other weights there, for now: not the server's failure
-                    self.num_failed += 1
+                if 400 <= response.status_code < 500:  # other weights there for now, or a prompt it cannot take:
+                    self.num_failed += 1              # not the server's failure, which keeps getting prompts
                     return None
                 response.raise_for_status()
                 answer = msgspec.json.decode(response.content, type=PrefillAnswer)
