@@ -5,8 +5,8 @@ At start-up the decode server asks `POST /kv/pairs`: the prefill server opens a 
 joins the pair as rank 0 in a thread; the decode server joins as rank 1. Per transfer, the decode server asks
 `POST /kv/{transfer_id}/send`, which answers at once (404 for a transfer no longer held) and sends in the
 background, and then receives. The decode server runs one transfer per pair at a time: NCCL pairs sends and
-receives by order alone. A receive that fails or times out leaves the pair's order unknown, so the pair is
-dropped and that prefill server gets no more prompts from this decode server (they are prefilled locally).
+receives by order alone. A receive that fails, times out or is given up leaves the pair's order unknown, so the
+pair is dropped and that prefill server gets no more prompts from this decode server (they are prefilled locally).
 """
 
 from __future__ import annotations
@@ -115,8 +115,11 @@ class TorchDistributedTransport(KVTransport):
             try:
                 await asyncio.to_thread(_receive_all, group, tensors, self.timeout)
             except RuntimeError as err:
-                del self._pairs[peer]
+                self._pairs.pop(peer, None)
                 raise TransferError(f"receiving KV blocks from {peer} failed; its pair group is dropped: {err}") from err
+            except BaseException:  # cancelled (the prompt's deadline): the receive goes on in its thread, so the
+                self._pairs.pop(peer, None)  # pair's next send would reach it; the pair is not used again
+                raise
         return tensors
 
     def close(self) -> None:
