@@ -83,18 +83,22 @@ def test_a_disaggregated_pair_gives_one_servers_tokens_and_logprobs(tiny_dir, co
         decode.stop()
 
 
-def test_a_lost_gloo_transfer_drops_the_pair_and_its_prompts_are_prefilled_on_the_decode_server(tiny_dir, colocated):
+def test_a_lost_gloo_transfer_drops_the_pair_its_prompt_is_prefilled_here_and_a_new_pair_is_joined(tiny_dir, colocated):
     prefill = BackgroundServer(exact_config(tiny_dir, role="prefill"))
     decode = BackgroundServer(exact_config(tiny_dir, role="decode", prefill_urls=[prefill.url], peer_timeout_s=2,
                                            kv_transport="torch_distributed", min_remote_prefill_tokens=THRESHOLD,
                                            peer_retry_s=0))
     try:
         assert generate(decode.url, prompt_of(12), 12) == generate(colocated.url, prompt_of(12), 12)
-        prefill.server.config.app.state.kv_pairs.send = lambda request, tensors: None  # the send never comes
-        for seed in (13, 14):  # the first waits out its deadline; the second finds the pair dropped
-            assert generate(decode.url, prompt_of(seed), seed) == generate(colocated.url, prompt_of(seed), seed)
-        assert stats(decode.url) == {"num_prefills_handed": 1, "num_prefills_failed": 2, "num_prefilled_taken": 1,
+        pairs = prefill.server.config.app.state.kv_pairs
+        pairs.send = lambda request, tensors: None  # the send never comes: the prompt waits out its deadline
+        assert generate(decode.url, prompt_of(13), 13) == generate(colocated.url, prompt_of(13), 13)
+        assert stats(decode.url)["num_prefills_failed"] == 1
+        del pairs.send  # sends work again: the next prompt joins a new pair and goes over it
+        assert generate(decode.url, prompt_of(14), 14) == generate(colocated.url, prompt_of(14), 14)
+        assert stats(decode.url) == {"num_prefills_handed": 2, "num_prefills_failed": 1, "num_prefilled_taken": 2,
                                      "num_prefilled_refused": 0}
+        assert len(pairs.groups) == 2
     finally:
         decode.stop()
         prefill.stop()

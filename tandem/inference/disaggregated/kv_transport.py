@@ -26,6 +26,10 @@ class KVTransport(ABC):
         """Ready the transport to the prefill server at `peer` (a base URL, which `headers` let in), at start-up;
         raises TransferError."""
 
+    def is_connected(self, peer: str) -> bool:
+        """Whether `connect` holds for `peer` (a failed transfer may have undone it: the caller connects again)."""
+        return True
+
     @abstractmethod
     async def receive(self, client: httpx.AsyncClient, peer: str, answer: PrefillAnswer) -> list[torch.Tensor]:
         """The tensors `answer` announces, taken from `peer`; raises TransferError or httpx.HTTPError."""

@@ -41,6 +41,8 @@ class PrefillPeers:
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._down_until = dict.fromkeys(self.urls, 0.0)
         self._turn = itertools.count()
+        self._connecting = {url: asyncio.Lock() for url in self.urls}
+        """One join at a time per prefill server, when a failed transfer undid the last one."""
         self.num_handed = 0
         """Prompts a prefill server computed and handed over."""
         self.num_failed = 0
@@ -102,6 +104,9 @@ class PrefillPeers:
         self._in_flight[url] += 1
         try:
             async with asyncio.timeout(self.timeout_s):
+                async with self._connecting[url]:
+                    if not self.transport.is_connected(url):
+                        await asyncio.to_thread(self.transport.connect, url, self.timeout_s, self.headers)
                 response = await self.client.post(f"{url}/prefill", json={
                     "prompt_token_ids": prompt_token_ids, "weight_version": weight_version, "first_block": first_block})
                 if 400 <= response.status_code < 500:  # other weights there for now, or a prompt it cannot take:

@@ -6,7 +6,7 @@ joins the pair as rank 0 in a thread; the decode server joins as rank 1. Per tra
 `POST /kv/{transfer_id}/send`, which answers at once (404 for a transfer no longer held) and sends in the
 background, and then receives. The decode server runs one transfer per pair at a time: NCCL pairs sends and
 receives by order alone. A receive that fails, times out or is given up leaves the pair's order unknown, so the
-pair is dropped and that prefill server gets no more prompts from this decode server (they are prefilled locally).
+pair is dropped; the decode server joins a new one with that prefill server before its next prompt there.
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ class TorchDistributedTransport(KVTransport):
         except (httpx.HTTPError, RuntimeError, msgspec.DecodeError) as err:
             raise TransferError(f"could not join a KV pair group with the prefill server {peer}: {err}") from err
         self._pairs[peer] = (pair_id, group)
+
+    def is_connected(self, peer: str) -> bool:
+        return peer in self._pairs
 
     async def receive(self, client: httpx.AsyncClient, peer: str, answer: PrefillAnswer) -> list[torch.Tensor]:
         if peer not in self._pairs:
