@@ -44,10 +44,6 @@ class AsyncEngine:
         self._paused = False
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
-        self.num_prefilled_taken = 0
-        """Requests that continued from a prompt prefilled elsewhere (`generate(prefilled=...)`)."""
-        self.num_prefilled_refused = 0
-        """Requests prefilled elsewhere that this engine prefilled again (other weights, no room: `add_prefilled`)."""
 
     def start(self) -> None:
         self._thread.start()
@@ -74,7 +70,7 @@ class AsyncEngine:
 
         `incremental`: one output per token; else one per sequence, holding its whole completion.
         `prefilled`: the prompt as a prefill server computed it (`LLMEngine.add_prefilled`); where the engine
-        cannot take it, it prefills the prompt itself.
+        cannot continue from it, it prefills the prompt itself.
 
         A request the engine cannot run raises ValueError here, before anything is queued.
         """
@@ -130,12 +126,10 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool,
              prefilled: PrefilledPrompt | None) -> None:
         try:
-            if prefilled is not None and self.engine.add_prefilled(request_id, prompt_token_ids, params, n, incremental,
-                                                                   prefilled):
-                self.num_prefilled_taken += 1
-                return
-            self.num_prefilled_refused += prefilled is not None
-            self.engine.add_request(request_id, prompt_token_ids, params, n, incremental)
+            if prefilled is not None:
+                self.engine.add_prefilled(request_id, prompt_token_ids, params, n, incremental, prefilled)
+            else:
+                self.engine.add_request(request_id, prompt_token_ids, params, n, incremental)
         except Exception as err:  # the request fails, not the engine
             self._deliver_error(request_id, err)
 

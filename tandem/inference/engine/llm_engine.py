@@ -22,6 +22,7 @@ after them. A token's logprob therefore always comes from the weights that sampl
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -137,9 +138,15 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None
         self.weight_version = 0
         self.requests: dict[str, list[Sequence]] = {}
+        self.waiting_prefilled: deque[tuple[list[Sequence], PrefilledPrompt]] = deque()
+        """Requests whose prompt another engine computed, waiting for room (`add_prefilled`)."""
         self.prefilled: list[tuple[Sequence, torch.Tensor]] = []
-        """Sequences whose prompt another engine computed (`add_prefilled`), each with the logits row that the next
-        launched step samples its first token from."""
+        """Sequences admitted from `waiting_prefilled`, each with the logits row that the next launched step samples
+        its first token from."""
+        self.num_prefilled_taken = 0
+        """Requests that continued from a prompt prefilled elsewhere."""
+        self.num_prefilled_refused = 0
+        """Requests prefilled elsewhere that this engine prefilled again (see `add_prefilled`)."""
         self.handed_off: list[SequenceOutput] = []
         """Prefill-only results of the step just launched, returned by this `step()`."""
         self.num_prompt_tokens = 0
@@ -202,49 +209,72 @@ class LLMEngine:
         seq.hand_off_from_block = first_block
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int,
-                      incremental: bool, prefilled: PrefilledPrompt) -> bool:
-        """Queue a request whose prompt another engine prefilled: the first sample continues from `prefilled`
-        (written into this cache now, sampled by the next step), the others share its blocks through the prefix
-        cache as the `n` samples of any request do. False, with nothing queued, when it cannot be taken as it is:
-        other weights computed it, the leading blocks it left out are no longer cached here, its blocks are not
-        this cache's shape (a peer serving another model), or there is no room now (a full batch, too few free
-        blocks); the caller then queues it with `add_request`, so the request never fails for its prefill server."""
+                      incremental: bool, prefilled: PrefilledPrompt) -> None:
+        """Queue a request whose prompt another engine prefilled. Before each step, waiting ones are admitted first
+        (they cost no compute), in order, once the batch and the cache have room: the first sample continues from
+        `prefilled` (its blocks written into this cache, its first token sampled from the handed row by that step),
+        the others share its blocks through the prefix cache as the `n` samples of any request do. One that cannot
+        continue from it when admitted (other weights computed it, the leading blocks it left out are no longer
+        cached here, its blocks are not this cache's shape) is prefilled here instead: a request never fails for
+        its prefill server."""
         seqs = self._new_sequences(request_id, prompt_token_ids, params, n, incremental)
-        first, cache = seqs[0], self.runner.cache
-        if (prefilled.weight_version != self.weight_version or len(self.scheduler.running) >= self.scheduler.max_num_seqs
-                or not self.block_manager.can_allocate(first)):
+        self.requests[request_id] = seqs
+        self.num_prompt_tokens += len(prompt_token_ids)
+        self.waiting_prefilled.append((seqs, prefilled))
+
+    def _admit_prefilled(self) -> None:
+        while self.waiting_prefilled:
+            seqs, prefilled = self.waiting_prefilled[0]
+            if len(self.scheduler.running) >= self.scheduler.max_num_seqs or not self.block_manager.can_allocate(seqs[0]):
+                return
+            self.waiting_prefilled.popleft()
+            if self._continue_from(seqs[0], prefilled):
+                self.num_prefilled_taken += 1
+                rest = seqs[1:]
+            else:
+                self.num_prefilled_refused += 1
+                rest = seqs
+            for seq in rest:
+                self.scheduler.add(seq)
+
+    def _continue_from(self, first: Sequence, prefilled: PrefilledPrompt) -> bool:
+        """Run `first` from the handed prompt, if it can (see `add_prefilled`); False with nothing held."""
+        if prefilled.weight_version != self.weight_version:
             return False
         self.block_manager.allocate(first)
         num_cached = first.num_computed_tokens // self.block_manager.block_size
-        if num_cached < prefilled.first_block:
-            self.block_manager.free_blocks(first)
-            return False
         try:
-            cache.write_blocks(first.block_table[num_cached:], prefilled.kv_blocks[:, :, num_cached - prefilled.first_block:])
+            if num_cached < prefilled.first_block:
+                raise ValueError("leading blocks left out are no longer cached here")
+            self.runner.cache.write_blocks(first.block_table[num_cached:],
+                                           prefilled.kv_blocks[:, :, num_cached - prefilled.first_block:])
         except ValueError:
             self.block_manager.free_blocks(first)
+            first.num_computed_tokens = 0
             return False
         first.num_computed_tokens = first.num_prompt_tokens
         self.block_manager.register_computed_blocks(first)
         self.scheduler.add_running(first)
         self.prefilled.append((first, prefilled.logits))
-        self.requests[request_id] = seqs
-        for seq in seqs[1:]:
-            self.scheduler.add(seq)
-        self.num_prompt_tokens += len(prompt_token_ids)
         return True
 
     def abort_request(self, request_id: str) -> None:
+        for entry in [e for e in self.waiting_prefilled if e[0][0].request_id == request_id]:
+            self.waiting_prefilled.remove(entry)
+            for seq in entry[0]:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self.in_flight is not None or bool(self.prefilled)
+        return (self.scheduler.has_unfinished or self.in_flight is not None or bool(self.prefilled)
+                or bool(self.waiting_prefilled))
 
     def step(self) -> list[SequenceOutput]:
         """Launch the next step; return the outputs of the step read now (this one, or with `overlap` the previous one)."""
+        self._admit_prefilled()
         batch = self.scheduler.schedule()
         try:
             launched = self._launch(batch) if batch.seqs or self.prefilled else None
