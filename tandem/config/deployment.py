@@ -164,6 +164,20 @@ class DeploymentConfig(Section):
     shared_gpu_memory_fraction: float = Field(0.4, gt=0.0, le=1.0)
     """Share of a GPU the engine may use when it shares the GPU with the trainer."""
 
+    num_prefill_servers: int = Field(0, ge=0)
+    """Prefill/decode disaggregation (with `num_decode_servers`; 0 and 0, the default: colocated servers, as many as
+    `num_inference_servers`): servers that only compute prompts and hand their KV cache to a decode server. They
+    start first; the orchestrator never talks to them (`docs/inference.md`)."""
+
+    num_decode_servers: int = Field(0, ge=0)
+    """Prefill/decode disaggregation: servers the orchestrator talks to; each hands prompts of at least
+    `inference.disaggregation.min_remote_prefill_tokens` new tokens to a prefill server and decodes them."""
+
+    disaggregated_memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    """`gpu`, disaggregated: let prefill and decode servers share GPUs, server i on
+    `inference_devices[i % len(inference_devices)]`, each engine taking this fraction of its GPU. Unset, every server
+    needs a GPU of its own."""
+
     inference_ports: list[int] = []
     """Port of each inference server; `tandem rl` decides it (`inference.server.port` + i, or a free
     port each when that is 0): leave it unset."""
@@ -179,6 +193,42 @@ class DeploymentConfig(Section):
             if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
                 raise ValueError(f"`deployment.{name}` = {devices} must list distinct CUDA device indices >= 0")
         return self
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> "DeploymentConfig":
+        prefill, decode = self.num_prefill_servers, self.num_decode_servers
+        if not (prefill or decode):
+            if self.disaggregated_memory_fraction is not None:
+                raise ValueError("`disaggregated_memory_fraction` is set but `num_prefill_servers` and "
+                                 "`num_decode_servers` are 0 (colocated servers): remove it or set both counts")
+            return self
+        if not (prefill and decode):
+            zero, other = ("num_prefill_servers", "num_decode_servers") if not prefill else ("num_decode_servers",
+                                                                                               "num_prefill_servers")
+            raise ValueError(f"`{zero}` = 0 leaves a pool empty while `{other}` = {getattr(self, other)}: a "
+                             "disaggregated deployment needs at least one server in each pool (set both, or neither "
+                             "for colocated servers)")
+        if self.num_inference_servers != 1:
+            raise ValueError(f"`num_inference_servers` = {self.num_inference_servers} counts colocated servers; with "
+                             "`num_prefill_servers` and `num_decode_servers` set, leave it unset")
+        if (self.type == "gpu" and prefill + decode > len(self.inference_devices)
+                and self.disaggregated_memory_fraction is None):
+            raise ValueError(f"`num_prefill_servers` + `num_decode_servers` = {prefill + decode} servers but "
+                             f"`inference_devices` = {self.inference_devices} lists {len(self.inference_devices)} "
+                             "GPU(s): list one per server, or set `disaggregated_memory_fraction` to let servers share "
+                             "a GPU")
+        return self
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.num_prefill_servers > 0
+
+    @property
+    def num_servers_per_node(self) -> int:
+        """Inference servers of an inference node: colocated, or both pools."""
+        if self.is_disaggregated:
+            return self.num_prefill_servers + self.num_decode_servers
+        return self.num_inference_servers
 
     @property
     def ranks_per_node(self) -> int:

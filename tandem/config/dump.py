@@ -9,8 +9,7 @@ from pydantic import BaseModel
 
 from tandem.config.base import ProcessConfig
 from tandem.config.loader import _models_in
-from tandem.config.resolve import inference_server_name, process_configs
-from tandem.config.deployment import DeploymentConfig
+from tandem.config.resolve import inference_server_names, process_configs
 from tandem.config.rl import RLConfig
 from tandem.config.secret import redacted_dump
 
@@ -25,12 +24,13 @@ def dump_process_configs(config: ProcessConfig) -> str:
     where it runs (just the config when it is not an RL config)."""
     if not isinstance(config, RLConfig):
         return to_toml(config)
-    return "\n".join(f"# ---- {name} ----\n# runs on: {_placement(config.deployment, name)}\n{to_toml(process_config)}"
+    return "\n".join(f"# ---- {name} ----\n# runs on: {_placement(config, name)}\n{to_toml(process_config)}"
                      for name, process_config in process_configs(config).items())
 
 
-def _placement(deployment: DeploymentConfig, process: str) -> str:
-    servers = {inference_server_name(i): devices for i, devices in enumerate(deployment.inference_device_slices)}
+def _placement(config: RLConfig, process: str) -> str:
+    deployment = config.deployment
+    servers = dict(zip(inference_server_names(config), deployment.inference_device_slices))
     devices = {**servers, "trainer": deployment.trainer_devices}.get(process)
     where = f"CUDA device(s) {devices}" if deployment.type == "gpu" and devices else "the CPU"
     ranks = f"{deployment.num_trainer_ranks} rank(s) on " if process == "trainer" else ""

@@ -173,6 +173,54 @@ class EngineConfig(Section):
     vLLM backend gets the same drafts as its `--speculative-config` (`docs/vllm.md`)."""
 
 
+class DisaggregationConfig(Section):
+    """Prefill/decode disaggregation (`tandem/inference/disaggregated/`): prefill servers compute long prompts, decode
+    servers generate, and a prompt's KV cache moves from the first to the second. Clients (the orchestrator) talk to
+    decode servers only. `tandem rl` sets every key of each server from `deployment.num_prefill_servers` and
+    `deployment.num_decode_servers`; set them yourself only for a lone `tandem inference`."""
+
+    role: Literal["colocated", "prefill", "decode"] = "colocated"
+    """`colocated`: one server prefills and decodes (the default). `prefill`: computes prompts for decode servers
+    (`POST /prefill`) and serves the API as any server. `decode`: hands long prompts to `prefill_urls`."""
+
+    prefill_urls: list[str] = []
+    """`decode`: base URLs of the prefill servers; each must answer at start-up, else the server exits naming it."""
+
+    min_remote_prefill_tokens: int = Field(512, ge=1)
+    """`decode`: a prompt goes to a prefill server when at least this many of its tokens are not in this server's
+    prefix cache; a turn's few new tokens after a cached conversation are computed here, where the hand-off would
+    cost more than they do."""
+
+    kv_transport: Literal["http", "torch_distributed"] = "http"
+    """`decode`: how the KV blocks come over. `http`: in the body of a response (any two hosts). `torch_distributed`:
+    a torch.distributed pair group with each prefill server, joined at start-up (gloo on the CPU, NCCL on CUDA)."""
+
+    forward_updates_to: list[str] = []
+    """`decode`: prefill servers this server passes each weight update on to, so that both pools load every policy
+    (`tandem rl` gives each prefill server to one decode server)."""
+
+    peer_timeout_s: float = Field(30.0, gt=0)
+    """`decode`: longest wait for a prefill server, at start-up and for one prompt (its compute and its KV); past it
+    the prompt is prefilled here."""
+
+    peer_retry_s: float = Field(5.0, ge=0)
+    """`decode`: after a failure, a prefill server gets no prompts for this long (they are prefilled here)."""
+
+    hold_timeout_s: float = Field(60.0, gt=0)
+    """`prefill`: how long a computed prompt's KV waits for its decode server to take it before it is dropped."""
+
+    @model_validator(mode="after")
+    def _check_peers(self) -> "DisaggregationConfig":
+        if self.role == "decode" and not self.prefill_urls:
+            raise ValueError("`role` = 'decode' needs `prefill_urls`: the base URL of at least one prefill server")
+        if self.role != "decode" and (self.prefill_urls or self.forward_updates_to):
+            raise ValueError(f"`prefill_urls` and `forward_updates_to` belong to `role` = 'decode', not {self.role!r}")
+        unknown = [url for url in self.forward_updates_to if url not in self.prefill_urls]
+        if unknown:
+            raise ValueError(f"`forward_updates_to` names {unknown}, which `prefill_urls` does not list")
+        return self
+
+
 class InferenceConfig(ProcessConfig):
     """Root config of the inference server."""
 
@@ -188,6 +236,9 @@ class InferenceConfig(ProcessConfig):
 
     vllm: VllmConfig = VllmConfig()
     """Settings of the vLLM backend only."""
+
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
+    """Prefill/decode disaggregation: this server's role and peers (off by default)."""
 
     @property
     def num_ranks(self) -> int:
@@ -230,6 +281,19 @@ class InferenceConfig(ProcessConfig):
             raise ValueError("`engine.speculative` with `run.exact`: the verifying forward computes k + 1 tokens of "
                              "a sequence at once, which is not yet proven to give the trainer's logprobs bit for bit; "
                              "turn one of them off")
+        return self
+
+    @model_validator(mode="after")
+    def _check_disaggregation_can_hold(self) -> "InferenceConfig":
+        role = self.disaggregation.role
+        if role == "colocated":
+            return self
+        if self.backend != "tandem":
+            raise ValueError(f"`disaggregation.role` = {role!r} needs `backend` = 'tandem': the KV hand-off is tandem's "
+                             "engine's")
+        if self.engine.speculative.enabled:
+            raise ValueError(f"`disaggregation.role` = {role!r} with `engine.speculative`: a step that verifies drafts "
+                             "cannot also sample a prompt prefilled elsewhere yet; turn one of them off")
         return self
 
     @model_validator(mode="after")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from tandem.config.base import ModelConfig, ProcessConfig
+from tandem.config.inference import DisaggregationConfig
 from tandem.config.loader import ConfigError, RawConfig, parse_args, read_args, shown, validate
 from tandem.config.rl import RLConfig
 from tandem.config.sft import SFTConfig
@@ -189,9 +190,11 @@ def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
     `orchestrator.client.base_urls` is `["http://<inference.server.host>:<port>", ...]`; on several nodes it has
     `http://<host>:<port>` for each inference node's host in `deployment.cluster.hosts` and each of its ports,
     and the port must be set (each node resolves the config itself: a port free on one is unknown to the
-    others). `orchestrator.client.api_key` is `inference.server.api_key`."""
+    others). `orchestrator.client.api_key` is `inference.server.api_key`. Disaggregated
+    (`deployment.num_prefill_servers` and `num_decode_servers`), the prefill servers take the first ports and the
+    orchestrator talks to the decode servers alone."""
     server, cluster = config.inference.server, config.deployment.cluster
-    num_servers = config.deployment.num_inference_servers
+    num_servers = config.deployment.num_servers_per_node
     if cluster.num_nodes > 1 and server.port == 0:
         raise ConfigError("`inference.server.port` = 0 (a free port) cannot be agreed on by several nodes: "
                           f"set a fixed port for `deployment.cluster.num_nodes` = {cluster.num_nodes}")
@@ -210,8 +213,10 @@ def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
         urls = [f"http://{host}:{port}" for host in hosts for port in ports]
         url_cause = "`deployment.cluster.hosts` of the inference nodes and `deployment.inference_ports`"
     else:
-        urls = [server.model_copy(update={"port": port}).url for port in ports]
+        urls = [server.model_copy(update={"port": port}).url for port in ports][config.deployment.num_prefill_servers:]
         url_cause = "`inference.server.host`, `inference.server.port` and `deployment.num_inference_servers`"
+        if config.deployment.is_disaggregated:
+            url_cause = "`inference.server.host`, `inference.server.port` and `deployment.num_decode_servers`"
     return out + [
         Derived("deployment.inference_ports", ports, cause, placeholder=[]),
         Derived("orchestrator.client.base_urls", urls, url_cause),
@@ -222,16 +227,25 @@ def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
 def inference_device_slices(config: RLConfig, machine: Machine) -> list[Derived]:
     """On `gpu`, server i runs on `deployment.inference_device_slices[i]`: the i-th consecutive slice of
     `deployment.inference_devices`, of one server's devices each (`inference.vllm.tensor_parallel_size` with vLLM,
-    1 with tandem's engine), so the list must hold exactly `num_inference_servers` x that many. Empty on `cpu`."""
+    1 with tandem's engine), so the list must hold exactly `num_inference_servers` x that many. Empty on `cpu`.
+    Disaggregated with `deployment.disaggregated_memory_fraction`, server i (prefill servers first) runs on
+    `inference_devices[i % len(inference_devices)]` and `inference.engine.memory_fraction` is that fraction."""
     deployment = config.deployment
     if deployment.type != "gpu":
         return [Derived("deployment.inference_device_slices", [], "`deployment.type` = 'cpu'", placeholder=[])]
-    per_server, num_servers = config.inference.num_ranks, deployment.num_inference_servers
+    per_server, num_servers = config.inference.num_ranks, deployment.num_servers_per_node
     devices = deployment.inference_devices
+    fraction = deployment.disaggregated_memory_fraction
+    if deployment.is_disaggregated and fraction is not None:
+        slices = [[devices[i % len(devices)]] for i in range(num_servers)]
+        return [Derived("deployment.inference_device_slices", slices, "`deployment.disaggregated_memory_fraction` "
+                        "(servers share `deployment.inference_devices`)", placeholder=[]),
+                Derived("inference.engine.memory_fraction", fraction, "`deployment.disaggregated_memory_fraction`")]
     if len(devices) != num_servers * per_server:
+        counts = ("`deployment.num_prefill_servers` + `deployment.num_decode_servers`" if deployment.is_disaggregated
+                  else "`deployment.num_inference_servers`")
         raise ConfigError(f"`deployment.inference_devices` = {devices} lists {len(devices)} CUDA device(s), but "
-                          f"`deployment.num_inference_servers` = {num_servers} server(s) of {per_server} device(s) "
-                          f"need {num_servers * per_server}")
+                          f"{counts} = {num_servers} server(s) of {per_server} device(s) need {num_servers * per_server}")
     slices = [devices[i * per_server:(i + 1) * per_server] for i in range(num_servers)]
     return [Derived("deployment.inference_device_slices", slices, "`deployment.inference_devices`", placeholder=[])]
 
@@ -261,6 +275,10 @@ def weight_broadcast(config: RLConfig, machine: Machine) -> list[Derived]:
     transport, deployment = config.weight_transport, config.deployment
     if transport.type != "broadcast":
         return []
+    if deployment.is_disaggregated:
+        raise ConfigError("`weight_transport.type` = 'broadcast' with `deployment.num_prefill_servers`: prefill servers "
+                          "load each policy from its folder, which a decode server passes on; use `weight_transport.type` "
+                          "= 'filesystem' for a disaggregated deployment")
     cluster = deployment.cluster
     num_servers = deployment.num_inference_servers * (cluster.num_inference_nodes if cluster.num_nodes > 1 else 1)
     if cluster.num_nodes > 1 and transport.port == 0:
@@ -400,8 +418,34 @@ def model_options(config: RLConfig, machine: Machine) -> list[Derived]:
     return out
 
 
+def disaggregation(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`deployment.num_prefill_servers` and `deployment.num_decode_servers` (both or neither) run the servers as two
+    pools on one node, with tandem's engine: each server's `inference.disaggregation` (its role, the prefill servers'
+    URLs, the one decode server that passes weight updates on to each prefill server) is set in its own config
+    (`process_configs`). It decides no value of the shared config."""
+    deployment = config.deployment
+    if not deployment.is_disaggregated:
+        if config.inference.disaggregation.role != "colocated":
+            raise ConfigError(f"`inference.disaggregation.role` = {config.inference.disaggregation.role!r}: under `tandem "
+                              "rl` the roles come from `deployment.num_prefill_servers` and `deployment.num_decode_servers`")
+        return []
+    if deployment.cluster.num_nodes > 1:
+        raise ConfigError("`deployment.num_prefill_servers` with `deployment.cluster.num_nodes` = "
+                          f"{deployment.cluster.num_nodes}: disaggregated pools run on one node so far")
+    if config.inference.backend != "tandem":
+        raise ConfigError("`deployment.num_prefill_servers` needs `inference.backend` = 'tandem': the KV hand-off is "
+                          "tandem's engine's")
+    set_by_hand = [key for key in ("role", "prefill_urls", "forward_updates_to")
+                   if key in config.inference.disaggregation.model_fields_set]
+    if set_by_hand:
+        raise ConfigError(f"`inference.disaggregation.{set_by_hand[0]}` is decided for each server from "
+                          "`deployment.num_prefill_servers` and `deployment.num_decode_servers`: remove it")
+    return []
+
+
 DERIVED_RULES: tuple[Rule, ...] = (model_options, nodes, trainer_ranks, devices, inference_servers,
-                                   inference_device_slices, starting_model, exact, backend, weight_broadcast, lora, resume)
+                                   inference_device_slices, starting_model, exact, backend, weight_broadcast, lora, resume,
+                                   disaggregation)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 
 
@@ -435,18 +479,46 @@ def _shared_copies(key: str) -> list[str]:
             if key == shared or key.startswith(shared + ".") for process in processes]
 
 
-def inference_server_name(i: int) -> str:
-    """Process (log and config file) name of inference server i: `inference`, `inference_1`, ..."""
-    return "inference" if i == 0 else f"inference_{i}"
+def inference_server_name(i: int, pool: str = "inference") -> str:
+    """Process (log and config file) name of server i of a pool: `inference`, `inference_1`, ... (colocated or
+    decode servers), `prefill`, `prefill_1`, ..."""
+    return pool if i == 0 else f"{pool}_{i}"
+
+
+def inference_server_names(config: RLConfig) -> list[str]:
+    """The process name of each port of `deployment.inference_ports`, in order (prefill servers first)."""
+    num_prefill = config.deployment.num_prefill_servers
+    return [inference_server_name(i, "prefill") if i < num_prefill else inference_server_name(i - num_prefill)
+            for i in range(len(config.deployment.inference_ports))]
 
 
 def process_configs(config: RLConfig) -> dict[str, ProcessConfig]:
     """What each process of a resolved run gets, by process name: one `inference` config per server (each
-    on its port of `deployment.inference_ports`), then orchestrator and trainer. A view, not a change."""
-    servers = {inference_server_name(i): config.inference.model_copy(
-                   update={"server": config.inference.server.model_copy(update={"port": port})})
-               for i, port in enumerate(config.deployment.inference_ports)}
+    on its port of `deployment.inference_ports`; disaggregated, each with its `disaggregation` role and peers),
+    then orchestrator and trainer. A view, not a change."""
+    ports = config.deployment.inference_ports
+    servers = {name: config.inference.model_copy(update={
+                   "server": config.inference.server.model_copy(update={"port": port}),
+                   "disaggregation": server_disaggregation(config, i)})
+               for i, (name, port) in enumerate(zip(inference_server_names(config), ports))}
     return {**servers, "orchestrator": config.orchestrator, "trainer": config.trainer}
+
+
+def server_disaggregation(config: RLConfig, i: int) -> DisaggregationConfig:
+    """`disaggregation` of the server on port i of `deployment.inference_ports`: prefill servers first, then decode
+    servers, each knowing every prefill server and passing weight updates on to prefill servers j with
+    j % num_decode_servers its own index."""
+    deployment, own = config.deployment, config.inference.disaggregation
+    if not deployment.is_disaggregated:
+        return own
+    num_prefill, num_decode = deployment.num_prefill_servers, deployment.num_decode_servers
+    if i < num_prefill:
+        return own.model_copy(update={"role": "prefill"})
+    server = config.inference.server
+    urls = [server.model_copy(update={"port": port}).url for port in deployment.inference_ports[:num_prefill]]
+    decode = i - num_prefill
+    return own.model_copy(update={"role": "decode", "prefill_urls": urls,
+                                  "forward_updates_to": [u for j, u in enumerate(urls) if j % num_decode == decode]})
 
 
 def _apply(data: dict[str, Any], sources: dict[str, str], derived: Derived, fix: str) -> None:

@@ -61,6 +61,8 @@ async def update_weights(body: UpdateWeightsBody, request: Request) -> dict:
         version = await served.engine.update_weights(state, body.version, spec)
     except (KeyError, ValueError) as err:
         raise APIError(400, f"weights in {body.path} do not fit the model: {err.args[0]}", "path") from None
+    if served.remote_prefill is not None:  # a decode server: its prefill servers follow (disaggregation)
+        await served.remote_prefill.peers.forward_update(body.path, version)
     return {"weight_version": version}
 
 

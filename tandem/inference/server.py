@@ -13,6 +13,8 @@ import uvicorn
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.app import build_app
+from tandem.inference.disaggregated import connect_prefill_servers
+from tandem.inference.disaggregated.peers import PeerUnreachable
 from tandem.inference.engine.async_engine import AsyncEngine
 from tandem.inference.engine.setup import build_engine
 from tandem.inference.serving import Served
@@ -36,9 +38,12 @@ def settle_heap() -> None:
 
 
 def build_served(config: InferenceConfig) -> Served:
-    """The engine and everything the routes need, built from the config (loads the model)."""
+    """The engine and everything the routes need, built from the config (loads the model; a decode server also
+    checks its prefill servers: `PeerUnreachable`)."""
     engine = build_engine(config.model, config.engine, config.seed, config.run.exact)
     served = Served(AsyncEngine(engine), engine.tokenizer, config.model.name, engine.max_model_len)
+    if config.disaggregation.role == "decode":
+        served.remote_prefill = connect_prefill_servers(config, served.engine)
     threading.Thread(target=served.fill_token_texts, args=(engine.vocab_size,), name="tandem-token-texts", daemon=True).start()
     return served
 
@@ -51,7 +56,7 @@ class BackgroundServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        app = build_app(self.served, config.server)
+        app = build_app(self.served, config.server, config.disaggregation)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -73,10 +78,10 @@ class BackgroundServer:
 def main(config: InferenceConfig) -> int:
     try:
         served = build_served(config)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, PeerUnreachable) as err:
         print(f"tandem inference: {err}", file=sys.stderr)
         return 2
-    app = build_app(served, config.server)
+    app = build_app(served, config.server, config.disaggregation)
     settle_heap()
     log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
     uvicorn.run(app, host=config.server.host, port=config.server.port, access_log=config.server.access_log, log_level="info")

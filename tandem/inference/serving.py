@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from fastapi.responses import Response
@@ -20,6 +20,9 @@ from tandem.inference.engine.sampling_params import InvalidRequest, SamplingPara
 from tandem.inference.errors import APIError
 from tandem.inference.protocol import SamplingFields
 from tandem.models.byte_tokenizer import BYTE_OF_CHAR
+
+if TYPE_CHECKING:
+    from tandem.inference.disaggregated.decode import RemotePrefill
 
 T = TypeVar("T")
 
@@ -95,6 +98,8 @@ class Served:
         """Requests may name the model as configured or by its folder's basename."""
         self.max_model_len = max_model_len
         self.created = int(time.time())
+        self.remote_prefill: RemotePrefill | None = None
+        """A decode server's prefill servers (prefill/decode disaggregation); None: this server prefills everything."""
         self._token_text: dict[int, str] = {}
         self._token_byte_list: dict[int, list[int]] = {}
 
@@ -129,7 +134,8 @@ class Served:
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool = True) -> AsyncIterator[SequenceOutput]:
         """The engine's outputs for one prompt; bad requests become 400s, engine failures 500s."""
         request_id = random_id()
-        outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental)
+        prefilled = await self.remote_prefill.fetch(prompt_token_ids, params) if self.remote_prefill else None
+        outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental, prefilled)
         try:
             async for out in outputs:
                 yield out

@@ -26,7 +26,7 @@ import httpx
 
 from tandem.config.dump import to_toml
 from tandem.config.loader import secret_env
-from tandem.config.resolve import cluster_hosts, inference_server_name, process_configs
+from tandem.config.resolve import cluster_hosts, inference_server_names, process_configs
 from tandem.config.rl import RLConfig
 from tandem.config.run_folder import remove_run, results_in
 from tandem.launch.hang import HangWatch
@@ -235,9 +235,10 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
 
 def _starts_together(config: RLConfig) -> bool:
     """Whether this node's processes may start at once instead of after its servers are healthy: not when the
-    preflight runs (it goes between the servers and the trainer) nor when trainer and server share a GPU (the
-    engine sizes its KV cache from the memory it finds free, which a trainer starting beside it would take)."""
-    return not _runs_preflight(config) and not config.deployment.shares_a_gpu
+    preflight runs (it goes between the servers and the trainer), nor when trainer and server share a GPU (the
+    engine sizes its KV cache from the memory it finds free, which a trainer starting beside it would take), nor
+    when the pools are disaggregated (a decode server checks its prefill servers as it starts)."""
+    return not (_runs_preflight(config) or config.deployment.shares_a_gpu or config.deployment.is_disaggregated)
 
 
 def _runs_preflight(config: RLConfig) -> bool:
@@ -249,11 +250,13 @@ def _server_urls(config: RLConfig) -> dict[str, str]:
     one node these are `base_urls`; on several, `base_urls` names the inference nodes' hosts, and this node's
     servers answer on loopback too."""
     ports = config.deployment.inference_ports
-    if config.deployment.cluster.num_nodes == 1:
+    if config.deployment.is_disaggregated:  # one node: the prefill servers first, then `base_urls`
+        urls = [config.inference.server.model_copy(update={"port": port}).url for port in ports]
+    elif config.deployment.cluster.num_nodes == 1:
         urls = config.orchestrator.client.base_urls
     else:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
-    return {inference_server_name(i): url for i, url in enumerate(urls[:len(ports)])}
+    return dict(zip(inference_server_names(config), urls[:len(ports)]))
 
 
 def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None, mirror: WandbMirror | None) -> None:

@@ -26,15 +26,20 @@ def open_group(init: GroupInitInfo, rank: int, device: torch.device, timeout_s: 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(init.master_address, init.master_port, init.world_size, is_master=rank == SOURCE_RANK,
                           timeout=timeout, wait_for_workers=False)
-    store = dist.PrefixStore("tandem-weights", store)
+    group = bare_group(dist.PrefixStore("tandem-weights", store), rank, init.world_size, device, timeout)
+    _barrier(group, device)  # the group exists once every rank joined, not when this rank did
+    return group
+
+
+def bare_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
+               timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A process group over `store` that is not torch's default one (so a process may hold several): NCCL for
+    CUDA tensors, gloo for CPU ones."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, init.world_size, options)
-    else:
-        group = dist.ProcessGroupGloo(store, rank, init.world_size, timeout)
-    _barrier(group, device)  # the group exists once every rank joined, not when this rank did
-    return group
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
 def send_state(group: dist.ProcessGroup, tensors: Iterable[tuple[str, torch.Tensor]], info: WeightUpdateInfo,

@@ -332,10 +332,52 @@ def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
     assert [r.__name__ for r in DERIVED_RULES] == ["model_options", "nodes", "trainer_ranks", "devices", "inference_servers",
                                                    "inference_device_slices", "starting_model", "exact", "backend",
-                                                   "weight_broadcast", "lora", "resume"]
+                                                   "weight_broadcast", "lora", "resume", "disaggregation"]
     assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "run.exact", "seq_len", "max_steps",
                                 "output_dir", "seed", "ckpt.enabled", "ckpt.interval", "weight_transport",
                                 "preflight.num_conversations", "preflight.max_tokens"}
+
+
+PD = ("--deployment.num_prefill_servers", "1", "--deployment.num_decode_servers", "2", "--inference.server.port", "9200")
+
+
+def test_disaggregated_pools_get_their_roles_and_the_orchestrator_only_decode_servers():
+    cfg = resolve(*PD)
+    assert cfg.deployment.inference_ports == [9200, 9201, 9202]
+    assert cfg.orchestrator.client.base_urls == ["http://127.0.0.1:9201", "http://127.0.0.1:9202"]
+    servers = process_configs(cfg)
+    assert list(servers) == ["prefill", "inference", "inference_1", "orchestrator", "trainer"]
+    roles = {name: servers[name].disaggregation for name in ("prefill", "inference", "inference_1")}
+    assert [d.role for d in roles.values()] == ["prefill", "decode", "decode"]
+    assert roles["inference"].prefill_urls == roles["inference_1"].prefill_urls == ["http://127.0.0.1:9200"]
+    # One decode server passes the updates on to each prefill server.
+    assert (roles["inference"].forward_updates_to, roles["inference_1"].forward_updates_to) == (["http://127.0.0.1:9200"], [])
+    assert servers["prefill"].server.port == 9200
+    assert resolve().inference.disaggregation.role == "colocated"  # off by default
+
+
+def test_disaggregation_config_errors_name_the_key_and_the_file(tmp_path):
+    f = tmp_path / "rl.toml"
+    f.write_text("[deployment]\nnum_prefill_servers = 2\n")
+    with pytest.raises(ConfigError, match=rf"`num_decode_servers` = 0 leaves a pool empty while `num_prefill_servers` = 2"
+                                          rf".*`deployment.num_prefill_servers` from {f}"):
+        resolve("@", str(f))
+    f.write_text("[deployment]\nnum_prefill_servers = 1\nnum_decode_servers = 1\ntype = 'gpu'\n"
+                 "inference_devices = [0]\ntrainer_devices = [1]\n")
+    with pytest.raises(ConfigError, match=rf"= 2 servers but `inference_devices` = \[0\] lists 1 GPU.*"
+                                          rf"set `disaggregated_memory_fraction`.*`deployment.num_prefill_servers` from {f}"):
+        resolve("@", str(f), machine=FakeMachine(cuda_devices=2))
+    cfg = resolve("@", str(f), "--deployment.disaggregated_memory_fraction", "0.45", machine=FakeMachine(cuda_devices=2))
+    assert cfg.deployment.inference_device_slices == [[0], [0]] and cfg.inference.engine.memory_fraction == 0.45
+    with pytest.raises(ConfigError, match=r"`num_inference_servers` = 2 counts colocated servers"):
+        resolve(*PD, "--deployment.num_inference_servers", "2")
+    with pytest.raises(ConfigError, match=r"`weight_transport.type` = 'broadcast' with `deployment.num_prefill_servers`"):
+        resolve(*PD, "--weight_transport.type", "broadcast")
+    with pytest.raises(ConfigError, match=r"`inference.disaggregation.role` is decided for each server"):
+        resolve(*PD, "--inference.disaggregation.role", "decode", "--inference.disaggregation.prefill_urls", '["http://x"]')
+    with pytest.raises(ConfigError, match=r"`deployment.num_prefill_servers` needs `inference.backend` = 'tandem'"):
+        resolve(*PD, "--deployment.type", "gpu", "--deployment.inference_devices", "[0, 1, 2]",
+                "--deployment.trainer_devices", "[3]", "--inference.backend", "vllm", machine=FakeMachine(cuda_devices=4))
 
 
 TWO_NODES = ("--deployment.cluster.num-nodes", "2", "--deployment.cluster.hosts", '["a.cluster", "b.cluster"]',

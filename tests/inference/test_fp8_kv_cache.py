@@ -58,6 +58,28 @@ def test_the_cache_write_keeps_each_value_to_e4m3s_precision_of_its_head():
     assert cache.keys.dtype == FP8 and cache.dtype == torch.float32
 
 
+def test_fp8_blocks_move_between_caches_as_they_are_held():
+    """Prefill/decode hand-off: `export_blocks` of an FP8 cache carries each head's FP8 bytes and its scale, and
+    `import_blocks` writes them into another cache bit for bit (never rounded again); a cache of another dtype
+    refuses them and keeps what it held."""
+    gen = torch.Generator().manual_seed(1)
+    source = KVCache(2, 6, 4, 3, 16, torch.float32, torch.device("cpu"), fp8=True)
+    for layer in range(2):
+        source.write(layer, torch.arange(24), *(torch.randn(24, 3, 16, generator=gen) * 10 for _ in range(2)))
+    blocks = source.export_blocks([1, 4])
+    assert blocks.dtype == torch.uint8 and blocks.shape == (2, 2, 2, 4, 3, 16 + 4)
+    target = KVCache(2, 6, 4, 3, 16, torch.float32, torch.device("cpu"), fp8=True)
+    target.import_blocks([5, 0], blocks)
+    for layer in range(2):
+        for got, want in zip(target.read_blocks(layer, torch.tensor([5, 0])), source.read_blocks(layer, torch.tensor([1, 4]))):
+            assert torch.equal(got, want)
+    assert torch.equal(target.key_scales[:, [5, 0]], source.key_scales[:, [1, 4]])
+    unquantized = KVCache(2, 6, 4, 3, 16, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="this cache takes"):
+        unquantized.import_blocks([0, 1], blocks)
+    assert not unquantized.keys.any()
+
+
 def test_fp8_kv_logprobs_stay_close_to_the_unquantized_models(tiny_dir, tiny_model):
     check_close_to_unquantized(generate(engine_for(tiny_dir)), tiny_model, "cpu", KV_FACTORS_PER_BLOCK)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import tomllib
 
 from tandem.config.resolve import parse_rl_args
-from tandem.launch.rl import _commands, _server_urls, _write_process_configs
+from tandem.launch.rl import _commands, _server_urls, _starts_together, _write_process_configs
 
 
 class Machine:
@@ -56,3 +56,20 @@ def test_each_node_checks_its_own_servers_on_loopback(tmp_path):
     one_node = parse_rl_args(two_nodes[:6], environ={}, machine=Machine())
     assert _server_urls(one_node) == {"inference": "http://127.0.0.1:8100", "inference_1": "http://127.0.0.1:8101"}
     assert list(_server_urls(one_node).values()) == one_node.orchestrator.client.base_urls
+
+
+def test_disaggregated_pools_start_prefill_servers_first_each_with_its_role(tmp_path):
+    config = parse_rl_args(["--output-dir", str(tmp_path), "--deployment.num_prefill_servers", "1",
+                            "--deployment.num_decode_servers", "2", "--inference.server.port", "0"],
+                           environ={}, machine=Machine())
+    (tmp_path / "configs").mkdir()
+    paths = _write_process_configs(config)
+    urls = _server_urls(config)
+    assert list(urls) == ["prefill", "inference", "inference_1"]  # the start order: a decode server checks its peers
+    assert list(urls.values()) == [f"http://127.0.0.1:{p}" for p in (47001, 47002, 47003)]
+    written = {name: tomllib.loads(paths[name].read_text())["disaggregation"] for name in urls}
+    assert [written[name]["role"] for name in urls] == ["prefill", "decode", "decode"]
+    assert written["inference_1"]["prefill_urls"] == [urls["prefill"]]
+    assert tomllib.loads(paths["orchestrator"].read_text())["client"]["base_urls"] == list(urls.values())[1:]
+    assert [name for name in _commands(config, paths) if name in urls] == list(urls)
+    assert not _starts_together(config)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tandem.inference.engine.llm_engine import EngineStats, LLMEngine, SequenceOutput
+from tandem.inference.engine.prefilled import PrefilledPrompt
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.models.lora import LoraSpec
 
@@ -64,17 +65,41 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
-                       incremental: bool = True) -> AsyncIterator[SequenceOutput]:
+                       incremental: bool = True, prefilled: PrefilledPrompt | None = None) -> AsyncIterator[SequenceOutput]:
         """The outputs of the request's `n` sequences until all finish; closing the stream aborts it.
 
         `incremental`: one output per token; else one per sequence, holding its whole completion.
+        `prefilled`: the prompt as a prefill server computed it (`LLMEngine.add_prefilled`); where the engine
+        cannot continue from it, it prefills the prompt itself.
 
         A request the engine cannot run raises ValueError here, before anything is queued.
         """
         self.check_request(prompt_token_ids, params)
+        outputs = self._outputs(request_id, n, lambda: self._add(request_id, prompt_token_ids, params, n, incremental,
+                                                                 prefilled))
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # now: its own `finally` aborts what did not finish
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], first_block: int = 0) -> PrefilledPrompt:
+        """The prompt's KV blocks (from `first_block` on) and last logits row, computed and not sampled
+        (`LLMEngine.add_prefill`: a prefill server)."""
+        outputs = self._outputs(request_id, 1, lambda: self._add_prefill(request_id, prompt_token_ids, first_block))
+        try:
+            async for out in outputs:
+                assert out.prefilled is not None, "a prefill-only request sampled a token"
+                return out.prefilled
+        finally:
+            await outputs.aclose()
+        raise AssertionError("a prefill-only request ended without its result")
+
+    async def _outputs(self, request_id: str, n: int, add: Callable[[], None]) -> AsyncIterator[SequenceOutput]:
+        """The outputs of the request that `add` queues (on the engine thread) until its `n` sequences finish."""
         stream: asyncio.Queue[SequenceOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._send(lambda: self._add(request_id, prompt_token_ids, params, n, incremental))
+        self._send(add)
         num_finished = 0
         try:
             while num_finished < n:
@@ -98,9 +123,19 @@ class AsyncEngine:
     async def resume(self) -> None:
         await self._call(lambda: setattr(self, "_paused", False))
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool) -> None:
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool,
+             prefilled: PrefilledPrompt | None) -> None:
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, n, incremental)
+            if prefilled is not None:
+                self.engine.add_prefilled(request_id, prompt_token_ids, params, n, incremental, prefilled)
+            else:
+                self.engine.add_request(request_id, prompt_token_ids, params, n, incremental)
+        except Exception as err:  # the request fails, not the engine
+            self._deliver_error(request_id, err)
+
+    def _add_prefill(self, request_id: str, prompt_token_ids: list[int], first_block: int) -> None:
+        try:
+            self.engine.add_prefill(request_id, prompt_token_ids, first_block)
         except Exception as err:  # the request fails, not the engine
             self._deliver_error(request_id, err)
 

@@ -59,23 +59,34 @@ class BlockManager:
         assert not seq.num_pending, "allocate() before the host read the sequence's last token"
         seq.cache_epoch = self.cache_epoch
         seq.block_hashes = []
-        bs = self.block_size
-        shareable = (seq.num_tokens - 1) // bs
-        parent: int | None = None
-        for i in range(shareable):
-            h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
-            block = self.cached.get(h)
-            if block is None:
-                break
+        for h, block in self._cached_prefix(seq.token_ids[:seq.num_tokens - 1]):
             if self.ref_counts[block] == 0:
                 del self.free[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
             seq.block_hashes.append(h)
-            parent = h
-        seq.num_computed_tokens = len(seq.block_table) * bs
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
         for _ in range(self.num_blocks_for(seq.num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
+
+    def _cached_prefix(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """(chained hash, block id) of the leading full blocks of `token_ids` that the cache holds."""
+        bs = self.block_size
+        found: list[tuple[int, int]] = []
+        parent: int | None = None
+        for i in range(len(token_ids) // bs):
+            h = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(h)
+            if block is None:
+                break
+            found.append((h, block))
+            parent = h
+        return found
+
+    def num_cached_blocks(self, prompt_token_ids: list[int]) -> int:
+        """Leading blocks of a prompt that `allocate` would take from the cache now. Plain lookups, so another
+        thread may ask (a decode server choosing where to prefill): the answer may be a step stale."""
+        return len(self._cached_prefix(prompt_token_ids[:len(prompt_token_ids) - 1]))
 
     def _take_free_block(self) -> int:
         block, _ = self.free.popitem(last=False)

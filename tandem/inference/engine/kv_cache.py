@@ -94,6 +94,39 @@ class KVCache:
         layers, _, block_size, num_kv_heads, head_dim = self.keys.shape
         return self.bytes_per_block(layers, block_size, num_kv_heads, head_dim, self.dtype, self.fp8) // block_size
 
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the keys and values of `block_ids`, [2, num_layers, len(block_ids), block_size, kv_heads,
+        head_dim] (keys, then values): what a prefill server hands a decode server. FP8: bytes, each head's
+        `head_dim` FP8 values followed by the four bytes of its fp32 scale ([..., head_dim + 4] uint8), so the blocks
+        travel as they are held, neither rounded again nor widened."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.keys.device)
+        parts = []
+        for cache, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
+            if scales is None:
+                parts.append(cache.index_select(1, index))
+                continue
+            held = cache.view(torch.uint8).index_select(1, index)  # torch gathers no FP8 by index
+            parts.append(torch.cat([held, scales.index_select(1, index).unsqueeze(-1).view(torch.uint8)], dim=-1))
+        return torch.stack(parts)
+
+    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write `blocks` (as `export_blocks` returns them) into `block_ids`; ValueError if their shape or dtype is
+        not this cache's (a peer serving another model, or another `kv_cache_dtype`) and nothing is written."""
+        head_dim = self.keys.shape[-1]
+        width, dtype = (head_dim + SCALE_DTYPE.itemsize, torch.uint8) if self.fp8 else (head_dim, self.keys.dtype)
+        expected = (2, self.keys.shape[0], len(block_ids), *self.keys.shape[2:-1], width)
+        if tuple(blocks.shape) != expected or blocks.dtype != dtype:
+            raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} and {blocks.dtype}; this cache takes {expected} "
+                             f"and {dtype}")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.keys.device)
+        blocks = blocks.to(self.keys.device)
+        for part, cache, scales in zip(blocks, (self.keys, self.values), (self.key_scales, self.value_scales)):
+            if scales is None:
+                cache.index_copy_(1, index, part)
+                continue
+            cache.view(torch.uint8).index_copy_(1, index, part[..., :head_dim].contiguous())
+            scales.index_copy_(1, index, part[..., head_dim:].contiguous().view(SCALE_DTYPE).squeeze(-1))
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                         fp8: bool = False) -> int:

@@ -22,6 +22,7 @@ after them. A token's logprob therefore always comes from the weights that sampl
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,10 +33,11 @@ from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.host_copies import HostRead
 from tandem.inference.engine.lora_merge import AdapterMerger
+from tandem.inference.engine.prefilled import PrefilledPrompt
 from tandem.inference.engine.sampler import PendingSample, Sampler
 from tandem.inference.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
-from tandem.inference.engine.sequence import Sequence
+from tandem.inference.engine.sequence import Sequence, SequenceStatus
 from tandem.inference.engine.speculative import Speculator, VerifiedSample
 from tandem.models.loading import load_weights_into
 from tandem.models.lora import LoraSpec, is_adapter_name
@@ -80,6 +82,8 @@ class SequenceOutput:
     weight_version: int
     routed_experts: list[list[list[int]]] = field(default_factory=list)
     """Per token of `token_ids`, [MoE layer][k] expert ids (requests with `return_routed_experts`)."""
+    prefilled: PrefilledPrompt | None = None
+    """A prefill-only request's result (`add_prefill`), with finish reason "prefilled" and no tokens."""
 
 
 @dataclass
@@ -134,6 +138,17 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None
         self.weight_version = 0
         self.requests: dict[str, list[Sequence]] = {}
+        self.waiting_prefilled: deque[tuple[list[Sequence], PrefilledPrompt]] = deque()
+        """Requests whose prompt another engine computed, waiting for room (`add_prefilled`)."""
+        self.prefilled: list[tuple[Sequence, torch.Tensor]] = []
+        """Sequences admitted from `waiting_prefilled`, each with the logits row that the next launched step samples
+        its first token from."""
+        self.num_prefilled_taken = 0
+        """Requests that continued from a prompt prefilled elsewhere."""
+        self.num_prefilled_refused = 0
+        """Requests prefilled elsewhere that this engine prefilled again (see `add_prefilled`)."""
+        self.handed_off: list[SequenceOutput] = []
+        """Prefill-only results of the step just launched, returned by this `step()`."""
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_draft_tokens = 0
@@ -166,6 +181,14 @@ class LLMEngine:
 
         `incremental`: an output per sampled token (for streaming); else one per sequence, at its end.
         """
+        seqs = self._new_sequences(request_id, prompt_token_ids, params, n, incremental)
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.num_prompt_tokens += len(prompt_token_ids)
+
+    def _new_sequences(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int,
+                       incremental: bool) -> list[Sequence]:
         self.check_request(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -175,32 +198,94 @@ class LLMEngine:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             seqs.append(Sequence(request_id, i, prompt_token_ids, params, self.tokenizer, generator, incremental))
+        return seqs
+
+    def add_prefill(self, request_id: str, prompt_token_ids: list[int], first_block: int = 0) -> None:
+        """Queue a prompt to prefill only (a prefill server): once computed, its KV blocks from `first_block` on and
+        its last logits row come back as one output (`SequenceOutput.prefilled`, finish reason "prefilled"), and
+        nothing is sampled. Its full blocks stay in this engine's prefix cache, like any prompt's."""
+        self.add_request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), incremental=False)
+        seq = self.requests[request_id][0]
+        seq.hand_off_from_block = first_block
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int,
+                      incremental: bool, prefilled: PrefilledPrompt) -> None:
+        """Queue a request whose prompt another engine prefilled. Before each step, waiting ones are admitted first
+        (they cost no compute), in order, once the batch and the cache have room: the first sample continues from
+        `prefilled` (its blocks written into this cache, its first token sampled from the handed row by that step),
+        the others share its blocks through the prefix cache as the `n` samples of any request do. One that cannot
+        continue from it when admitted (other weights computed it, the leading blocks it left out are no longer
+        cached here, its blocks are not this cache's shape) is prefilled here instead: a request never fails for
+        its prefill server."""
+        seqs = self._new_sequences(request_id, prompt_token_ids, params, n, incremental)
         self.requests[request_id] = seqs
-        for seq in seqs:
-            self.scheduler.add(seq)
         self.num_prompt_tokens += len(prompt_token_ids)
+        self.waiting_prefilled.append((seqs, prefilled))
+
+    def _admit_prefilled(self) -> None:
+        while self.waiting_prefilled:
+            seqs, prefilled = self.waiting_prefilled[0]
+            if len(self.scheduler.running) >= self.scheduler.max_num_seqs or not self.block_manager.can_allocate(seqs[0]):
+                return
+            self.waiting_prefilled.popleft()
+            if self._continue_from(seqs[0], prefilled):
+                self.num_prefilled_taken += 1
+                rest = seqs[1:]
+            else:
+                self.num_prefilled_refused += 1
+                rest = seqs
+            for seq in rest:
+                self.scheduler.add(seq)
+
+    def _continue_from(self, first: Sequence, prefilled: PrefilledPrompt) -> bool:
+        """Run `first` from the handed prompt, if it can (see `add_prefilled`); False with nothing held."""
+        if prefilled.weight_version != self.weight_version:
+            return False
+        self.block_manager.allocate(first)
+        num_cached = first.num_computed_tokens // self.block_manager.block_size
+        try:
+            if num_cached < prefilled.first_block:
+                raise ValueError("leading blocks left out are no longer cached here")
+            self.runner.cache.import_blocks(first.block_table[num_cached:],
+                                           prefilled.kv_blocks[:, :, num_cached - prefilled.first_block:])
+        except ValueError:
+            self.block_manager.free_blocks(first)
+            first.num_computed_tokens = 0
+            return False
+        first.num_computed_tokens = first.num_prompt_tokens
+        self.block_manager.register_computed_blocks(first)
+        self.scheduler.add_running(first)
+        self.prefilled.append((first, prefilled.logits))
+        return True
 
     def abort_request(self, request_id: str) -> None:
+        for entry in [e for e in self.waiting_prefilled if e[0][0].request_id == request_id]:
+            self.waiting_prefilled.remove(entry)
+            for seq in entry[0]:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self.in_flight is not None
+        return (self.scheduler.has_unfinished or self.in_flight is not None or bool(self.prefilled)
+                or bool(self.waiting_prefilled))
 
     def step(self) -> list[SequenceOutput]:
         """Launch the next step; return the outputs of the step read now (this one, or with `overlap` the previous one)."""
+        self._admit_prefilled()
         batch = self.scheduler.schedule()
         try:
-            launched = self._launch(batch) if batch.seqs else None
+            launched = self._launch(batch) if batch.seqs or self.prefilled else None
         except BaseException:
             self.in_flight = None  # the caller fails the requests; nothing in flight survives a failed step
             raise
+        handed_off, self.handed_off = self.handed_off, []
         if not self.overlap:
-            return self._read(launched)
+            return handed_off + self._read(launched)
         previous, self.in_flight = self.in_flight, launched
-        return self._read(previous)
+        return handed_off + self._read(previous)
 
     def flush(self) -> list[SequenceOutput]:
         """Read the step in flight, if any, launching nothing (before a pause holds)."""
@@ -212,14 +297,20 @@ class LLMEngine:
             self.speculator.propose(batch)
         # Only a `PendingSample` is ever in flight: speculation reads each step at once.
         previous_tokens = self.in_flight.sample.tokens if self.in_flight is not None else None
-        logits = self.runner.run(batch, previous_tokens)
+        logits = self.runner.run(batch, previous_tokens) if batch.seqs else None
         if self.speculator is not None:
             self.speculator.observe(batch)
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        sampling = [batch.seqs[i] for i in sampled]
         for seq, num_new, seq_drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             seq.num_computed_tokens += num_new - len(seq_drafts)  # drafts count once accepted (`Sequence.accept_draft`)
             self.block_manager.register_computed_blocks(seq)
+        routed_rows = self.runner.routed_experts
+        if any(batch.seqs[i].hand_off_from_block is not None for i in sampled):
+            kept = self._hand_off(logits, [batch.seqs[i] for i in sampled])
+            logits, sampled = logits[kept], [sampled[row] for row in kept]
+            routed_rows = routed_rows[kept] if routed_rows is not None else None
+        sampling = [batch.seqs[i] for i in sampled]
+        logits = self._with_prefilled_rows(logits, sampling)
         if not sampling:
             return None
         drafts = None
@@ -231,9 +322,39 @@ class LLMEngine:
         for row, seq in enumerate(sampling):
             seq.mark_pending(row)
         routed = None
-        if self.runner.routed_experts is not None and any(s.params.return_routed_experts for s in sampling):
-            routed = HostRead([self.runner.routed_experts])
+        if routed_rows is not None and any(s.params.return_routed_experts for s in sampling):
+            routed = HostRead([routed_rows])  # rows of the batch's own sequences, which come first
         return LaunchedStep(sampling, sample, self.weight_version, routed, drafts)
+
+    def _hand_off(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[int]:
+        """Finish the prefill-only sequences among `sampling` (rows of `logits`) with their KV blocks and logits
+        row as outputs of this step; returns the rows of the others."""
+        kept = []
+        for row, seq in enumerate(sampling):
+            if seq.hand_off_from_block is None:
+                kept.append(row)
+                continue
+            blocks = self.runner.cache.export_blocks(seq.block_table[seq.hand_off_from_block:])
+            prefilled = PrefilledPrompt(blocks, logits[row].clone(), self.weight_version, seq.hand_off_from_block)
+            self.handed_off.append(SequenceOutput(seq.request_id, seq.index, [], [], [], "", "prefilled",
+                                                  self.weight_version, prefilled=prefilled))
+            self.scheduler.finish(seq, "prefilled")
+            self.requests.pop(seq.request_id, None)
+        return kept
+
+    def _with_prefilled_rows(self, logits: torch.Tensor | None, sampling: list[Sequence]) -> torch.Tensor | None:
+        """`logits` with a row appended for each sequence prefilled elsewhere that still waits for its first token
+        (and the sequence appended to `sampling`): one preempted or aborted since has no KV here any more and is
+        computed here again or dropped."""
+        ready = [(seq, row) for seq, row in self.prefilled if seq.status is SequenceStatus.RUNNING]
+        self.prefilled = []
+        if not ready:
+            return logits
+        assert self.speculator is None, "speculative decoding verifies drafts in the batch's own rows"
+        rows = [row.to(self.device) for _, row in ready]
+        dtype = logits.dtype if logits is not None else rows[0].dtype
+        sampling += [seq for seq, _ in ready]
+        return torch.cat([*([logits] if logits is not None else []), *(row[None].to(dtype) for row in rows)])
 
     def _read(self, step: LaunchedStep | None) -> list[SequenceOutput]:
         if step is None:

@@ -113,6 +113,8 @@ class Scheduler:
                     break
                 if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed_tokens == 1) != decoding:
                     continue
+                if seq.num_uncomputed_tokens == 0:  # prefilled elsewhere: the step samples its first token as it is
+                    continue
                 if seq.last_token_in_flight:  # its last token is being sampled; reading it finishes the sequence
                     continue
                 if not self._make_room(seq):
@@ -169,6 +171,13 @@ class Scheduler:
             batch.add(seq, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(kept))
+
+    def add_running(self, seq: Sequence) -> None:
+        """Run a sequence whose blocks another engine computed and the caller wrote (prefill/decode disaggregation):
+        it joins the running ones at once, holding every token of its prompt computed."""
+        assert seq.block_table and seq.num_uncomputed_tokens == 0, "add_running() before the blocks are written"
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

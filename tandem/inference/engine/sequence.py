@@ -58,6 +58,9 @@ class Sequence:
         """Whether the engine reports every token as it comes (streaming) or the completion at its end."""
         self.prefix_parent: Sequence | None = None
         """An earlier sequence with the same prompt prefix whose prefill this one waits for (set by the scheduler)."""
+        self.hand_off_from_block: int | None = None
+        """A prefill server's sequence: once its prompt is computed, its KV blocks from this one on and its last
+        logits row are handed to a decode server instead of sampling (`LLMEngine.add_prefill`)."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending = 0

@@ -1,0 +1,46 @@
+"""Prefill/decode disaggregation: prefill servers compute prompts, decode servers generate, the KV cache moves.
+
+Clients (the orchestrator's pool) talk to decode servers only, so the affinity of groups and turns holds there as
+for colocated servers. A decode server hands a prompt to a prefill server when enough of it is missing from its own
+prefix cache (`decode.RemotePrefill`); it then writes the KV blocks it gets into its cache and samples the first
+token itself from the handed logits row (`tandem.inference.engine.prefilled`).
+
+Invariants:
+- a request never fails because of a prefill server: a refused, failed or late hand-off, or one computed by other
+  weights than the decode server holds when the blocks land, is prefilled on the decode server;
+- both halves of a request run one policy version: the decode server asks for its own version, the prefill server
+  refuses (409) any other, and the engine re-checks when the blocks land;
+- a decode server passes each weight update on to the prefill servers it was given (`forward_updates_to`), so that
+  both pools follow the policy without the orchestrator knowing about prefill servers.
+
+Modules: `wire` (what crosses between the servers), `held` (computed prompts waiting for their decode server),
+`prefill_api` (the prefill server's routes), `kv_transport` (how the KV blocks cross: `http_body`,
+`torch_distributed`), `peers` (a decode server's client of its prefill servers), `decode` (where to prefill).
+"""
+
+from __future__ import annotations
+
+from tandem.config.inference import InferenceConfig
+from tandem.inference.disaggregated.decode import RemotePrefill
+from tandem.inference.disaggregated.http_body import HTTPBodyTransport
+from tandem.inference.disaggregated.kv_transport import KVTransport
+from tandem.inference.disaggregated.peers import PrefillPeers
+from tandem.inference.disaggregated.torch_distributed import TorchDistributedTransport
+from tandem.inference.engine.async_engine import AsyncEngine
+
+
+def make_kv_transport(config: InferenceConfig, engine: AsyncEngine) -> KVTransport:
+    """The decode server's half of `disaggregation.kv_transport`."""
+    name = config.disaggregation.kv_transport
+    if name == "http":
+        return HTTPBodyTransport()
+    if name == "torch_distributed":
+        return TorchDistributedTransport(engine.engine.device, config.disaggregation.peer_timeout_s)
+    raise ValueError(f"unknown `disaggregation.kv_transport` = {name!r}")
+
+
+def connect_prefill_servers(config: InferenceConfig, engine: AsyncEngine) -> RemotePrefill:
+    """A decode server's prefill servers, each checked and its KV transport joined (`PeerUnreachable` if not)."""
+    peers = PrefillPeers(config.disaggregation, make_kv_transport(config, engine), config.server.api_key)
+    peers.check(config.model.name, engine.engine.block_manager.block_size)
+    return RemotePrefill(engine, peers, config.disaggregation.min_remote_prefill_tokens)

@@ -1,0 +1,94 @@
+"""The prefill server's routes: compute a decode server's prompt, hold its KV, hand it over.
+
+`POST /prefill` runs the prompt through the engine as a prefill-only request (batched with every other prompt
+the engine runs) and answers with what it holds; the decode server then takes the tensors through its KV
+transport: `GET /kv/{transfer_id}` (`http_body`) or `POST /kv/{transfer_id}/send` after `POST /kv/pairs` at its
+start (`torch_distributed`). A request for another policy version than this server holds is refused (409)
+before any work, and again if an update landed while the prompt ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+
+from tandem.config.inference import DisaggregationConfig
+from tandem.inference.disaggregated.held import HeldPrefills
+from tandem.inference.disaggregated.http_body import encode
+from tandem.inference.disaggregated.torch_distributed import PairGroups
+from tandem.inference.disaggregated.wire import PairRequest, PrefillAnswer, PrefillInfo, PrefillRequest, SendRequest, TensorSpec
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.errors import APIError, error_responses
+from tandem.inference.serving import JSON, Served, random_id
+
+router = APIRouter()
+
+
+def install_prefill_routes(app: FastAPI, config: DisaggregationConfig, responses: dict) -> None:
+    """Make `app` a prefill server's (its own state: held prompts, pair groups)."""
+    served: Served = app.state.served
+    app.state.held_prefills = HeldPrefills(config.hold_timeout_s)
+    app.state.kv_pairs = PairGroups(served.engine.engine.device, config.peer_timeout_s)
+    app.state.closers.append(app.state.kv_pairs.close)
+    app.include_router(router, responses=responses)
+
+
+@router.get("/prefill/info")
+async def prefill_info(request: Request) -> JSON:
+    served: Served = request.app.state.served
+    return JSON(PrefillInfo(served.model_name, served.engine.engine.block_manager.block_size, served.weight_version))
+
+
+@router.post("/prefill", responses=error_responses(400, 409))
+async def prefill(body: PrefillRequest, request: Request) -> JSON:
+    served: Served = request.app.state.served
+    _check_version(served.weight_version, body.weight_version)
+    try:
+        served.engine.check_request(body.prompt_token_ids, SamplingParams(max_tokens=1))
+    except ValueError as err:
+        raise APIError(400, str(err), "prompt_token_ids") from None
+    prefilled = await served.engine.prefill(random_id(), body.prompt_token_ids, body.first_block)
+    _check_version(prefilled.weight_version, body.weight_version)
+    tensors = [prefilled.kv_blocks, prefilled.logits]
+    transfer_id = request.app.state.held_prefills.put(tensors)
+    return JSON(PrefillAnswer(transfer_id, prefilled.weight_version, prefilled.first_block,
+                              [TensorSpec.of(t) for t in tensors]))
+
+
+@router.get("/kv/{transfer_id}", responses=error_responses(404))
+async def kv_body(transfer_id: str, request: Request) -> Response:
+    tensors = _take(request, transfer_id)
+    return Response(await asyncio.to_thread(encode, tensors), media_type="application/octet-stream")
+
+
+@router.post("/kv/pairs")
+async def open_pair(request: Request) -> JSON:
+    body = msgspec.json.decode(await request.body(), type=PairRequest)
+    return JSON(await asyncio.to_thread(request.app.state.kv_pairs.open, body))
+
+
+@router.post("/kv/{transfer_id}/send", responses=error_responses(404, 409))
+async def send(transfer_id: str, request: Request) -> JSON:
+    body = msgspec.json.decode(await request.body(), type=SendRequest)
+    pairs: PairGroups = request.app.state.kv_pairs
+    if body.pair_id not in pairs.groups:
+        raise APIError(409, f"no KV pair group {body.pair_id!r} here: ask `POST /kv/pairs` first", "pair_id")
+    pairs.send(body, _take(request, transfer_id))
+    return JSON({"sending": transfer_id})
+
+
+def _take(request: Request, transfer_id: str) -> list:
+    tensors = request.app.state.held_prefills.take(transfer_id)
+    if tensors is None:
+        raise APIError(404, f"no prefilled prompt {transfer_id!r} is held here (taken, or dropped after "
+                            "`disaggregation.hold_timeout_s`)", "transfer_id")
+    return tensors
+
+
+def _check_version(held: int, asked: int) -> None:
+    if held != asked:
+        raise APIError(409, f"this prefill server holds policy version {held}, not {asked}", "weight_version")
+

@@ -1,0 +1,71 @@
+"""What crosses between a decode server and a prefill server, each type noting who makes and who reads it."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+from pydantic import Field
+
+from tandem.inference.protocol import Body, token_ids
+
+
+class PrefillRequest(Body):
+    """`POST /prefill`: made by a decode server, read by a prefill server."""
+
+    prompt_token_ids: token_ids(1)
+    weight_version: int = Field(ge=0)
+    """The decode server's policy version: a prefill server holding another refuses (409)."""
+    first_block: int = Field(0, ge=0)
+    """Leading KV blocks the decode server's prefix cache holds: they are not sent."""
+
+
+class TensorSpec(msgspec.Struct):
+    dtype: str
+    """A `torch` dtype name (`float32`, `bfloat16`)."""
+    shape: list[int]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+class PrefillAnswer(msgspec.Struct):
+    """The answer to `POST /prefill`: made by a prefill server, read by the decode server, which then takes the
+    tensors through its KV transport."""
+
+    transfer_id: str
+    """Names the held tensors (`held.HeldPrefills`) until the decode server takes them."""
+    weight_version: int
+    first_block: int
+    tensors: list[TensorSpec]
+    """The KV blocks ([2, layers, blocks, block_size, kv_heads, head_dim]) and the last logits row ([vocab])."""
+
+
+class PrefillInfo(msgspec.Struct):
+    """`GET /prefill/info`: made by a prefill server, checked by a decode server at start-up."""
+
+    model: str
+    block_size: int
+    weight_version: int
+
+
+class SendRequest(msgspec.Struct):
+    """`POST /kv/{transfer_id}/send` (torch_distributed): which pair group the held tensors go through."""
+
+    pair_id: str
+
+
+class PairRequest(msgspec.Struct):
+    """`POST /kv/pairs` (torch_distributed): a decode server asks for a pair group of its own."""
+
+    pair_id: str
+
+
+class PairAnswer(msgspec.Struct):
+    """The port of the rendezvous store the prefill server opened for the pair (on its own host)."""
+
+    port: int

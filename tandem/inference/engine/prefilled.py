@@ -1,0 +1,26 @@
+"""A prompt prefilled by one engine and continued by another (prefill/decode disaggregation): what moves.
+
+The prefill engine computes the prompt as it would for itself and stops before sampling: it hands over the
+prompt's KV blocks and the logits row of its last token. The decode engine writes the blocks into its own cache
+and samples the first token from that row with its own sampler, so a seeded sequence draws every token, the first
+included, from its own generator, exactly as when one engine does both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefilledPrompt:
+    kv_blocks: torch.Tensor
+    """[2, num_layers, num_blocks, block_size, kv_heads, head_dim]: keys and values of the prompt's blocks from
+    `first_block` on (`KVCache.export_blocks`; FP8 caches: bytes with the scales)."""
+    logits: torch.Tensor
+    """[vocab]: the logits row of the prompt's last token, in the model's dtype."""
+    weight_version: int
+    """The weights that computed both; a decode engine holding others prefills the prompt itself."""
+    first_block: int = 0
+    """Leading blocks left out: the decode engine said its prefix cache held them."""

@@ -1,0 +1,206 @@
+"""Prefill/decode disaggregation on the CPU: real servers on loopback, the orchestrator's view (`/v1/generate`).
+
+Every server runs `run.exact` (batch-invariant), so a token's numbers do not depend on which step or batch computed
+it: a decode server continuing from a prefill server's KV must then give one colocated server's tokens and logprobs
+bit for bit, whatever was batched where.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import sys
+
+import httpx
+import pytest
+from inference_helpers import make_config
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from local_servers import serving, tandem_inference  # noqa: E402
+
+from tandem.config.inference import DisaggregationConfig, InferenceConfig  # noqa: E402
+from tandem.config.resolve import free_port  # noqa: E402
+from tandem.inference.server import BackgroundServer  # noqa: E402
+from tandem.launch.process import RunFailed  # noqa: E402
+
+THRESHOLD = 32
+"""`min_remote_prefill_tokens` of the tests: prompts of 40+ new tokens go to the prefill server."""
+
+
+def exact_config(model_dir, **disaggregation) -> InferenceConfig:
+    config = make_config(model_dir)
+    return config.model_copy(update={"run": config.run.model_copy(update={"exact": True}),
+                                     "disaggregation": DisaggregationConfig.model_validate(disaggregation)})
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_dir):
+    server = BackgroundServer(exact_config(tiny_dir))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny_dir):
+    server = BackgroundServer(exact_config(tiny_dir, role="prefill"))
+    yield server
+    server.stop()
+
+
+def decode_server(tiny_dir, prefill_url: str, kv_transport: str = "http") -> BackgroundServer:
+    return BackgroundServer(exact_config(tiny_dir, role="decode", prefill_urls=[prefill_url], kv_transport=kv_transport,
+                                         min_remote_prefill_tokens=THRESHOLD, forward_updates_to=[prefill_url]))
+
+
+def generate(url: str, prompt: list[int], seed: int, n: int = 1, max_tokens: int = 10) -> list[dict]:
+    body = {"prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "n": n,
+            "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return [{k: c[k] for k in ("token_ids", "logprobs", "weight_version")} for c in response.json()["choices"]]
+
+
+def stats(url: str) -> dict[str, int]:
+    return httpx.get(f"{url}/disaggregation/stats").json()
+
+
+def prompt_of(i: int, length: int = 70) -> list[int]:
+    return [(7 * i + 3 * j) % 250 + 1 for j in range(length)]
+
+
+@pytest.mark.parametrize("kv_transport", ["http", "torch_distributed"])
+def test_a_disaggregated_pair_gives_one_servers_tokens_and_logprobs(tiny_dir, colocated, prefill, kv_transport):
+    decode = decode_server(tiny_dir, prefill.url, kv_transport)
+    try:
+        for seed, n in ((1, 1), (2, 3)):
+            prompt = prompt_of(seed)
+            assert generate(decode.url, prompt, seed, n) == generate(colocated.url, prompt, seed, n)
+        assert stats(decode.url) == {"num_prefills_handed": 2, "num_prefills_failed": 0, "num_prefilled_taken": 2,
+                                     "num_prefilled_refused": 0}
+    finally:
+        decode.stop()
+
+
+def test_a_lost_gloo_transfer_drops_the_pair_its_prompt_is_prefilled_here_and_a_new_pair_is_joined(tiny_dir, colocated):
+    prefill = BackgroundServer(exact_config(tiny_dir, role="prefill"))
+    decode = BackgroundServer(exact_config(tiny_dir, role="decode", prefill_urls=[prefill.url], peer_timeout_s=2,
+                                           kv_transport="torch_distributed", min_remote_prefill_tokens=THRESHOLD,
+                                           peer_retry_s=0))
+    try:
+        assert generate(decode.url, prompt_of(12), 12) == generate(colocated.url, prompt_of(12), 12)
+        pairs = prefill.server.config.app.state.kv_pairs
+        pairs.send = lambda request, tensors: None  # the send never comes: the prompt waits out its deadline
+        assert generate(decode.url, prompt_of(13), 13) == generate(colocated.url, prompt_of(13), 13)
+        assert stats(decode.url)["num_prefills_failed"] == 1
+        del pairs.send  # sends work again: the next prompt joins a new pair and goes over it
+        assert generate(decode.url, prompt_of(14), 14) == generate(colocated.url, prompt_of(14), 14)
+        assert stats(decode.url) == {"num_prefills_handed": 2, "num_prefills_failed": 1, "num_prefilled_taken": 2,
+                                     "num_prefilled_refused": 0}
+        assert len(pairs.groups) == 2
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_turns_go_to_the_prefill_server_only_with_many_new_tokens_and_match_one_server(tiny_dir, colocated, prefill):
+    decode = decode_server(tiny_dir, prefill.url)
+    try:
+        conversation = prompt_of(5)
+        for turn, num_new in enumerate((0, 8, 50)):  # the first prompt, a short turn (here), a long tool output (there)
+            conversation = conversation + prompt_of(turn + 20, num_new)
+            got, want = generate(decode.url, conversation, seed=turn), generate(colocated.url, conversation, seed=turn)
+            assert got == want
+            conversation = conversation + got[0]["token_ids"]
+        assert stats(decode.url)["num_prefills_handed"] == 2  # the first prompt and the long turn
+    finally:
+        decode.stop()
+
+
+def test_weight_updates_reach_both_pools_and_a_prefill_on_other_weights_is_redone(tiny_dir, tiny_other_dir, prefill):
+    decode = decode_server(tiny_dir, prefill.url)
+    other = BackgroundServer(exact_config(tiny_other_dir))
+    try:
+        # The decode server passes the update on: both pools serve policy 3, as one server of those weights.
+        update = httpx.post(f"{decode.url}/update_weights", json={"path": str(tiny_other_dir), "version": 3}, timeout=60)
+        assert update.json() == {"weight_version": 3}
+        assert httpx.get(f"{prefill.url}/prefill/info").json()["weight_version"] == 3
+        httpx.post(f"{other.url}/update_weights", json={"path": str(tiny_other_dir), "version": 3}, timeout=60)
+        assert generate(decode.url, prompt_of(8), 8) == generate(other.url, prompt_of(8), 8)
+        assert stats(decode.url)["num_prefills_handed"] == 1
+        # The prefill server alone moves on: it refuses the decode server's version, which prefills the prompt itself.
+        httpx.post(f"{prefill.url}/update_weights", json={"path": str(tiny_dir), "version": 4}, timeout=60)
+        assert generate(decode.url, prompt_of(9), 9) == generate(other.url, prompt_of(9), 9)
+        assert stats(decode.url)["num_prefills_failed"] == 1
+    finally:
+        httpx.post(f"{prefill.url}/update_weights", json={"path": str(tiny_dir), "version": 0}, timeout=60)
+        decode.stop()
+        other.stop()
+
+
+def test_a_decode_server_reaches_prefill_servers_behind_the_api_key_both_pools_share(tiny_dir):
+    key = {"api_key": "sk-pools"}
+    prefill_config = exact_config(tiny_dir, role="prefill")
+    prefill_config = prefill_config.model_copy(update={"server": prefill_config.server.model_copy(update=key)})
+    locked_prefill = BackgroundServer(prefill_config)
+    try:
+        decode_config = exact_config(tiny_dir, role="decode", prefill_urls=[locked_prefill.url],
+                                     min_remote_prefill_tokens=THRESHOLD)
+        decode_config = decode_config.model_copy(update={"server": decode_config.server.model_copy(update=key)})
+        decode = BackgroundServer(decode_config)
+        try:
+            body = {"prompt_token_ids": prompt_of(11), "max_tokens": 6, "seed": 11, "ignore_eos": True}
+            response = httpx.post(f"{decode.url}/v1/generate", json=body, headers={"Authorization": "Bearer sk-pools"},
+                                  timeout=60)
+            assert response.status_code == 200, response.text
+            handed = httpx.get(f"{decode.url}/disaggregation/stats", headers={"Authorization": "Bearer sk-pools"})
+            assert handed.json()["num_prefills_handed"] == 1
+            assert httpx.post(f"{locked_prefill.url}/prefill", json={"prompt_token_ids": [1], "weight_version": 0}
+                              ).status_code == 401
+        finally:
+            decode.stop()
+    finally:
+        locked_prefill.stop()
+
+
+def test_killing_the_prefill_server_mid_run_loses_no_request(tiny_dir, colocated, tmp_path):
+    port = free_port()
+    prefill_url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(tiny_dir), "--server.port", str(port),
+            "--engine.device", "cpu", "--run.exact", "--disaggregation.role", "prefill"]
+    with serving("prefill", argv, prefill_url, tmp_path / "prefill.log") as prefill_proc, \
+            tandem_inference(tiny_dir, tmp_path / "decode.log", "--run.exact", "--disaggregation.role", "decode",
+                             "--disaggregation.prefill_urls", json.dumps([prefill_url]),
+                             "--disaggregation.min_remote_prefill_tokens", str(THRESHOLD),
+                             "--disaggregation.peer_retry_s", "0") as (decode_url, _):
+        prompts = [prompt_of(i, 60 + i) for i in range(12)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(generate, decode_url, p, i, 1, 24) for i, p in enumerate(prompts[:4])]
+            futures[0].result()  # the prefill server has served; now it dies while requests run and keep coming
+            os.killpg(prefill_proc.pid, signal.SIGKILL)
+            futures += [pool.submit(generate, decode_url, p, i + 4, 1, 24) for i, p in enumerate(prompts[4:])]
+            got = [f.result() for f in futures]
+        counts = stats(decode_url)
+    assert got == [generate(colocated.url, p, i, 1, 24) for i, p in enumerate(prompts)]
+    assert counts["num_prefills_handed"] >= 1 and counts["num_prefills_failed"] >= 1
+
+
+def test_a_decode_server_that_cannot_reach_its_prefill_server_fails_naming_the_address(tiny_dir, tmp_path):
+    missing = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RunFailed) as failed:
+        with tandem_inference(tiny_dir, tmp_path / "decode.log", "--disaggregation.role", "decode",
+                              "--disaggregation.prefill_urls", json.dumps([missing]),
+                              "--disaggregation.peer_timeout_s", "1"):
+            pass
+    assert f"cannot reach the prefill server {missing} (`disaggregation.prefill_urls`)" in str(failed.value)
+
+
+def test_a_decode_server_needs_prefill_servers_and_roles_need_tandems_engine(tiny_dir):
+    with pytest.raises(ValueError, match=r"`role` = 'decode' needs `prefill_urls`"):
+        DisaggregationConfig(role="decode")
+    with pytest.raises(ValueError, match=r"`forward_updates_to` names \['http://b'\], which `prefill_urls` does not list"):
+        DisaggregationConfig(role="decode", prefill_urls=["http://a"], forward_updates_to=["http://b"])
+    with pytest.raises(ValueError, match=r"`disaggregation.role` = 'prefill' with `engine.speculative`"):
+        InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, "disaggregation": {"role": "prefill"},
+                                        "engine": {"speculative": {"method": "ngram"}}})
