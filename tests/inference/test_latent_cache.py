@@ -1,0 +1,98 @@
+"""The engine's paged latent cache (GLM-5, DeepSeek-V3): tokens and logprobs equal a teacher-forced pass of the model
+(what the recompute path computes) through chunked prefills, batched decodes, prefix-cache hits, n > 1 and
+preemptions, with DSA's top-k below and past the contexts; the memory plan counts latent entries, not keys and values."""
+
+import random
+
+import pytest
+import torch
+from inference_helpers import teacher_forced_logprobs
+
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig
+from tandem.inference.engine.kv_cache import LatentCache
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.setup import build_engine
+from tandem.models.loading import load_causal_lm
+from tandem.models.presets import PRESETS, shape_config, write_model
+
+SHAPES = {
+    "glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=4),
+    "glm5-topk-past-the-context": PRESETS["tiny-glm5"],
+    "deepseek-v3": PRESETS["tiny-deepseek-v3"],
+}
+"""Contexts here reach 56 tokens: a top-k of 4 chooses for nearly every query, one of 64 never does."""
+
+SETTINGS = {
+    "roomy": dict(num_blocks=256, max_num_batched_tokens=512),
+    # 20 blocks of 4 tokens for 12 sequences of up to 56 and a 24-token budget: chunked prefills and preemptions.
+    "memory-starved": dict(num_blocks=20, max_num_batched_tokens=24),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def latent_dir(request, tmp_path_factory):
+    return write_model(shape_config(SHAPES[request.param]), tmp_path_factory.mktemp(request.param))
+
+
+def serve(folder, **settings):
+    config = {"device": "cpu", "block_size": 4, "max_model_len": 64, **settings}
+    return build_engine(ModelConfig(name=str(folder)), EngineConfig(**config), seed=0)
+
+
+@pytest.mark.parametrize("settings", list(SETTINGS))
+def test_logprobs_and_greedy_tokens_match_a_teacher_forced_pass(latent_dir, settings):
+    """Six prompts of 1 to 40 tokens sharing a 12-token prefix (three blocks), two samples each, greedy and sampled,
+    in one batch."""
+    engine = serve(latent_dir, **SETTINGS[settings])
+    assert isinstance(engine.runner.cache, LatentCache)
+    computed = []
+    run_batch = engine.runner.run
+    engine.runner.run = lambda batch, previous: (computed.append(batch.num_tokens), run_batch(batch, previous))[1]
+    rng = random.Random(0)
+    prefix = [rng.randrange(256) for _ in range(12)]
+    requests = {}
+    for i in range(6):
+        prompt = (prefix if i % 3 else [])[:rng.randint(1, 12)] + [rng.randrange(256) for _ in range(rng.randint(1, 28))]
+        params = SamplingParams(max_tokens=16, temperature=[0.0, 1.0][i % 2], seed=i, ignore_eos=True)
+        requests[str(i)] = (prompt, params)
+        engine.add_request(str(i), prompt, params, n=2)
+    results = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            r = results.setdefault((out.request_id, out.index), ([], []))
+            r[0].extend(out.token_ids)
+            r[1].extend(out.logprobs)
+    model = load_causal_lm(str(latent_dir))
+    assert len(results) == 12
+    for (rid, _), (ids, logprobs) in results.items():
+        prompt, params = requests[rid]
+        assert len(ids) == 16
+        expected = teacher_forced_logprobs(model, prompt, ids, params.temperature)
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
+        if params.temperature == 0.0:  # each greedy token is the teacher-forced pass's most likely one
+            sequence = torch.tensor([prompt + ids])
+            with torch.no_grad():
+                logits = model.lm_head(model(sequence, torch.arange(sequence.shape[1])[None]))[0, len(prompt) - 1:-1]
+            assert ids == logits.argmax(-1).tolist()
+    without_cache_hits = sum(len(prompt) + 15 for prompt, _ in requests.values()) * 2
+    if settings == "roomy":  # the second samples and the shared prefix came from the cache
+        assert sum(computed) < without_cache_hits
+    else:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_the_memory_plan_counts_latent_entries(tmp_path):
+    """Per token and layer kv_lora_rank + qk_rope_head_dim numbers, plus index_head_dim in each layer with an
+    indexer: a sixth of what keys and values of every head would take at tiny-glm5's shape."""
+    shape = PRESETS["tiny-glm5"]
+    folder = write_model(shape_config(shape), tmp_path / "m")
+    engine = serve(folder, cpu_kv_cache_gib=1 / 1024, max_num_seqs=64, max_model_len=256)
+    cache = engine.runner.cache
+    layers, full = shape["num_hidden_layers"], 2  # indexer_types: full, shared, full, shared
+    per_token = layers * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"]) + full * shape["index_head_dim"]
+    expanded = layers * 2 * shape["num_attention_heads"] * (shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"])
+    assert per_token * 6 == expanded
+    per_block = 4 * per_token * 4  # block_size 4, fp32
+    assert engine.block_manager.num_blocks == 2**20 // per_block
+    assert (cache.entries.numel() + cache.index_keys.numel()) * 4 == (engine.block_manager.num_blocks + 1) * per_block
