@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from inference_helpers import teacher_forced_logprobs
+from test_engine import run
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
@@ -57,16 +58,12 @@ def test_logprobs_and_greedy_tokens_match_a_teacher_forced_pass(latent_dir, sett
         params = SamplingParams(max_tokens=16, temperature=[0.0, 1.0][i % 2], seed=i, ignore_eos=True)
         requests[str(i)] = (prompt, params)
         engine.add_request(str(i), prompt, params, n=2)
-    results = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            r = results.setdefault((out.request_id, out.index), ([], []))
-            r[0].extend(out.token_ids)
-            r[1].extend(out.logprobs)
+    results = run(engine)
     model = load_causal_lm(str(latent_dir))
     assert len(results) == 12
-    for (rid, _), (ids, logprobs) in results.items():
+    for (rid, _), r in results.items():
         prompt, params = requests[rid]
+        ids, logprobs = r["ids"], r["logprobs"]
         assert len(ids) == 16
         expected = teacher_forced_logprobs(model, prompt, ids, params.temperature)
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
@@ -96,3 +93,15 @@ def test_the_memory_plan_counts_latent_entries(tmp_path):
     per_block = 4 * per_token * 4  # block_size 4, fp32
     assert engine.block_manager.num_blocks == 2**20 // per_block
     assert (cache.entries.numel() + cache.index_keys.numel()) * 4 == (engine.block_manager.num_blocks + 1) * per_block
+
+
+def test_drafts_are_verified_over_the_latent_cache(tmp_path):
+    """N-gram drafts: a token and its drafts attend as one short query each (absorbed form, each choosing its top-k)."""
+    folder = write_model(shape_config(SHAPES["glm5-sparse"]), tmp_path / "m")
+    engine = serve(folder, num_blocks=64, speculative={"method": "ngram"})
+    prompt = [5, 6, 7, 8] * 6
+    engine.add_request("r", prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=0, ignore_eos=True))
+    r = run(engine)[("r", 0)]
+    assert engine.stats().num_draft_tokens > 0
+    expected = teacher_forced_logprobs(load_causal_lm(str(folder)), prompt, r["ids"], 1.0)
+    torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)

@@ -93,10 +93,11 @@ class PagedLatentAttention:
                 groups.append(query_group(rows, positions, m.block_tables[i:i + 1, :-(-ctx // S)], S, ctx, True))
             start += q_len
         if short:
-            q_lens = torch.tensor([m.query_lens_host[i] for i in short], device=device)
+            q_lens_host = [m.query_lens_host[i] for i in short]
             lens = [m.seq_lens_host[i] for i in short]
+            q_lens = torch.tensor(q_lens_host, device=device)
             seqs = torch.tensor(short, device=device)
-            offsets = torch.minimum(torch.arange(int(q_lens.max()), device=device)[None], q_lens[:, None] - 1)  # [G, L]
+            offsets = torch.minimum(torch.arange(max(q_lens_host), device=device)[None], q_lens[:, None] - 1)  # [G, L]
             rows = m.query_start[seqs][:, None] + offsets
             positions = (torch.tensor(lens, device=device) - q_lens)[:, None] + offsets
             groups.append(query_group(rows, positions, m.block_tables[seqs, :-(-max(lens) // S)], S, max(lens), False))
