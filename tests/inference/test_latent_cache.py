@@ -15,6 +15,7 @@ from tandem.inference.engine.kv_cache import LatentCache
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm
+from tandem.models.moe import replayed_routing
 from tandem.models.presets import PRESETS, shape_config, write_model
 
 SHAPES = {
@@ -55,7 +56,8 @@ def test_logprobs_and_greedy_tokens_match_a_teacher_forced_pass(latent_dir, sett
     requests = {}
     for i in range(6):
         prompt = (prefix if i % 3 else [])[:rng.randint(1, 12)] + [rng.randrange(256) for _ in range(rng.randint(1, 28))]
-        params = SamplingParams(max_tokens=16, temperature=[0.0, 1.0][i % 2], seed=i, ignore_eos=True)
+        params = SamplingParams(max_tokens=16, temperature=[0.0, 1.0][i % 2], seed=i, ignore_eos=True,
+                                return_routed_experts=True)
         requests[str(i)] = (prompt, params)
         engine.add_request(str(i), prompt, params, n=2)
     results = run(engine)
@@ -67,6 +69,10 @@ def test_logprobs_and_greedy_tokens_match_a_teacher_forced_pass(latent_dir, sett
         assert len(ids) == 16
         expected = teacher_forced_logprobs(model, prompt, ids, params.temperature)
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
+        replay = torch.full((len(prompt) + 16, 3, 2), -1)  # the experts the engine reports, of the 3 MoE blocks
+        replay[len(prompt) - 1:-1] = torch.tensor(r["routed_experts"])
+        with replayed_routing(model, replay):
+            torch.testing.assert_close(teacher_forced_logprobs(model, prompt, ids, params.temperature), expected)
         if params.temperature == 0.0:  # each greedy token is the teacher-forced pass's most likely one
             sequence = torch.tensor([prompt + ids])
             with torch.no_grad():
