@@ -101,10 +101,15 @@ def test_the_memory_plan_counts_latent_entries(tmp_path):
     assert (cache.entries.numel() + cache.index_keys.numel()) * 4 == (engine.block_manager.num_blocks + 1) * per_block
 
 
-def test_drafts_are_verified_over_the_latent_cache(tmp_path):
-    """N-gram drafts: a token and its drafts attend as one short query each (absorbed form, each choosing its top-k)."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_drafts_are_verified_over_the_latent_cache(method, tmp_path):
+    """N-gram drafts, or a DeepSeek-V3 draft model with a latent cache of its own: a token and its drafts attend as
+    one short query each (absorbed form, each choosing its top-k)."""
     folder = write_model(shape_config(SHAPES["glm5-sparse"]), tmp_path / "m")
-    engine = serve(folder, num_blocks=64, speculative={"method": "ngram"})
+    speculative = {"method": method}
+    if method == "draft_model":
+        speculative["draft_model"] = str(write_model(shape_config(SHAPES["deepseek-v3"]), tmp_path / "draft"))
+    engine = serve(folder, num_blocks=64, speculative=speculative)
     prompt = [5, 6, 7, 8] * 6
     engine.add_request("r", prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=0, ignore_eos=True))
     r = run(engine)[("r", 0)]

@@ -33,7 +33,7 @@ from tandem.inference.engine.scheduler import Scheduler
 from tandem.inference.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from tandem.models.hub import resolve_model_path
 from tandem.models.glm_moe_dsa import LatentMoeArgs
-from tandem.models.loading import has_split_blocks, is_native, load_causal_lm
+from tandem.models.loading import is_native, load_causal_lm
 from tandem.models.lora import LoraSpec
 
 log = logging.getLogger(__name__)
@@ -202,16 +202,16 @@ def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: 
 def load_draft_model(spec: SpeculativeConfig, model_config: ModelConfig, device: torch.device, policy_folder: Path,
                      tokenizer: Any, policy_vocab_size: int, max_model_len: int) -> torch.nn.Module:
     """`engine.speculative.draft_model` on the policy's device and dtype, refused unless it can draft for the policy:
-    a native model of decoder blocks (it needs a paged cache), the policy's vocabulary, room for `max_model_len`."""
+    a native model (it needs a paged cache), the policy's vocabulary, room for `max_model_len`."""
     from transformers import AutoTokenizer
 
     folder = resolve_model_path(spec.draft_model)
     draft = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
     key = "`engine.speculative.draft_model`"
-    if not has_split_blocks(draft.hf_config):
+    if not is_native(draft.hf_config):
         raise ValueError(f"{key} = {str(folder)!r} is a {draft.hf_config.get('model_type')!r} model: a draft needs a "
-                         "paged KV cache, which only tandem's native models of decoder blocks have (Qwen3, Qwen3-MoE, "
-                         "GLM-4.5, MiniMax-M2)")
+                         "paged cache, which only tandem's native models have (Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2, "
+                         "GLM-5, DeepSeek-V3)")
     draft_tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
     draft_vocab, policy_vocab = draft.hf_config.get("vocab_size"), policy_vocab_size
     if draft_vocab != policy_vocab or draft_tokenizer.get_vocab() != tokenizer.get_vocab():
