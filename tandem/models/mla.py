@@ -140,23 +140,34 @@ class LatentAttention(nn.Module):
         p = self.project_latent(h, cos, sin)
         return self.queries(p.q_nope, p.q_rope), *self.keys_values(p.entries), p.query_latent
 
-    def attend_expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
-                        visible: torch.Tensor) -> torch.Tensor:
+    def attend_expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor,
+                        max_pairs: int | None = None) -> torch.Tensor:
         """Queries q_nope [G, L, H, Dn], q_rope [G, L, H, Dr] over latent entries [G, S, kv_lora_rank + Dr] where
-        `visible` [G, L, S] (each query sees one at least) -> [G, L, H, Dv], every entry expanded per head."""
-        k, v = self.keys_values(entries)
-        out = F.scaled_dot_product_attention(self.queries(q_nope, q_rope).transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=visible[:, None])
-        return out.transpose(1, 2)
+        `visible` [G, L, S] (each query sees one at least) -> [G, L, H, Dv], every entry expanded per head once.
+        `max_pairs`: attend in slices of the queries, each of at most that many (query, entry) pairs (one query at
+        least), so that the logits of a slice (H x pairs) bound the memory; None: all at once."""
+        k, v = (t.transpose(1, 2) for t in self.keys_values(entries))
+        q = self.queries(q_nope, q_rope)
+        out = [F.scaled_dot_product_attention(q[:, part].transpose(1, 2), k, v, attn_mask=visible[:, None, part])
+               for part in query_slices(q.shape[0] * q.shape[1] * entries.shape[1], q.shape[1], max_pairs)]
+        return torch.cat(out, dim=2).transpose(1, 2)
 
-    def attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
-                        visible: torch.Tensor) -> torch.Tensor:
+    def attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor,
+                        max_pairs: int | None = None) -> torch.Tensor:
         """What `attend_expanded` computes, in the absorbed form (the module docstring): [G, L, H, Dv]."""
         H, Dn = self.num_heads, self.qk_nope_head_dim
         w_uk, w_uv = projection_weight(self.kv_b_proj).view(H, Dn + self.v_head_dim, self.kv_lora_rank).split(
             (Dn, self.v_head_dim), dim=1)
         q = self.queries(torch.einsum("glhd,hdc->glhc", q_nope, w_uk), q_rope)  # [G, L, H, kv_lora_rank + Dr]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), entries[:, None], entries[:, None, :, :self.kv_lora_rank],
-                                             attn_mask=visible[:, None], scale=(Dn + self.qk_rope_head_dim) ** -0.5,
-                                             enable_gqa=True)  # [G, H, L, kv_lora_rank]
-        return torch.einsum("ghlc,hvc->glhv", out, w_uv)
+        k, v = entries[:, None], entries[:, None, :, :self.kv_lora_rank]  # one head, which every query head reads
+        out = [F.scaled_dot_product_attention(q[:, part].transpose(1, 2), k, v, attn_mask=visible[:, None, part],
+                                              scale=(Dn + self.qk_rope_head_dim) ** -0.5, enable_gqa=True)
+               for part in query_slices(q.shape[0] * q.shape[1] * entries.shape[1], q.shape[1], max_pairs)]
+        return torch.einsum("ghlc,hvc->glhv", torch.cat(out, dim=2), w_uv)  # [G, H, L, kv_lora_rank] -> [G, L, H, Dv]
+
+
+def query_slices(num_pairs: int, num_queries: int, max_pairs: int | None) -> list[slice]:
+    """Consecutive slices of `num_queries` queries (sharing `num_pairs` query-key pairs evenly), each of at most
+    `max_pairs` pairs or of one query; one slice of all where `max_pairs` is None."""
+    size = num_queries if max_pairs is None else max(1, max_pairs * num_queries // num_pairs)
+    return [slice(start, start + size) for start in range(0, num_queries, size)]

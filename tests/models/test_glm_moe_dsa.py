@@ -4,6 +4,7 @@ training; the engine's two forms of attention over latent entries (its paged cac
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -164,7 +165,8 @@ def test_mla_and_dsa_equal_the_papers_formulas_as_do_transformers(tmp_path):
 def test_absorbed_and_expanded_forms_equal_the_models_attention(shape, tmp_path):
     """The engine's two forms over latent entries (`LatentAttention.attend_expanded`, `attend_absorbed`) against the
     model's attention of expanded q, k and v on the same inputs, in fp64: causal, and under a DSA-like selection;
-    the queries of every position (a prefill chunk) and of the last three only over the whole context (decodes)."""
+    the queries of every position (a prefill chunk) and of the last three only over the whole context (decodes); all
+    at once and in slices of the queries."""
     from tandem.models.attention import PackedCausalAttention
     from tandem.models.dsa import sparse_attend
 
@@ -183,9 +185,10 @@ def test_absorbed_and_expanded_forms_equal_the_models_attention(shape, tmp_path)
         expected = sparse_attend(q, k, v, visible)  # the model's DSA path; under the causal mask its dense one
         if visible is causal:
             torch.testing.assert_close(expected, dense, atol=1e-12, rtol=0)
-        for form in (attention.attend_expanded, attention.attend_absorbed):
-            torch.testing.assert_close(form(p.q_nope, p.q_rope, p.entries, visible), expected, atol=1e-12, rtol=0)
-            last = form(p.q_nope[:, -3:], p.q_rope[:, -3:], p.entries, visible[:, -3:])
+        for form, max_pairs in itertools.product((attention.attend_expanded, attention.attend_absorbed), (None, 30, 100)):
+            got = form(p.q_nope, p.q_rope, p.entries, visible, max_pairs)  # 30: one query a slice, 100: five
+            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+            last = form(p.q_nope[:, -3:], p.q_rope[:, -3:], p.entries, visible[:, -3:], max_pairs)
             torch.testing.assert_close(last, expected[:, -3:], atol=1e-12, rtol=0)
     assert (sparse_attend(q, k, v, chosen) - dense).abs().max() > 1e-3  # the selection mattered
 

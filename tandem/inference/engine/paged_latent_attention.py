@@ -18,8 +18,9 @@ keys (`dsa.index_scores`) and keeps its `index_topk` best (`dsa.select`); a grou
 what the block passes on, and a `shared` layer attends under the last one.
 
 Torch only, on CPU and CUDA: each group gathers its sequences' whole blocks (W x S entries per sequence, padded to
-the group's longest context), and the indexer's scores of a group take [G, L, index_n_heads, W x S] fp32 at once.
-No CUDA graph is captured for this cache: a graph would hold the gathered context of its largest bound for good.
+the group's longest context; a chunk expands them all once), and scores its queries in slices of at most
+`QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long contexts. No
+CUDA graph is captured for this cache: a graph would hold the gathered context of its largest bound for good.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ import torch
 from tandem.inference.engine.kv_cache import LatentCache
 from tandem.inference.engine.paged_attention import SHORT_QUERY_TOKENS, AttentionMetadata
 from tandem.models.dsa import IndexerProjections, SparseContext, index_scores, select
-from tandem.models.mla import LatentAttention, LatentProjections
+from tandem.models.mla import LatentAttention, LatentProjections, query_slices
+
+QUERY_KEY_PAIRS = 2**22
+"""Most (query, context token) pairs one op of a group scores: the logits of 64 heads in fp32 take 1 GiB."""
 
 
 @dataclass
@@ -120,12 +124,16 @@ class PagedLatentAttention:
             context = entries[group.blocks].flatten(1, 2)  # [G, W x S, E]
             visible = group.visible if chosen is None else chosen
             attend = attention.attend_expanded if group.expanded else attention.attend_absorbed
-            out[group.rows] = attend(q_nope[group.rows], q_rope[group.rows], context, visible)
+            out[group.rows] = attend(q_nope[group.rows], q_rope[group.rows], context, visible, QUERY_KEY_PAIRS)
         return out[None], selection
 
     def _select(self, group: QueryGroup, keys: torch.Tensor, index: IndexerProjections) -> torch.Tensor | None:
         """The group's DSA choice [G, L, W x S] from a layer's cached indexer keys; None where it is every token."""
         if group.longest <= self.index_topk:
             return None
-        scores = index_scores(index.queries[0][group.rows], keys[group.blocks].flatten(1, 2), index.weights[0][group.rows])
-        return select(scores, SparseContext(group.visible, self.index_topk))
+        context = keys[group.blocks].flatten(1, 2)  # [G, W x S, index_head_dim]
+        queries, weights = index.queries[0][group.rows], index.weights[0][group.rows]
+        chosen = [select(index_scores(queries[:, part], context, weights[:, part]),
+                         SparseContext(group.visible[:, part], self.index_topk))
+                  for part in query_slices(group.visible.numel(), group.rows.shape[1], QUERY_KEY_PAIRS)]
+        return torch.cat(chosen, dim=1)
