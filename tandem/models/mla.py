@@ -133,13 +133,6 @@ class LatentAttention(nn.Module):
             (Dn, self.v_head_dim), dim=-1)
         return torch.cat((k_nope, k_rope[:, :, None].expand(B, S, H, Dr)), dim=-1), v
 
-    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Normed hidden states h [B, T, hidden] -> q, k [B, T, H, Dn + Dr] (q times `query_factor`), v [B, T, H, Dv]
-        and the normed query latent [B, T, q_lora_rank] (None without `q_lora_rank`), which the DSA indexer reads."""
-        p = self.project_latent(h, cos, sin)
-        return self.queries(p.q_nope, p.q_rope), *self.keys_values(p.entries), p.query_latent
-
     def attend_expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor,
                         max_pairs: int | None = None) -> torch.Tensor:
         """Queries q_nope [G, L, H, Dn], q_rope [G, L, H, Dr] over latent entries [G, S, kv_lora_rank + Dr] where

@@ -176,8 +176,8 @@ def test_absorbed_and_expanded_forms_equal_the_models_attention(shape, tmp_path)
     h = torch.randn(1, T, a.hidden_size, dtype=torch.float64, generator=generator)
     positions = torch.arange(T)[None]
     cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta, torch.float64, a.rope_scaling)
-    q, k, v, _ = attention.project(h, cos, sin)
     p = attention.project_latent(h, cos, sin)
+    q, (k, v) = attention.queries(p.q_nope, p.q_rope), attention.keys_values(p.entries)  # what the model attends with
     causal = torch.ones(1, T, T, dtype=torch.bool).tril()
     chosen = causal & (torch.rand(1, T, T, generator=generator) < 0.5) | torch.eye(T, dtype=torch.bool)[None]
     dense = PackedCausalAttention(positions).attend(0, q, k, v)
