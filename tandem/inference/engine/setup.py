@@ -3,8 +3,8 @@
 Native models get a paged cache: decoder blocks (Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) the `KVCache` of keys and
 values, the latent-attention families (GLM-5, DeepSeek-V3) the `LatentCache` of latent entries and DSA indexer keys;
 any other architecture (loaded through transformers) runs on the recompute path. On CUDA the cache takes what
-`memory_fraction` leaves after the weights and the activations of a full-budget warmup step. A draft model (speculative decoding) gets a
-paged cache of its own with as many blocks as the policy's, sized with it.
+`memory_fraction` leaves after the weights and the activations of a full-budget warmup step. A draft model
+(speculative decoding) gets a paged cache of its own with as many blocks as the policy's, sized with it.
 """
 
 from __future__ import annotations
