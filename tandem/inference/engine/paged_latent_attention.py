@@ -72,6 +72,7 @@ class PagedLatentAttention:
         self._groups: list[QueryGroup] | None = None
 
     def groups(self) -> list[QueryGroup]:
+        """The step's query groups (the module docstring), planned when the first layer asks."""
         if self._groups is None:
             self._groups = self._plan()
         return self._groups
