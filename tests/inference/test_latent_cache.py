@@ -32,6 +32,8 @@ SETTINGS = {
     "memory-starved": dict(num_blocks=20, max_num_batched_tokens=24),
     # Roomy, each op scoring at most 100 (query, context token) pairs: prefill chunks attend in slices of queries.
     "query-slices": dict(num_blocks=256, max_num_batched_tokens=512),
+    # Roomy, each step launched before the last is read (CUDA's default): input tokens still pending on the device.
+    "overlap": dict(num_blocks=256, max_num_batched_tokens=512),
 }
 
 
@@ -41,7 +43,7 @@ def serve(folder, **settings):
 
 
 @pytest.mark.parametrize("shape, settings", [
-    ("glm5-sparse", "roomy"), ("glm5-sparse", "memory-starved"), ("glm5-sparse", "query-slices"),
+    ("glm5-sparse", "roomy"), ("glm5-sparse", "memory-starved"), ("glm5-sparse", "query-slices"), ("glm5-sparse", "overlap"),
     ("glm5-topk-past-the-context", "roomy"), ("deepseek-v3", "roomy"), ("deepseek-v3", "memory-starved"),
 ])
 def test_logprobs_and_greedy_tokens_match_a_teacher_forced_pass(shape, settings, monkeypatch, tmp_path):
@@ -52,6 +54,7 @@ def test_logprobs_and_greedy_tokens_match_a_teacher_forced_pass(shape, settings,
         monkeypatch.setattr(paged_latent_attention, "QUERY_KEY_PAIRS", 100)
     engine = serve(latent_dir, **SETTINGS[settings])
     assert isinstance(engine.runner.cache, LatentCache)
+    engine.overlap = settings == "overlap"
     computed = []
     run_batch = engine.runner.run
     engine.runner.run = lambda batch, previous: (computed.append(batch.num_tokens), run_batch(batch, previous))[1]
