@@ -78,7 +78,7 @@ import httpx
 import torch
 
 from provenance import environment
-from roofline import decode_roofline, kv_bytes_per_token, measured_copy_bandwidth, nominal_bandwidth, weight_bytes
+from roofline import decode_roofline, measured_copy_bandwidth, nominal_bandwidth, weight_bytes
 from tandem.config.base import ModelConfig
 from tandem.config.dump import to_toml
 from tandem.config.inference import EngineConfig, InferenceConfig
@@ -388,7 +388,7 @@ def attempt(results: dict, name: str, fn) -> None:
 
 def roofline_of(engine, results: dict, keys: list[str], bandwidths: dict) -> None:
     """Add each engine result's `decode_roofline` (see `benchmarks/roofline.py`) and drop its bulky lists."""
-    weights, kv_per_token = weight_bytes(engine.runner.model), kv_bytes_per_token(engine.runner.cache)
+    weights, kv_per_token = weight_bytes(engine.runner.model), engine.runner.cache.bytes_per_token
     for key in keys:
         result = results.get(key, {})
         if "decode_steps" in result:

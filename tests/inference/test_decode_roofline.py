@@ -11,7 +11,7 @@ from tandem.inference.engine.kv_cache import KVCache
 from tandem.models.loading import load_causal_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from roofline import decode_roofline, kv_bytes_per_token, weight_bytes
+from roofline import decode_roofline, weight_bytes
 
 
 def test_a_step_at_memory_speed_has_fraction_one_and_the_full_batch_median_is_used():
@@ -35,4 +35,14 @@ def test_bytes_read_per_step_count_tied_weights_once_and_every_layers_keys_and_v
     assert weight_bytes(model) == 4 * sum(p.numel() for p in model.parameters())  # fp32, the tied matrix once
     cache = KVCache(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16,
                     device=torch.device("cpu"))
-    assert kv_bytes_per_token(cache) == 2 * 2 * 2 * 32 * 2 == KVCache.bytes_per_block(2, 1, 2, 32, torch.bfloat16)
+    assert cache.bytes_per_token == 2 * 2 * 2 * 32 * 2 == KVCache.bytes_per_block(2, 1, 2, 32, torch.bfloat16)
+
+
+def test_bytes_read_per_step_leave_out_the_prediction_layer(tmp_path):
+    """GLM-5's multi-token prediction layer is loaded but no decode runs it; nor does a decode read the untied
+    embedding matrix, only its tokens' rows."""
+    from tandem.models.presets import init_model
+
+    model = load_causal_lm(str(init_model("tiny-glm5", tmp_path / "m")))
+    unread = [*model.model.mtp_layers.parameters(), model.model.embed_tokens.weight]
+    assert weight_bytes(model) == 4 * (sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in unread))

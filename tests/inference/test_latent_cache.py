@@ -106,6 +106,7 @@ def test_the_memory_plan_counts_latent_entries(tmp_path):
     per_block = 4 * per_token * 4  # block_size 4, fp32
     assert engine.block_manager.num_blocks == 2**20 // per_block
     assert (cache.entries.numel() + cache.index_keys.numel()) * 4 == (engine.block_manager.num_blocks + 1) * per_block
+    assert cache.bytes_per_token == 4 * per_token  # what the decode roofline counts (benchmarks/roofline.py)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -29,6 +29,11 @@ class KVCache:
         """Keys and values [num_blocks, block_size, kv_heads, head_dim] of one layer (views, written in place)."""
         return self.keys[layer_idx], self.values[layer_idx]
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token over all layers: what a decode reads per token of its context."""
+        return (self.keys.nbytes + self.values.nbytes) // (self.keys.shape[1] * self.block_size)
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -56,6 +61,12 @@ class LatentCache:
     def layer_index_keys(self, layer_idx: int) -> torch.Tensor:
         """The indexer's keys [num_blocks, block_size, index_dim] of a layer that has an indexer (a view)."""
         return self.index_keys[self._index_row[layer_idx]]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Entries and indexer keys of one token over all layers: what a decode reads per token of its context (DSA
+        reads every token's indexer keys, and attention here every entry, chosen or not)."""
+        return (self.entries.nbytes + self.index_keys.nbytes) // (self.entries.shape[1] * self.block_size)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, entry_dim: int, indexed_layers: list[int], index_dim: int,
