@@ -124,3 +124,23 @@ def test_drafts_are_verified_over_the_latent_cache(method, tmp_path):
     assert engine.stats().num_draft_tokens > 0
     expected = teacher_forced_logprobs(load_causal_lm(str(folder)), prompt, r["ids"], 1.0)
     torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
+
+
+def test_a_mixed_step_attends_chunks_expanded_and_short_queries_absorbed():
+    """A prefill chunk (6 tokens, nothing cached) is a group of its own in the expanded form; a decode (context 9)
+    and a token with two drafts (context 7) form one absorbed group, padded by repeating the last query."""
+    from tandem.inference.engine.paged_attention import AttentionMetadata
+    from tandem.inference.engine.paged_latent_attention import PagedLatentAttention
+
+    cache = LatentCache(num_layers=1, num_blocks=8, block_size=4, entry_dim=3, indexed_layers=[], index_dim=2,
+                        dtype=torch.float32, device=torch.device("cpu"))
+    tables = torch.tensor([[0, 1, 7], [2, 3, 4], [5, 6, 7]])
+    meta = AttentionMetadata(slot_mapping=torch.zeros(10, dtype=torch.long), query_start=torch.tensor([0, 6, 7, 10]),
+                             seq_lens=torch.tensor([6, 9, 7]), block_tables=tables, tiles=torch.zeros(2, 1), block_q=16,
+                             query_lens_host=[6, 1, 3], seq_lens_host=[6, 9, 7])
+    chunk, short = PagedLatentAttention(cache, meta, index_topk=0).groups()
+    assert chunk.expanded and not short.expanded
+    assert chunk.rows.tolist() == [list(range(6))] and chunk.blocks.tolist() == [[0, 1]]
+    assert chunk.visible[0].tolist() == torch.ones(6, 8, dtype=torch.bool).tril().tolist()
+    assert short.rows.tolist() == [[6, 6, 6], [7, 8, 9]] and short.blocks.tolist() == [[2, 3, 4], [5, 6, 7]]
+    assert short.visible.sum(-1).tolist() == [[9, 9, 9], [5, 6, 7]]  # each query sees up to its own position
