@@ -105,12 +105,18 @@ def index_scores(queries: torch.Tensor, keys: torch.Tensor, weights: torch.Tenso
     return torch.matmul(weights[:, :, None], scores)[:, :, 0]
 
 
+def top_k(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index scores [B, T, S] -> each query's k keys of highest score among those `visible` [B, T, S] lets it see:
+    their indices [B, T, k'] (k' = min(k, S)) and whether each is visible (a query that sees fewer than k' keys gets
+    others after them, not visible)."""
+    top = scores.masked_fill(~visible, float("-inf")).topk(min(k, scores.shape[-1]), dim=-1).indices
+    return top, visible.gather(-1, top)
+
+
 def select(scores: torch.Tensor, context: SparseContext) -> torch.Tensor:
-    """Index scores [B, T, S] -> the selection [B, T, S] bool: each query's `index_topk` keys of highest score among
-    those `context.visible` [B, T, S] lets it see."""
-    scores = scores.masked_fill(~context.visible, float("-inf"))
-    top = scores.topk(min(context.index_topk, scores.shape[-1]), dim=-1).indices
-    return torch.zeros_like(context.visible).scatter_(-1, top, True) & context.visible
+    """Index scores [B, T, S] -> the selection [B, T, S] bool: `top_k` of `context.visible` [B, T, S] as a mask."""
+    top, kept = top_k(scores, context.visible, context.index_topk)
+    return torch.zeros_like(context.visible).scatter_(-1, top, kept)
 
 
 def sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,11 @@ The step's queries form groups, planned once per step and the same for every lay
 A decode-only step plans from device tensors alone (the contexts' bound is the step's `max_context`).
 
 DSA (`tandem.models.dsa`): a layer with an indexer scores each query's visible context against the cached indexer
-keys (`dsa.index_scores`) and keeps its `index_topk` best (`dsa.select`); a group whose contexts all fit in
-`index_topk` keeps every visible token and skips the scores. The choice, one [G, L, W x S] mask or None per group, is
-what the block passes on, and a `shared` layer attends under the last one.
+keys (`dsa.index_scores`) and keeps its `index_topk` best (`dsa.top_k`); a group whose contexts all fit in
+`index_topk` keeps every visible token and skips the scores. A chunk attends under the choice as a mask over its
+context; a short query gathers its chosen entries alone from the cache ([G, L, index_topk, E]) and attends to those,
+so that past `index_topk` tokens its attention reads no more entries however long the context. The choice of each
+group is what the block passes on, and a `shared` layer attends under the last one.
 
 Torch only, on CPU and CUDA: each group gathers its sequences' whole blocks (W x S entries per sequence, padded to
 the group's longest context; a chunk expands them all once), and scores its queries in slices of at most
@@ -31,11 +33,21 @@ import torch
 
 from tandem.inference.engine.kv_cache import LatentCache
 from tandem.inference.engine.paged_attention import SHORT_QUERY_TOKENS, AttentionMetadata
-from tandem.models.dsa import IndexerProjections, SparseContext, index_scores, select
+from tandem.models.dsa import IndexerProjections, index_scores, top_k
 from tandem.models.mla import LatentAttention, LatentProjections, query_slices
 
 QUERY_KEY_PAIRS = 2**22
 """Most (query, context token) pairs one op of a group scores: the logits of 64 heads in fp32 take 1 GiB."""
+
+
+@dataclass
+class Chosen:
+    """A short-query group's DSA choice."""
+
+    positions: torch.Tensor
+    """[G, L, index_topk] context positions of each query's chosen tokens."""
+    kept: torch.Tensor
+    """[G, L, index_topk] bool: the position is visible (a query seeing fewer tokens has fewer)."""
 
 
 @dataclass
@@ -109,8 +121,8 @@ class PagedLatentAttention:
         return groups
 
     def attend_latent(self, layer_idx: int, attention: LatentAttention, projections: LatentProjections,
-                      index: IndexerProjections | None, selection: list[torch.Tensor | None] | None
-                      ) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
+                      index: IndexerProjections | None, selection: list[torch.Tensor | Chosen | None] | None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor | Chosen | None] | None]:
         slots = self.meta.slot_mapping
         entries = self.cache.layer(layer_idx)  # [blocks, S, E]
         entries.view(-1, entries.shape[-1]).index_copy_(0, slots, projections.entries[0])
@@ -122,19 +134,38 @@ class PagedLatentAttention:
         q_nope, q_rope = projections.q_nope[0], projections.q_rope[0]  # [N, H, Dn], [N, H, Dr]
         out = q_nope.new_empty(*q_nope.shape[:2], attention.v_head_dim)
         for group, chosen in zip(groups, selection or [None] * len(groups)):
+            if isinstance(chosen, Chosen):
+                out[group.rows] = self._attend_chosen(attention, q_nope[group.rows], q_rope[group.rows], entries, group,
+                                                      chosen)
+                continue
             context = entries[group.blocks].flatten(1, 2)  # [G, W x S, E]
             visible = group.visible if chosen is None else chosen
             attend = attention.attend_expanded if group.expanded else attention.attend_absorbed
             out[group.rows] = attend(q_nope[group.rows], q_rope[group.rows], context, visible, QUERY_KEY_PAIRS)
         return out[None], selection
 
-    def _select(self, group: QueryGroup, keys: torch.Tensor, index: IndexerProjections) -> torch.Tensor | None:
-        """The group's DSA choice [G, L, W x S] from a layer's cached indexer keys; None where it is every token."""
+    def _attend_chosen(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                       entries: torch.Tensor, group: QueryGroup, chosen: Chosen) -> torch.Tensor:
+        """Short queries q_nope [G, L, H, Dn], q_rope [G, L, H, Dr] over their chosen entries only, each query one
+        group of the absorbed form: [G, L, H, Dv]."""
+        G, L, K = chosen.positions.shape
+        S = self.cache.block_size
+        blocks = group.blocks.gather(1, (chosen.positions // S).flatten(1)).view(G, L, K)
+        context = entries.flatten(0, 1)[blocks * S + chosen.positions % S]  # [G, L, K, E]
+        out = attention.attend_absorbed(q_nope.flatten(0, 1)[:, None], q_rope.flatten(0, 1)[:, None],
+                                        context.flatten(0, 1), chosen.kept.flatten(0, 1)[:, None], QUERY_KEY_PAIRS)
+        return out.view(G, L, *out.shape[2:])
+
+    def _select(self, group: QueryGroup, keys: torch.Tensor, index: IndexerProjections) -> torch.Tensor | Chosen | None:
+        """The group's DSA choice from a layer's cached indexer keys: a mask [G, L, W x S] for a chunk, the chosen
+        positions for short queries; None where it is every visible token."""
         if group.longest <= self.index_topk:
             return None
         context = keys[group.blocks].flatten(1, 2)  # [G, W x S, index_head_dim]
         queries, weights = index.queries[0][group.rows], index.weights[0][group.rows]
-        chosen = [select(index_scores(queries[:, part], context, weights[:, part]),
-                         SparseContext(group.visible[:, part], self.index_topk))
-                  for part in query_slices(group.visible.numel(), group.rows.shape[1], QUERY_KEY_PAIRS)]
-        return torch.cat(chosen, dim=1)
+        parts = [top_k(index_scores(queries[:, part], context, weights[:, part]), group.visible[:, part], self.index_topk)
+                 for part in query_slices(group.visible.numel(), group.rows.shape[1], QUERY_KEY_PAIRS)]
+        positions, kept = (torch.cat(chosen, dim=1) for chosen in zip(*parts))
+        if group.expanded:
+            return torch.zeros_like(group.visible).scatter_(-1, positions, kept)
+        return Chosen(positions, kept)
