@@ -64,8 +64,9 @@ class LatentCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Entries and indexer keys of one token over all layers: what a decode reads per token of its context (DSA
-        reads every token's indexer keys, and attention here every entry, chosen or not)."""
+        """Entries and indexer keys of one token over all layers: what a decode reads per token of its context
+        without DSA. Under DSA past `index_topk` tokens a decode reads every token's indexer keys but only its
+        chosen tokens' entries, so this overstates its reads there."""
         return (self.entries.nbytes + self.index_keys.nbytes) // (self.entries.shape[1] * self.block_size)
 
     @staticmethod
