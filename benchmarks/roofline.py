@@ -54,8 +54,10 @@ def measured_copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30, repe
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the parameters a decode step reads: all of them (tied ones once), less an untied input
-    embedding (a decode reads only its tokens' rows). For a mixture of experts this counts every expert."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding (a decode reads only its tokens' rows) and layers the forward never runs (GLM-5's multi-token
+    prediction layer). For a mixture of experts this counts every expert."""
+    unread = getattr(model.model, "mtp_layers", nn.ModuleList())
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(p.nbytes for p in unread.parameters())
     embedding = model.model.embed_tokens.weight
     if embedding is not model.lm_head.weight:
         total -= embedding.numel() * embedding.element_size()

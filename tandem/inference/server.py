@@ -41,6 +41,10 @@ def build_served(config: InferenceConfig) -> Served:
     """The engine and everything the routes need, built from the config (loads the model; a decode server also
     checks its prefill servers: `PeerUnreachable`)."""
     engine = build_engine(config.model, config.engine, config.seed, config.run.exact)
+    if config.disaggregation.role != "colocated" and not hasattr(getattr(engine.runner, "cache", None), "export_blocks"):
+        raise ValueError(f"`disaggregation.role` = {config.disaggregation.role!r}: {config.model.name} keeps no cache that "
+                         "prefill and decode servers hand over yet (MLA's latent cache, or the recompute path of "
+                         "transformers models); serve it colocated")
     served = Served(AsyncEngine(engine), engine.tokenizer, config.model.name, engine.max_model_len)
     if config.disaggregation.role == "decode":
         served.remote_prefill = connect_prefill_servers(config, served.engine)

@@ -56,6 +56,16 @@ def sparse_context(position_ids: torch.Tensor, index_topk: int) -> SparseContext
     return SparseContext(document_causal_mask(position_ids), index_topk)
 
 
+@dataclass
+class IndexerProjections:
+    queries: torch.Tensor
+    """[B, T, index_n_heads, index_head_dim], rotated"""
+    keys: torch.Tensor
+    """[B, T, index_head_dim], rotated: what a cache keeps per token"""
+    weights: torch.Tensor
+    """[B, T, index_n_heads] fp32, w[t, j] (with its 1 / sqrt(index_n_heads))"""
+
+
 class Indexer(nn.Module):
     """The DSA indexer of one layer under Hugging Face's names (`self_attn.indexer.wq_b`, ...); frozen."""
 
@@ -69,25 +79,44 @@ class Indexer(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Normed block input x [B, T, hidden] and query latent [B, T, q_lora_rank] -> index scores I [B, T, T] fp32
-        (every pair; `select` masks what a query may not see)."""
+    def project(self, x: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerProjections:
+        """Normed block input x [B, T, hidden] and query latent [B, T, q_lora_rank] -> the indexer's queries, keys
+        and head weights of each token."""
         B, T, _ = x.shape
         H, D, Dr = self.num_heads, self.head_dim, self.rope_dim
         q = self.wq_b(latent).view(B, T, H, D)
         q = torch.cat((rotate(q[..., :Dr], cos, sin, self.interleaved), q[..., Dr:]), dim=-1)
         k = self.k_norm(self.wk(x)).view(B, T, 1, D)
         k = torch.cat((rotate(k[..., :Dr], cos, sin, self.interleaved), k[..., Dr:]), dim=-1)[:, :, 0]
-        scores = F.relu(torch.matmul(q.float(), k.float().transpose(-1, -2)[:, None]) * D ** -0.5)  # [B, T, H, T]
-        weights = F.linear(x.float(), projection_weight(self.weights_proj).float()) * H ** -0.5  # [B, T, H]
-        return torch.matmul(weights[:, :, None], scores)[:, :, 0]
+        weights = F.linear(x.float(), projection_weight(self.weights_proj).float()) * H ** -0.5
+        return IndexerProjections(q, k, weights)
+
+    def forward(self, x: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index scores I [B, T, T] fp32 of every pair of the row's tokens (`select` masks what a query may not see)."""
+        p = self.project(x, latent, cos, sin)
+        return index_scores(p.queries, p.keys, p.weights)
+
+
+def index_scores(queries: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """I[t, s] in fp32 (the module docstring) of queries [B, T, H, D] with weights [B, T, H] against keys [B, S, D]:
+    [B, T, S]. Memory: [B, T, H, S] fp32 at once."""
+    D = queries.shape[-1]
+    scores = F.relu(torch.matmul(queries.float(), keys.float().transpose(-1, -2)[:, None]) * D ** -0.5)  # [B, T, H, S]
+    return torch.matmul(weights[:, :, None], scores)[:, :, 0]
+
+
+def top_k(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index scores [B, T, S] -> each query's k keys of highest score among those `visible` [B, T, S] lets it see:
+    their indices [B, T, k'] (k' = min(k, S)) and whether each is visible (a query that sees fewer than k' keys gets
+    others after them, not visible)."""
+    top = scores.masked_fill(~visible, float("-inf")).topk(min(k, scores.shape[-1]), dim=-1).indices
+    return top, visible.gather(-1, top)
 
 
 def select(scores: torch.Tensor, context: SparseContext) -> torch.Tensor:
-    """Index scores [B, T, T] -> the selection [B, T, T] bool: each query's `index_topk` visible keys of highest score."""
-    scores = scores.masked_fill(~context.visible, float("-inf"))
-    top = scores.topk(min(context.index_topk, scores.shape[-1]), dim=-1).indices
-    return torch.zeros_like(context.visible).scatter_(-1, top, True) & context.visible
+    """Index scores [B, T, S] -> the selection [B, T, S] bool: `top_k` of `context.visible` [B, T, S] as a mask."""
+    top, kept = top_k(scores, context.visible, context.index_topk)
+    return torch.zeros_like(context.visible).scatter_(-1, top, kept)
 
 
 def sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ DeepSeek sparse attention in GLM-5.
   forward and frozen: a speculative decoder can draft with them.
 
 The blocks are not `decoder.DecoderLayer`s (their attention has projections of its own), so `has_split_blocks` is
-false for these families: the inference engine runs them on its recompute path (no paged latent cache yet) and the
-trainer runs each block whole (no compiled halves; selective checkpointing falls back to whole blocks).
+false for these families: the trainer runs each block whole (no compiled halves; selective checkpointing falls back to
+whole blocks), and the inference engine serves them through a `mla.LatentBackend` (its paged latent cache), to which
+a block hands its projections rather than expanded keys and values.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tandem.models.dsa import Indexer, SparseContext, select, sparse_attend, spa
 from tandem.models.glm4_moe import Glm4MoeArgs, routing_fields
 from tandem.models.hf_config import UnsupportedConfig, decoder_fields, expect, transformers_config
 from tandem.models.layers import MLP, RMSNorm, projection_weight, rms_norm, rope_cos_sin
-from tandem.models.mla import LatentAttention
+from tandem.models.mla import LatentAttention, LatentBackend, LatentProjections
 from tandem.models.moe import MoE
 
 
@@ -141,21 +142,36 @@ class LatentAttentionBlock(PreNormBlock):
         """x [B, T, hidden] -> (x after the block, the DSA selection [B, T, T] the next `shared` layer reuses).
 
         `sparse`: None attends densely through `backend` (no DSA, or no query sees more than `index_topk` tokens);
-        else a full layer selects with its indexer and a shared one uses `selection`."""
+        else a full layer selects with its indexer and a shared one uses `selection`. A `LatentBackend` (the engine's
+        latent cache) is handed the layer's projections and selects itself: `sparse` is None and `selection` is its
+        own form."""
         attention = self.self_attn
         h = rms_norm(x, self.input_layernorm.weight, self.eps)
-        q, k, v, latent = attention.project(h, cos, sin)
-        if sparse is None:
-            attended = backend.attend(self.layer_idx, q, k, v)
+        projections = attention.project_latent(h, cos, sin)
+        if isinstance(backend, LatentBackend):  # it keeps the latents, selects and attends itself
+            indexer = attention.indexer
+            index = indexer.project(h, projections.query_latent, cos, sin) if indexer is not None else None
+            attended, selection = backend.attend_latent(self.layer_idx, attention, projections, index, selection)
         else:
-            if attention.indexer is not None:
-                selection = select(attention.indexer(h, latent, cos, sin), sparse)
-            elif selection is None:
-                raise ValueError(f"layer {self.layer_idx} shares the DSA selection of an earlier layer, but none came before")
-            attended = sparse_attend(q, k, v, selection)
+            attended, selection = self.attend(h, projections, cos, sin, backend, sparse, selection)
         x = after_attention(x, attended, projection_weight(attention.o_proj), attention.o_proj.bias,
                             self.post_attention_layernorm.weight, self.eps, self.mlp)
         return x, selection
+
+    def attend(self, h: torch.Tensor, projections: LatentProjections, cos: torch.Tensor, sin: torch.Tensor,
+               backend: AttentionBackend, sparse: SparseContext | None, selection: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention through a backend of expanded keys and values: [B, T, H, Dv] and the selection."""
+        attention = self.self_attn
+        q = attention.queries(projections.q_nope, projections.q_rope)
+        k, v = attention.keys_values(projections.entries)
+        if sparse is None:
+            return backend.attend(self.layer_idx, q, k, v), selection
+        if attention.indexer is not None:
+            selection = select(attention.indexer(h, projections.query_latent, cos, sin), sparse)
+        elif selection is None:
+            raise ValueError(f"layer {self.layer_idx} shares the DSA selection of an earlier layer, but none came before")
+        return sparse_attend(q, k, v, selection), selection
 
 
 def latent_block(args: LatentMoeArgs, layer_idx: int, sparse: bool, indexed: bool, cls: type = LatentAttentionBlock) -> nn.Module:
@@ -211,10 +227,13 @@ class LatentMoeForCausalLM(DecoderLM):
         backend = attention if attention is not None else PackedCausalAttention(position_ids)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, h.dtype, self.args.rope_scaling)
-        return self.model.norm(self.run_layers(h, cos, sin, backend, self.sparse_context(position_ids)))
+        return self.model.norm(self.run_layers(h, cos, sin, backend, self.sparse_context(position_ids, backend)))
 
-    def sparse_context(self, position_ids: torch.Tensor) -> SparseContext | None:
-        return sparse_context(position_ids, self.args.index_topk) if self.args.has_dsa else None
+    def sparse_context(self, position_ids: torch.Tensor, backend: AttentionBackend | None = None) -> SparseContext | None:
+        """The DSA context of a packed row; None without DSA or for a `LatentBackend`, which selects over its cache."""
+        if not self.args.has_dsa or isinstance(backend, LatentBackend):
+            return None
+        return sparse_context(position_ids, self.args.index_topk)
 
     def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                    sparse: SparseContext | None = None) -> torch.Tensor:
@@ -231,4 +250,4 @@ class LatentMoeForCausalLM(DecoderLM):
         backend = attention if attention is not None else PackedCausalAttention(position_ids)
         embeds = self.model.embed_tokens(next_ids)
         cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, hidden.dtype, self.args.rope_scaling)
-        return self.model.mtp_layers[depth].predict(hidden, embeds, cos, sin, backend, self.sparse_context(position_ids))
+        return self.model.mtp_layers[depth].predict(hidden, embeds, cos, sin, backend, self.sparse_context(position_ids, backend))

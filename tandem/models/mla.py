@@ -5,9 +5,15 @@
          c -> kv_a_layernorm -> kv_b_proj -> per head [k_nope (Dn) | v (Dv)]
     q = [q_nope | RoPE(q_rope)], k = [k_nope | RoPE(k_rope)]; softmax(q.k * scale) v per head, then o_proj
 
-A decoding cache needs only c and k_rope per token (kv_lora_rank + Dr numbers for all heads together); this module
-computes the expanded per-head q, k and v, the form training uses, so that any attention backend can take them
-(Hq = Hkv heads, q and k of Dn + Dr features, v of Dv).
+A decoding cache needs only c (after its norm) and RoPE(k_rope) per token, kv_lora_rank + Dr numbers for all heads
+together: a latent cache "entry" [c | RoPE(k_rope)]. Attention over entries has two forms, equal in exact arithmetic:
+- expanded (the form training uses, and the engine's for prefill chunks): kv_b_proj turns every entry into each
+  head's k_nope and v, then attention per head (Hq = Hkv heads, q and k of Dn + Dr features, v of Dv);
+- absorbed (the engine's for decodes): kv_b_proj = per head [W_UK (Dn x c) ; W_UV (Dv x c)], so
+  q_nope . (W_UK c) = (W_UK^T q_nope) . c and sum_s p_s W_UV c_s = W_UV sum_s p_s c_s: each query becomes
+  [W_UK^T q_nope | q_rope] over the entries themselves (one key head of kv_lora_rank + Dr features shared by every
+  query head, values their first kv_lora_rank features), and W_UV applies after attention. A token's keys and values
+  are never expanded: the step reads kv_lora_rank + Dr numbers per context token, not H x (Dn + Dr + Dv).
 
 The scale is 1 / sqrt(Dn + Dr), times YaRN's mscale(factor, mscale_all_dim)^2 where the rope parameters set
 `mscale_all_dim` (DeepSeek-V3). RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`, the
@@ -18,6 +24,8 @@ checkpoints' layout), else the two halves (Qwen3's rotate-half). The norms of th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +33,38 @@ from torch import nn
 
 from tandem.models.layers import RMSNorm, apply_rope, projection_weight, rms_norm
 
+if TYPE_CHECKING:
+    from tandem.models.dsa import IndexerProjections
+
 LATENT_NORM_EPS = 1e-6
 """Epsilon of `q_a_layernorm` and `kv_a_layernorm`."""
+
+
+@dataclass
+class LatentProjections:
+    """One layer's projections of normed hidden states [B, T, hidden], before any head is expanded."""
+
+    q_nope: torch.Tensor
+    """[B, T, H, Dn]"""
+    q_rope: torch.Tensor
+    """[B, T, H, Dr], rotated"""
+    entries: torch.Tensor
+    """[B, T, kv_lora_rank + Dr]: each token's normed latent c and its rotated shared key part, what a cache keeps"""
+    query_latent: torch.Tensor | None
+    """[B, T, q_lora_rank], normed (None without `q_lora_rank`): what the DSA indexer reads"""
+
+
+@runtime_checkable
+class LatentBackend(Protocol):
+    """An attention backend that keeps latent entries itself (the inference engine's paged latent cache): a block
+    hands it its projections instead of expanded keys and values.
+
+    `selection`: the DSA choice of the last `full` layer, in the backend's own form (None: none made, every visible
+    token attends); `index`: this layer's indexer projections (None: no indexer here). Returns the attention's
+    output [B, T, H, Dv] and the choice a following `shared` layer reuses."""
+
+    def attend_latent(self, layer_idx: int, attention: "LatentAttention", projections: LatentProjections,
+                      index: "IndexerProjections | None", selection: Any) -> tuple[torch.Tensor, Any]: ...
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -65,10 +103,8 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
         self.indexer = indexer
 
-    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Normed hidden states h [B, T, hidden] -> q, k [B, T, H, Dn + Dr] (q times `query_factor`), v [B, T, H, Dv]
-        and the normed query latent [B, T, q_lora_rank] (None without `q_lora_rank`), which the DSA indexer reads."""
+    def project_latent(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> LatentProjections:
+        """Normed hidden states h [B, T, hidden] -> the layer's `LatentProjections`."""
         B, T, _ = h.shape
         H, Dn, Dr = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
         if self.q_lora_rank is None:
@@ -78,11 +114,53 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(latent)
         q_nope, q_rope = q.view(B, T, H, Dn + Dr).split((Dn, Dr), dim=-1)
         c, k_rope = self.kv_a_proj_with_mqa(h).split((self.kv_lora_rank, Dr), dim=-1)
-        kv = F.linear(rms_norm(c, self.kv_a_layernorm.weight, LATENT_NORM_EPS), projection_weight(self.kv_b_proj))
-        k_nope, v = kv.view(B, T, H, Dn + self.v_head_dim).split((Dn, self.v_head_dim), dim=-1)
-        k_rope = rotate(k_rope.view(B, T, 1, Dr), cos, sin, self.rope_interleave)
-        q = torch.cat((q_nope, rotate(q_rope, cos, sin, self.rope_interleave)), dim=-1)
-        if self.query_factor != 1.0:
-            q = q * self.query_factor
-        k = torch.cat((k_nope, k_rope.expand(B, T, H, Dr)), dim=-1)
-        return q, k, v, latent
+        c = rms_norm(c, self.kv_a_layernorm.weight, LATENT_NORM_EPS)
+        k_rope = rotate(k_rope.view(B, T, 1, Dr), cos, sin, self.rope_interleave)[:, :, 0]
+        return LatentProjections(q_nope, rotate(q_rope, cos, sin, self.rope_interleave), torch.cat((c, k_rope), dim=-1),
+                                 latent)
+
+    def queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """The expanded queries [..., H, Dn + Dr], times `query_factor`."""
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        return q * self.query_factor if self.query_factor != 1.0 else q
+
+    def keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent entries [B, S, kv_lora_rank + Dr] -> the expanded keys [B, S, H, Dn + Dr] and values [B, S, H, Dv]."""
+        B, S, _ = entries.shape
+        H, Dn, Dr = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        c, k_rope = entries.split((self.kv_lora_rank, Dr), dim=-1)
+        k_nope, v = F.linear(c, projection_weight(self.kv_b_proj)).view(B, S, H, Dn + self.v_head_dim).split(
+            (Dn, self.v_head_dim), dim=-1)
+        return torch.cat((k_nope, k_rope[:, :, None].expand(B, S, H, Dr)), dim=-1), v
+
+    def attend_expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor,
+                        max_pairs: int | None = None) -> torch.Tensor:
+        """Queries q_nope [G, L, H, Dn], q_rope [G, L, H, Dr] over latent entries [G, S, kv_lora_rank + Dr] where
+        `visible` [G, L, S] (each query sees one at least) -> [G, L, H, Dv], every entry expanded per head once.
+        `max_pairs`: attend in slices of the queries, each of at most that many (query, entry) pairs (one query at
+        least), so that the logits of a slice (H x pairs) bound the memory; None: all at once."""
+        k, v = (t.transpose(1, 2) for t in self.keys_values(entries))
+        q = self.queries(q_nope, q_rope)
+        out = [F.scaled_dot_product_attention(q[:, part].transpose(1, 2), k, v, attn_mask=visible[:, None, part])
+               for part in query_slices(q.shape[0] * q.shape[1] * entries.shape[1], q.shape[1], max_pairs)]
+        return torch.cat(out, dim=2).transpose(1, 2)
+
+    def attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor,
+                        max_pairs: int | None = None) -> torch.Tensor:
+        """What `attend_expanded` computes, in the absorbed form (the module docstring): [G, L, H, Dv]."""
+        H, Dn = self.num_heads, self.qk_nope_head_dim
+        w_uk, w_uv = projection_weight(self.kv_b_proj).view(H, Dn + self.v_head_dim, self.kv_lora_rank).split(
+            (Dn, self.v_head_dim), dim=1)
+        q = self.queries(torch.einsum("glhd,hdc->glhc", q_nope, w_uk), q_rope)  # [G, L, H, kv_lora_rank + Dr]
+        k, v = entries[:, None], entries[:, None, :, :self.kv_lora_rank]  # one head, which every query head reads
+        out = [F.scaled_dot_product_attention(q[:, part].transpose(1, 2), k, v, attn_mask=visible[:, None, part],
+                                              scale=(Dn + self.qk_rope_head_dim) ** -0.5, enable_gqa=True)
+               for part in query_slices(q.shape[0] * q.shape[1] * entries.shape[1], q.shape[1], max_pairs)]
+        return torch.einsum("ghlc,hvc->glhv", torch.cat(out, dim=2), w_uv)  # [G, H, L, kv_lora_rank] -> [G, L, H, Dv]
+
+
+def query_slices(num_pairs: int, num_queries: int, max_pairs: int | None) -> list[slice]:
+    """Consecutive slices of `num_queries` queries (sharing `num_pairs` query-key pairs evenly), each of at most
+    `max_pairs` pairs or of one query; one slice of all where `max_pairs` is None."""
+    size = num_queries if max_pairs is None else max(1, max_pairs * num_queries // num_pairs)
+    return [slice(start, start + size) for start in range(0, num_queries, size)]

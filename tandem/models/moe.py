@@ -83,8 +83,10 @@ def route(x: torch.Tensor, weight: torch.Tensor, score_bias: torch.Tensor | None
 @contextlib.contextmanager
 def replayed_routing(model: nn.Module, expert_ids: torch.Tensor):
     """Within this block, the model's MoE layers use `expert_ids` [N, num_moe_layers, k] (N = the
-    forward's tokens, flattened; rows of -1 route as usual) instead of choosing their experts."""
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    forward's tokens, flattened; rows of -1 route as usual) instead of choosing their experts. The MoE layers are
+    those of the model's `layers` where it has them: not a multi-token prediction layer, which the forward never runs
+    and the engine reports no routing for."""
+    routers = [m for m in getattr(model, "layers", model).modules() if isinstance(m, TopKRouter)]
     if expert_ids.shape[1] != len(routers):
         raise ValueError(f"replayed routing has {expert_ids.shape[1]} MoE layers, the model {len(routers)}")
     for i, router in enumerate(routers):

@@ -93,6 +93,11 @@ PRESETS: dict[str, dict] = {
 }
 
 
+PRESETS["tiny-deepseek-v3"] = dict({k: v for k, v in PRESETS["tiny-glm5"].items() if not k.startswith("index")},
+                                   model_type="deepseek_v3", n_group=4, topk_group=2)
+"""DeepSeek-V3's block at tiny-glm5's size: MLA without DSA, 8 experts in 4 groups (2 chosen)."""
+
+
 def preset_config(preset: str, num_layers: int | None = None, max_position_embeddings: int | None = None) -> dict:
     """The complete config.json of `preset` (as transformers writes it), cut to `num_layers` blocks and,
     with `max_position_embeddings` past the preset's, extended to it by YaRN (see `with_context`)."""

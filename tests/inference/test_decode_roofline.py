@@ -39,3 +39,13 @@ def test_bytes_read_per_step_count_tied_weights_once_and_every_layers_keys_and_v
     fp8 = KVCache(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16,
                   device=torch.device("cpu"), fp8=True)
     assert fp8.bytes_per_token == 2 * 2 * 2 * (32 + 4)  # one byte an element, and each head's fp32 scale
+
+
+def test_bytes_read_per_step_leave_out_the_prediction_layer(tmp_path):
+    """GLM-5's multi-token prediction layer is loaded but no decode runs it; nor does a decode read the untied
+    embedding matrix, only its tokens' rows."""
+    from tandem.models.presets import init_model
+
+    model = load_causal_lm(str(init_model("tiny-glm5", tmp_path / "m")))
+    unread = [*model.model.mtp_layers.parameters(), model.model.embed_tokens.weight]
+    assert weight_bytes(model) == 4 * (sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in unread))

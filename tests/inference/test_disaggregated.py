@@ -204,3 +204,15 @@ def test_a_decode_server_needs_prefill_servers_and_roles_need_tandems_engine(tin
     with pytest.raises(ValueError, match=r"`disaggregation.role` = 'prefill' with `engine.speculative`"):
         InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, "disaggregation": {"role": "prefill"},
                                         "engine": {"speculative": {"method": "ngram"}}})
+
+
+def test_a_model_whose_cache_is_not_handed_over_is_refused_in_a_pool(tmp_path):
+    """MLA's latent cache has no hand-off yet: a prefill or decode server of such a model stops at start-up, naming
+    why, instead of failing each prompt it would hand over."""
+    from tandem.models.presets import init_model
+
+    folder = init_model("tiny-glm5", tmp_path / "glm5", seed=0)
+    config = make_config(folder, num_blocks=16, max_model_len=64)
+    config = config.model_copy(update={"disaggregation": DisaggregationConfig(role="prefill")})
+    with pytest.raises(ValueError, match="keeps no cache that prefill and decode servers hand over yet"):
+        BackgroundServer(config)

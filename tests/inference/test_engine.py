@@ -22,15 +22,18 @@ def engine_for(model_dir, overlap: bool = False, **settings):
 
 
 def run(engine, results: dict | None = None, max_steps: int | None = None) -> dict[tuple[str, int], dict]:
-    """Step until idle (or `max_steps`); per (request, index): token ids, logprobs, text, finish reason."""
+    """Step until idle (or `max_steps`); per (request, index): token ids, logprobs, text, finish reason, and the
+    experts of each token where the request asked for them."""
     results = {} if results is None else results
     steps = 0
     while engine.has_unfinished and (max_steps is None or steps < max_steps):
         steps += 1
         for out in engine.step():
-            r = results.setdefault((out.request_id, out.index), {"ids": [], "logprobs": [], "text": "", "finish": None})
+            r = results.setdefault((out.request_id, out.index),
+                                   {"ids": [], "logprobs": [], "text": "", "finish": None, "routed_experts": []})
             r["ids"] += out.token_ids
             r["logprobs"] += out.logprobs
+            r["routed_experts"] += out.routed_experts
             r["text"] += out.text
             r["finish"] = out.finish_reason
     return results

@@ -137,10 +137,10 @@ def test_a_gpu_without_fp8_is_refused_for_the_fp8_cache(monkeypatch):
         check_fp8_device(torch.device("cuda"), "engine.kv_cache_dtype", "auto")
 
 
-def test_a_model_without_a_paged_cache_refuses_the_fp8_cache(tmp_path):
-    """Latent attention runs on the recompute path, which keeps no cache: the switch would do nothing."""
+def test_a_latent_cache_refuses_the_fp8_cache(tmp_path):
+    """Latent attention keeps its own cache (`LatentCache`), not held in FP8: the switch is refused, not ignored."""
     folder = init_model("tiny-glm5", tmp_path / "glm5", seed=0, weights=False)
-    with pytest.raises(ValueError, match=r"`engine.kv_cache_dtype` = 'fp8': 'glm_moe_dsa' runs on the recompute path"):
+    with pytest.raises(ValueError, match=r"`engine.kv_cache_dtype` = 'fp8': 'glm_moe_dsa' keeps a latent cache"):
         engine_for(folder, load_format="dummy")
 
 

@@ -241,7 +241,7 @@ def test_a_sampled_draft_keeps_the_policys_distribution(sharp_dir, blurred_dir, 
 
 
 def test_the_recompute_path_speculates_too(tmp_path):
-    """Models without a paged cache (transformers models, latent attention) verify drafts in their full forward."""
+    """Models without a paged cache (transformers models) verify drafts in their full forward."""
     folder = tiny_llama(tmp_path / "llama", seed=0)
     model = load_causal_lm(str(folder))
     results = {}

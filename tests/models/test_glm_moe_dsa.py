@@ -1,9 +1,10 @@
 """GLM-5 (`glm_moe_dsa`) and DeepSeek-V3 (`deepseek_v3`): equal to transformers' classes and to an fp64 reference of
 MLA and DSA written from the papers; the multi-token prediction layer kept; bad configs refused; the indexer frozen in
-training; the engine's recompute path."""
+training; the engine's two forms of attention over latent entries (its paged cache: tests/inference/test_latent_cache.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -19,9 +20,7 @@ from tandem.models.presets import PRESETS, init_model, preset_config, shape_conf
 from tandem.models.weights import load_state_dict
 
 TINY_GLM5 = PRESETS["tiny-glm5"]
-TINY_DEEPSEEK_V3 = dict({k: v for k, v in TINY_GLM5.items() if not k.startswith("index")}, model_type="deepseek_v3",
-                        n_group=4, topk_group=2)
-"""DeepSeek-V3's block at the same size: MLA without DSA, expert groups."""
+TINY_DEEPSEEK_V3 = PRESETS["tiny-deepseek-v3"]
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024, mscale=1.0, mscale_all_dim=1.0,
             beta_fast=32, beta_slow=1)
 """DeepSeek-V3's RoPE scaling: mscale_all_dim scales the attention logits too."""
@@ -161,6 +160,39 @@ def test_mla_and_dsa_equal_the_papers_formulas_as_do_transformers(tmp_path):
     assert not expected_selection.tril().all()  # queries past the first 4 tokens left some out
 
 
+@pytest.mark.parametrize("shape", [TINY_GLM5, dict(TINY_DEEPSEEK_V3, rope_parameters=YARN, q_lora_rank=None)],
+                         ids=["glm5", "deepseek-v3-yarn-full-query"])
+def test_absorbed_and_expanded_forms_equal_the_models_attention(shape, tmp_path):
+    """The engine's two forms over latent entries (`LatentAttention.attend_expanded`, `attend_absorbed`) against the
+    model's attention of expanded q, k and v on the same inputs, in fp64: causal, and under a DSA-like selection;
+    the queries of every position (a prefill chunk) and of the last three only over the whole context (decodes); all
+    at once and in slices of the queries."""
+    from tandem.models.attention import PackedCausalAttention
+    from tandem.models.dsa import sparse_attend
+
+    model = load_causal_lm(str(write_with_random_biases(shape, tmp_path / "m")), "cpu", "float32").double()
+    attention, a, T = model.layers[1].self_attn, model.args, 20
+    generator = torch.Generator().manual_seed(5)
+    h = torch.randn(1, T, a.hidden_size, dtype=torch.float64, generator=generator)
+    positions = torch.arange(T)[None]
+    cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta, torch.float64, a.rope_scaling)
+    p = attention.project_latent(h, cos, sin)
+    q, (k, v) = attention.queries(p.q_nope, p.q_rope), attention.keys_values(p.entries)  # what the model attends with
+    causal = torch.ones(1, T, T, dtype=torch.bool).tril()
+    chosen = causal & (torch.rand(1, T, T, generator=generator) < 0.5) | torch.eye(T, dtype=torch.bool)[None]
+    dense = PackedCausalAttention(positions).attend(0, q, k, v)
+    for visible in (causal, chosen):
+        expected = sparse_attend(q, k, v, visible)  # the model's DSA path; under the causal mask its dense one
+        if visible is causal:
+            torch.testing.assert_close(expected, dense, atol=1e-12, rtol=0)
+        for form, max_pairs in itertools.product((attention.attend_expanded, attention.attend_absorbed), (None, 30, 100)):
+            got = form(p.q_nope, p.q_rope, p.entries, visible, max_pairs)  # 30: one query a slice, 100: five
+            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+            last = form(p.q_nope[:, -3:], p.q_rope[:, -3:], p.entries, visible[:, -3:], max_pairs)
+            torch.testing.assert_close(last, expected[:, -3:], atol=1e-12, rtol=0)
+    assert (sparse_attend(q, k, v, chosen) - dense).abs().max() > 1e-3  # the selection mattered
+
+
 def test_glm5_preset_is_the_released_shape():
     """Parameter count of the GLM-5 checkpoints' tensors (78 blocks and the multi-token prediction layer)."""
     model = build_native(preset_config("glm-5"), "meta")
@@ -262,27 +294,3 @@ def test_one_rl_step_trains_all_but_the_indexer_and_the_prediction_layer(tmp_pat
     unchanged = {name for name in before if torch.equal(before[name], after[name])}
     frozen = {name for name in before if ".indexer." in name or "mtp_layers" in name or "e_score_correction_bias" in name}
     assert unchanged == frozen
-
-
-def test_the_engine_serves_it_on_the_recompute_path(tmp_path):
-    from tandem.config.base import ModelConfig
-    from tandem.config.inference import EngineConfig
-    from tandem.inference.engine.model_runner import RecomputeModelRunner
-    from tandem.inference.engine.sampling_params import SamplingParams
-    from tandem.inference.engine.setup import build_engine
-
-    folder = write_model(shape_config(dict(TINY_GLM5, index_topk=8)), tmp_path / "m")
-    engine = build_engine(ModelConfig(name=str(folder)), EngineConfig(device="cpu", max_model_len=64), seed=0)
-    assert isinstance(engine.runner, RecomputeModelRunner)
-    prompt = list(range(10, 16))
-    engine.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True))
-    ids, logprobs = [], []
-    while engine.has_unfinished:
-        for out in engine.step():
-            ids += out.token_ids
-            logprobs += out.logprobs
-    model = load_causal_lm(str(folder))
-    sequence = torch.tensor([prompt + ids])
-    with torch.no_grad():
-        expected = model.lm_head(model(sequence, torch.arange(sequence.shape[1])[None]))[0, len(prompt) - 1:-1].log_softmax(-1)
-    torch.testing.assert_close(torch.tensor(logprobs), expected.gather(-1, torch.tensor(ids)[:, None])[:, 0], atol=1e-5, rtol=0)

@@ -47,8 +47,9 @@ class RoutingRecorder:
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
-    """The model's MoE feed-forwards, in layer order."""
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    """The MoE feed-forwards of the model's blocks, in layer order; not those of layers its forward never runs
+    (GLM-5's multi-token prediction layer), which would hold rows of routing no token took."""
+    return [m for m in model.layers.modules() if isinstance(m, MoE)]
 
 
 def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, kernels: bool = True,

@@ -1,4 +1,6 @@
-"""The paged KV cache: per layer, keys and values [num_blocks, block_size, kv_heads, head_dim].
+"""The paged KV caches: per layer, keys and values [num_blocks, block_size, kv_heads, head_dim] (`KVCache`), or for
+multi-head latent attention one latent entry per token [num_blocks, block_size, kv_lora_rank + rope dims] and the DSA
+indexer's key beside it (`LatentCache`).
 
 Token `offset` of block `b` lives at slot `b * block_size + offset` of the flat view that writes
 use; reads gather whole blocks (one contiguous copy each, far cheaper than per-token gathers).
@@ -147,3 +149,41 @@ def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 values [..., D] times their scales [...], rounded once to `dtype`."""
     return (x_fp8.float() * scales[..., None]).to(dtype)
+
+
+class LatentCache:
+    """Multi-head latent attention's cache (`tandem.models.mla`): per layer one entry [c | RoPE(k_rope)] of
+    `entry_dim` (kv_lora_rank + Dr) numbers per token for every head together, where `KVCache` would hold
+    2 x heads x head_dim; and per layer with a DSA indexer (`indexed_layers`), the indexer's key of `index_dim`
+    numbers per token, in the same blocks (a block holds the same tokens in every tensor). Same slots, zero fill
+    and pad block as `KVCache`."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, entry_dim: int, indexed_layers: list[int],
+                 index_dim: int, dtype: torch.dtype, device: torch.device):
+        self.entries = torch.zeros(num_layers, num_blocks + 1, block_size, entry_dim, dtype=dtype, device=device)
+        self.index_keys = torch.zeros(len(indexed_layers), num_blocks + 1, block_size, index_dim, dtype=dtype, device=device)
+        self._index_row = {layer: row for row, layer in enumerate(indexed_layers)}
+        self.dtype = dtype
+        self.block_size = block_size
+        self.pad_slot = num_blocks * block_size
+
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """Entries [num_blocks, block_size, entry_dim] of one layer (a view, written in place)."""
+        return self.entries[layer_idx]
+
+    def layer_index_keys(self, layer_idx: int) -> torch.Tensor:
+        """The indexer's keys [num_blocks, block_size, index_dim] of a layer that has an indexer (a view)."""
+        return self.index_keys[self._index_row[layer_idx]]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Entries and indexer keys of one token over all layers: what a decode reads per token of its context
+        without DSA. Under DSA past `index_topk` tokens a decode reads every token's indexer keys but only its
+        chosen tokens' entries, so this overstates its reads there."""
+        return (self.entries.nbytes + self.index_keys.nbytes) // (self.entries.shape[1] * self.block_size)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, entry_dim: int, indexed_layers: list[int], index_dim: int,
+                        dtype: torch.dtype) -> int:
+        per_token = num_layers * entry_dim + len(indexed_layers) * index_dim
+        return block_size * per_token * torch.empty((), dtype=dtype).element_size()

@@ -6,7 +6,8 @@ one row per sequence that samples this step, in batch order, followed by one per
 has not read yet are):
 - `PagedModelRunner`: tandem's native models; every token is computed once and its keys and
   values kept in the paged cache (`step_inputs.py` builds the step's tensors, `cuda_graphs.py`
-  replays decode steps); for a mixture of experts, `routed_experts` holds after each run the
+  replays decode steps), or for latent attention its latent entries (`LatentCache`,
+  `paged_latent_attention.py`); for a mixture of experts, `routed_experts` holds after each run the
   expert ids that computed each sampled row (`fused_moe.RoutingRecorder`);
 - `RecomputeModelRunner`: any transformers model (the slow path); no cache, each sampling
   sequence runs again from its first token.
@@ -20,8 +21,9 @@ from torch import nn
 from tandem.kernels.attention import decode_context_bounds
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
-from tandem.inference.engine.kv_cache import KVCache
+from tandem.inference.engine.kv_cache import KVCache, LatentCache
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
+from tandem.inference.engine.paged_latent_attention import PagedLatentAttention
 from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.inference.engine.step_inputs import StepInputBuilder, decode_tiles
 from tandem.models.exact import exact_logits
@@ -30,7 +32,7 @@ from tandem.models.exact import exact_logits
 class PagedModelRunner:
     """Every token is computed once; decode-only steps replay CUDA graphs where enabled (CUDA)."""
 
-    def __init__(self, model: nn.Module, cache: KVCache, device: torch.device, max_num_seqs: int, max_model_len: int,
+    def __init__(self, model: nn.Module, cache: KVCache | LatentCache, device: torch.device, max_num_seqs: int, max_model_len: int,
                  cuda_graphs: bool, recorder: RoutingRecorder | None = None, exact: bool = False):
         """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (graphs only where
         its whole forward takes the kernel path: `tandem.models.exact.model_uses_kernels`)."""
@@ -58,7 +60,7 @@ class PagedModelRunner:
         meta = AttentionMetadata(slot_mapping=static[2, :b], query_start=self._query_start[:b + 1], seq_lens=static[3, :b],
                                  block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1,
                                  max_context=max_context)
-        hidden = self.model(static[0, :b][None], static[1, :b][None], attention=PagedAttention(self.cache, meta, self.exact))
+        hidden = self.model(static[0, :b][None], static[1, :b][None], attention=self._attention(meta))
         return self._logits(hidden[0])
 
     @torch.no_grad()
@@ -77,9 +79,14 @@ class PagedModelRunner:
                                  block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
                                  query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host,
                                  max_context=max(step.seq_lens_host, default=0))
-        hidden = self.model(step.input_ids[None], step.positions[None], attention=PagedAttention(self.cache, meta, self.exact))
+        hidden = self.model(step.input_ids[None], step.positions[None], attention=self._attention(meta))
         self._record_routing(step.sample_index)
         return self._logits(hidden[0, step.sample_index])
+
+    def _attention(self, meta: AttentionMetadata) -> PagedAttention | PagedLatentAttention:
+        if isinstance(self.cache, LatentCache):
+            return PagedLatentAttention(self.cache, meta, self.model.args.index_topk)
+        return PagedAttention(self.cache, meta, self.exact)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.exact:

@@ -1,10 +1,10 @@
 """Build an `LLMEngine` from the config: device, model, tokenizer, KV-cache size, runner.
 
-Native models of decoder blocks (`tandem.models.loading.has_split_blocks`: Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) get
-the paged KV cache; the native latent-attention families (GLM-5, DeepSeek-V3: no latent cache yet) and any other
-architecture (loaded through transformers) run on the recompute path. On CUDA the cache takes what `memory_fraction`
-leaves after the weights and the activations of a full-budget warmup step. A draft model (speculative decoding) gets a
-paged cache of its own with as many blocks as the policy's, sized with it.
+Native models get a paged cache: decoder blocks (Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2) the `KVCache` of keys and
+values, the latent-attention families (GLM-5, DeepSeek-V3) the `LatentCache` of latent entries and DSA indexer keys;
+any other architecture (loaded through transformers) runs on the recompute path. On CUDA the cache takes what
+`memory_fraction` leaves after the weights and the activations of a full-budget warmup step. A draft model
+(speculative decoding) gets a paged cache of its own with as many blocks as the policy's, sized with it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_devic
 from tandem.inference.engine.fused_blocks import apply_fused_blocks
 from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe, moe_blocks
 from tandem.inference.engine.fused_norms import apply_compiled_norms
-from tandem.inference.engine.kv_cache import KVCache
+from tandem.inference.engine.kv_cache import KVCache, LatentCache
 from tandem.inference.engine.llm_engine import LLMEngine
 from tandem.inference.engine.lora_merge import AdapterMerger
 from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
@@ -32,7 +32,8 @@ from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
 from tandem.inference.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from tandem.models.hub import resolve_model_path
-from tandem.models.loading import has_split_blocks, is_native, load_causal_lm
+from tandem.models.glm_moe_dsa import LatentMoeArgs
+from tandem.models.loading import is_native, load_causal_lm
 from tandem.models.lora import LoraSpec
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     if spec.method == "draft_model":
         draft = load_draft_model(spec, model_config, device, folder, tokenizer, model.hf_config.get("vocab_size"),
                                  max_model_len)
-    if has_split_blocks(model.hf_config):
+    if is_native(model.hf_config):
         per_block = cache_bytes_per_block(model, engine.block_size, fp8_cache)
         if draft is not None:
             per_block += cache_bytes_per_block(draft, engine.block_size, fp8_cache)
@@ -137,7 +138,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         if engine.fused_blocks and device.type == "cuda" and not (exact or fp8):  # exact, fp8: their own blocks
             apply_fused_blocks(model)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
-        graphs = engine.cuda_graphs and (not exact or model_uses_kernels(model, device))
+        # The latent cache's torch attention gathers whole contexts: a graph would keep its largest bound's for good.
+        graphs = engine.cuda_graphs and not isinstance(cache, LatentCache) and (not exact or model_uses_kernels(model, device))
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
@@ -152,10 +154,9 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
         runner = RecomputeModelRunner(model, device)
         overlap = False
-        native = is_native(model.hf_config)
-        weight_target = model if native else model.hf_model
-        log.info("%s: %s, recomputed every step (slow path)", model.hf_config.get("model_type"),
-                 "latent attention has no paged cache yet" if native else "not native to tandem: transformers model")
+        weight_target = model.hf_model
+        log.info("%s: not native to tandem, a transformers model recomputed every step (slow path)",
+                 model.hf_config.get("model_type"))
     if spec.enabled and overlap:
         raise ValueError("`engine.speculative` with `engine.overlap_steps` = true on CUDA: the next step cannot be "
                          "planned before the drafts each sequence kept are read; set `engine.overlap_steps` = false")
@@ -188,32 +189,46 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     )
 
 
+def cache_layout(model: torch.nn.Module, fp8: bool = False) -> tuple[type[KVCache] | type[LatentCache], dict[str, Any]]:
+    """The cache class a native model needs and the sizes it is built with (besides blocks, dtype and device);
+    `fp8`: keys and values in FP8 with a scale per token and head (`engine.kv_cache_dtype`), which the latent cache
+    does not hold (an error naming the key)."""
+    args = model.args
+    if isinstance(args, LatentMoeArgs):
+        if fp8:
+            raise ValueError(f"`engine.kv_cache_dtype` = 'fp8': {model.hf_config.get('model_type')!r} keeps a latent "
+                             "cache, which is not held in FP8 yet; set `engine.kv_cache_dtype` = 'auto'")
+        indexed = [i for i, kind in enumerate(args.indexer_types) if kind == "full"]
+        return LatentCache, dict(num_layers=args.num_hidden_layers, entry_dim=args.kv_lora_rank + args.qk_rope_head_dim,
+                                 indexed_layers=indexed, index_dim=args.index_head_dim)
+    return KVCache, dict(num_layers=args.num_hidden_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
+                         **({"fp8": True} if fp8 else {}))
+
+
 def cache_bytes_per_block(model: torch.nn.Module, block_size: int, fp8: bool = False) -> int:
-    args = model.args
-    return KVCache.bytes_per_block(args.num_hidden_layers, block_size, args.num_key_value_heads, args.head_dim,
-                                   model.lm_head.weight.dtype, fp8)
+    cls, sizes = cache_layout(model, fp8)
+    return cls.bytes_per_block(block_size=block_size, dtype=model.lm_head.weight.dtype, **sizes)
 
 
-def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device, fp8: bool = False) -> KVCache:
-    """`fp8`: keys and values in FP8 with a scale per token and head (`engine.kv_cache_dtype`)."""
-    args = model.args
-    return KVCache(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads, args.head_dim,
-                   model.lm_head.weight.dtype, device, fp8)
+def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
+              fp8: bool = False) -> KVCache | LatentCache:
+    cls, sizes = cache_layout(model, fp8)
+    return cls(num_blocks=num_blocks, block_size=block_size, dtype=model.lm_head.weight.dtype, device=device, **sizes)
 
 
 def load_draft_model(spec: SpeculativeConfig, model_config: ModelConfig, device: torch.device, policy_folder: Path,
                      tokenizer: Any, policy_vocab_size: int, max_model_len: int) -> torch.nn.Module:
     """`engine.speculative.draft_model` on the policy's device and dtype, refused unless it can draft for the policy:
-    a native model of decoder blocks (it needs a paged cache), the policy's vocabulary, room for `max_model_len`."""
+    a native model (it needs a paged cache), the policy's vocabulary, room for `max_model_len`."""
     from transformers import AutoTokenizer
 
     folder = resolve_model_path(spec.draft_model)
     draft = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
     key = "`engine.speculative.draft_model`"
-    if not has_split_blocks(draft.hf_config):
+    if not is_native(draft.hf_config):
         raise ValueError(f"{key} = {str(folder)!r} is a {draft.hf_config.get('model_type')!r} model: a draft needs a "
-                         "paged KV cache, which only tandem's native models of decoder blocks have (Qwen3, Qwen3-MoE, "
-                         "GLM-4.5, MiniMax-M2)")
+                         "paged cache, which only tandem's native models have (Qwen3, Qwen3-MoE, GLM-4.5, MiniMax-M2, "
+                         "GLM-5, DeepSeek-V3)")
     draft_tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=model_config.trust_remote_code)
     draft_vocab, policy_vocab = draft.hf_config.get("vocab_size"), policy_vocab_size
     if draft_vocab != policy_vocab or draft_tokenizer.get_vocab() != tokenizer.get_vocab():

@@ -1,0 +1,171 @@
+"""The engine's `LatentBackend` (`tandem.models.mla`): write each step's latent entries (and DSA indexer keys) into
+the paged `LatentCache`, then attend over each sequence's cached context.
+
+Legend: N = tokens of the step, G = sequences attended together, L = most queries of one of them, W = most blocks
+of one of them, S = block size, E = latent entry features (kv_lora_rank + Dr).
+
+The step's queries form groups, planned once per step and the same for every layer:
+- a sequence that computes a chunk (more than `SHORT_QUERY_TOKENS` new tokens, or nothing cached before them) is a
+  group of its own and attends in the expanded form: its many queries share each context token, so expanding the
+  token once (kv_b_proj) is cheaper than the absorbed form's wider products for every query and key;
+- the others (decodes; a token and its drafts) form one group padded to the longest query and context, in the
+  absorbed form: each context token's entry is read once for all heads and never expanded.
+A decode-only step plans from device tensors alone (the contexts' bound is the step's `max_context`).
+
+DSA (`tandem.models.dsa`): a layer with an indexer scores each query's visible context against the cached indexer
+keys (`dsa.index_scores`) and keeps its `index_topk` best (`dsa.top_k`); a group whose contexts all fit in
+`index_topk` keeps every visible token and skips the scores. A chunk attends under the choice as a mask over its
+context; a short query gathers its chosen entries alone from the cache ([G, L, index_topk, E]) and attends to those,
+so that past `index_topk` tokens its attention reads no more entries however long the context. The choice of each
+group is what the block passes on, and a `shared` layer attends under the last one.
+
+Torch only, on CPU and CUDA: each group gathers its sequences' whole blocks (W x S entries per sequence, padded to
+the group's longest context; a chunk expands them all once), and scores its queries in slices of at most
+`QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long contexts. No
+CUDA graph is captured for this cache: a graph would hold the gathered context of its largest bound for good.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.inference.engine.kv_cache import LatentCache
+from tandem.inference.engine.paged_attention import SHORT_QUERY_TOKENS, AttentionMetadata
+from tandem.models.dsa import IndexerProjections, index_scores, top_k
+from tandem.models.mla import LatentAttention, LatentProjections, query_slices
+
+QUERY_KEY_PAIRS = 2**22
+"""Most (query, context token) pairs one op of a group scores: the logits of 64 heads in fp32 take 1 GiB."""
+
+
+@dataclass
+class Chosen:
+    """A short-query group's DSA choice."""
+
+    positions: torch.Tensor
+    """[G, L, index_topk] context positions of each query's chosen tokens."""
+    kept: torch.Tensor
+    """[G, L, index_topk] bool: the position is visible (a query seeing fewer tokens has fewer)."""
+
+
+@dataclass
+class QueryGroup:
+    """Sequences attended together by one batched op."""
+
+    rows: torch.Tensor
+    """[G, L] the step's token of each query; a padding query repeats its sequence's last one (and its output)."""
+    blocks: torch.Tensor
+    """[G, W] cache blocks of each sequence's context."""
+    visible: torch.Tensor
+    """[G, L, W x S] bool: context token s is at or before the query's position."""
+    longest: int
+    """A bound on every context of the group (W x S at most)."""
+    expanded: bool
+    """Attend in the expanded form (a chunk), else the absorbed one."""
+
+
+def query_group(rows: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor, block_size: int, longest: int,
+                expanded: bool) -> QueryGroup:
+    """A group of queries at `positions` [G, L]; a negative position (a CUDA-graph padding row, context 0) sees
+    its first slot, so that its softmax stays finite."""
+    keys = torch.arange(blocks.shape[1] * block_size, device=positions.device)
+    visible = keys[None, None] <= positions.clamp(min=0)[..., None]
+    return QueryGroup(rows, blocks, visible, longest, expanded)
+
+
+class PagedLatentAttention:
+    def __init__(self, cache: LatentCache, metadata: AttentionMetadata, index_topk: int):
+        """`index_topk`: DSA's tokens per query (unused without indexers)."""
+        self.cache = cache
+        self.meta = metadata
+        self.index_topk = index_topk
+        self._groups: list[QueryGroup] | None = None
+
+    def groups(self) -> list[QueryGroup]:
+        """The step's query groups (the module docstring), planned when the first layer asks."""
+        if self._groups is None:
+            self._groups = self._plan()
+        return self._groups
+
+    def _plan(self) -> list[QueryGroup]:
+        m, S = self.meta, self.cache.block_size
+        device = m.seq_lens.device
+        if m.block_q == 1:  # decode-only: one query per sequence, at its context's last position
+            b = m.seq_lens.shape[0]
+            bound = m.max_context if m.max_context is not None else m.block_tables.shape[1] * S
+            rows = torch.arange(b, device=device)[:, None]
+            return [query_group(rows, (m.seq_lens - 1)[:, None], m.block_tables[:b, :-(-bound // S)], S, bound, False)]
+        assert m.query_lens_host is not None and m.seq_lens_host is not None, "a step that prefills has host lengths"
+        groups: list[QueryGroup] = []
+        short: list[int] = []
+        start = 0
+        for i, (q_len, ctx) in enumerate(zip(m.query_lens_host, m.seq_lens_host)):
+            if q_len < ctx and q_len <= SHORT_QUERY_TOKENS:
+                short.append(i)
+            else:
+                rows = torch.arange(start, start + q_len, device=device)[None]
+                positions = torch.arange(ctx - q_len, ctx, device=device)[None]
+                groups.append(query_group(rows, positions, m.block_tables[i:i + 1, :-(-ctx // S)], S, ctx, True))
+            start += q_len
+        if short:
+            q_lens_host = [m.query_lens_host[i] for i in short]
+            lens = [m.seq_lens_host[i] for i in short]
+            q_lens = torch.tensor(q_lens_host, device=device)
+            seqs = torch.tensor(short, device=device)
+            offsets = torch.minimum(torch.arange(max(q_lens_host), device=device)[None], q_lens[:, None] - 1)  # [G, L]
+            rows = m.query_start[seqs][:, None] + offsets
+            positions = (torch.tensor(lens, device=device) - q_lens)[:, None] + offsets
+            groups.append(query_group(rows, positions, m.block_tables[seqs, :-(-max(lens) // S)], S, max(lens), False))
+        return groups
+
+    def attend_latent(self, layer_idx: int, attention: LatentAttention, projections: LatentProjections,
+                      index: IndexerProjections | None, selection: list[torch.Tensor | Chosen | None] | None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor | Chosen | None] | None]:
+        slots = self.meta.slot_mapping
+        entries = self.cache.layer(layer_idx)  # [blocks, S, E]
+        entries.view(-1, entries.shape[-1]).index_copy_(0, slots, projections.entries[0])
+        groups = self.groups()
+        if index is not None:
+            keys = self.cache.layer_index_keys(layer_idx)
+            keys.view(-1, keys.shape[-1]).index_copy_(0, slots, index.keys[0])
+            selection = [self._select(group, keys, index) for group in groups]
+        q_nope, q_rope = projections.q_nope[0], projections.q_rope[0]  # [N, H, Dn], [N, H, Dr]
+        out = q_nope.new_empty(*q_nope.shape[:2], attention.v_head_dim)
+        for group, chosen in zip(groups, selection or [None] * len(groups)):
+            if isinstance(chosen, Chosen):
+                out[group.rows] = self._attend_chosen(attention, q_nope[group.rows], q_rope[group.rows], entries, group,
+                                                      chosen)
+                continue
+            context = entries[group.blocks].flatten(1, 2)  # [G, W x S, E]
+            visible = group.visible if chosen is None else chosen
+            attend = attention.attend_expanded if group.expanded else attention.attend_absorbed
+            out[group.rows] = attend(q_nope[group.rows], q_rope[group.rows], context, visible, QUERY_KEY_PAIRS)
+        return out[None], selection
+
+    def _attend_chosen(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                       entries: torch.Tensor, group: QueryGroup, chosen: Chosen) -> torch.Tensor:
+        """Short queries q_nope [G, L, H, Dn], q_rope [G, L, H, Dr] over their chosen entries only, each query one
+        group of the absorbed form: [G, L, H, Dv]."""
+        G, L, K = chosen.positions.shape
+        S = self.cache.block_size
+        blocks = group.blocks.gather(1, (chosen.positions // S).flatten(1)).view(G, L, K)
+        context = entries.flatten(0, 1)[blocks * S + chosen.positions % S]  # [G, L, K, E]
+        out = attention.attend_absorbed(q_nope.flatten(0, 1)[:, None], q_rope.flatten(0, 1)[:, None],
+                                        context.flatten(0, 1), chosen.kept.flatten(0, 1)[:, None], QUERY_KEY_PAIRS)
+        return out.view(G, L, *out.shape[2:])
+
+    def _select(self, group: QueryGroup, keys: torch.Tensor, index: IndexerProjections) -> torch.Tensor | Chosen | None:
+        """The group's DSA choice from a layer's cached indexer keys: a mask [G, L, W x S] for a chunk, the chosen
+        positions for short queries; None where it is every visible token."""
+        if group.longest <= self.index_topk:
+            return None
+        context = keys[group.blocks].flatten(1, 2)  # [G, W x S, index_head_dim]
+        queries, weights = index.queries[0][group.rows], index.weights[0][group.rows]
+        parts = [top_k(index_scores(queries[:, part], context, weights[:, part]), group.visible[:, part], self.index_topk)
+                 for part in query_slices(group.visible.numel(), group.rows.shape[1], QUERY_KEY_PAIRS)]
+        positions, kept = (torch.cat(chosen, dim=1) for chosen in zip(*parts))
+        if group.expanded:
+            return torch.zeros_like(group.visible).scatter_(-1, positions, kept)
+        return Chosen(positions, kept)
