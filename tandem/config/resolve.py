@@ -280,9 +280,9 @@ def weight_broadcast(config: RLConfig, machine: Machine) -> list[Derived]:
     out = [Derived("weight_transport.num_inference_ranks", num_servers * config.inference.num_ranks,
                    "`deployment.num_inference_servers` (on each inference node) x the ranks of one server"),
            Derived("weight_transport.receiver", config.inference.backend, "`inference.backend`"),
-           Derived("weight_transport.quantization",
-                   config.inference.engine.quantization if config.inference.backend == "tandem" else "none",
-                   "`inference.engine.quantization` (tandem's engine takes its projections quantized)")]
+           Derived("weight_transport.quantization", config.inference.engine.quantization, "`inference.engine.quantization`")
+           if config.inference.backend == "tandem" else
+           Derived("weight_transport.quantization", "none", "`inference.backend` = 'vllm' (vLLM quantizes on its own load)")]
     if cluster.num_nodes > 1:
         out.append(Derived("weight_transport.host", cluster_hosts(config)[0], "`deployment.cluster.hosts` (node 0 runs trainer "
                            "rank 0)", placeholder="127.0.0.1"))
