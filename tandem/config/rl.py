@@ -54,7 +54,16 @@ class PreflightConfig(ProbeConfig):
 
     max_mismatch_kl: float = Field(1e-3, gt=0)
     """Stop the run when the mismatch KL between trainer and server on the probe batch (k3, per token) is
-    above this: trainer and server then disagree on the policy, and importance ratios would be noise."""
+    above this: trainer and server then disagree on the policy, and importance ratios would be noise. A server
+    that rounds to FP8 answers to `max_mismatch_kl_fp8` instead."""
+
+    max_mismatch_kl_fp8: float = Field(1e-2, gt=0)
+    """The limit in place of `max_mismatch_kl` when the server rounds to FP8 (`inference.engine.quantization` or
+    `inference.engine.kv_cache_dtype` = "fp8") against a trainer that does not. e4m3 keeps 3 bits of mantissa where
+    bf16 keeps 7, so FP8 rollouts sit further from the trainer's logprobs by design, and the loss's importance
+    ratio corrects for it (`docs/trainer.md`, "FP8 rollouts"): 10x `max_mismatch_kl` leaves that room while a
+    k3 of 1e-2 still means a log-ratio of about sqrt(2 x 1e-2) = 0.14 root mean square, ratios near 1 that a
+    truncated importance weight handles. Lower it to a few times what your FP8 runs' probe shows."""
 
 
 class WandbConfig(Section):

@@ -42,6 +42,13 @@ class BroadcastWeightTransport(Section):
     """Tensors are packed into buckets of about this many MiB, one broadcast each (fewer, larger
     messages; a bucket holds at least one tensor)."""
 
+    quantization: Literal["none", "fp8"] = "none"
+    """How the receivers hold each block's dense projections; `tandem rl` sets it from
+    `inference.engine.quantization` with tandem's engine (vLLM's servers get `model.dtype` and quantize on their
+    own load). `fp8`: trainer rank 0 sends those projections as 128 x 128 block FP8 with their scales, quantized
+    by the function the engine quantizes bf16 weights with (`tandem.models.fp8.quantize_weight`), so the engine
+    holds exactly what it would have made from the bf16 weights, for about half their bytes on the wire."""
+
     timeout_s: float = Field(300.0, gt=0)
     """Longest wait for the group to form or for one update to cross it; past it the trainer fails
     (a dead server stops the run instead of hanging it). Keep it below `client.timeout_s`."""

@@ -10,8 +10,9 @@ from which, with the RL config, this module builds the report.
 Steps: (1) a few two-turn probe conversations sampled by the server over HTTP, each turn re-rendered
 by the chat template as the orchestrator does; (2) the prefix check: how often turn k's tokens are not
 a prefix of turn k+1's prompt (each break starts a new sample, paying the context again); (3) the
-trainer recomputes the probe's logprobs: the mismatch KL stops the run above
-`preflight.max_mismatch_kl`, naming the likely cause; (4) the trainer's memory plan against its device,
+trainer recomputes the probe's logprobs: the mismatch KL stops the run above its limit
+(`mismatch_limit`: `preflight.max_mismatch_kl`, or `preflight.max_mismatch_kl_fp8` for a server that rounds to FP8),
+naming the likely cause; (4) the trainer's memory plan against its device,
 the engine's share beside it; (5) an estimate of what the async overlap saves per step.
 The result is printed as a table and saved as `preflight/report.{txt,json}`.
 """
@@ -19,6 +20,7 @@ The result is printed as a table and saved as `preflight/report.{txt,json}`.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from tandem.config.rl import RLConfig
@@ -31,11 +33,41 @@ PROCESSES = ("orchestrator-preflight", "trainer-preflight")
 """The preflight's processes, in order (`tandem <name>`): the trainer reads the orchestrator's probe batch."""
 
 
+@dataclass(frozen=True)
+class MismatchLimit:
+    """The mismatch KL above which the preflight stops the run, the key that set it, and why that key applies."""
+
+    value: float
+    key: str
+    reason: str
+
+
+def fp8_switches(config: RLConfig) -> list[str]:
+    """The engine's FP8 settings that are on, as `key` = 'fp8'."""
+    engine = config.inference.engine
+    return [f"`inference.engine.{key}` = 'fp8'" for key, value in
+            (("quantization", engine.quantization), ("kv_cache_dtype", engine.kv_cache_dtype)) if value == "fp8"]
+
+
+def mismatch_limit(config: RLConfig) -> MismatchLimit:
+    """FP8 rollouts differ from the trainer's logprobs by FP8's rounding, on purpose (the loss corrects for it): they
+    answer to `preflight.max_mismatch_kl_fp8`. Any other server computes what the trainer computes, up to the order
+    of its sums: `preflight.max_mismatch_kl`."""
+    switches = fp8_switches(config)
+    if switches:
+        return MismatchLimit(config.preflight.max_mismatch_kl_fp8, "preflight.max_mismatch_kl_fp8",
+                             f"the server rounds to FP8: {' and '.join(switches)}")
+    return MismatchLimit(config.preflight.max_mismatch_kl, "preflight.max_mismatch_kl", "the server does not round to FP8")
+
+
 def likely_causes(config: RLConfig, probed: dict[str, Any], trainer: dict[str, Any]) -> list[str]:
     """What, from the configs and the probe, can make the trainer disagree with the server."""
     engine = config.inference.engine.device
     engine_dtype = str(resolve_dtype(config.inference.model.dtype, "cpu" if engine == "auto" else engine)).removeprefix("torch.")
-    causes = []
+    switches = fp8_switches(config)
+    causes = [f"FP8 rollouts ({' and '.join(switches)}): part of the gap is FP8's rounding; if nothing else here applies, "
+              "raise `preflight.max_mismatch_kl_fp8` and pair the run with the loss settings of docs/trainer.md "
+              "(\"FP8 rollouts\"), or turn FP8 off"] if switches else []
     if engine_dtype != trainer["dtype"]:
         causes.append(f"dtype: the server computes in {engine_dtype}, the trainer in {trainer['dtype']} "
                       "(set the same `model.dtype` in `[inference]` and `[trainer]`)")
@@ -73,9 +105,9 @@ def build_report(config: RLConfig, probed: dict[str, Any], trainer: dict[str, An
     memory = dict(trainer["memory"])
     memory["engine_share"] = engine_share(config, memory)
     memory["fits"] = (memory.get("planned", 0) + (memory["engine_share"] or 0)) <= memory["device_total"]
-    kl = trainer["mismatch_kl"]
-    return {"mismatch_kl": kl, "max_mismatch_kl": config.preflight.max_mismatch_kl,
-            "kl_ok": kl is not None and kl <= config.preflight.max_mismatch_kl,
+    kl, limit = trainer["mismatch_kl"], mismatch_limit(config)
+    return {"mismatch_kl": kl, "max_mismatch_kl": limit.value, "mismatch_limit_key": limit.key,
+            "mismatch_limit_reason": limit.reason, "kl_ok": kl is not None and kl <= limit.value,
             "likely_causes": likely_causes(config, probed, trainer), "num_turns": probed["num_turns"],
             "num_prefix_breaks": probed["num_prefix_breaks"], "num_loss_tokens": trainer["num_loss_tokens"],
             "trainer_dtype": trainer["dtype"], "trainer_device": trainer["device"], "memory_gib": memory,
@@ -90,6 +122,7 @@ def format_report(report: dict[str, Any]) -> str:
     mem, overlap = report["memory_gib"], report["overlap"]
     rows = [("mismatch KL (probe)", f"{num(report['mismatch_kl'])} (limit {num(report['max_mismatch_kl'])}, "
                                     f"{report['num_loss_tokens']} tokens, {report['trainer_dtype']})"),
+            ("mismatch KL limit", f"`{report['mismatch_limit_key']}`: {report['mismatch_limit_reason']}"),
             ("chat-template prefix breaks", f"{report['num_prefix_breaks']} of {report['num_turns']} turns"),
             *((f"memory: {k} (GiB)", num(mem.get(k))) for k in ("weights", "gradients", "optimizer", "activations",
                                                                  "process_peak", "engine_share", "device_total")),
@@ -119,6 +152,6 @@ def run_preflight(config: RLConfig, start: Callable[[str], ManagedProcess]) -> d
     print(text, flush=True)
     if not report["kl_ok"]:
         raise RunFailed(f"preflight: mismatch KL {report['mismatch_kl']} on the probe batch is above "
-                        f"`preflight.max_mismatch_kl` = {config.preflight.max_mismatch_kl}: trainer and server disagree "
-                        "on the policy. Likely cause: " + "; ".join(report["likely_causes"]))
+                        f"`{report['mismatch_limit_key']}` = {report['max_mismatch_kl']} ({report['mismatch_limit_reason']}): "
+                        "trainer and server disagree on the policy. Likely cause: " + "; ".join(report["likely_causes"]))
     return report

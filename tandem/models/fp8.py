@@ -6,8 +6,10 @@ The format is the one released FP8 checkpoints use (DeepSeek-V3, Qwen3-*-FP8): `
 beside `<name>.weight_scale_inv`, fp32 [ceil(out / 128), ceil(in / 128)], a block's value being its FP8
 values times its scale. `Fp8Linear` holds a layer under those same names, so such a checkpoint loads by
 name like any other; `match_quantization` makes any state fit the precision a model holds each weight
-in, which is how bf16 weights (a bf16 checkpoint, the trainer's updates) reach an FP8 layer and FP8
-ones reach a bf16 layer.
+in, which is how bf16 weights (a bf16 checkpoint, the trainer's updates through a folder) reach an FP8 layer
+and FP8 ones reach a bf16 layer. A broadcast update arrives quantized already: the trainer runs the same
+`quantize_weight` on the same bf16 values before sending (`quantize_named`), so the engine holds what it would
+have made itself, for half the bytes on the wire.
 
 Which layers: the dense projections of each decoder block (q, k, v, o; a dense feed-forward's gate,
 up and down). Embeddings, norms, the LM head, routers and experts keep the model's dtype.
@@ -15,7 +17,7 @@ up and down). Embeddings, norms, the LM head, routers and experts keep the model
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -88,6 +90,26 @@ def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
         if isinstance(block.mlp, MLP):
             out += [(block.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")]
     return out
+
+
+def fp8_weight_names(model: nn.Module) -> set[str]:
+    """The HF names of the weights `convert_to_fp8` holds in FP8 (those of `quantized_linears`), read from any model
+    of the family: the trainer's bf16 one names what the engine holds in FP8."""
+    names = {module: name for name, module in model.named_modules()}
+    return {f"{names[parent]}.{attr}.weight" for parent, attr in quantized_linears(model)}
+
+
+def quantize_named(tensors: Iterable[tuple[str, torch.Tensor]], names: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with each weight of `names` replaced by its FP8 blocks and, right after, its scales
+    (`<name>_scale_inv`), as an FP8 checkpoint holds them and `match_quantization` takes them without quantizing
+    again; the others pass as they are. Meta tensors give the quantized shapes and dtypes (an announcement)."""
+    for name, tensor in tensors:
+        if name in names:
+            weight, scale_inv = quantize_weight(tensor)
+            yield name, weight
+            yield name + SCALE_SUFFIX, scale_inv
+        else:
+            yield name, tensor
 
 
 def convert_to_fp8(model: nn.Module) -> None:

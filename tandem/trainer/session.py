@@ -70,13 +70,13 @@ class Session:
             # From the device, one parameter at a time: no host copy, at most a bucket in device memory. The
             # other ranks (no broadcaster) take part in the same gathers through `gather_full_state` below.
             tensors = ((name, to_published(full, dtype, self.dims.device)) for name, full in full_parameters(self.model))
-            self.broadcaster.send(step, announced_state(self.model, dtype), tensors)
+            self.log_broadcast(step, self.broadcaster.send(step, announced_state(self.model, dtype), tensors))
             return
         state = gather_full_state(self.model, dtype, keep=self.dims.is_main)
         if not self.dims.is_main:
             return
         if self.broadcaster is not None:  # the last step: the host copy that is also the run's result folder
-            self.broadcaster.send(step, state)
+            self.log_broadcast(step, self.broadcaster.send(step, state))
 
         def write() -> None:
             write_weights_folder(self.config.run_dir, step, state, self.model_folder, self.hf_config, self.model.lora,
@@ -88,6 +88,10 @@ class Session:
         else:
             self.writer.wait()
             write()
+
+    def log_broadcast(self, step: int, num_bytes: int) -> None:
+        fp8 = " (dense projections in FP8 blocks)" if self.broadcaster.fp8_weights else ""
+        self.log.info("step %d: policy broadcast, %.1f MiB sent%s", step, num_bytes / 2**20, fp8)
 
     def should_publish(self, step: int) -> bool:
         return step % self.config.weights.interval == 0 or step == self.config.max_steps

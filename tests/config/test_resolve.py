@@ -230,6 +230,20 @@ def test_the_broadcast_group_is_derived_from_the_servers():
         resolve("--weight_transport.type", "broadcast", "--weight_transport.receiver", "vllm")
 
 
+def test_the_trainer_quantizes_the_broadcast_for_an_fp8_engine_only():
+    """The trainer learns the engine's scheme from the resolved config: tandem's FP8 engine takes its projections
+    quantized; a bf16 engine, and vLLM (which quantizes on its own load), take `model.dtype`."""
+    cfg = resolve("--weight_transport.type", "broadcast", "--inference.engine.quantization", "fp8")
+    assert cfg.trainer.weight_transport.quantization == cfg.orchestrator.weight_transport.quantization == "fp8"
+    assert resolve("--weight_transport.type", "broadcast").trainer.weight_transport.quantization == "none"
+    cfg = resolve(*GPU_VLLM, "--inference.engine.quantization", "fp8",
+                  "--deployment.trainer_devices", "[1]", machine=FakeMachine(cuda_devices=2))
+    assert cfg.trainer.weight_transport.quantization == "none"
+    with pytest.raises(ConfigError, match=r"`weight_transport.quantization` = 'fp8' \(from the command line\) contradicts "
+                                          r"`inference.engine.quantization`"):
+        resolve("--weight_transport.type", "broadcast", "--weight_transport.quantization", "fp8")
+
+
 def test_broadcast_refuses_a_gpu_shared_by_trainer_and_server():
     with pytest.raises(ConfigError, match=r"`weight_transport.type` = 'broadcast' needs `deployment.trainer_devices` = \[0\] "
                                           r"apart from `deployment.inference_devices` = \[0\]"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +17,9 @@ from tandem.models.weights import load_state_dict, save_state_dict
 
 ENGINE = {"device": "cpu", "num_blocks": 512, "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
 """Engine settings of the test servers: CPU (fp32, exact parity), an 8k-token cache allocated in no time."""
+
+QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+"""The on-disk names of the weights an FP8 checkpoint of a dense Qwen3 holds in FP8."""
 
 
 def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float,

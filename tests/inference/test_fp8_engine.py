@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from inference_helpers import check_close_to_unquantized, fp8_rho, generate, teacher_forced_logprobs
+from inference_helpers import QUANTIZED, check_close_to_unquantized, fp8_rho, generate, teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
@@ -17,13 +17,12 @@ from tandem.config.resolve import parse_rl_args
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_device
 from tandem.inference.engine.setup import build_engine
 from tandem.kernels.fp8 import FP8
-from tandem.models.fp8 import Fp8Linear, dequantize_weight, quantize_weight
-from tandem.models.loading import DUMMY_SEED, load_causal_lm
+from tandem.models.fp8 import Fp8Linear, dequantize_weight, fp8_weight_names, quantize_weight
+from tandem.models.hub import read_hf_config
+from tandem.models.loading import DUMMY_SEED, build_native, load_causal_lm
 from tandem.models.random_init import initial_value
 from tandem.models.weights import load_state_dict, save_state_dict
 
-QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
-"""The on-disk names of the weights an FP8 checkpoint of a dense Qwen3 holds in FP8."""
 FACTORS_PER_BLOCK = 8
 """FP8 factors between a block's input and output: both factors of q/k/v, o, gate/up and down."""
 CHECKPOINT_SCHEME = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -96,6 +95,14 @@ def test_only_the_dense_projections_are_held_in_fp8(tiny_dir, tiny_moe_dir):
         fp8 = {name for name, t in state.items() if t.dtype == FP8}
         assert len(fp8) == num_fp8 * 2 and all(QUANTIZED.fullmatch(name) for name in fp8)
         assert all(t.dtype == torch.float32 for name, t in state.items() if name not in fp8), folder
+
+
+def test_a_bf16_model_names_the_weights_the_engine_holds_in_fp8(tiny_dir, tiny_moe_dir):
+    """What the trainer's broadcast quantizes (`fp8_weight_names` of its own bf16 model) is what the engine holds in
+    FP8, no more and no less: the dense projections of a dense model, the attention's of a mixture of experts."""
+    for folder in (tiny_dir, tiny_moe_dir):
+        held = {name for name, t in engine_for(folder).weight_target.state_dict().items() if t.dtype == FP8}
+        assert fp8_weight_names(build_native(read_hf_config(folder), "meta", torch.bfloat16)) == held, folder
 
 
 def test_a_mixture_of_experts_generates_with_fp8_attention(tiny_moe_dir):

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from inference_helpers import make_config
+import torch
+from inference_helpers import QUANTIZED, make_config
 
 from tandem.config.orchestrator import ClientConfig
 from tandem.config.resolve import free_port
 from tandem.config.weight_transport import BroadcastWeightTransport
 from tandem.inference.server import BackgroundServer
+from tandem.kernels.fp8 import FP8
+from tandem.models.weights import load_state_dict
 from tandem.orchestrator.inference_pool import InferencePool, InferenceRequestError
 from tandem.orchestrator.policy_source import BroadcastPolicies
 
@@ -42,11 +45,12 @@ def two_servers(tiny_dir):
         server.stop()
 
 
-def broadcast(run_dir: Path, servers: list[BackgroundServer], folder: Path, step: int) -> None:
-    """Trainer process and orchestrator code meet in a real gloo group; policy `step` = `folder`'s weights."""
+def broadcast(run_dir: Path, servers: list[BackgroundServer], folder: Path, step: int, *options: str) -> str:
+    """Trainer process and orchestrator code meet in a real gloo group; policy `step` = `folder`'s weights.
+    `options`: the trainer script's (`--fp8`). Returns the trainer's output."""
     port = free_port()
     config = BroadcastWeightTransport(port=port, num_inference_ranks=len(servers))
-    trainer = subprocess.Popen([sys.executable, str(TRAINER), str(run_dir), str(port), str(len(servers)), str(step),
+    trainer = subprocess.Popen([sys.executable, str(TRAINER), *options, str(run_dir), str(port), str(len(servers)), str(step),
                                 str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     source = BroadcastPolicies(run_dir, config)
 
@@ -67,6 +71,7 @@ def broadcast(run_dir: Path, servers: list[BackgroundServer], folder: Path, step
     finally:
         trainer.kill()
     assert trainer.returncode == 0 and "sent" in output, output
+    return output
 
 
 def test_broadcast_serves_what_a_folder_reload_serves(two_servers, tiny_dir, tiny_other_dir, tmp_path):
@@ -85,6 +90,32 @@ def test_broadcast_serves_what_a_folder_reload_serves(two_servers, tiny_dir, tin
         assert sample(server.url) == expected
         assert httpx.get(f"{server.url}/weight_info").json() == {"weight_version": 3}
     assert before != expected  # the other weights sample otherwise: the broadcast changed something
+
+
+def test_an_fp8_engine_takes_the_trainers_quantized_projections_as_they_are(tiny_dir, tiny_other_dir, tmp_path):
+    """`weight_transport.quantization = "fp8"`: the trainer sends the projections in FP8 blocks with their scales, and
+    the engine holds, bit for bit, what it holds after quantizing the same bf16 weights itself (a folder reload),
+    for the bytes of FP8 and scales in place of bf16."""
+    receiver, reloaded = (BackgroundServer(make_config(tiny_dir, quantization="fp8")) for _ in range(2))
+    try:
+        output = broadcast(tmp_path, [receiver], tiny_other_dir, 3, "--fp8")
+        response = httpx.post(f"{reloaded.url}/update_weights", json={"path": str(tiny_other_dir), "version": 3}, timeout=60)
+        assert response.status_code == 200, response.text
+        got, expected = (server.served.engine.engine.weight_target.state_dict() for server in (receiver, reloaded))
+        assert got.keys() == expected.keys() and sum(t.dtype == FP8 for t in got.values()) == 14  # 7 projections x 2 layers
+        for name, tensor in got.items():
+            bits = (lambda t: t.view(torch.uint8)) if tensor.dtype == FP8 else (lambda t: t)
+            assert tensor.dtype == expected[name].dtype and torch.equal(bits(tensor), bits(expected[name])), name
+        assert sample(receiver.url) == sample(reloaded.url)
+    finally:
+        receiver.stop()
+        reloaded.stop()
+    state = load_state_dict(tiny_other_dir)
+    fp8_bytes = sum(t.numel() + 4 * -(-t.shape[0] // 128) * -(-t.shape[1] // 128) for n, t in state.items() if QUANTIZED.fullmatch(n))
+    other_bytes = sum(t.numel() * t.itemsize for n, t in state.items() if not QUANTIZED.fullmatch(n))
+    assert f"step 3: {fp8_bytes + other_bytes} bytes" in output, output
+    bf16_bytes = sum(2 * t.numel() for n, t in state.items() if QUANTIZED.fullmatch(n))
+    assert fp8_bytes < 0.6 * bf16_bytes
 
 
 def test_out_of_order_calls_are_conflicts(server):

@@ -192,6 +192,19 @@ def test_kernels_under_tritons_interpreter_match_the_reference():
     run_interpreted(script, timeout=600)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_weights_quantize_to_the_same_bits_on_cuda_as_on_the_cpu():
+    """A trainer that quantizes a broadcast on its GPU and an engine that quantizes a folder where it reads it make
+    the same FP8 values and scales: a block's scale is one rounded product, each value one IEEE division and one
+    round to nearest even, on either device."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(300, 200, generator=gen) * torch.logspace(-3, 1, 200)).to(torch.bfloat16)
+    q_cpu, scale_cpu = quantize_weight(weight)
+    q_cuda, scale_cuda = quantize_weight(weight.cuda())
+    assert torch.equal(q_cuda.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    assert torch.equal(scale_cuda.cpu(), scale_cpu)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernel_serves(torch.device("cuda")),
                     reason="needs a CUDA GPU of compute capability 8.9 or newer, and Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -14,7 +14,7 @@ from short_runs import env
 
 from tandem.config.resolve import parse_rl_args
 from tandem.inference.server import BackgroundServer
-from tandem.launch.preflight import likely_causes
+from tandem.launch.preflight import MismatchLimit, build_report, format_report, likely_causes, mismatch_limit
 from tandem.launch.process import RunFailed
 from tandem.launch.rl import _commands, _preflight, _write_process_configs
 from tandem.models.presets import init_model
@@ -142,3 +142,42 @@ def test_preflight_only_runs_the_checks_and_nothing_else(tiny, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mismatch KL (probe)" in done.stdout and (preflight_dir(out) / "report.json").is_file()
     assert not (out / "metrics.jsonl").exists() and not (out / "rollouts").exists()
+
+
+PROBED = {"problems": [], "num_prefix_breaks": 0, "num_turns": 8, "num_samples": 4, "completion_tokens": 64,
+          "gen_tokens_per_s": 100.0, "num_sample_tokens": 128}
+"""What the orchestrator's preflight finds on a probe that tokenizes and renders as the trainer does."""
+
+
+def findings(kl: float) -> dict:
+    """The trainer preflight's findings, with mismatch KL `kl`, the engine's dtype and room to spare."""
+    return {"mismatch_kl": kl, "dtype": "float32", "device": "cpu", "num_loss_tokens": 64, "train_tokens_per_s": 100.0,
+            "memory": {"planned": 1.0, "device_total": 64.0}}
+
+
+@pytest.mark.parametrize("fp8", [(), ("quantization",), ("kv_cache_dtype",), ("quantization", "kv_cache_dtype")])
+def test_fp8_rollouts_answer_to_their_own_mismatch_limit_and_the_report_says_which(tiny, tmp_path, fp8):
+    """A KL between the two limits stops a run whose server computes as the trainer does, and passes one whose
+    server rounds to FP8; the report and the failure name the key that applied and why."""
+    switches = [arg for key in fp8 for arg in (f"--inference.engine.{key}", "fp8")]
+    config = parse_rl_args(["--model.name", str(tiny), "--output-dir", str(tmp_path), *switches], environ={})
+    limit = mismatch_limit(config)
+    if fp8:
+        assert limit == MismatchLimit(1e-2, "preflight.max_mismatch_kl_fp8", "the server rounds to FP8: " + " and ".join(
+            f"`inference.engine.{key}` = 'fp8'" for key in fp8))
+    else:
+        assert limit == MismatchLimit(1e-3, "preflight.max_mismatch_kl", "the server does not round to FP8")
+    between = build_report(config, PROBED, findings(5e-3))
+    assert between["kl_ok"] == bool(fp8) and between["max_mismatch_kl"] == limit.value
+    assert f"`{limit.key}`: {limit.reason}" in format_report(between)
+    assert build_report(config, PROBED, findings(limit.value))["kl_ok"]
+    assert not build_report(config, PROBED, findings(1.01 * limit.value))["kl_ok"]
+    causes = likely_causes(config, PROBED, findings(1.0))
+    assert any(c.startswith("FP8 rollouts") for c in causes) == bool(fp8)
+
+
+def test_each_limit_is_its_own_key(tiny, tmp_path):
+    args = ["--model.name", str(tiny), "--output-dir", str(tmp_path), "--preflight.max-mismatch-kl", "2e-4",
+            "--preflight.max-mismatch-kl-fp8", "3e-2"]
+    assert mismatch_limit(parse_rl_args(args, environ={})).value == 2e-4
+    assert mismatch_limit(parse_rl_args([*args, "--inference.engine.kv-cache-dtype", "fp8"], environ={})).value == 3e-2

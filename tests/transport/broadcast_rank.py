@@ -7,18 +7,23 @@ import sys
 
 import torch
 
+from tandem.kernels.fp8 import FP8
+from tandem.models.fp8 import quantize_weight
 from tandem.transport.broadcast import close_group, open_group, receive_state, send_state
 from tandem.transport.broadcast_types import GroupInitInfo, decode_update_info, encode_update_info, update_info_of
 
 
 def expected_state() -> dict[str, torch.Tensor]:
-    """Mixed dtypes, a scalar and a non-contiguous tensor: each must cross bit for bit."""
+    """Mixed dtypes, a scalar, a non-contiguous tensor, and an FP8 weight of an odd size before its fp32 scales
+    (they arrive at an unaligned offset): each must cross bit for bit."""
     g = torch.Generator().manual_seed(0)
+    fp8, scale_inv = quantize_weight(torch.randn(131, 7, generator=g))
     return {"a.weight": torch.randn(64, 33, generator=g).to(torch.bfloat16),
             "b.bias": torch.randn(7, generator=g),
             "c.count": torch.tensor(12345, dtype=torch.int64),
             "d.weight": torch.randn(40, 50, generator=g).t(),
-            "e.weight": torch.randn(300, generator=g).half()}
+            "e.weight": torch.randn(300, generator=g).half(),
+            "f.weight": fp8, "f.weight_scale_inv": scale_inv}
 
 
 def main(rank: int, world_size: int, port: int, device: torch.device) -> None:
@@ -35,7 +40,8 @@ def main(rank: int, world_size: int, port: int, device: torch.device) -> None:
         for name, tensor in state.items():
             got = received[name]
             assert got.device == device and got.dtype == tensor.dtype and got.shape == tensor.shape, name
-            assert torch.equal(got.cpu(), tensor), name
+            bits = (lambda t: t.view(torch.uint8)) if tensor.dtype == FP8 else (lambda t: t)
+            assert torch.equal(bits(got.cpu()), bits(tensor)), name
     close_group(group)
     print("ok", rank, flush=True)
 

@@ -13,6 +13,7 @@ import torch
 
 from tandem.config.run_folder import prepare_run_folder
 from tandem.config.trainer import TrainerConfig
+from tandem.models.fp8 import fp8_weight_names
 from tandem.trainer.batch import prepare_micro_batches
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.broadcast_publish import WeightBroadcaster
@@ -69,7 +70,9 @@ def open_weight_transport(config: TrainerConfig, session: Session) -> None:
     if config.weight_transport.type != "broadcast":
         return
     if session.dims.is_main:
-        session.broadcaster = WeightBroadcaster(config.run_dir, config.weight_transport, session.dims.device)
+        transport = config.weight_transport
+        fp8_weights = fp8_weight_names(session.model.lm) if transport.quantization == "fp8" else ()
+        session.broadcaster = WeightBroadcaster(config.run_dir, transport, session.dims.device, fp8_weights)
         session.log.info("weight broadcast group of %d ranks formed", config.weight_transport.world_size)
     if session.start_step > 0:
         session.publish(session.start_step)
