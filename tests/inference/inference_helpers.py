@@ -100,3 +100,29 @@ def check_close_to_unquantized(results: dict, model: torch.nn.Module, device: st
     ratios = torch.cat(ratios)
     assert ratios.mean() <= rho and ratios.max() <= 2 * rho, (ratios.mean(), ratios.max(), rho)
     assert ratios.max() > 0
+
+
+def check_against_replayed_routing(engine, model: torch.nn.Module, atol: float) -> None:
+    """Eight random prompts of 1 to 120 tokens, n = 2 and 32 tokens each, through a CUDA `engine` of a mixture of
+    experts; every sample's logprobs equal `model`'s teacher-forced pass with the experts the engine reports
+    replayed (in bf16 a near tie routed otherwise would be another model, not an error), within `atol`."""
+    from tandem.models.moe import replayed_routing
+
+    rng = random.Random(0)
+    prompts = {}
+    for i in range(8):
+        prompts[str(i)] = [rng.randrange(256) for _ in range(rng.randint(1, 120))]
+        engine.add_request(str(i), prompts[str(i)], SamplingParams(max_tokens=32, ignore_eos=True, return_routed_experts=True),
+                           n=2, incremental=False)
+    outputs = []
+    while engine.has_unfinished:
+        outputs.extend(engine.step())
+    assert len(outputs) == 16
+    for out in outputs:
+        prompt = prompts[out.request_id]
+        routed = torch.tensor(out.routed_experts, device="cuda")
+        replay = torch.full((len(prompt) + len(out.token_ids), *routed.shape[1:]), -1, device="cuda")
+        replay[len(prompt) - 1:-1] = routed
+        with replayed_routing(model, replay):
+            expected = teacher_forced_logprobs(model, prompt, out.token_ids, 1.0, device="cuda")
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=atol, rtol=0)

@@ -1,19 +1,16 @@
 """The latent cache on CUDA (GLM-5, DeepSeek-V3): the engine (overlapped steps, the MoE kernels, the torch latent
 attention and DSA selection) against a teacher-forced pass of the model under the experts the engine reports."""
 
-import random
 
 import pytest
 import torch
-from inference_helpers import teacher_forced_logprobs
+from inference_helpers import check_against_replayed_routing
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine.kv_cache import LatentCache
-from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm
-from tandem.models.moe import replayed_routing
 from tandem.models.presets import PRESETS, shape_config, write_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -31,21 +28,4 @@ def test_latent_engine_matches_a_teacher_forced_pass(shape, dtype, atol, tmp_pat
                           EngineConfig(device="cuda", max_num_seqs=16, max_model_len=256, max_num_batched_tokens=96), seed=0)
     assert isinstance(engine.runner.cache, LatentCache) and engine.runner.graphs is None and engine.overlap
     model = load_causal_lm(str(folder), torch.device("cuda"), dtype)
-    rng = random.Random(0)
-    prompts = {}
-    for i in range(8):
-        prompts[str(i)] = [rng.randrange(256) for _ in range(rng.randint(1, 120))]
-        engine.add_request(str(i), prompts[str(i)], SamplingParams(max_tokens=32, ignore_eos=True, return_routed_experts=True),
-                           n=2, incremental=False)
-    outputs = []
-    while engine.has_unfinished:
-        outputs.extend(engine.step())
-    assert len(outputs) == 16
-    for out in outputs:
-        prompt = prompts[out.request_id]
-        routed = torch.tensor(out.routed_experts, device="cuda")
-        replay = torch.full((len(prompt) + len(out.token_ids), *routed.shape[1:]), -1, device="cuda")
-        replay[len(prompt) - 1:-1] = routed
-        with replayed_routing(model, replay):
-            expected = teacher_forced_logprobs(model, prompt, out.token_ids, 1.0, device="cuda")
-        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=atol, rtol=0)
+    check_against_replayed_routing(engine, model, atol)

@@ -1,19 +1,17 @@
 """The engine's MoE kernels on CUDA: the fused grouped GEMM against the model's MoE, inside a CUDA
 graph, and the engine (bf16, CUDA graphs) against a teacher-forced pass of the model."""
 
-import random
 
 import pytest
 import torch
-from inference_helpers import teacher_forced_logprobs
+from inference_helpers import check_against_replayed_routing
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe, fused_experts
-from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.loading import load_causal_lm
-from tandem.models.moe import MoE, MoEArgs, replayed_routing
+from tandem.models.moe import MoE, MoEArgs
 from tandem.models.presets import init_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -107,21 +105,4 @@ def test_moe_engine_with_cuda_graphs_matches_a_teacher_forced_pass(preset, dtype
                           EngineConfig(device="cuda", max_num_seqs=16, max_model_len=256, max_num_batched_tokens=96), seed=0)
     assert engine.runner.graphs is not None
     model = load_causal_lm(str(folder), torch.device("cuda"), name)
-    rng = random.Random(0)
-    prompts = {}
-    for i in range(8):
-        prompts[str(i)] = [rng.randrange(256) for _ in range(rng.randint(1, 120))]
-        engine.add_request(str(i), prompts[str(i)], SamplingParams(max_tokens=32, ignore_eos=True, return_routed_experts=True),
-                           n=2, incremental=False)
-    outputs = []
-    while engine.has_unfinished:
-        outputs.extend(engine.step())
-    assert len(outputs) == 16
-    for out in outputs:
-        prompt = prompts[out.request_id]
-        routed = torch.tensor(out.routed_experts, device="cuda")
-        replay = torch.full((len(prompt) + len(out.token_ids), *routed.shape[1:]), -1, device="cuda")
-        replay[len(prompt) - 1:-1] = routed
-        with replayed_routing(model, replay):
-            expected = teacher_forced_logprobs(model, prompt, out.token_ids, 1.0, device="cuda")
-        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=atol, rtol=0)
+    check_against_replayed_routing(engine, model, atol)
