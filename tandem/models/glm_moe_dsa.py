@@ -36,6 +36,11 @@ from tandem.models.mla import LatentAttention, LatentBackend, LatentProjections
 from tandem.models.moe import MoE
 
 
+DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
+"""GLM-5's attention layer as `layer_types` names it: transformers 5.17's config writes the second name for the
+same layer (MLA with a DSA indexer), later versions the first."""
+
+
 @dataclass(kw_only=True)
 class LatentMoeArgs(Glm4MoeArgs):
     """GLM-4.5's settings (`head_dim` is Dn + Dr and there are as many key/value heads as query heads, MLA's
@@ -119,7 +124,7 @@ class GlmMoeDsaArgs(LatentMoeArgs):
         first_dense = mlp_types.count("dense")
         if mlp_types != ["dense"] * first_dense + ["sparse"] * (len(mlp_types) - first_dense) or len(mlp_types) != hf.num_hidden_layers:
             raise UnsupportedConfig("mlp_layer_types", mlp_types, "'dense' blocks first, then 'sparse' ones, one per layer")
-        return cls(**latent_moe_fields(hf, ("indexed_attention",), first_dense), rope_interleave=True,
+        return cls(**latent_moe_fields(hf, DSA_LAYER_TYPES, first_dense), rope_interleave=True,
                    index_topk=hf.index_topk, index_n_heads=hf.index_n_heads, index_head_dim=hf.index_head_dim,
                    indexer_types=types)
 

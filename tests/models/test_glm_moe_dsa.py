@@ -254,6 +254,20 @@ def test_unsupported_glm5_config_values_name_the_field_and_file(field, value, tm
         load_causal_lm(str(folder))
 
 
+def test_both_names_transformers_gives_the_dsa_layer_read_as_one(tmp_path):
+    """transformers 5.17's config names GLM-5's layers `deepseek_sparse_attention`, later versions
+    `indexed_attention`: the same model either way; any other layer type is refused."""
+    from tandem.models.glm_moe_dsa import GlmMoeDsaArgs
+    from tandem.models.hf_config import UnsupportedConfig
+
+    config = json.loads((write_model(shape_config(TINY_GLM5), tmp_path / "m", weights=False) / "config.json").read_text())
+    args = [GlmMoeDsaArgs.from_hf(dict(config, layer_types=[kind] * config["num_hidden_layers"]))
+            for kind in ("indexed_attention", "deepseek_sparse_attention")]
+    assert args[0] == args[1]
+    with pytest.raises(UnsupportedConfig, match="layer_types"):
+        GlmMoeDsaArgs.from_hf(dict(config, layer_types=["sliding_attention"] * config["num_hidden_layers"]))
+
+
 def test_fp8_layers_and_exact_mode_are_refused_naming_the_file(tmp_path):
     """Both work on decoder blocks split at attention, which latent attention does not have (yet)."""
     from tandem.models.exact import check_exact
