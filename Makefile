@@ -9,11 +9,9 @@ BIN := $(VENV)/bin
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# --no-compile: byte-compiling every installed file (22,000, one core) costs more than compiling, on first
-	# import, the few thousand that the tests and a run import.
 	# torch first, pinned: the local CPU wheel; a looser spec could pull a CUDA build.
-	$(BIN)/pip install -q --no-compile -c constraints.txt torch
-	$(BIN)/pip install -q --no-compile -c constraints.txt -e '.[dev,verifiers]'
+	$(BIN)/pip install -q -c constraints.txt torch
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,verifiers]'
 	touch $(STAMP)
 
 .PHONY: venv rl test docs
