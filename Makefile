@@ -20,8 +20,10 @@ venv: $(STAMP)
 rl: $(STAMP)
 	$(BIN)/tandem rl @ examples/reverse_text/rl.toml --clean
 
+# Two workers (CI's two cores), each module on one of them, modules with slow tests handed out first
+# (tests/conftest.py says how they share the cores).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadscope --no-loadscope-reorder tests
 
 docs: $(STAMP)
 	$(BIN)/python -m tandem.config.reference

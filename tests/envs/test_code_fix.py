@@ -6,7 +6,6 @@ the final grading imports the module again. Limits are small so each case ends i
 
 import asyncio
 import json
-import os
 import socket
 import tempfile
 import uuid
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.envs import code_fix, load_environment
+from tandem.envs import code_fix, load_environment, sandbox
 
 LIMITS = {"cpu_s": 1, "wall_s": 1.5, "memory_mb": 512, "output_bytes": 20_000, "max_processes": 16}
 
@@ -99,8 +98,23 @@ HOSTILE = {
 }
 
 
+@pytest.fixture
+def sandbox_uids(monkeypatch) -> list[int]:
+    """The uids whose processes the test's sandboxes killed as they ended (a fresh uid a run, as root). Only these
+    are the test's: tests running beside it have sandboxes of their own."""
+    uids = []
+    kill_uid = sandbox._kill_uid
+
+    async def recording(uid: int) -> None:
+        uids.append(uid)
+        await kill_uid(uid)
+
+    monkeypatch.setattr(sandbox, "_kill_uid", recording)
+    return uids
+
+
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_hostile_code_is_stopped_scored_zero_and_recorded(env, scripted_client, confined, case):
+def test_hostile_code_is_stopped_scored_zero_and_recorded(env, scripted_client, confined, sandbox_uids, case):
     payload, violations = HOSTILE[case]
     rollout = payload_rollout(env, scripted_client, payload)
     report = tool_replies(rollout)[1]
@@ -108,17 +122,7 @@ def test_hostile_code_is_stopped_scored_zero_and_recorded(env, scripted_client, 
     state = rollout.state
     assert len(state["sandbox_violations"]) == 2 and set(state["sandbox_violations"]) <= violations
     assert rollout.score.reward == 0.0 and rollout.score.metrics["num_sandbox_violations"] == 2.0
-    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_live_sandbox_process(pid)]
-
-
-def _is_live_sandbox_process(pid: str) -> bool:
-    """A process of a sandbox uid (see sandbox._UID_RANGE) that is not a zombie."""
-    try:
-        uid = os.stat(f"/proc/{pid}").st_uid
-        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return uid >= 1_900_000_000 and status != "Z"
+    assert sandbox_uids and not [pid for uid in sandbox_uids for pid in sandbox._live_pids_of_uid(uid)]
 
 
 def test_code_cannot_delete_write_or_connect_outside(env, scripted_client, confined, tmp_path):

@@ -16,6 +16,8 @@ from tandem.config.inference import ServerConfig
 
 LIMIT = ServerConfig().max_request_bytes
 
+pytestmark = pytest.mark.alone  # latencies of 0.1 s and 1 s: another test computing beside them would blur them
+
 
 @pytest.fixture(scope="module")
 def server_url(tiny_dir, tmp_path_factory):
