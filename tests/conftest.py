@@ -7,7 +7,7 @@ one would wait for the other's threads to get a core back.
 A module's tests run on one worker (`--dist loadscope`): its module fixtures, such as a server or a run that
 several tests read, are then made once.
 
-A test marked `alone` (a bound on a latency) runs while the other worker runs nothing: it waits for the other's
+A test marked `alone` (a check on timing) runs while the other worker runs nothing: it waits for the other's
 test to end, and the other starts no test until it is done. Workers hold a file lock for each test, shared, or
 exclusive for `alone`; a turnstile lock in front makes a waiting `alone` test stop new shared holders, which would
 otherwise keep it waiting for as long as the other worker has tests.
