@@ -37,8 +37,8 @@ from tandem.models.moe import MoE
 
 
 DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
-"""GLM-5's attention layer as `layer_types` names it: transformers 5.17's config writes the second name for the
-same layer (MLA with a DSA indexer), later versions the first."""
+"""GLM-5's attention layer as `layer_types` names it: older transformers configs write the second name for the
+same layer (MLA with a DSA indexer), newer ones the first; both must load."""
 
 
 @dataclass(kw_only=True)
