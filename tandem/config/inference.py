@@ -264,6 +264,11 @@ class InferenceConfig(ProcessConfig):
         if self.backend == "tandem" and self.server.base_model_name is not None:
             raise ValueError("`server.base_model_name` with `backend` = 'tandem': tandem's engine merges the adapters into "
                              "its weights and serves the policy alone; use the vLLM backend to serve the base beside it")
+        if self.backend == "vllm" and self.engine.lora.target_experts:
+            raise ValueError(f"`engine.lora.target_experts` = {self.engine.lora.target_experts} with `backend` = 'vllm': "
+                             "vLLM 0.26 reads PEFT's adapters of stacked experts correctly only for models it holds as "
+                             "3-D expert weights, which its Qwen3-MoE, GLM-4.5, MiniMax-M2 and DeepSeek-V3 are not; "
+                             "use `backend` = 'tandem' or leave `lora.target_experts` empty")
         if self.engine.quantization != "none":
             raise ValueError(f"`engine.lora.enabled` with `engine.quantization` = {self.engine.quantization!r}: adapters are "
                              "merged into the base's weights in `model.dtype`, which FP8 projections do not hold; set one off")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from tandem.config.base import Section
@@ -26,12 +28,18 @@ class LoraConfig(Section):
 
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     """Projections to adapt, by the last part of their module name (the defaults: every attention and dense
-    feed-forward projection of the Qwen3, GLM-4.5 and MiniMax-M2 families; the routed experts of a mixture of
-    experts, held as stacked tensors, are not adapted). A name that matches no projection is an error listing the
-    model's. The LM head is never adapted."""
+    feed-forward projection of the Qwen3, GLM-4.5 and MiniMax-M2 families, shared experts included; the routed
+    experts are `target_experts`). A name that matches no projection is an error listing the model's. The LM head
+    is never adapted."""
+
+    target_experts: list[Literal["gate_up_proj", "down_proj"]] = []
+    """The routed experts' projections to adapt in a mixture of experts, whose experts are held stacked
+    (`gate_up_proj` [E, 2*I, H], `down_proj` [E, H, I]): each expert gets its own adapter, `A` [E, rank, in] and `B`
+    [E, out, rank], published as PEFT's `target_parameters`. Empty: the routed experts stay frozen as the base.
+    Naming them for a model without routed experts is an error; the vLLM backend does not take them."""
 
     @model_validator(mode="after")
     def _check_targets(self) -> "LoraConfig":
-        if self.enabled and not self.target_modules:
-            raise ValueError("`lora.target_modules` is empty: name at least one projection")
+        if self.enabled and not self.target_modules and not self.target_experts:
+            raise ValueError("`lora.target_modules` and `lora.target_experts` are empty: name at least one projection")
         return self

@@ -11,6 +11,12 @@ same device and dtype they hold the same bits, and the engine samples from the p
 Names follow PEFT: `<projection>.lora_A.weight` and `<projection>.lora_B.weight` beside the base's
 `<projection>.weight`, which keeps its Hugging Face name. An adapter folder is PEFT's (`adapter_config.json`,
 `adapter_model.safetensors`, tensors under `base_model.model.`), loadable by `peft`.
+
+The routed experts of a mixture of experts (`tandem.models.moe.GroupedExperts`, stacked [E, out, in]) take one
+adapter per expert (`LoraExperts`): `A` [E, r, in] and `B` [E, out, r], held beside the stacked base as
+`<experts>.<projection>_lora_A` and `_lora_B`, experts first, so that expert parallelism shards them with the
+experts they adapt. `adapted_weight` batches over the experts. In a folder they take PEFT's layout for LoRA on 3-D
+parameters (`target_parameters`, `peft.tuners.lora.ParamWrapper`), converted by `to_peft` and `from_peft`.
 """
 
 from __future__ import annotations
@@ -27,11 +33,18 @@ from safetensors.torch import load_file, save_file
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.moe import GroupedExperts
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 """PEFT's prefix of every tensor name in an adapter file (its wrapper around the causal LM)."""
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+EXPERT_ADAPTER_SUFFIXES = ("_lora_A", "_lora_B")
+"""An expert adapter's parameter names: `<experts>.<projection>` and one of these."""
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+"""The routed experts' stacked projections, in the order `GroupedExperts` and transformers' experts register them:
+PEFT nests one wrapper a parameter in that order, which names the tensors of a folder (`peft_expert_name`)."""
 
 
 @dataclass(frozen=True)
@@ -42,9 +55,12 @@ class LoraSpec:
     alpha: float
     target_modules: tuple[str, ...]
     """Sorted, so that two specs of the same targets are equal."""
+    target_experts: tuple[str, ...] = ()
+    """The routed experts' projections adapted (of `EXPERT_PROJECTIONS`), in that order."""
 
     def __post_init__(self):
         object.__setattr__(self, "target_modules", tuple(sorted(self.target_modules)))
+        object.__setattr__(self, "target_experts", tuple(p for p in EXPERT_PROJECTIONS if p in self.target_experts))
 
     @property
     def scale(self) -> float:
@@ -53,7 +69,8 @@ class LoraSpec:
 
 def adapted_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
     """`base + (B @ A) * scale` in `base`'s dtype: the weight an adapted projection multiplies by (see the module
-    docstring for why every side computes it here)."""
+    docstring for why every side computes it here); stacked experts [E, out, in] take `A` [E, r, in] and `B`
+    [E, out, r], one product an expert."""
     return base + (lora_b.to(base.dtype) @ lora_a.to(base.dtype)) * scale
 
 
@@ -80,6 +97,35 @@ class LoraLinear(nn.Linear):
         return F.linear(x, self.adapted_weight(), self.bias)
 
 
+class LoraExperts(GroupedExperts):
+    """Stacked routed experts with one adapter per expert on each targeted projection: the base's `gate_up_proj`
+    and `down_proj`, frozen, under their own names, and `<projection>_lora_A` [E, r, in] and `<projection>_lora_B`
+    [E, out, r], direct parameters of this module, experts first (expert parallelism shards every parameter of the
+    experts along its first dimension). The forward multiplies by `expert_weights()`, the adapted stacks."""
+
+    def __init__(self, base: GroupedExperts, rank: int, scale: float, targets: tuple[str, ...]):
+        nn.Module.__init__(self)
+        self.num_experts = base.num_experts
+        self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+        self.scale, self.targets = scale, targets
+        for projection in targets:
+            experts, out_features, in_features = getattr(base, projection).shape
+            device = getattr(base, projection).device
+            self.register_parameter(f"{projection}_lora_A", nn.Parameter(
+                torch.empty(experts, rank, in_features, device=device, dtype=torch.float32)))
+            self.register_parameter(f"{projection}_lora_B", nn.Parameter(
+                torch.empty(experts, out_features, rank, device=device, dtype=torch.float32)))
+
+    def adapted(self, projection: str) -> torch.Tensor:
+        base = getattr(self, projection)
+        if projection not in self.targets:
+            return base
+        return adapted_weight(base, getattr(self, f"{projection}_lora_A"), getattr(self, f"{projection}_lora_B"), self.scale)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.adapted("gate_up_proj"), self.adapted("down_proj")
+
+
 def projection_names(model: nn.Module) -> list[str]:
     """Every distinct last name part of the model's `nn.Linear` modules: what `target_modules` may name."""
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
@@ -100,22 +146,54 @@ def check_targets(model: nn.Module, targets: tuple[str, ...], found: dict[str, n
                          f"are {[n for n in projection_names(model) if n != 'lm_head']}")
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, source: str) -> list[str]:
-    """Replace every `nn.Linear` that `spec` targets (`targeted_linears`) by a `LoraLinear`, in place, and freeze
-    every other parameter; returns the adapted modules' names. `source` (the config file that named the targets)
-    is named by the error when a target names no module."""
+def targeted_experts(model: nn.Module, targets: tuple[str, ...], source: str) -> dict[str, GroupedExperts]:
+    """The model's stacked routed experts (name -> module) when `targets` names any of their projections; `targets`
+    naming a model without routed experts is an error naming `source`."""
+    if not targets:
+        return {}
+    found = {name: module for name, module in model.named_modules() if isinstance(module, GroupedExperts)}
+    if not found:
+        raise ValueError(f"{source} names {list(targets)}, but the model has no routed experts (a mixture of experts "
+                         f"of {list(EXPERT_PROJECTIONS)}); leave it empty")
+    return found
+
+
+def adapted_parameters(model: nn.Module, spec: LoraSpec, source: str) -> dict[str, nn.Parameter]:
+    """The base weights `spec` adapts, by the name their adapters pair to (`adapter_pairs`): each targeted
+    projection's `<module>.weight`, each targeted expert stack's `<experts>.<projection>`. A target that matches
+    nothing is an error naming `source` (the config that named the targets) and what the model has."""
     found = targeted_linears(model, spec.target_modules)
     check_targets(model, spec.target_modules, found, f"{source}: `lora.target_modules`")
+    params = {f"{name}.weight": module.weight for name, module in found.items()}
+    for name, experts in targeted_experts(model, spec.target_experts, f"{source}: `lora.target_experts`").items():
+        params |= {f"{name}.{projection}": getattr(experts, projection) for projection in spec.target_experts}
+    return params
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, source: str) -> list[str]:
+    """Replace every `nn.Linear` that `spec` targets (`targeted_linears`) by a `LoraLinear`, and the routed experts
+    by `LoraExperts` when it targets theirs, in place, and freeze every other parameter; returns the adapted
+    modules' names. `source` (the config file that named the targets) is named by the error when a target names
+    no module."""
+    adapted_parameters(model, spec, source)  # the targets' errors, before anything changes
+    linears = targeted_linears(model, spec.target_modules)
+    experts = targeted_experts(model, spec.target_experts, source)
     model.requires_grad_(False)
-    for name in found:
+    for name, module in [*linears.items(), *experts.items()]:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoraLinear(getattr(parent, child), spec.rank, spec.scale))
-    return sorted(found)
+        adapted = (LoraLinear(module, spec.rank, spec.scale) if name in linears else
+                   LoraExperts(module, spec.rank, spec.scale, spec.target_experts))
+        setattr(parent, child, adapted)
+    return sorted([*linears, *experts])
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoraLinear]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLinear)]
+
+
+def lora_experts(model: nn.Module) -> list[tuple[str, LoraExperts]]:
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, LoraExperts)]
 
 
 def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -129,6 +207,12 @@ def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         shape = (module.lora_A.out_features, module.in_features)
         state[f"{name}.lora_A.weight"] = torch.rand(shape, generator=generator).mul_(2 * bound).sub_(bound)
         state[f"{name}.lora_B.weight"] = torch.zeros(module.out_features, shape[0])
+    for name, module in lora_experts(model):
+        for projection in module.targets:
+            lora_a, lora_b = (getattr(module, f"{projection}{suffix}") for suffix in EXPERT_ADAPTER_SUFFIXES)
+            bound = 1 / math.sqrt(lora_a.shape[-1])
+            state[f"{name}.{projection}_lora_A"] = torch.rand(lora_a.shape, generator=generator).mul_(2 * bound).sub_(bound)
+            state[f"{name}.{projection}_lora_B"] = torch.zeros(lora_b.shape)
     return state
 
 
@@ -146,21 +230,71 @@ def write_start_folder(folder: Path, model_folder: Path, spec: LoraSpec, seed: i
 
 
 def is_adapter_name(name: str) -> bool:
-    return name.endswith(ADAPTER_SUFFIXES)
+    return name.endswith(ADAPTER_SUFFIXES) or name.endswith(EXPERT_ADAPTER_SUFFIXES)
 
 
 def adapter_config_json(spec: LoraSpec, base_model: str) -> dict:
-    """PEFT's `adapter_config.json` for `spec` (the fields `peft.LoraConfig` reads, at their meaning here)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
-            "lora_alpha": spec.alpha, "target_modules": sorted(spec.target_modules), "lora_dropout": 0.0, "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-            "modules_to_save": None, "inference_mode": True}
+    """PEFT's `adapter_config.json` for `spec` (the fields `peft.LoraConfig` reads, at their meaning here); expert
+    adapters are `target_parameters`, named as transformers' mixtures of experts hold them."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
+              "lora_alpha": spec.alpha, "target_modules": sorted(spec.target_modules), "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+              "modules_to_save": None, "inference_mode": True}
+    if spec.target_experts:
+        config["target_parameters"] = [f"mlp.experts.{projection}" for projection in spec.target_experts]
+    return config
+
+
+def peft_expert_module(experts: str, projection: str, targets: tuple[str, ...]) -> str:
+    """The module name PEFT gives the adapter of `projection` of the stacked experts `experts`: PEFT wraps the
+    targeted parameters one around the other in registration order, the last outermost, so each targeted
+    projection registered after this one adds a `.base_layer`."""
+    return experts + ".base_layer" * (len(targets) - 1 - targets.index(projection))
+
+
+def to_peft(state: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """Adapters under tandem's names -> PEFT's: expert adapters `A` [E, r, in] -> [E * r, in] (expert-major rows) and
+    `B` [E, out, r] -> [out, r * E] (rank-major columns), as `ParamWrapper` holds them; others unchanged."""
+    out = {}
+    for name, tensor in state.items():
+        if not name.endswith(EXPERT_ADAPTER_SUFFIXES):
+            out[name] = tensor
+            continue
+        experts, _, parameter = name.rpartition(".")
+        projection, which = parameter[:-len("_lora_A")], parameter[-1]
+        module = peft_expert_module(experts, projection, spec.target_experts)
+        flat = tensor.reshape(-1, tensor.shape[-1]) if which == "A" else tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
+        out[f"{module}.lora_{which}.weight"] = flat
+    return out
+
+
+def from_peft(state: dict[str, torch.Tensor], spec: LoraSpec, source: str) -> dict[str, torch.Tensor]:
+    """The inverse of `to_peft`: a folder's adapters (PEFT names without the prefix) under tandem's names."""
+    out = {}
+    for name, tensor in state.items():
+        module, _, which = name.removesuffix(".weight").rpartition(".lora_")
+        depth = module.count(".base_layer")
+        experts = module.replace(".base_layer", "")
+        if not (spec.target_experts and experts.endswith(".experts")):
+            out[name] = tensor
+            continue
+        if depth >= len(spec.target_experts):
+            raise ValueError(f"{source}: {name!r} nests deeper than the {len(spec.target_experts)} `target_parameters`")
+        projection = spec.target_experts[len(spec.target_experts) - 1 - depth]
+        rank = spec.rank
+        if which == "A":
+            stacked = tensor.reshape(-1, rank, tensor.shape[-1])
+        else:
+            stacked = tensor.reshape(tensor.shape[0], rank, -1).permute(2, 0, 1)
+        out[f"{experts}.{projection}_lora_{which}"] = stacked.contiguous()
+    return out
 
 
 def write_adapter_folder(folder: Path, state: dict[str, torch.Tensor], spec: LoraSpec, base_model: str) -> None:
-    """`adapter_model.safetensors` (under PEFT's names) and `adapter_config.json`, each written tmp + rename."""
+    """`adapter_model.safetensors` (under PEFT's names and layout, `to_peft`) and `adapter_config.json`, each
+    written tmp + rename."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {PEFT_PREFIX + name: t.detach().contiguous().cpu() for name, t in state.items()}
+    tensors = {PEFT_PREFIX + name: t.detach().contiguous().cpu() for name, t in to_peft(state, spec).items()}
     tmp = folder / f".{ADAPTER_WEIGHTS}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, folder / ADAPTER_WEIGHTS)
@@ -188,25 +322,32 @@ def read_adapter_folder(folder: Path) -> tuple[LoraSpec, dict[str, torch.Tensor]
     targets = config.get("target_modules")
     if not isinstance(targets, list):
         raise ValueError(f"{config_file}: `target_modules` = {targets!r}: a list of module names is needed")
-    spec = LoraSpec(int(config["r"]), float(config["lora_alpha"]), tuple(targets))
+    parameters = config.get("target_parameters") or []
+    experts = [p.rpartition(".")[-1] for p in parameters]
+    if not isinstance(parameters, list) or any(not p.endswith(f"experts.{e}") or e not in EXPERT_PROJECTIONS
+                                               for p, e in zip(parameters, experts)):
+        raise ValueError(f"{config_file}: `target_parameters` = {parameters!r}: only the routed experts' stacked "
+                         f"projections are adapted as parameters ({[f'mlp.experts.{e}' for e in EXPERT_PROJECTIONS]})")
+    spec = LoraSpec(int(config["r"]), float(config["lora_alpha"]), tuple(targets), tuple(experts))
     tensors = load_file(str(folder / ADAPTER_WEIGHTS))
     state = {}
     for name, tensor in tensors.items():
         own = name.removeprefix(PEFT_PREFIX).replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-        if not is_adapter_name(own):
+        if not own.endswith(ADAPTER_SUFFIXES):
             raise ValueError(f"{folder / ADAPTER_WEIGHTS}: {name!r} is no LoRA A or B matrix")
         state[own] = tensor
-    return spec, state
+    return spec, from_peft(state, spec, str(folder / ADAPTER_WEIGHTS))
 
 
 def adapter_pairs(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Adapter tensors grouped by the base weight they adapt: `<module>.weight` -> (A, B); a module with only one
-    of its two matrices is an error."""
+    """Adapter tensors grouped by the base weight they adapt: `<module>.weight` -> (A, B), and for stacked experts
+    `<experts>.<projection>` -> (A, B); a module with only one of its two matrices is an error."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
-        for which, suffix in (("A", ".lora_A.weight"), ("B", ".lora_B.weight")):
+        for which, suffix, base_suffix in (("A", ".lora_A.weight", ".weight"), ("B", ".lora_B.weight", ".weight"),
+                                           ("A", "_lora_A", ""), ("B", "_lora_B", "")):
             if name.endswith(suffix):
-                pairs.setdefault(name.removesuffix(suffix) + ".weight", {})[which] = tensor
+                pairs.setdefault(name.removesuffix(suffix) + base_suffix, {})[which] = tensor
     lonely = [name for name, pair in pairs.items() if len(pair) != 2]
     if lonely:
         raise KeyError(f"adapters without both LoRA matrices: {lonely[:5]}")

@@ -174,6 +174,11 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked matrices the experts multiply by, (gate_up [E, 2*I, H], down [E, H, I]): the parameters here,
+        the adapted weights with LoRA adapters on the experts (`tandem.models.lora.LoraExperts`)."""
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [M, H], rows grouped by expert (`num_tokens_per_expert[e]` rows of expert e, in order) -> [M, H]."""
         if has_grouped_mm(x):
@@ -181,15 +186,17 @@ class GroupedExperts(nn.Module):
         return self._looped(x, num_tokens_per_expert)
 
     def _grouped(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        gate_up_proj, down_proj = self.expert_weights()
         offsets = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
-        gate, up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        gate, up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
 
     def _looped(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        gate_up_proj, down_proj = self.expert_weights()
         outputs = []
         for e, rows in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down_proj[e]))
         return torch.cat(outputs)
 
 

@@ -204,7 +204,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     policy = PolicyModel(lm, chunk_size, compile_head=compile and native, sdpa_backends=kernels.sdpa_backends, exact=exact)
     policy.context_parallel = parallel
     if lora.enabled:
-        policy.lora = LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules))
+        policy.lora = LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), tuple(lora.target_experts))
         apply_lora(lm, policy.lora, source="the trainer's config")
         frozen_dtype = compute_dtype(model, dims.device)  # the base never steps: no fp32 master
         for param in lm.parameters():

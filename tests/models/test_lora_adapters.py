@@ -12,7 +12,7 @@ from tandem.inference.engine.lora_merge import AdapterMerger
 from tandem.models.layers import projection_weight
 from tandem.models.loading import load_causal_lm
 from tandem.models.lora import (ADAPTER_CONFIG, LoraLinear, LoraSpec, adapted_weight, apply_lora, export_merged, initial_adapters,
-                                lora_modules, read_adapter_folder, write_adapter_folder)
+                                LoraExperts, lora_experts, lora_modules, read_adapter_folder, write_adapter_folder)
 from tandem.models.presets import init_model
 from tandem.models.weights import load_state_dict
 
@@ -161,3 +161,121 @@ def test_export_merge_is_the_base_with_each_adapted_weight_replaced(tiny, tmp_pa
             assert torch.equal(tensor, model.get_submodule(module).adapted_weight().detach()), name
         else:
             assert torch.equal(tensor, base[name]), name
+
+
+EXPERT_SPEC = LoraSpec(rank=2, alpha=6.0, target_modules=("q_proj", "o_proj"), target_experts=("gate_up_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return init_model("tiny-moe", tmp_path_factory.mktemp("tiny-moe"), seed=0)
+
+
+def expert_adapters(model: nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Projection and expert adapters as training would leave them: A and B both away from their start."""
+    gen = torch.Generator().manual_seed(seed)
+    state = random_adapters(model, seed, dtype)
+    for name, module in lora_experts(model):
+        for projection in module.targets:
+            for suffix in ("_lora_A", "_lora_B"):
+                shape = getattr(module, projection + suffix).shape
+                state[f"{name}.{projection}{suffix}"] = (torch.randn(shape, generator=gen) * 0.1).to(dtype)
+    return state
+
+
+def adapted_moe(tiny_moe, spec: LoraSpec = EXPERT_SPEC, adapters_seed: int | None = None) -> nn.Module:
+    model = load_causal_lm(str(tiny_moe), "cpu", "float32")
+    apply_lora(model, spec, source="test")
+    state = initial_adapters(model, seed=0) if adapters_seed is None else expert_adapters(model, adapters_seed)
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def test_expert_adapters_start_as_the_base_and_only_they_and_the_projections_train(tiny_moe):
+    base = load_causal_lm(str(tiny_moe), "cpu", "float32")
+    model = adapted_moe(tiny_moe)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(hidden(model, ids), hidden(base, ids))  # B = 0: the base model, to the bit
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, LoraExperts) and experts.gate_up_proj_lora_A.shape == (8, 2, base.args.hidden_size)
+    assert experts.down_proj_lora_B.shape == (8, base.args.hidden_size, 2)
+    model = adapted_moe(tiny_moe, adapters_seed=1)
+    hidden(model, ids).square().mean().backward()
+    for name, param in model.named_parameters():
+        assert (param.grad is not None and param.grad.abs().sum() > 0) == ("lora_" in name), name
+    assert sum("experts.gate_up_proj_lora_" in n for n, p in model.named_parameters()) == 2 * base.args.num_hidden_layers
+
+
+def test_the_adapted_experts_are_what_the_model_multiplies_by(tiny_moe):
+    model = adapted_moe(tiny_moe, adapters_seed=2)
+    experts = model.model.layers[1].mlp.experts
+    gate_up, down = experts.expert_weights()
+    for e in range(8):
+        delta = experts.gate_up_proj_lora_B[e] @ experts.gate_up_proj_lora_A[e] * 3.0
+        torch.testing.assert_close(gate_up[e], experts.gate_up_proj[e] + delta, rtol=0, atol=1e-6)
+    assert not torch.equal(down, experts.down_proj)
+    one_target = adapted_moe(tiny_moe, LoraSpec(2, 6.0, (), ("down_proj",)), adapters_seed=2)
+    gate_up, down = one_target.model.layers[1].mlp.experts.expert_weights()
+    assert gate_up is one_target.model.layers[1].mlp.experts.gate_up_proj and not torch.equal(down, experts.down_proj)
+
+
+def test_expert_targets_on_a_model_without_routed_experts_are_an_error(tiny):
+    model = load_causal_lm(str(tiny), "cpu", "float32")
+    with pytest.raises(ValueError, match=r"cfg.toml: `lora.target_experts` names \['down_proj'\], but the model has no "
+                                         r"routed experts"):
+        apply_lora(model, LoraSpec(4, 8.0, ("q_proj",), ("down_proj",)), source="cfg.toml")
+
+
+@pytest.mark.parametrize("spec", [EXPERT_SPEC, LoraSpec(2, 6.0, (), ("gate_up_proj",)), LoraSpec(2, 6.0, ("q_proj",), ("down_proj",))],
+                         ids=["both", "gate_up_only", "down_only"])
+def test_peft_loads_expert_adapters_and_computes_and_merges_what_tandem_does(tiny_moe, tmp_path, spec):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = adapted_moe(tiny_moe, spec, adapters_seed=3)
+    state = {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+    write_adapter_folder(tmp_path / "adapters", state, spec, str(tiny_moe))
+    config = json.loads((tmp_path / "adapters" / ADAPTER_CONFIG).read_text())
+    assert config["target_parameters"] == [f"mlp.experts.{p}" for p in spec.target_experts]
+    read_spec, read = read_adapter_folder(tmp_path / "adapters")
+    assert read_spec == spec and read.keys() == state.keys() and all(torch.equal(read[k], state[k]) for k in state)
+
+    ids = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(3))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    base_logits = hf(ids).logits
+    with_adapters = peft.PeftModel.from_pretrained(hf, tmp_path / "adapters")
+    assert len([n for n, _ in with_adapters.named_parameters() if "lora_" in n]) == len(state)
+    ours = model.lm_head(hidden(model, ids))
+    assert not torch.allclose(ours, base_logits, atol=1e-3)  # the adapters move the policy
+    torch.testing.assert_close(with_adapters(ids).logits, ours, atol=1e-5, rtol=1e-5)
+    export_merged(tmp_path / "adapters", tmp_path / "merged")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    peft_merged = with_adapters.merge_and_unload()
+    for name, tensor in peft_merged.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
+    torch.testing.assert_close(exported(ids).logits, ours, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_merges_expert_adapters_as_the_trainer_multiplies_and_never_drifts(tiny_moe, dtype):
+    served = load_causal_lm(str(tiny_moe), "cpu", "float32").to(dtype)
+    merger = AdapterMerger(served, EXPERT_SPEC)
+    trainer = adapted_moe(tiny_moe).to(dtype)
+    first = expert_adapters(trainer, seed=10, dtype=dtype)
+    merger.apply(first)
+    first_weights = {n: p.clone() for n, p in served.state_dict().items()}
+    trainer.load_state_dict(first, strict=False)
+    for name, module in lora_experts(trainer):
+        gate_up, down = module.expert_weights()
+        assert torch.equal(first_weights[f"{name}.gate_up_proj"], gate_up) and torch.equal(first_weights[f"{name}.down_proj"], down)
+    for seed in range(11, 40):
+        merger.apply(expert_adapters(trainer, seed=seed, dtype=dtype))
+    merger.apply(first)
+    assert all(torch.equal(first_weights[n], p) for n, p in served.state_dict().items())
+    wide = {**first, "model.layers.0.mlp.experts.down_proj_lora_A": torch.zeros(8, 4, 64, dtype=dtype)}
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.down_proj: .* rank 2 needs A \(8, 2, 64\)"):
+        merger.apply(wide)
+    without_experts = {n: t for n, t in first.items() if "experts" not in n}
+    with pytest.raises(KeyError, match=r"missing for \['model.layers.0.mlp.experts.down_proj'"):
+        merger.apply(without_experts)
+    assert all(torch.equal(first_weights[n], p) for n, p in served.state_dict().items())

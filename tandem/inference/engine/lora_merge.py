@@ -5,7 +5,8 @@ the trainer's forward uses), so its kernels, CUDA graphs and stacked projections
 reads no more bytes than the base model's. Merging from a kept copy of the base, never from the previous merged
 weights, keeps every update exact: no rounding accumulates over hundreds of updates. The copy holds the targeted
 projections only, on the host (pinned on CUDA), so the device holds one copy of the model; each update moves
-them to the device one projection at a time.
+them to the device one projection at a time. Adapted routed experts are the model's stacked tensors
+[E, out, in] (the engine's fused kernels read the same ones), merged one stack at a time.
 """
 
 from __future__ import annotations
@@ -13,18 +14,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.lora import LoraSpec, adapted_weight, adapter_pairs, check_targets, targeted_linears
+from tandem.models.lora import LoraSpec, adapted_parameters, adapted_weight, adapter_pairs
 
 
 class AdapterMerger:
-    def __init__(self, model: nn.Module, spec: LoraSpec, source: str = "`engine.lora.target_modules`"):
+    def __init__(self, model: nn.Module, spec: LoraSpec, source: str = "the engine's config"):
         """Keep host copies of `model`'s projections that `spec` targets (every `nn.Linear` whose last name part is
-        a target, the LM head never); a target that matches nothing is an error naming `source` and the model's
-        projections."""
+        a target, the LM head never, and the routed experts' stacks it names); a target that matches nothing is an
+        error naming `source` and what the model has."""
         self.spec = spec
-        found = targeted_linears(model, spec.target_modules)
-        check_targets(model, spec.target_modules, found, source)
-        self.params = {f"{name}.weight": module.weight for name, module in found.items()}
+        self.params = adapted_parameters(model, spec, source)
         for name, param in self.params.items():
             if not param.is_floating_point() or param.element_size() < 2:
                 raise ValueError(f"{name} is held as {param.dtype}: LoRA adapters merge into bf16, fp16 or fp32 weights")
@@ -40,11 +39,13 @@ class AdapterMerger:
         if missing or unexpected:
             raise KeyError(f"the adapters do not match the served model's LoRA targets {list(self.spec.target_modules)}: "
                            f"missing for {missing[:5]}, unexpected for {unexpected[:5]}")
+        rank = self.spec.rank
         for name, (lora_a, lora_b) in pairs.items():
-            out_features, in_features = self.base[name].shape
-            if lora_a.shape != (self.spec.rank, in_features) or lora_b.shape != (out_features, self.spec.rank):
+            *experts, out_features, in_features = self.base[name].shape  # stacked experts: [E, out, in]
+            want_a, want_b = (*experts, rank, in_features), (*experts, out_features, rank)
+            if tuple(lora_a.shape) != want_a or tuple(lora_b.shape) != want_b:
                 raise ValueError(f"adapter shapes for {name}: A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)}; rank "
-                                 f"{self.spec.rank} needs A ({self.spec.rank}, {in_features}), B ({out_features}, {self.spec.rank})")
+                                 f"{rank} needs A {want_a}, B {want_b}")
             if not (lora_a.is_floating_point() and lora_b.is_floating_point()):
                 raise ValueError(f"adapter dtypes for {name}: {lora_a.dtype}, {lora_b.dtype}; floating point is needed")
         return pairs

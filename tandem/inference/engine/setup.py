@@ -162,7 +162,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
                          "planned before the drafts each sequence kept are read; set `engine.overlap_steps` = false")
     block_manager = BlockManager(num_blocks, engine.block_size)
     lora = engine.lora
-    adapters = AdapterMerger(weight_target, LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules))) if lora.enabled else None
+    adapters = AdapterMerger(weight_target, LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), tuple(lora.target_experts))) if lora.enabled else None
     sampler = Sampler(device, seed, exact)
     speculator = None
     if spec.method == "ngram":
