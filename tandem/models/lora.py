@@ -158,14 +158,15 @@ def targeted_experts(model: nn.Module, targets: tuple[str, ...], source: str) ->
     return found
 
 
-def adapted_parameters(model: nn.Module, spec: LoraSpec, source: str) -> dict[str, nn.Parameter]:
+def adapted_parameters(model: nn.Module, spec: LoraSpec, source: str, section: str = "lora") -> dict[str, nn.Parameter]:
     """The base weights `spec` adapts, by the name their adapters pair to (`adapter_pairs`): each targeted
     projection's `<module>.weight`, each targeted expert stack's `<experts>.<projection>`. A target that matches
-    nothing is an error naming `source` (the config that named the targets) and what the model has."""
+    nothing is an error naming `source` (the config that named the targets), the key (in `section`) and what the
+    model has."""
     found = targeted_linears(model, spec.target_modules)
-    check_targets(model, spec.target_modules, found, f"{source}: `lora.target_modules`")
+    check_targets(model, spec.target_modules, found, f"{source}: `{section}.target_modules`")
     params = {f"{name}.weight": module.weight for name, module in found.items()}
-    for name, experts in targeted_experts(model, spec.target_experts, f"{source}: `lora.target_experts`").items():
+    for name, experts in targeted_experts(model, spec.target_experts, f"{source}: `{section}.target_experts`").items():
         params |= {f"{name}.{projection}": getattr(experts, projection) for projection in spec.target_experts}
     return params
 
@@ -177,7 +178,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec, source: str) -> list[str]:
     no module."""
     adapted_parameters(model, spec, source)  # the targets' errors, before anything changes
     linears = targeted_linears(model, spec.target_modules)
-    experts = targeted_experts(model, spec.target_experts, source)
+    experts = targeted_experts(model, spec.target_experts, f"{source}: `lora.target_experts`")
     model.requires_grad_(False)
     for name, module in [*linears.items(), *experts.items()]:
         parent_name, _, child = name.rpartition(".")
@@ -225,7 +226,7 @@ def write_start_folder(folder: Path, model_folder: Path, spec: LoraSpec, seed: i
 
     hf_config = read_hf_config(model_folder)
     model = build_native(hf_config, source=str(Path(model_folder) / "config.json"))
-    apply_lora(model, spec, f"{model_folder}: `lora.target_modules`")
+    apply_lora(model, spec, str(model_folder))
     write_adapter_folder(folder, initial_adapters(model, seed), spec, str(model_folder))
 
 

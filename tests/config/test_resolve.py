@@ -258,6 +258,11 @@ def test_a_lora_run_on_vllm_loads_adapter_folders_and_refuses_the_broadcast():
     with pytest.raises(ConfigError, match=r"'broadcast' with `trainer.lora` and `inference.backend` = 'vllm'"):
         resolve(*GPU_VLLM, "--deployment.trainer_devices", "[1]", "--trainer.lora.enabled", "true",
                 "--weight_transport.type", "broadcast", machine=FakeMachine(cuda_devices=2))
+    with pytest.raises(ConfigError, match=r"in `inference`: `engine.lora.target_experts` = \['down_proj'\] with "
+                                        r"`backend` = 'vllm'.*from `trainer.lora`"):
+        resolve(*GPU_VLLM, "--deployment.trainer_devices", "[1]", "--trainer.lora.enabled", "true",
+                "--trainer.lora.target-experts", '["down_proj"]', "--weight_transport.type", "filesystem",
+                machine=FakeMachine(cuda_devices=2))
 
 
 def checkpoint(run_dir: Path, step: int, process: str) -> None:

@@ -10,7 +10,7 @@ from inference_helpers import make_config, teacher_forced_logprobs
 from tandem.config.inference import InferenceConfig
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
-from tandem.models.lora import LoraSpec, apply_lora, export_merged, lora_modules, write_adapter_folder
+from tandem.models.lora import LoraSpec, apply_lora, export_merged, lora_experts, lora_modules, write_adapter_folder
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": TARGETS}
@@ -74,6 +74,8 @@ def test_adapters_sent_to_a_server_of_full_weights_are_refused(server, tiny_dir,
 
 @pytest.mark.parametrize("engine, message", [
     ({"lora": {**LORA, "target_modules": ["q_proj", "qkv"]}}, "`engine.lora.target_modules` names ['qkv'], which match no"),
+    ({"lora": {**LORA, "target_experts": ["down_proj"]}}, "`engine.lora.target_experts` names ['down_proj'], but the model "
+                                                          "has no routed experts"),
 ])
 def test_targets_that_name_nothing_are_refused_at_start(tiny_dir, engine, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -83,8 +85,41 @@ def test_targets_that_name_nothing_are_refused_at_start(tiny_dir, engine, messag
 @pytest.mark.parametrize("config, message", [
     ({"engine": {"lora": LORA}, "server": {"base_model_name": "b"}}, "merges the adapters into its weights and serves"),
     ({"engine": {"lora": LORA, "quantization": "fp8"}}, "merged into the base's weights in `model.dtype`"),
-    ({"engine": {"lora": {**LORA, "target_modules": []}}}, "`lora.target_modules` is empty"),
+    ({"engine": {"lora": {**LORA, "target_modules": []}}}, "`lora.target_modules` and `lora.target_experts` are empty"),
+    ({"engine": {"lora": {**LORA, "target_experts": ["gate_proj"]}}}, "Input should be 'gate_up_proj' or 'down_proj'"),
+    ({"backend": "vllm", "engine": {"lora": {**LORA, "target_experts": ["down_proj"]}}},
+     "with `backend` = 'vllm': vLLM 0.26 reads PEFT's adapters of stacked experts correctly only"),
 ])
 def test_lora_settings_the_engine_cannot_serve_are_config_errors(tiny_dir, config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("`", ".")):
         InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, **config})
+
+
+def test_expert_adapter_updates_serve_the_trainer_s_policy(tiny_moe_dir, tmp_path):
+    """A mixture of experts with an adapter on every expert: the server's logprobs after an update are the trainer's
+    forward (the model with `LoraExperts`) at the mismatch of the dense adapters, and the base's before it."""
+    spec = LoraSpec(4, 8.0, ("q_proj", "o_proj"), ("gate_up_proj", "down_proj"))
+    lora = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": list(spec.target_modules),
+            "target_experts": list(spec.target_experts)}
+    trainer = load_causal_lm(str(tiny_moe_dir), "cpu", "float32")
+    apply_lora(trainer, spec, source="test")
+    gen = torch.Generator().manual_seed(5)
+    adapters = {n: torch.randn(p.shape, generator=gen) * 0.2 for n, p in trainer.named_parameters() if "lora_" in n}
+    trainer.load_state_dict(adapters, strict=False)
+    assert len(lora_experts(trainer)) == 2 and any("experts.down_proj_lora_B" in n for n in adapters)
+    write_adapter_folder(tmp_path / "a", adapters, spec, str(tiny_moe_dir))
+    base = load_causal_lm(str(tiny_moe_dir), "cpu", "float32")
+    prompt = [5, 17, 99, 3, 42]
+    running = BackgroundServer(make_config(tiny_moe_dir, lora=lora))
+    try:
+        choice = generate(running, prompt)
+        torch.testing.assert_close(torch.tensor(choice["logprobs"]),
+                                   teacher_forced_logprobs(base, prompt, choice["token_ids"], 1.0), atol=1e-5, rtol=0)
+        response = httpx.post(f"{running.url}/update_weights", json={"path": str(tmp_path / "a")}, timeout=60)
+        assert response.status_code == 200, response.text
+        choice = generate(running, prompt)
+    finally:
+        running.stop()
+    served = torch.tensor(choice["logprobs"])
+    torch.testing.assert_close(served, teacher_forced_logprobs(trainer, prompt, choice["token_ids"], 1.0), atol=1e-5, rtol=0)
+    assert not torch.allclose(served, teacher_forced_logprobs(base, prompt, choice["token_ids"], 1.0), atol=1e-2)

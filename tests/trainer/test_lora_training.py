@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ from tandem.models.weights import load_state_dict
 from tandem.trainer.checkpoint import complete_checkpoints
 from tandem.transport.paths import STABLE, weights_dir
 
+from test_distributed import torchrun_trainer
 from test_sft import reverse_text_data, sft
-from trainer_helpers import metrics, random_row, run_trainer, write_rollouts
+from trainer_helpers import losses, metrics, one_thread, random_row, run_trainer, write_rollouts
 
 LORA = ["--lora.enabled", "--lora.rank", "4", "--lora.alpha", "8"]
 
@@ -106,3 +108,35 @@ def test_sft_with_lora_lowers_the_loss_and_leaves_the_base(tiny_model, tmp_path)
     assert (out / "weights" / "final" / ADAPTER_CONFIG).is_file()
     after = load_state_dict(tiny_model)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+EXPERTS = ["--lora.target-modules", '["q_proj", "o_proj"]', "--lora.target-experts", '["gate_up_proj", "down_proj"]']
+
+
+@pytest.mark.slow
+def test_expert_adapters_train_publish_checkpoint_and_split_over_expert_parallel_ranks(tiny_moe_model, tmp_path):
+    """Each rank of EP = 2 holds its experts' adapters: the same losses, gradients and published adapters as one rank."""
+    common = ["--model.name", str(tiny_moe_model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
+              "--max-steps", "2", "--seq-len", "32", "--optim.lr", "1e-2", "--ckpt.enabled", "--ckpt.interval", "2",
+              *LORA, *EXPERTS]
+    one, ep2 = tmp_path / "one", tmp_path / "ep2"
+    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
+        launched = pool.submit(torchrun_trainer, *common, "--device", "cpu", "--output-dir", str(ep2), "--parallel.ep", "2")
+        with one_thread():
+            assert run_trainer(*common, "--output-dir", str(one)) == 0
+        result = launched.result()
+    assert result.returncode == 0, result.stderr[-3000:]
+    spec, adapters = read_adapter_folder(weights_dir(one, 2))
+    assert spec.target_experts == ("gate_up_proj", "down_proj")
+    layers = json.loads((tiny_moe_model / "config.json").read_text())["num_hidden_layers"]
+    expert_names = [n for n in adapters if n.endswith(("_lora_A", "_lora_B"))]
+    assert len(expert_names) == 4 * layers and adapters["model.layers.0.mlp.experts.down_proj_lora_A"].shape == (8, 4, 64)
+    assert all(adapters[n].abs().sum() > 0 for n in expert_names if n.endswith("_lora_B"))  # B left zero: the experts learn
+    [(_, ckpt)] = complete_checkpoints(one)
+    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert {k.removeprefix("model.lm.") for k in saved if k.startswith("model.")} == set(adapters)
+    assert losses(ep2) == pytest.approx(losses(one), abs=1e-5)
+    assert [m["grad_norm"] for m in metrics(ep2)] == pytest.approx([m["grad_norm"] for m in metrics(one)], abs=1e-5)
+    _, sharded = read_adapter_folder(weights_dir(ep2, 2))
+    assert sharded.keys() == adapters.keys()
+    assert max((sharded[n] - adapters[n]).abs().max().item() for n in adapters) < 1e-4  # Adam's fp32 noise, as test_expert_parallel

@@ -23,7 +23,7 @@ class AdapterMerger:
         a target, the LM head never, and the routed experts' stacks it names); a target that matches nothing is an
         error naming `source` and what the model has."""
         self.spec = spec
-        self.params = adapted_parameters(model, spec, source)
+        self.params = adapted_parameters(model, spec, source, section="engine.lora")
         for name, param in self.params.items():
             if not param.is_floating_point() or param.element_size() < 2:
                 raise ValueError(f"{name} is held as {param.dtype}: LoRA adapters merge into bf16, fp16 or fp32 weights")
