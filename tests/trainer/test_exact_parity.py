@@ -20,7 +20,7 @@ from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.exact import model_uses_kernels
 from tandem.models.loading import load_causal_lm
-from tandem.models.lora import LoraSpec, apply_lora, lora_modules
+from tandem.models.lora import LoraSpec, apply_lora, is_adapter_name
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.samples import Turn, build_samples
 from tandem.trainer.micro_batch import MicroBatch
@@ -38,13 +38,17 @@ NUM_TURNS = {0: 1, 1: 2, 2: 1, 3: 2}
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
 
 
-def trained_adapters(model_folder: Path) -> dict[str, torch.Tensor]:
-    """Adapters as training leaves them (A and B away from their start), for every projection `LORA` targets."""
+EXPERT_LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", "o_proj"],
+                         target_experts=["gate_up_proj", "down_proj"])
+
+
+def trained_adapters(model_folder: Path, lora: LoraConfig = LORA) -> dict[str, torch.Tensor]:
+    """Adapters as training leaves them (A and B away from their start), for everything `lora` targets."""
     model = load_causal_lm(str(model_folder), "cpu", "float32")
-    apply_lora(model, LoraSpec(LORA.rank, LORA.alpha, tuple(LORA.target_modules)), source="test")
+    apply_lora(model, LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), tuple(lora.target_experts)), source="test")
     gen = torch.Generator().manual_seed(0)
-    return {f"{name}.{ab}.weight": torch.randn(getattr(module, ab).weight.shape, generator=gen) * 0.2
-            for name, module in lora_modules(model) for ab in ("lora_A", "lora_B")}
+    return {name: torch.randn(param.shape, generator=gen) * 0.2 for name, param in model.named_parameters()
+            if is_adapter_name(name)}
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -59,12 +63,12 @@ def dims(request):
 
 
 def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: bool, device: str = "cpu",
-                         adapters: dict[str, torch.Tensor] | None = None) -> dict[int, list[Turn]]:
+                         adapters: dict[str, torch.Tensor] | None = None, lora: LoraConfig = LORA) -> dict[int, list[Turn]]:
     """Conversations from an exact engine; `staggered`: each new turn joins while others decode (mixed batches),
-    else each request runs alone. `adapters`: the policy is `LORA` with these adapters."""
+    else each request runs alone. `adapters`: the policy is `lora` with these adapters."""
     engine = build_engine(ModelConfig(name=str(model_folder)), EngineConfig(
         device=device, num_blocks=128, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens,
-        lora=LORA if adapters else LoraConfig()), seed=0, exact=True)
+        lora=lora if adapters else LoraConfig()), seed=0, exact=True)
     if adapters:
         engine.update_weights(adapters)
     runner = engine.runner  # decode steps replay CUDA graphs wherever the whole forward takes the kernel path
@@ -103,6 +107,12 @@ def test_a_lora_policy_keeps_exact_parity(tiny_model, dims):
     check_parity(tiny_model, dims, alone=False, adapters=trained_adapters(tiny_model))
 
 
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
+def test_expert_adapters_keep_exact_parity(tiny_moe_model, dims):
+    """The same for adapters on every routed expert: the engine's merged stacks are the trainer's adapted ones."""
+    check_parity(tiny_moe_model, dims, alone=False, adapters=trained_adapters(tiny_moe_model, EXPERT_LORA), lora=EXPERT_LORA)
+
+
 INTERPRETED = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -127,11 +137,13 @@ def test_the_kernel_path_under_tritons_interpreter(tmp_path):
     run_interpreted(script, timeout=600)
 
 
-def check_parity(tiny_model: Path, dims, alone: bool = True, adapters: dict[str, torch.Tensor] | None = None) -> None:
+def check_parity(tiny_model: Path, dims, alone: bool = True, adapters: dict[str, torch.Tensor] | None = None,
+                 lora: LoraConfig = LORA) -> None:
     """Conversations from an exact engine, staggered (and `alone`: each request alone, the same tokens and
-    logprobs), then the trainer's logprobs of their packed samples. `adapters`: a LoRA policy on both sides."""
+    logprobs), then the trainer's logprobs of their packed samples. `adapters`: a LoRA policy (`lora`) on both sides."""
     device = dims.device.type
-    mixed = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device, adapters=adapters)
+    mixed = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device, adapters=adapters,
+                                 lora=lora)
     if alone:
         by_itself = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device)
         # Batch-invariant engine: the same seeds draw the same tokens with the same logprobs in any batch.
@@ -146,7 +158,7 @@ def check_parity(tiny_model: Path, dims, alone: bool = True, adapters: dict[str,
     assert any(sum(p == 0 for p in row.position_ids) > 1 for row in rows)  # packed rows: several documents
     # Head chunks of 5 rows: a row's logprob does not depend on the chunk it is computed in.
     policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=5, exact=True,
-                             lora=LORA if adapters else LoraConfig())
+                             lora=lora if adapters else LoraConfig())
     if adapters:
         load_shards(policy, adapters, "the test's adapters", policy.adapter_parameters())
     num_loss_tokens = 0
