@@ -171,6 +171,14 @@ def tiny_moe(tmp_path_factory):
     return init_model("tiny-moe", tmp_path_factory.mktemp("tiny-moe"), seed=0)
 
 
+@pytest.fixture(scope="module")
+def moe_families(tiny_moe, tmp_path_factory) -> dict:
+    """Qwen3-MoE; GLM-4.5 (a dense first block, a shared expert); MiniMax-M2 (a block-level score bias, `w1`/`w2`/`w3`
+    on disk)."""
+    return {"tiny-moe": tiny_moe, **{preset: init_model(preset, tmp_path_factory.mktemp(preset), seed=0)
+                                      for preset in ("tiny-glm4-moe", "tiny-minimax-m2")}}
+
+
 def expert_adapters(model: nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Projection and expert adapters as training would leave them: A and B both away from their start."""
     gen = torch.Generator().manual_seed(seed)
@@ -226,12 +234,17 @@ def test_expert_targets_on_a_model_without_routed_experts_are_an_error(tiny):
         apply_lora(model, LoraSpec(4, 8.0, ("q_proj",), ("down_proj",)), source="cfg.toml")
 
 
-@pytest.mark.parametrize("spec", [EXPERT_SPEC, LoraSpec(2, 6.0, (), ("gate_up_proj",)), LoraSpec(2, 6.0, ("q_proj",), ("down_proj",))],
-                         ids=["both", "gate_up_only", "down_only"])
-def test_peft_loads_expert_adapters_and_computes_and_merges_what_tandem_does(tiny_moe, tmp_path, spec):
+@pytest.mark.parametrize("family, spec", [
+    ("tiny-moe", EXPERT_SPEC), ("tiny-moe", LoraSpec(2, 6.0, (), ("gate_up_proj",))),
+    ("tiny-moe", LoraSpec(2, 6.0, ("q_proj",), ("down_proj",))),
+    ("tiny-glm4-moe", LoraSpec(2, 6.0, ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_up_proj", "down_proj"))),
+    ("tiny-minimax-m2", EXPERT_SPEC),
+], ids=["both", "gate_up_only", "down_only", "glm4_moe", "minimax_m2"])
+def test_peft_loads_expert_adapters_and_computes_and_merges_what_tandem_does(moe_families, tmp_path, family, spec):
     import peft
     from transformers import AutoModelForCausalLM
 
+    tiny_moe = moe_families[family]
     model = adapted_moe(tiny_moe, spec, adapters_seed=3)
     state = {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
     write_adapter_folder(tmp_path / "adapters", state, spec, str(tiny_moe))
