@@ -44,7 +44,7 @@ EXPERT_ADAPTER_SUFFIXES = ("_lora_A", "_lora_B")
 """An expert adapter's parameter names: `<experts>.<projection>` and one of these."""
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
 """The routed experts' stacked projections, in the order `GroupedExperts` and transformers' experts register them:
-PEFT nests one wrapper a parameter in that order, which names the tensors of a folder (`peft_expert_name`)."""
+PEFT nests one wrapper a parameter in that order, which names the tensors of a folder (`peft_expert_module`)."""
 
 
 @dataclass(frozen=True)
@@ -282,11 +282,10 @@ def from_peft(state: dict[str, torch.Tensor], spec: LoraSpec, source: str) -> di
         if depth >= len(spec.target_experts):
             raise ValueError(f"{source}: {name!r} nests deeper than the {len(spec.target_experts)} `target_parameters`")
         projection = spec.target_experts[len(spec.target_experts) - 1 - depth]
-        rank = spec.rank
         if which == "A":
-            stacked = tensor.reshape(-1, rank, tensor.shape[-1])
+            stacked = tensor.reshape(-1, spec.rank, tensor.shape[-1])
         else:
-            stacked = tensor.reshape(tensor.shape[0], rank, -1).permute(2, 0, 1)
+            stacked = tensor.reshape(tensor.shape[0], spec.rank, -1).permute(2, 0, 1)
         out[f"{experts}.{projection}_lora_{which}"] = stacked.contiguous()
     return out
 
@@ -324,8 +323,8 @@ def read_adapter_folder(folder: Path) -> tuple[LoraSpec, dict[str, torch.Tensor]
     if not isinstance(targets, list):
         raise ValueError(f"{config_file}: `target_modules` = {targets!r}: a list of module names is needed")
     parameters = config.get("target_parameters") or []
-    experts = [p.rpartition(".")[-1] for p in parameters]
-    if not isinstance(parameters, list) or any(not p.endswith(f"experts.{e}") or e not in EXPERT_PROJECTIONS
+    experts = [str(p).rpartition(".")[-1] for p in parameters] if isinstance(parameters, list) else []
+    if not isinstance(parameters, list) or any(not str(p).endswith(f"experts.{e}") or e not in EXPERT_PROJECTIONS
                                                for p, e in zip(parameters, experts)):
         raise ValueError(f"{config_file}: `target_parameters` = {parameters!r}: only the routed experts' stacked "
                          f"projections are adapted as parameters ({[f'mlp.experts.{e}' for e in EXPERT_PROJECTIONS]})")

@@ -292,3 +292,15 @@ def test_the_engine_merges_expert_adapters_as_the_trainer_multiplies_and_never_d
     with pytest.raises(KeyError, match=r"missing for \['model.layers.0.mlp.experts.down_proj'"):
         merger.apply(without_experts)
     assert all(torch.equal(first_weights[n], p) for n, p in served.state_dict().items())
+
+
+def test_a_folder_s_target_parameters_other_than_the_experts_stacks_are_refused(tiny_moe, tmp_path):
+    model = adapted_moe(tiny_moe, adapters_seed=6)
+    write_adapter_folder(tmp_path, {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}, EXPERT_SPEC, "b")
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_parameters": ["mlp.experts.w1"]}))
+    with pytest.raises(ValueError, match=r"adapter_config.json: `target_parameters` = \['mlp.experts.w1'\]: only the routed"):
+        read_adapter_folder(tmp_path)
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_parameters": ["mlp.experts.down_proj"]}))
+    with pytest.raises(ValueError, match=r"experts.base_layer.lora_A.weight' nests deeper than the 1 `target_parameters`"):
+        read_adapter_folder(tmp_path)

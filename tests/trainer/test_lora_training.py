@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -115,9 +116,10 @@ EXPERTS = ["--lora.target-modules", '["q_proj", "o_proj"]', "--lora.target-exper
 
 @pytest.mark.slow
 def test_expert_adapters_train_publish_checkpoint_and_split_over_expert_parallel_ranks(tiny_moe_model, tmp_path):
-    """Each rank of EP = 2 holds its experts' adapters: the same losses, gradients and published adapters as one rank."""
+    """Each rank of EP = 2 holds its experts' adapters: the same losses, gradients and published adapters as one rank,
+    and its checkpoint resumes on one rank."""
     common = ["--model.name", str(tiny_moe_model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
-              "--max-steps", "2", "--seq-len", "32", "--optim.lr", "1e-2", "--ckpt.enabled", "--ckpt.interval", "2",
+              "--max-steps", "3", "--seq-len", "32", "--optim.lr", "1e-2", "--ckpt.enabled", "--ckpt.interval", "2",
               *LORA, *EXPERTS]
     one, ep2 = tmp_path / "one", tmp_path / "ep2"
     with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
@@ -132,7 +134,7 @@ def test_expert_adapters_train_publish_checkpoint_and_split_over_expert_parallel
     expert_names = [n for n in adapters if n.endswith(("_lora_A", "_lora_B"))]
     assert len(expert_names) == 4 * layers and adapters["model.layers.0.mlp.experts.down_proj_lora_A"].shape == (8, 4, 64)
     assert all(adapters[n].abs().sum() > 0 for n in expert_names if n.endswith("_lora_B"))  # B left zero: the experts learn
-    [(_, ckpt)] = complete_checkpoints(one)
+    [_, (_, ckpt)] = complete_checkpoints(one)
     saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     assert {k.removeprefix("model.lm.") for k in saved if k.startswith("model.")} == set(adapters)
     assert losses(ep2) == pytest.approx(losses(one), abs=1e-5)
@@ -140,3 +142,8 @@ def test_expert_adapters_train_publish_checkpoint_and_split_over_expert_parallel
     _, sharded = read_adapter_folder(weights_dir(ep2, 2))
     assert sharded.keys() == adapters.keys()
     assert max((sharded[n] - adapters[n]).abs().max().item() for n in adapters) < 1e-4  # Adam's fp32 noise, as test_expert_parallel
+    # EP = 2's checkpoint of step 2 (each rank's experts' adapters and their optimizer state), resumed on one rank
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ep2 / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    assert run_trainer(*common, "--output-dir", str(resumed), "--ckpt.resume") == 0
+    assert losses(resumed) == pytest.approx({3: losses(one)[3]}, abs=1e-5)
