@@ -154,7 +154,8 @@ class EngineConfig(Section):
     or newer; the CPU runs a slow torch reference of the same scheme). An FP8 checkpoint (`quantization_config`
     of `quant_method` "fp8", 128 x 128 blocks) loads as it is; bf16 weights, at start and in every update, are
     quantized on load. Embeddings, norms, the LM head, routers and experts keep `model.dtype`. `none`: every
-    weight in `model.dtype` (an FP8 checkpoint is dequantized). Not with `[run] exact`."""
+    weight in `model.dtype` (an FP8 checkpoint is dequantized). Not with `[run] exact`. The vLLM backend maps it
+    to vLLM's own block FP8 (docs/vllm.md)."""
 
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """`auto`: the KV cache holds keys and values in `model.dtype`. `fp8`, native models of decoder blocks: in

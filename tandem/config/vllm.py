@@ -16,6 +16,7 @@ TANDEM_SET_FLAGS = frozenset({
     "tensor_parallel_size", "enable_prefix_caching", "trust_remote_code", "weight_transfer_config",
     "max_model_len", "api_key", "logprobs_mode", "disable_uvicorn_access_log", "kv_cache_dtype",
     "enable_lora", "max_lora_rank", "max_loras", "lora_modules", "speculative_config",
+    "quantization",
 })
 """`vllm serve` flags (by dest name) that tandem sets from its own keys (`tandem/inference/vllm/args.py`; `api_key`
 through the environment, as `VLLM_API_KEY`)."""

@@ -100,10 +100,18 @@ def _node_suffix(config: RLConfig) -> str:
     return f".node{cluster.node_rank}" if cluster.num_nodes > 1 else ""
 
 
-def _child_env(cuda_devices: list[int] | None) -> dict[str, str]:
+SHARED_GPU_ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+"""Given to every process when trainer and engine share a GPU (unless the caller set the variable): memory that
+one process's caching allocator holds in fixed segments, cut up by shapes that change step to step, is memory the
+other cannot have; expandable segments grow and shrink in place, so each holds closer to what it uses."""
+
+
+def _child_env(cuda_devices: list[int] | None, shares_a_gpu: bool = False) -> dict[str, str]:
     # The configs written above are already resolved: TANDEM_* variables must not apply twice.
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["PYTHONUNBUFFERED"] = "1"
+    if shares_a_gpu:
+        env = SHARED_GPU_ALLOCATOR | env
     if cuda_devices is not None:
         # `deployment.*_devices` index the devices this launcher sees, which CUDA_VISIBLE_DEVICES may already narrow.
         seen = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -116,7 +124,7 @@ def _process_env(config: RLConfig, name: str, cuda_devices: list[int] | None) ->
     """`_child_env` and the secrets of the config that process `name` reads (a preflight reads its process's),
     which its file holds redacted (`tandem.config.secret`)."""
     reads = process_configs(config).get(name.removesuffix("-preflight"))
-    return {**_child_env(cuda_devices), **(secret_env(reads) if reads is not None else {})}
+    return {**_child_env(cuda_devices, config.deployment.shares_a_gpu), **(secret_env(reads) if reads is not None else {})}
 
 
 def _commands(config: RLConfig, configs: dict[str, Path]) -> dict[str, tuple[list[str], list[int] | None]]:

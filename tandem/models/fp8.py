@@ -30,25 +30,6 @@ from tandem.models.random_init import initial_value
 SCALE_SUFFIX = "_scale_inv"
 """`<name>.weight` + this: the checkpoint's name of a weight's block scales."""
 
-CHECKPOINT_SCHEME = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-"""The one `quantization_config` tandem reads; `fmt` and `activation_scheme` may be left out (these are their defaults)."""
-
-
-def checkpoint_quantization(hf_config: dict, source: str) -> str | None:
-    """"fp8" for a checkpoint of `CHECKPOINT_SCHEME`, None for an unquantized one; any other scheme is an
-    error naming `source` (its config.json) and the field."""
-    config = hf_config.get("quantization_config")
-    if not config:
-        return None
-    defaults = {"fmt": "e4m3", "activation_scheme": "dynamic"}
-    for field, expected in CHECKPOINT_SCHEME.items():
-        value = config.get(field, defaults.get(field))
-        if value != expected:
-            raise ValueError(f"{source}: `quantization_config.{field}` = {value!r}; tandem reads block-scaled FP8 "
-                             f"checkpoints only ({CHECKPOINT_SCHEME}), or unquantized ones")
-    return "fp8"
-
-
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N / 128), ceil(K / 128)]): each block scaled so
     that its largest magnitude is 448, then rounded to nearest (ties to even)."""

@@ -20,6 +20,17 @@ def resolve_model_path(name: str) -> Path:
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
 
 
+def config_folder(name: str) -> Path:
+    """A folder holding the model's `config.json`: the model folder, or for a hub name its HF cache snapshot with
+    `config.json` alone fetched, for a process that reads the config and leaves the weights to another program."""
+    path = Path(name).expanduser()
+    if path.is_dir() or not is_hub_name(name):
+        return resolve_model_path(name)
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(name, "config.json")).parent
+
+
 def is_hub_name(name: str) -> bool:
     """Whether `name` reads as a hub name (`org/model`): no existing path, nothing that starts a path
     (`.`, `/`, `~`), exactly one `/`."""

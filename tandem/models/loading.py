@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.models.fp8 import checkpoint_quantization, convert_to_fp8, init_fp8_weights, match_quantization
+from tandem.models.fp8 import convert_to_fp8, init_fp8_weights, match_quantization
+from tandem.models.fp8_checkpoint import checkpoint_quantization
 from tandem.models.glm4_moe import Glm4MoeArgs, Glm4MoeForCausalLM
 from tandem.models.glm_moe_dsa import DeepseekV3Args, GlmMoeDsaArgs, LatentMoeForCausalLM
 from tandem.models.hf_config import UnsupportedConfig

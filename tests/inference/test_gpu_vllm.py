@@ -55,13 +55,14 @@ PROMPT = [258, 104, 105, 33, 257, 10]
 
 
 class Served:
-    def __init__(self, tmp: Path, lora: dict | None = None):
+    def __init__(self, tmp: Path, lora: dict | None = None, quantization: str = "none"):
         self.model = init_model("tiny", tmp / "model", seed=0)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = InferenceConfig.model_validate({
             "backend": "vllm", "model": {"name": str(self.model)}, "server": {"port": self.port},
-            "engine": {"memory_fraction": 0.3, "max_model_len": 1024, "max_num_seqs": 32, "lora": lora or {}},
+            "engine": {"memory_fraction": 0.3, "max_model_len": 1024, "max_num_seqs": 32, "lora": lora or {},
+                       "quantization": quantization},
             "vllm": {"extra_args": {"enforce_eager": True}}})  # no compile or graph capture: a quicker start
         (tmp / "inference.toml").write_text(to_toml(config))
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
@@ -75,9 +76,9 @@ class Served:
         return str(write_weights_folder(self.run_dir, step, state, self.model, read_hf_config(self.model)).resolve())
 
 
-def serving(tmp: Path, lora: dict | None = None):
+def serving(tmp: Path, lora: dict | None = None, quantization: str = "none"):
     """A fixture's body: the server up until the module's tests are done, then stopped, with its last lines."""
-    served = Served(tmp, lora)
+    served = Served(tmp, lora, quantization)
     try:
         wait_healthy(served.url, served.process, timeout_s=600)
         yield served
@@ -105,6 +106,11 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served_lora(tmp_path_factory):
     yield from serving(tmp_path_factory.mktemp("vllm-lora"), LORA)
+
+
+@pytest.fixture(scope="module")
+def served_fp8(tmp_path_factory):
+    yield from serving(tmp_path_factory.mktemp("vllm-fp8"), quantization="fp8")
 
 
 def greedy(pool: InferencePool, max_tokens: int = 12):
@@ -243,3 +249,19 @@ def test_a_lora_policy_is_served_as_a_vllm_adapter_beside_its_base(served_lora, 
                                 for m in (merged, plain))
     print(f"\nvLLM LoRA logprobs: max error {merged_error:.4f} against tandem's merged model, {base_error:.4f} against the base")
     assert merged_error < 0.1 and merged_error < base_error
+
+
+def test_fp8_rollouts_on_vllm_sample_with_the_logprobs_of_tandems_fp8_model(served_fp8):
+    """`engine.quantization = "fp8"` on vLLM (`--quantization fp8_per_block`, the bf16 tiny model quantized on load):
+    its logprobs are those of tandem's own FP8 model (the same 128 x 128 weight blocks, activations per token and
+    128 columns), closer than to the bf16 model's."""
+    temperature = 0.5
+    tempered = pool_call(served_fp8, lambda pool: pool.generate({"prompt_token_ids": PROMPT, "max_tokens": 16, "seed": 3,
+                                                                 "temperature": temperature, "ignore_eos": True, "n": 1}, 0))
+    tokens, logprobs = tempered["choices"][0]["token_ids"], torch.tensor(tempered["choices"][0]["logprobs"])
+    name = str(served_fp8.model)
+    fp8, bf16 = (load_causal_lm(name, device="cuda", dtype="bfloat16", quantization=q) for q in ("fp8", "none"))
+    fp8_error, bf16_error = ((teacher_forced_logprobs(m, PROMPT, tokens, temperature, device="cuda") - logprobs).abs().mean().item()
+                             for m in (fp8, bf16))
+    print(f"\nvLLM FP8 logprobs: mean error {fp8_error:.4f} against tandem's FP8 model, {bf16_error:.4f} against bf16")
+    assert fp8_error < 0.05 and fp8_error < bf16_error

@@ -28,6 +28,7 @@ from tandem.config.orchestrator import ClientConfig, OrchestratorConfig
 from tandem.config.resolve import free_port
 from tandem.config.vllm import TANDEM_SET_FLAGS
 from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv, serve_env
+from tandem.inference.vllm.server import serves_fp8_checkpoint
 from tandem.models.byte_tokenizer import build_byte_tokenizer
 from tandem.models.hub import read_hf_config
 from tandem.models.loading import build_native
@@ -67,8 +68,9 @@ def test_tandem_keys_map_onto_vllm_flags():
     assert "--disable-uvicorn-access-log" in argv  # `server.access_log` = false: no line per request
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and "--enforce-eager" in argv
     lora = vllm_config(engine={"lora": {"enabled": True}, "speculative": {"method": "ngram"}})
-    # every flag tandem sets, in a LoRA or speculative run or not, is refused as a pass-through
-    assert {*mapped_flags(config), *mapped_flags(lora, "/tmp/start"), "api_key"} == TANDEM_SET_FLAGS
+    fp8 = vllm_config(engine={"quantization": "fp8"})
+    # every flag tandem sets, in a LoRA, speculative or FP8 run or not, is refused as a pass-through
+    assert {*mapped_flags(config), *mapped_flags(lora, "/tmp/start"), *mapped_flags(fp8), "api_key"} == TANDEM_SET_FLAGS
 
 
 @pytest.mark.parametrize("speculative, vllm_fields", [
@@ -320,3 +322,23 @@ def test_a_lora_run_loads_each_adapter_folder_in_place_and_keeps_the_base_by_nam
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert not start.exists()  # the start folder lives as long as the server
+
+
+def test_fp8_rollouts_map_onto_vllms_block_fp8_and_a_released_fp8_checkpoint_is_read_as_it_is(tmp_path):
+    fp8 = vllm_config(engine={"quantization": "fp8"})
+    argv = serve_argv(fp8)
+    assert argv[argv.index("--quantization") + 1] == "fp8_per_block"  # quantized on load, in tandem's blocks
+    assert "--quantization" not in serve_argv(vllm_config())
+    assert "--quantization" not in serve_argv(fp8, checkpoint_fp8=True)  # vLLM reads its `quantization_config`
+    with pytest.raises(ValueError, match=r"`engine.quantization` = 'none' but /models/qwen3 is an FP8 checkpoint"):
+        serve_argv(vllm_config(), checkpoint_fp8=True)
+    folder = tmp_path / "released"
+    folder.mkdir()
+    scheme = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "quantization_config": scheme}))
+    assert serves_fp8_checkpoint(vllm_config(model={"name": str(folder)}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert not serves_fp8_checkpoint(vllm_config(model={"name": str(folder)}))
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ValueError, match=r"released/config.json: `quantization_config.quant_method` = 'awq'"):
+        serves_fp8_checkpoint(vllm_config(model={"name": str(folder)}))

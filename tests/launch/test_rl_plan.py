@@ -11,7 +11,8 @@ import pytest
 
 from tandem.config.resolve import parse_rl_args
 from tandem.launch.process import ManagedProcess
-from tandem.launch.rl import RunFailed, _child_env, _commands, _starts_together, _write_process_configs, wait_healthy
+from tandem.launch.rl import (RunFailed, _child_env, _commands, _process_env, _starts_together, _write_process_configs,
+                              wait_healthy)
 
 
 class TwoGPUs:
@@ -85,3 +86,21 @@ def test_a_process_failing_beside_a_starting_server_ends_the_wait_naming_it(tmp_
         server.stop()
         trainer.stop()
     assert time.monotonic() - start < 10
+
+
+class OneGPU(TwoGPUs):
+    def num_cuda_devices(self) -> int:
+        return 1
+
+
+def test_processes_sharing_a_gpu_get_expandable_segments_unless_the_caller_chose(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    gpu = ["--output-dir", str(tmp_path), "--deployment.type", "gpu"]
+    shared = parse_rl_args([*gpu, "--deployment.trainer-devices", "[0]"], environ={}, machine=OneGPU())
+    apart = parse_rl_args(gpu, environ={}, machine=TwoGPUs())
+    assert shared.deployment.shares_a_gpu and not apart.deployment.shares_a_gpu
+    for name in ("inference", "trainer", "orchestrator"):
+        assert _process_env(shared, name, [0])["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in _process_env(apart, name, [0])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert _process_env(shared, "trainer", [0])["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

@@ -3,7 +3,7 @@
 Mapped keys: `model.name` (served under that name too), `model.dtype` (`auto` is bfloat16, as on
 tandem's CUDA engine), `model.trust_remote_code`, `engine.memory_fraction`, `engine.max_model_len`,
 `engine.max_num_seqs`, `engine.kv_cache_dtype` (`--kv-cache-dtype`: vLLM's `auto` is the model's dtype, its `fp8`
-float8_e4m3fn), `seed`, `server.host`/`port`/`access_log`, `vllm.tensor_parallel_size`,
+float8_e4m3fn), `engine.quantization` (`quantization`), `seed`, `server.host`/`port`/`access_log`, `vllm.tensor_parallel_size`,
 `vllm.enable_prefix_caching`; `server.api_key` goes through the environment (`serve_env`). With
 `engine.lora`, the base model is served as `server.base_model_name` and the policy as a LoRA adapter named
 `model.name` (`--enable-lora`, `--lora-modules` with the adapters' start, runtime loading on), which every
@@ -56,6 +56,24 @@ def speculative_config(config: InferenceConfig) -> dict[str, str | int]:
             "draft_sample_method": "greedy" if spec.draft_sampling == "greedy" else "probabilistic"}
 
 
+ONLINE_FP8 = "fp8_per_block"
+"""vLLM's `--quantization` for tandem's FP8 scheme on a bf16 checkpoint: weights quantized on load in 128 x 128
+blocks, activations per token and 128 columns at run time (`vllm/config/quantization.py`, `_ONLINE_SHORTHANDS`;
+`model_executor/layers/quantization/online/fp8.py`)."""
+
+
+def quantization(config: InferenceConfig, checkpoint_fp8: bool) -> str | None:
+    """`--quantization` for `engine.quantization`, or None for no flag. A released FP8 checkpoint takes none: vLLM
+    reads its `quantization_config` and refuses a flag that names another method; it cannot serve that checkpoint
+    unquantized, so `engine.quantization` = "none" with one is an error."""
+    if config.engine.quantization == "fp8":
+        return None if checkpoint_fp8 else ONLINE_FP8
+    if checkpoint_fp8:
+        raise ValueError(f"`engine.quantization` = 'none' but {config.model.name} is an FP8 checkpoint, which vLLM "
+                         "serves in FP8 only: set `engine.quantization` = 'fp8'")
+    return None
+
+
 def max_lora_rank(rank: int) -> int:
     """The smallest rank vLLM takes as `--max-lora-rank` that holds adapters of `rank`."""
     fitting = [r for r in LORA_RANKS if r >= rank]
@@ -65,9 +83,11 @@ def max_lora_rank(rank: int) -> int:
     return fitting[0]
 
 
-def mapped_flags(config: InferenceConfig, adapter_start: str | None = None) -> dict[str, str | bool]:
+def mapped_flags(config: InferenceConfig, adapter_start: str | None = None,
+                 checkpoint_fp8: bool = False) -> dict[str, str | bool]:
     """The flags tandem sets from its own keys, by vLLM's dest name (`max_model_len`). A LoRA run needs
-    `adapter_start`, the folder of the adapters the policy starts with (`tandem/inference/vllm/server.py`)."""
+    `adapter_start`, the folder of the adapters the policy starts with (`tandem/inference/vllm/server.py`);
+    `checkpoint_fp8` says whether the served checkpoint holds FP8 weights (`quantization`)."""
     engine = config.engine
     lora = engine.lora.enabled
     if lora and adapter_start is None:
@@ -90,6 +110,8 @@ def mapped_flags(config: InferenceConfig, adapter_start: str | None = None) -> d
     }
     if engine.max_model_len is not None:
         flags["max_model_len"] = str(engine.max_model_len)
+    if (method := quantization(config, checkpoint_fp8)) is not None:
+        flags["quantization"] = method
     if engine.speculative.enabled:
         flags["speculative_config"] = json.dumps(speculative_config(config))
     if lora:
@@ -115,10 +137,10 @@ def check_extra_args(config: InferenceConfig, known_flags: set[str]) -> None:
             raise ValueError(f"`inference.vllm.extra_args.{key}`: vLLM {SUPPORTED_VERSION} has no flag `--{_dashed(key)}`")
 
 
-def serve_argv(config: InferenceConfig, adapter_start: str | None = None) -> list[str]:
-    """The arguments after `vllm serve` (`adapter_start`: see `mapped_flags`)."""
+def serve_argv(config: InferenceConfig, adapter_start: str | None = None, checkpoint_fp8: bool = False) -> list[str]:
+    """The arguments after `vllm serve` (`adapter_start`, `checkpoint_fp8`: see `mapped_flags`)."""
     argv = [config.model.name]
-    for key, value in {**mapped_flags(config, adapter_start), **config.vllm.extra_args}.items():
+    for key, value in {**mapped_flags(config, adapter_start, checkpoint_fp8), **config.vllm.extra_args}.items():
         if value is True:
             argv.append(f"--{_dashed(key)}")
         elif value is False:

@@ -69,6 +69,19 @@ def write_adapter_start(config: InferenceConfig, folder: Path) -> str:
     return str(folder)
 
 
+def serves_fp8_checkpoint(config: InferenceConfig) -> bool:
+    """Whether `model.name` holds released FP8 weights (its `quantization_config`, checked as tandem's engine checks
+    it: another scheme is an error naming the file). A path that does not exist is left to vLLM to report."""
+    from tandem.models.fp8_checkpoint import checkpoint_quantization
+    from tandem.models.hub import config_folder, is_hub_name, read_hf_config
+
+    name = config.model.name
+    if not (Path(name).expanduser().is_dir() or is_hub_name(name)):
+        return False
+    folder = config_folder(name)
+    return checkpoint_quantization(read_hf_config(folder), str(folder / "config.json")) == "fp8"
+
+
 def run_vllm(command: list[str], argv: list[str], config: InferenceConfig) -> int:
     """Run `vllm serve` with `argv` until it exits or this process is told to stop; returns its exit code."""
     proc = subprocess.Popen([*command, "serve", *argv], env={**os.environ, **serve_env(config)},
@@ -100,7 +113,7 @@ def main(config: InferenceConfig) -> int:
             if config.vllm.extra_args:
                 check_extra_args(config, known_flags(command))
             adapter_start = write_adapter_start(config, Path(scratch)) if config.engine.lora.enabled else None
-            argv = serve_argv(config, adapter_start)
+            argv = serve_argv(config, adapter_start, serves_fp8_checkpoint(config))
         except (VllmUnavailable, ValueError, OSError) as err:
             print(f"tandem inference: {err}", file=sys.stderr)
             return 2
