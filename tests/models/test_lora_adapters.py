@@ -304,3 +304,19 @@ def test_a_folder_s_target_parameters_other_than_the_experts_stacks_are_refused(
     (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_parameters": ["mlp.experts.down_proj"]}))
     with pytest.raises(ValueError, match=r"experts.base_layer.lora_A.weight' nests deeper than the 1 `target_parameters`"):
         read_adapter_folder(tmp_path)
+
+
+def test_shared_experts_are_projections_and_adapt_beside_the_routed_ones(moe_families):
+    """GLM-4.5's shared expert is a dense feed-forward of `nn.Linear`s: `target_modules` adapts it (and the dense first
+    block), `target_experts` the routed stacks, and the engine merges both into what the trainer multiplies by."""
+    spec = LoraSpec(2, 6.0, TARGETS, ("gate_up_proj", "down_proj"))
+    model = load_causal_lm(str(moe_families["tiny-glm4-moe"]), "cpu", "float32")
+    names = apply_lora(model, spec, source="test")
+    assert {"model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.down_proj", "model.layers.2.mlp.experts"} <= set(names)
+    model.load_state_dict(expert_adapters(model, seed=7), strict=False)
+    served = load_causal_lm(str(moe_families["tiny-glm4-moe"]), "cpu", "float32")
+    AdapterMerger(served, spec).apply(expert_adapters(model, seed=7))
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(hidden(served, ids), hidden(model, ids), rtol=0, atol=1e-5)
+    shared = served.model.layers[1].mlp.shared_experts.down_proj.weight
+    assert torch.equal(shared, model.model.layers[1].mlp.shared_experts.down_proj.adapted_weight())
