@@ -15,11 +15,13 @@ import httpx
 import openai
 import pytest
 import torch
+import torch.nn.functional as F
 from inference_helpers import LORA, adapter_folder, make_config, teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
-from tandem.config.inference import EngineConfig
+from tandem.config.inference import EngineConfig, InferenceConfig
 from tandem.inference.engine.llm_engine import BASE_WEIGHT_VERSION
+from tandem.inference.engine.lora_side_path import LowRankSidePath
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.inference.server import BackgroundServer
@@ -210,3 +212,33 @@ def test_a_model_the_side_path_does_not_reach_is_refused_when_named(tmp_path):
                                         lora={**LORA, "target_modules": ["q_b_proj", "o_proj"]}), seed=0,
                            base="where_possible")
     assert unnamed.base_path is None
+
+
+def test_stacked_projections_are_corrected_part_by_part(tiny_dir):
+    """The fused blocks' way (q/k/v in one matmul, `add_to_parts`) adds what each projection's own `linear` adds."""
+    model = load_causal_lm(str(tiny_dir), "cpu", "float32")
+    attention = model.layers[0].self_attn
+    parts = [attention.q_proj, attention.k_proj, attention.v_proj]
+    side = LowRankSidePath({f"p{i}": linear for i, linear in enumerate(parts)}, 2.0, -1.0, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    side.load({f"p{i}.weight": (torch.randn(4, linear.in_features, generator=gen),
+                                torch.randn(linear.out_features, 4, generator=gen)) for i, linear in enumerate(parts)})
+    x = torch.randn(6, attention.q_proj.in_features, generator=gen)
+    side.rows = torch.tensor([1, 4])
+    stacked = torch.cat([F.linear(x, linear.weight) for linear in parts], dim=-1)
+    side.add_to_parts(parts, x, stacked)
+    each = torch.cat([side.linear(x, linear.weight) for linear in parts], dim=-1)
+    assert torch.equal(stacked, each)
+    plain = torch.cat([F.linear(x, linear.weight) for linear in parts], dim=-1)
+    assert torch.equal(stacked[[0, 2, 3, 5]], plain[[0, 2, 3, 5]]) and not torch.allclose(stacked[[1, 4]], plain[[1, 4]])
+
+
+@pytest.mark.parametrize("values, serving", [
+    ({"engine": {"lora": LORA}}, "where_possible"),
+    ({"engine": {"lora": LORA}, "server": {"base_model_name": "start"}}, "required"),
+    ({"engine": {"lora": LORA}, "run": {"exact": True}}, "off"),
+    ({"engine": {"lora": LORA, "speculative": {"method": "ngram"}}}, "off"),
+    ({}, "off"),
+])
+def test_the_config_says_whether_the_base_is_served(values, serving):
+    assert InferenceConfig.model_validate({"model": {"name": "m"}, **values}).base_serving == serving
