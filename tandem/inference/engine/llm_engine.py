@@ -50,6 +50,7 @@ from tandem.models.lora import LoraSpec, is_adapter_name
 BASE_WEIGHT_VERSION = 0
 """The weight version base-model outputs report: policy 0 is the base (its adapters' B start at zero)."""
 
+
 class ModelRunner(Protocol):
     recorder: RoutingRecorder | None
     """Where the MoE blocks write their expert ids (mixtures of experts on the paged path), else None."""
@@ -466,9 +467,9 @@ class LLMEngine:
             if not with_adapters:
                 raise KeyError("this server's policy is LoRA adapters on a fixed base (`engine.lora.enabled`): an update "
                                "holds adapters only, not full weights")
-            merged = self.adapters.apply(state)
+            pairs = self.adapters.apply(state)
             if self.base_path is not None:
-                self.base_path.load(merged)
+                self.base_path.load(pairs)
         elif with_adapters:
             raise KeyError("LoRA adapters sent to a server of full weights: set `engine.lora.enabled` (`tandem rl` does "
                            "when `trainer.lora.enabled` is set)")
