@@ -29,17 +29,17 @@ LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": LORA_TARGETS
 """`engine.lora` of the LoRA test servers: every projection adapted, rank 4, scale 2."""
 
 
-def adapter_folder(base: Path, folder: Path, seed: int, rank: int = 4) -> None:
-    """A PEFT adapter folder for the model in `base` whose A and B are both random (B nonzero: a policy visibly
-    not the base)."""
+def adapter_folder(base: Path, folder: Path, seed: int, rank: int = 4, std: float = 0.2) -> None:
+    """A PEFT adapter folder for the model in `base` whose A and B are both random, of standard deviation `std` (B
+    nonzero: a policy visibly not the base)."""
     model = load_causal_lm(str(base), "cpu", "float32")
     spec = LoraSpec(rank, 8.0, tuple(LORA_TARGETS))
     apply_lora(model, spec, source="test")
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, module in lora_modules(model):
-        state[f"{name}.lora_A.weight"] = torch.randn(module.lora_A.weight.shape, generator=gen) * 0.2
-        state[f"{name}.lora_B.weight"] = torch.randn(module.lora_B.weight.shape, generator=gen) * 0.2
+        state[f"{name}.lora_A.weight"] = torch.randn(module.lora_A.weight.shape, generator=gen) * std
+        state[f"{name}.lora_B.weight"] = torch.randn(module.lora_B.weight.shape, generator=gen) * std
     write_adapter_folder(folder, state, spec, str(base))
 
 
