@@ -21,6 +21,7 @@ from inference_helpers import LORA, adapter_folder, make_config, teacher_forced_
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig, InferenceConfig
+from tandem.inference.engine.fused_blocks import fused_block_forward
 from tandem.inference.engine.llm_engine import BASE_WEIGHT_VERSION
 from tandem.inference.engine.lora_side_path import LowRankSidePath
 from tandem.inference.engine.sampling_params import SamplingParams
@@ -246,3 +247,39 @@ def test_stacked_projections_are_corrected_part_by_part(tiny_dir):
 ])
 def test_the_config_says_whether_the_base_is_served(values, serving):
     assert InferenceConfig.model_validate({"model": {"name": "m"}, **values}).base_serving == serving
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-glm4-moe"])
+def test_cuda_fused_blocks_serve_base_rows_and_graphs_keep_the_policys_steps(preset, tmp_path, monkeypatch):
+    """fp32 on CUDA: the fused blocks (stacked q/k/v and gate/up corrected part by part; GLM-4.5's shared experts)
+    give base rows the base model's logprobs and policy rows the merged model's, against teacher-forced passes at
+    the GPU tests' 1e-4 (times 1 + |W_merged| / |W_base|, module docstring); steps holding a base row run eagerly,
+    and decode steps of policy rows alone still replay CUDA graphs."""
+    folder = init_model(preset, tmp_path / "model", seed=0)
+    adapter_folder(folder, tmp_path / "a", seed=2, std=ADAPTER_STD)
+    engine = build_engine(ModelConfig(name=str(folder), dtype="float32"),
+                          EngineConfig(device="cuda", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64,
+                                       overlap_steps=False, lora=LORA), seed=0, base="required")
+    assert {block.forward.func for block in engine.runner.model.layers} == {fused_block_forward}
+    assert engine.runner.graphs is not None
+    engine.update_weights(read_adapter_folder(tmp_path / "a")[1])
+    replays: list[bool] = []  # per replayed step: whether a base sequence was running
+    replay = engine.runner.graphs.replay
+    monkeypatch.setattr(engine.runner.graphs, "replay", lambda *a: replays.append(
+        any(s.is_base for s in engine.scheduler.running)) or replay(*a))
+    requests = [(False, PROMPTS[0], 24), (True, PROMPTS[1], 8), (False, PROMPTS[2], 24), (True, PROMPTS[0], 8)]
+    for i, (is_base, prompt, max_tokens) in enumerate(requests):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True),
+                           incremental=False, is_base=is_base)
+    outputs = {}
+    while engine.has_unfinished:
+        outputs.update({out.request_id: out for out in engine.step()})
+    assert replays and not any(replays)
+    base_model = load_causal_lm(str(folder), "cpu", "float32")
+    merged = load_causal_lm(str(export_merged(tmp_path / "a", tmp_path / "merged")), "cpu", "float32")
+    bound = 10 * base_bound(folder, tmp_path / "a")
+    for i, (is_base, prompt, _) in enumerate(requests):
+        out = outputs[str(i)]
+        expected = teacher_forced_logprobs(base_model if is_base else merged, prompt, out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=bound, rtol=0)
