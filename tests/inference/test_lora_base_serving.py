@@ -152,6 +152,10 @@ def test_the_openai_client_routes_by_model_name(lora_server, base_server, sharp_
     chat = client.chat.completions.create(model=base_name(sharp_dir), messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=3, temperature=0.0)
     assert chat.model == base_name(sharp_dir) and chat.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=base_name(sharp_dir), prompt=PROMPTS[2], max_tokens=6, temperature=0.0,
+                                            stream=True))
+    assert {chunk.model for chunk in chunks} == {base_name(sharp_dir)}
+    assert "".join(chunk.choices[0].text for chunk in chunks) == reference.choices[0].text
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt=[1, 2], max_tokens=2)
     assert err.value.body["param"] == "model"
