@@ -11,6 +11,9 @@ from tandem.config.lora import LoraConfig
 from tandem.config.secret import Secret
 from tandem.config.vllm import VllmConfig
 
+BaseServing = Literal["off", "where_possible", "required"]
+"""Whether tandem's engine serves the base model beside a LoRA policy (`InferenceConfig.base_serving`)."""
+
 
 class ServerConfig(Section):
     host: str = "127.0.0.1"
@@ -38,8 +41,11 @@ class ServerConfig(Section):
     base_model_name: str | None = None
     """With LoRA (`engine.lora`): the name the base model, without adapters, is served under beside the policy
     (`model.name`), for evals against the start; unset: `<model.name>-base`. The vLLM backend serves both (the
-    policy as a LoRA adapter, updated in place); tandem's engine merges each update into its weights and serves
-    the policy alone, so setting it there is an error."""
+    policy as a LoRA adapter, updated in place). Tandem's engine computes base requests in the same steps as the
+    policy's, the adapters subtracted from their rows (a step holding any runs without CUDA graphs); it serves the
+    base where every adapted projection takes that path (not latent attention), and not with `run.exact`,
+    `engine.speculative` or prefill/decode disaggregation. Set, it is an error where the base cannot be served;
+    unset, the base is then not served."""
 
     @property
     def url(self) -> str:
@@ -262,14 +268,16 @@ class InferenceConfig(ProcessConfig):
                 raise ValueError("`server.base_model_name` is set but `engine.lora.enabled` is false: the base model "
                                  "is served apart from the policy only in a LoRA run")
             return self
-        if self.backend == "tandem" and self.server.base_model_name is not None:
-            raise ValueError("`server.base_model_name` with `backend` = 'tandem': tandem's engine merges the adapters into "
-                             "its weights and serves the policy alone; use the vLLM backend to serve the base beside it")
         if self.backend == "vllm" and self.engine.lora.target_experts:
             raise ValueError(f"`engine.lora.target_experts` = {self.engine.lora.target_experts} with `backend` = 'vllm': "
                              "vLLM 0.26 reads PEFT's adapters of stacked experts correctly only for models it holds as "
                              "3-D expert weights, which its Qwen3-MoE, GLM-4.5, MiniMax-M2 and DeepSeek-V3 are not; "
                              "use `backend` = 'tandem' or leave `lora.target_experts` empty")
+        if self.backend == "tandem" and self.server.base_model_name is not None and self._base_refused_by:
+            raise ValueError(f"`server.base_model_name` with {self._base_refused_by}: tandem's engine serves the base "
+                             "model beside the policy by a side path in its forwards, which exact mode's kernels, "
+                             "speculative decoding, prefill/decode disaggregation and the routed experts' grouped "
+                             "matmuls do not take; remove one of them")
         if self.engine.quantization != "none":
             raise ValueError(f"`engine.lora.enabled` with `engine.quantization` = {self.engine.quantization!r}: adapters are "
                              "merged into the base's weights in `model.dtype`, which FP8 projections do not hold; set one off")
@@ -279,6 +287,31 @@ class InferenceConfig(ProcessConfig):
     def base_served_name(self) -> str:
         """The name the base model is served under in a LoRA run (`server.base_model_name`)."""
         return self.server.base_model_name or f"{self.model.name}-base"
+
+    @property
+    def _base_refused_by(self) -> str | None:
+        """The setting under which tandem's engine cannot compute base rows beside the policy's, if any: exact mode
+        (its batch-invariant kernels know no side path), speculative decoding (drafts verified by the policy),
+        disaggregation (a prefill server's KV is the policy's) and adapters on the routed experts (their grouped
+        matmuls take no side path)."""
+        if self.engine.lora.target_experts:
+            return "`engine.lora.target_experts`"
+        if self.run.exact:
+            return "`run.exact`"
+        if self.engine.speculative.enabled:
+            return "`engine.speculative`"
+        if self.disaggregation.role != "colocated":
+            return f"`disaggregation.role` = {self.disaggregation.role!r}"
+        return None
+
+    @property
+    def base_serving(self) -> BaseServing:
+        """Whether tandem's engine serves the base model beside the LoRA policy: `required` when
+        `server.base_model_name` is set, else `where_possible` (where the model takes the side path); `off` without
+        LoRA or where a setting rules it out (`_base_refused_by`)."""
+        if not self.engine.lora.enabled or self._base_refused_by:
+            return "off"
+        return "required" if self.server.base_model_name is not None else "where_possible"
 
     @model_validator(mode="after")
     def _check_speculative_can_hold(self) -> "InferenceConfig":

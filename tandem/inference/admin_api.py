@@ -37,8 +37,8 @@ async def health() -> dict:
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     served: Served = request.app.state.served
-    return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": served.created,
-                                        "owned_by": "tandem", "max_model_len": served.max_model_len}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": served.created, "owned_by": "tandem",
+                                        "max_model_len": served.max_model_len} for name in served.served_names]}
 
 
 @router.post("/update_weights", responses=error_responses(400, 404, 409, 413))

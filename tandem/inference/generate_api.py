@@ -27,14 +27,14 @@ def choice_json(c: Choice, with_routed_experts: bool) -> dict:
 @router.post("/v1/generate", response_model=dict, responses=error_responses(400, 404, 413, 500))
 async def generate(body: GenerateRequest, request: Request) -> JSON:
     served: Served = request.app.state.served
-    served.check_model(body.model)
+    is_base = served.is_base(body.model)
     params = await off_loop_if_large(len(body.prompt_token_ids), served.sampling_params, body, body.max_tokens,
                                      body.prompt_token_ids, 0, {"prompt": "prompt_token_ids"})
-    choices = await served.complete(body.prompt_token_ids, params, body.n)
+    choices = await served.complete(body.prompt_token_ids, params, body.n, is_base)
     return JSON({
         "id": f"gen-{random_id()}",
         "prompt_token_ids": body.prompt_token_ids,
         "choices": [choice_json(c, body.return_routed_experts) for c in choices],
-        "weight_version": served.weight_version,
+        "weight_version": served.answer_version(is_base),
         "usage": {"prompt_tokens": len(body.prompt_token_ids), "completion_tokens": sum(len(c.token_ids) for c in choices)},
     })

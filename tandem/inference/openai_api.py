@@ -80,12 +80,14 @@ def checked_completion_prompts(served: Served, body: CompletionRequest) -> tuple
 @router.post("/v1/completions", response_model=dict, responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
     served: Served = request.app.state.served
-    served.check_model(body.model)
+    is_base = served.is_base(body.model)
     prompts, params = await off_loop_if_large(prompt_size(body.prompt), checked_completion_prompts, served, body)
-    meta = {"id": f"cmpl-{random_id()}", "created": int(time.time()), "model": served.model_name}
+    meta = {"id": f"cmpl-{random_id()}", "created": int(time.time()),
+            "model": served.base_name if is_base else served.model_name}
     if body.stream:
-        return StreamingResponse(_completion_stream(served, body, prompts, params, meta), media_type="text/event-stream")
-    results = await asyncio.gather(*(served.complete(p, sp, body.n) for p, sp in zip(prompts, params)))
+        return StreamingResponse(_completion_stream(served, body, prompts, params, meta, is_base),
+                                 media_type="text/event-stream")
+    results = await asyncio.gather(*(served.complete(p, sp, body.n, is_base) for p, sp in zip(prompts, params)))
     choices = []
     for k, (prompt, prompt_choices) in enumerate(zip(prompts, results)):
         for c in prompt_choices:
@@ -96,24 +98,25 @@ async def completions(body: CompletionRequest, request: Request):
             if body.return_token_ids:
                 choice["prompt_token_ids"], choice["token_ids"] = prompt, c.token_ids
             choices.append(choice)
-    response = {**meta, "object": "text_completion", "choices": choices, "weight_version": served.weight_version,
+    response = {**meta, "object": "text_completion", "choices": choices, "weight_version": served.answer_version(is_base),
                 "usage": usage(sum(map(len, prompts)), sum(len(c.token_ids) for r in results for c in r))}
     if body.return_token_ids and len(prompts) == 1:
         response["prompt_token_ids"] = prompts[0]
     return JSON(response)
 
 
-async def _merged(served: Served, prompts: list[list[int]], params: list, n: int) -> AsyncIterator[tuple[int, SequenceOutput]]:
+async def _merged(served: Served, prompts: list[list[int]], params: list, n: int,
+                  is_base: bool) -> AsyncIterator[tuple[int, SequenceOutput]]:
     """Outputs of several prompts' streams as they come, tagged with the prompt's position."""
     if len(prompts) == 1:
-        async for out in served.stream(prompts[0], params[0], n):
+        async for out in served.stream(prompts[0], params[0], n, is_base=is_base):
             yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(k: int) -> None:
         try:
-            async for out in served.stream(prompts[k], params[k], n):
+            async for out in served.stream(prompts[k], params[k], n, is_base=is_base):
                 await queue.put((k, out))
         except Exception as err:
             await queue.put((k, err))
@@ -135,12 +138,13 @@ async def _merged(served: Served, prompts: list[list[int]], params: list, n: int
             task.cancel()
 
 
-async def _completion_stream(served: Served, body: CompletionRequest, prompts, params, meta) -> AsyncIterator[str]:
+async def _completion_stream(served: Served, body: CompletionRequest, prompts, params, meta,
+                             is_base: bool) -> AsyncIterator[str]:
     chunk = {**meta, "object": "text_completion"}
     counts = [0] * len(prompts)
     started: set[int] = set()  # choices that had their first chunk
     try:
-        async for k, out in _merged(served, prompts, params, body.n):
+        async for k, out in _merged(served, prompts, params, body.n, is_base):
             counts[k] += len(out.token_ids)
             index = k * body.n + out.index
             choice: dict[str, Any] = {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
@@ -196,7 +200,7 @@ def chat_message(body: ChatCompletionRequest, choice: Choice) -> tuple[dict, str
 @router.post("/v1/chat/completions", response_model=dict, responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     served: Served = request.app.state.served
-    served.check_model(body.model)
+    is_base = served.is_base(body.model)
     prompt = await asyncio.to_thread(chat_prompt, served, body)  # the template and tokenizer: off the event loop
     names = {"prompt": "messages"}
     max_tokens = body.max_tokens
@@ -204,11 +208,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
     num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
     params = await off_loop_if_large(len(prompt), served.sampling_params, body, max_tokens, prompt, num_top_logprobs, names)
-    meta = {"id": f"chatcmpl-{random_id()}", "created": int(time.time()), "model": served.model_name}
+    meta = {"id": f"chatcmpl-{random_id()}", "created": int(time.time()),
+            "model": served.base_name if is_base else served.model_name}
     if body.stream:
-        return StreamingResponse(_chat_stream(served, body, prompt, params, meta), media_type="text/event-stream")
+        return StreamingResponse(_chat_stream(served, body, prompt, params, meta, is_base), media_type="text/event-stream")
     choices = []
-    results = await served.complete(prompt, params, body.n)
+    results = await served.complete(prompt, params, body.n, is_base)
     for c in results:
         message, reason = chat_message(body, c)
         choice = {"index": c.index, "message": message, "finish_reason": reason, "logprobs": None,
@@ -218,14 +223,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if body.return_token_ids:
             choice["token_ids"] = c.token_ids
         choices.append(choice)
-    response = {**meta, "object": "chat.completion", "choices": choices, "weight_version": served.weight_version,
+    response = {**meta, "object": "chat.completion", "choices": choices, "weight_version": served.answer_version(is_base),
                 "usage": usage(len(prompt), sum(len(c.token_ids) for c in results))}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt
     return JSON(response)
 
 
-async def _chat_stream(served: Served, body: ChatCompletionRequest, prompt: list[int], params, meta) -> AsyncIterator[str]:
+async def _chat_stream(served: Served, body: ChatCompletionRequest, prompt: list[int], params, meta,
+                       is_base: bool) -> AsyncIterator[str]:
     chunk = {**meta, "object": "chat.completion.chunk"}
     choices = [Choice(i) for i in range(body.n)]
     sent = [0] * body.n  # characters of content already streamed, per choice
@@ -235,7 +241,7 @@ async def _chat_stream(served: Served, body: ChatCompletionRequest, prompt: list
             first["prompt_token_ids"] = prompt
         yield sse(first)
     try:
-        async for out in served.stream(prompt, params, body.n):
+        async for out in served.stream(prompt, params, body.n, is_base=is_base):
             c = choices[out.index]
             c.add(out)
             delta: dict[str, Any] = {}

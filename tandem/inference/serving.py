@@ -15,7 +15,7 @@ import msgspec
 from fastapi.responses import Response
 
 from tandem.inference.engine.async_engine import AsyncEngine
-from tandem.inference.engine.llm_engine import SequenceOutput
+from tandem.inference.engine.llm_engine import BASE_WEIGHT_VERSION, SequenceOutput
 from tandem.inference.engine.sampling_params import InvalidRequest, SamplingParams
 from tandem.inference.errors import APIError
 from tandem.inference.protocol import SamplingFields
@@ -90,12 +90,15 @@ class Choice:
 class Served:
     """The model behind the API: engine handle, tokenizer, names it answers to, context length."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int):
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int,
+                 base_name: str | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.names = {model_name, Path(model_name).name}
         """Requests may name the model as configured or by its folder's basename."""
+        self.base_name = base_name
+        """The name the base model is served under beside a LoRA policy (`server.base_model_name`); None: not served."""
         self.max_model_len = max_model_len
         self.created = int(time.time())
         self.remote_prefill: RemotePrefill | None = None
@@ -104,12 +107,27 @@ class Served:
         self._token_byte_list: dict[int, list[int]] = {}
 
     @property
+    def served_names(self) -> list[str]:
+        """What `/v1/models` lists: the policy, then the base model where it is served."""
+        return [self.model_name] + ([self.base_name] if self.base_name is not None else [])
+
+    @property
     def weight_version(self) -> int:
         return self.engine.stats().weight_version
 
-    def check_model(self, name: str | None) -> None:
+    def answer_version(self, is_base: bool) -> int:
+        """The `weight_version` an answer reports: the policy's now, or for the base model `BASE_WEIGHT_VERSION`."""
+        return BASE_WEIGHT_VERSION if is_base else self.weight_version
+
+    def is_base(self, name: str | None) -> bool:
+        """Whether a request's `model` names the base model (else the policy: its name, or none); an unknown name is
+        a 404."""
+        if name is not None and name == self.base_name:
+            return True
         if name is not None and name not in self.names:
-            raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.model_name}`.", "model")
+            served = " and ".join(f"`{n}`" for n in self.served_names)
+            raise APIError(404, f"The model `{name}` does not exist: this server serves {served}.", "model")
+        return False
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, prompt: list[int], num_top_logprobs: int = 0,
                         names: dict[str, str] | None = None) -> SamplingParams:
@@ -131,11 +149,13 @@ class Served:
             raise APIError(400, str(err), names.get(err.field, err.field)) from None
         return params
 
-    async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool = True) -> AsyncIterator[SequenceOutput]:
-        """The engine's outputs for one prompt; bad requests become 400s, engine failures 500s."""
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool = True,
+                     is_base: bool = False) -> AsyncIterator[SequenceOutput]:
+        """The engine's outputs for one prompt (`is_base`: the base model's); bad requests become 400s, engine
+        failures 500s."""
         request_id = random_id()
         prefilled = await self.remote_prefill.fetch(prompt_token_ids, params) if self.remote_prefill else None
-        outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental, prefilled)
+        outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental, prefilled, is_base)
         try:
             async for out in outputs:
                 yield out
@@ -146,9 +166,10 @@ class Served:
         finally:
             await outputs.aclose()
 
-    async def complete(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> list[Choice]:
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
+                       is_base: bool = False) -> list[Choice]:
         choices = [Choice(i) for i in range(n)]
-        async for out in self.stream(prompt_token_ids, params, n, incremental=False):
+        async for out in self.stream(prompt_token_ids, params, n, incremental=False, is_base=is_base):
             choices[out.index].add(out)
         return choices
 

@@ -13,6 +13,8 @@ import torch
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.models.loading import load_causal_lm
+from tandem.models.lora import LoraSpec, apply_lora, lora_modules, write_adapter_folder
 from tandem.models.weights import load_state_dict, save_state_dict
 
 ENGINE = {"device": "cpu", "num_blocks": 512, "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
@@ -20,6 +22,25 @@ ENGINE = {"device": "cpu", "num_blocks": 512, "block_size": 16, "max_model_len":
 
 QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 """The on-disk names of the weights an FP8 checkpoint of a dense Qwen3 holds in FP8."""
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": LORA_TARGETS}
+"""`engine.lora` of the LoRA test servers: every projection adapted, rank 4, scale 2."""
+
+
+def adapter_folder(base: Path, folder: Path, seed: int, rank: int = 4, std: float = 0.2) -> None:
+    """A PEFT adapter folder for the model in `base` whose A and B are both random, of standard deviation `std` (B
+    nonzero: a policy visibly not the base)."""
+    model = load_causal_lm(str(base), "cpu", "float32")
+    spec = LoraSpec(rank, 8.0, tuple(LORA_TARGETS))
+    apply_lora(model, spec, source="test")
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, module in lora_modules(model):
+        state[f"{name}.lora_A.weight"] = torch.randn(module.lora_A.weight.shape, generator=gen) * std
+        state[f"{name}.lora_B.weight"] = torch.randn(module.lora_B.weight.shape, generator=gen) * std
+    write_adapter_folder(folder, state, spec, str(base))
 
 
 def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float,

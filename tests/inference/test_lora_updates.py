@@ -5,26 +5,12 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from inference_helpers import make_config, teacher_forced_logprobs
+from inference_helpers import LORA, adapter_folder, make_config, teacher_forced_logprobs
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
-from tandem.models.lora import LoraSpec, apply_lora, export_merged, lora_experts, lora_modules, write_adapter_folder
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": TARGETS}
-
-
-def adapter_folder(base, folder, seed: int, rank: int = 4) -> None:
-    model = load_causal_lm(str(base), "cpu", "float32")
-    apply_lora(model, LoraSpec(rank, 8.0, tuple(TARGETS)), source="test")
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, module in lora_modules(model):
-        state[f"{name}.lora_A.weight"] = torch.randn(module.lora_A.weight.shape, generator=gen) * 0.2
-        state[f"{name}.lora_B.weight"] = torch.randn(module.lora_B.weight.shape, generator=gen) * 0.2
-    write_adapter_folder(folder, state, LoraSpec(rank, 8.0, tuple(TARGETS)), str(base))
+from tandem.models.lora import LoraSpec, apply_lora, export_merged, lora_experts, write_adapter_folder
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +69,13 @@ def test_targets_that_name_nothing_are_refused_at_start(tiny_dir, engine, messag
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"engine": {"lora": LORA}, "server": {"base_model_name": "b"}}, "merges the adapters into its weights and serves"),
+    ({"engine": {"lora": LORA}, "server": {"base_model_name": "b"}, "run": {"exact": True}},
+     "`server.base_model_name` with `run.exact`: tandem's engine serves the base model"),
+    ({"engine": {"lora": LORA, "speculative": {"method": "ngram"}}, "server": {"base_model_name": "b"}},
+     "`server.base_model_name` with `engine.speculative`"),
+    ({"engine": {"lora": LORA}, "server": {"base_model_name": "b"}, "disaggregation": {"role": "prefill"}},
+     "`server.base_model_name` with `disaggregation.role` = 'prefill'"),
+    ({"server": {"base_model_name": "b"}}, "`server.base_model_name` is set but `engine.lora.enabled` is false"),
     ({"engine": {"lora": LORA, "quantization": "fp8"}}, "merged into the base's weights in `model.dtype`"),
     ({"engine": {"lora": {**LORA, "target_modules": []}}}, "`lora.target_modules` and `lora.target_experts` are empty"),
     ({"engine": {"lora": {**LORA, "target_experts": ["gate_proj"]}}}, "Input should be 'gate_up_proj' or 'down_proj'"),

@@ -93,4 +93,4 @@ def test_same_prefix_waits_for_the_first_prefill_then_shares_its_blocks():
     assert step2.seqs == [first, other, second]
     assert step2.num_new_tokens == [1, 1, 2]  # 16 of its 18 prompt tokens come from the cache
     sched.finish(first, "stop")
-    assert sched.prefill_leaders == {tuple(other.token_ids[:16]): other}
+    assert sched.prefill_leaders == {(False, tuple(other.token_ids[:16])): other}

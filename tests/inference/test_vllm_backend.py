@@ -102,8 +102,9 @@ def test_a_lora_run_serves_the_base_and_the_policy_as_a_vllm_adapter():
         mapped_flags(vllm_config(engine={"lora": {"enabled": True, "rank": 600}}), "/tmp/start")
     with pytest.raises(ValueError, match="needs the folder of the adapters it starts with"):
         mapped_flags(config)
-    with pytest.raises(ValidationError, match="`server.base_model_name` with `backend` = 'tandem'"):
-        InferenceConfig.model_validate({"engine": {"lora": {"enabled": True}}, "server": {"base_model_name": "b"}})
+    with pytest.raises(ValidationError, match="`server.base_model_name` with `run.exact`"):
+        InferenceConfig.model_validate({"engine": {"lora": {"enabled": True}}, "server": {"base_model_name": "b"},
+                                        "run": {"exact": True}})
     with pytest.raises(ValidationError, match="`server.base_model_name` is set but `engine.lora.enabled` is false"):
         vllm_config(server={"base_model_name": "b"})
     request = VllmDialect("/models/qwen3").to_request({"prompt_token_ids": [1], "max_tokens": 2})

@@ -65,18 +65,20 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
-                       incremental: bool = True, prefilled: PrefilledPrompt | None = None) -> AsyncIterator[SequenceOutput]:
+                       incremental: bool = True, prefilled: PrefilledPrompt | None = None,
+                       is_base: bool = False) -> AsyncIterator[SequenceOutput]:
         """The outputs of the request's `n` sequences until all finish; closing the stream aborts it.
 
         `incremental`: one output per token; else one per sequence, holding its whole completion.
         `prefilled`: the prompt as a prefill server computed it (`LLMEngine.add_prefilled`); where the engine
         cannot continue from it, it prefills the prompt itself.
+        `is_base`: sampled from the base model served beside a LoRA policy (`LLMEngine.add_request`).
 
         A request the engine cannot run raises ValueError here, before anything is queued.
         """
         self.check_request(prompt_token_ids, params)
         outputs = self._outputs(request_id, n, lambda: self._add(request_id, prompt_token_ids, params, n, incremental,
-                                                                 prefilled))
+                                                                 prefilled, is_base))
         try:
             async for out in outputs:
                 yield out
@@ -124,12 +126,12 @@ class AsyncEngine:
         await self._call(lambda: setattr(self, "_paused", False))
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int, incremental: bool,
-             prefilled: PrefilledPrompt | None) -> None:
+             prefilled: PrefilledPrompt | None, is_base: bool) -> None:
         try:
             if prefilled is not None:
                 self.engine.add_prefilled(request_id, prompt_token_ids, params, n, incremental, prefilled)
             else:
-                self.engine.add_request(request_id, prompt_token_ids, params, n, incremental)
+                self.engine.add_request(request_id, prompt_token_ids, params, n, incremental, is_base)
         except Exception as err:  # the request fails, not the engine
             self._deliver_error(request_id, err)
 

@@ -11,6 +11,8 @@ Invariants:
   are live (`cache_epoch`): a weight update starts a new epoch and forgets every registration;
 - shared blocks are full and never written again; the block holding a sequence's last prompt
   token is never taken from the cache, so every sequence computes at least one token;
+- a block's hash chain starts from the model that computed its KV (`chain_root`): the base model served beside a
+  LoRA policy never shares blocks with the policy, though their tokens are the same;
 - a freed block keeps its registration until it is reused, so a finished sequence's prefix can
   still be hit; free blocks are reused oldest first.
 """
@@ -24,6 +26,15 @@ from tandem.inference.engine.sequence import Sequence
 
 def chain_hash(parent: int | None, tokens: list[int]) -> int:
     return hash((parent, tuple(tokens)))
+
+
+BASE_CHAIN_ROOT = chain_hash(None, [-1])
+"""Where the hash chain of a base sequence's blocks starts (no token id is -1, so no policy chain passes by it)."""
+
+
+def chain_root(seq: Sequence) -> int | None:
+    """The parent hash of a sequence's first block: None for the policy's, `BASE_CHAIN_ROOT` for the base model's."""
+    return BASE_CHAIN_ROOT if seq.is_base else None
 
 
 class BlockManager:
@@ -59,7 +70,7 @@ class BlockManager:
         assert not seq.num_pending, "allocate() before the host read the sequence's last token"
         seq.cache_epoch = self.cache_epoch
         seq.block_hashes = []
-        for h, block in self._cached_prefix(seq.token_ids[:seq.num_tokens - 1]):
+        for h, block in self._cached_prefix(seq.token_ids[:seq.num_tokens - 1], chain_root(seq)):
             if self.ref_counts[block] == 0:
                 del self.free[block]
             self.ref_counts[block] += 1
@@ -69,11 +80,12 @@ class BlockManager:
         for _ in range(self.num_blocks_for(seq.num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
 
-    def _cached_prefix(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """(chained hash, block id) of the leading full blocks of `token_ids` that the cache holds."""
+    def _cached_prefix(self, token_ids: list[int], root: int | None = None) -> list[tuple[int, int]]:
+        """(chained hash, block id) of the leading full blocks of `token_ids` that the cache holds, the chain
+        starting at `root` (`chain_root`)."""
         bs = self.block_size
         found: list[tuple[int, int]] = []
-        parent: int | None = None
+        parent = root
         for i in range(len(token_ids) // bs):
             h = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
             block = self.cached.get(h)
@@ -84,7 +96,7 @@ class BlockManager:
         return found
 
     def num_cached_blocks(self, prompt_token_ids: list[int]) -> int:
-        """Leading blocks of a prompt that `allocate` would take from the cache now. Plain lookups, so another
+        """Leading blocks of a policy prompt that `allocate` would take from the cache now. Plain lookups, so another
         thread may ask (a decode server choosing where to prefill): the answer may be a step stale."""
         return len(self._cached_prefix(prompt_token_ids[:len(prompt_token_ids) - 1]))
 
@@ -146,7 +158,7 @@ class BlockManager:
         bs = self.block_size
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq)
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(h)
             block = seq.block_table[i]

@@ -18,6 +18,10 @@ Nothing here is thread-safe: one thread owns the engine (`async_engine.AsyncEngi
 updates, like new requests, take effect between two `step()` calls, so for the steps launched
 after them. A token's logprob therefore always comes from the weights that sampled it, and
 `weight_version` of an output is the oldest version that sampled any of its tokens.
+
+Beside a LoRA policy the engine can serve the base model (`base_path`, `lora_side_path.py`): a request added
+with `is_base` is computed with the current adapters subtracted, in the same steps as the policy's, and reports
+`BASE_WEIGHT_VERSION`: the base is the starting model, policy 0, whatever the policy's version now.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.host_copies import HostRead
 from tandem.inference.engine.lora_merge import AdapterMerger
+from tandem.inference.engine.lora_side_path import LowRankSidePath
 from tandem.inference.engine.prefilled import PrefilledPrompt
 from tandem.inference.engine.sampler import PendingSample, Sampler
 from tandem.inference.engine.sampling_params import InvalidRequest, SamplingParams
@@ -41,6 +46,9 @@ from tandem.inference.engine.sequence import Sequence, SequenceStatus
 from tandem.inference.engine.speculative import Speculator, VerifiedSample
 from tandem.models.loading import load_weights_into
 from tandem.models.lora import LoraSpec, is_adapter_name
+
+BASE_WEIGHT_VERSION = 0
+"""The weight version base-model outputs report: policy 0 is the base (its adapters' B start at zero)."""
 
 
 class ModelRunner(Protocol):
@@ -117,6 +125,7 @@ class LLMEngine:
         overlap: bool = False,
         adapters: AdapterMerger | None = None,
         speculator: Speculator | None = None,
+        base_path: LowRankSidePath | None = None,
     ):
         self.runner = runner
         self.weight_target = weight_target
@@ -133,6 +142,9 @@ class LLMEngine:
         """Launch each step before reading the previous one (see the module docstring)."""
         self.adapters = adapters
         """With `engine.lora`: the kept base, which every update's adapters are merged into; None serves full weights."""
+        self.base_path = base_path
+        """With `engine.lora` and the base model served: the side path (installed on the runner's model) that
+        subtracts the adapters from base sequences' rows, given each update's adapters; None: the policy alone."""
         assert not (overlap and speculator), "speculative decoding reads each step before planning the next"
         self.speculator = speculator
         self.in_flight: LaunchedStep | None = None
@@ -176,19 +188,22 @@ class LLMEngine:
             )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
-                    incremental: bool = True) -> None:
+                    incremental: bool = True, is_base: bool = False) -> None:
         """Queue `n` samples of one prompt (they share its prefill through the prefix cache).
 
         `incremental`: an output per sampled token (for streaming); else one per sequence, at its end.
+        `is_base`: sample from the base model, not the policy (needs `base_path`).
         """
-        seqs = self._new_sequences(request_id, prompt_token_ids, params, n, incremental)
+        if is_base and self.base_path is None:
+            raise ValueError("this engine serves the policy alone: the base model is served beside a LoRA policy only")
+        seqs = self._new_sequences(request_id, prompt_token_ids, params, n, incremental, is_base)
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
         self.num_prompt_tokens += len(prompt_token_ids)
 
     def _new_sequences(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int,
-                       incremental: bool) -> list[Sequence]:
+                       incremental: bool, is_base: bool = False) -> list[Sequence]:
         self.check_request(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -197,7 +212,7 @@ class LLMEngine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            seqs.append(Sequence(request_id, i, prompt_token_ids, params, self.tokenizer, generator, incremental))
+            seqs.append(Sequence(request_id, i, prompt_token_ids, params, self.tokenizer, generator, incremental, is_base))
         return seqs
 
     def add_prefill(self, request_id: str, prompt_token_ids: list[int], first_block: int = 0) -> None:
@@ -368,6 +383,7 @@ class LLMEngine:
             row, first_row = row + num_rows, row
             if seq.is_finished:  # stopped by its previous token, or aborted, while this step ran
                 continue
+            version = BASE_WEIGHT_VERSION if seq.is_base else step.weight_version
             wants_experts = routed is not None and seq.params.return_routed_experts
             if result.accepted_drafts is not None:
                 accepted = result.accepted_drafts[j]
@@ -375,14 +391,14 @@ class LLMEngine:
                 self.num_accepted_tokens += len(accepted)
                 for m, (token, logprob, top) in enumerate(accepted):
                     experts = routed[first_row + m] if wants_experts else None
-                    seq.accept_draft(token, logprob, top, step.weight_version, experts)
+                    seq.accept_draft(token, logprob, top, version, experts)
                     self._emitted(seq, outputs)
                     if seq.is_finished:
                         break
                 if seq.is_finished:
                     continue
                 first_row += len(accepted)
-            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], step.weight_version,
+            seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], version,
                              routed[first_row] if wants_experts else None)
             self._emitted(seq, outputs)
             if self.speculator is not None and not seq.is_finished:
@@ -451,7 +467,9 @@ class LLMEngine:
             if not with_adapters:
                 raise KeyError("this server's policy is LoRA adapters on a fixed base (`engine.lora.enabled`): an update "
                                "holds adapters only, not full weights")
-            self.adapters.apply(state)
+            pairs = self.adapters.apply(state)
+            if self.base_path is not None:
+                self.base_path.load(pairs)
         elif with_adapters:
             raise KeyError("LoRA adapters sent to a server of full weights: set `engine.lora.enabled` (`tandem rl` does "
                            "when `trainer.lora.enabled` is set)")

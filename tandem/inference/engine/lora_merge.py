@@ -50,12 +50,14 @@ class AdapterMerger:
                 raise ValueError(f"adapter dtypes for {name}: {lora_a.dtype}, {lora_b.dtype}; floating point is needed")
         return pairs
 
-    def apply(self, adapters: dict[str, torch.Tensor]) -> None:
+    def apply(self, adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Merge `adapters` (HF-named `<projection>.lora_A.weight`, `.lora_B.weight`) into the live weights, in place
-        (stacked projections see it: their parameters are views); nothing changes unless all fit."""
+        (stacked projections see it: their parameters are views); nothing changes unless all fit. Returns the
+        adapters merged, by the weight they adapt."""
         pairs = self.check(adapters)
         with torch.no_grad():
             for name, (lora_a, lora_b) in pairs.items():
                 param = self.params[name]
                 base = self.base[name].to(param.device, non_blocking=True)
                 param.copy_(adapted_weight(base, lora_a.to(param.device), lora_b.to(param.device), self.spec.scale))
+        return pairs

@@ -8,7 +8,9 @@ has not read yet are):
   values kept in the paged cache (`step_inputs.py` builds the step's tensors, `cuda_graphs.py`
   replays decode steps), or for latent attention its latent entries (`LatentCache`,
   `paged_latent_attention.py`); for a mixture of experts, `routed_experts` holds after each run the
-  expert ids that computed each sampled row (`fused_moe.RoutingRecorder`);
+  expert ids that computed each sampled row (`fused_moe.RoutingRecorder`); with a `side_path` (the base model
+  served beside a LoRA policy, `lora_side_path.py`) the tokens of base sequences get it, in an eager step
+  (a CUDA graph replays the policy's forward only);
 - `RecomputeModelRunner`: any transformers model (the slow path); no cache, each sampling
   sequence runs again from its first token.
 """
@@ -22,6 +24,7 @@ from tandem.kernels.attention import decode_context_bounds
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.kv_cache import KVCache, LatentCache
+from tandem.inference.engine.lora_side_path import LowRankSidePath
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
 from tandem.inference.engine.paged_latent_attention import PagedLatentAttention
 from tandem.inference.engine.scheduler import ScheduledBatch
@@ -33,10 +36,13 @@ class PagedModelRunner:
     """Every token is computed once; decode-only steps replay CUDA graphs where enabled (CUDA)."""
 
     def __init__(self, model: nn.Module, cache: KVCache | LatentCache, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 cuda_graphs: bool, recorder: RoutingRecorder | None = None, exact: bool = False):
+                 cuda_graphs: bool, recorder: RoutingRecorder | None = None, exact: bool = False,
+                 side_path: LowRankSidePath | None = None):
         """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (graphs only where
-        its whole forward takes the kernel path: `tandem.models.exact.model_uses_kernels`)."""
+        its whole forward takes the kernel path: `tandem.models.exact.model_uses_kernels`). `side_path`: installed on
+        the model (`lora_side_path.apply_side_path`), given the rows of base sequences for each step that has any."""
         self.model = model
+        self.side_path = side_path
         self.exact = exact
         self.cache = cache
         self.device = device
@@ -66,7 +72,8 @@ class PagedModelRunner:
     @torch.no_grad()
     def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         b = len(batch.seqs)
-        if self.graphs is not None and b <= self.graphs.max_batch and batch.is_decode_only:
+        base_rows = self._base_rows(batch)
+        if self.graphs is not None and b <= self.graphs.max_batch and batch.is_decode_only and base_rows is None:
             step = self.inputs.build(batch, pad_to=self.graphs.padded(b), previous_tokens=previous_tokens)
             size = step.input_ids.shape[0]
             for row, values in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
@@ -79,9 +86,26 @@ class PagedModelRunner:
                                  block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
                                  query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host,
                                  max_context=max(step.seq_lens_host, default=0))
-        hidden = self.model(step.input_ids[None], step.positions[None], attention=self._attention(meta))
+        if base_rows is not None:
+            self.side_path.rows = base_rows
+        try:
+            hidden = self.model(step.input_ids[None], step.positions[None], attention=self._attention(meta))
+        finally:
+            if self.side_path is not None:
+                self.side_path.rows = None
         self._record_routing(step.sample_index)
         return self._logits(hidden[0, step.sample_index])
+
+    def _base_rows(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """The step's token rows of base sequences (each sequence's new tokens, in batch order); None if none."""
+        if self.side_path is None or not any(seq.is_base for seq in batch.seqs):
+            return None
+        rows, start = [], 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_base:
+                rows.extend(range(start, start + num_new))
+            start += num_new
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _attention(self, meta: AttentionMetadata) -> PagedAttention | PagedLatentAttention:
         if isinstance(self.cache, LatentCache):

@@ -80,12 +80,14 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefill_leaders: dict[tuple[int, ...], Sequence] = {}
-        """Shareable prompt prefix -> the sequence computing it; entries leave when their leader finishes."""
+        self.prefill_leaders: dict[tuple[bool, tuple[int, ...]], Sequence] = {}
+        """(base model?, shareable prompt prefix) -> the sequence computing it; entries leave when their leader
+        finishes. The base model's KV is never the policy's (`block_manager.chain_root`), so neither waits for the
+        other."""
 
     def add(self, seq: Sequence) -> None:
         prefix = self._shareable_prefix(seq)
-        if prefix:
+        if prefix[1]:
             leader = self.prefill_leaders.get(prefix)
             if leader is not None and not (leader.has_prefilled_prompt or leader.is_finished):
                 seq.prefix_parent = leader
@@ -93,10 +95,10 @@ class Scheduler:
                 self.prefill_leaders[prefix] = seq
         self.waiting.append(seq)
 
-    def _shareable_prefix(self, seq: Sequence) -> tuple[int, ...]:
-        """The prompt's full blocks before the one holding its last token (what the cache can share)."""
+    def _shareable_prefix(self, seq: Sequence) -> tuple[bool, tuple[int, ...]]:
+        """The prompt's full blocks before the one holding its last token (what the cache can share), and whose."""
         bs = self.block_manager.block_size
-        return tuple(seq.token_ids[:(seq.num_prompt_tokens - 1) // bs * bs])
+        return seq.is_base, tuple(seq.token_ids[:(seq.num_prompt_tokens - 1) // bs * bs])
 
     @property
     def has_unfinished(self) -> bool:

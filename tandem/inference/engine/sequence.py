@@ -14,6 +14,8 @@ Invariants:
 - Speculative decoding: a step that verifies drafts emits the accepted drafts and then the policy's
   own token. Each accepted draft is appended as known and computed (the verifying forward wrote its
   keys and values) ahead of the pending token, so one token stays uncomputed throughout.
+- A base sequence (`is_base`: the base model served beside a LoRA policy) is computed with the adapters
+  subtracted (`lora_side_path.py`); its KV blocks are the base's, shared only with other base sequences.
 - Preemption (recompute) frees the blocks and resets `num_computed_tokens`; the completion so far,
   with its logprobs, is kept and prefilled again as if it were prompt.
 """
@@ -45,6 +47,7 @@ class Sequence:
         tokenizer: Any,
         generator: torch.Generator | None = None,
         incremental: bool = True,
+        is_base: bool = False,
     ):
         self.request_id = request_id
         self.index = index
@@ -56,6 +59,8 @@ class Sequence:
         """Per-sequence generator when the request has a seed; else the engine's shared one is used."""
         self.incremental = incremental
         """Whether the engine reports every token as it comes (streaming) or the completion at its end."""
+        self.is_base = is_base
+        """Sampled from the base model, not the LoRA policy (`server.base_model_name`)."""
         self.prefix_parent: Sequence | None = None
         """An earlier sequence with the same prompt prefix whose prefill this one waits for (set by the scheduler)."""
         self.hand_off_from_block: int | None = None

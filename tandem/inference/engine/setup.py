@@ -4,7 +4,9 @@ Native models get a paged cache: decoder blocks (Qwen3, Qwen3-MoE, GLM-4.5, Mini
 values, the latent-attention families (GLM-5, DeepSeek-V3) the `LatentCache` of latent entries and DSA indexer keys;
 any other architecture (loaded through transformers) runs on the recompute path. On CUDA the cache takes what
 `memory_fraction` leaves after the weights and the activations of a full-budget warmup step. A draft model
-(speculative decoding) gets a paged cache of its own with as many blocks as the policy's, sized with it.
+(speculative decoding) gets a paged cache of its own with as many blocks as the policy's, sized with it. Beside a
+LoRA policy the base model is served through a low-rank side path (`lora_side_path.py`) where every adapted
+projection takes it (native decoder blocks and dense feed-forwards).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 from tandem.config.base import ModelConfig
-from tandem.config.inference import EngineConfig, SpeculativeConfig
+from tandem.config.inference import BaseServing, EngineConfig, SpeculativeConfig
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_device
 from tandem.inference.engine.fused_blocks import apply_fused_blocks
@@ -26,6 +28,7 @@ from tandem.inference.engine.fused_norms import apply_compiled_norms
 from tandem.inference.engine.kv_cache import KVCache, LatentCache
 from tandem.inference.engine.llm_engine import LLMEngine
 from tandem.inference.engine.lora_merge import AdapterMerger
+from tandem.inference.engine.lora_side_path import LowRankSidePath, apply_side_path, uncovered_projections
 from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
 from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
@@ -34,7 +37,7 @@ from tandem.inference.engine.speculative import DraftModelProposer, NgramPropose
 from tandem.models.hub import resolve_model_path
 from tandem.models.glm_moe_dsa import LatentMoeArgs
 from tandem.models.loading import is_native, load_causal_lm
-from tandem.models.lora import LoraSpec
+from tandem.models.lora import LoraSpec, targeted_linears
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +98,11 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
     return min(useful, max(0, budget // bytes_per_block))
 
 
-def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exact: bool = False) -> LLMEngine:
-    """`exact`: batch-invariant computation (`[run] exact`, `tandem.models.exact`)."""
+def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exact: bool = False,
+                 base: BaseServing = "off") -> LLMEngine:
+    """`exact`: batch-invariant computation (`[run] exact`, `tandem.models.exact`). `base`: serve the base model
+    beside a LoRA policy (`InferenceConfig.base_serving`): where the model can take the side path, or
+    `required` (an error where it cannot)."""
     device = resolve_device(engine.device)
     fp8 = engine.quantization == "fp8"
     if fp8:
@@ -135,12 +141,17 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         cache = cache_for(model, num_blocks, engine.block_size, device, fp8_cache)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
-        if engine.fused_blocks and device.type == "cuda" and not (exact or fp8):  # exact, fp8: their own blocks
-            apply_fused_blocks(model)
+        base_path = side_path_for_base(model, engine, device, base)
+        fused = engine.fused_blocks and device.type == "cuda" and not (exact or fp8)  # exact, fp8: their own blocks
+        if fused:
+            apply_fused_blocks(model, base_path)
+        if base_path is not None:
+            apply_side_path(model, base_path, blocks=not fused)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
         # The latent cache's torch attention gathers whole contexts: a graph would keep its largest bound's for good.
         graphs = engine.cuda_graphs and not isinstance(cache, LatentCache) and (not exact or model_uses_kernels(model, device))
-        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact)
+        runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact,
+                                  base_path)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s) on %s", num_blocks, engine.block_size,
@@ -153,6 +164,11 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         num_blocks = engine.num_blocks or engine.max_num_seqs * -(-max_model_len // engine.block_size)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
         runner = RecomputeModelRunner(model, device)
+        base_path = None
+        if base == "required":
+            raise ValueError(f"`server.base_model_name` is set, but {model.hf_config.get('model_type')!r} runs on the "
+                             "recompute path of transformers models, which takes no side path to serve the base model "
+                             "beside the LoRA policy; remove `server.base_model_name`")
         overlap = False
         weight_target = model.hf_model
         log.info("%s: not native to tandem, a transformers model recomputed every step (slow path)",
@@ -186,7 +202,28 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         overlap=overlap,
         adapters=adapters,
         speculator=speculator,
+        base_path=base_path,
     )
+
+
+def side_path_for_base(model: torch.nn.Module, engine: EngineConfig, device: torch.device,
+                       base: BaseServing) -> LowRankSidePath | None:
+    """The side path that serves the base model beside the LoRA policy (`lora_side_path.py`), or None: not asked,
+    or (unless `required`, then an error naming the key) a model whose adapted projections it does not reach."""
+    if base == "off" or not engine.lora.enabled:
+        return None
+    spec = LoraSpec(engine.lora.rank, engine.lora.alpha, tuple(engine.lora.target_modules))
+    linears = targeted_linears(model, spec.target_modules)
+    uncovered = uncovered_projections(model, linears)
+    if uncovered:
+        reason = (f"the side path that serves the base model does not reach the adapted projections {uncovered[:4]} of "
+                  f"this {model.hf_config.get('model_type')!r} model (latent attention, routed experts)")
+        if base == "required":
+            raise ValueError(f"`server.base_model_name` is set, but {reason}; remove `server.base_model_name` or adapt "
+                             "other projections (`engine.lora.target_modules`)")
+        log.warning("the base model is not served beside the LoRA policy: %s", reason)
+        return None
+    return LowRankSidePath(linears, spec.scale, -1.0, device, model.lm_head.weight.dtype)
 
 
 def cache_layout(model: torch.nn.Module, fp8: bool = False) -> tuple[type[KVCache] | type[LatentCache], dict[str, Any]]:

@@ -1,0 +1,117 @@
+"""A low-rank side path: `sign * scale * (x A^T) B^T` added to chosen token rows of adapted projections.
+
+Why: the engine multiplies by merged weights (`lora_merge`), so every row it computes is the policy's. Serving the
+base model beside it (`server.base_model_name`) subtracts each projection's adapter product from the rows of base
+sequences only (sign -1): `x W_merged^T - s (x A^T) B^T = x W_base^T` up to rounding, at the cost of two rank-r
+matmuls over those rows, while the policy's rows keep their merged weights, kernels and bits. The rows are the
+step's token rows (the flattened leading dimensions of a projection's input), set for one forward by the runner
+(`rows`) and None otherwise, so a forward without them is the model's own.
+
+It reaches the engine's forwards where they multiply: the reference block (`corrected_block_forward`, the model's own
+`before_attention` / `after_attention` with `linear` = `LowRankSidePath.linear`), every dense feed-forward `MLP`
+(the blocks' own and a mixture of experts' shared experts, `corrected_mlp_forward`), and the engine's fused blocks
+(`fused_blocks`, their stacked q/k/v and gate/up corrected part by part: `add_to_parts`). A projection outside those
+(latent attention, routed experts) cannot take it: `uncovered_projections` names them, and the server refuses to
+serve the base there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.decoder import DecoderLayer, after_attention, before_attention
+from tandem.models.layers import MLP, swiglu
+
+
+class LowRankSidePath:
+    def __init__(self, linears: dict[str, nn.Linear], scale: float, sign: float, device: torch.device, dtype: torch.dtype):
+        """`linears`: the adapted projections by module name; `sign * scale` multiplies every adapter's product."""
+        self.factor = sign * scale
+        self.device, self.dtype = device, dtype
+        self._names = {id(module.weight): f"{name}.weight" for name, module in linears.items()}
+        """A projection's weight (the very tensor the model's forward passes to `linear`) -> its HF weight name."""
+        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """HF weight name -> (A [r, in], B [out, r]) on the device; empty before the first update (B = 0: nothing to add)."""
+        self.rows: torch.Tensor | None = None
+        """The token rows of the running forward that get the side path; None: no row does."""
+
+    def load(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep this update's adapters (by the weight they adapt) on the device in the model's dtype, as the merge
+        multiplies them (`tandem.models.lora.adapted_weight`)."""
+        self.adapters = {name: (a.to(self.device, self.dtype), b.to(self.device, self.dtype)) for name, (a, b) in pairs.items()}
+
+    def add_to(self, linear: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[rows] += factor * (x[rows] A^T) B^T, in place, for `linear`'s adapter (y = the projection of x, or its
+        columns of a stacked projection); nothing without rows or adapter."""
+        self._add(self._names.get(id(linear.weight)), x, y)
+
+    def add_to_parts(self, linears: list[nn.Linear], x: torch.Tensor, y: torch.Tensor) -> None:
+        """`add_to` for projections stacked into one matmul (y's columns: each projection's outputs, in order)."""
+        start = 0
+        for linear in linears:
+            end = start + linear.out_features
+            self.add_to(linear, x, y[..., start:end])
+            start = end
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`F.linear` plus the side path of the projection whose weight this is (the model's forward passes its
+        projections' weights, not the modules)."""
+        y = F.linear(x, weight, bias)
+        self._add(self._names.get(id(weight)), x, y)
+        return y
+
+    def _add(self, name: str | None, x: torch.Tensor, y: torch.Tensor) -> None:
+        pair = self.adapters.get(name) if name is not None else None
+        if pair is None or self.rows is None:
+            return
+        lora_a, lora_b = pair
+        x_rows = x.reshape(-1, x.shape[-1]).index_select(0, self.rows)
+        delta = F.linear(F.linear(x_rows, lora_a), lora_b) * self.factor
+        y.view(-1, y.shape[-1]).index_add_(0, self.rows, delta.to(y.dtype))
+
+
+def covered_projections(model: nn.Module) -> set[str]:
+    """Names of the projections the side path reaches: a `DecoderLayer`'s q/k/v/o and every `MLP`'s gate/up/down."""
+    covered = set()
+    for name, module in model.named_modules():
+        if isinstance(module, DecoderLayer):
+            covered |= {f"{name}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        elif isinstance(module, MLP):
+            covered |= {f"{name}.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    return covered
+
+
+def uncovered_projections(model: nn.Module, adapted: dict[str, nn.Linear]) -> list[str]:
+    """The adapted projections no forward of the side path reaches (where the base cannot be served)."""
+    return sorted(set(adapted) - covered_projections(model))
+
+
+def apply_side_path(model: nn.Module, side: LowRankSidePath, blocks: bool) -> None:
+    """Give every `MLP` of `model` the side path, and with `blocks` every `DecoderLayer` (where no fused block forward
+    is installed: the fused one takes the side path itself), in place."""
+    for module in model.modules():
+        if isinstance(module, MLP):
+            module.forward = functools.partial(corrected_mlp_forward, module, side)
+        elif blocks and isinstance(module, DecoderLayer):
+            module.forward = functools.partial(corrected_block_forward, module, side)
+
+
+def corrected_mlp_forward(mlp: MLP, side: LowRankSidePath, x: torch.Tensor) -> torch.Tensor:
+    if side.rows is None:
+        return MLP.forward(mlp, x)
+    return swiglu(x, *mlp.tensor_args(), linear=side.linear)
+
+
+def corrected_block_forward(block: DecoderLayer, side: LowRankSidePath, x: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, backend) -> torch.Tensor:
+    """`DecoderLayer.forward`, its projections through `side.linear` while rows are set."""
+    if side.rows is None:
+        return DecoderLayer.forward(block, x, cos, sin, backend)
+    q, k, v = before_attention(x, cos, sin, *block.before_attention_args(), block.eps, block.self_attn.head_dim,
+                               linear=side.linear)
+    attended = backend.attend(block.layer_idx, q, k, v)
+    return after_attention(x, attended, *block.residual_args(), block.eps, block.mlp, linear=side.linear)
