@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tandem.config.base import ModelConfig
 from tandem.config.lora import LoraConfig
@@ -307,7 +308,19 @@ def full_parameters(policy: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
     """Each published parameter (`PolicyModel.published_parameters`) whole, one at a time (a view of the parameter at
     one rank). Under FSDP each is all-gathered in turn, a collective: every rank must run this to the end, in step with the others."""
     for name, param in policy.published_parameters():
-        yield name, param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+        yield name, plain_values(param.detach().full_tensor() if isinstance(param, DTensor) else param.detach())
+
+
+def plain_values(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a plain tensor. A tensor subclass that wraps its own values is unwrapped: under FSDP, FP8 training's
+    `tensorwise` weights are one (torchao's, so that FSDP gathers them in FP8: `tandem.trainer.float8`), and a
+    published folder or a broadcast carries the values, never the wrapper."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return tensor
+    inner = getattr(tensor, tensor.__tensor_flatten__()[0][0])
+    if type(inner) is not torch.Tensor or inner.shape != tensor.shape or inner.dtype != tensor.dtype:
+        raise TypeError(f"cannot publish a {type(tensor).__name__}: it does not wrap its values as one plain tensor")
+    return inner
 
 
 def to_published(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

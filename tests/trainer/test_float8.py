@@ -11,8 +11,10 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from tandem.config.base import ModelConfig
 from tandem.config.loader import ConfigError, parse_args
@@ -22,7 +24,7 @@ from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPO
 from tandem.models.presets import preset_config, write_model
 from tandem.trainer import float8
 from tandem.trainer.loss import build_loss
-from tandem.trainer.model import build_policy
+from tandem.trainer.model import build_policy, gather_full_state
 from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.rl.train import rl_objective
 from tandem.trainer.session import open_session
@@ -45,8 +47,8 @@ def odd_ffn_model(tmp_path_factory) -> Path:
 
 
 def fp8_policy(model: Path, dims, recipe: str = "tensorwise", checkpointing: str = "selective", compile: str = "off",
-               stack: bool = False):
-    parallel = ParallelConfig(activation_checkpoint=ActivationCheckpointConfig(mode=checkpointing))
+               stack: bool = False, fsdp: bool = False):
+    parallel = ParallelConfig(activation_checkpoint=ActivationCheckpointConfig(mode=checkpointing), fsdp_at_one_rank=fsdp)
     policy, _ = build_policy(ModelConfig(name=str(model), dtype="bfloat16"), parallel, dims, chunk_size=4,
                              kernels=KernelsConfig(compile=compile, compile_stack=stack),
                              fp8=Float8TrainingConfig(enabled=recipe != "off", recipe="tensorwise" if recipe == "off" else recipe))
@@ -103,9 +105,9 @@ def test_exactly_the_float8_modules_compute_in_fp8(model, dims, monkeypatch, req
 
 
 class Trainer:
-    def __init__(self, model: Path, dims, recipe: str, compile: str = "off", stack: bool = False):
+    def __init__(self, model: Path, dims, recipe: str, compile: str = "off", stack: bool = False, fsdp: bool = False):
         self.dims = dims
-        self.policy = fp8_policy(model, dims, recipe, compile=compile, stack=stack)
+        self.policy = fp8_policy(model, dims, recipe, compile=compile, stack=stack, fsdp=fsdp)
         self.optimizer = build_optimizer(self.policy, AdamWConfig(lr=1e-2))
         self.scheduler = build_scheduler(self.optimizer, ConstantSchedule(), len(ONE_DOCUMENT_ROWS))
         self.objective = rl_objective(build_loss(AIPOLoss()))
@@ -128,6 +130,21 @@ def test_fp8_training_follows_bf16_closely_but_not_bitwise(tiny_model, dims, rec
     losses = Trainer(tiny_model, dims, recipe).losses()
     assert losses != reference
     assert losses == pytest.approx(reference, abs=2.5e-2)
+
+
+def test_under_fsdp_tensorwise_gathers_fp8_weights_and_rowwise_trains_as_at_one_rank(tiny_model, dims):
+    """FSDP2 (at one rank: the same hooks and gathers as at several). `tensorwise` shards a weight that FSDP gathers in
+    FP8, scaled from the fp32 master rather than from its bf16 copy, so the losses differ from the plain one-rank
+    path's in rounding only; `rowwise` gathers bf16 as without FP8: the one-rank path's losses bit for bit."""
+    tensorwise = Trainer(tiny_model, dims, "tensorwise", fsdp=True)
+    local = tensorwise.policy.lm.model.layers[0].self_attn.q_proj.weight.to_local()
+    assert type(local) is WeightWithDynamicFloat8CastTensor
+    assert tensorwise.losses() == pytest.approx(Trainer(tiny_model, dims, "tensorwise").losses(), abs=2.5e-2)
+    published = gather_full_state(tensorwise.policy, torch.bfloat16, keep=True)  # what a policy update holds
+    assert {type(t) for t in published.values()} == {torch.Tensor}
+    rowwise = Trainer(tiny_model, dims, "rowwise", fsdp=True)
+    assert type(rowwise.policy.lm.model.layers[0].self_attn.q_proj.weight.to_local()) is torch.Tensor
+    assert rowwise.losses() == Trainer(tiny_model, dims, "rowwise").losses()
 
 
 def test_compiled_as_one_stack_fp8_trains_like_its_blocks_run_eagerly(tiny_model, dims, traced):
