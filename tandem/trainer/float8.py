@@ -33,6 +33,7 @@ from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 from torchao.float8.float8_training_tensor import LinearMMConfig
+from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
 
 from tandem.models.decoder import DecoderLayer, Linear
 from tandem.models.layers import MLP
@@ -123,3 +124,11 @@ def apply_float8_training(blocks: nn.ModuleList, recipe: Literal["tensorwise", "
     training = Float8Training(functools.partial(float8_linear, config=config, mm_config=mm_config), converted, kept)
     log.info(training.summary(recipe))
     return training
+
+
+def precompute_scales_after_steps(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Under FSDP with `tensorwise`, gathering a weight in FP8 needs its scale, from the largest magnitude over all
+    its shards: after each optimizer step, torchao's `precompute_float8_dynamic_scale_for_fsdp` finds it for every
+    weight in one all-reduce, where each gather would otherwise all-reduce its own. Elsewhere it finds no such weight
+    and does nothing."""
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))

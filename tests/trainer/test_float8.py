@@ -134,12 +134,15 @@ def test_fp8_training_follows_bf16_closely_but_not_bitwise(tiny_model, dims, rec
 
 def test_under_fsdp_tensorwise_gathers_fp8_weights_and_rowwise_trains_as_at_one_rank(tiny_model, dims):
     """FSDP2 (at one rank: the same hooks and gathers as at several). `tensorwise` shards a weight that FSDP gathers in
-    FP8, scaled from the fp32 master rather than from its bf16 copy, so the losses differ from the plain one-rank
-    path's in rounding only; `rowwise` gathers bf16 as without FP8: the one-rank path's losses bit for bit."""
+    FP8, scaled from the fp32 master rather than from its bf16 copy (by scales found after each step), so the losses
+    differ from the plain one-rank path's in rounding only; `rowwise` gathers bf16 as without FP8: the one-rank
+    path's losses bit for bit."""
     tensorwise = Trainer(tiny_model, dims, "tensorwise", fsdp=True)
-    local = tensorwise.policy.lm.model.layers[0].self_attn.q_proj.weight.to_local()
-    assert type(local) is WeightWithDynamicFloat8CastTensor
+    float8.precompute_scales_after_steps(tensorwise.optimizer, tensorwise.policy)
+    shard = tensorwise.policy.lm.model.layers[0].self_attn.q_proj.weight
+    assert type(shard._local_tensor) is WeightWithDynamicFloat8CastTensor and shard._local_tensor._precomputed_scale is None
     assert tensorwise.losses() == pytest.approx(Trainer(tiny_model, dims, "tensorwise").losses(), abs=2.5e-2)
+    assert shard._local_tensor._precomputed_scale is not None  # steps 2 and 3 gathered with scales found after a step
     published = gather_full_state(tensorwise.policy, torch.bfloat16, keep=True)  # what a policy update holds
     assert {type(t) for t in published.values()} == {torch.Tensor}
     rowwise = Trainer(tiny_model, dims, "rowwise", fsdp=True)
