@@ -126,9 +126,11 @@ def apply_float8_training(blocks: nn.ModuleList, recipe: Literal["tensorwise", "
     return training
 
 
-def precompute_scales_after_steps(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def keep_scales_precomputed(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """Under FSDP with `tensorwise`, gathering a weight in FP8 needs its scale, from the largest magnitude over all
-    its shards: after each optimizer step, torchao's `precompute_float8_dynamic_scale_for_fsdp` finds it for every
-    weight in one all-reduce, where each gather would otherwise all-reduce its own. Elsewhere it finds no such weight
-    and does nothing."""
+    its shards: torchao's `precompute_float8_dynamic_scale_for_fsdp` finds it for every weight in one all-reduce, where
+    each gather would otherwise all-reduce its own. Found now, for the weights as they are (loaded or resumed), and
+    after each optimizer step, so that every gather uses one rule (the two compute the scale in other roundings).
+    Elsewhere it finds no such weight and does nothing."""
+    precompute_float8_dynamic_scale_for_fsdp(model)
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))

@@ -23,6 +23,7 @@ from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPO
                                    KernelsConfig, ParallelConfig, RolloutDataConfig, TrainerConfig)
 from tandem.models.presets import preset_config, write_model
 from tandem.trainer import float8
+from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.loss import build_loss
 from tandem.trainer.model import build_policy, gather_full_state
 from tandem.trainer.optim import build_optimizer, build_scheduler
@@ -112,14 +113,13 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, ConstantSchedule(), len(ONE_DOCUMENT_ROWS))
         self.objective = rl_objective(build_loss(AIPOLoss()))
 
+    def step(self, step: int) -> float:
+        mbs = batches(ONE_DOCUMENT_ROWS[step], step, self.dims.device)
+        return train_step(self.policy, self.optimizer, self.scheduler, mbs, self.objective, count_loss_tokens(mbs, self.dims),
+                          0.5, self.dims).loss
+
     def losses(self) -> list[float]:
-        out = []
-        for step, rows in enumerate(ONE_DOCUMENT_ROWS):
-            mbs = batches(rows, step, self.dims.device)
-            result = train_step(self.policy, self.optimizer, self.scheduler, mbs, self.objective,
-                                count_loss_tokens(mbs, self.dims), 0.5, self.dims)
-            out.append(result.loss)
-        return out
+        return [self.step(step) for step in range(len(ONE_DOCUMENT_ROWS))]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -138,16 +138,33 @@ def test_under_fsdp_tensorwise_gathers_fp8_weights_and_rowwise_trains_as_at_one_
     differ from the plain one-rank path's in rounding only; `rowwise` gathers bf16 as without FP8: the one-rank
     path's losses bit for bit."""
     tensorwise = Trainer(tiny_model, dims, "tensorwise", fsdp=True)
-    float8.precompute_scales_after_steps(tensorwise.optimizer, tensorwise.policy)
     shard = tensorwise.policy.lm.model.layers[0].self_attn.q_proj.weight
-    assert type(shard._local_tensor) is WeightWithDynamicFloat8CastTensor and shard._local_tensor._precomputed_scale is None
+    assert type(shard._local_tensor) is WeightWithDynamicFloat8CastTensor
+    float8.keep_scales_precomputed(tensorwise.optimizer, tensorwise.policy)
+    first_scale = shard._local_tensor._precomputed_scale.clone()
     assert tensorwise.losses() == pytest.approx(Trainer(tiny_model, dims, "tensorwise").losses(), abs=2.5e-2)
-    assert shard._local_tensor._precomputed_scale is not None  # steps 2 and 3 gathered with scales found after a step
+    assert not torch.equal(shard._local_tensor._precomputed_scale, first_scale)  # found again after each step
     published = gather_full_state(tensorwise.policy, torch.bfloat16, keep=True)  # what a policy update holds
     assert {type(t) for t in published.values()} == {torch.Tensor}
     rowwise = Trainer(tiny_model, dims, "rowwise", fsdp=True)
     assert type(rowwise.policy.lm.model.layers[0].self_attn.q_proj.weight.to_local()) is torch.Tensor
     assert rowwise.losses() == Trainer(tiny_model, dims, "rowwise").losses()
+
+
+def test_a_tensorwise_fsdp_checkpoint_resumes_bit_for_bit(tiny_model, dims, tmp_path):
+    """DCP saves and loads the weights FSDP gathers in FP8 (torchao's wrapper of each fp32 shard) like plain ones; the
+    scales are found again for the loaded weights, as the trainer's start does after a resume."""
+    reference = Trainer(tiny_model, dims, "tensorwise", fsdp=True)
+    float8.keep_scales_precomputed(reference.optimizer, reference.policy)
+    expected = reference.losses()
+    saver = Trainer(tiny_model, dims, "tensorwise", fsdp=True)
+    float8.keep_scales_precomputed(saver.optimizer, saver.policy)
+    assert saver.step(0) == expected[0]
+    folder = save_checkpoint(tmp_path, 1, saver.policy, saver.optimizer, saver.scheduler, {}, dims)
+    loader = Trainer(tiny_model, dims, "tensorwise", fsdp=True)
+    assert load_checkpoint(folder, loader.policy, loader.optimizer, loader.scheduler, dims).step == 1
+    float8.keep_scales_precomputed(loader.optimizer, loader.policy)
+    assert [loader.step(step) for step in range(1, len(ONE_DOCUMENT_ROWS))] == expected[1:]
 
 
 def test_compiled_as_one_stack_fp8_trains_like_its_blocks_run_eagerly(tiny_model, dims, traced):
