@@ -8,6 +8,8 @@
     python benchmarks/trainer.py --preset qwen3-30b-a3b --num-layers 8 --device cuda --shapes 16384:1:1 \\
         --baseline 16384:1:1 --out benchmarks/results/trainer-moe-h200-DATE.json   # MoE, cut to 8 blocks
     torchrun --nproc-per-node 4 benchmarks/trainer.py --preset qwen3-30b-a3b --num-layers 8 --ep 4 --shapes 16384:1:4
+    python benchmarks/trainer.py --preset qwen3-0.6b --device cuda --shapes 16384:1:1 --fp8 off tensorwise rowwise \
+        --out benchmarks/results/trainer-fp8-h100-DATE.json     # bf16 and both FP8 recipes in one run, their ratios
     python benchmarks/trainer.py --preset qwen3-0.6b --device cuda --max-position-embeddings 262144 \
         --shapes 65536:1:1 131072:1:1 262144:1:1 --ac selective --chunk-size 1024 --steps 2 --warmup 1 \
         --out benchmarks/results/trainer-long-h200-DATE.json     # one long sequence per step, YaRN positions
@@ -60,6 +62,10 @@ into the figures; their times are kept (`warmup_step_times_s`: what compiling co
 The result file keeps a per-shape `table` (tokens per step, ms/step, MFU, tokens/s, peak memory), and
 each tandem run counts what its timed steps did that a steady step should not: graphs compiled by
 `torch.compile` (a guard that failed) and CUDA allocations (`once_only_events_in_timed_steps`).
+`--fp8 off tensorwise rowwise` runs every shape once per setting of `fp8` (`off`: bf16; a recipe: `fp8.enabled`
+with it, `tandem.trainer.float8`), on the same weights and rows: `fp8_ratio_to_bf16` gives each recipe's tokens/s
+over bf16's (the same FLOPs counted, so also its MFU ratio: MFU stays against the bf16 dense peak), and each run's
+`losses` its per-step losses beside bf16's.
 `--profile DIR` then profiles two more steps of each tandem shape (`benchmarks/step_profile.py`):
 milliseconds per phase of the step with the device synchronised at each boundary, and a
 `torch.profiler` step (top ops by self CUDA and CPU time, each phase's CPU and kernel time, the
@@ -86,8 +92,8 @@ import torch
 
 from provenance import environment
 from tandem.config.base import ModelConfig, RunConfig
-from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPOLoss, KernelsConfig, ParallelConfig,
-                                   RolloutDataConfig, TrainerConfig)
+from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPOLoss, Float8TrainingConfig, KernelsConfig,
+                                   ParallelConfig, RolloutDataConfig, TrainerConfig)
 from tandem.models.loading import DUMMY_SEED, build_native
 from tandem.models.presets import PRESETS, init_model
 from tandem.models.random_init import initial_value
@@ -166,8 +172,13 @@ def timing(times: list[float], shape: Shape, flops_per_step: float, peak: float,
             "model_tflops_per_s": flops_per_step / step_time / 1e12, "mfu": flops_per_step / step_time / (peak * world_size)}
 
 
-def tandem_config(folder: Path, shape: Shape, args, kernels: KernelsConfig, run_dir: str) -> TrainerConfig:
-    """The trainer's config for one shape: the defaults, or the flags' options."""
+def fp8_config(setting: str) -> Float8TrainingConfig:
+    """`--fp8`'s `off` (bf16) or a recipe."""
+    return Float8TrainingConfig() if setting == "off" else Float8TrainingConfig(enabled=True, recipe=setting)
+
+
+def tandem_config(folder: Path, shape: Shape, args, kernels: KernelsConfig, run_dir: str, fp8: str = "off") -> TrainerConfig:
+    """The trainer's config for one shape: the defaults, or the flags' options; `fp8`: one `--fp8` setting."""
     checkpointing = {} if args.ac is None else {"activation_checkpoint": ActivationCheckpointConfig(mode=args.ac)}
     return TrainerConfig(
         model=ModelConfig(name=str(folder), dtype=args.dtype, load_format="dummy"), device=args.device, seq_len=shape.seq_len,
@@ -175,7 +186,7 @@ def tandem_config(folder: Path, shape: Shape, args, kernels: KernelsConfig, run_
         parallel=ParallelConfig(ep=args.ep, cp=args.cp, reshard_after_forward=args.reshard_after_forward == "on",
                                 fsdp_at_one_rank=args.fsdp_at_one_rank == "on", **checkpointing),
         data=RolloutDataConfig(fake=True, fake_rows=shape.rows, fake_samples_per_row=shape.samples_per_row),
-        kernels=kernels, run=RunConfig(exact=args.exact),
+        kernels=kernels, run=RunConfig(exact=args.exact), fp8=fp8_config(fp8),
         **({} if args.chunk_size is None else {"logprob_chunk_size": args.chunk_size}),
     )
 
@@ -196,11 +207,11 @@ def profile_run(args, shape: Shape, session, run, inputs) -> dict:
             "publish_ms": report["publish_ms"]}
 
 
-def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: float) -> dict:
+def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: float, fp8: str = "off") -> dict:
     """The real trainer step: the config's defaults, or the flags' options; profiled after the timed steps
-    with `--profile`."""
+    with `--profile`; `fp8`: one `--fp8` setting."""
     with tempfile.TemporaryDirectory() as run_dir:
-        config = tandem_config(folder, shape, args, kernels, run_dir)
+        config = tandem_config(folder, shape, args, kernels, run_dir, fp8)
         session = open_session(config, "trainer")
         try:
             dims, model = session.dims, session.model
@@ -213,7 +224,7 @@ def run_tandem(folder: Path, shape: Shape, args, kernels: KernelsConfig, peak: f
                        "activation_checkpoint": config.parallel.activation_checkpoint.mode,
                        "logprob_chunk_size": config.logprob_chunk_size, "sdpa_backends": config.kernels.sdpa_backends,
                        "compute_dtype": str(compute_dtype(config.model, dims.device)), "optimizer": "AdamW (fused on CUDA)",
-                       "exact": config.run.exact}
+                       "exact": config.run.exact, "fp8": fp8}
 
             def inputs(step: int) -> tuple[list[MicroBatch], int]:
                 batch = fake_batch(step, dims.rank, dims.world_size, config.data, config.seq_len, session.vocab_size, config.seed)
@@ -367,17 +378,35 @@ def attempt(label: str, fn, *fn_args) -> dict:
 
 def table_row(run: dict) -> dict:
     """One line of the per-shape table every result file keeps: tokens, ms/step, MFU, peak memory."""
-    row = {"shape": run["shape"], "impl": run.get("impl", run.get("label")), "tokens_per_step": run["seq_len"] * run["rows_per_step"]}
+    row = {"shape": run["shape"], "impl": run.get("impl", run.get("label")), "fp8": run.get("fp8", "off"),
+           "tokens_per_step": run["seq_len"] * run["rows_per_step"]}
     if "error" in run:
         return row | {"error": run["error"][:200]}
     return row | {"ms_per_step": run["step_time_s"] * 1e3, "mfu": run["mfu"], "tokens_per_s": run["tokens_per_s"],
                   "peak_memory_gib": run["peak_memory_gib"]}
 
 
+def fp8_ratios(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per shape, each FP8 recipe's tokens/s over the bf16 run's (first runs without error, compiled or not alike)."""
+    def tokens_per_s(shape: str, fp8: str) -> float | None:
+        found = [r for r in runs if r.get("impl") == "tandem" and r["shape"] == shape and r.get("fp8") == fp8 and "error" not in r]
+        return found[0]["tokens_per_s"] if found else None
+
+    ratios: dict[str, dict[str, float]] = {}
+    for shape in dict.fromkeys(r["shape"] for r in runs):
+        bf16 = tokens_per_s(shape, "off")
+        for recipe in ("tensorwise", "rowwise"):
+            fp8 = tokens_per_s(shape, recipe)
+            if bf16 and fp8:
+                ratios.setdefault(shape, {})[recipe] = fp8 / bf16
+    return ratios
+
+
 def summary(shape: Shape, result: dict) -> str:
     if "error" in result:
         return f"{shape} {result.get('impl', result['label'])}: FAILED {result['error'][:300]}"
-    return (f"{shape} {result['impl']}: {result['tokens_per_s']:.0f} tokens/s, {result['step_time_s'] * 1e3:.0f} ms/step, "
+    fp8 = f" fp8 {result['fp8']}" if result.get("fp8", "off") != "off" else ""
+    return (f"{shape} {result['impl']}{fp8}: {result['tokens_per_s']:.0f} tokens/s, {result['step_time_s'] * 1e3:.0f} ms/step, "
             f"MFU {result['mfu']:.1%}, peak {result['peak_memory_gib']:.2f} GiB, options {result['options']}")
 
 
@@ -410,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exact", action="store_true", help="`run.exact`: batch-invariant blocks, attention and head "
                         "(tandem.models.exact; on one H200 at 4,096 tokens a step about 4.7x the default's step time: "
                         "results/trainer-h200-2026-12-05.json)")
+    parser.add_argument("--fp8", nargs="+", choices=["off", "tensorwise", "rowwise"], default=["off"],
+                        help="run each tandem shape once per setting: off (bf16) or an FP8 training recipe (fp8.recipe)")
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: see the docstring)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, which a copied tree may hold stale)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (rewritten after each run)")
@@ -425,9 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"--baseline {' '.join(bad)}: the baseline runs rows of one sequence only (SAMPLES = 1)")
     world_size, is_main = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")) == 0
-    if world_size > 1 and (args.baseline or len(args.shapes) > 1):
-        parser.error(f"under torchrun (world size {world_size}) give one --shapes entry and no --baseline: "
-                     "the baseline is one process, and the process group lives as long as one run")
+    if world_size > 1 and (args.baseline or len(args.shapes) > 1 or len(args.fp8) > 1):
+        parser.error(f"under torchrun (world size {world_size}) give one --shapes entry, one --fp8 setting and no "
+                     "--baseline: the baseline is one process, and the process group lives as long as one run")
     uneven = [str(s) for s in args.shapes if s.rows % world_size]
     if uneven:
         parser.error(f"--shapes {' '.join(uneven)}: ROWS must be a multiple of the world size {world_size}")
@@ -442,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {"preset": args.preset, "num_layers": args.num_layers, "max_position_embeddings": args.max_position_embeddings,
                "device": str(device), "mfu_formula": MFU_FORMULA, "peak_tflops": peak / 1e12, "peak_note": peak_note,
                "warmup_steps": args.warmup, "environment": environment(device, args.commit), "runs": []}
+    if set(args.fp8) != {"off"}:
+        from importlib.metadata import version
+
+        results["environment"]["torchao"] = version("torchao")
 
     def record(shape: Shape, result: dict) -> None:
         if not is_main:  # rank 0 reports for all
@@ -472,12 +507,13 @@ def main(argv: list[str] | None = None) -> int:
                     record(base, attempt("baseline", run_baseline, folder, base, args, peak))
                 continue
             kernels = KernelsConfig(compile=args.compile, compile_stack=args.compile_stack == "on", sdpa_backends=args.sdpa_backends)
-            result = attempt("tandem", run_tandem, folder, shape, args, kernels, peak)
-            record(shape, result)
-            if "error" in result and should_compile(kernels, device) and world_size == 1:
-                eager = KernelsConfig(compile="off", compile_stack=False, sdpa_backends=args.sdpa_backends)
-                record(shape, {**attempt("tandem", run_tandem, folder, shape, args, eager, peak),
-                               "note": "rerun with kernels.compile = off after the compiled run failed"})
+            for fp8 in args.fp8:
+                result = attempt("tandem", run_tandem, folder, shape, args, kernels, peak, fp8)
+                record(shape, {**result, "fp8": fp8})
+                if "error" in result and should_compile(kernels, device) and world_size == 1:
+                    eager = KernelsConfig(compile="off", compile_stack=False, sdpa_backends=args.sdpa_backends)
+                    record(shape, {**attempt("tandem", run_tandem, folder, shape, args, eager, peak, fp8), "fp8": fp8,
+                                   "note": "rerun with kernels.compile = off after the compiled run failed"})
     ratios = {}
     for base in (r for r in results["runs"] if r.get("impl") == "baseline"):
         mine = [r for r in results["runs"] if r.get("impl") == "tandem" and r["shape"] == base["shape"] and "error" not in r]
@@ -485,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
             ratios[base["shape"]] = mine[0]["tokens_per_s"] / base["tokens_per_s"]
             print(f"{base['shape']}: tandem / baseline = {ratios[base['shape']]:.2f}x tokens/s", file=sys.stderr)
     results["ratio_to_baseline"] = ratios
+    results["fp8_ratio_to_bf16"] = fp8_ratios(results["runs"])
+    for shape, by_recipe in results["fp8_ratio_to_bf16"].items():
+        for recipe, ratio in by_recipe.items():
+            print(f"{shape}: fp8 {recipe} / bf16 = {ratio:.2f}x tokens/s", file=sys.stderr)
     if is_main:
         print(f"MFU = {MFU_FORMULA}", file=sys.stderr)
         for row in results.get("table", []):

@@ -234,6 +234,24 @@ class RouterConfig(Section):
     ranks (DeepSeek-V3 used 1e-3). 0 (default): the bias stays as loaded."""
 
 
+class Float8TrainingConfig(Section):
+    """FP8 matmuls in the decoder blocks' dense projections (q, k, v, o and a dense feed-forward's gate, up, down),
+    through torchao's float8 training (`tandem.trainer.float8`): both operands of each projection's three matmuls
+    (forward, input gradient, weight gradient) are scaled to `float8_e4m3fn` on the fly, the fp32 master weights and
+    the optimizer stay as they are, and so do the LM head, the embeddings, the norms, the routers and the routed
+    experts. A projection whose dimensions are not multiples of 16 stays bf16. Needs a GPU with FP8 tensor cores
+    (compute capability 8.9 or newer) and torchao (`pip install tandem-rl[fp8]`); pays where the projections' matmuls
+    are a large share of the step (long rows of a wide model), compiled."""
+
+    enabled: bool = False
+    """Train the qualifying projections in FP8. Not with `lora.enabled` nor `run.exact`."""
+
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """How each operand is scaled. `tensorwise`: one scale per tensor (fastest; under FSDP the weights are also
+    all-gathered in FP8, half the bytes of bf16). `rowwise`: one scale per row of each operand (closer to bf16 where
+    rows differ much in size, somewhat slower; under FSDP the weights are all-gathered in bf16, then scaled)."""
+
+
 class TrainerCheckpointConfig(ProcessCheckpointConfig):
     """DCP checkpoints (model, optimizer, scheduler, data position, RNG) under `checkpoints/step_N/trainer/`;
     the last step is always checkpointed when enabled."""
@@ -296,11 +314,28 @@ class TrainingProcessConfig(ProcessConfig):
     lora: LoraConfig = LoraConfig()
     """Low-rank adapters instead of full fine-tuning."""
 
+    fp8: Float8TrainingConfig = Float8TrainingConfig()
+    """FP8 matmuls in the blocks' dense projections."""
+
     router: RouterConfig = RouterConfig()
     """Load balancing of MoE routers."""
 
     prometheus: PrometheusConfig = PrometheusConfig()
     """Prometheus `/metrics` of the trainer (its first rank)."""
+
+    @model_validator(mode="after")
+    def _check_fp8_can_hold(self) -> "TrainingProcessConfig":
+        if not self.fp8.enabled:
+            return self
+        if self.run.exact:
+            raise ValueError("`fp8.enabled` with `run.exact` = true: FP8 products round differently from the engine's "
+                             "bf16 batch-invariant kernels, so the trainer's logprobs cannot equal the engine's bit for "
+                             "bit; turn one of them off")
+        if self.lora.enabled:
+            raise ValueError("`fp8.enabled` with `lora.enabled`: an adapted projection multiplies by W + B @ A, formed "
+                             "anew at each forward, while FP8 training scales, and under FSDP gathers in FP8, the "
+                             "projection's own weight; turn one of them off")
+        return self
 
 
 class RolloutDataConfig(Section):

@@ -26,12 +26,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tandem.config.base import ModelConfig
 from tandem.config.lora import LoraConfig
-from tandem.config.trainer import ActivationCheckpointConfig, KernelsConfig, ParallelConfig, RouterConfig
+from tandem.config.trainer import ActivationCheckpointConfig, Float8TrainingConfig, KernelsConfig, ParallelConfig, RouterConfig
 from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.exact import ExactDocumentAttention, apply_exact, check_exact, exact_token_logprobs
 from tandem.models.hf_fallback import HFCausalLM
@@ -186,10 +188,12 @@ def should_compile(kernels: KernelsConfig, device: torch.device) -> bool:
 
 def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, chunk_size: int,
                  kernels: KernelsConfig = KernelsConfig(), router: RouterConfig = RouterConfig(),
-                 exact: bool = False, lora: LoraConfig = LoraConfig(), seed: int = 0) -> tuple[PolicyModel, dict]:
+                 exact: bool = False, lora: LoraConfig = LoraConfig(), seed: int = 0,
+                 fp8: Float8TrainingConfig = Float8TrainingConfig()) -> tuple[PolicyModel, dict]:
     """Load `model.name`, apply the training blocks (or, `exact`, the batch-invariant ones), LoRA adapters
-    (`lora.enabled`: started from `seed`), activation checkpointing, expert parallelism, FSDP and the router hooks;
-    returns the model and its config.json."""
+    (`lora.enabled`: started from `seed`), FP8 projections (`fp8.enabled`; the device is the caller's to check:
+    `tandem.trainer.float8.check_float8_device`), activation checkpointing, expert parallelism, FSDP and the router
+    hooks; returns the model and its config.json."""
     folder = resolve_model_path(model.name)
     hf_config = read_hf_config(folder)
     check_load_format(model.load_format, hf_config)
@@ -210,20 +214,29 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         for param in lm.parameters():
             if not param.requires_grad:
                 param.data = param.data.to(frozen_dtype)
+    one_rank = dims.world_size == 1 and not parallel.fsdp_at_one_rank
+    linear = F.linear
+    if fp8.enabled:
+        if not has_split_blocks(hf_config):
+            kind = "latent attention" if native else "transformers fallback"
+            raise ValueError(f"`fp8.enabled` needs decoder blocks split at attention; {folder / 'config.json'} has "
+                             f"model_type {hf_config.get('model_type')!r} ({kind}); set `fp8.enabled` = false")
+        from tandem.trainer.float8 import apply_float8_training  # torchao, only for FP8 runs
+
+        linear = apply_float8_training(policy.blocks, fp8.recipe, fsdp=not one_rank).linear
     checkpointing = parallel.activation_checkpoint
     if exact:  # the engine's forward, token by token; `selective` needs the training blocks: whole blocks instead
         apply_exact(lm)
         checkpointing = ActivationCheckpointConfig(mode="full") if checkpointing.mode == "selective" else checkpointing
     elif has_split_blocks(hf_config):
-        apply_training_blocks(policy.blocks, compile=compile, recompute=checkpointing.mode == "selective")
+        apply_training_blocks(policy.blocks, compile=compile, recompute=checkpointing.mode == "selective", linear=linear)
     elif checkpointing.mode == "selective":  # transformers' and latent-attention blocks are not split at attention
         checkpointing = ActivationCheckpointConfig(mode="full")
     apply_activation_checkpoint(policy.blocks, checkpointing)
-    one_rank = dims.world_size == 1 and not parallel.fsdp_at_one_rank
     stack = (compile and native and one_rank and kernels.compile_stack and checkpointing.mode in ("selective", "off")
              and stack_applies(policy.blocks))
     if stack:
-        apply_compiled_stack(lm, recompute=checkpointing.mode == "selective")
+        apply_compiled_stack(lm, recompute=checkpointing.mode == "selective", linear=linear)
         policy.compiled_stack = True
     check_context_parallel(dims.cp_size, parallel.cp_attention, hf_config, str(folder / "config.json"))
     if dims.cp_size > 1 and not has_split_blocks(hf_config):
@@ -295,7 +308,19 @@ def full_parameters(policy: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
     """Each published parameter (`PolicyModel.published_parameters`) whole, one at a time (a view of the parameter at
     one rank). Under FSDP each is all-gathered in turn, a collective: every rank must run this to the end, in step with the others."""
     for name, param in policy.published_parameters():
-        yield name, param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+        yield name, plain_values(param.detach().full_tensor() if isinstance(param, DTensor) else param.detach())
+
+
+def plain_values(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a plain tensor. A tensor subclass that wraps its own values is unwrapped: under FSDP, FP8 training's
+    `tensorwise` weights are one (torchao's, so that FSDP gathers them in FP8: `tandem.trainer.float8`), and a
+    published folder or a broadcast carries the values, never the wrapper."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return tensor
+    inner = getattr(tensor, tensor.__tensor_flatten__()[0][0])
+    if type(inner) is not torch.Tensor or inner.shape != tensor.shape or inner.dtype != tensor.dtype:
+        raise TypeError(f"cannot publish a {type(tensor).__name__}: it does not wrap its values as one plain tensor")
+    return inner
 
 
 def to_published(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

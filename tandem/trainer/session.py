@@ -162,9 +162,13 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
     if not dims.is_main:  # one rank tells the story; the others speak up only when something is wrong
         log.setLevel(logging.WARNING)
     try:
+        if config.fp8.enabled:
+            from tandem.trainer.float8 import check_float8_device  # torchao, only for FP8 runs
+
+            check_float8_device(dims.device)
         torch.manual_seed(config.seed + dims.rank)
         model, hf_config = build_policy(config.model, config.parallel, dims, config.logprob_chunk_size, config.kernels,
-                                       config.router, config.run.exact, config.lora, config.seed)
+                                       config.router, config.run.exact, config.lora, config.seed, config.fp8)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
         metrics = (MetricsWriter(config.run_dir, process, serve_metrics(process, config.prometheus.host, config.prometheus.port))
@@ -174,6 +178,10 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
             session.base_model = {"name": config.model.name, "sha256": base_model_fingerprint(folder, config.model.load_format)}
         if config.ckpt.resume:
             _resume(session)
+        if config.fp8.enabled:  # after a resume: of the weights the run goes on from
+            from tandem.trainer.float8 import keep_scales_precomputed
+
+            keep_scales_precomputed(optimizer, model)
     except BaseException:
         close_parallel()
         raise

@@ -26,11 +26,12 @@ import functools
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.attention import AttentionBackend, DocumentCausalAttention
-from tandem.models.decoder import DecoderLayer, DecoderLM
-from tandem.trainer.block import halves_forward
+from tandem.models.decoder import DecoderLayer, DecoderLM, Linear
+from tandem.trainer.block import feed_forward_with, halves_forward
 from tandem.trainer.dynamic_compile import compiled, mark_dynamic
 
 BlockWeights = tuple[tuple, tuple, tuple]
@@ -45,22 +46,25 @@ def stack_applies(blocks: nn.ModuleList) -> bool:
 
 
 def run_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, weights: list[BlockWeights],
-              layers: list[tuple[int, float, int]], feed_forward: Callable[..., torch.Tensor], recompute: bool) -> torch.Tensor:
-    """x through every block; `layers[i]`: block i's (layer_idx, eps, head_dim); `recompute`: selective checkpointing."""
+              layers: list[tuple[int, float, int]], feed_forward: Callable[..., torch.Tensor], recompute: bool,
+              linear: Linear = F.linear) -> torch.Tensor:
+    """x through every block; `layers[i]`: block i's (layer_idx, eps, head_dim); `recompute`: selective checkpointing;
+    `linear`: the blocks' projections."""
     for (before, residual, ffn), (layer_idx, eps, head_dim) in zip(weights, layers):
         x = halves_forward(x, cos, sin, backend, layer_idx, eps, head_dim, lambda w=before: w, lambda w=residual: w,
-                           feed_forward, lambda w=ffn: w, None, compile=False, recompute=recompute)
+                           feed_forward, lambda w=ffn: w, None, compile=False, recompute=recompute, linear=linear)
     return x
 
 
-def apply_compiled_stack(lm: DecoderLM, recompute: bool) -> None:
+def apply_compiled_stack(lm: DecoderLM, recompute: bool, linear: Linear = F.linear) -> None:
     """Run `lm`'s blocks as one compiled graph (`run_stack`) where the batch allows, in place; the blocks keep their
-    own training forward for the batches that do not (and for names: parameters do not move)."""
+    own training forward for the batches that do not (and for names: parameters do not move); `linear`: the blocks'
+    projections, as their own training forward has them."""
     blocks = lm.layers
     if not stack_applies(blocks):
         raise ValueError("the compiled stack needs native blocks with a dense feed-forward")
     layers = [(b.layer_idx, b.eps, b.self_attn.head_dim) for b in blocks]
-    feed_forward = blocks[0].mlp.tensor_function
+    feed_forward = feed_forward_with(blocks[0].mlp.tensor_function, linear)
     one_by_one = functools.partial(DecoderLM.run_layers, lm)
 
     def run_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
@@ -70,6 +74,6 @@ def apply_compiled_stack(lm: DecoderLM, recompute: bool) -> None:
         mark_dynamic(0, backend.cu_seqlens)
         # Read now, as the blocks' own forward reads them: the one-rank path swaps compute copies in and out.
         weights = [(b.before_attention_args(), b.residual_args(), b.mlp.tensor_args()) for b in blocks]
-        return compiled(run_stack)(h, cos, sin, backend, weights, layers, feed_forward, recompute)
+        return compiled(run_stack)(h, cos, sin, backend, weights, layers, feed_forward, recompute, linear)
 
     lm.run_layers = run_layers
