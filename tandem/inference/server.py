@@ -41,10 +41,10 @@ def build_served(config: InferenceConfig) -> Served:
     """The engine and everything the routes need, built from the config (loads the model; a decode server also
     checks its prefill servers: `PeerUnreachable`)."""
     engine = build_engine(config.model, config.engine, config.seed, config.run.exact, config.base_serving)
-    if config.disaggregation.role != "colocated" and not hasattr(getattr(engine.runner, "cache", None), "export_blocks"):
-        raise ValueError(f"`disaggregation.role` = {config.disaggregation.role!r}: {config.model.name} keeps no cache that "
-                         "prefill and decode servers hand over yet (MLA's latent cache, or the recompute path of "
-                         "transformers models); serve it colocated")
+    if config.disaggregation.role != "colocated" and not hasattr(engine.runner, "cache"):
+        raise ValueError(f"`disaggregation.role` = {config.disaggregation.role!r}: {config.model.name} is no model native "
+                         "to tandem, and the transformers path it runs on recomputes every step from the tokens: it "
+                         "keeps no KV cache to hand over; serve it colocated")
     base_name = config.base_served_name if engine.base_path is not None else None
     served = Served(AsyncEngine(engine), engine.tokenizer, config.model.name, engine.max_model_len, base_name)
     if config.disaggregation.role == "decode":

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation on the CPU: real servers on loopback, the orchestrator's view (`/v1/generate`).
 
-Every server runs `run.exact` (batch-invariant), so a token's numbers do not depend on which step or batch computed
-it: a decode server continuing from a prefill server's KV must then give one colocated server's tokens and logprobs
-bit for bit, whatever was batched where.
+Every server of the tiny Qwen3 runs `run.exact` (batch-invariant), so a token's numbers do not depend on which step
+or batch computed it: a decode server continuing from a prefill server's KV must then give one colocated server's
+tokens and logprobs bit for bit, whatever was batched where. The latent-cache families (GLM-5, DeepSeek-V3) have no
+exact mode: their pairs are held to bit for bit where the forwards are one server's, to 1e-5 elsewhere.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from local_servers import serving, tandem_inference  # noqa: E402
 
 from tandem.config.inference import DisaggregationConfig, InferenceConfig  # noqa: E402
 from tandem.config.resolve import free_port  # noqa: E402
+from tandem.inference.disaggregated.peers import PeerUnreachable  # noqa: E402
 from tandem.inference.server import BackgroundServer  # noqa: E402
 from tandem.launch.process import RunFailed  # noqa: E402
+from tandem.models.presets import PRESETS, shape_config, write_model  # noqa: E402
 
 THRESHOLD = 32
 """`min_remote_prefill_tokens` of the tests: prompts of 40+ new tokens go to the prefill server."""
@@ -206,13 +209,74 @@ def test_a_decode_server_needs_prefill_servers_and_roles_need_tandems_engine(tin
                                         "engine": {"speculative": {"method": "ngram"}}})
 
 
-def test_a_model_whose_cache_is_not_handed_over_is_refused_in_a_pool(tmp_path):
-    """MLA's latent cache has no hand-off yet: a prefill or decode server of such a model stops at start-up, naming
-    why, instead of failing each prompt it would hand over."""
-    from tandem.models.presets import init_model
+def test_a_transformers_model_is_refused_in_a_pool(tmp_path):
+    """The transformers path recomputes every step from the tokens and keeps no cache: a prefill or decode server of
+    such a model stops at start-up, naming why, instead of failing each prompt it would hand over."""
+    from test_fallback import tiny_llama
 
-    folder = init_model("tiny-glm5", tmp_path / "glm5", seed=0)
-    config = make_config(folder, num_blocks=16, max_model_len=64)
+    config = make_config(tiny_llama(tmp_path / "llama", seed=0), max_model_len=256)
     config = config.model_copy(update={"disaggregation": DisaggregationConfig(role="prefill")})
-    with pytest.raises(ValueError, match="keeps no cache that prefill and decode servers hand over yet"):
+    with pytest.raises(ValueError, match="keeps no KV cache to hand over; serve it colocated"):
         BackgroundServer(config)
+
+
+LATENT_SHAPES = {"tiny-glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=8), "tiny-deepseek-v3": PRESETS["tiny-deepseek-v3"]}
+"""The latent-cache families: GLM-5 with a DSA top-k far below the prompts (70+ tokens), so each query attends to
+the tokens its indexer chose over the handed indexer keys, and DeepSeek-V3 (latent entries only)."""
+
+
+def latent_config(folder, **disaggregation) -> InferenceConfig:
+    config = make_config(folder)
+    return config.model_copy(update={"disaggregation": DisaggregationConfig.model_validate(disaggregation)})
+
+
+def assert_same_tokens_and_close_logprobs(got: list[dict], want: list[dict]) -> None:
+    assert [c["token_ids"] for c in got] == [c["token_ids"] for c in want]
+    assert [lp for c in got for lp in c["logprobs"]] == pytest.approx([lp for c in want for lp in c["logprobs"]], abs=1e-5)
+
+
+@pytest.mark.parametrize("shape", LATENT_SHAPES)
+def test_a_latent_cache_pair_gives_one_servers_tokens_and_logprobs_single_and_multi_turn(shape, tmp_path):
+    """Latent attention has no exact mode, so the numbers agree bit for bit only where the decode server runs the
+    forwards one server runs: a lone prompt handed over whole. Elsewhere the same tokens were computed in other
+    batches (n > 1: the other samples' last partial block beside other work; a handed turn: the earlier turns'
+    sampled tokens recomputed in the prefill server's chunk), which fp32 rounds differently in the last bits."""
+    folder = write_model(shape_config(LATENT_SHAPES[shape]), tmp_path / shape)
+    one = BackgroundServer(latent_config(folder))
+    prefill = BackgroundServer(latent_config(folder, role="prefill"))
+    decodes = [BackgroundServer(latent_config(folder, role="decode", prefill_urls=[prefill.url], kv_transport=transport,
+                                              min_remote_prefill_tokens=THRESHOLD))
+               for transport in ("http", "torch_distributed")]
+    try:
+        for i, decode in enumerate(decodes):
+            assert generate(decode.url, prompt_of(i), i) == generate(one.url, prompt_of(i), i)
+            assert_same_tokens_and_close_logprobs(generate(decode.url, prompt_of(i + 2), i, n=3),
+                                                  generate(one.url, prompt_of(i + 2), i, n=3))
+        conversation = prompt_of(5)
+        for turn, num_new in enumerate((0, 8, 50)):  # the first prompt and the long turn go to the prefill server
+            conversation = conversation + prompt_of(turn + 20, num_new)
+            got, want = generate(decodes[0].url, conversation, seed=turn), generate(one.url, conversation, seed=turn)
+            if turn < 2:
+                assert got == want
+            assert_same_tokens_and_close_logprobs(got, want)
+            conversation = conversation + got[0]["token_ids"]
+        assert stats(decodes[0].url) == {"num_prefills_handed": 4, "num_prefills_failed": 0, "num_prefilled_taken": 4,
+                                         "num_prefilled_refused": 0}
+        assert stats(decodes[1].url)["num_prefilled_taken"] == 2
+    finally:
+        for server in (*decodes, prefill, one):
+            server.stop()
+
+
+def test_a_decode_server_refuses_a_prefill_server_whose_blocks_hold_another_layout(tmp_path):
+    folder = write_model(shape_config(LATENT_SHAPES["tiny-glm5-sparse"]), tmp_path / "glm5")
+    prefill_config = latent_config(folder, role="prefill")
+    prefill_config = prefill_config.model_copy(update={"model": prefill_config.model.model_copy(update={"dtype": "bfloat16"})})
+    prefill = BackgroundServer(prefill_config)
+    try:
+        with pytest.raises(PeerUnreachable, match=r"keeps KV blocks of latent entries of 48 in each of 4 layers, DSA "
+                                                  r"indexer keys of 32 in layers \[0, 2\], bfloat16; this decode server "
+                                                  r"keeps .*, float32"):
+            BackgroundServer(latent_config(folder, role="decode", prefill_urls=[prefill.url], peer_timeout_s=5))
+    finally:
+        prefill.stop()

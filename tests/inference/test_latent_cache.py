@@ -144,3 +144,29 @@ def test_a_mixed_step_attends_chunks_expanded_and_short_queries_absorbed():
     assert chunk.visible[0].tolist() == torch.ones(6, 8, dtype=torch.bool).tril().tolist()
     assert short.rows.tolist() == [[6, 6, 6], [7, 8, 9]] and short.blocks.tolist() == [[2, 3, 4], [5, 6, 7]]
     assert short.visible.sum(-1).tolist() == [[9, 9, 9], [5, 6, 7]]  # each query sees up to its own position
+
+
+@pytest.mark.parametrize("indexed_layers", [[0, 2], []], ids=["dsa", "mla-only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_blocks_move_between_caches_bit_for_bit_and_only_into_their_own_layout(indexed_layers, dtype):
+    """A prefill server's blocks land in a decode server's cache as they were held: latent entries and indexer keys
+    of every layer, in other block ids; a cache of another layout takes nothing."""
+    def cache_of(entry_dim=6):
+        return LatentCache(num_layers=3, num_blocks=6, block_size=4, entry_dim=entry_dim, indexed_layers=indexed_layers,
+                           index_dim=5, dtype=dtype, device=torch.device("cpu"))
+
+    source, target = cache_of(), cache_of()
+    gen = torch.Generator().manual_seed(0)
+    for tensor in (source.entries, source.index_keys):
+        tensor.copy_(torch.randn(tensor.shape, generator=gen))
+    blocks = source.export_blocks([4, 1])
+    assert blocks.shape == (2, 4, 3 * 6 + len(indexed_layers) * 5) and blocks.dtype == dtype
+    target.import_blocks([0, 3], blocks)
+    for held, landed in ((source.entries, target.entries), (source.index_keys, target.index_keys)):
+        assert torch.equal(landed[:, [0, 3]].view(torch.uint8), held[:, [4, 1]].view(torch.uint8))
+        assert not landed[:, [1, 2, 4, 5, 6]].any()
+    other = cache_of(entry_dim=7)
+    assert source.layout == target.layout != other.layout
+    with pytest.raises(ValueError, match=r"latent blocks of shape \(2, 4, \d+\) and torch\.\w+; this cache takes"):
+        other.import_blocks([0, 3], blocks)
+    assert not other.entries.any() and not other.index_keys.any()

@@ -42,5 +42,5 @@ def make_kv_transport(config: InferenceConfig, engine: AsyncEngine) -> KVTranspo
 def connect_prefill_servers(config: InferenceConfig, engine: AsyncEngine) -> RemotePrefill:
     """A decode server's prefill servers, each checked and its KV transport joined (`PeerUnreachable` if not)."""
     peers = PrefillPeers(config.disaggregation, make_kv_transport(config, engine), config.server.api_key)
-    peers.check(config.model.name, engine.engine.block_manager.block_size)
+    peers.check(config.model.name, engine.engine.block_manager.block_size, engine.engine.runner.cache.layout)
     return RemotePrefill(engine, peers, config.disaggregation.min_remote_prefill_tokens)

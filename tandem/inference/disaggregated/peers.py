@@ -48,15 +48,20 @@ class PrefillPeers:
         self.num_failed = 0
         """Prompts a prefill server was asked for and did not hand over (refused, failed, late)."""
 
-    def check(self, model: str, block_size: int) -> None:
+    def check(self, model: str, block_size: int, cache_layout: str) -> None:
         """At start-up: every prefill server answers within `peer_timeout_s`, serves `model` with KV blocks of
-        `block_size` tokens, and its KV transport is joined; else PeerUnreachable naming the address."""
+        `block_size` tokens that hold what this server's do (`cache_layout`), and its KV transport is joined; else
+        PeerUnreachable naming the address."""
         for url in self.urls:
             info = self._wait_for_info(url)
             if info.block_size != block_size or info.model != model:
                 raise PeerUnreachable(f"the prefill server {url} serves {info.model!r} in KV blocks of {info.block_size} "
                                       f"tokens; this decode server serves {model!r} in blocks of {block_size} "
                                       "(`engine.block_size`, `model.name`): both pools must serve one model alike")
+            if info.cache_layout != cache_layout:
+                raise PeerUnreachable(f"the prefill server {url} keeps KV blocks of {info.cache_layout}; this decode "
+                                      f"server keeps {cache_layout} (`model.name`, `engine.kv_cache_dtype`, "
+                                      "`model.dtype`): both pools must serve one model alike")
             try:
                 self.transport.connect(url, self.timeout_s, self.headers)
             except TransferError as err:

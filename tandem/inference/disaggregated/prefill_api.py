@@ -39,7 +39,9 @@ def install_prefill_routes(app: FastAPI, config: DisaggregationConfig, responses
 @router.get("/prefill/info")
 async def prefill_info(request: Request) -> JSON:
     served: Served = request.app.state.served
-    return JSON(PrefillInfo(served.model_name, served.engine.engine.block_manager.block_size, served.weight_version))
+    engine = served.engine.engine
+    return JSON(PrefillInfo(served.model_name, engine.block_manager.block_size, engine.runner.cache.layout,
+                            served.weight_version))
 
 
 @router.post("/prefill", responses=error_responses(400, 409))

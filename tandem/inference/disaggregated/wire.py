@@ -42,7 +42,8 @@ class PrefillAnswer(msgspec.Struct):
     weight_version: int
     first_block: int
     tensors: list[TensorSpec]
-    """The KV blocks ([2, layers, blocks, block_size, kv_heads, head_dim]) and the last logits row ([vocab])."""
+    """The KV blocks (as the cache exports them: `KVCache.export_blocks`, `LatentCache.export_blocks`) and the last
+    logits row ([vocab])."""
 
 
 class PrefillInfo(msgspec.Struct):
@@ -50,6 +51,8 @@ class PrefillInfo(msgspec.Struct):
 
     model: str
     block_size: int
+    cache_layout: str
+    """What each KV block holds (`KVCache.layout`, `LatentCache.layout`): blocks move only between equal layouts."""
     weight_version: int
 
 

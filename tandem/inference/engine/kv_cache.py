@@ -31,6 +31,10 @@ SCALE_DTYPE = torch.float32
 
 
 class KVCache:
+    exported_block_dim = 2
+    """The dimension of `export_blocks`'s tensor that runs over blocks (a decode engine drops the leading blocks
+    its prefix cache already holds along it)."""
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, fp8: bool = False):
         """`dtype`: the model's (what attention computes in); `fp8`: keys and values stored in FP8 with scales."""
@@ -89,6 +93,13 @@ class KVCache:
             x = cache.view(torch.uint8).index_select(0, blocks).view(FP8)  # torch gathers no FP8 by index
             out.append(dequantize(x, scales.index_select(0, blocks), self.dtype))
         return out[0], out[1]
+
+    @property
+    def layout(self) -> str:
+        """What a block holds, besides its token count: two caches whose blocks can move between them say the same."""
+        layers, _, _, num_kv_heads, head_dim = self.keys.shape
+        numbers = "FP8 with fp32 scales" if self.fp8 else str(self.dtype).removeprefix("torch.")
+        return f"keys and values of {num_kv_heads} KV heads x {head_dim} in each of {layers} layers, {numbers}"
 
     @property
     def bytes_per_token(self) -> int:
@@ -158,6 +169,9 @@ class LatentCache:
     numbers per token, in the same blocks (a block holds the same tokens in every tensor). Same slots, zero fill
     and pad block as `KVCache`."""
 
+    exported_block_dim = 0
+    """As `KVCache.exported_block_dim`."""
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, entry_dim: int, indexed_layers: list[int],
                  index_dim: int, dtype: torch.dtype, device: torch.device):
         self.entries = torch.zeros(num_layers, num_blocks + 1, block_size, entry_dim, dtype=dtype, device=device)
@@ -174,6 +188,33 @@ class LatentCache:
     def layer_index_keys(self, layer_idx: int) -> torch.Tensor:
         """The indexer's keys [num_blocks, block_size, index_dim] of a layer that has an indexer (a view)."""
         return self.index_keys[self._index_row[layer_idx]]
+
+    @property
+    def layout(self) -> str:
+        """As `KVCache.layout`."""
+        layers, _, _, entry_dim = self.entries.shape
+        return (f"latent entries of {entry_dim} in each of {layers} layers, DSA indexer keys of "
+                f"{self.index_keys.shape[-1]} in layers {list(self._index_row)}, {str(self.dtype).removeprefix('torch.')}")
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of everything `block_ids` hold, [len(block_ids), block_size, layers x entry_dim + indexed layers x
+        index_dim]: each token's latent entries, layer after layer, then its indexer keys, so that one tensor of one
+        dtype crosses between servers as `KVCache`'s does (the transports need no other case)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.entries.device)
+        return torch.cat([cache.index_select(1, index).permute(1, 2, 0, 3).flatten(2)
+                          for cache in (self.entries, self.index_keys)], dim=-1)
+
+    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write `blocks` (as `export_blocks` returns them) into `block_ids`; ValueError if their shape or dtype is
+        not this cache's and nothing is written."""
+        widths = [cache.shape[0] * cache.shape[-1] for cache in (self.entries, self.index_keys)]
+        expected = (len(block_ids), self.block_size, sum(widths))
+        if tuple(blocks.shape) != expected or blocks.dtype != self.dtype:
+            raise ValueError(f"latent blocks of shape {tuple(blocks.shape)} and {blocks.dtype}; this cache takes "
+                             f"{expected} and {self.dtype}")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.entries.device)
+        for cache, part in zip((self.entries, self.index_keys), blocks.to(self.entries.device).split(widths, dim=-1)):
+            cache.index_copy_(1, index, part.unflatten(-1, (cache.shape[0], cache.shape[-1])).permute(2, 0, 1, 3))
 
     @property
     def bytes_per_token(self) -> int:

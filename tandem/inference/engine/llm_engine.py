@@ -261,8 +261,9 @@ class LLMEngine:
         try:
             if num_cached < prefilled.first_block:
                 raise ValueError("leading blocks left out are no longer cached here")
-            self.runner.cache.import_blocks(first.block_table[num_cached:],
-                                           prefilled.kv_blocks[:, :, num_cached - prefilled.first_block:])
+            cache, blocks, skip = self.runner.cache, prefilled.kv_blocks, num_cached - prefilled.first_block
+            cache.import_blocks(first.block_table[num_cached:],
+                                blocks.narrow(cache.exported_block_dim, skip, blocks.shape[cache.exported_block_dim] - skip))
         except ValueError:
             self.block_manager.free_blocks(first)
             first.num_computed_tokens = 0

@@ -16,8 +16,8 @@ import torch
 @dataclass
 class PrefilledPrompt:
     kv_blocks: torch.Tensor
-    """[2, num_layers, num_blocks, block_size, kv_heads, head_dim]: keys and values of the prompt's blocks from
-    `first_block` on (`KVCache.export_blocks`; FP8 caches: bytes with the scales)."""
+    """The prompt's blocks from `first_block` on, as the cache exports them (`KVCache.export_blocks`: keys and
+    values, FP8 caches as bytes with the scales; `LatentCache.export_blocks`: latent entries and indexer keys)."""
     logits: torch.Tensor
     """[vocab]: the logits row of the prompt's last token, in the model's dtype."""
     weight_version: int
