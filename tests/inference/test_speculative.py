@@ -9,7 +9,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from inference_helpers import give_counting_head, make_config, teacher_forced_logprobs
+from counting_head import give_counting_head
+from inference_helpers import make_config, teacher_forced_logprobs
 from pydantic import ValidationError
 from test_admin import metric
 from test_engine import engine_for, run
@@ -294,7 +295,6 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_dir, tmp_path
 
 
 @pytest.mark.parametrize(("settings", "expected"), [
-    ({"run": {"exact": True}, "engine": {"speculative": {"method": "ngram"}}}, "run.exact"),
     ({"engine": {"speculative": {"method": "draft_model"}}}, "engine.speculative.draft_model"),
     ({"engine": {"speculative": {"draft_model": "/some/folder"}}}, "engine.speculative.method"),
 ])
