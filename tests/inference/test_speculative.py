@@ -301,3 +301,11 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_dir, tmp_path
 def test_speculation_is_refused_where_it_cannot_hold(tiny_dir, settings, expected):
     with pytest.raises(ValidationError, match=expected.replace(".", r"\.")):
         InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, **settings})
+
+
+def test_exact_mode_speculates(tiny_dir):
+    """`run.exact` with speculation resolves: the verifying forward keeps exact mode's parity
+    (`tests/trainer/test_exact_parity.py`)."""
+    config = InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, "run": {"exact": True},
+                                             "engine": {"speculative": {"method": "ngram"}}})
+    assert config.run.exact and config.engine.speculative.enabled
