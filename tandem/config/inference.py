@@ -177,8 +177,9 @@ class EngineConfig(Section):
     (`tandem.inference.engine.lora_merge`). `tandem rl` copies the trainer's `lora` here."""
 
     speculative: SpeculativeConfig = SpeculativeConfig()
-    """Speculative decoding (off by default). Needs `overlap_steps` = false on CUDA; not with `[run] exact`. The
-    vLLM backend gets the same drafts as its `--speculative-config` (`docs/vllm.md`)."""
+    """Speculative decoding (off by default). Needs `overlap_steps` = false on CUDA. With `[run] exact` the
+    verifying forward computes each token as a decode step would, so the logprobs stay the trainer's bit for bit.
+    The vLLM backend gets the same drafts as its `--speculative-config` (`docs/vllm.md`)."""
 
 
 class DisaggregationConfig(Section):
@@ -312,16 +313,6 @@ class InferenceConfig(ProcessConfig):
         if not self.engine.lora.enabled or self._base_refused_by:
             return "off"
         return "required" if self.server.base_model_name is not None else "where_possible"
-
-    @model_validator(mode="after")
-    def _check_speculative_can_hold(self) -> "InferenceConfig":
-        if not self.engine.speculative.enabled:
-            return self
-        if self.run.exact:
-            raise ValueError("`engine.speculative` with `run.exact`: the verifying forward computes k + 1 tokens of "
-                             "a sequence at once, which is not yet proven to give the trainer's logprobs bit for bit; "
-                             "turn one of them off")
-        return self
 
     @model_validator(mode="after")
     def _check_disaggregation_can_hold(self) -> "InferenceConfig":

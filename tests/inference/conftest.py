@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from inference_helpers import give_counting_head, make_config
+from counting_head import give_counting_head
+from inference_helpers import make_config
 
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
@@ -37,14 +38,7 @@ def tiny_glm_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def sharp_dir(tmp_path_factory) -> Path:
-    """A tiny model whose greedy choices are clear and varied: a "counting" LM head.
-
-    Greedy decoding of a random model is a poor test: its top tokens nearly tie (float rounding,
-    which differs with batch shapes, could flip them), and it soon repeats one token. Here the
-    untied LM head maps token t's embedding to token t + 1, and embeddings are halved so that
-    context (attention) still moves about a third of the choices: varied outputs, top-2 logit
-    margins above 1e-3, a thousand times float32 rounding.
-    """
+    """A tiny model whose greedy choices are clear and varied: a "counting" LM head (`counting_head.py`)."""
     return give_counting_head(init_model("tiny", tmp_path_factory.mktemp("sharp"), seed=2))
 
 

@@ -1,9 +1,8 @@
-"""Helpers of the inference tests: server configs, teacher-forced logprobs, a counting LM head, and how close an
+"""Helpers of the inference tests: server configs, teacher-forced logprobs, and how close an
 engine computing in FP8 (weights, KV cache) stays to the unquantized model."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -15,7 +14,6 @@ from tandem.config.inference import InferenceConfig
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.models.loading import load_causal_lm
 from tandem.models.lora import LoraSpec, apply_lora, lora_modules, write_adapter_folder
-from tandem.models.weights import load_state_dict, save_state_dict
 
 ENGINE = {"device": "cpu", "num_blocks": 512, "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64, "max_num_batched_tokens": 1024}
 """Engine settings of the test servers: CPU (fp32, exact parity), an 8k-token cache allocated in no time."""
@@ -56,19 +54,6 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completio
 
 def make_config(model_dir: Path, **engine) -> InferenceConfig:
     return InferenceConfig.model_validate({"model": {"name": str(model_dir)}, "engine": {**ENGINE, **engine}})
-
-
-def give_counting_head(folder: Path) -> Path:
-    """Untie the model's LM head and make it map token t's (halved) embedding to token t + 1 (see `sharp_dir`)."""
-    config = json.loads((folder / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (folder / "config.json").write_text(json.dumps(config))
-    state = load_state_dict(folder)
-    embed = state["model.embed_tokens.weight"] * 0.5
-    state["model.embed_tokens.weight"] = embed
-    state["lm_head.weight"] = 10 * torch.roll(embed / embed.norm(dim=-1, keepdim=True), 1, 0)
-    save_state_dict(state, folder, config)
-    return folder
 
 
 def generate(engine, num_requests: int = 6, max_tokens: int = 24, seed: int = 0,

@@ -9,7 +9,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from inference_helpers import give_counting_head, make_config, teacher_forced_logprobs
+from counting_head import give_counting_head
+from inference_helpers import make_config, teacher_forced_logprobs
 from pydantic import ValidationError
 from test_admin import metric
 from test_engine import engine_for, run
@@ -294,10 +295,17 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_dir, tmp_path
 
 
 @pytest.mark.parametrize(("settings", "expected"), [
-    ({"run": {"exact": True}, "engine": {"speculative": {"method": "ngram"}}}, "run.exact"),
     ({"engine": {"speculative": {"method": "draft_model"}}}, "engine.speculative.draft_model"),
     ({"engine": {"speculative": {"draft_model": "/some/folder"}}}, "engine.speculative.method"),
 ])
 def test_speculation_is_refused_where_it_cannot_hold(tiny_dir, settings, expected):
     with pytest.raises(ValidationError, match=expected.replace(".", r"\.")):
         InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, **settings})
+
+
+def test_exact_mode_speculates(tiny_dir):
+    """`run.exact` with speculation resolves: the verifying forward keeps exact mode's parity
+    (`tests/trainer/test_exact_parity.py`)."""
+    config = InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, "run": {"exact": True},
+                                             "engine": {"speculative": {"method": "ngram"}}})
+    assert config.run.exact and config.engine.speculative.enabled

@@ -6,16 +6,19 @@ orchestrator's samples, packing and the wire format. On the CPU in fp32 by both 
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 
 import pytest
 import torch
+from counting_head import give_counting_head
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.config.lora import LoraConfig
 from tandem.config.trainer import ParallelConfig
+from tandem.inference.engine.llm_engine import EngineStats
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.exact import model_uses_kernels
@@ -63,12 +66,16 @@ def dims(request):
 
 
 def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: bool, device: str = "cpu",
-                         adapters: dict[str, torch.Tensor] | None = None, lora: LoraConfig = LORA) -> dict[int, list[Turn]]:
-    """Conversations from an exact engine; `staggered`: each new turn joins while others decode (mixed batches),
-    else each request runs alone. `adapters`: the policy is `lora` with these adapters."""
+                         adapters: dict[str, torch.Tensor] | None = None, lora: LoraConfig = LORA,
+                         speculative: dict | None = None,
+                         temperature: float = 0.7) -> tuple[dict[int, list[Turn]], EngineStats]:
+    """Conversations from an exact engine, and its stats; `staggered`: each new turn joins while others decode
+    (mixed batches), else each request runs alone. `adapters`: the policy is `lora` with these adapters.
+    `speculative`: `engine.speculative` (which needs the overlapped step off). `temperature`: 0 for greedy."""
     engine = build_engine(ModelConfig(name=str(model_folder)), EngineConfig(
         device=device, num_blocks=128, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens,
-        lora=lora if adapters else LoraConfig()), seed=0, exact=True)
+        lora=lora if adapters else LoraConfig(), speculative=speculative or {}, overlap_steps=not speculative),
+        seed=0, exact=True)
     if adapters:
         engine.update_weights(adapters)
     runner = engine.runner  # decode steps replay CUDA graphs wherever the whole forward takes the kernel path
@@ -78,7 +85,7 @@ def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: b
     turns: dict[int, list[Turn]] = {c: [] for c in NUM_TURNS}
 
     def add(c: int) -> None:
-        params = SamplingParams(max_tokens=6 + c, seed=c * 10 + len(turns[c]), temperature=0.7, ignore_eos=True)
+        params = SamplingParams(max_tokens=6 + c, seed=c * 10 + len(turns[c]), temperature=temperature, ignore_eos=True)
         engine.add_request(f"{c}-{len(turns[c])}", prompts[c], params, incremental=False)
 
     waiting = list(NUM_TURNS)
@@ -87,11 +94,12 @@ def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: b
             add(waiting.pop(0))
         for out in engine.step():
             c = int(out.request_id.split("-")[0])
-            turns[c].append(Turn(prompts[c], out.token_ids, out.logprobs, 0, 0.7))
+            # Greedy tokens report their logprob at T = 1, which the trainer then computes.
+            turns[c].append(Turn(prompts[c], out.token_ids, out.logprobs, 0, temperature or 1.0))
             if len(turns[c]) < NUM_TURNS[c]:  # an environment reply, then the next model turn
                 prompts[c] = prompts[c] + out.token_ids + [rng.randrange(256) for _ in range(4)]
                 waiting.append(c)
-    return turns
+    return turns, engine.stats()
 
 
 @pytest.mark.parametrize("model", ["tiny_model", "tiny_moe_model"])
@@ -142,16 +150,26 @@ def check_parity(tiny_model: Path, dims, alone: bool = True, adapters: dict[str,
     """Conversations from an exact engine, staggered (and `alone`: each request alone, the same tokens and
     logprobs), then the trainer's logprobs of their packed samples. `adapters`: a LoRA policy (`lora`) on both sides."""
     device = dims.device.type
-    mixed = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device, adapters=adapters,
-                                 lora=lora)
+    mixed, _ = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device,
+                                    adapters=adapters, lora=lora)
     if alone:
-        by_itself = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device)
+        by_itself, _ = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device)
         # Batch-invariant engine: the same seeds draw the same tokens with the same logprobs in any batch.
-        for c in NUM_TURNS:
-            assert [t.completion_ids for t in mixed[c]] == [t.completion_ids for t in by_itself[c]]
-            assert [t.logprobs for t in mixed[c]] == [t.logprobs for t in by_itself[c]]
+        assert_same_conversations(mixed, by_itself)
+    check_trainer_logprobs(tiny_model, dims, mixed, adapters, lora)
 
-    samples = [s for c in NUM_TURNS for s in build_samples(mixed[c])]
+
+def assert_same_conversations(a: dict[int, list[Turn]], b: dict[int, list[Turn]]) -> None:
+    """The same tokens with bitwise the same logprobs."""
+    for c in NUM_TURNS:
+        assert [t.completion_ids for t in a[c]] == [t.completion_ids for t in b[c]]
+        assert [t.logprobs for t in a[c]] == [t.logprobs for t in b[c]]
+
+
+def check_trainer_logprobs(tiny_model: Path, dims, turns: dict[int, list[Turn]],
+                           adapters: dict[str, torch.Tensor] | None = None, lora: LoraConfig = LORA) -> None:
+    """The exact trainer's logprobs of the conversations' packed samples equal the engine's bitwise, every one."""
+    samples = [s for c in NUM_TURNS for s in build_samples(turns[c])]
     assert len(samples) == len(NUM_TURNS)  # multi-turn conversations stay one sample each
     batches, _ = pack_step(1, samples, seq_len=256, num_ranks=1, pad_token_id=0)
     rows = decode_batch(encode_batch(batches[0])).rows
@@ -172,9 +190,55 @@ def check_parity(tiny_model: Path, dims, alone: bool = True, adapters: dict[str,
     assert num_loss_tokens == sum(6 + c for c in NUM_TURNS for _ in range(NUM_TURNS[c]))
 
 
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model with a counting head (`counting_head.py`): its samples at T = 0.7 are often its greedy
+    choice, so that drafts get accepted at that temperature too."""
+    folder = tmp_path_factory.mktemp("sharp") / "tiny"
+    shutil.copytree(tiny_model, folder)
+    return give_counting_head(folder)
+
+
+@pytest.mark.parametrize(("model", "draft", "temperature"), [
+    ("sharp_model", "ngram", 0.0),
+    ("sharp_model", "ngram", 0.7),
+    ("sharp_model", "greedy-draft-model", 0.0),
+    ("sharp_model", "greedy-draft-model", 0.7),
+    ("tiny_moe_model", "ngram", 0.0),  # a mixture of experts: blocks token by token on every device
+])
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
+def test_speculation_keeps_exact_tokens_and_logprobs(model, draft, temperature, dims, request):
+    """Deterministic drafts (n-gram; a greedy draft model, here the policy's own weights on the engine's ordinary
+    path): the same seeds give the same tokens with bitwise the same logprobs as exact mode without speculation,
+    and those are the trainer's. The verifying forward computes each of a sequence's k + 1 tokens as that token's
+    own decode step would, and speculation keeps exactly the tokens the policy samples."""
+    folder = request.getfixturevalue(model)
+    device = dims.device.type
+    speculative = {"method": "ngram", "num_tokens": 3} if draft == "ngram" else {
+        "method": "draft_model", "draft_model": str(folder)}
+    plain, _ = sample_conversations(folder, max_num_batched_tokens=512, staggered=False, device=device,
+                                    temperature=temperature)
+    speculated, stats = sample_conversations(folder, max_num_batched_tokens=16, staggered=True, device=device,
+                                             speculative=speculative, temperature=temperature)
+    assert stats.num_accepted_tokens > 0
+    assert_same_conversations(speculated, plain)
+    check_trainer_logprobs(folder, dims, speculated)
+
+
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
+def test_a_sampled_draft_keeps_the_trainers_logprobs(sharp_model, dims):
+    """Rejection sampling draws other tokens for a seed than decoding without speculation, but each token's
+    logprob is still the policy's, from the verifying forward: the trainer's bit for bit."""
+    speculative = {"method": "draft_model", "draft_model": str(sharp_model), "draft_sampling": "sampled"}
+    turns, stats = sample_conversations(sharp_model, max_num_batched_tokens=16, staggered=True,
+                                        device=dims.device.type, speculative=speculative)
+    assert stats.num_accepted_tokens > 0
+    check_trainer_logprobs(sharp_model, dims, turns)
+
+
 def test_without_exact_the_paths_differ(tiny_model, dims):
     """The check above can fail: the default kernels (SDPA on packed rows, batched matmuls) round otherwise."""
-    turns = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True)
+    turns, _ = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True)
     batches, _ = pack_step(1, [s for c in NUM_TURNS for s in build_samples(turns[c])], seq_len=256, num_ranks=1, pad_token_id=0)
     policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=64)
     differ = []

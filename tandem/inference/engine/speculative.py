@@ -22,6 +22,12 @@ runs, so wherever the policy's cache holds a token, the draft's holds its own ke
 Drafting then needs no block manager of its own: draft step j decodes each drafting sequence's token at its last
 position + j (its last token, then its drafts) into the slots the scheduler reserved for the drafts.
 
+In exact mode (`[run] exact`, `tandem.models.exact`) every token is attended as a decode query of its own and
+every row of the head and of log_softmax is computed alike whatever rows stand beside it, so a verifying row's
+logits and logprobs are bitwise those of the decode step that computes its token without drafts, and the
+trainer's: deterministic drafts then give bitwise the tokens and logprobs of exact mode without speculation. The
+draft model keeps the engine's ordinary path: its drafts decide which rows the policy computes, never a logprob.
+
 Verifying steps run eager. A CUDA graph of them needs a fixed shape: every sequence padded to k drafts (slots
 reserved for all k, acceptance stopping at its own drafts), so k + 1 query tokens per sequence.
 """
