@@ -1,0 +1,177 @@
+"""The policy's multi-token prediction layer as the speculative draft (`engine.speculative.method` = 'mtp'): its
+drafts are what the layer computes from the policy's hidden states, and the tokens and logprobs stay the policy's."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from inference_helpers import give_counting_head, teacher_forced_logprobs
+from pydantic import ValidationError
+from test_engine import engine_for, run
+from test_speculative import seeded_requests
+
+from tandem.config.inference import InferenceConfig
+from tandem.inference.admin_api import read_update_folder
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.models.loading import load_causal_lm
+from tandem.models.presets import PRESETS, shape_config, write_model
+from tandem.models.weights import load_state_dict, save_state_dict
+
+SHAPES = {
+    "glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=4),  # DSA chooses for the MTP layer's queries too
+    "deepseek-v3": PRESETS["tiny-deepseek-v3"],
+}
+SETTINGS = {
+    "roomy": dict(block_size=4, num_blocks=256, max_model_len=128),
+    # 24 blocks of 4 tokens and a 24-token budget: chunked prefills, preemptions, drafts short of room.
+    "memory-starved": dict(block_size=4, num_blocks=24, max_num_batched_tokens=24, max_model_len=64),
+}
+
+
+def mtp_engine(folder, settings="roomy", **speculative):
+    return engine_for(folder, speculative={"method": "mtp", "num_tokens": 3, **speculative}, **SETTINGS[settings])
+
+
+def record_drafts(engine) -> list[tuple[list[int], list[int]]]:
+    """Every sequence's tokens and the drafts proposed after them, as the engine runs."""
+    proposer = engine.speculator.proposer
+    propose = proposer.propose
+    seen = []
+
+    def recording(batch):
+        distributions = propose(batch)
+        seen.extend((list(seq.token_ids), drafts) for seq, drafts in zip(batch.seqs, batch.drafts) if drafts)
+        return distributions
+
+    proposer.propose = recording
+    return seen
+
+
+@torch.no_grad()
+def reference_drafts(model, tokens: list[int], num_drafts: int) -> list[int]:
+    """Greedy drafts after `tokens` by calling the MTP layer on a teacher-forced pass: the layer over every position
+    t (the policy's hidden state at t, token t + 1); each further draft with the layer's output at the last
+    position as the hidden state of the next and the draft before as its token."""
+    ids = torch.tensor([tokens])
+    hidden = model(ids, torch.arange(len(tokens))[None])[0, :-1]
+    following = tokens[1:]
+    drafts = []
+    for _ in range(num_drafts):
+        positions = torch.arange(len(following))[None]
+        out = model.predict_after_next(hidden[None], torch.tensor([following]), positions)[0, -1]
+        drafts.append(int(model.lm_head(out).argmax()))
+        hidden = torch.cat([hidden, out[None]])
+        following = following + drafts[-1:]
+    return drafts
+
+
+@pytest.mark.parametrize("shape, settings", [("glm5-sparse", "roomy"), ("glm5-sparse", "memory-starved"),
+                                             ("deepseek-v3", "roomy")])
+def test_drafts_are_the_mtp_layers_own(shape, settings, tmp_path):
+    folder = write_model(shape_config(SHAPES[shape]), tmp_path / "m")
+    engine = mtp_engine(folder, settings)
+    seen = record_drafts(engine)
+    for i in range(6):
+        prompt = [(7 * i + 3 * j) % 256 for j in range(5 + 6 * i)]
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, temperature=[0.0, 1.0][i % 2], seed=i,
+                                                          ignore_eos=True), n=2)
+    run(engine)
+    if settings == "memory-starved":
+        assert engine.stats().num_preemptions > 0
+    model = load_causal_lm(str(folder))
+    assert len(seen) > 20 and max(len(drafts) for _, drafts in seen) == 3
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(model, tokens, len(drafts)), tokens
+
+
+@pytest.fixture(scope="module")
+def counting_dir(tmp_path_factory):
+    """tiny-glm5 with a counting LM head (`give_counting_head`: token t's embedding scores t + 1), so that its
+    greedy completions often count up; its MTP layer keeps random weights."""
+    return give_counting_head(write_model(shape_config(SHAPES["glm5-sparse"]), tmp_path_factory.mktemp("c") / "model"))
+
+
+@pytest.fixture(scope="module")
+def counting_mtp_dir(counting_dir, tmp_path_factory):
+    """`counting_dir` with an MTP layer that passes token t + 1's embedding on to the LM head (its attention and
+    feed-forward add nothing), which then drafts t + 2: right wherever the policy counts."""
+    folder = tmp_path_factory.mktemp("counting_mtp") / "model"
+    shutil.copytree(counting_dir, folder)
+    state = load_state_dict(folder)
+    layer = "model.mtp_layers.0."
+    hidden_size = state[layer + "eh_proj.weight"].shape[0]
+    state[layer + "eh_proj.weight"] = torch.cat([torch.eye(hidden_size), torch.zeros(hidden_size, hidden_size)], 1)
+    for name in ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.shared_experts.down_proj.weight"):
+        state[layer + name] = torch.zeros_like(state[layer + name])
+    save_state_dict(state, folder, json.loads((folder / "config.json").read_text()))
+    return folder
+
+
+def generate(engine, num_requests: int = 6) -> dict:
+    engine.eos_token_ids = {7, 33}  # tokens the tiny model samples: some completions stop at EOS
+    for rid, prompt, params in seeded_requests(num_requests):
+        engine.add_request(rid, prompt, params, n=2)
+    return run(engine)
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sampled"])
+def test_tokens_and_logprobs_are_the_policys(counting_mtp_dir, draft_sampling):
+    """Greedy and seeded requests, n = 2, stop strings, stop tokens and max_tokens: greedy drafts give the tokens
+    and logprobs of the same seed without speculation; sampled ones other tokens, of the same distribution; both
+    report the policy's teacher-forced logprobs."""
+    engine = mtp_engine(counting_mtp_dir, draft_sampling=draft_sampling)
+    speculated = generate(engine)
+    stats = engine.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert {r["finish"] for r in speculated.values()} == {"stop", "length"}
+    if draft_sampling == "greedy":
+        plain = generate(engine_for(counting_mtp_dir, **SETTINGS["roomy"]))
+        assert plain.keys() == speculated.keys() and len(plain) == 12
+        for key, r in plain.items():
+            s = speculated[key]
+            assert (s["ids"], s["text"], s["finish"]) == (r["ids"], r["text"], r["finish"]), key
+            torch.testing.assert_close(torch.tensor(s["logprobs"]), torch.tensor(r["logprobs"]), atol=1e-5, rtol=0)
+    model = load_causal_lm(str(counting_mtp_dir))
+    requests = {rid: (prompt, params) for rid, prompt, params in seeded_requests(6)}
+    for (rid, _), r in speculated.items():
+        prompt, params = requests[rid]
+        expected = teacher_forced_logprobs(model, prompt, r["ids"], params.temperature)
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
+
+
+def test_a_weight_update_reaches_the_mtp_layer(counting_dir, counting_mtp_dir):
+    """The MTP layer is part of the policy's weights: an update that carries it (read as the update route reads a
+    published folder) drafts with the new layer, whose drafts the policy accepts where the random one's it did not."""
+    engine = mtp_engine(counting_dir)
+    generate(engine)
+    before = engine.stats()
+    state, _ = read_update_folder(counting_mtp_dir)
+    assert any(name.startswith("model.mtp_layers.0.") for name in state)
+    engine.update_weights(state)
+    torch.testing.assert_close(engine.runner.model.model.mtp_layers[0].eh_proj.weight,
+                               state["model.mtp_layers.0.eh_proj.weight"], atol=0, rtol=0)
+    generate(engine)
+    after = engine.stats()
+    drafted, accepted = (after.num_draft_tokens - before.num_draft_tokens,
+                         after.num_accepted_tokens - before.num_accepted_tokens)
+    assert before.num_accepted_tokens < 0.05 * before.num_draft_tokens
+    assert accepted > 0.15 * drafted
+
+
+def test_a_model_without_an_mtp_layer_is_refused(tiny_dir, tmp_path):
+    no_layer = write_model(shape_config(dict(PRESETS["tiny-glm5"], num_nextn_predict_layers=0)), tmp_path / "m")
+    for folder, reason in ((no_layer, "`num_nextn_predict_layers` = 0"), (tiny_dir, "qwen3")):
+        with pytest.raises(ValueError, match="`engine.speculative.method` = 'mtp'") as err:
+            mtp_engine(folder)
+        assert str(folder) in str(err.value) and reason in str(err.value)
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({"run": {"exact": True}}, "`engine.speculative` with `run.exact`"),
+    ({"disaggregation": {"role": "prefill"}}, "with `engine.speculative`"),
+])
+def test_mtp_is_refused_where_speculation_is(tiny_dir, settings, expected):
+    with pytest.raises(ValidationError, match=expected.replace(".", r"\.")):
+        InferenceConfig.model_validate({"model": {"name": str(tiny_dir)},
+                                        "engine": {"speculative": {"method": "mtp"}}, **settings})
