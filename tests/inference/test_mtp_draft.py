@@ -180,3 +180,18 @@ def test_mtp_is_refused_where_speculation_is(tiny_dir, settings, expected):
     with pytest.raises(ValidationError, match=expected.replace(".", r"\.")):
         InferenceConfig.model_validate({"model": {"name": str(tiny_dir)},
                                         "engine": {"speculative": {"method": "mtp"}}, **settings})
+
+
+def test_the_memory_plan_counts_the_mtp_layers_entries(tmp_path):
+    """The MTP layer's entries (and its DSA indexer's keys) are layers of the policy's latent cache: a block
+    costs them too, so the same memory holds fewer blocks."""
+    shape = PRESETS["tiny-glm5"]
+    folder = write_model(shape_config(shape), tmp_path / "m")
+    plain, mtp = (engine_for(folder, speculative=spec, block_size=4, num_blocks=None, cpu_kv_cache_gib=1 / 1024,
+                             max_num_seqs=64, max_model_len=256) for spec in ({}, {"method": "mtp"}))
+    layers, full = shape["num_hidden_layers"], 2  # indexer_types: full, shared, full, shared; the MTP layer indexes
+    entry = shape["kv_lora_rank"] + shape["qk_rope_head_dim"]
+    cache = mtp.runner.cache
+    assert cache.entries.shape[0] == layers + 1 and cache.index_keys.shape[0] == full + 1
+    per_block = 4 * ((layers + 1) * entry + (full + 1) * shape["index_head_dim"]) * 4  # block_size 4, fp32
+    assert mtp.block_manager.num_blocks == 2**20 // per_block < plain.block_manager.num_blocks
