@@ -208,7 +208,7 @@ class MtpProposer:
     sampled token p + 1; with drafts, the row of the last one accepted) and token p + 1, writing that entry and
     drafting token p + 2. Every decoding sequence runs step 0, drafting or not, so that no entry is left stale. Draft
     step j > 0 runs the layer at p + j on token p + j + 1 (the draft before) and on the layer's own output of step
-    j - 1 in place of the policy's hidden state: the layer chained on itself, as DeepSeek-V3 drafts past its depth.
+    j - 1 in place of the policy's hidden state: the layer chained on itself, to draft past its depth of one token.
     A checkpoint with several such layers drafts with the first, chained: a later one would need the one before's
     outputs at every position. The entries drafting writes past p are overwritten when the verifying step computes
     those positions.
