@@ -4,16 +4,19 @@ drafts are what the layer computes from the policy's hidden states, and the toke
 import json
 import shutil
 
+import httpx
 import pytest
 import torch
-from inference_helpers import give_counting_head, teacher_forced_logprobs
+from inference_helpers import give_counting_head, make_config, teacher_forced_logprobs
 from pydantic import ValidationError
+from test_admin import metric
 from test_engine import engine_for, run
 from test_speculative import seeded_requests
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.admin_api import read_update_folder
 from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 from tandem.models.presets import PRESETS, shape_config, write_model
 from tandem.models.weights import load_state_dict, save_state_dict
@@ -162,6 +165,19 @@ def test_a_weight_update_reaches_the_mtp_layer(counting_dir, counting_mtp_dir):
                          after.num_accepted_tokens - before.num_accepted_tokens)
     assert before.num_accepted_tokens < 0.05 * before.num_draft_tokens
     assert accepted > 0.15 * drafted
+
+
+def test_metrics_count_the_mtp_drafts(counting_mtp_dir):
+    running = BackgroundServer(make_config(counting_mtp_dir, speculative={"method": "mtp"}))
+    try:
+        httpx.post(f"{running.url}/v1/generate", timeout=60, json={
+            "prompt_token_ids": list(range(10, 40)), "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+        text = httpx.get(f"{running.url}/metrics").text
+    finally:
+        running.stop()
+    drafted, accepted = (metric(text, name) for name in ("tandem_spec_decode_draft_tokens_total",
+                                                         "tandem_spec_decode_accepted_tokens_total"))
+    assert drafted > accepted > 0
 
 
 def test_a_model_without_an_mtp_layer_is_refused(tiny_dir, tmp_path):
