@@ -58,10 +58,13 @@ class SpeculativeConfig(Section):
     longest run it would itself have sampled; the tokens drawn and their logprobs follow the policy's own
     distribution, as without speculation (`tandem/inference/engine/speculative.py`)."""
 
-    method: Literal["off", "ngram", "draft_model"] = "off"
+    method: Literal["off", "ngram", "draft_model", "mtp"] = "off"
     """`ngram`: prompt lookup, no weights (the tokens that followed the latest earlier occurrence of the
     sequence's last tokens); pays where outputs copy their context (code edits, tool outputs). `draft_model`:
-    a smaller model of the same tokenizer (`draft_model`)."""
+    a smaller model of the same tokenizer (`draft_model`). `mtp`: the policy's own multi-token prediction layer
+    (GLM-5 and DeepSeek-V3 checkpoints), drafting from the policy's hidden states; part of the policy's weights,
+    so a weight update that carries it keeps the draft with the policy. Each draft past the first chains the
+    (first) layer on its own output."""
 
     num_tokens: int = Field(4, ge=1)
     """Most tokens drafted per sequence and step (k); the policy's forward then computes k + 1 tokens of it."""
@@ -74,7 +77,7 @@ class SpeculativeConfig(Section):
     weights when the policy's change, so its acceptance falls as training moves the policy."""
 
     draft_sampling: Literal["greedy", "sampled"] = "greedy"
-    """`draft_model`: `greedy` drafts the draft's most likely tokens and accepts those the policy's own seeded
+    """`draft_model` and `mtp`: `greedy` drafts the draft's most likely tokens and accepts those the policy's own seeded
     sample equals, so a seed gives the same tokens with speculation on or off; `sampled` drafts at the
     request's temperature and accepts by rejection sampling (more tokens accepted at high temperature, the
     same distribution, but other tokens for a given seed than without speculation)."""
@@ -313,6 +316,14 @@ class InferenceConfig(ProcessConfig):
         if not self.engine.lora.enabled or self._base_refused_by:
             return "off"
         return "required" if self.server.base_model_name is not None else "where_possible"
+
+    @model_validator(mode="after")
+    def _check_mtp_drafts_can_hold(self) -> "InferenceConfig":
+        if self.engine.speculative.method == "mtp" and self.run.exact:
+            raise ValueError("`engine.speculative.method` = 'mtp' with `run.exact`: MTP layers come with the latent "
+                             "attention families (GLM-5, DeepSeek-V3), which have no batch-invariant path yet; use "
+                             "another draft or turn exact mode off")
+        return self
 
     @model_validator(mode="after")
     def _check_disaggregation_can_hold(self) -> "InferenceConfig":

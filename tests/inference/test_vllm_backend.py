@@ -80,6 +80,8 @@ def test_tandem_keys_map_onto_vllm_flags():
      {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}),
     ({"method": "draft_model", "draft_model": "/models/small"},
      {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 4, "draft_sample_method": "greedy"}),
+    ({"method": "mtp", "num_tokens": 2},
+     {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "greedy"}),
 ])
 def test_speculative_decoding_maps_onto_vllms_speculative_config(speculative, vllm_fields):
     argv = serve_argv(vllm_config(engine={"speculative": speculative}))

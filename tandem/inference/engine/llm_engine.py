@@ -309,7 +309,7 @@ class LLMEngine:
         return self._read(previous)
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
-        if self.speculator is not None and any(batch.num_lookahead):
+        if self.speculator is not None and batch.seqs:  # with no room to draft too: an MTP draft writes its entries
             self.speculator.propose(batch)
         # Only a `PendingSample` is ever in flight: speculation reads each step at once.
         previous_tokens = self.in_flight.sample.tokens if self.in_flight is not None else None

@@ -10,12 +10,16 @@ has not read yet are):
   `paged_latent_attention.py`); for a mixture of experts, `routed_experts` holds after each run the
   expert ids that computed each sampled row (`fused_moe.RoutingRecorder`); with a `side_path` (the base model
   served beside a LoRA policy, `lora_side_path.py`) the tokens of base sequences get it, in an eager step
-  (a CUDA graph replays the policy's forward only);
+  (a CUDA graph replays the policy's forward only); with `keep_forward` (a multi-token prediction draft, which
+  runs its own layer over the policy's step) each eager step's inputs, attention and final hidden states stay
+  readable until the next (`last_forward`);
 - `RecomputeModelRunner`: any transformers model (the slow path); no cache, each sampling
   sequence runs again from its first token.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,8 +32,27 @@ from tandem.inference.engine.lora_side_path import LowRankSidePath
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
 from tandem.inference.engine.paged_latent_attention import PagedLatentAttention
 from tandem.inference.engine.scheduler import ScheduledBatch
-from tandem.inference.engine.step_inputs import StepInputBuilder, decode_tiles
+from tandem.inference.engine.step_inputs import StepInputBuilder, StepInputs, decode_tiles
 from tandem.models.exact import exact_logits
+
+
+def step_metadata(step: StepInputs, block_tables: torch.Tensor) -> AttentionMetadata:
+    """The attention metadata of an eager step (`block_tables`: the builder's rows of its sequences)."""
+    return AttentionMetadata(slot_mapping=step.slot_mapping, query_start=step.query_start, seq_lens=step.seq_lens,
+                             block_tables=block_tables, tiles=step.tiles, block_q=step.block_q,
+                             query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host,
+                             max_context=max(step.seq_lens_host, default=0))
+
+
+@dataclass
+class Forward:
+    """An eager step as the policy ran it: what another layer needs to run over the same tokens and cache."""
+
+    inputs: StepInputs
+    attention: PagedAttention | PagedLatentAttention
+    """Its backend, whose plan (query groups) holds for any layer over the same step."""
+    hidden: torch.Tensor
+    """[N, hidden] the final hidden state of every token of the step (the LM head's input)."""
 
 
 class PagedModelRunner:
@@ -37,11 +60,15 @@ class PagedModelRunner:
 
     def __init__(self, model: nn.Module, cache: KVCache | LatentCache, device: torch.device, max_num_seqs: int, max_model_len: int,
                  cuda_graphs: bool, recorder: RoutingRecorder | None = None, exact: bool = False,
-                 side_path: LowRankSidePath | None = None):
+                 side_path: LowRankSidePath | None = None, keep_forward: bool = False):
         """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (graphs only where
         its whole forward takes the kernel path: `tandem.models.exact.model_uses_kernels`). `side_path`: installed on
-        the model (`lora_side_path.apply_side_path`), given the rows of base sequences for each step that has any."""
+        the model (`lora_side_path.apply_side_path`), given the rows of base sequences for each step that has any.
+        `keep_forward`: keep each step's `Forward` (`last_forward`); its steps run eager."""
+        assert not (keep_forward and cuda_graphs and device.type == "cuda"), "a replayed graph keeps no hidden states"
         self.model = model
+        self.keep_forward = keep_forward
+        self.last_forward: Forward | None = None
         self.side_path = side_path
         self.exact = exact
         self.cache = cache
@@ -66,7 +93,7 @@ class PagedModelRunner:
         meta = AttentionMetadata(slot_mapping=static[2, :b], query_start=self._query_start[:b + 1], seq_lens=static[3, :b],
                                  block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1,
                                  max_context=max_context)
-        hidden = self.model(static[0, :b][None], static[1, :b][None], attention=self._attention(meta))
+        hidden = self.model(static[0, :b][None], static[1, :b][None], attention=self.attention_for(meta))
         return self._logits(hidden[0])
 
     @torch.no_grad()
@@ -82,17 +109,16 @@ class PagedModelRunner:
             self._record_routing(self._query_start[:b])  # rows 0..b-1
             return logits
         step = self.inputs.build(batch, previous_tokens=previous_tokens)
-        meta = AttentionMetadata(slot_mapping=step.slot_mapping, query_start=step.query_start, seq_lens=step.seq_lens,
-                                 block_tables=self.inputs.block_tables[:b], tiles=step.tiles, block_q=step.block_q,
-                                 query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host,
-                                 max_context=max(step.seq_lens_host, default=0))
+        attention = self.attention_for(step_metadata(step, self.inputs.block_tables[:b]))
         if base_rows is not None:
             self.side_path.rows = base_rows
         try:
-            hidden = self.model(step.input_ids[None], step.positions[None], attention=self._attention(meta))
+            hidden = self.model(step.input_ids[None], step.positions[None], attention=attention)
         finally:
             if self.side_path is not None:
                 self.side_path.rows = None
+        if self.keep_forward:
+            self.last_forward = Forward(step, attention, hidden[0])
         self._record_routing(step.sample_index)
         return self._logits(hidden[0, step.sample_index])
 
@@ -107,7 +133,8 @@ class PagedModelRunner:
             start += num_new
         return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
 
-    def _attention(self, meta: AttentionMetadata) -> PagedAttention | PagedLatentAttention:
+    def attention_for(self, meta: AttentionMetadata) -> PagedAttention | PagedLatentAttention:
+        """The backend of a step over this runner's cache."""
         if isinstance(self.cache, LatentCache):
             return PagedLatentAttention(self.cache, meta, self.model.args.index_topk)
         return PagedAttention(self.cache, meta, self.exact)

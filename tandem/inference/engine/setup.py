@@ -4,7 +4,9 @@ Native models get a paged cache: decoder blocks (Qwen3, Qwen3-MoE, GLM-4.5, Mini
 values, the latent-attention families (GLM-5, DeepSeek-V3) the `LatentCache` of latent entries and DSA indexer keys;
 any other architecture (loaded through transformers) runs on the recompute path. On CUDA the cache takes what
 `memory_fraction` leaves after the weights and the activations of a full-budget warmup step. A draft model
-(speculative decoding) gets a paged cache of its own with as many blocks as the policy's, sized with it. Beside a
+(speculative decoding) gets a paged cache of its own with as many blocks as the policy's, sized with it; a
+multi-token prediction draft (the policy's own MTP layer) keeps its entries as extra layers of the policy's latent
+cache. Beside a
 LoRA policy the base model is served through a low-rank side path (`lora_side_path.py`) where every adapted
 projection takes it (native decoder blocks and dense feed-forwards).
 """
@@ -33,7 +35,7 @@ from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeMode
 from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
-from tandem.inference.engine.speculative import DraftModelProposer, NgramProposer, Speculator
+from tandem.inference.engine.speculative import DraftModelProposer, MtpProposer, NgramProposer, Speculator
 from tandem.models.hub import resolve_model_path
 from tandem.models.glm_moe_dsa import LatentMoeArgs
 from tandem.models.loading import is_native, load_causal_lm
@@ -132,13 +134,16 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     if spec.method == "draft_model":
         draft = load_draft_model(spec, model_config, device, folder, tokenizer, model.hf_config.get("vocab_size"),
                                  max_model_len)
+    mtp = spec.method == "mtp"
+    if mtp:
+        check_mtp_layers(model, model_config)
     if is_native(model.hf_config):
-        per_block = cache_bytes_per_block(model, engine.block_size, fp8_cache)
+        per_block = cache_bytes_per_block(model, engine.block_size, fp8_cache, mtp)
         if draft is not None:
             per_block += cache_bytes_per_block(draft, engine.block_size, fp8_cache)
         num_blocks = plan_num_blocks(engine, model, device, per_block, max_model_len)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
-        cache = cache_for(model, num_blocks, engine.block_size, device, fp8_cache)
+        cache = cache_for(model, num_blocks, engine.block_size, device, fp8_cache, mtp)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
         base_path = side_path_for_base(model, engine, device, base)
@@ -151,7 +156,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         # The latent cache's torch attention gathers whole contexts: a graph would keep its largest bound's for good.
         graphs = engine.cuda_graphs and not isinstance(cache, LatentCache) and (not exact or model_uses_kernels(model, device))
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact,
-                                  base_path)
+                                  base_path, keep_forward=mtp)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s) on %s", num_blocks, engine.block_size,
@@ -187,6 +192,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         draft_runner = PagedModelRunner(draft, cache_for(draft, num_blocks, engine.block_size, device, fp8_cache), device,
                                         engine.max_num_seqs, max_model_len, cuda_graphs=False)
         speculator = Speculator(DraftModelProposer(draft_runner, sampler, spec.draft_sampling == "sampled"), sampler)
+    elif mtp:
+        speculator = Speculator(MtpProposer(runner, sampler, spec.draft_sampling == "sampled", engine.max_num_seqs), sampler)
     return LLMEngine(
         runner=runner,
         weight_target=weight_target,
@@ -226,31 +233,46 @@ def side_path_for_base(model: torch.nn.Module, engine: EngineConfig, device: tor
     return LowRankSidePath(linears, spec.scale, -1.0, device, model.lm_head.weight.dtype)
 
 
-def cache_layout(model: torch.nn.Module, fp8: bool = False) -> tuple[type[KVCache] | type[LatentCache], dict[str, Any]]:
+def cache_layout(model: torch.nn.Module, fp8: bool = False, mtp: bool = False
+                 ) -> tuple[type[KVCache] | type[LatentCache], dict[str, Any]]:
     """The cache class a native model needs and the sizes it is built with (besides blocks, dtype and device);
     `fp8`: keys and values in FP8 with a scale per token and head (`engine.kv_cache_dtype`), which the latent cache
-    does not hold (an error naming the key)."""
+    does not hold (an error naming the key); `mtp`: room for the multi-token prediction layers' entries too, as
+    the layers after the blocks (their `layer_idx`)."""
     args = model.args
     if isinstance(args, LatentMoeArgs):
         if fp8:
             raise ValueError(f"`engine.kv_cache_dtype` = 'fp8': {model.hf_config.get('model_type')!r} keeps a latent "
                              "cache, which is not held in FP8 yet; set `engine.kv_cache_dtype` = 'auto'")
+        num_layers = args.num_hidden_layers + (args.num_nextn_predict_layers if mtp else 0)
         indexed = [i for i, kind in enumerate(args.indexer_types) if kind == "full"]
-        return LatentCache, dict(num_layers=args.num_hidden_layers, entry_dim=args.kv_lora_rank + args.qk_rope_head_dim,
+        indexed += list(range(args.num_hidden_layers, num_layers)) if args.has_dsa else []  # each MTP layer indexes
+        return LatentCache, dict(num_layers=num_layers, entry_dim=args.kv_lora_rank + args.qk_rope_head_dim,
                                  indexed_layers=indexed, index_dim=args.index_head_dim)
     return KVCache, dict(num_layers=args.num_hidden_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
                          **({"fp8": True} if fp8 else {}))
 
 
-def cache_bytes_per_block(model: torch.nn.Module, block_size: int, fp8: bool = False) -> int:
-    cls, sizes = cache_layout(model, fp8)
+def cache_bytes_per_block(model: torch.nn.Module, block_size: int, fp8: bool = False, mtp: bool = False) -> int:
+    cls, sizes = cache_layout(model, fp8, mtp)
     return cls.bytes_per_block(block_size=block_size, dtype=model.lm_head.weight.dtype, **sizes)
 
 
 def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
-              fp8: bool = False) -> KVCache | LatentCache:
-    cls, sizes = cache_layout(model, fp8)
+              fp8: bool = False, mtp: bool = False) -> KVCache | LatentCache:
+    cls, sizes = cache_layout(model, fp8, mtp)
     return cls(num_blocks=num_blocks, block_size=block_size, dtype=model.lm_head.weight.dtype, device=device, **sizes)
+
+
+def check_mtp_layers(model: torch.nn.Module, model_config: ModelConfig) -> None:
+    """`engine.speculative.method` = 'mtp' drafts with the policy's multi-token prediction layer: refused for a model
+    that has none (another family, or a checkpoint without `num_nextn_predict_layers`)."""
+    args = getattr(model, "args", None)
+    if not isinstance(args, LatentMoeArgs) or not args.num_nextn_predict_layers:
+        what = ("no multi-token prediction layer (`num_nextn_predict_layers` = 0)" if isinstance(args, LatentMoeArgs)
+                else "no multi-token prediction layer tandem runs (GLM-5 and DeepSeek-V3 checkpoints keep theirs)")
+        raise ValueError(f"`engine.speculative.method` = 'mtp', but `model.name` = {model_config.name!r} "
+                         f"({model.hf_config.get('model_type')!r}) has {what}; choose 'ngram' or 'draft_model'")
 
 
 def load_draft_model(spec: SpeculativeConfig, model_config: ModelConfig, device: torch.device, policy_folder: Path,

@@ -28,12 +28,16 @@ logits and logprobs are bitwise those of the decode step that computes its token
 trainer's: deterministic drafts then give bitwise the tokens and logprobs of exact mode without speculation. The
 draft model keeps the engine's ordinary path: its drafts decide which rows the policy computes, never a logprob.
 
+The multi-token prediction layer of GLM-5 and DeepSeek-V3 checkpoints drafts from the policy's own hidden
+states (`MtpProposer`): its entries live beside the policy's in the same latent cache, written as the policy runs.
+
 Verifying steps run eager. A CUDA graph of them needs a fixed shape: every sequence padded to k drafts (slots
 reserved for all k, acceptance stopping at its own drafts), so k + 1 query tokens per sequence.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,10 +46,12 @@ import numpy as np
 import torch
 
 from tandem.inference.engine.host_copies import HostRead, to_device
-from tandem.inference.engine.model_runner import PagedModelRunner
+from tandem.inference.engine.kv_cache import LatentCache
+from tandem.inference.engine.model_runner import PagedModelRunner, step_metadata
 from tandem.inference.engine.sampler import SampleResult, Sampler, filter_logprobs, race
 from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.inference.engine.sequence import Sequence
+from tandem.inference.engine.step_inputs import StepInputBuilder
 
 
 def ngram_drafts(ids: np.ndarray, ngram_max: int, num_drafts: int) -> list[int]:
@@ -67,6 +73,43 @@ def ngram_drafts(ids: np.ndarray, ngram_max: int, num_drafts: int) -> list[int]:
         length[longer] += 1
     start = int(ends[length == length.max()][-1]) + 1
     return ids[start:start + num_drafts].tolist()
+
+
+def draw_drafts(logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler, sampled: bool
+                ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Each row's draft token ([B] on the device), greedy or (`sampled`, for a sequence that samples) drawn at its
+    request's temperature and filters, and where it was sampled the distribution q it was drawn from. The noise
+    comes from the sequence's seeded generator, else `sampler`'s shared one."""
+    tokens = logits.argmax(-1)
+    q: list[torch.Tensor | None] = [None] * len(seqs)
+    rows_sampled = [r for r, s in enumerate(seqs) if sampled and not s.params.is_greedy]
+    if rows_sampled:
+        rows = to_device(rows_sampled, torch.long, logits.device)
+        params = [seqs[r].params for r in rows_sampled]
+        logprobs = sampler.reported_logprobs(logits[rows], [p.temperature for p in params])
+        filtered = filter_logprobs(logprobs, params)
+        noise = torch.empty_like(filtered).exponential_(generator=sampler.generator)
+        for k, r in enumerate(rows_sampled):
+            if seqs[r].generator is not None:
+                noise[k].exponential_(generator=seqs[r].generator)
+        tokens[rows] = race(filtered, noise)
+        probs = filtered.softmax(-1)
+        for k, r in enumerate(rows_sampled):
+            q[r] = probs[k]
+    return tokens, q
+
+
+def set_drafts(batch: ScheduledBatch, steps: list[tuple[list[int], torch.Tensor, list[torch.Tensor | None]]]
+               ) -> dict[Sequence, torch.Tensor]:
+    """Append each draft step's tokens (per step: the batch indices that drafted, their tokens and distributions)
+    to `batch.drafts`; return the distributions of the sampled drafts per sequence ([d, V])."""
+    distributions: dict[Sequence, list[torch.Tensor]] = {}
+    for active, tokens, q in steps:
+        for row, (i, token) in enumerate(zip(active, tokens.tolist())):
+            batch.set_drafts(i, batch.drafts[i] + [token])
+            if q[row] is not None:
+                distributions.setdefault(batch.seqs[i], []).append(q[row])
+    return {seq: torch.stack(rows) for seq, rows in distributions.items()}
 
 
 class Proposer(Protocol):
@@ -148,40 +191,108 @@ class DraftModelProposer:
             for i in active:
                 seq = batch.seqs[i]
                 step.add(DraftPosition(seq.token_ids, seq.block_table, seq.num_computed_tokens + j, rows.get(i, -1)), 1)
-            tokens, q = self._draw(self.runner.run(step, previous).float(), [batch.seqs[i] for i in active])
+            tokens, q = draw_drafts(self.runner.run(step, previous).float(), [batch.seqs[i] for i in active],
+                                    self.sampler, self.sampled)
             steps.append((active, tokens, q))
             previous, rows = tokens, {i: row for row, i in enumerate(active)}
-        distributions: dict[Sequence, list[torch.Tensor]] = {}
-        for active, tokens, q in steps:
-            for row, (i, token) in enumerate(zip(active, tokens.tolist())):
-                batch.set_drafts(i, batch.drafts[i] + [token])
-                if q[row] is not None:
-                    distributions.setdefault(batch.seqs[i], []).append(q[row])
-        return {seq: torch.stack(rows) for seq, rows in distributions.items()}
-
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Each row's draft token ([B] on the device) and, where it was sampled, the distribution q it was drawn
-        from."""
-        tokens = logits.argmax(-1)
-        q: list[torch.Tensor | None] = [None] * len(seqs)
-        sampled = [r for r, s in enumerate(seqs) if self.sampled and not s.params.is_greedy]
-        if sampled:
-            rows = to_device(sampled, torch.long, logits.device)
-            params = [seqs[r].params for r in sampled]
-            logprobs = self.sampler.reported_logprobs(logits[rows], [p.temperature for p in params])
-            filtered = filter_logprobs(logprobs, params)
-            noise = torch.empty_like(filtered).exponential_(generator=self.sampler.generator)
-            for k, r in enumerate(sampled):
-                if seqs[r].generator is not None:
-                    noise[k].exponential_(generator=seqs[r].generator)
-            tokens[rows] = race(filtered, noise)
-            probs = filtered.softmax(-1)
-            for k, r in enumerate(sampled):
-                q[r] = probs[k]
-        return tokens, q
+        return set_drafts(batch, steps)
 
     def observe(self, batch: ScheduledBatch) -> None:
         self.runner.run(batch)
+
+
+class MtpProposer:
+    """The policy's own multi-token prediction layer drafts (GLM-5, DeepSeek-V3: `glm_moe_dsa.MultiTokenPrediction`):
+    from the policy's final hidden state at position t and token t + 1 it computes the LM head's input for token
+    t + 2. Its block attends over entries of its own, kept as extra layers of the policy's latent cache (`setup.py`),
+    so in the policy's blocks: the entry at position t is made from the policy's hidden state at t and token t + 1.
+
+    After each policy step (`observe`) the layer runs over the step's tokens, each paired with the token after it
+    in the step (a prefill chunk's last with the prompt's next token), through the step's own attention plan. The
+    last position a sequence computed waits for the token sampled after it: for a sequence whose last token is at
+    position p + 1, draft step 0 runs the layer at p on the policy's hidden state there (kept from the step that
+    sampled token p + 1; with drafts, the row of the last one accepted) and token p + 1, writing that entry and
+    drafting token p + 2. Every decoding sequence runs step 0, drafting or not, so that no entry is left stale. Draft
+    step j > 0 runs the layer at p + j on token p + j + 1 (the draft before) and on the layer's own output of step
+    j - 1 in place of the policy's hidden state: the layer chained on itself, to draft past its depth of one token.
+    A checkpoint with several such layers drafts with the first, chained: a later one would need the one before's
+    outputs at every position. The entries drafting writes past p are overwritten when the verifying step computes
+    those positions.
+
+    Entries in a block shared by prefix caching are those of the sequence that wrote them: where the token after
+    a shared block differs, a draft is worse, never the emitted tokens, which are the policy's."""
+
+    def __init__(self, runner: PagedModelRunner, sampler: Sampler, sampled: bool, max_num_seqs: int):
+        """`runner`: the policy's, keeping each step's forward (`PagedModelRunner.keep_forward`)."""
+        assert runner.keep_forward and isinstance(runner.cache, LatentCache), "the MTP layer runs over the policy's forward"
+        self.runner = runner
+        self.model = runner.model
+        self.sampler = sampler
+        self.sampled = sampled
+        cache = runner.cache
+        self.inputs = StepInputBuilder(runner.device, max_num_seqs, runner.inputs.block_tables.shape[1],
+                                       cache.block_size, cache.pad_slot)
+        self._hidden: weakref.WeakKeyDictionary[Sequence, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
+        """Per sequence, from the last step that sampled it: the position of its first sampled row and the policy's
+        final hidden states of its sampled rows ([1 + drafts, hidden]); the accepted count picks the row."""
+
+    def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
+        active, starts = [], []
+        for i, seq in enumerate(batch.seqs):
+            kept = self._hidden.get(seq)
+            if kept is None or seq.num_uncomputed_tokens != 1:
+                continue
+            first, rows = kept
+            row = seq.num_computed_tokens - 1 - first
+            if 0 <= row < rows.shape[0]:
+                active.append(i)
+                starts.append(rows[row])
+        if not active:
+            return {}
+        hidden = torch.stack(starts)
+        tokens = to_device([batch.seqs[i].token_ids[-1] for i in active], torch.long, hidden.device)
+        steps: list[tuple[list[int], torch.Tensor, list[torch.Tensor | None]]] = []
+        for j in itertools.count():
+            hidden = self._predict(batch, active, j, tokens, hidden)
+            keep = [k for k, i in enumerate(active) if batch.num_lookahead[i] > j]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                hidden = hidden[to_device(keep, torch.long, hidden.device)]
+                active = [active[k] for k in keep]
+            tokens, q = draw_drafts(self.model.lm_head(hidden).float(), [batch.seqs[i] for i in active], self.sampler,
+                                    self.sampled)
+            steps.append((active, tokens, q))
+        return set_drafts(batch, steps)
+
+    def _predict(self, batch: ScheduledBatch, active: list[int], j: int, tokens: torch.Tensor,
+                 hidden: torch.Tensor) -> torch.Tensor:
+        """The layer at position p + j of each active sequence (p: its last token's position - 1), on `tokens`
+        [B] (the token after that position) and `hidden` [B, hidden]: its output [B, hidden]."""
+        step = ScheduledBatch()
+        for row, i in enumerate(active):
+            seq = batch.seqs[i]
+            step.add(DraftPosition([], seq.block_table, seq.num_computed_tokens - 1 + j, row), 1)
+        inputs = self.inputs.build(step, previous_tokens=tokens)  # no token on the host: every input is a row of `tokens`
+        attention = self.runner.attention_for(step_metadata(inputs, self.inputs.block_tables[:len(active)]))
+        return self.model.predict_after_next(hidden[None], inputs.input_ids[None], inputs.positions[None], attention)[0]
+
+    def observe(self, batch: ScheduledBatch) -> None:
+        forward, self.runner.last_forward = self.runner.last_forward, None
+        if forward is None or not batch.seqs:
+            return
+        following: list[int] = []
+        offset = 0
+        for i, (seq, num_new, drafts) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.drafts)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new - len(drafts)
+            # The token after the step's last one of the sequence: the prompt's next, else not known yet (the
+            # entry is written again by the next draft step 0).
+            following += seq.token_ids[start + 1:end] + drafts + [seq.token_ids[end] if end < len(seq.token_ids) else 0]
+            offset += num_new
+            if batch.samples(i):
+                self._hidden[seq] = end - 1, forward.hidden[offset - 1 - len(drafts):offset].clone()
+        ids = to_device(following, torch.long, forward.hidden.device)
+        self.model.predict_after_next(forward.hidden[None], ids[None], forward.inputs.positions[None], forward.attention)
 
 
 class VerifiedSample:

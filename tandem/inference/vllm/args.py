@@ -52,8 +52,10 @@ def speculative_config(config: InferenceConfig) -> dict[str, str | int]:
     if spec.method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": spec.num_tokens, "prompt_lookup_max": spec.ngram_max,
                 "prompt_lookup_min": 1}
-    return {"method": "draft_model", "model": spec.draft_model, "num_speculative_tokens": spec.num_tokens,
-            "draft_sample_method": "greedy" if spec.draft_sampling == "greedy" else "probabilistic"}
+    sampling = {"draft_sample_method": "greedy" if spec.draft_sampling == "greedy" else "probabilistic"}
+    if spec.method == "mtp":  # vLLM's own MTP layer of the served checkpoint
+        return {"method": "mtp", "num_speculative_tokens": spec.num_tokens, **sampling}
+    return {"method": "draft_model", "model": spec.draft_model, "num_speculative_tokens": spec.num_tokens, **sampling}
 
 
 ONLINE_FP8 = "fp8_per_block"

@@ -1,0 +1,214 @@
+"""The policy's multi-token prediction layer as the speculative draft (`engine.speculative.method` = 'mtp'): its
+drafts are what the layer computes from the policy's hidden states, and the tokens and logprobs stay the policy's."""
+
+import json
+import shutil
+
+import httpx
+import pytest
+import torch
+from counting_head import give_counting_head
+from inference_helpers import make_config, teacher_forced_logprobs
+from pydantic import ValidationError
+from test_admin import metric
+from test_engine import engine_for, run
+from test_speculative import seeded_requests
+
+from tandem.config.inference import InferenceConfig
+from tandem.inference.admin_api import read_update_folder
+from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.server import BackgroundServer
+from tandem.models.loading import load_causal_lm
+from tandem.models.presets import PRESETS, shape_config, write_model
+from tandem.models.weights import load_state_dict, save_state_dict
+
+SHAPES = {
+    "glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=4),  # DSA chooses for the MTP layer's queries too
+    "deepseek-v3": PRESETS["tiny-deepseek-v3"],
+}
+SETTINGS = {
+    "roomy": dict(block_size=4, num_blocks=256, max_model_len=128),
+    # 24 blocks of 4 tokens and a 24-token budget: chunked prefills, preemptions, drafts short of room.
+    "memory-starved": dict(block_size=4, num_blocks=24, max_num_batched_tokens=24, max_model_len=64),
+}
+
+
+def mtp_engine(folder, settings="roomy", **speculative):
+    return engine_for(folder, speculative={"method": "mtp", "num_tokens": 3, **speculative}, **SETTINGS[settings])
+
+
+def record_drafts(engine) -> list[tuple[object, int, list[int]]]:
+    """Every proposal as the engine runs: the sequence, how many tokens it held, the drafts proposed after them."""
+    proposer = engine.speculator.proposer
+    propose = proposer.propose
+    seen = []
+
+    def recording(batch):
+        distributions = propose(batch)
+        seen.extend((seq, seq.num_tokens, drafts) for seq, drafts in zip(batch.seqs, batch.drafts) if drafts)
+        return distributions
+
+    proposer.propose = recording
+    return seen
+
+
+@torch.no_grad()
+def reference_drafts(model, hidden: torch.Tensor, tokens: list[int], num_drafts: int) -> list[int]:
+    """Greedy drafts after `tokens` by calling the MTP layer on a teacher-forced pass (`hidden`: the policy's final
+    hidden states of `tokens`): the layer over every position t (the hidden state at t, token t + 1); each further
+    draft with the layer's output at the last position as the hidden state of the next and the draft before as
+    its token."""
+    hidden, following = hidden[:-1], tokens[1:]
+    drafts = []
+    for _ in range(num_drafts):
+        positions = torch.arange(len(following))[None]
+        out = model.predict_after_next(hidden[None], torch.tensor([following]), positions)[0, -1]
+        drafts.append(int(model.lm_head(out).argmax()))
+        hidden = torch.cat([hidden, out[None]])
+        following = following + drafts[-1:]
+    return drafts
+
+
+@pytest.mark.parametrize("shape, settings", [("glm5-sparse", "roomy"), ("glm5-sparse", "memory-starved"),
+                                             ("deepseek-v3", "roomy")])
+def test_drafts_are_the_mtp_layers_own(shape, settings, tmp_path):
+    folder = write_model(shape_config(SHAPES[shape]), tmp_path / "m")
+    engine = mtp_engine(folder, settings)
+    seen = record_drafts(engine)
+    for i in range(4):
+        prompt = [(7 * i + 3 * j) % 256 for j in range(5 + 9 * i)]
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, temperature=[0.0, 1.0][i % 2], seed=i,
+                                                          ignore_eos=True), n=2)
+    run(engine)
+    if settings == "memory-starved":
+        assert engine.stats().num_preemptions > 0
+    model = load_causal_lm(str(folder))
+    assert len(seen) > 20 and max(len(drafts) for _, _, drafts in seen) == 3
+    hidden = {}  # per sequence, a teacher-forced pass over all its tokens: causal, so its rows hold for any prefix
+    for seq, num_tokens, drafts in seen:
+        if seq not in hidden:
+            with torch.no_grad():
+                hidden[seq] = model(torch.tensor([seq.token_ids]), torch.arange(seq.num_tokens)[None])[0]
+        tokens = seq.token_ids[:num_tokens]
+        assert drafts == reference_drafts(model, hidden[seq][:num_tokens], tokens, len(drafts)), tokens
+
+
+@pytest.fixture(scope="module")
+def counting_dir(tmp_path_factory):
+    """tiny-glm5 with a counting LM head (`give_counting_head`: token t's embedding scores t + 1), so that its
+    greedy completions often count up; its MTP layer keeps random weights. Its DSA keeps every token: a top-k
+    over the near-equal index scores of repeated tokens may choose apart in a teacher-forced pass."""
+    return give_counting_head(write_model(shape_config(PRESETS["tiny-glm5"]), tmp_path_factory.mktemp("c") / "model"))
+
+
+@pytest.fixture(scope="module")
+def counting_mtp_dir(counting_dir, tmp_path_factory):
+    """`counting_dir` with an MTP layer that passes token t + 1's embedding on to the LM head (its attention and
+    feed-forward add nothing), which then drafts t + 2: right wherever the policy counts."""
+    folder = tmp_path_factory.mktemp("counting_mtp") / "model"
+    shutil.copytree(counting_dir, folder)
+    state = load_state_dict(folder)
+    layer = "model.mtp_layers.0."
+    hidden_size = state[layer + "eh_proj.weight"].shape[0]
+    state[layer + "eh_proj.weight"] = torch.cat([torch.eye(hidden_size), torch.zeros(hidden_size, hidden_size)], 1)
+    for name in ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.shared_experts.down_proj.weight"):
+        state[layer + name] = torch.zeros_like(state[layer + name])
+    save_state_dict(state, folder, json.loads((folder / "config.json").read_text()))
+    return folder
+
+
+def generate(engine, num_requests: int = 6) -> dict:
+    engine.eos_token_ids = {7, 33}  # tokens the tiny model samples: some completions stop at EOS
+    for rid, prompt, params in seeded_requests(num_requests):
+        engine.add_request(rid, prompt, params, n=2)
+    return run(engine)
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sampled"])
+def test_tokens_and_logprobs_are_the_policys(counting_mtp_dir, draft_sampling):
+    """Greedy and seeded requests, n = 2, stop strings, stop tokens and max_tokens: greedy drafts give the tokens
+    and logprobs of the same seed without speculation; sampled ones other tokens, of the same distribution; both
+    report the policy's teacher-forced logprobs."""
+    engine = mtp_engine(counting_mtp_dir, draft_sampling=draft_sampling)
+    speculated = generate(engine)
+    stats = engine.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert {r["finish"] for r in speculated.values()} == {"stop", "length"}
+    if draft_sampling == "greedy":
+        plain = generate(engine_for(counting_mtp_dir, **SETTINGS["roomy"]))
+        assert plain.keys() == speculated.keys() and len(plain) == 12
+        for key, r in plain.items():
+            s = speculated[key]
+            assert (s["ids"], s["text"], s["finish"]) == (r["ids"], r["text"], r["finish"]), key
+            torch.testing.assert_close(torch.tensor(s["logprobs"]), torch.tensor(r["logprobs"]), atol=1e-5, rtol=1e-5)
+    model = load_causal_lm(str(counting_mtp_dir))
+    requests = {rid: (prompt, params) for rid, prompt, params in seeded_requests(6)}
+    for (rid, _), r in speculated.items():
+        prompt, params = requests[rid]
+        expected = teacher_forced_logprobs(model, prompt, r["ids"], params.temperature)
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_weight_update_reaches_the_mtp_layer(counting_dir, counting_mtp_dir):
+    """The MTP layer is part of the policy's weights: an update that carries it (read as the update route reads a
+    published folder) drafts with the new layer, whose drafts the policy accepts where the random one's it did not."""
+    engine = mtp_engine(counting_dir)
+    generate(engine)
+    before = engine.stats()
+    state, _ = read_update_folder(counting_mtp_dir)
+    assert any(name.startswith("model.mtp_layers.0.") for name in state)
+    engine.update_weights(state)
+    torch.testing.assert_close(engine.runner.model.model.mtp_layers[0].eh_proj.weight,
+                               state["model.mtp_layers.0.eh_proj.weight"], atol=0, rtol=0)
+    generate(engine)
+    after = engine.stats()
+    drafted, accepted = (after.num_draft_tokens - before.num_draft_tokens,
+                         after.num_accepted_tokens - before.num_accepted_tokens)
+    assert before.num_accepted_tokens < 0.05 * before.num_draft_tokens
+    assert accepted > 0.15 * drafted
+
+
+def test_metrics_count_the_mtp_drafts(counting_mtp_dir):
+    running = BackgroundServer(make_config(counting_mtp_dir, speculative={"method": "mtp"}))
+    try:
+        httpx.post(f"{running.url}/v1/generate", timeout=60, json={
+            "prompt_token_ids": list(range(10, 40)), "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+        text = httpx.get(f"{running.url}/metrics").text
+    finally:
+        running.stop()
+    drafted, accepted = (metric(text, name) for name in ("tandem_spec_decode_draft_tokens_total",
+                                                         "tandem_spec_decode_accepted_tokens_total"))
+    assert drafted > accepted > 0
+
+
+def test_a_model_without_an_mtp_layer_is_refused(tiny_dir, tmp_path):
+    no_layer = write_model(shape_config(dict(PRESETS["tiny-glm5"], num_nextn_predict_layers=0)), tmp_path / "m")
+    for folder, reason in ((no_layer, "`num_nextn_predict_layers` = 0"), (tiny_dir, "qwen3")):
+        with pytest.raises(ValueError, match="`engine.speculative.method` = 'mtp'") as err:
+            mtp_engine(folder)
+        assert str(folder) in str(err.value) and reason in str(err.value)
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({"run": {"exact": True}}, "`engine.speculative.method` = 'mtp' with `run.exact`"),
+    ({"disaggregation": {"role": "prefill"}}, "with `engine.speculative`"),
+])
+def test_mtp_is_refused_where_speculation_is(tiny_dir, settings, expected):
+    with pytest.raises(ValidationError, match=expected.replace(".", r"\.")):
+        InferenceConfig.model_validate({"model": {"name": str(tiny_dir)},
+                                        "engine": {"speculative": {"method": "mtp"}}, **settings})
+
+
+def test_the_memory_plan_counts_the_mtp_layers_entries(tmp_path):
+    """The MTP layer's entries (and its DSA indexer's keys) are layers of the policy's latent cache: a block
+    costs them too, so the same memory holds fewer blocks."""
+    shape = PRESETS["tiny-glm5"]
+    folder = write_model(shape_config(shape), tmp_path / "m")
+    plain, mtp = (engine_for(folder, speculative=spec, block_size=4, num_blocks=None, cpu_kv_cache_gib=1 / 1024,
+                             max_num_seqs=64, max_model_len=256) for spec in ({}, {"method": "mtp"}))
+    layers, full = shape["num_hidden_layers"], 2  # indexer_types: full, shared, full, shared; the MTP layer indexes
+    entry = shape["kv_lora_rank"] + shape["qk_rope_head_dim"]
+    cache = mtp.runner.cache
+    assert cache.entries.shape[0] == layers + 1 and cache.index_keys.shape[0] == full + 1
+    per_block = 4 * ((layers + 1) * entry + (full + 1) * shape["index_head_dim"]) * 4  # block_size 4, fp32
+    assert mtp.block_manager.num_blocks == 2**20 // per_block < plain.block_manager.num_blocks
