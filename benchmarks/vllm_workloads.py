@@ -64,11 +64,16 @@ def main() -> None:
     first = next(iter(workloads))
     run(llm, [[(t + 7) % 256 for t in p] for p in prompts[first][:4]], {**workloads[first], "n": 1, "output_len": 8}, 0)  # warmup
     for key, w in workloads.items():
-        results[f"vllm_{key}_logprobs"] = run(llm, prompts[key], w, 0)
+        report(results, f"vllm_{key}_logprobs", run(llm, prompts[key], w, 0))
         if key == "A":  # fresh prompts (shifted ids), so the prefix cache of one run does not serve the next
-            results["vllm_A_no_logprobs"] = run(llm, [[(t + 1) % 256 for t in p] for p in prompts["A"]], w, None)
+            report(results, "vllm_A_no_logprobs", run(llm, [[(t + 1) % 256 for t in p] for p in prompts["A"]], w, None))
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(json.dumps(results, indent=1))
+
+
+def report(results: dict, key: str, result: dict) -> None:
+    """Keep a workload's figures and print them at once, so a run stopped later (a time limit) still shows them."""
+    results[key] = result
+    print(f"--- {key}\n{json.dumps(result)}", flush=True)
 
 
 if __name__ == "__main__":
