@@ -39,10 +39,12 @@ def random_adapters(model: nn.Module, seed: int, dtype: torch.dtype = torch.floa
     return state
 
 
-def adapted(tiny, spec: LoraSpec = SPEC, adapters_seed: int | None = None) -> nn.Module:
-    model = load_causal_lm(str(tiny), "cpu", "float32")
+def adapted(folder, spec: LoraSpec = SPEC, adapters_seed: int | None = None, draw=None) -> nn.Module:
+    """The model in `folder` with `spec`'s adapters at their start, or drawn by `draw` (default `random_adapters`)
+    from `adapters_seed`."""
+    model = load_causal_lm(str(folder), "cpu", "float32")
     apply_lora(model, spec, source="test")
-    state = initial_adapters(model, seed=0) if adapters_seed is None else random_adapters(model, adapters_seed)
+    state = initial_adapters(model, seed=0) if adapters_seed is None else (draw or random_adapters)(model, adapters_seed)
     model.load_state_dict(state, strict=False)
     return model
 
@@ -192,11 +194,7 @@ def expert_adapters(model: nn.Module, seed: int, dtype: torch.dtype = torch.floa
 
 
 def adapted_moe(tiny_moe, spec: LoraSpec = EXPERT_SPEC, adapters_seed: int | None = None) -> nn.Module:
-    model = load_causal_lm(str(tiny_moe), "cpu", "float32")
-    apply_lora(model, spec, source="test")
-    state = initial_adapters(model, seed=0) if adapters_seed is None else expert_adapters(model, adapters_seed)
-    model.load_state_dict(state, strict=False)
-    return model
+    return adapted(tiny_moe, spec, adapters_seed, draw=expert_adapters)
 
 
 def test_expert_adapters_start_as_the_base_and_only_they_and_the_projections_train(tiny_moe):

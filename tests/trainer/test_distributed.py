@@ -97,7 +97,7 @@ def test_trainer_benchmark_refuses_a_baseline_under_torchrun(tmp_path):
     result = subprocess.run([sys.executable, str(BENCHMARK), "--shapes", "64:2:4", "--baseline", "64:1:4"],
                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "under torchrun (world size 2) give one --shapes entry and no --baseline" in result.stderr
+    assert "under torchrun (world size 2) give one --shapes entry, one --fp8 setting and no --baseline" in result.stderr
 
 
 def test_trainer_benchmark_runs_a_moe_preset_beside_transformers(tmp_path):
