@@ -253,16 +253,16 @@ class Float8TrainingConfig(Section):
 
 
 class MultiTokenPredictionConfig(Section):
-    """The multi-token prediction (MTP) layers of GLM-5 and DeepSeek-V3 checkpoints (`model.mtp_layers`), which an
+    """The multi-token prediction (MTP) layer of GLM-5 and DeepSeek-V3 checkpoints (`model.mtp_layers`), which an
     engine can draft with (`tandem.trainer.mtp`)."""
 
     train: bool = False
-    """Train the MTP layers with the policy: a cross-entropy loss of each layer's prediction of token t+2 on the
-    loss tokens of every row (in RL the sampled completions: the layer learns to predict what the policy samples),
-    so a speculative draft from it keeps its acceptance as the policy moves. The trunk's hidden states, the
-    embeddings and the LM head enter that loss without gradient: the policy's loss, gradients and updates are
-    those of a run with the layers frozen, bit for bit. Off: the layers stay as loaded. Only for a model with MTP
-    layers; not with `lora.enabled` nor `parallel.ep` > 1."""
+    """Train the MTP layer with the policy: a cross-entropy loss of its prediction of token t+2 on the loss tokens
+    of every row (in RL the sampled completions: the layer learns to predict what the policy samples), so a
+    speculative draft from it keeps its acceptance as the policy moves; logged as `mtp/loss`. The trunk's hidden
+    states, the embeddings and the LM head enter that loss without gradient and the layer's gradients are clipped
+    apart: the policy's loss, gradients and updates are those of a run with the layer frozen, bit for bit. Off: the
+    layer stays as loaded. Only for a model with one MTP layer; not with `lora.enabled` nor `parallel.ep` > 1."""
 
 
 class TrainerCheckpointConfig(ProcessCheckpointConfig):
@@ -334,7 +334,7 @@ class TrainingProcessConfig(ProcessConfig):
     """Load balancing of MoE routers."""
 
     mtp: MultiTokenPredictionConfig = MultiTokenPredictionConfig()
-    """Training of the model's multi-token prediction layers."""
+    """Training of the model's multi-token prediction layer."""
 
     prometheus: PrometheusConfig = PrometheusConfig()
     """Prometheus `/metrics` of the trainer (its first rank)."""

@@ -9,7 +9,7 @@ DeepSeek sparse attention in GLM-5.
 - multi-token prediction: the `num_nextn_predict_layers` layers the checkpoints hold after the last block
   (`model.layers.{num_hidden_layers + i}`) are kept as `model.mtp_layers.{i}` (`MultiTokenPrediction`), loaded,
   published and reloaded with the rest (`tandem.models.expert_layout` renames them), not part of the causal LM's
-  forward and frozen: a speculative decoder can draft with them.
+  forward and frozen unless the trainer trains them (`tandem.trainer.mtp`): a speculative decoder can draft with them.
 
 The blocks are not `decoder.DecoderLayer`s (their attention has projections of its own), so `has_split_blocks` is
 false for these families: the trainer runs each block whole (no compiled halves; selective checkpointing falls back to
