@@ -13,6 +13,7 @@ from tandem.config.loader import ConfigError, parse_args
 from tandem.config.sft import SFTConfig
 from tandem.config.trainer import AdamWConfig, ConstantSchedule, MultiTokenPredictionConfig, ParallelConfig
 from tandem.models.presets import init_model
+from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.model import build_policy
 from tandem.trainer.optim import build_optimizer, build_scheduler
@@ -113,6 +114,31 @@ def test_fsdp_at_one_rank_trains_the_layer_as_the_plain_path_does(tiny_glm5, dim
         assert a.loss == b.loss
         assert a.metrics["mtp/loss"] == pytest.approx(b.metrics["mtp/loss"], rel=1e-6)
         assert a.metrics["mtp/grad_norm"] == pytest.approx(b.metrics["mtp/grad_norm"], rel=1e-5)
+
+
+def test_a_resumed_run_trains_the_layer_as_an_unbroken_one(tiny_glm5, dims, tmp_path):
+    """The trained layer and its AdamW moments are in the checkpoint (what trains is saved)."""
+    batches = rows(dims.device)
+    n = count_loss_tokens(batches, dims)
+
+    def trainer():
+        policy = policy_of(tiny_glm5, dims, True)
+        optimizer = build_optimizer(policy, AdamWConfig(lr=3e-3))
+        return policy, optimizer, build_scheduler(optimizer, ConstantSchedule(), 2)
+
+    def step(policy, optimizer, scheduler) -> float:
+        return train_step(policy, optimizer, scheduler, batches, sft_objective, n, 1.0, dims).metrics["mtp/loss"]
+
+    unbroken = trainer()
+    expected = [step(*unbroken), step(*unbroken)]
+    first = trainer()
+    assert step(*first) == expected[0]
+    folder = save_checkpoint(tmp_path, 1, *first, {}, dims)
+    resumed = trainer()
+    load_checkpoint(folder, *resumed, dims)
+    assert step(*resumed) == expected[1]
+    for (name, a), (_, b) in zip(unbroken[0].hf_named_parameters(), resumed[0].hf_named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_a_model_without_mtp_layers_is_refused_naming_the_key_and_file(tiny_model, dims):
