@@ -3,6 +3,8 @@ own forward within each document, it learns, and the policy trains bit for bit a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.trainer.sft.train import sft_objective
 from tandem.trainer.step import count_loss_tokens, train_step
 
-from trainer_helpers import random_row
+from trainer_helpers import metrics, random_row
 
 STEPS = 4
 
@@ -139,6 +141,27 @@ def test_a_resumed_run_trains_the_layer_as_an_unbroken_one(tiny_glm5, dims, tmp_
     assert step(*resumed) == expected[1]
     for (name, a), (_, b) in zip(unbroken[0].hf_named_parameters(), resumed[0].hf_named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_the_rl_trainer_logs_the_mtp_loss_and_publishes_the_trained_layer(tiny_glm5, tmp_path):
+    """The real RL trainer on fake rollouts: `mtp/loss` in `metrics.jsonl`, the published layer trained (but for its
+    indexer and score biases), under the checkpoints' names."""
+    from tandem.config.trainer import TrainerConfig
+    from tandem.models.weights import load_state_dict
+    from tandem.trainer.rl.train import main
+    from tandem.transport.paths import weights_dir
+
+    args = ["--device", "cpu", "--model.name", str(tiny_glm5), "--data.fake", "--data.fake-rows", "1",
+            "--data.fake-samples-per-row", "2", "--max-steps", "2", "--seq-len", "40", "--output-dir", str(tmp_path / "run"),
+            "--mtp.train", "--optim.lr", "1e-3"]
+    assert main(parse_args(TrainerConfig, args, environ={})) == 0
+    logged = metrics(tmp_path / "run")
+    assert len(logged) == 2 and all(math.isfinite(r["mtp/loss"]) and r["mtp/grad_norm"] > 0 for r in logged)
+    before, after = load_state_dict(tiny_glm5), load_state_dict(weights_dir(tmp_path / "run", 2))
+    layer = {name for name in before if name.startswith("model.mtp_layers.0.")}
+    assert layer and layer <= after.keys()
+    unchanged = {name for name in layer if torch.equal(before[name], after[name])}
+    assert unchanged == {name for name in layer if ".indexer." in name or "e_score_correction_bias" in name}
 
 
 def test_a_model_without_mtp_layers_is_refused_naming_the_key_and_file(tiny_model, dims):
