@@ -4,6 +4,7 @@ own forward within each document, it learns, and the policy trains bit for bit a
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.trainer.sft.train import sft_objective
 from tandem.trainer.step import count_loss_tokens, train_step
 
-from trainer_helpers import metrics, random_row
+from test_distributed import torchrun_trainer
+from trainer_helpers import metrics, one_thread, random_row, run_trainer
 
 STEPS = 4
 
@@ -162,6 +164,26 @@ def test_the_rl_trainer_logs_the_mtp_loss_and_publishes_the_trained_layer(tiny_g
     assert layer and layer <= after.keys()
     unchanged = {name for name in layer if torch.equal(before[name], after[name])}
     assert unchanged == {name for name in layer if ".indexer." in name or "e_score_correction_bias" in name}
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_layer_as_one_rank_does(tiny_glm5, tmp_path):
+    """World size 2 (torchrun, gloo, FSDP: the layer a group of its own, gathered around `predict`) against the
+    one-rank path, on the same global batch."""
+    common = ["--model.name", str(tiny_glm5), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
+              "--max-steps", "3", "--seq-len", "48", "--optim.lr", "3e-3", "--device", "cpu", "--mtp.train"]
+    with ThreadPoolExecutor() as pool:
+        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(tmp_path / "two"))
+        with one_thread():
+            assert run_trainer(*common, "--output-dir", str(tmp_path / "one")) == 0
+        result = launched.result()
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["mtp/loss"] == pytest.approx(a["mtp/loss"], abs=1e-5)
+    assert one[-1]["mtp/loss"] != one[0]["mtp/loss"]
 
 
 def test_a_model_without_mtp_layers_is_refused_naming_the_key_and_file(tiny_model, dims):
