@@ -1,19 +1,20 @@
-"""Training the multi-token prediction (MTP) layers with the policy (`mtp.train`).
+"""Training the multi-token prediction (MTP) layer with the policy (`mtp.train`).
 
-A GLM-5 or DeepSeek-V3 checkpoint carries MTP layers that predict token t+2 from the trunk's hidden state at t and
-the embedding of token t+1 (`tandem.models.glm_moe_dsa.MultiTokenPrediction`); an engine drafts with them. As RL
-moves the policy, a frozen layer predicts an older policy and its drafts are accepted less and less. With
-`mtp.train` each layer learns, at every step, to predict the tokens of the step's rows: a cross-entropy loss on
-token t+2 wherever token t+2 is a loss token of the same document as t (in RL the sampled completions, so the
-layer learns what the policy samples; SFT-style, without advantages).
+GLM-5 and DeepSeek-V3 checkpoints carry an MTP layer that predicts token t+2 from the trunk's hidden state at t and
+the embedding of token t+1 (`tandem.models.glm_moe_dsa.MultiTokenPrediction`); an engine drafts with it. As RL moves
+the policy, a frozen layer keeps predicting an older policy and fewer of its drafts are accepted. With `mtp.train` the
+layer learns at every step to predict the tokens of the step's rows: a cross-entropy loss on token t+2 wherever it is
+a loss token of the same document as t (in RL the sampled completions, so the layer learns what the policy samples;
+SFT-style, without advantages).
 
-The trunk's hidden states and the embeddings enter that loss detached, and the LM head, which maps the layer's
-output to logits as it does the trunk's, enters with its weight detached: the MTP loss reaches no parameter of the
-policy. RL's objective must not change because a draft is being trained beside it: the policy's loss, gradients,
-clipping (the MTP layers' gradients are clipped by their own norm, `mtp/grad_norm`) and updates are those of a run
-with the layers frozen, bit for bit. The layers' parameters otherwise train as the blocks' do: fp32 masters, the
-run's optimizer and schedule, and under FSDP each layer is a group of its own, like a block. As in the trunk, the
-DSA indexer and the routers' score correction biases stay frozen.
+The trunk's hidden states and the embeddings enter that loss detached, and the LM head, which maps the layer's output
+to logits as it does the trunk's, enters with its weight detached: the MTP loss reaches no parameter of the policy.
+RL's objective must not change because a draft is trained beside it: the policy's loss, gradients, clipping (the
+layer's gradients are clipped by their own norm, `mtp/grad_norm`) and updates are those of a run with the layer
+frozen, bit for bit. The MTP loss's gradient is scaled as the objective's (per loss token of the step, over all
+ranks); with its own clipping and AdamW's normalized updates it needs no weight against the policy's loss. The
+layer's parameters otherwise train as a block's do: fp32 masters, the run's optimizer and schedule, a group of its
+own under FSDP. As in the trunk, its DSA indexer and its router's score correction bias stay frozen.
 """
 
 from __future__ import annotations
@@ -45,28 +46,28 @@ class MtpLoss:
 
 
 def mtp_layers(lm: nn.Module) -> nn.ModuleList:
-    """The model's MTP layers (empty for a model without them)."""
+    """The model's MTP layers (an empty list for a model without them)."""
     layers = getattr(getattr(lm, "model", None), "mtp_layers", None)
     return layers if layers is not None else nn.ModuleList()
 
 
 def check_mtp_trainable(lm: nn.Module, ep_size: int, source: str) -> None:
     """`mtp.train` needs one MTP layer (in `source`, the model's config.json: GLM-5 and DeepSeek-V3 carry one; a
-    second would continue from the first's output, DeepSeek-V3's sequential MTP, which is not built) and whole
-    experts on each rank."""
+    second would continue from the first's output, DeepSeek-V3's sequential MTP, which is not built) and the layer's
+    experts whole on each rank."""
     count = len(mtp_layers(lm))
     if count != 1:
         raise ValueError(f"`mtp.train` = true but {source} has {count} multi-token prediction layers "
                          "(`num_nextn_predict_layers`; one is trained, and the family must keep them); "
                          "set `mtp.train` = false")
     if ep_size > 1:
-        raise ValueError(f"`mtp.train` with `parallel.ep` = {ep_size}: the MTP layers' experts are not split over "
+        raise ValueError(f"`mtp.train` with `parallel.ep` = {ep_size}: the MTP layer's experts are not split over "
                          "the expert-parallel ranks; set `parallel.ep` = 1 or `mtp.train` = false")
 
 
 def unfreeze_mtp_layers(lm: nn.Module) -> None:
-    """Let the MTP layers' parameters train, but for those the trunk keeps frozen too (the DSA indexer, the score
-    correction biases)."""
+    """Let the MTP layer's parameters train, but for those the trunk keeps frozen too (the DSA indexer, the score
+    correction bias)."""
     layers = mtp_layers(lm)
     layers.requires_grad_(True)
     for module in layers.modules():

@@ -19,6 +19,7 @@ from tandem.models.presets import init_model
 from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.model import build_policy
+from tandem.trainer.mtp import check_mtp_trainable
 from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.trainer.sft.train import sft_objective
@@ -189,6 +190,13 @@ def test_two_ranks_train_the_layer_as_one_rank_does(tiny_glm5, tmp_path):
 def test_a_model_without_mtp_layers_is_refused_naming_the_key_and_file(tiny_model, dims):
     with pytest.raises(ValueError, match=f"`mtp.train` = true but {tiny_model / 'config.json'} has 0 multi-token"):
         policy_of(tiny_model, dims, train=True)
+
+
+def test_mtp_training_under_expert_parallelism_is_refused(tiny_glm5):
+    from tandem.models.loading import load_causal_lm
+
+    with pytest.raises(ValueError, match="`mtp.train` with `parallel.ep` = 2: .* set `parallel.ep` = 1"):
+        check_mtp_trainable(load_causal_lm(str(tiny_glm5)), 2, str(tiny_glm5 / "config.json"))
 
 
 def test_mtp_training_with_lora_is_refused_naming_both_keys():
