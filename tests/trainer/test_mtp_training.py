@@ -56,10 +56,11 @@ def policy_of(folder, dims, train: bool, fsdp: bool = False):
     return policy
 
 
-def test_the_mtp_loss_is_the_cross_entropy_of_the_layers_own_forward_document_by_document(tiny_glm5, dims):
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-deepseek-v3"])
+def test_the_mtp_loss_is_the_cross_entropy_of_the_layers_own_forward_document_by_document(preset, dims, tmp_path):
     """The reference runs each document of the packed row alone (so nothing can cross a boundary) and takes the
     cross-entropy of token t+2 in fp64, on the loss tokens."""
-    policy = policy_of(tiny_glm5, dims, train=True)
+    policy = policy_of(init_model(preset, tmp_path / preset), dims, train=True)
     mb = rows(dims.device)[0]
     out = policy(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths)
     lm = policy.lm
