@@ -252,6 +252,19 @@ class Float8TrainingConfig(Section):
     rows differ much in size, somewhat slower; under FSDP the weights are all-gathered in bf16, then scaled)."""
 
 
+class MultiTokenPredictionConfig(Section):
+    """The multi-token prediction (MTP) layer of GLM-5 and DeepSeek-V3 checkpoints (`model.mtp_layers`), which an
+    engine can draft with (`tandem.trainer.mtp`)."""
+
+    train: bool = False
+    """Train the MTP layer with the policy: a cross-entropy loss of its prediction of token t+2 on the loss tokens
+    of every row (in RL the sampled completions: the layer learns to predict what the policy samples), so a
+    speculative draft from it keeps its acceptance as the policy moves; logged as `mtp/loss`. The trunk's hidden
+    states, the embeddings and the LM head enter that loss without gradient and the layer's gradients are clipped
+    apart: the policy's loss, gradients and updates are those of a run with the layer frozen, bit for bit. Off: the
+    layer stays as loaded. Only for a model with one MTP layer; not with `lora.enabled` nor `parallel.ep` > 1."""
+
+
 class TrainerCheckpointConfig(ProcessCheckpointConfig):
     """DCP checkpoints (model, optimizer, scheduler, data position, RNG) under `checkpoints/step_N/trainer/`;
     the last step is always checkpointed when enabled."""
@@ -320,6 +333,9 @@ class TrainingProcessConfig(ProcessConfig):
     router: RouterConfig = RouterConfig()
     """Load balancing of MoE routers."""
 
+    mtp: MultiTokenPredictionConfig = MultiTokenPredictionConfig()
+    """Training of the model's multi-token prediction layer."""
+
     prometheus: PrometheusConfig = PrometheusConfig()
     """Prometheus `/metrics` of the trainer (its first rank)."""
 
@@ -335,6 +351,13 @@ class TrainingProcessConfig(ProcessConfig):
             raise ValueError("`fp8.enabled` with `lora.enabled`: an adapted projection multiplies by W + B @ A, formed "
                              "anew at each forward, while FP8 training scales, and under FSDP gathers in FP8, the "
                              "projection's own weight; turn one of them off")
+        return self
+
+    @model_validator(mode="after")
+    def _check_mtp_can_train(self) -> "TrainingProcessConfig":
+        if self.mtp.train and self.lora.enabled:
+            raise ValueError("`mtp.train` with `lora.enabled`: LoRA publishes only the adapters, so the trained MTP "
+                             "layers would never reach the engine; turn one of them off")
         return self
 
 

@@ -9,7 +9,7 @@ DeepSeek sparse attention in GLM-5.
 - multi-token prediction: the `num_nextn_predict_layers` layers the checkpoints hold after the last block
   (`model.layers.{num_hidden_layers + i}`) are kept as `model.mtp_layers.{i}` (`MultiTokenPrediction`), loaded,
   published and reloaded with the rest (`tandem.models.expert_layout` renames them), not part of the causal LM's
-  forward and frozen: a speculative decoder can draft with them.
+  forward and frozen unless the trainer trains them (`tandem.trainer.mtp`): a speculative decoder can draft with them.
 
 The blocks are not `decoder.DecoderLayer`s (their attention has projections of its own), so `has_split_blocks` is
 false for these families: the trainer runs each block whole (no compiled halves; selective checkpointing falls back to
@@ -209,9 +209,12 @@ class MultiTokenPrediction(LatentAttentionBlock):
     def predict(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend, sparse: SparseContext | None) -> torch.Tensor:
         """hidden [B, T, hidden] (the LM's output at t), next_embeds [B, T, hidden] (token t+1's embedding) -> the
-        normed hidden state [B, T, hidden] that predicts token t+2."""
+        normed hidden state [B, T, hidden] that predicts token t+2.
+
+        The block runs as a plain method, without the module's forward hooks: a trainer that shards this layer
+        registers `predict` as its forward (`tandem.trainer.mtp`), which gathers the parameters once for all of it."""
         x = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))
-        return self.shared_head.norm(self(x, cos, sin, backend, sparse)[0])
+        return self.shared_head.norm(LatentAttentionBlock.forward(self, x, cos, sin, backend, sparse)[0])
 
 
 class LatentMoeForCausalLM(DecoderLM):
@@ -249,10 +252,14 @@ class LatentMoeForCausalLM(DecoderLM):
         return h
 
     def predict_after_next(self, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
-                           attention: AttentionBackend | None = None, depth: int = 0) -> torch.Tensor:
+                           attention: AttentionBackend | None = None, depth: int = 0, detach_inputs: bool = False
+                           ) -> torch.Tensor:
         """The MTP layer `depth`'s hidden state [B, T, hidden] for token t+2, from this model's output `hidden` at t
-        and `next_ids` [B, T] (token t+1 of each position); logits through `lm_head`."""
+        and `next_ids` [B, T] (token t+1 of each position); logits through `lm_head`. `detach_inputs`: `hidden` and
+        the embeddings enter without gradient, so a loss on the result trains the MTP layer alone."""
         backend = attention if attention is not None else PackedCausalAttention(position_ids)
         embeds = self.model.embed_tokens(next_ids)
+        if detach_inputs:
+            hidden, embeds = hidden.detach(), embeds.detach()
         cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, hidden.dtype, self.args.rope_scaling)
         return self.model.mtp_layers[depth].predict(hidden, embeds, cos, sin, backend, self.sparse_context(position_ids, backend))

@@ -33,7 +33,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tandem.config.base import ModelConfig
 from tandem.config.lora import LoraConfig
-from tandem.config.trainer import ActivationCheckpointConfig, Float8TrainingConfig, KernelsConfig, ParallelConfig, RouterConfig
+from tandem.config.trainer import (ActivationCheckpointConfig, Float8TrainingConfig, KernelsConfig, MultiTokenPredictionConfig,
+                                   ParallelConfig, RouterConfig)
 from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.exact import ExactDocumentAttention, apply_exact, check_exact, exact_token_logprobs
 from tandem.models.hf_fallback import HFCausalLM
@@ -47,6 +48,8 @@ from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from tandem.trainer.micro_batch import ContextShard
+from tandem.trainer.mtp import (MtpLoss, check_mtp_trainable, counted_positions, mtp_layers, mtp_loss, register_predict,
+                               unfreeze_mtp_layers)
 from tandem.trainer.parallel.context_parallel import check_context_parallel, context_attention
 from tandem.trainer.parallel.dims import EP, ParallelDims
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
@@ -65,6 +68,8 @@ class TokenLogprobs:
     """[B, T] fp32, log p(token t | tokens < t) at temperature `temperatures[t]`."""
     entropy: torch.Tensor
     """[B, T] fp32, entropy of the distribution token t was drawn from (no gradient)."""
+    mtp: MtpLoss | None = None
+    """The MTP layer's loss on the row (`mtp.train`, `tandem.trainer.mtp`); None when it does not train."""
 
 
 class PolicyModel(nn.Module):
@@ -90,6 +95,9 @@ class PolicyModel(nn.Module):
         parameters are already in the compute dtype."""
         self.lora: LoraSpec | None = None
         """The adapters' spec when only LoRA adapters train (`tandem.models.lora`); None for full fine-tuning."""
+        self.mtp_parameters: list[nn.Parameter] = []
+        """The multi-token prediction layer's trainable parameters (`mtp.train`); empty when it stays frozen. The
+        gradient clipping keeps them apart from the policy's (`tandem.trainer.step`)."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -132,7 +140,13 @@ class PolicyModel(nn.Module):
         if predicting_positions is None:
             predicting_positions = mask_positions(torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1))
         with phase("logprobs"):
-            return self._logprobs(hidden, input_ids, temperatures, predicting_positions, predicting_positions + 1)
+            out = self._logprobs(hidden, input_ids, temperatures, predicting_positions, predicting_positions + 1)
+        if self.mtp_parameters:  # a native latent model on whole rows (`check_mtp_trainable`, no context parallelism)
+            with phase("mtp"):
+                counted = counted_positions(position_ids, loss_mask)
+                out.mtp = mtp_loss(self.lm, hidden, input_ids, position_ids, counted, mask_positions(counted), attention,
+                                   self.chunk_size)
+        return out
 
     def _logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, predicting: torch.Tensor,
                   predicted: torch.Tensor) -> TokenLogprobs:
@@ -189,11 +203,12 @@ def should_compile(kernels: KernelsConfig, device: torch.device) -> bool:
 def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, chunk_size: int,
                  kernels: KernelsConfig = KernelsConfig(), router: RouterConfig = RouterConfig(),
                  exact: bool = False, lora: LoraConfig = LoraConfig(), seed: int = 0,
-                 fp8: Float8TrainingConfig = Float8TrainingConfig()) -> tuple[PolicyModel, dict]:
+                 fp8: Float8TrainingConfig = Float8TrainingConfig(),
+                 mtp: MultiTokenPredictionConfig = MultiTokenPredictionConfig()) -> tuple[PolicyModel, dict]:
     """Load `model.name`, apply the training blocks (or, `exact`, the batch-invariant ones), LoRA adapters
     (`lora.enabled`: started from `seed`), FP8 projections (`fp8.enabled`; the device is the caller's to check:
-    `tandem.trainer.float8.check_float8_device`), activation checkpointing, expert parallelism, FSDP and the router
-    hooks; returns the model and its config.json."""
+    `tandem.trainer.float8.check_float8_device`), the MTP layer's training (`mtp.train`), activation checkpointing,
+    expert parallelism, FSDP and the router hooks; returns the model and its config.json."""
     folder = resolve_model_path(model.name)
     hf_config = read_hf_config(folder)
     check_load_format(model.load_format, hf_config)
@@ -214,6 +229,9 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         for param in lm.parameters():
             if not param.requires_grad:
                 param.data = param.data.to(frozen_dtype)
+    if mtp.train:
+        check_mtp_trainable(lm, dims.ep_size, str(folder / "config.json"))
+        unfreeze_mtp_layers(lm)
     one_rank = dims.world_size == 1 and not parallel.fsdp_at_one_rank
     linear = F.linear
     if fp8.enabled:
@@ -246,9 +264,11 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     if dims.ep_size > 1:
         apply_expert_parallel_to(policy, hf_config, dims, str(folder / "config.json"))
     if not one_rank:
-        apply_fsdp(policy, policy.blocks, dims.mesh, param_dtype=compute_dtype(model, dims.device),
+        sharded = nn.ModuleList([*policy.blocks, *mtp_layers(lm)]) if mtp.train else policy.blocks
+        apply_fsdp(policy, sharded, dims.mesh, param_dtype=compute_dtype(model, dims.device),
                    reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward,
                    expert_mesh=dims.expert_mesh)
+        register_predict(lm)
     if is_native(hf_config):
         policy.to_empty(device=dims.device)
         tied = getattr(lm.args, "tie_word_embeddings", False)
@@ -270,6 +290,8 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
                                          per_block=not stack)
     policy.router = build_router_monitor(policy.blocks, router.aux_loss_coef, router.bias_update_rate, dims.device,
                                          str(folder / "config.json"))
+    if mtp.train:  # the parameters as they are now: moving and sharding the model replaced the ones built
+        policy.mtp_parameters = [p for p in mtp_layers(lm).parameters() if p.requires_grad]
     return policy.train(), hf_config
 
 

@@ -168,7 +168,8 @@ def open_session(config: TrainingProcessConfig, process: str) -> Session:
             check_float8_device(dims.device)
         torch.manual_seed(config.seed + dims.rank)
         model, hf_config = build_policy(config.model, config.parallel, dims, config.logprob_chunk_size, config.kernels,
-                                       config.router, config.run.exact, config.lora, config.seed, config.fp8)
+                                       config.router, config.run.exact, config.lora, config.seed, config.fp8,
+                                       config.mtp)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
         metrics = (MetricsWriter(config.run_dir, process, serve_metrics(process, config.prometheus.host, config.prometheus.port))

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from tandem.models.moe import replayed_routing
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.model import PolicyModel, TokenLogprobs
+from tandem.trainer.mtp import MtpLoss
 from tandem.trainer.parallel.dims import ParallelDims
 from tandem.trainer.phases import phase
 
@@ -38,6 +40,9 @@ class ObjectiveOutput:
     """Sum of the per-token loss over the micro-batch's loss tokens (carries the gradient)."""
     metric_sums: dict[str, torch.Tensor]
     """Sums over loss tokens of per-token quantities to log as means (same keys on every call)."""
+    mtp: MtpLoss | None = None
+    """The multi-token prediction layer's loss (`mtp.train`), which `forward_objective` adds: backward runs through
+    it beside the objective's, whose gradients it leaves as they are (`tandem.trainer.mtp`)."""
 
 
 Objective = Callable[[MicroBatch, TokenLogprobs], ObjectiveOutput]
@@ -78,6 +83,7 @@ def forward_objective(model: PolicyModel, mb: MicroBatch, objective: Objective) 
                 mb.predicting_positions)
     with phase("objective"):
         result = objective(mb, out)
+        result.mtp = out.mtp
         entropy_sum = torch.where(mb.loss_mask, out.entropy, 0.0).sum()
     return result, entropy_sum
 
@@ -117,11 +123,14 @@ class StepFigures:
     keys: list[str]
     """The metric sums' names, in the order of `values`."""
     values: torch.Tensor
-    """The metric sums over all ranks, then the gradient norm: float64 [len(keys) + 1] on the device."""
+    """The metric sums over all ranks, then the gradient norms: float64 [len(keys) + len(norm_keys)] on the device."""
+    norm_keys: list[str] = field(default_factory=lambda: ["grad_norm"])
+    """The gradient norms' names, in the order of `values`: the MTP layer's (`mtp/grad_norm`) where it trains, then
+    the policy's (`grad_norm`)."""
 
     def finite(self) -> torch.Tensor:
-        """Whether the loss and the gradient norm are finite (the NaN guard's test): a 0-d bool on the device."""
-        return torch.isfinite(self.values[[self.keys.index("loss"), -1]]).all()
+        """Whether the loss and the gradient norms are finite (the NaN guard's test): a 0-d bool on the device."""
+        return torch.isfinite(self.values[[self.keys.index("loss"), *range(len(self.keys), self.values.numel())]]).all()
 
 
 def gradients_on_device(model: PolicyModel, micro_batches: list[MicroBatch], objective: Objective, num_loss_tokens: int,
@@ -140,26 +149,35 @@ def gradients_on_device(model: PolicyModel, micro_batches: list[MicroBatch], obj
             with collecting, phase("forward"):
                 result, entropy_sum = forward_objective(model, mb, objective)
             with phase("backward"):
-                (result.loss_sum * scale).backward()
+                loss = result.loss_sum * scale
+                (loss if result.mtp is None else loss + result.mtp.loss_sum * scale).backward()
         with phase("metrics"):
-            sums = {"loss": result.loss_sum.detach(), "entropy": entropy_sum, **result.metric_sums}
+            sums = {"loss": result.loss_sum.detach(), "entropy": entropy_sum, **result.metric_sums,
+                    **(result.mtp.metric_sums() if result.mtp is not None else {})}
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().double()
     with phase("grad_clip"):
-        grad_norm = clip_grad_norm(model, max_grad_norm)
+        mtp = {id(p) for p in model.mtp_parameters}
+        norms = {"grad_norm": clip_grad_norm([p for p in model.parameters() if id(p) not in mtp], max_grad_norm)}
+        if mtp:  # apart: the MTP layer's gradients must not change how the policy's are clipped
+            norms["mtp/grad_norm"] = clip_grad_norm(model.mtp_parameters, max_grad_norm)
     with phase("metrics"):
         keys = sorted(totals)
         reduced = torch.stack([totals[k] for k in keys])
         dist.all_reduce(reduced)
-    return StepFigures(keys, torch.cat([reduced, grad_norm.double()[None]]))
+    norm_keys = sorted(norms, key=lambda k: k == "grad_norm")
+    return StepFigures(keys, torch.cat([reduced, torch.stack([norms[k] for k in norm_keys]).double()]), norm_keys)
 
 
 def read_figures(figures: StepFigures, num_loss_tokens: int) -> Gradients:
     """The step's figures on the host: one transfer, which waits for all the work launched before it."""
     with phase("metrics_transfer"):
-        *sums, norm = figures.values.tolist()
-    means = {k: v / max(num_loss_tokens, 1) for k, v in zip(figures.keys, sums)}
-    return Gradients(loss=means.pop("loss"), grad_norm=norm, metrics=means)
+        values = figures.values.tolist()
+    means = {k: v / max(num_loss_tokens, 1) for k, v in zip(figures.keys, values)}
+    norms = dict(zip(figures.norm_keys, values[len(figures.keys):]))
+    if "mtp/loss_sum" in means:  # a mean over the positions the MTP layer predicts, not over the loss tokens
+        means["mtp/loss"] = means.pop("mtp/loss_sum") / max(means.pop("mtp/tokens"), 1e-30)
+    return Gradients(loss=means.pop("loss"), grad_norm=norms.pop("grad_norm"), metrics=means | norms)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -218,8 +236,8 @@ def evaluate(model: PolicyModel, micro_batches: list[MicroBatch], objective: Obj
     return loss_sum / max(tokens, 1)
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the (sharded) gradients as a 0-d fp32 tensor on the device, and the gradients
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the (sharded) gradients of `parameters` as a 0-d fp32 tensor on the device, and the gradients
     clipped to `max_norm` when it is > 0.
 
     No sync: the gradients are always multiplied by min(1, max_norm / (norm + 1e-6)), which is exactly 1
@@ -228,7 +246,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     experts on their own mesh) cannot meet in one DTensor op: each mesh's norm is completed over its
     mesh, then combined."""
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
-    for p in model.parameters():
+    for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []

@@ -81,7 +81,7 @@ def gradients_at(folder: str, cp: int, ep: int, attention: str) -> dict:
     loss, entropy = global_sum([loss, entropy], dims)
     router = policy.router.end_step(update_bias=False) if policy.router is not None else None
     return {"loss": loss / num_loss_tokens, "entropy": entropy / num_loss_tokens,
-            "grad_norm": float(clip_grad_norm(policy, 0.0)), "grads": grads, "rank": dims.rank, "router": router}
+            "grad_norm": float(clip_grad_norm(policy.parameters(), 0.0)), "grads": grads, "rank": dims.rank, "router": router}
 
 
 def main(out: str, *args: str) -> None:

@@ -41,7 +41,7 @@ def gradients_at(folder: str, ep: int) -> dict:
     published = gather_full_state(policy, torch.float32, keep=dims.is_main)  # what `weights/step_N/` holds
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in policy.named_parameters() if p.grad is not None}
-    return {"loss": global_sum([loss], dims)[0] / batch.num_loss_tokens, "grad_norm": float(clip_grad_norm(policy, 0.0)),
+    return {"loss": global_sum([loss], dims)[0] / batch.num_loss_tokens, "grad_norm": float(clip_grad_norm(policy.parameters(), 0.0)),
             "grads": grads, "published": published, "rank": dims.rank, "world_size": dims.world_size}
 
 
