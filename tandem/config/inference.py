@@ -43,8 +43,8 @@ class ServerConfig(Section):
     (`model.name`), for evals against the start; unset: `<model.name>-base`. The vLLM backend serves both (the
     policy as a LoRA adapter, updated in place). Tandem's engine computes base requests in the same steps as the
     policy's, the adapters subtracted from their rows (a step holding any runs without CUDA graphs); it serves the
-    base where every adapted projection takes that path (not latent attention), and not with `run.exact`,
-    `engine.speculative` or prefill/decode disaggregation. Set, it is an error where the base cannot be served;
+    base where every adapted projection takes that path (not latent attention, not `engine.lora.target_experts`),
+    and not with `run.exact`, `engine.speculative` or prefill/decode disaggregation. Set, it is an error where the base cannot be served;
     unset, the base is then not served."""
 
     @property

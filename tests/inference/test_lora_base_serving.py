@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from inference_helpers import LORA, adapter_folder, make_config, teacher_forced_logprobs
+from pydantic import ValidationError
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig, InferenceConfig
@@ -247,10 +248,17 @@ def test_stacked_projections_are_corrected_part_by_part(tiny_dir):
     ({"engine": {"lora": LORA}, "server": {"base_model_name": "start"}}, "required"),
     ({"engine": {"lora": LORA}, "run": {"exact": True}}, "off"),
     ({"engine": {"lora": LORA, "speculative": {"method": "ngram"}}}, "off"),
+    ({"engine": {"lora": {**LORA, "target_experts": ["down_proj"]}}}, "off"),  # grouped matmuls take no side path
     ({}, "off"),
 ])
 def test_the_config_says_whether_the_base_is_served(values, serving):
     assert InferenceConfig.model_validate({"model": {"name": "m"}, **values}).base_serving == serving
+
+
+def test_asking_for_the_base_beside_expert_adapters_is_an_error_naming_both_keys():
+    with pytest.raises(ValidationError, match=r"`server.base_model_name` with `engine.lora.target_experts`"):
+        InferenceConfig.model_validate({"model": {"name": "m"}, "server": {"base_model_name": "start"},
+                                        "engine": {"lora": {**LORA, "target_experts": ["down_proj"]}}})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
