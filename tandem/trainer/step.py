@@ -157,9 +157,8 @@ def gradients_on_device(model: PolicyModel, micro_batches: list[MicroBatch], obj
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value.detach().double()
     with phase("grad_clip"):
-        mtp = {id(p) for p in model.mtp_parameters}
-        norms = {"grad_norm": clip_grad_norm([p for p in model.parameters() if id(p) not in mtp], max_grad_norm)}
-        if mtp:  # apart: the MTP layer's gradients must not change how the policy's are clipped
+        norms = {"grad_norm": clip_grad_norm(policy_parameters(model), max_grad_norm)}
+        if model.mtp_parameters:  # apart: the MTP layer's gradients must not change how the policy's are clipped
             norms["mtp/grad_norm"] = clip_grad_norm(model.mtp_parameters, max_grad_norm)
     with phase("metrics"):
         keys = sorted(totals)
@@ -167,6 +166,14 @@ def gradients_on_device(model: PolicyModel, micro_batches: list[MicroBatch], obj
         dist.all_reduce(reduced)
     norm_keys = sorted(norms, key=lambda k: k == "grad_norm")
     return StepFigures(keys, torch.cat([reduced, torch.stack([norms[k] for k in norm_keys]).double()]), norm_keys)
+
+
+def policy_parameters(model: PolicyModel) -> Iterable[torch.nn.Parameter]:
+    """The parameters the policy's gradient norm covers: all but a training MTP layer's (filtered only then)."""
+    if not model.mtp_parameters:
+        return model.parameters()
+    mtp = {id(p) for p in model.mtp_parameters}
+    return [p for p in model.parameters() if id(p) not in mtp]
 
 
 def read_figures(figures: StepFigures, num_loss_tokens: int) -> Gradients:

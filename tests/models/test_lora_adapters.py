@@ -39,6 +39,20 @@ def random_adapters(model: nn.Module, seed: int, dtype: torch.dtype = torch.floa
     return state
 
 
+def assert_peft_agrees(with_adapters, tmp_path, ids: torch.Tensor, ours: torch.Tensor, atol: float) -> None:
+    """PEFT's model with the folder `tmp_path / "adapters"` gives our logits, and `tandem model export --merge`
+    writes PEFT's own merge (`merge_and_unload`) with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.testing.assert_close(with_adapters(ids).logits, ours, atol=atol, rtol=1e-5)
+    export_merged(tmp_path / "adapters", tmp_path / "merged")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    peft_merged = with_adapters.merge_and_unload()
+    for name, tensor in peft_merged.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
+    torch.testing.assert_close(exported(ids).logits, ours, atol=atol, rtol=1e-5)
+
+
 def adapted(folder, spec: LoraSpec = SPEC, adapters_seed: int | None = None, draw=None) -> nn.Module:
     """The model in `folder` with `spec`'s adapters at their start, or drawn by `draw` (default `random_adapters`)
     from `adapters_seed`."""
@@ -105,14 +119,7 @@ def test_the_adapter_folder_is_peft_s_and_peft_computes_what_tandem_computes(tin
     with_adapters = peft.PeftModel.from_pretrained(hf, tmp_path / "adapters")
     ids = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(3))
     ours = model.lm_head(hidden(model, ids))
-    torch.testing.assert_close(with_adapters(ids).logits, ours, atol=2e-5, rtol=1e-5)
-    # `tandem model export --merge` against PEFT's own merge
-    export_merged(tmp_path / "adapters", tmp_path / "merged")
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    peft_merged = with_adapters.merge_and_unload()
-    for name, tensor in peft_merged.state_dict().items():
-        torch.testing.assert_close(exported.state_dict()[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
-    torch.testing.assert_close(exported(ids).logits, ours, atol=2e-5, rtol=1e-5)
+    assert_peft_agrees(with_adapters, tmp_path, ids, ours, atol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -258,13 +265,7 @@ def test_peft_loads_expert_adapters_and_computes_and_merges_what_tandem_does(moe
     assert len([n for n, _ in with_adapters.named_parameters() if "lora_" in n]) == len(state)
     ours = model.lm_head(hidden(model, ids))
     assert not torch.allclose(ours, base_logits, atol=1e-3)  # the adapters move the policy
-    torch.testing.assert_close(with_adapters(ids).logits, ours, atol=1e-5, rtol=1e-5)
-    export_merged(tmp_path / "adapters", tmp_path / "merged")
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    peft_merged = with_adapters.merge_and_unload()
-    for name, tensor in peft_merged.state_dict().items():
-        torch.testing.assert_close(exported.state_dict()[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
-    torch.testing.assert_close(exported(ids).logits, ours, atol=1e-5, rtol=1e-5)
+    assert_peft_agrees(with_adapters, tmp_path, ids, ours, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -27,6 +27,7 @@ from torch import nn
 from tandem.kernels.attention import decode_context_bounds
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
+from tandem.inference.engine.host_copies import to_device
 from tandem.inference.engine.kv_cache import KVCache, LatentCache
 from tandem.inference.engine.lora_side_path import LowRankSidePath
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
@@ -131,7 +132,7 @@ class PagedModelRunner:
             if seq.is_base:
                 rows.extend(range(start, start + num_new))
             start += num_new
-        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return to_device(rows, torch.long, self.device)
 
     def attention_for(self, meta: AttentionMetadata) -> PagedAttention | PagedLatentAttention:
         """The backend of a step over this runner's cache."""
