@@ -82,8 +82,7 @@ async def completions(body: CompletionRequest, request: Request):
     served: Served = request.app.state.served
     is_base = served.is_base(body.model)
     prompts, params = await off_loop_if_large(prompt_size(body.prompt), checked_completion_prompts, served, body)
-    meta = {"id": f"cmpl-{random_id()}", "created": int(time.time()),
-            "model": served.base_name if is_base else served.model_name}
+    meta = {"id": f"cmpl-{random_id()}", "created": int(time.time()), "model": served.answer_model(is_base)}
     if body.stream:
         return StreamingResponse(_completion_stream(served, body, prompts, params, meta, is_base),
                                  media_type="text/event-stream")
@@ -208,8 +207,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
     num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
     params = await off_loop_if_large(len(prompt), served.sampling_params, body, max_tokens, prompt, num_top_logprobs, names)
-    meta = {"id": f"chatcmpl-{random_id()}", "created": int(time.time()),
-            "model": served.base_name if is_base else served.model_name}
+    meta = {"id": f"chatcmpl-{random_id()}", "created": int(time.time()), "model": served.answer_model(is_base)}
     if body.stream:
         return StreamingResponse(_chat_stream(served, body, prompt, params, meta, is_base), media_type="text/event-stream")
     choices = []

@@ -119,6 +119,10 @@ class Served:
         """The `weight_version` an answer reports: the policy's now, or for the base model `BASE_WEIGHT_VERSION`."""
         return BASE_WEIGHT_VERSION if is_base else self.weight_version
 
+    def answer_model(self, is_base: bool) -> str:
+        """The `model` an answer names: the base model's name or the policy's."""
+        return self.base_name if is_base else self.model_name
+
     def is_base(self, name: str | None) -> bool:
         """Whether a request's `model` names the base model (else the policy: its name, or none); an unknown name is
         a 404."""
