@@ -20,6 +20,7 @@ def test_shared_blocks_counts_the_leading_run_of_equal_ids_within_the_limit():
     assert shared_blocks([1, 2, 3, 4], [1, 2, 3, 4], 2) == 2
     assert shared_blocks([1, 2], [5, 2], 10) == 0
     assert shared_blocks([], [1], 10) == 0
+    assert shared_blocks([1, 5, 3], [2, 5, 3], 10) == 0  # equal ids after a difference are not a shared prefix
 
 
 def test_groups_are_rows_sharing_leading_blocks_and_a_member_that_shares_less_is_left_out_when_it_costs():

@@ -1,10 +1,9 @@
 """Which sequences of a decode step share a prompt prefix, so that cascade attention reads it once for all of them
 (`tandem.kernels.cascade_attention`; the torch path: `paged_attention.reference_cascade_attention`).
 
-Prefix caching gives the n samples of a prompt the same leading block ids (`block_manager.py`). A block is taken
-from the cache only from a sequence's first block on, so two sequences' tables agree on a run of leading ids and
-on none after it: equal ids at index j mean equal ids at every index before j, and the blocks they share are full
-blocks, written before either sequence decodes.
+Prefix caching gives the n samples of a prompt the same leading block ids (`block_manager.py`): shared blocks are
+full blocks, written before any sequence that shares them decodes, and only their leading run counts here (a group's
+prefix is the blocks all its members hold at the same leading positions).
 
 Grouping: rows sorted by block table put the tables that share a prefix next to each other; a walk over them grows
 a group while the key reads it saves, (members - 1) x prefix tokens, do not shrink (a member that shares less than
@@ -72,11 +71,12 @@ def group_slots(num_rows: int) -> int:
 
 
 def shared_blocks(a: list[int], b: list[int], limit: int) -> int:
-    """Leading blocks tables `a` and `b` share, at most `limit`: a bisection, as shared blocks are a leading run."""
+    """Leading blocks tables `a` and `b` share, at most `limit`: a bisection over the length of equal leading runs
+    (slice comparisons, in C), exact whatever the tables hold."""
     lo, hi = 0, min(len(a), len(b), limit)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
+        if a[:mid] == b[:mid]:
             lo = mid
         else:
             hi = mid - 1
