@@ -14,6 +14,9 @@ runner only see `attend(layer_idx, q, k, v)`.
 With an FP8 cache (`KVCache.fp8`) every path attends over what the cache holds: the kernel reads FP8 keys and
 values with their scales in place; the torch path dequantizes the blocks it gathers, and a chunk's own keys and
 values are their round trip through the cache (`KVCache.write`), so both paths compute the same function.
+
+A decode-only step with a cascade plan (`AttentionMetadata.cascade`, `cascade.py`) reads each group's shared
+prefix once for all its members: `tandem.kernels.cascade_attention` on CUDA, `reference_cascade_attention` in torch.
 """
 
 from __future__ import annotations
