@@ -50,9 +50,9 @@ needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_d
 
 @needs_cuda
 @pytest.mark.parametrize("fp8", [pytest.param(False, id="model-dtype-cache"), pytest.param(True, id="fp8-cache", marks=needs_fp8)])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads, kv_heads", [(16, 8), (40, 8)], ids=["qwen3-0.6b", "group-of-5"])
-@pytest.mark.parametrize("n", range(2, 9))
+@pytest.mark.parametrize("n", range(2, 9), ids=lambda n: f"n{n}")
 def test_cascade_kernels_equal_plain_attention(n, heads, kv_heads, dtype, tolerance, fp8):
     """Groups of n over a prompt of 1,000 tokens in 62 whole blocks (the rest in each member's own first block),
     members decoding 1 to 700 tokens past it, beside sequences that share nothing and a padding row."""
