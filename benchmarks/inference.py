@@ -450,7 +450,8 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
     print(f"engine built in {results['engine_build_s']:.1f} s; KV cache {results['kv_cache']}", flush=True)
     # Warmup (prefill kernels compile) on prompts no workload shares a block with: a workload's own would be
     # cached for its timed run, and not for the cascade-off run beside it.
-    run_engine(engine, [[1] * 64, [2] * 64, [3] * 64, [4] * 64], 2, 8)
+    length = max(1, min(64, max_len // 2))
+    run_engine(engine, [[token] * length for token in (1, 2, 3, 4)], 2, max(1, min(8, max_len - length)))
     if "A" in workloads:
         a = workloads["A"]
 
