@@ -79,7 +79,7 @@ def run_groups(model_dir, cascade: str, device: str = "cpu", long_prompts: bool 
     planned = []
     if engine.runner.graphs is not None:
         replay = engine.runner.graphs.replay
-        engine.runner.graphs.replay = lambda b, bound, cascade=False: planned.append(cascade) or replay(b, bound, cascade)
+        engine.runner.graphs.replay = lambda b, bound, cascade: planned.append(cascade) or replay(b, bound, cascade)
     elif engine.runner.cascade is not None:
         plan = engine.runner.cascade.plan
         engine.runner.cascade.plan = lambda seqs: planned.append(plan(seqs) is not None) or plan(seqs)

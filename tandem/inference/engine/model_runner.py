@@ -133,7 +133,7 @@ class PagedModelRunner:
                 static.row_prefix[:size].copy_(step.cascade.row_prefix)
                 static.group_prefix[:slots].copy_(step.cascade.group_prefix)
                 static.group_members[:slots].copy_(step.cascade.group_members)
-            logits = self.graphs.replay(b, max(step.seq_lens_host, default=0), cascade=step.cascade is not None)
+            logits = self.graphs.replay(b, max(step.seq_lens_host, default=0), step.cascade is not None)
             self._record_routing(self._query_start[:b])  # rows 0..b-1
             return logits
         step = self.inputs.build(batch, previous_tokens=previous_tokens, cascade=plan, members=members)
