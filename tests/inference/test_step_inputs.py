@@ -3,6 +3,7 @@
 import torch
 
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.cascade import CascadePlanner
 from tandem.inference.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.scheduler import Scheduler
@@ -105,3 +106,35 @@ def test_pending_input_ids_are_copied_from_the_previous_steps_tokens_on_the_devi
             step = builder.build(scheduler.schedule(), pad_to=4, previous_tokens=previous)
             assert step.input_ids.tolist() == [72, 71, 70, 0] and step.positions.tolist() == [6, 6, 6, 0]
         assert [s.num_tokens for s in seqs] == [7, 7, 7] and [len(s.token_ids) for s in seqs] == [6, 6, 6]
+
+
+def test_a_cascade_plan_reaches_the_device_padded_to_a_graphs_rows_and_group_slots():
+    """Three samples of one 9-token prompt (2 whole blocks of 4 shared by prefix caching) and a sequence of its
+    own, decoding, padded to a graph of 8 rows: each row's prefix, the group's prefix and members, unused group slots
+    empty; an eager step sends as many slots as groups."""
+    bm = BlockManager(64, 4)
+    scheduler = Scheduler(bm, 8, 256)
+    prompts = [list(range(9))] * 3 + [list(range(50, 59))]
+    seqs = [Sequence("r", i, prompt, SamplingParams(max_tokens=20), TOKENIZER) for i, prompt in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    builder = StepInputBuilder(torch.device("cpu"), 8, 16, 4, pad_slot=64 * 4)
+    for _ in range(4):  # prefill (the samples after the first wait for its blocks), then decodes
+        batch = scheduler.schedule()
+        if batch.is_decode_only:
+            break
+        builder.build(batch)
+        finish_step(batch)
+        for seq in batch.seqs:
+            bm.register_computed_blocks(seq)
+    assert batch.is_decode_only and len(batch.seqs) == 4
+    assert [s.block_table[:2] for s in seqs[:3]].count(seqs[0].block_table[:2]) == 3  # the prompt's shared blocks
+    plan = CascadePlanner(4, members=8, min_saved_tokens=1).plan(batch.seqs)
+    step = builder.build(batch, pad_to=8, cascade=plan, members=8)
+    rows = [batch.seqs.index(s) for s in seqs[:3]]
+    assert step.cascade.row_prefix.tolist() == [8 if i in rows else 0 for i in range(8)]
+    assert step.cascade.group_prefix.tolist() == [8, 0, 0, 0]  # a graph of 8 rows: 4 group slots
+    assert sorted(step.cascade.group_members[0].tolist()[:3]) == sorted(rows)
+    assert step.cascade.group_members.tolist()[0][3:] == [-1] * 5 and (step.cascade.group_members[1:] == -1).all()
+    eager = builder.build(batch, cascade=plan, members=8)
+    assert eager.cascade.group_prefix.tolist() == [8] and eager.cascade.row_prefix.shape == (4,)
