@@ -174,14 +174,14 @@ class EngineConfig(Section):
     token of context. The CPU dequantizes (slow, for tests); CUDA needs compute capability 8.9 or newer. Not with
     `[run] exact`; with the vLLM backend it becomes vLLM's `--kv-cache-dtype fp8`."""
 
-    cascade_attention: Literal["auto", "off"] = "off"
+    cascade_attention: Literal["auto", "off"] = "auto"
     """`auto`, native models of decoder blocks: in a decode step, sequences that share a prompt prefix (the n
     samples of a prompt, whose prefix-cached blocks are the same) read its keys and values once for the whole
     group, not once each, when the step saves at least `cascade_min_saved_tokens` (`docs/inference.md`, "Shared
     prompts read once"). Outputs equal plain attention's within rounding (the sums run in another order). Off in
     `[run] exact` (not batch invariant); latent-attention models never take it. With `cuda_graphs` each graph is
-    captured a second time for it. `off` (the default until its CUDA kernels have run on a GPU): plain decode
-    attention."""
+    captured a second time for it (measured on workload G: `benchmarks/results/engine-G-cascade-h100-2026-12-06.json`).
+    `off`: plain decode attention."""
 
     cascade_min_saved_tokens: int = Field(2048, ge=1)
     """`cascade_attention` = `auto`: the fewest tokens of keys and values per layer that a decode step's groups
