@@ -9,7 +9,8 @@ Grouping: rows sorted by block table put the tables that share a prefix next to 
 a group while the key reads it saves, (members - 1) x prefix tokens, do not shrink (a member that shares less than
 the group would shorten the prefix of all), up to the most members a prefix program holds. A step takes the cascade
 only if its groups save at least `min_saved_tokens` tokens of keys and values per layer: below that the two extra
-launches per layer (the prefix's chunks and the merge) cost more than the bytes they spare.
+launches per layer (the prefix's chunks and the merge) are expected to cost more than the bytes they spare
+(`engine.cascade_min_saved_tokens` says how the default was estimated).
 
 The plan is kept while the step's rows hold the very same block-table lists: the block manager only appends to a
 table or replaces it (`step_inputs.py` relies on the same), and blocks appended during decode are a sequence's
