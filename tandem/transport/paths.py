@@ -97,3 +97,15 @@ def announced_steps(run_dir: Path, after: int) -> list[int]:
     """The steps announced under `broadcasts/` that are newer than `after`, in order."""
     steps = [_step_of(p.with_suffix("")) for p in (Path(run_dir) / "broadcasts").glob("step_*.json")]
     return sorted(s for s in steps if s is not None and s > after)
+
+
+def shared_base_file(run_dir: Path) -> Path:
+    """`shared_base.json`: where the trainer's frozen base lies for the servers to map (`lora.share_base`; the
+    format: `tandem.transport.shared_base`)."""
+    return Path(run_dir) / "shared_base.json"
+
+
+def shared_base_released_file(run_dir: Path) -> Path:
+    """Written by a trainer that shares its base once its steps are done and it only holds the base for the
+    servers: the launcher then counts it as finished, and stops it with them."""
+    return Path(run_dir) / "shared_base.released"

@@ -2,7 +2,9 @@
 
 Per step: wait for this rank's batch (or make a fake one), check it, forward/backward over its
 rows, clip, NaN-guard, step, publish `weights/step_N/`, checkpoint when due, log metrics. Exit 0
-after `max_steps`; a bad batch or a missing model stops every rank with a message, exit 1.
+after `max_steps`; a bad batch or a missing model stops every rank with a message, exit 1. With
+`lora.share_base` the frozen base is published for the servers before step 1 and held after the last
+step until the run is stopped (`tandem.trainer.shared_base`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tandem.trainer.data import BatchError, check_step_batch, fake_batch, wait_f
 from tandem.trainer.loss import LossFn, LossInputs, build_loss, mismatch_kl
 from tandem.trainer.model import TokenLogprobs
 from tandem.trainer.session import Session, open_session, peak_memory_gib
+from tandem.trainer.shared_base import hold_for_servers
 from tandem.trainer.step import Objective, ObjectiveOutput, train_step
 from tandem.transport.paths import rollout_file
 from tandem.transport.types import TrainingBatch
@@ -121,10 +124,20 @@ def main(config: TrainerConfig) -> int:
         setup_logging("trainer").error("cannot start the trainer: %s", err)
         return 1
 
+    shared = session.model.shared_base
+
     def run() -> None:
         if session.dims.is_main:  # what `tandem replay` reads back
             prepare_run_folder(config, "trainer")
+        if shared is not None:
+            session.log.info("frozen base shared with the inference servers: %s", shared.publish(config.run_dir))
         open_weight_transport(config, session)
         train(config, session, objective)
+        if shared is not None:
+            hold_for_servers(config.run_dir, session.log)
 
-    return session.run_and_close(run, BatchError, "bad input")
+    try:
+        return session.run_and_close(run, BatchError, "bad input")
+    finally:
+        if shared is not None:
+            shared.buffer.remove()
