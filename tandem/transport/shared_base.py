@@ -26,6 +26,7 @@ import json
 import os
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,8 @@ class SharedBuffer:
             self.path = folder / f"tandem-shared-base-{os.getpid()}-{time.monotonic_ns()}"
             storage = torch.UntypedStorage.from_file(str(self.path), shared=True, nbytes=max(nbytes, 1))
             self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+            # The file is the model's size in memory: gone with this object or the process, whatever ends it.
+            self._unlink = weakref.finalize(self, self.path.unlink, missing_ok=True)
 
     def describe(self) -> dict:
         """The `buffer` field of the wire format."""
@@ -125,7 +128,7 @@ class SharedBuffer:
     def remove(self) -> None:
         """Unlink the CPU buffer's file (mappings stay valid); nothing on CUDA."""
         if self.path is not None:
-            self.path.unlink(missing_ok=True)
+            self._unlink()
 
 
 def _ipc_allocation(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from tandem.config.run_folder import prepare_run_folder
 from tandem.config.trainer import TrainerConfig
 from tandem.models.fp8 import fp8_weight_names
+from tandem.monitor.stop_signals import Stopped, stopping_on_signals
 from tandem.trainer.batch import prepare_micro_batches
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.broadcast_publish import WeightBroadcaster
@@ -136,8 +137,15 @@ def main(config: TrainerConfig) -> int:
         if shared is not None:
             hold_for_servers(config.run_dir, session.log)
 
-    try:
+    if shared is None:
         return session.run_and_close(run, BatchError, "bad input")
+    # Stopped by the launcher (the run's end, for a trainer holding its base): a signal unwinds, and the buffer's
+    # shared-memory file on the CPU, the size of the model, is removed.
+    try:
+        with stopping_on_signals():
+            return session.run_and_close(run, BatchError, "bad input")
+    except Stopped as err:
+        session.log.info("%s", err)
+        return 1
     finally:
-        if shared is not None:
-            shared.buffer.remove()
+        shared.buffer.remove()
