@@ -115,7 +115,9 @@ class EngineConfig(Section):
     `max_num_seqs` sequences of `max_model_len`."""
 
     memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
-    """CUDA: fraction of the GPU's memory the engine may fill (weights, activations, KV cache)."""
+    """CUDA: fraction of the GPU's memory the engine may fill (weights, activations, KV cache). The KV cache takes
+    what is left of it after all the GPU holds when the engine starts: with `lora.share_base` that includes the
+    trainer, which starts first, and its base, which the engine reads."""
 
     cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
     """CPU: KV-cache size in GiB when `num_blocks` is unset."""
