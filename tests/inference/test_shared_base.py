@@ -17,12 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from inference_helpers import LORA, adapter_folder, run_engine
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
+from tandem.inference.engine.lora_side_path import EVERY_ROW, LowRankSidePath
 from tandem.inference.engine.mapped_base import mapped_parameter_bytes
 from tandem.inference.engine.setup import build_engine
+from tandem.models.loading import load_causal_lm
 from tandem.models.lora import LoraSpec, merged_state, read_adapter_folder
 from tandem.models.presets import init_model
 from tandem.models.stacked_projections import stack_projections
@@ -196,3 +199,33 @@ def random_adapters(model, seed: int) -> dict[str, torch.Tensor]:
             state[f"{name}.lora_A.weight"] = torch.randn(LORA["rank"], module.in_features, generator=gen) * 0.02
             state[f"{name}.lora_B.weight"] = torch.randn(module.out_features, LORA["rank"], generator=gen) * 0.02
     return state
+
+
+@pytest.mark.parametrize("rows", [EVERY_ROW, torch.tensor([1, 4])])
+def test_stacked_adapters_add_what_each_projection_adds(tiny_dir, rows):
+    """`LowRankSidePath.stack` (the fused blocks' q/k/v as one A and one block-diagonal B) adds what the side path
+    adds part by part, on every row or on chosen rows, after `load` filled the stacks through each part's view."""
+    model = load_causal_lm(str(tiny_dir), "cpu", "float32")
+    attention = model.layers[0].self_attn
+    parts = [attention.q_proj, attention.k_proj, attention.v_proj]
+    gen = torch.Generator().manual_seed(0)
+    pairs = {f"p{i}.weight": (torch.randn(4, linear.in_features, generator=gen),
+                              torch.randn(linear.out_features, 4, generator=gen)) for i, linear in enumerate(parts)}
+    x = torch.randn(6, attention.q_proj.in_features, generator=gen)
+    plain = torch.cat([F.linear(x, linear.weight) for linear in parts], dim=-1)
+    outputs = []
+    for stacked in (False, True):
+        side = LowRankSidePath({f"p{i}": linear for i, linear in enumerate(parts)}, 2.0, 1.0, 4, torch.device("cpu"),
+                               torch.float32)
+        if stacked:
+            side.stack(parts)
+        side.load(pairs)
+        side.rows = rows
+        y = plain.clone()
+        side.add_to_parts(parts, x, y)
+        outputs.append(y)
+    # fp32, sums of the same terms in other groupings: a few units in the last place of the largest output
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-6 * outputs[0].abs().max().item(), rtol=0)
+    changed = torch.zeros(6, dtype=torch.bool)
+    changed[rows] = True
+    assert torch.equal(outputs[1][~changed], plain[~changed]) and not torch.allclose(outputs[1][changed], plain[changed])
