@@ -41,7 +41,7 @@ def apply_fused_blocks(model: nn.Module, side: LowRankSidePath | None = None) ->
     with torch.no_grad():
         for block in blocks:
             block.forward = functools.partial(fused_block_forward, block, stack_projections(block), side)
-            if side is not None:  # the adapters of a stacked matmul stacked as well
+            if side is not None and not side.corrects_base:  # over a shared base, every step: stacked adapters too
                 side.stack([block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj])
                 if isinstance(block.mlp, MLP):
                     side.stack([block.mlp.gate_proj, block.mlp.up_proj])
