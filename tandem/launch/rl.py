@@ -43,7 +43,7 @@ from tandem.monitor.report import summarize, write_report
 from tandem.monitor.stop_signals import Stopped, held_signals, stops_cleanly
 from tandem.monitor.wandb_run import WandbMirror
 from tandem.transport.files import atomic_write_text
-from tandem.transport.paths import shared_base_file, shared_base_released_file
+from tandem.transport.paths import shared_base_file, shared_base_released_file, shared_buffer_file
 
 
 @stops_cleanly("rl")
@@ -183,6 +183,8 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
                 mirror.finish(None, None, failed=True)
             for proc in procs.values():
                 proc.stop()
+            if _shares_base(config) and (buffer := shared_buffer_file(config.run_dir)) is not None:
+                buffer.unlink(missing_ok=True)
 
 
 def _wandb_mirror(config: RLConfig, roles: list[str]) -> WandbMirror | None:

@@ -6,6 +6,7 @@ Trainer writes `weights/step_N/` then an empty `STABLE` file; the orchestrator w
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -109,3 +110,13 @@ def shared_base_released_file(run_dir: Path) -> Path:
     """Written by a trainer that shares its base once its steps are done and it only holds the base for the
     servers: the launcher then counts it as finished, and stops it with them."""
     return Path(run_dir) / "shared_base.released"
+
+
+def shared_buffer_file(run_dir: Path) -> Path | None:
+    """The shared-memory file of a CPU trainer's shared base, as `shared_base.json` names it; None on CUDA or
+    without one. The launcher removes it after the run: a trainer killed outright leaves it, the model's size."""
+    record = shared_base_file(run_dir)
+    if not record.is_file():
+        return None
+    path = json.loads(record.read_text()).get("buffer", {}).get("path")
+    return Path(path) if path else None
