@@ -181,7 +181,8 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
         with held_signals():  # a signal during the stop (after a failure) lets it end: every process is stopped
             if mirror:
                 mirror.finish(None, None, failed=True)
-            for proc in procs.values():
+            # A trainer sharing its base started first and stops last: the servers read its memory until they stop.
+            for proc in reversed(procs.values()) if _shares_base(config) else procs.values():
                 proc.stop()
             if _shares_base(config) and (buffer := shared_buffer_file(config.run_dir)) is not None:
                 buffer.unlink(missing_ok=True)

@@ -43,7 +43,6 @@ def load_mapped_model(folder: Path, shared_file: Path, device: torch.device, dty
             raise ValueError(f"{shared_file}: {name} is {tuple(tensor.shape)} {tensor.dtype}, the engine's model holds "
                              f"{tuple(param.shape)} {param.dtype}: set the trainer's and the engine's `model.dtype` alike")
     replace_parameters(model, {name: mapped.tensors[name] for name in params})
-    model.hf_config = hf_config
     model.mapped_base = mapped  # the mapping lives as long as the model
     return model.eval()
 
