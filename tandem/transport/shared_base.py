@@ -134,8 +134,9 @@ class SharedBuffer:
 def _ipc_allocation(nbytes: int, device: torch.device) -> torch.Tensor:
     """A plain device allocation: CUDA IPC exports `cudaMalloc` memory, and expandable segments (which a shared GPU
     runs with) would need a file descriptor passed between the processes instead, so they are off for this one."""
-    from torch.cuda.memory import _set_allocator_settings
-
+    # torch's own name for the setter moved (the older one warns where the newer exists): either, as found
+    _set_allocator_settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                               or torch.cuda.memory._set_allocator_settings)
     expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if expandable:
         _set_allocator_settings("expandable_segments:False")
