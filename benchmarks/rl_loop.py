@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,6 +70,10 @@ def parse_args() -> argparse.Namespace:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default: {WORKLOADS['cuda'][name]} on cuda, "
                                                                           f"{WORKLOADS['cpu'][name]} on cpu")
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
+    parser.add_argument("--share-base", action="store_true",
+                        help="with --lora-rank: one copy of the frozen base, the trainer's, mapped by the engine "
+                             "(`lora.share_base`); --engine-memory-gib then counts the trainer's memory at the engine's "
+                             "start (the base among it), which the engine finds in use")
     parser.add_argument("--engine-memory-gib", type=float,
                         help="cuda: the engine's share of the GPU (weights, KV cache, activations) in GiB; default "
                              "`deployment.shared_gpu_memory_fraction`'s")
@@ -85,6 +90,8 @@ def parse_args() -> argparse.Namespace:
     args.levels = [int(level) for level in args.levels.split(",")]
     if args.warmup < 1:
         parser.error("need --warmup >= 1: a step's time is measured from the end of the previous one")
+    if args.share_base and not args.lora_rank:
+        parser.error("--share-base shares a LoRA run's frozen base: give --lora-rank")
     if args.steps <= args.warmup + 1 + max(args.levels):
         parser.error(f"--steps {args.steps}: at level {max(args.levels)} the orchestrator's first step clear of "
                      f"the warm-up is {args.warmup + 2 + max(args.levels)}")
@@ -100,7 +107,8 @@ def rl_config(args: argparse.Namespace, level: int, model: Path, run_dir: Path) 
         deployment["shared_gpu_memory_fraction"] = args.engine_memory_gib * 2**30 / gpu_total_bytes()
     trainer: dict = {}
     if args.lora_rank:
-        trainer["lora"] = {"enabled": True, "rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}
+        trainer["lora"] = {"enabled": True, "rank": args.lora_rank, "alpha": 2.0 * args.lora_rank,
+                           "share_base": args.share_base}
     if args.activation_checkpoint:
         trainer["parallel"] = {"activation_checkpoint": {"mode": args.activation_checkpoint}}
     if args.logprob_chunk_size:
@@ -153,9 +161,19 @@ def run_level(args: argparse.Namespace, level: int, model: Path, root: Path) -> 
     wall_s = time.monotonic() - start
     gpu = {} if memory is None else {"gpu_memory": memory.figures(run_dir)}
     try:
-        return {"wall_s": wall_s, **gpu, **level_figures(run_dir, args.warmup, level)}
+        return {"wall_s": wall_s, **gpu, **kv_cache(run_dir), **level_figures(run_dir, args.warmup, level)}
     except (KeyError, RuntimeError) as err:  # a run that logged less than expected: keep the other levels
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+def kv_cache(run_dir: Path) -> dict:
+    """The KV cache the server planned, as its log states it (`tandem.inference.engine.setup`); {} if it does not."""
+    log = run_dir / "logs" / "inference.log"
+    found = re.search(r"KV cache: (\d+) blocks of (\d+) tokens \(([\d.]+) GiB", log.read_text()) if log.is_file() else None
+    if found is None:
+        return {}
+    blocks, block_size, gib = int(found[1]), int(found[2]), float(found[3])
+    return {"kv_cache": {"blocks": blocks, "tokens": blocks * block_size, "gib": gib}}
 
 
 def gpu_total_bytes() -> int:

@@ -115,7 +115,9 @@ class EngineConfig(Section):
     `max_num_seqs` sequences of `max_model_len`."""
 
     memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
-    """CUDA: fraction of the GPU's memory the engine may fill (weights, activations, KV cache)."""
+    """CUDA: fraction of the GPU's memory the engine may fill (weights, activations, KV cache). The KV cache takes
+    what is left of it after all the GPU holds when the engine starts: with `lora.share_base` that includes the
+    trainer, which starts first, and its base, which the engine reads."""
 
     cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
     """CPU: KV-cache size in GiB when `num_blocks` is unset."""
@@ -303,19 +305,28 @@ class InferenceConfig(ProcessConfig):
                              "merged into the base's weights in `model.dtype`, which FP8 projections do not hold; set one off")
         return self
 
-    @property
-    def base_served_name(self) -> str:
-        """The name the base model is served under in a LoRA run (`server.base_model_name`)."""
-        return self.server.base_model_name or f"{self.model.name}-base"
+    @model_validator(mode="after")
+    def _check_base_can_be_mapped(self) -> "InferenceConfig":
+        refused = self._shared_base_refused_by
+        if self.engine.lora.share_base and refused:
+            raise ValueError(f"`engine.lora.share_base` with {refused}: the engine serves a mapped base plus the "
+                             "adapters' low-rank products only on its own backend's colocated, non-speculative and "
+                             "non-exact path; set one of them off")
+        return self
 
     @property
-    def _base_refused_by(self) -> str | None:
-        """The setting under which tandem's engine cannot compute base rows beside the policy's, if any: exact mode
-        (its batch-invariant kernels know no side path), speculative decoding (drafts verified by the policy),
-        disaggregation (a prefill server's KV is the policy's) and adapters on the routed experts (their grouped
-        matmuls take no side path)."""
-        if self.engine.lora.target_experts:
-            return "`engine.lora.target_experts`"
+    def _shared_base_refused_by(self) -> str | None:
+        """The setting under which tandem's engine cannot serve the policy from the trainer's base, if any: vLLM (its
+        own weights), or one that rules out the side path (`_side_path_refused_by`)."""
+        if self.backend != "tandem":
+            return f"`backend` = {self.backend!r}"
+        return self._side_path_refused_by
+
+    @property
+    def _side_path_refused_by(self) -> str | None:
+        """The setting under which tandem's engine runs no low-rank side path, if any: exact mode (its batch-invariant
+        kernels know none), speculative decoding (drafts verified by the policy) and disaggregation (a prefill
+        server's KV is the policy's)."""
         if self.run.exact:
             return "`run.exact`"
         if self.engine.speculative.enabled:
@@ -323,6 +334,19 @@ class InferenceConfig(ProcessConfig):
         if self.disaggregation.role != "colocated":
             return f"`disaggregation.role` = {self.disaggregation.role!r}"
         return None
+
+    @property
+    def base_served_name(self) -> str:
+        """The name the base model is served under in a LoRA run (`server.base_model_name`)."""
+        return self.server.base_model_name or f"{self.model.name}-base"
+
+    @property
+    def _base_refused_by(self) -> str | None:
+        """The setting under which tandem's engine cannot compute base rows beside the policy's, if any: adapters on
+        the routed experts (their grouped matmuls take no side path), or `_side_path_refused_by`."""
+        if self.engine.lora.target_experts:
+            return "`engine.lora.target_experts`"
+        return self._side_path_refused_by
 
     @property
     def base_serving(self) -> BaseServing:

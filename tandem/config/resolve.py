@@ -410,6 +410,38 @@ def lora(config: RLConfig, machine: Machine) -> list[Derived]:
             for field, value in config.trainer.lora.model_dump(mode="json").items()]
 
 
+def shared_base(config: RLConfig, machine: Machine) -> list[Derived]:
+    """`trainer.lora.share_base` (one copy of the frozen base, the trainer's, mapped by every server) needs the
+    trainer and the servers on one device: on `gpu` one GPU in both `deployment.trainer_devices` and
+    `deployment.inference_devices`, on `cpu` one trainer process; one node, the `tandem` backend, no preflight (its
+    own trainer process would hold a second base), and a trainer whose base is one plain tensor per weight (no FSDP
+    at one rank). It decides no value."""
+    if not config.trainer.lora.share_base:
+        return []
+    deployment = config.deployment
+    key = "`trainer.lora.share_base` = true"
+    refusals = [
+        (config.inference.backend != "tandem", f"`inference.backend` = {config.inference.backend!r}: vLLM loads its own "
+         "weights; use `inference.backend` = 'tandem'"),
+        (deployment.type == "gpu" and (len(deployment.trainer_devices) != 1
+                                       or set(deployment.inference_devices) != set(deployment.trainer_devices)),
+         f"`deployment.trainer_devices` = {deployment.trainer_devices} and `deployment.inference_devices` = "
+         f"{deployment.inference_devices}: trainer and servers must share one GPU (both [0], say)"),
+        (deployment.type == "cpu" and deployment.num_trainer_processes != 1,
+         f"`deployment.num_trainer_processes` = {deployment.num_trainer_processes}: one trainer holds the base; set it to 1"),
+        (deployment.cluster.num_nodes > 1, f"`deployment.cluster.num_nodes` = {deployment.cluster.num_nodes}: the base "
+         "is shared within one machine"),
+        (config.preflight.enabled, "`preflight.enabled` = true: the preflight's trainer process would load a second "
+         "base; set `preflight.enabled` = false"),
+        (config.trainer.parallel.fsdp_at_one_rank, "`trainer.parallel.fsdp_at_one_rank` = true: FSDP holds the base as shards, "
+         "not one tensor per weight; set it to false"),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise ConfigError(f"{key} with {reason}")
+    return []
+
+
 def model_options(config: RLConfig, machine: Machine) -> list[Derived]:
     """`model.dtype` and `model.trust_remote_code`, set for the run, reach every process. Left at their defaults,
     each process keeps its own (`trainer.model.dtype = "float32"` beside a bf16 engine is a choice one can make),
@@ -449,7 +481,7 @@ def disaggregation(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 DERIVED_RULES: tuple[Rule, ...] = (model_options, nodes, trainer_ranks, devices, inference_servers,
-                                   inference_device_slices, starting_model, exact, backend, weight_broadcast, lora, resume,
+                                   inference_device_slices, starting_model, exact, backend, weight_broadcast, lora, shared_base, resume,
                                    disaggregation)
 """Every value `tandem rl` decides for the processes; each rule reads the validated draft config."""
 

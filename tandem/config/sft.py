@@ -58,4 +58,7 @@ class SFTConfig(TrainingProcessConfig):
             raise ValueError("`eval.interval` is set but there is no eval data: set `data.eval_path` or `data.eval_fraction`")
         if self.clean and self.ckpt.resume:
             raise ValueError("`clean` and `ckpt.resume` exclude each other: choose one")
+        if self.lora.share_base:
+            raise ValueError("`lora.share_base` shares the base with an RL run's inference servers; SFT has none: "
+                             "remove it")
         return self

@@ -18,6 +18,7 @@ from tandem.inference.disaggregated.peers import PeerUnreachable
 from tandem.inference.engine.async_engine import AsyncEngine
 from tandem.inference.engine.setup import build_engine
 from tandem.inference.serving import Served
+from tandem.transport.paths import shared_base_file
 
 log = logging.getLogger("tandem.inference")
 
@@ -40,7 +41,8 @@ def settle_heap() -> None:
 def build_served(config: InferenceConfig) -> Served:
     """The engine and everything the routes need, built from the config (loads the model; a decode server also
     checks its prefill servers: `PeerUnreachable`)."""
-    engine = build_engine(config.model, config.engine, config.seed, config.run.exact, config.base_serving)
+    shared = shared_base_file(config.run_dir) if config.engine.lora.share_base else None
+    engine = build_engine(config.model, config.engine, config.seed, config.run.exact, config.base_serving, shared)
     if config.disaggregation.role != "colocated" and not hasattr(engine.runner, "cache"):
         raise ValueError(f"`disaggregation.role` = {config.disaggregation.role!r}: {config.model.name} is no model native "
                          "to tandem, and the transformers path it runs on recomputes every step from the tokens: it "

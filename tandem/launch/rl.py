@@ -4,7 +4,9 @@ It executes a config resolved by `tandem.config.resolve` as it is: every port, r
 URL was decided there (and shown by `--dry-run`); nothing here edits a config. Order: warm-up
 (model init, SFT data, SFT) if the starting model is missing; every inference server of this node, until
 each answers `/health`; the preflight, two processes of its own (`tandem orchestrator-preflight`, then
-`tandem trainer-preflight`: `tandem.launch.preflight`); then orchestrator and trainer. The run ends when
+`tandem trainer-preflight`: `tandem.launch.preflight`); then orchestrator and trainer. With
+`trainer.lora.share_base` the trainer starts first and the servers once it has shared its base, and the
+trainer counts as done when it holds the base after its last step. The run ends when
 orchestrator and trainer have exited 0, or at the first failure, Ctrl-C or SIGTERM: every process tree is
 then stopped and the culprit is named with the last lines of its log.
 
@@ -41,6 +43,7 @@ from tandem.monitor.report import summarize, write_report
 from tandem.monitor.stop_signals import Stopped, held_signals, stops_cleanly
 from tandem.monitor.wandb_run import WandbMirror
 from tandem.transport.files import atomic_write_text
+from tandem.transport.paths import shared_base_file, shared_base_released_file, shared_buffer_file
 
 
 @stops_cleanly("rl")
@@ -178,8 +181,11 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
         with held_signals():  # a signal during the stop (after a failure) lets it end: every process is stopped
             if mirror:
                 mirror.finish(None, None, failed=True)
-            for proc in procs.values():
+            # A trainer sharing its base started first and stops last: the servers read its memory until they stop.
+            for proc in reversed(procs.values()) if _shares_base(config) else procs.values():
                 proc.stop()
+            if _shares_base(config) and (buffer := shared_buffer_file(config.run_dir)) is not None:
+                buffer.unlink(missing_ok=True)
 
 
 def _wandb_mirror(config: RLConfig, roles: list[str]) -> WandbMirror | None:
@@ -219,11 +225,19 @@ def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: 
     suffix = _node_suffix(config)
     urls = _server_urls(config)
     together = _starts_together(config)
+    sharing = _shares_base(config)
+    if sharing:  # the servers map the trainer's base: the trainer starts first, and an old run's files must not serve
+        roles = ["trainer", *(role for role in roles if role != "trainer")]
+        for path in (shared_base_file(config.run_dir), shared_base_released_file(config.run_dir)):
+            path.unlink(missing_ok=True)
     for name in (n for role in roles for n in (urls if role == "inference" else [role])):
         argv, devices = commands[name]
         with held_signals():  # no signal between the start and `procs`: the stop on the way out reaches every process
             procs[name] = ManagedProcess(name, argv, logs / f"{name}{suffix}.log", _process_env(config, name, devices))
         atomic_write_text(logs / f"pids{suffix}.json", json.dumps({n: p.pid for n, p in procs.items()}))
+        if name == "trainer" and sharing:
+            log.info("waiting for the trainer to share its base (%s)", shared_base_file(config.run_dir))
+            _wait_for_shared_base(config, procs[name])
         if name in urls:
             log.info("starting inference server %s (%s)", name, urls[name])
             if together:
@@ -245,8 +259,39 @@ def _starts_together(config: RLConfig) -> bool:
     """Whether this node's processes may start at once instead of after its servers are healthy: not when the
     preflight runs (it goes between the servers and the trainer), nor when trainer and server share a GPU (the
     engine sizes its KV cache from the memory it finds free, which a trainer starting beside it would take), nor
-    when the pools are disaggregated (a decode server checks its prefill servers as it starts)."""
-    return not (_runs_preflight(config) or config.deployment.shares_a_gpu or config.deployment.is_disaggregated)
+    when the pools are disaggregated (a decode server checks its prefill servers as it starts), nor when the servers
+    map the trainer's base (`trainer.lora.share_base`: the trainer first)."""
+    return not (_runs_preflight(config) or config.deployment.shares_a_gpu or config.deployment.is_disaggregated
+                or _shares_base(config))
+
+
+def _shares_base(config: RLConfig) -> bool:
+    return config.trainer.lora.enabled and config.trainer.lora.share_base
+
+
+def _wait_for_shared_base(config: RLConfig, trainer: ManagedProcess) -> None:
+    """Return once the trainer has published its base (`shared_base.json`); RunFailed if it exits first or takes
+    longer than a server may take to start (`orchestrator.client.health_timeout_s`)."""
+    path = shared_base_file(config.run_dir)
+    deadline = time.monotonic() + config.orchestrator.client.health_timeout_s
+    while not path.is_file():
+        if trainer.poll() is not None:
+            tail = "\n".join(f"  | {line}" for line in trainer.tail(20))
+            raise RunFailed(f"the trainer process failed at start (exit code {trainer.poll()}); last lines of "
+                            f"{trainer.log_path}:\n{tail}")
+        if time.monotonic() > deadline:
+            raise RunFailed(f"the trainer did not share its base ({path}) within "
+                            f"{config.orchestrator.client.health_timeout_s:.0f} s (`orchestrator.client.health_timeout_s`)")
+        time.sleep(0.2)
+
+
+def _finished(config: RLConfig, name: str, proc: ManagedProcess) -> bool:
+    """Whether a finite process is done: exited 0, or a trainer that holds its shared base for the servers after its
+    last step (`tandem.trainer.shared_base.hold_for_servers`), stopped with them."""
+    if proc.poll() == 0:
+        return True
+    return (name == "trainer" and _shares_base(config) and proc.poll() is None
+            and shared_base_released_file(config.run_dir).is_file())
 
 
 def _runs_preflight(config: RLConfig) -> bool:
@@ -284,7 +329,7 @@ def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | No
                 _raise_on_failure(config, procs, peers)
                 for name, hang_watch in hang_watches.items():
                     _raise_if_hung(hang_watch, procs[name])
-                if not finished and all(procs[n].poll() == 0 for n in finite):
+                if not finished and all(_finished(config, n, procs[n]) for n in finite):
                     finished = True
                     if peers:
                         peers.beacon.set_state("finished")

@@ -110,6 +110,17 @@ def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: 
                 params[name].copy_(tensor)
 
 
+def replace_parameters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Make each parameter of `model` named in `tensors` a frozen parameter over that very tensor (no copy), in every
+    module that holds it (tied ones stay tied): how a model on `meta` takes tensors that live elsewhere."""
+    named = dict(model.named_parameters())
+    replacing = {id(named[name]): nn.Parameter(tensor, requires_grad=False) for name, tensor in tensors.items()}
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None and id(param) in replacing:
+                module._parameters[key] = replacing[id(param)]
+
+
 DUMMY_SEED = 0
 """Seed of `load_format = "dummy"` weights: one value, so trainer and engine make the same model."""
 

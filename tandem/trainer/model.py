@@ -57,6 +57,7 @@ from tandem.trainer.parallel.fsdp import apply_fsdp
 from tandem.trainer.parallel.one_rank import OneRank, apply_one_rank
 from tandem.trainer.phases import phase
 from tandem.trainer.router import RouterMonitor, build_router_monitor
+from tandem.trainer.shared_base import SharedBase, place_frozen_base, to_empty_beside
 from tandem.trainer.stack import apply_compiled_stack, stack_applies
 
 
@@ -95,6 +96,8 @@ class PolicyModel(nn.Module):
         parameters are already in the compute dtype."""
         self.lora: LoraSpec | None = None
         """The adapters' spec when only LoRA adapters train (`tandem.models.lora`); None for full fine-tuning."""
+        self.shared_base: SharedBase | None = None
+        """With `lora.share_base`: the buffer that holds the frozen base, which the engine maps (`shared_base.py`)."""
         self.mtp_parameters: list[nn.Parameter] = []
         """The multi-token prediction layer's trainable parameters (`mtp.train`); empty when it stays frozen. The
         gradient clipping keeps them apart from the policy's (`tandem.trainer.step`)."""
@@ -270,7 +273,12 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
                    expert_mesh=dims.expert_mesh)
         register_predict(lm)
     if is_native(hf_config):
-        policy.to_empty(device=dims.device)
+        if lora.share_base:  # the frozen base straight into the buffer the engine maps: never two copies
+            check_base_can_be_shared(hf_config, one_rank, str(folder / "config.json"))
+            policy.shared_base = place_frozen_base(lm, policy.hf_named_parameters(), dims.device)
+            to_empty_beside(policy, dims.device)
+        else:
+            policy.to_empty(device=dims.device)
         tied = getattr(lm.args, "tie_word_embeddings", False)
         if tied and one_rank:  # `to_empty` of plain meta tensors makes a new parameter in each module
             lm.lm_head.weight = lm.model.embed_tokens.weight
@@ -281,6 +289,8 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
             load_shards(policy, RandomWeights(shapes, DUMMY_SEED, dims.device), source="the dummy weights")
         else:
             load_shards(policy, load_state_dict(folder), source=str(folder))
+    elif lora.share_base:
+        check_base_can_be_shared(hf_config, one_rank, str(folder / "config.json"))
     elif one_rank:  # FSDP would have moved the shards to the device
         policy.to(dims.device)
     if lora.enabled:
@@ -293,6 +303,18 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     if mtp.train:  # the parameters as they are now: moving and sharding the model replaced the ones built
         policy.mtp_parameters = [p for p in mtp_layers(lm).parameters() if p.requires_grad]
     return policy.train(), hf_config
+
+
+def check_base_can_be_shared(hf_config: dict, one_rank: bool, source: str) -> None:
+    """`lora.share_base` needs the whole base in one plain buffer of this process: a native model (the engine maps
+    tensors by their HF names into its own model) on one rank without FSDP (whose shards and gathered copies live
+    elsewhere)."""
+    if not is_native(hf_config):
+        raise ValueError(f"`lora.share_base` needs a model native to tandem; {source} says model_type "
+                         f"{hf_config.get('model_type')!r}, which loads through transformers; set `lora.share_base` = false")
+    if not one_rank:
+        raise ValueError("`lora.share_base` needs the trainer on one rank without FSDP (`parallel.fsdp_at_one_rank` = "
+                         "false, one device): a sharded base is not one tensor per weight; set `lora.share_base` = false")
 
 
 def apply_expert_parallel_to(policy: PolicyModel, hf_config: dict, dims: ParallelDims, source: str) -> None:

@@ -6,6 +6,7 @@ Trainer writes `weights/step_N/` then an empty `STABLE` file; the orchestrator w
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -97,3 +98,25 @@ def announced_steps(run_dir: Path, after: int) -> list[int]:
     """The steps announced under `broadcasts/` that are newer than `after`, in order."""
     steps = [_step_of(p.with_suffix("")) for p in (Path(run_dir) / "broadcasts").glob("step_*.json")]
     return sorted(s for s in steps if s is not None and s > after)
+
+
+def shared_base_file(run_dir: Path) -> Path:
+    """`shared_base.json`: where the trainer's frozen base lies for the servers to map (`lora.share_base`; the
+    format: `tandem.transport.shared_base`)."""
+    return Path(run_dir) / "shared_base.json"
+
+
+def shared_base_released_file(run_dir: Path) -> Path:
+    """Written by a trainer that shares its base once its steps are done and it only holds the base for the
+    servers: the launcher then counts it as finished, and stops it with them."""
+    return Path(run_dir) / "shared_base.released"
+
+
+def shared_buffer_file(run_dir: Path) -> Path | None:
+    """The shared-memory file of a CPU trainer's shared base, as `shared_base.json` names it; None on CUDA or
+    without one. The launcher removes it after the run: a trainer killed outright leaves it, the model's size."""
+    record = shared_base_file(run_dir)
+    if not record.is_file():
+        return None
+    path = json.loads(record.read_text()).get("buffer", {}).get("path")
+    return Path(path) if path else None

@@ -347,11 +347,38 @@ def test_lora_reaches_the_engine_whole_and_a_contradiction_is_named():
         resolve("--trainer.lora.enabled", "true", "--inference.engine.quantization", "fp8")
 
 
+SHARE = ("--trainer.lora.enabled", "true", "--trainer.lora.share_base", "true", "--preflight.enabled", "false")
+ONE_GPU = ("--deployment.type", "gpu", "--deployment.trainer_devices", "[0]", "--deployment.inference_devices", "[0]")
+
+
+def test_a_shared_base_reaches_the_engine_and_is_refused_where_it_cannot_hold():
+    cfg = resolve(*SHARE, *ONE_GPU, machine=FakeMachine(cuda_devices=1))
+    assert cfg.inference.engine.lora.share_base and cfg.trainer.lora.share_base
+    assert resolve(*SHARE).inference.engine.lora.share_base  # the CPU: one trainer process beside the server
+    refused = [
+        (["--preflight.enabled", "true"], r"`preflight.enabled` = true"),
+        (["--deployment.type", "gpu", "--deployment.trainer_devices", "[1]"], r"`deployment.trainer_devices` = \[1\]"),
+        (["--deployment.num_trainer_processes", "2"], r"`deployment.num_trainer_processes` = 2"),
+        (["--trainer.parallel.fsdp_at_one_rank", "true"], r"`trainer.parallel.fsdp_at_one_rank` = true"),
+    ]
+    for extra, reason in refused:
+        with pytest.raises(ConfigError, match=r"`trainer.lora.share_base` = true with " + reason):
+            resolve(*SHARE, *extra, machine=FakeMachine(cuda_devices=2))
+    with pytest.raises(ConfigError, match=r"`lora.share_base` = true needs `lora.enabled` = true"):
+        resolve("--trainer.lora.share_base", "true")
+    with pytest.raises(ConfigError, match=r"`trainer.lora.share_base` = true with `inference.backend` = 'vllm'"):
+        resolve(*SHARE, *GPU_VLLM, "--deployment.trainer_devices", "[0]", "--deployment.inference_devices", "[0]",
+                "--weight_transport.type", "filesystem", machine=FakeMachine(cuda_devices=1))
+    with pytest.raises(ConfigError, match=r"in `inference`: `engine.lora.share_base` with `run.exact`"):
+        resolve(*SHARE, "--run.exact", "true")
+
+
 def test_every_rule_and_shared_key_is_exercised_above():
     # A new rule or shared key must come with its own test in this file: this list is the reminder.
     assert [r.__name__ for r in DERIVED_RULES] == ["model_options", "nodes", "trainer_ranks", "devices", "inference_servers",
                                                    "inference_device_slices", "starting_model", "exact", "backend",
-                                                   "weight_broadcast", "lora", "resume", "disaggregation"]
+                                                   "weight_broadcast", "lora", "shared_base", "resume",
+                                                   "disaggregation"]
     assert set(SHARED_KEYS) == {"model.name", "model.load_format", "run.name", "run.exact", "seq_len", "max_steps",
                                 "output_dir", "seed", "ckpt.enabled", "ckpt.interval", "weight_transport",
                                 "preflight.num_conversations", "preflight.max_tokens"}

@@ -132,3 +132,15 @@ def check_against_replayed_routing(engine, model: torch.nn.Module, atol: float) 
         with replayed_routing(model, replay):
             expected = teacher_forced_logprobs(model, prompt, out.token_ids, 1.0, device="cuda")
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=atol, rtol=0)
+
+
+def run_engine(engine, requests: list[tuple[bool, list[int]]]) -> list[list[float]]:
+    """Every (is_base, prompt) added before the first step, so all run in the same steps; each one's logprobs."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, (is_base, prompt) in enumerate(requests):
+        engine.add_request(str(i), prompt, params, is_base=is_base)
+    logprobs: dict[str, list[float]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+    return [logprobs[str(i)] for i in range(len(requests))]

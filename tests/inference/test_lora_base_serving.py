@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from inference_helpers import LORA, adapter_folder, make_config, teacher_forced_logprobs
+from inference_helpers import LORA, adapter_folder, make_config, run_engine, teacher_forced_logprobs
 from pydantic import ValidationError
 
 from tandem.config.base import ModelConfig
@@ -169,18 +169,6 @@ def test_an_unknown_model_name_is_a_404_json_error(lora_server):
     assert response.json()["error"]["param"] == "model" and "The model `other` does not exist" in response.json()["error"]["message"]
 
 
-def run_engine(engine, requests: list[tuple[bool, list[int]]]) -> list[list[float]]:
-    """Every (is_base, prompt) added before the first step, so all run in the same steps; each one's logprobs."""
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for i, (is_base, prompt) in enumerate(requests):
-        engine.add_request(str(i), prompt, params, is_base=is_base)
-    logprobs: dict[str, list[float]] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            logprobs.setdefault(out.request_id, []).extend(out.logprobs)
-    return [logprobs[str(i)] for i in range(len(requests))]
-
-
 def lora_engine(folder, base: str = "required"):
     return build_engine(ModelConfig(name=str(folder), dtype="float32"),
                         EngineConfig(device="cpu", num_blocks=64, max_model_len=256, lora=LORA), seed=0, base=base)
@@ -229,7 +217,8 @@ def test_stacked_projections_are_corrected_part_by_part(tiny_dir):
     model = load_causal_lm(str(tiny_dir), "cpu", "float32")
     attention = model.layers[0].self_attn
     parts = [attention.q_proj, attention.k_proj, attention.v_proj]
-    side = LowRankSidePath({f"p{i}": linear for i, linear in enumerate(parts)}, 2.0, -1.0, torch.device("cpu"), torch.float32)
+    side = LowRankSidePath({f"p{i}": linear for i, linear in enumerate(parts)}, 2.0, -1.0, 4, torch.device("cpu"),
+                           torch.float32)
     gen = torch.Generator().manual_seed(0)
     side.load({f"p{i}.weight": (torch.randn(4, linear.in_features, generator=gen),
                                 torch.randn(linear.out_features, 4, generator=gen)) for i, linear in enumerate(parts)})

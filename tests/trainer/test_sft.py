@@ -196,3 +196,10 @@ def test_sft_config_requires_eval_data_for_eval():
         parse_args(SFTConfig, ["--data.path", "x.jsonl", "--eval.interval", "5"], environ={})
     with pytest.raises(ConfigError, match="missing required key `data`"):
         parse_args(SFTConfig, [], environ={})
+
+
+def test_sft_refuses_to_share_a_base_with_servers_it_has_not():
+    from tandem.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match=r"`lora.share_base` shares the base with an RL run's inference servers"):
+        parse_args(SFTConfig, ["--data.path", "x.jsonl", "--lora.enabled", "true", "--lora.share_base", "true"], environ={})

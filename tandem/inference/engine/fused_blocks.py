@@ -30,6 +30,7 @@ from tandem.inference.engine.lora_side_path import LowRankSidePath, corrected_bl
 from tandem.kernels import pointwise
 from tandem.models.attention import AttentionBackend, CachedAttention
 from tandem.models.decoder import DecoderLayer
+from tandem.models.layers import MLP
 from tandem.models.stacked_projections import SharedInputProjections, stack_projections
 
 
@@ -40,6 +41,10 @@ def apply_fused_blocks(model: nn.Module, side: LowRankSidePath | None = None) ->
     with torch.no_grad():
         for block in blocks:
             block.forward = functools.partial(fused_block_forward, block, stack_projections(block), side)
+            if side is not None and not side.corrects_base:  # over a shared base, every step: stacked adapters too
+                side.stack([block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj])
+                if isinstance(block.mlp, MLP):
+                    side.stack([block.mlp.gate_proj, block.mlp.up_proj])
     return len(blocks)
 
 

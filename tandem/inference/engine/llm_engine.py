@@ -468,9 +468,7 @@ class LLMEngine:
             if not with_adapters:
                 raise KeyError("this server's policy is LoRA adapters on a fixed base (`engine.lora.enabled`): an update "
                                "holds adapters only, not full weights")
-            pairs = self.adapters.apply(state)
-            if self.base_path is not None:
-                self.base_path.load(pairs)
+            self.adapters.apply(state)
         elif with_adapters:
             raise KeyError("LoRA adapters sent to a server of full weights: set `engine.lora.enabled` (`tandem rl` does "
                            "when `trainer.lora.enabled` is set)")

@@ -8,9 +8,10 @@ has not read yet are):
   values kept in the paged cache (`step_inputs.py` builds the step's tensors, `cuda_graphs.py`
   replays decode steps), or for latent attention its latent entries (`LatentCache`,
   `paged_latent_attention.py`); for a mixture of experts, `routed_experts` holds after each run the
-  expert ids that computed each sampled row (`fused_moe.RoutingRecorder`); with a `side_path` (the base model
-  served beside a LoRA policy, `lora_side_path.py`) the tokens of base sequences get it, in an eager step
-  (a CUDA graph replays the policy's forward only); with `keep_forward` (a multi-token prediction draft, which
+  expert ids that computed each sampled row (`fused_moe.RoutingRecorder`); with a `side_path`
+  (`lora_side_path.py`) the tokens it names take it: base sequences' beside merged weights, in an eager step (a
+  CUDA graph replays the policy's forward only), or over a shared base the policy's, every row of a step without
+  base sequences, graphs included; with `keep_forward` (a multi-token prediction draft, which
   runs its own layer over the policy's step) each eager step's inputs, attention and final hidden states stay
   readable until the next (`last_forward`); with a `cascade` planner, decode-only steps whose sequences share
   a long enough prompt prefix attend with each group's prefix read once (`cascade.py`);
@@ -31,7 +32,7 @@ from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.host_copies import to_device
 from tandem.inference.engine.kv_cache import KVCache, LatentCache
-from tandem.inference.engine.lora_side_path import LowRankSidePath
+from tandem.inference.engine.lora_side_path import EVERY_ROW, LowRankSidePath
 from tandem.inference.engine.paged_attention import AttentionMetadata, PagedAttention
 from tandem.inference.engine.paged_latent_attention import PagedLatentAttention
 from tandem.inference.engine.scheduler import ScheduledBatch
@@ -67,7 +68,7 @@ class PagedModelRunner:
                  cascade: CascadePlanner | None = None):
         """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (graphs only where
         its whole forward takes the kernel path: `tandem.models.exact.model_uses_kernels`). `side_path`: installed on
-        the model (`lora_side_path.apply_side_path`), given the rows of base sequences for each step that has any.
+        the model (`lora_side_path.apply_side_path`), given the rows that take it for each step (`_side_rows`).
         `keep_forward`: keep each step's `Forward` (`last_forward`); its steps run eager. `cascade`: plans
         decode-only steps' shared prefixes (not with `exact`: the cascade is not batch invariant)."""
         assert not (keep_forward and cuda_graphs and device.type == "cuda"), "a replayed graph keeps no hidden states"
@@ -119,10 +120,11 @@ class PagedModelRunner:
     @torch.no_grad()
     def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         b = len(batch.seqs)
-        base_rows = self._base_rows(batch)
+        side_rows = self._side_rows(batch)
+        plain = self.side_path is None or side_rows is self.side_path.default_rows  # what the graphs captured
         plan = self.cascade.plan(batch.seqs) if self.cascade is not None and batch.is_decode_only else None
         members = self.cascade.members if plan is not None else 0
-        if self.graphs is not None and b <= self.graphs.max_batch and batch.is_decode_only and base_rows is None:
+        if self.graphs is not None and b <= self.graphs.max_batch and batch.is_decode_only and plain:
             step = self.inputs.build(batch, pad_to=self.graphs.padded(b), previous_tokens=previous_tokens, cascade=plan,
                                      members=members)
             size = step.input_ids.shape[0]
@@ -138,25 +140,32 @@ class PagedModelRunner:
             return logits
         step = self.inputs.build(batch, previous_tokens=previous_tokens, cascade=plan, members=members)
         attention = self.attention_for(step_metadata(step, self.inputs.block_tables[:b]))
-        if base_rows is not None:
-            self.side_path.rows = base_rows
+        if self.side_path is not None:
+            self.side_path.rows = side_rows
         try:
             hidden = self.model(step.input_ids[None], step.positions[None], attention=attention)
         finally:
             if self.side_path is not None:
-                self.side_path.rows = None
+                self.side_path.rows = self.side_path.default_rows
         if self.keep_forward:
             self.last_forward = Forward(step, attention, hidden[0])
         self._record_routing(step.sample_index)
         return self._logits(hidden[0, step.sample_index])
 
-    def _base_rows(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """The step's token rows of base sequences (each sequence's new tokens, in batch order); None if none."""
-        if self.side_path is None or not any(seq.is_base for seq in batch.seqs):
+    def _side_rows(self, batch: ScheduledBatch) -> torch.Tensor | slice | None:
+        """The step's token rows that take the side path (each such sequence's new tokens, in batch order): base
+        sequences' where it corrects them, else the policy's; `EVERY_ROW` when all do, None when none does."""
+        side = self.side_path
+        if side is None:
+            return None
+        takes = [seq.is_base == side.corrects_base for seq in batch.seqs]
+        if all(takes):
+            return EVERY_ROW
+        if not any(takes):
             return None
         rows, start = [], 0
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            if seq.is_base:
+        for took, num_new in zip(takes, batch.num_new_tokens):
+            if took:
                 rows.extend(range(start, start + num_new))
             start += num_new
         return to_device(rows, torch.long, self.device)

@@ -8,7 +8,9 @@ any other architecture (loaded through transformers) runs on the recompute path.
 multi-token prediction draft (the policy's own MTP layer) keeps its entries as extra layers of the policy's latent
 cache. Beside a
 LoRA policy the base model is served through a low-rank side path (`lora_side_path.py`) where every adapted
-projection takes it (native decoder blocks and dense feed-forwards).
+projection takes it (native decoder blocks and dense feed-forwards). Over the trainer's shared base
+(`lora.share_base`, `mapped_base.py`) the model's weights are mapped, not loaded, and the same side path adds the
+adapters to the policy's rows.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from tandem.inference.engine.scheduler import Scheduler
 from tandem.inference.engine.speculative import DraftModelProposer, MtpProposer, NgramProposer, Speculator
 from tandem.models.hub import resolve_model_path
 from tandem.models.glm_moe_dsa import LatentMoeArgs
-from tandem.models.loading import is_native, load_causal_lm
-from tandem.models.lora import LoraSpec, targeted_linears
+from tandem.inference.engine.mapped_base import SidePathAdapters, load_mapped_model
+from tandem.models.loading import is_native, load_causal_lm, resolve_dtype
+from tandem.models.lora import LoraSpec, adapted_parameters, targeted_linears
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +106,11 @@ def plan_num_blocks(engine: EngineConfig, model: torch.nn.Module, device: torch.
 
 
 def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exact: bool = False,
-                 base: BaseServing = "off") -> LLMEngine:
+                 base: BaseServing = "off", shared_base: Path | None = None) -> LLMEngine:
     """`exact`: batch-invariant computation (`[run] exact`, `tandem.models.exact`). `base`: serve the base model
     beside a LoRA policy (`InferenceConfig.base_serving`): where the model can take the side path, or
-    `required` (an error where it cannot)."""
+    `required` (an error where it cannot). `shared_base`: with `engine.lora.share_base`, the trainer's
+    `shared_base.json`, whose tensors are the model's weights (`mapped_base.py`)."""
     device = resolve_device(engine.device)
     fp8 = engine.quantization == "fp8"
     if fp8:
@@ -120,8 +124,16 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
                              "equal the trainer's bit for bit")
         check_fp8_device(device, "engine.kv_cache_dtype", "auto")
     folder = resolve_model_path(model_config.name)
-    model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format,
-                           engine.quantization)
+    lora = engine.lora
+    shared = lora.enabled and lora.share_base
+    if shared:
+        if shared_base is None or not Path(shared_base).is_file():
+            raise FileNotFoundError(f"`engine.lora.share_base` maps the trainer's base, described in its run folder's "
+                                    f"shared_base.json, which is missing ({shared_base}): start the trainer first")
+        model = load_mapped_model(folder, Path(shared_base), device, resolve_dtype(model_config.dtype, device))
+    else:
+        model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code,
+                               model_config.load_format, engine.quantization)
     if fp8:  # before anything runs the model: its own forward cannot multiply by FP8 layers
         apply_fp8_blocks(model, kernels=engine.fused_blocks)
     if exact:
@@ -148,12 +160,14 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         cache = cache_for(model, num_blocks, engine.block_size, device, fp8_cache, mtp)
         if engine.compile_norms and device.type == "cuda" and not exact:  # exact: its own norms (`tandem.models.exact`)
             apply_compiled_norms(model)
-        base_path = side_path_for_base(model, engine, device, base)
+        policy_path = policy_side_path(model, engine, device) if shared else None
+        base_path = (policy_path if base != "off" else None) if shared else side_path_for_base(model, engine, device, base)
+        side = policy_path or base_path
         fused = engine.fused_blocks and device.type == "cuda" and not (exact or fp8)  # exact, fp8: their own blocks
         if fused:
-            apply_fused_blocks(model, base_path)
-        if base_path is not None:
-            apply_side_path(model, base_path, blocks=not fused)
+            apply_fused_blocks(model, side)
+        if side is not None:
+            apply_side_path(model, side, blocks=not fused)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
         # The latent cache's torch attention gathers whole contexts: a graph would keep its largest bound's for good.
         graphs = engine.cuda_graphs and not isinstance(cache, LatentCache) and (not exact or model_uses_kernels(model, device))
@@ -162,7 +176,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
             members = members_per_group(model.hf_config["num_attention_heads"], cache.keys.shape[3])
             cascade = CascadePlanner(engine.block_size, members, engine.cascade_min_saved_tokens)
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact,
-                                  base_path, keep_forward=mtp, cascade=cascade)
+                                  side, keep_forward=mtp, cascade=cascade)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s) on %s", num_blocks, engine.block_size,
@@ -175,7 +189,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         num_blocks = engine.num_blocks or engine.max_num_seqs * -(-max_model_len // engine.block_size)
         check_cache_fits(num_blocks, engine.block_size, max_model_len)
         runner = RecomputeModelRunner(model, device)
-        base_path = None
+        base_path = policy_path = None
         if base == "required":
             raise ValueError(f"`server.base_model_name` is set, but {model.hf_config.get('model_type')!r} runs on the "
                              "recompute path of transformers models, which takes no side path to serve the base model "
@@ -188,8 +202,12 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         raise ValueError("`engine.speculative` with `engine.overlap_steps` = true on CUDA: the next step cannot be "
                          "planned before the drafts each sequence kept are read; set `engine.overlap_steps` = false")
     block_manager = BlockManager(num_blocks, engine.block_size)
-    lora = engine.lora
-    adapters = AdapterMerger(weight_target, LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), tuple(lora.target_experts))) if lora.enabled else None
+    lora_spec = LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), tuple(lora.target_experts))
+    if policy_path is not None:
+        adapted = adapted_parameters(model, lora_spec, "the engine's config", "engine.lora")
+        adapters = SidePathAdapters(policy_path, lora_spec, {name: param.shape for name, param in adapted.items()})
+    else:
+        adapters = AdapterMerger(weight_target, lora_spec, base_path=base_path) if lora.enabled else None
     sampler = Sampler(device, seed, exact)
     speculator = None
     if spec.method == "ngram":
@@ -219,6 +237,19 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     )
 
 
+def policy_side_path(model: torch.nn.Module, engine: EngineConfig, device: torch.device) -> LowRankSidePath:
+    """Over a shared base (`engine.lora.share_base`): the side path that adds the adapters to the policy's rows,
+    refused (naming the key) where an adapted projection is one it does not reach."""
+    spec = LoraSpec(engine.lora.rank, engine.lora.alpha, tuple(engine.lora.target_modules))
+    linears = targeted_linears(model, spec.target_modules)
+    uncovered = uncovered_projections(model, linears)
+    if uncovered:
+        raise ValueError(f"`engine.lora.share_base`: the low-rank side path that serves the policy over the trainer's "
+                         f"base does not reach the adapted projections {uncovered[:4]} of this "
+                         f"{model.hf_config.get('model_type')!r} model (latent attention); set `lora.share_base` = false")
+    return LowRankSidePath(linears, spec.scale, 1.0, spec.rank, device, model.lm_head.weight.dtype)
+
+
 def side_path_for_base(model: torch.nn.Module, engine: EngineConfig, device: torch.device,
                        base: BaseServing) -> LowRankSidePath | None:
     """The side path that serves the base model beside the LoRA policy (`lora_side_path.py`), or None: not asked,
@@ -236,7 +267,7 @@ def side_path_for_base(model: torch.nn.Module, engine: EngineConfig, device: tor
                              "other projections (`engine.lora.target_modules`)")
         log.warning("the base model is not served beside the LoRA policy: %s", reason)
         return None
-    return LowRankSidePath(linears, spec.scale, -1.0, device, model.lm_head.weight.dtype)
+    return LowRankSidePath(linears, spec.scale, -1.0, spec.rank, device, model.lm_head.weight.dtype)
 
 
 def cache_layout(model: torch.nn.Module, fp8: bool = False, mtp: bool = False

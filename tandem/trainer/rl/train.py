@@ -2,7 +2,9 @@
 
 Per step: wait for this rank's batch (or make a fake one), check it, forward/backward over its
 rows, clip, NaN-guard, step, publish `weights/step_N/`, checkpoint when due, log metrics. Exit 0
-after `max_steps`; a bad batch or a missing model stops every rank with a message, exit 1.
+after `max_steps`; a bad batch or a missing model stops every rank with a message, exit 1. With
+`lora.share_base` the frozen base is published for the servers before step 1 and held after the last
+step until the run is stopped (`tandem.trainer.shared_base`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from tandem.config.run_folder import prepare_run_folder
 from tandem.config.trainer import TrainerConfig
 from tandem.models.fp8 import fp8_weight_names
+from tandem.monitor.stop_signals import Stopped, stopping_on_signals
 from tandem.trainer.batch import prepare_micro_batches
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.broadcast_publish import WeightBroadcaster
@@ -21,6 +24,7 @@ from tandem.trainer.data import BatchError, check_step_batch, fake_batch, wait_f
 from tandem.trainer.loss import LossFn, LossInputs, build_loss, mismatch_kl
 from tandem.trainer.model import TokenLogprobs
 from tandem.trainer.session import Session, open_session, peak_memory_gib
+from tandem.trainer.shared_base import hold_for_servers
 from tandem.trainer.step import Objective, ObjectiveOutput, train_step
 from tandem.transport.paths import rollout_file
 from tandem.transport.types import TrainingBatch
@@ -121,10 +125,27 @@ def main(config: TrainerConfig) -> int:
         setup_logging("trainer").error("cannot start the trainer: %s", err)
         return 1
 
+    shared = session.model.shared_base
+
     def run() -> None:
         if session.dims.is_main:  # what `tandem replay` reads back
             prepare_run_folder(config, "trainer")
+        if shared is not None:
+            session.log.info("frozen base shared with the inference servers: %s", shared.publish(config.run_dir))
         open_weight_transport(config, session)
         train(config, session, objective)
+        if shared is not None:
+            hold_for_servers(config.run_dir, session.log)
 
-    return session.run_and_close(run, BatchError, "bad input")
+    if shared is None:
+        return session.run_and_close(run, BatchError, "bad input")
+    # Stopped by the launcher (the run's end, for a trainer holding its base): a signal unwinds, and the buffer's
+    # shared-memory file on the CPU, the size of the model, is removed.
+    try:
+        with stopping_on_signals():
+            return session.run_and_close(run, BatchError, "bad input")
+    except Stopped as err:
+        session.log.info("%s", err)
+        return 1
+    finally:
+        shared.buffer.remove()
