@@ -15,7 +15,7 @@ Invariants:
 
 Modules: `wire` (what crosses between the servers), `held` (computed prompts waiting for their decode server),
 `prefill_api` (the prefill server's routes), `kv_transport` (how the KV blocks cross: `http_body`,
-`torch_distributed`), `peers` (a decode server's client of its prefill servers), `decode` (where to prefill).
+`torch_distributed`, `shared_memory`), `peers` (a decode server's client of its prefill servers), `decode` (where to prefill).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tandem.inference.disaggregated.decode import RemotePrefill
 from tandem.inference.disaggregated.http_body import HTTPBodyTransport
 from tandem.inference.disaggregated.kv_transport import KVTransport
 from tandem.inference.disaggregated.peers import PrefillPeers
+from tandem.inference.disaggregated.shared_memory import SharedMemoryTransport
 from tandem.inference.disaggregated.torch_distributed import TorchDistributedTransport
 from tandem.inference.engine.async_engine import AsyncEngine
 
@@ -36,6 +37,8 @@ def make_kv_transport(config: InferenceConfig, engine: AsyncEngine) -> KVTranspo
         return HTTPBodyTransport()
     if name == "torch_distributed":
         return TorchDistributedTransport(engine.engine.device, config.disaggregation.peer_timeout_s)
+    if name == "shared_memory":
+        return SharedMemoryTransport(engine.engine.device)
     raise ValueError(f"unknown `disaggregation.kv_transport` = {name!r}")
 
 
