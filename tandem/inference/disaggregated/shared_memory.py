@@ -83,15 +83,19 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def plain_cuda_bytes(num_bytes: int, device: torch.device) -> torch.Tensor:
-    """`num_bytes` of device memory in an allocation of its own. With expandable segments on (the launcher's setting
-    for a shared GPU) the caching allocator shares memory through file descriptors another process must be allowed
-    to take, which containers often forbid; a plain allocation is shared by a CUDA IPC handle."""
+def plain_cuda_bytes(num_bytes: int, device: torch.device) -> tuple[torch.Tensor, torch.cuda.MemPool]:
+    """`num_bytes` of device memory in a segment of its own, and the private pool that holds it (kept as long as the
+    memory). Another process opens a plain segment by its CUDA IPC handle; a block of an expandable segment (the
+    launcher's setting for a shared GPU) is shared through a file descriptor the other process must be allowed to
+    take from this one, which containers and ptrace restrictions often forbid. An empty private pool makes a new
+    segment, and expandable segments are off while it does."""
     expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
     if expandable:
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     try:
-        return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool, device):
+            return torch.empty(num_bytes, dtype=torch.uint8, device=device), pool
     finally:
         if expandable:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
@@ -105,6 +109,8 @@ class Area:
     """uint8, the area's bytes."""
     path: Path | None
     """CPU: the file, until the decode server has mapped it."""
+    pool: torch.cuda.MemPool | None = None
+    """CUDA: the private pool of `memory`."""
     transfer_id: str | None = None
     parts: list[torch.Tensor] | None = None
     """The byte views of the transfer being staged."""
@@ -125,12 +131,12 @@ class StagingAreas:
         with self._lock:
             self._drop(request.area_id)
             if self.device.type == "cuda":
-                memory = plain_cuda_bytes(self.staging_bytes, self.device)
+                memory, pool = plain_cuda_bytes(self.staging_bytes, self.device)
                 _, args = reduce_tensor(memory)
                 cuda = CudaArea(device_uuid(self.device), handle=args[7], storage_size_bytes=args[8],
                                 storage_offset_bytes=args[9], ref_counter_handle=args[11], ref_counter_offset=args[12],
                                 event_handle=args[13], event_sync_required=args[14], offset=args[3])
-                self.areas[request.area_id] = Area(memory, None)
+                self.areas[request.area_id] = Area(memory, None, pool=pool)
                 return AreaAnswer(socket.gethostname(), self.staging_bytes, cuda=cuda)
             name = random_id()
             path = area_path(name)
