@@ -147,7 +147,8 @@ class StagingAreas:
 
     def stage(self, request: StageRequest, transfer_id: str, tensors: list[torch.Tensor] | None) -> StageAnswer:
         """Copy the next piece of `transfer_id`'s bytes, from `request.start` on, into the area: `tensors` (the held
-        ones) at the first piece, None after. KeyError: no such area; LookupError: not this area's transfer."""
+        ones) at the first piece, None after. KeyError: no such area; LookupError: not this area's transfer, or a
+        start outside it."""
         area = self.areas[request.area_id]
         if area.path is not None:  # the decode server asks only once it mapped the file
             area.path.unlink(missing_ok=True)
@@ -157,6 +158,8 @@ class StagingAreas:
         elif area.transfer_id != transfer_id:
             raise LookupError(f"transfer {transfer_id!r} is not being staged in area {request.area_id!r}")
         total = sum(part.numel() for part in area.parts)
+        if not 0 <= request.start < total:
+            raise LookupError(f"byte {request.start} is outside transfer {transfer_id!r} of {total} bytes")
         length = min(self.staging_bytes, total - request.start)
         for part, offset in pieces(area.parts, request.start, length):
             area.memory[offset:offset + part.numel()].copy_(part)
