@@ -15,7 +15,7 @@ as `tandem rl` starts them, on the same model folder: one colocated server; a pr
 pools', so the comparison is at equal cache memory. Figures per setup: the decoding requests' time between tokens
 (p50, p99, from the stream's arrival times at the client; the median is the decode step as the client sees it) and
 their output tokens/s, with the goal's two ratios (p99 / p50, tokens/s against colocated); the long prompts served
-while the requests decode (those still waiting then are cancelled: a transport that cannot keep up shows as few);
+by `--drain-s` after the decoding ends (later ones are cancelled: a transport that cannot keep up shows as few);
 and each transport's hand-off alone (a prompt the prefill server holds, taken into this process's device memory)
 per 1k prompt tokens. The goal of the design: p99 time between tokens within 2x the median step, at no more than
 10% fewer output tokens/s than colocated.
@@ -59,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--arrival-ms", type=float, default=200.0)
     parser.add_argument("--long-in-flight", type=int, default=8,
                         help="long prompts each cache has room for beside the decoding requests")
+    parser.add_argument("--drain-s", type=float, default=10.0,
+                        help="how long the long prompts still running when the decoding ends may take to finish")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--kv-transports", default="http", help="comma-separated `disaggregation.kv_transport` values")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each server process")
@@ -125,10 +127,10 @@ async def workload(url: str, args: argparse.Namespace, vocab: int, model: str) -
             await asyncio.sleep(args.arrival_ms / 1000)
         times = [await task for task in decoding]
         end = time.perf_counter()
-        served = [task for task in arrivals if task.done()]
+        served, late = await asyncio.wait(arrivals, timeout=args.drain_s) if arrivals else (set(), set())
         for task in served:
             task.result().raise_for_status()
-        for task in arrivals:
+        for task in late:
             task.cancel()
     gaps = sorted(b - a for t in times for a, b in zip(t, t[1:]))
     num_tokens = sum(len(t) for t in times)

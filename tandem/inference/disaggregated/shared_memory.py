@@ -79,6 +79,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def with_index(device: torch.device) -> torch.device:
+    """`cuda` as the device it means in this process (`cuda:<current>`): torch's pool calls take only a device with
+    an index, and the engine's may have none."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
@@ -120,7 +128,7 @@ class StagingAreas:
     """The prefill server's half: an area per decode server, and the pieces staged into them."""
 
     def __init__(self, device: torch.device, staging_bytes: int):
-        self.device = device
+        self.device = with_index(device)
         self.staging_bytes = staging_bytes
         self.areas: dict[str, Area] = {}
         self._lock = threading.Lock()
@@ -186,7 +194,7 @@ class SharedMemoryTransport(KVTransport):
     """The decode server's half."""
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.device = with_index(device)
         self._areas: dict[str, torch.Tensor] = {}
         """Prefill server -> its area, mapped here."""
         self._area_ids: dict[str, str] = {}
