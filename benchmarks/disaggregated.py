@@ -1,16 +1,24 @@
-"""Prefill/decode disaggregation against one colocated server, with staggered arrivals (CPU only for now).
+"""Prefill/decode disaggregation against one colocated server, with staggered arrivals, on the CPU or one GPU.
     python benchmarks/disaggregated.py --preset tiny --out benchmarks/results/pd-cpu-<date>.json
+    python benchmarks/disaggregated.py --device cuda --preset qwen3-0.6b --num-decoding 64 --output-len 4096 \
+        --long-prompt-len 8192 --arrival-ms 100 --kv-transports shared_memory,http --out benchmarks/results/pd-gpu-<date>.json
 
 Workload: `--num-decoding` requests (`--decode-prompt-len` prompt tokens, `--output-len` output tokens, streamed,
 EOS ignored) decode while prompts of `--long-prompt-len` tokens arrive every `--arrival-ms` (each asks one token, as
 an agent's next turn or a new rollout would start). Workload D of `inference.py` admits everything at once, so no
 prompt lands in the middle of decoding: this one measures exactly that. Two setups, each in processes of their own
-as `tandem rl` starts them, on the same model folder: one colocated server; a prefill and a decode server (the
-client talks to the decode server, whose `min_remote_prefill_tokens` is below the long prompts and above a short
-one). Figures per setup: the decoding requests' time between tokens (p50, p99, from the stream's arrival times at
-the client) and their output tokens/s; for the disaggregated setup, the KV hand-off alone (`GET /kv` of the http
-transport) per 1k prompt tokens. The goal of the design: p99 time between tokens within 2x the median step, at no
-more than 10% fewer output tokens/s than colocated.
+as `tandem rl` starts them, on the same model folder: one colocated server; a prefill server and, for each of
+`--kv-transports`, a decode server taking the blocks through it (the client talks to the decode server, whose
+`min_remote_prefill_tokens` is below the long prompts and above a short one). On a GPU every server runs on device
+0, as `deployment.disaggregated_memory_fraction` places them; each server's KV cache is sized to the workload
+(`engine.num_blocks`: the decoding requests and `--long-in-flight` long prompts), the colocated server's to both
+pools', so the comparison is at equal cache memory. Figures per setup: the decoding requests' time between tokens
+(p50, p99, from the stream's arrival times at the client; the median is the decode step as the client sees it) and
+their output tokens/s, with the goal's two ratios (p99 / p50, tokens/s against colocated); the long prompts served
+by `--drain-s` after the decoding ends (later ones are cancelled: a transport that cannot keep up shows as few);
+and each transport's hand-off alone (a prompt the prefill server holds, taken into this process's device memory)
+per 1k prompt tokens. The goal of the design: p99 time between tokens within 2x the median step, at no more than
+10% fewer output tokens/s than colocated.
 """
 
 from __future__ import annotations
@@ -26,13 +34,19 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
+import msgspec
 import torch
 from provenance import environment
 
 from tandem.config.resolve import free_port
+from tandem.inference.disaggregated import make_kv_transport
+from tandem.inference.disaggregated.wire import PrefillAnswer
 from tandem.launch.process import ManagedProcess
 from tandem.launch.rl import wait_healthy
 from tandem.models.presets import PRESETS, init_model
+
+BLOCK_SIZE = 16
+"""`engine.block_size`'s default: the servers' caches are counted in its blocks."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,23 +57,42 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--long-prompt-len", type=int, default=1024)
     parser.add_argument("--arrival-ms", type=float, default=200.0)
+    parser.add_argument("--long-in-flight", type=int, default=8,
+                        help="long prompts each cache has room for beside the decoding requests")
+    parser.add_argument("--drain-s", type=float, default=10.0,
+                        help="how long the long prompts still running when the decoding ends may take to finish")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--kv-transports", default="http", help="comma-separated `disaggregation.kv_transport` values")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each server process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     return parser.parse_args()
 
 
+def num_blocks(args: argparse.Namespace, pool: str) -> int:
+    """KV blocks of a `pool` server's cache (`decode`, `prefill`, `colocated`: both): the decoding requests in a
+    decode server, `--long-in-flight` long prompts in each."""
+    def blocks(num_tokens: int) -> int:
+        return -(-num_tokens // BLOCK_SIZE)
+    long = args.long_in_flight * blocks(args.long_prompt_len + 1)
+    decoding = args.num_decoding * blocks(args.decode_prompt_len + args.output_len)
+    return {"prefill": long, "decode": decoding + long, "colocated": decoding + 2 * long}[pool]
+
+
 @contextmanager
-def server(folder: Path, logs: Path, name: str, args: argparse.Namespace, *flags: str):
-    """A `tandem inference` process on the CPU; yields its URL once it answers /health."""
+def server(folder: Path, logs: Path, name: str, args: argparse.Namespace, pool: str, *flags: str):
+    """A `tandem inference` process (on GPU 0 with `--device cuda`); yields its URL once it answers /health."""
     port = free_port()
     max_len = max(args.decode_prompt_len + args.output_len, args.long_prompt_len + 1)
+    weights = ["--model.load-format", "dummy"] if args.device == "cuda" else []
     argv = [sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(folder), "--server.port", str(port),
-            "--engine.device", "cpu", "--engine.max-model-len", str(max_len), "--seed", str(args.seed), *flags]
+            "--engine.device", args.device, "--engine.max-model-len", str(max_len), "--seed", str(args.seed),
+            "--engine.num-blocks", str(num_blocks(args, pool)),
+            "--engine.max-num-seqs", str(args.num_decoding + args.long_in_flight), *weights, *flags]
     proc = ManagedProcess(name, argv, logs / f"{name}.log", {**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, timeout_s=300)
+        wait_healthy(url, proc, timeout_s=600)
         yield url
     finally:
         proc.stop()
@@ -94,51 +127,79 @@ async def workload(url: str, args: argparse.Namespace, vocab: int, model: str) -
             await asyncio.sleep(args.arrival_ms / 1000)
         times = [await task for task in decoding]
         end = time.perf_counter()
-        for task in arrivals:
-            (await task).raise_for_status()
+        served, late = await asyncio.wait(arrivals, timeout=args.drain_s) if arrivals else (set(), set())
+        for task in served:
+            task.result().raise_for_status()
+        for task in late:
+            task.cancel()
     gaps = sorted(b - a for t in times for a, b in zip(t, t[1:]))
     num_tokens = sum(len(t) for t in times)
+    p50, p99 = gaps[len(gaps) // 2], gaps[int(len(gaps) * 0.99)]
     return {"output_tokens": num_tokens, "output_tokens_per_s": num_tokens / (end - start),
-            "tbt_p50_ms": 1000 * gaps[len(gaps) // 2], "tbt_p99_ms": 1000 * gaps[int(len(gaps) * 0.99)],
-            "num_long_prompts": len(arrivals)}
+            "tbt_p50_ms": 1000 * p50, "tbt_p99_ms": 1000 * p99, "tbt_p99_over_p50": p99 / p50,
+            "num_long_prompts": len(arrivals), "num_long_prompts_served": len(served)}
 
 
-def hand_off_ms_per_1k(prefill_url: str, args: argparse.Namespace, vocab: int) -> float:
-    """The http transport alone: `GET /kv` of a prompt the prefill server holds, per 1k prompt tokens (median of 5)."""
+async def hand_off_ms_per_1k(prefill_url: str, transport_name: str, device: torch.device, args: argparse.Namespace,
+                             vocab: int) -> float:
+    """One transport alone: a prompt the prefill server holds, taken into `device` (the copy an engine's cache
+    import starts from), per 1k prompt tokens (median of 3)."""
+    transport = make_kv_transport(transport_name, device, 60.0)
+    await asyncio.to_thread(transport.connect, prefill_url, 60.0, {})
     times = []
-    for i in range(5):
-        answer = httpx.post(f"{prefill_url}/prefill", json={"prompt_token_ids": prompt(90_000 + i, args.long_prompt_len,
-                                                                                     vocab), "weight_version": 0},
-                            timeout=None).json()
-        start = time.perf_counter()
-        httpx.get(f"{prefill_url}/kv/{answer['transfer_id']}", timeout=None).raise_for_status()
-        times.append(time.perf_counter() - start)
-    return 1000 * sorted(times)[2] / (args.long_prompt_len / 1000)
+    try:
+        async with httpx.AsyncClient(timeout=None) as http:
+            for i in range(3):
+                response = await http.post(f"{prefill_url}/prefill", json={
+                    "prompt_token_ids": prompt(90_000 + i, args.long_prompt_len, vocab), "weight_version": 0})
+                response.raise_for_status()
+                answer = msgspec.json.decode(response.content, type=PrefillAnswer)
+                start = time.perf_counter()
+                tensors = [t.to(device) for t in await transport.receive(http, prefill_url, answer)]
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+                del tensors
+    finally:
+        transport.close()
+    return 1000 * sorted(times)[1] / (args.long_prompt_len / 1000)
 
 
 def main() -> None:
     args = parse_args()
-    results: dict = {"workload": {k: v for k, v in vars(args).items() if k != "out"}, "environment": environment(torch.device("cpu"))}
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    results: dict = {"workload": {k: v for k, v in vars(args).items() if k != "out"}, "environment": environment(device)}
+    transports = args.kv_transports.split(",")
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        folder = init_model(args.preset, Path(tmp) / args.preset, seed=args.seed)
+        folder = init_model(args.preset, Path(tmp) / args.preset, seed=args.seed, weights=args.device == "cpu")
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         logs = Path(args.out).with_suffix("") if args.out else Path(tmp) / "logs"
-        url = stack.enter_context(server(folder, logs, "colocated", args))
-        results["colocated"] = asyncio.run(workload(url, args, vocab, str(folder)))
+        url = stack.enter_context(server(folder, logs, "colocated", args, "colocated"))
+        colocated = results["colocated"] = asyncio.run(workload(url, args, vocab, str(folder)))
+        save(results, args.out)
         stack.close()
-        prefill_url = stack.enter_context(server(folder, logs, "prefill", args, "--disaggregation.role", "prefill"))
-        decode_url = stack.enter_context(server(
-            folder, logs, "decode", args, "--disaggregation.role", "decode", "--disaggregation.prefill-urls",
-            json.dumps([prefill_url]), "--disaggregation.min-remote-prefill-tokens",
-            str((args.decode_prompt_len + args.long_prompt_len) // 2)))
-        results["disaggregated"] = asyncio.run(workload(decode_url, args, vocab, str(folder)))
-        results["disaggregated"]["stats"] = httpx.get(f"{decode_url}/disaggregation/stats").json()
-        results["disaggregated"]["hand_off_ms_per_1k_tokens"] = hand_off_ms_per_1k(prefill_url, args, vocab)
+        prefill_url = stack.enter_context(server(folder, logs, "prefill", args, "prefill", "--disaggregation.role",
+                                                 "prefill"))
+        for transport in transports:
+            with server(folder, logs, f"decode-{transport}", args, "decode", "--disaggregation.role", "decode",
+                        "--disaggregation.prefill-urls", json.dumps([prefill_url]),
+                        "--disaggregation.kv-transport", transport, "--disaggregation.min-remote-prefill-tokens",
+                        str((args.decode_prompt_len + args.long_prompt_len) // 2)) as decode_url:
+                setup = asyncio.run(workload(decode_url, args, vocab, str(folder)))
+                setup["output_tokens_per_s_over_colocated"] = setup["output_tokens_per_s"] / colocated["output_tokens_per_s"]
+                setup["stats"] = httpx.get(f"{decode_url}/disaggregation/stats").json()
+            setup["hand_off_ms_per_1k_tokens"] = asyncio.run(hand_off_ms_per_1k(prefill_url, transport, device, args, vocab))
+            results[f"disaggregated_{transport}"] = setup
+            save(results, args.out)
     print(json.dumps(results, indent=1))
-    if args.out:
-        out = Path(args.out)
-        out.with_suffix(".tmp").write_text(json.dumps(results, indent=1) + "\n")
-        out.with_suffix(".tmp").replace(out)
+
+
+def save(results: dict, out: str | None) -> None:
+    """After each setup, so that a run cut short keeps the setups it finished."""
+    if out:
+        path = Path(out)
+        path.with_suffix(".tmp").write_text(json.dumps(results, indent=1) + "\n")
+        path.with_suffix(".tmp").replace(path)
 
 
 if __name__ == "__main__":

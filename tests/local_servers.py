@@ -15,10 +15,11 @@ from tandem.launch.rl import wait_healthy
 
 
 @contextlib.contextmanager
-def serving(name: str, argv: list[str], url: str, log_path: Path, start_timeout_s: float = 120) -> Iterator[ManagedProcess]:
-    """The process of `argv`, once the server it starts answers `url`'s `/health`; `RunFailed` with the tail of
-    `log_path` (its output) when it exits or stays silent for `start_timeout_s`."""
-    proc = ManagedProcess(name, argv, log_path, dict(os.environ))
+def serving(name: str, argv: list[str], url: str, log_path: Path, start_timeout_s: float = 120,
+            env: dict[str, str] | None = None) -> Iterator[ManagedProcess]:
+    """The process of `argv` (in this environment and `env`), once the server it starts answers `url`'s `/health`;
+    `RunFailed` with the tail of `log_path` (its output) when it exits or stays silent for `start_timeout_s`."""
+    proc = ManagedProcess(name, argv, log_path, {**os.environ, **(env or {})})
     try:
         wait_healthy(url, proc, start_timeout_s)
         yield proc

@@ -221,9 +221,16 @@ class DisaggregationConfig(Section):
     prefix cache; a turn's few new tokens after a cached conversation are computed here, where the hand-off would
     cost more than they do."""
 
-    kv_transport: Literal["http", "torch_distributed"] = "http"
+    kv_transport: Literal["http", "torch_distributed", "shared_memory"] = "http"
     """`decode`: how the KV blocks come over. `http`: in the body of a response (any two hosts). `torch_distributed`:
-    a torch.distributed pair group with each prefill server, joined at start-up (gloo on the CPU, NCCL on CUDA)."""
+    a torch.distributed pair group with each prefill server, joined at start-up (gloo on the CPU, NCCL on CUDA).
+    `shared_memory`: one host only; a staging area in each prefill server that this server maps at start-up (CUDA
+    IPC on a GPU, /dev/shm on the CPU) and copies the blocks out of, so no byte crosses a socket."""
+
+    staging_mib: float = Field(512.0, gt=0)
+    """`prefill`, for decode servers with `kv_transport` = 'shared_memory': the staging area each of them gets, in
+    MiB, on this server's device (beside `engine.memory_fraction`'s share). A prompt's blocks larger than it cross
+    in several pieces, each a round trip."""
 
     forward_updates_to: list[str] = []
     """`decode`: prefill servers this server passes each weight update on to, so that both pools load every policy

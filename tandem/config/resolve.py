@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from tandem.config.base import ModelConfig, ProcessConfig
+from tandem.config.deployment import DeploymentConfig
 from tandem.config.inference import DisaggregationConfig
 from tandem.config.loader import ConfigError, RawConfig, parse_args, read_args, shown, validate
 from tandem.config.rl import RLConfig
@@ -459,7 +460,8 @@ def disaggregation(config: RLConfig, machine: Machine) -> list[Derived]:
     """`deployment.num_prefill_servers` and `deployment.num_decode_servers` (both or neither) run the servers as two
     pools on one node, with tandem's engine: each server's `inference.disaggregation` (its role, the prefill servers'
     URLs, the one decode server that passes weight updates on to each prefill server) is set in its own config
-    (`process_configs`). It decides no value of the shared config."""
+    (`process_configs`). It decides no value of the shared config. The `torch_distributed` KV transport is refused
+    where a prefill and a decode server share a GPU: NCCL pairs no two processes of one device."""
     deployment = config.deployment
     if not deployment.is_disaggregated:
         if config.inference.disaggregation.role != "colocated":
@@ -477,7 +479,20 @@ def disaggregation(config: RLConfig, machine: Machine) -> list[Derived]:
     if set_by_hand:
         raise ConfigError(f"`inference.disaggregation.{set_by_hand[0]}` is decided for each server from "
                           "`deployment.num_prefill_servers` and `deployment.num_decode_servers`: remove it")
+    if config.inference.disaggregation.kv_transport == "torch_distributed" and _pools_share_a_gpu(deployment):
+        raise ConfigError("`inference.disaggregation.kv_transport` = 'torch_distributed' with a prefill and a decode "
+                          "server on one GPU (`deployment.disaggregated_memory_fraction`): NCCL pairs no two processes "
+                          "of one device; set it to 'shared_memory' (CUDA IPC) or 'http'")
     return []
+
+
+def _pools_share_a_gpu(deployment: DeploymentConfig) -> bool:
+    """Whether a prefill and a decode server land on one device (placed as `inference_device_slices` places them)."""
+    if deployment.type != "gpu" or deployment.disaggregated_memory_fraction is None:
+        return False
+    devices, num_prefill = deployment.inference_devices, deployment.num_prefill_servers
+    placed = [devices[i % len(devices)] for i in range(num_prefill + deployment.num_decode_servers)]
+    return bool(set(placed[:num_prefill]) & set(placed[num_prefill:]))
 
 
 DERIVED_RULES: tuple[Rule, ...] = (model_options, nodes, trainer_ranks, devices, inference_servers,

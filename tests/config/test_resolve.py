@@ -415,6 +415,14 @@ def test_disaggregation_config_errors_name_the_key_and_the_file(tmp_path):
         resolve("@", str(f), machine=FakeMachine(cuda_devices=2))
     cfg = resolve("@", str(f), "--deployment.disaggregated_memory_fraction", "0.45", machine=FakeMachine(cuda_devices=2))
     assert cfg.deployment.inference_device_slices == [[0], [0]] and cfg.inference.engine.memory_fraction == 0.45
+    with pytest.raises(ConfigError, match=r"`inference.disaggregation.kv_transport` = 'torch_distributed' with a "
+                                          r"prefill and a decode server on one GPU"):
+        resolve("@", str(f), "--deployment.disaggregated_memory_fraction", "0.45",
+                "--inference.disaggregation.kv_transport", "torch_distributed", machine=FakeMachine(cuda_devices=2))
+    cfg = resolve("@", str(f), "--deployment.disaggregated_memory_fraction", "0.45", "--deployment.inference_devices",
+                  "[0, 1]", "--deployment.trainer_devices", "[2]", "--inference.disaggregation.kv_transport",
+                  "torch_distributed", machine=FakeMachine(cuda_devices=3))
+    assert cfg.deployment.inference_device_slices == [[0], [1]]  # a GPU each: NCCL pairs them
     with pytest.raises(ConfigError, match=r"`num_inference_servers` = 2 counts colocated servers"):
         resolve(*PD, "--deployment.num_inference_servers", "2")
     with pytest.raises(ConfigError, match=r"`weight_transport.type` = 'broadcast' with `deployment.num_prefill_servers`"):

@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import sys
 
 import httpx
@@ -24,12 +25,18 @@ from local_servers import serving, tandem_inference  # noqa: E402
 from tandem.config.inference import DisaggregationConfig, InferenceConfig  # noqa: E402
 from tandem.config.resolve import free_port  # noqa: E402
 from tandem.inference.disaggregated.peers import PeerUnreachable  # noqa: E402
+from tandem.inference.disaggregated.shared_memory import SHM_DIR, area_path  # noqa: E402
+from tandem.inference.disaggregated.wire import AreaAnswer  # noqa: E402
 from tandem.inference.server import BackgroundServer  # noqa: E402
 from tandem.launch.process import RunFailed  # noqa: E402
 from tandem.models.presets import PRESETS, shape_config, write_model  # noqa: E402
 
 THRESHOLD = 32
 """`min_remote_prefill_tokens` of the tests: prompts of 40+ new tokens go to the prefill server."""
+
+STAGING_MIB = 0.01
+"""`staging_mib` of the prefill servers: 10 KiB, where a 70-token prompt's blocks of the tiny model take 80 KiB, so
+every `shared_memory` transfer crosses in several pieces through one reused area."""
 
 
 def exact_config(model_dir, **disaggregation) -> InferenceConfig:
@@ -47,7 +54,7 @@ def colocated(tiny_dir):
 
 @pytest.fixture(scope="module")
 def prefill(tiny_dir):
-    server = BackgroundServer(exact_config(tiny_dir, role="prefill"))
+    server = BackgroundServer(exact_config(tiny_dir, role="prefill", staging_mib=STAGING_MIB))
     yield server
     server.stop()
 
@@ -73,7 +80,7 @@ def prompt_of(i: int, length: int = 70) -> list[int]:
     return [(7 * i + 3 * j) % 250 + 1 for j in range(length)]
 
 
-@pytest.mark.parametrize("kv_transport", ["http", "torch_distributed"])
+@pytest.mark.parametrize("kv_transport", ["http", "torch_distributed", "shared_memory"])
 def test_a_disaggregated_pair_gives_one_servers_tokens_and_logprobs(tiny_dir, colocated, prefill, kv_transport):
     decode = decode_server(tiny_dir, prefill.url, kv_transport)
     try:
@@ -167,13 +174,17 @@ def test_a_decode_server_reaches_prefill_servers_behind_the_api_key_both_pools_s
         locked_prefill.stop()
 
 
-def test_killing_the_prefill_server_mid_run_loses_no_request(tiny_dir, colocated, tmp_path):
+@pytest.mark.parametrize("kv_transport", ["http", "shared_memory"])
+def test_killing_the_prefill_server_mid_run_loses_no_request(tiny_dir, colocated, tmp_path, kv_transport):
+    """Servers in processes of their own, as `tandem rl` runs them: `shared_memory` maps another process's area."""
     port = free_port()
     prefill_url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(tiny_dir), "--server.port", str(port),
-            "--engine.device", "cpu", "--run.exact", "--disaggregation.role", "prefill"]
+            "--engine.device", "cpu", "--run.exact", "--disaggregation.role", "prefill",
+            "--disaggregation.staging_mib", str(STAGING_MIB)]
     with serving("prefill", argv, prefill_url, tmp_path / "prefill.log") as prefill_proc, \
             tandem_inference(tiny_dir, tmp_path / "decode.log", "--run.exact", "--disaggregation.role", "decode",
+                             "--disaggregation.kv_transport", kv_transport,
                              "--disaggregation.prefill_urls", json.dumps([prefill_url]),
                              "--disaggregation.min_remote_prefill_tokens", str(THRESHOLD),
                              "--disaggregation.peer_retry_s", "0") as (decode_url, _):
@@ -187,6 +198,53 @@ def test_killing_the_prefill_server_mid_run_loses_no_request(tiny_dir, colocated
         counts = stats(decode_url)
     assert got == [generate(colocated.url, p, i, 1, 24) for i, p in enumerate(prompts)]
     assert counts["num_prefills_handed"] >= 1 and counts["num_prefills_failed"] >= 1
+
+
+def test_a_shared_memory_decode_server_fails_at_start_on_another_host_or_an_area_it_cannot_map(tiny_dir, prefill):
+    areas = prefill.server.config.app.state.staging_areas
+    try:
+        areas.open = lambda request: AreaAnswer("elsewhere", 1024, file_name="0" * 32)
+        with pytest.raises(PeerUnreachable, match=f"the prefill server {prefill.url} runs on host 'elsewhere', this "
+                                                  "decode server on .*: `disaggregation.kv_transport` = 'shared_memory' "
+                                                  "needs both on one host"):
+            decode_server(tiny_dir, prefill.url, "shared_memory")
+        areas.open = lambda request: AreaAnswer(socket.gethostname(), 1024, file_name="0" * 32)
+        with pytest.raises(PeerUnreachable, match=f"cannot map the prefill server {prefill.url}'s KV staging area "
+                                                  f"{area_path('0' * 32)}"):
+            decode_server(tiny_dir, prefill.url, "shared_memory")
+    finally:
+        del areas.open
+    assert not areas.areas  # what the refused decode servers asked for at first was never made
+
+
+def test_a_shared_memory_transfer_that_fails_midway_maps_a_new_area_and_leaves_one_per_decode_server(tiny_dir, colocated):
+    prefill = BackgroundServer(exact_config(tiny_dir, role="prefill", staging_mib=STAGING_MIB))
+    decode = BackgroundServer(exact_config(tiny_dir, role="decode", prefill_urls=[prefill.url], peer_retry_s=0,
+                                           kv_transport="shared_memory", min_remote_prefill_tokens=THRESHOLD))
+    try:
+        areas = prefill.server.config.app.state.staging_areas
+        assert generate(decode.url, prompt_of(15), 15) == generate(colocated.url, prompt_of(15), 15)
+        [first] = areas.areas.values()
+        assert first.path is None and not list(SHM_DIR.glob("tandem-kv-*"))  # unlinked once mapped; held: none
+        stage = areas.stage
+
+        def lose_the_second_piece(request, transfer_id, tensors):
+            if request.start > 0:
+                raise RuntimeError("the second piece is lost")
+            return stage(request, transfer_id, tensors)
+
+        areas.stage = lose_the_second_piece
+        assert generate(decode.url, prompt_of(16), 16) == generate(colocated.url, prompt_of(16), 16)
+        assert stats(decode.url)["num_prefills_failed"] == 1
+        del areas.stage
+        assert generate(decode.url, prompt_of(17), 17) == generate(colocated.url, prompt_of(17), 17)
+        assert stats(decode.url)["num_prefills_handed"] == 2
+        [second] = areas.areas.values()  # the decode server's new area replaced its first
+        assert second is not first
+    finally:
+        decode.stop()
+        prefill.stop()
+    assert not areas.areas  # the decode server had its area dropped as it stopped
 
 
 def test_a_decode_server_that_cannot_reach_its_prefill_server_fails_naming_the_address(tiny_dir, tmp_path):
@@ -246,7 +304,7 @@ def test_a_latent_cache_pair_gives_one_servers_tokens_and_logprobs_single_and_mu
     prefill = BackgroundServer(latent_config(folder, role="prefill"))
     decodes = [BackgroundServer(latent_config(folder, role="decode", prefill_urls=[prefill.url], kv_transport=transport,
                                               min_remote_prefill_tokens=THRESHOLD))
-               for transport in ("http", "torch_distributed")]
+               for transport in ("http", "torch_distributed", "shared_memory")]
     try:
         for i, decode in enumerate(decodes):
             assert generate(decode.url, prompt_of(i), i) == generate(one.url, prompt_of(i), i)
@@ -262,7 +320,7 @@ def test_a_latent_cache_pair_gives_one_servers_tokens_and_logprobs_single_and_mu
             conversation = conversation + got[0]["token_ids"]
         assert stats(decodes[0].url) == {"num_prefills_handed": 4, "num_prefills_failed": 0, "num_prefilled_taken": 4,
                                          "num_prefilled_refused": 0}
-        assert stats(decodes[1].url)["num_prefilled_taken"] == 2
+        assert [stats(decode.url)["num_prefilled_taken"] for decode in decodes[1:]] == [2, 2]
     finally:
         for server in (*decodes, prefill, one):
             server.stop()

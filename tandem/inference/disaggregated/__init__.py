@@ -15,32 +15,38 @@ Invariants:
 
 Modules: `wire` (what crosses between the servers), `held` (computed prompts waiting for their decode server),
 `prefill_api` (the prefill server's routes), `kv_transport` (how the KV blocks cross: `http_body`,
-`torch_distributed`), `peers` (a decode server's client of its prefill servers), `decode` (where to prefill).
+`torch_distributed`, `shared_memory`), `peers` (a decode server's client of its prefill servers), `decode` (where to prefill).
 """
 
 from __future__ import annotations
+
+import torch
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.disaggregated.decode import RemotePrefill
 from tandem.inference.disaggregated.http_body import HTTPBodyTransport
 from tandem.inference.disaggregated.kv_transport import KVTransport
 from tandem.inference.disaggregated.peers import PrefillPeers
+from tandem.inference.disaggregated.shared_memory import SharedMemoryTransport
 from tandem.inference.disaggregated.torch_distributed import TorchDistributedTransport
 from tandem.inference.engine.async_engine import AsyncEngine
 
 
-def make_kv_transport(config: InferenceConfig, engine: AsyncEngine) -> KVTransport:
-    """The decode server's half of `disaggregation.kv_transport`."""
-    name = config.disaggregation.kv_transport
+def make_kv_transport(name: str, device: torch.device, peer_timeout_s: float) -> KVTransport:
+    """The decode server's half of `disaggregation.kv_transport` = `name`, taking the tensors into `device`."""
     if name == "http":
         return HTTPBodyTransport()
     if name == "torch_distributed":
-        return TorchDistributedTransport(engine.engine.device, config.disaggregation.peer_timeout_s)
+        return TorchDistributedTransport(device, peer_timeout_s)
+    if name == "shared_memory":
+        return SharedMemoryTransport(device)
     raise ValueError(f"unknown `disaggregation.kv_transport` = {name!r}")
 
 
 def connect_prefill_servers(config: InferenceConfig, engine: AsyncEngine) -> RemotePrefill:
     """A decode server's prefill servers, each checked and its KV transport joined (`PeerUnreachable` if not)."""
-    peers = PrefillPeers(config.disaggregation, make_kv_transport(config, engine), config.server.api_key)
+    settings = config.disaggregation
+    transport = make_kv_transport(settings.kv_transport, engine.engine.device, settings.peer_timeout_s)
+    peers = PrefillPeers(settings, transport, config.server.api_key)
     peers.check(config.model.name, engine.engine.block_manager.block_size, engine.engine.runner.cache.layout)
     return RemotePrefill(engine, peers, config.disaggregation.min_remote_prefill_tokens)

@@ -4,7 +4,8 @@ One small interface, the decode server's half: `connect` once per prefill server
 tensors a `PrefillAnswer` announces. Each backend module also holds the prefill server's half, which
 `prefill_api` routes to. Backends: `http_body` (the tensors are a response's body: any two hosts, a copy through
 the host's memory), `torch_distributed` (a pair group per decode and prefill server: gloo on the CPU, NCCL between
-GPUs, the tensors sent device to device).
+GPUs, the tensors sent device to device), `shared_memory` (one host: a staging area the decode server maps, CUDA IPC
+on GPUs, /dev/shm on the CPU; no byte crosses a socket).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 `POST /prefill` runs the prompt through the engine as a prefill-only request (batched with every other prompt
 the engine runs) and answers with what it holds; the decode server then takes the tensors through its KV
-transport: `GET /kv/{transfer_id}` (`http_body`) or `POST /kv/{transfer_id}/send` after `POST /kv/pairs` at its
-start (`torch_distributed`). A request for another policy version than this server holds is refused (409)
+transport: `GET /kv/{transfer_id}` (`http_body`), `POST /kv/{transfer_id}/send` after `POST /kv/pairs` at its
+start (`torch_distributed`), or `POST /kv/{transfer_id}/stage` after `POST /kv/areas` at its start
+(`shared_memory`). A request for another policy version than this server holds is refused (409)
 before any work, and again if an update landed while the prompt ran.
 """
 
@@ -18,8 +19,10 @@ from fastapi.responses import Response
 from tandem.config.inference import DisaggregationConfig
 from tandem.inference.disaggregated.held import HeldPrefills
 from tandem.inference.disaggregated.http_body import encode
+from tandem.inference.disaggregated.shared_memory import StagingAreas
 from tandem.inference.disaggregated.torch_distributed import PairGroups
-from tandem.inference.disaggregated.wire import PairRequest, PrefillAnswer, PrefillInfo, PrefillRequest, SendRequest, TensorSpec
+from tandem.inference.disaggregated.wire import (AreaRequest, PairRequest, PrefillAnswer, PrefillInfo, PrefillRequest,
+                                                 SendRequest, StageRequest, TensorSpec)
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.errors import APIError, error_responses
 from tandem.inference.serving import JSON, Served, random_id
@@ -32,7 +35,8 @@ def install_prefill_routes(app: FastAPI, config: DisaggregationConfig, responses
     served: Served = app.state.served
     app.state.held_prefills = HeldPrefills(config.hold_timeout_s)
     app.state.kv_pairs = PairGroups(served.engine.engine.device, config.peer_timeout_s)
-    app.state.closers.append(app.state.kv_pairs.close)
+    app.state.staging_areas = StagingAreas(served.engine.engine.device, int(config.staging_mib * 2**20))
+    app.state.closers += [app.state.kv_pairs.close, app.state.staging_areas.close]
     app.include_router(router, responses=responses)
 
 
@@ -76,10 +80,40 @@ async def open_pair(request: Request) -> JSON:
 async def send(transfer_id: str, request: Request) -> JSON:
     body = msgspec.json.decode(await request.body(), type=SendRequest)
     pairs: PairGroups = request.app.state.kv_pairs
-    if body.pair_id not in pairs.groups:
-        raise APIError(409, f"no KV pair group {body.pair_id!r} here: ask `POST /kv/pairs` first", "pair_id")
+    _check_opened(pairs.groups, body.pair_id, "pair_id", "KV pair group", "/kv/pairs")
     pairs.send(body, _take(request, transfer_id))
     return JSON({"sending": transfer_id})
+
+
+@router.post("/kv/areas")
+async def open_area(request: Request) -> JSON:
+    body = msgspec.json.decode(await request.body(), type=AreaRequest)
+    return JSON(await asyncio.to_thread(request.app.state.staging_areas.open, body))
+
+
+@router.delete("/kv/areas/{area_id}")
+async def drop_area(area_id: str, request: Request) -> JSON:
+    request.app.state.staging_areas.drop(area_id)
+    return JSON({"dropped": area_id})
+
+
+@router.post("/kv/{transfer_id}/stage", responses=error_responses(404, 409))
+async def stage(transfer_id: str, request: Request) -> JSON:
+    body = msgspec.json.decode(await request.body(), type=StageRequest)
+    areas: StagingAreas = request.app.state.staging_areas
+    _check_opened(areas.areas, body.area_id, "area_id", "KV staging area", "/kv/areas")
+    tensors = _take(request, transfer_id) if body.start == 0 else None
+    try:
+        return JSON(await asyncio.to_thread(areas.stage, body, transfer_id, tensors))
+    except LookupError as err:
+        raise APIError(409, str(err), "transfer_id") from None
+
+
+def _check_opened(opened: dict, key: str, field: str, what: str, route: str) -> None:
+    """A decode server's pair or area is made by its own request at start-up (409 otherwise: a restarted prefill
+    server has none)."""
+    if key not in opened:
+        raise APIError(409, f"no {what} {key!r} here: ask `POST {route}` first", field)
 
 
 def _take(request: Request, transfer_id: str) -> list:

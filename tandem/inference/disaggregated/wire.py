@@ -72,3 +72,52 @@ class PairAnswer(msgspec.Struct):
     """The port of the rendezvous store the prefill server opened for the pair (on its own host)."""
 
     port: int
+
+
+class AreaRequest(msgspec.Struct):
+    """`POST /kv/areas` (shared_memory): a decode server asks for a staging area of its own; asked again with the
+    same id (after a failed transfer), the new area replaces the old."""
+
+    area_id: str
+
+
+class CudaArea(msgspec.Struct):
+    """A CUDA allocation another process on the host opens: the fields torch's `reduce_tensor` gives for it."""
+
+    device_uuid: str
+    """The GPU it lives on: device indices differ between processes that see different devices."""
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    """torch's count of the processes that map it, which keeps the memory alive in its owner until they unmap it."""
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    offset: int
+    """The area's first byte in the storage."""
+
+
+class AreaAnswer(msgspec.Struct):
+    """How a decode server maps its staging area: made by a prefill server."""
+
+    host: str
+    """The prefill server's host name: the area can be mapped only there."""
+    size: int
+    """Bytes: the most one piece of a transfer holds."""
+    file_name: str | None = None
+    """CPU: the area is `/dev/shm/tandem-kv-<file_name>`."""
+    cuda: CudaArea | None = None
+
+
+class StageRequest(msgspec.Struct):
+    """`POST /kv/{transfer_id}/stage` (shared_memory): copy the held tensors' bytes from `start` on into the area
+    (as many as it holds); asking it says the decode server copied the previous piece out."""
+
+    area_id: str
+    start: int
+
+
+class StageAnswer(msgspec.Struct):
+    length: int
+    """Bytes staged, from the area's first: the piece is the transfer's bytes [start, start + length)."""
