@@ -175,8 +175,9 @@ class DeploymentConfig(Section):
 
     disaggregated_memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
     """`gpu`, disaggregated: let prefill and decode servers share GPUs, server i on
-    `inference_devices[i % len(inference_devices)]`, each engine taking this fraction of its GPU. Unset, every server
-    needs a GPU of its own."""
+    `inference_devices[i % len(inference_devices)]`, each engine taking this fraction of its GPU (servers start one
+    after the other, and each engine's `memory_fraction` counts what the GPU holds when it starts, so the k-th
+    server on a GPU gets k times this fraction). Unset, every server needs a GPU of its own."""
 
     inference_ports: list[int] = []
     """Port of each inference server; `tandem rl` decides it (`inference.server.port` + i, or a free
@@ -217,6 +218,12 @@ class DeploymentConfig(Section):
                              f"`inference_devices` = {self.inference_devices} lists {len(self.inference_devices)} "
                              "GPU(s): list one per server, or set `disaggregated_memory_fraction` to let servers share "
                              "a GPU")
+        if self.type == "gpu" and self.disaggregated_memory_fraction is not None and self.inference_devices:
+            sharing = -(-(prefill + decode) // len(self.inference_devices))  # servers on the busiest GPU
+            if sharing * self.disaggregated_memory_fraction > 1.0:
+                raise ValueError(f"`disaggregated_memory_fraction` = {self.disaggregated_memory_fraction} x {sharing} "
+                                 f"servers on one of `inference_devices` = {self.inference_devices} is more than the "
+                                 "whole GPU: lower it to at most 1 / the servers a GPU holds")
         return self
 
     @property

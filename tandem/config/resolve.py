@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol
 
 from tandem.config.base import ModelConfig, ProcessConfig
 from tandem.config.deployment import DeploymentConfig
-from tandem.config.inference import DisaggregationConfig
+from tandem.config.inference import DisaggregationConfig, EngineConfig
 from tandem.config.loader import ConfigError, RawConfig, parse_args, read_args, shown, validate
 from tandem.config.rl import RLConfig
 from tandem.config.sft import SFTConfig
@@ -551,9 +551,23 @@ def process_configs(config: RLConfig) -> dict[str, ProcessConfig]:
     ports = config.deployment.inference_ports
     servers = {name: config.inference.model_copy(update={
                    "server": config.inference.server.model_copy(update={"port": port}),
-                   "disaggregation": server_disaggregation(config, i)})
+                   "disaggregation": server_disaggregation(config, i),
+                   "engine": server_engine(config, i)})
                for i, (name, port) in enumerate(zip(inference_server_names(config), ports))}
     return {**servers, "orchestrator": config.orchestrator, "trainer": config.trainer}
+
+
+def server_engine(config: RLConfig, i: int) -> EngineConfig:
+    """`engine` of the server on port i: with servers sharing GPUs (`deployment.disaggregated_memory_fraction`), the
+    k-th server to start on a GPU has `memory_fraction` k x that fraction, since an engine's budget counts what the GPU
+    already holds when it starts (the servers before it on that GPU), and servers start one after the other."""
+    deployment, engine = config.deployment, config.inference.engine
+    fraction = deployment.disaggregated_memory_fraction
+    if not deployment.is_disaggregated or fraction is None or deployment.type != "gpu":
+        return engine
+    slices = deployment.inference_device_slices
+    started_here = sum(1 for j in range(i + 1) if slices[j] == slices[i])
+    return engine.model_copy(update={"memory_fraction": min(1.0, fraction * started_here)})
 
 
 def server_disaggregation(config: RLConfig, i: int) -> DisaggregationConfig:

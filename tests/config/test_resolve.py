@@ -415,6 +415,12 @@ def test_disaggregation_config_errors_name_the_key_and_the_file(tmp_path):
         resolve("@", str(f), machine=FakeMachine(cuda_devices=2))
     cfg = resolve("@", str(f), "--deployment.disaggregated_memory_fraction", "0.45", machine=FakeMachine(cuda_devices=2))
     assert cfg.deployment.inference_device_slices == [[0], [0]] and cfg.inference.engine.memory_fraction == 0.45
+    # The decode server starts second on GPU 0, which then already holds the prefill server's share.
+    engines = {name: c.engine.memory_fraction for name, c in process_configs(cfg).items() if name in ("prefill", "inference")}
+    assert engines == {"prefill": 0.45, "inference": 0.9}
+    with pytest.raises(ConfigError, match=r"`disaggregated_memory_fraction` = 0.6 x 2 servers on one of "
+                                          rf"`inference_devices` = \[0\] is more than the whole GPU.*from {f}"):
+        resolve("@", str(f), "--deployment.disaggregated_memory_fraction", "0.6", machine=FakeMachine(cuda_devices=2))
     with pytest.raises(ConfigError, match=r"`inference.disaggregation.kv_transport` = 'torch_distributed' with a "
                                           r"prefill and a decode server on one GPU"):
         resolve("@", str(f), "--deployment.disaggregated_memory_fraction", "0.45",
