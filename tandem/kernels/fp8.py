@@ -137,30 +137,70 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.t()
 
 
-def launch_config(M: int) -> dict:
+def launch_config(M: int, N: int, K: int, num_sms: int) -> dict:
     """Tiles by the number of rows: small tiles where few tokens run (decode), so that more programs share the
-    weight's columns; BLOCK_K is the scale group, so each partial product has one pair of scales."""
+    weight's columns; BLOCK_K is the scale group, so each partial product has one pair of scales.
+
+    Where the tiles still leave most of the GPU's `num_sms` multiprocessors idle (decode: a few row tiles times
+    N / BLOCK_N column tiles), the reduction is split too (SPLIT_K): each program sums a share of K's groups, and
+    the shares are added in fp32 after (a fixed order: deterministic). A decode step reads each weight once, so it
+    runs at memory speed only with enough programs reading at once."""
     if M <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
-    if M <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        config = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+    elif M <= 64:
+        config = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+    else:
+        config = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    programs = -(-M // config["BLOCK_M"]) * -(-N // config["BLOCK_N"])
+    groups = -(-K // GROUP)
+    split = 1
+    while programs * split * 2 <= num_sms and groups // (split * 2) >= MIN_GROUPS_PER_SPLIT:
+        split *= 2
+    return dict(config, SPLIT_K=split)
+
+
+MIN_GROUPS_PER_SPLIT = 2
+"""Fewest 128-column groups one share of a split reduction sums: below that, the partials' writes and their sum
+cost more than the extra programs gain."""
+
+
+@functools.cache
+def num_multiprocessors(index: int | None) -> int:
+    """Read once per device, as `_capability`."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+DEFAULT_MULTIPROCESSORS = 132
+"""Multiprocessors assumed where none can be asked (Triton's interpreter on the CPU): a large datacenter GPU's count, so
+that the interpreter runs the split reductions a GPU would."""
 
 
 def matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """`reference_matmul` by the Triton kernel."""
+           out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """`reference_matmul` by the Triton kernel; `config`: its tiles (default `launch_config`'s; the benchmark
+    `benchmarks/fp8_matmul.py` tries others)."""
     M, K = x_fp8.shape
     N = weight.weight.shape[0]
     w = weight.weight
     if w.stride(1) != 1:
         raise ValueError(f"the FP8 weight must have contiguous rows, got strides {tuple(w.stride())}")
+    sms = num_multiprocessors(x_fp8.device.index) if x_fp8.is_cuda else DEFAULT_MULTIPROCESSORS
+    config = dict(config or launch_config(M, N, K, sms))
+    split = config.pop("SPLIT_K", 1)
     out = torch.empty(M, N, dtype=out_dtype, device=x_fp8.device)
-    config = launch_config(M)
-    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
-    _matmul_kernel[grid](x_fp8, x_scale, w, weight.scale_inv, weight.scale_rows, bias if bias is not None else out, out,
-                         M, N, K, x_fp8.stride(0), *x_scale.stride(), w.stride(0), weight.scale_inv.stride(0),
-                         out.stride(0), HAS_BIAS=bias is not None, BLOCK_K=GROUP, **config)
+    # Split: each share writes its fp32 partial sums, added after in a fixed order (then the bias, then the rounding).
+    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x_fp8.device)
+    groups_per_split = triton.cdiv(triton.cdiv(K, GROUP), split)
+    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), split)
+    _matmul_kernel[grid](x_fp8, x_scale, w, weight.scale_inv, weight.scale_rows, bias if bias is not None else out, target,
+                         M, N, K, groups_per_split, x_fp8.stride(0), *x_scale.stride(), w.stride(0),
+                         weight.scale_inv.stride(0), target.stride(-2), M * N, HAS_BIAS=bias is not None and split == 1,
+                         BLOCK_K=GROUP, **config)
+    if split > 1:
+        total = target.sum(0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
     return out
 
 
@@ -181,10 +221,11 @@ if triton is not None:
         tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + group * M + rows, scale, mask=rows < M)
 
-    @triton.jit(do_not_specialize=["M"])
-    def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xsm, stride_xsg,
-                       stride_wn, stride_wsr, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    @triton.jit(do_not_specialize=["M", "split_stride"])
+    def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, b_ptr, y_ptr, M, N, K, groups_per_split, stride_xm,
+                       stride_xsm, stride_xsg, stride_wn, stride_wsr, stride_ym, split_stride, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Program (m, n, s) sums groups [s * groups_per_split, (s + 1) * groups_per_split) of K into y's share s.
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -194,7 +235,8 @@ if triton is not None:
         xs_rows = xs_ptr + rm.to(tl.int64) * stride_xsm
         ws_rows = ws_ptr + tl.load(rows_ptr + rn, mask=n_ok, other=0).to(tl.int64) * stride_wsr
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for group in range(0, tl.cdiv(K, BLOCK_K)):
+        first = tl.program_id(2) * groups_per_split
+        for group in range(first, tl.minimum(first + groups_per_split, tl.cdiv(K, BLOCK_K))):
             k = group * BLOCK_K + rk
             k_ok = k < K
             a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -204,5 +246,5 @@ if triton is not None:
             acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        y = y_ptr + tl.program_id(2).to(tl.int64) * split_stride + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
