@@ -118,11 +118,19 @@ def test_a_bf16_model_names_the_weights_the_engine_holds_in_fp8(tiny_dir, tiny_m
         assert fp8_weight_names(build_native(read_hf_config(folder), "meta", torch.bfloat16)) == held, folder
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-glm4-moe"])
-def test_fp8_experts_compute_the_scheme_and_stay_close_to_the_unquantized_moe(preset, tiny_moe_dir, tiny_glm_dir):
+@pytest.fixture(scope="module")
+def tiny_minimax_dir(tmp_path_factory):
+    """MiniMax-M2's block: its experts named w1/w3/w2 under `block_sparse_moe` on disk, a score bias on the block."""
+    return init_model("tiny-minimax-m2", tmp_path_factory.mktemp("tiny_minimax"), seed=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-glm4-moe", "tiny-minimax-m2"])
+def test_fp8_experts_compute_the_scheme_and_stay_close_to_the_unquantized_moe(preset, tiny_moe_dir, tiny_glm_dir,
+                                                                             request):
     """The engine's logprobs against a teacher-forced pass of the same FP8 model (its experts by the reference,
-    expert by expert), as for a dense model; and against the unquantized model within FP8's reach."""
-    folder = {"tiny-moe": tiny_moe_dir, "tiny-glm4-moe": tiny_glm_dir}[preset]
+    expert by expert), as for a dense model; and against the unquantized model within FP8's reach. The families
+    whose mixture of experts runs the engine's fused MoE path."""
+    folder = {"tiny-moe": tiny_moe_dir, "tiny-glm4-moe": tiny_glm_dir}.get(preset) or request.getfixturevalue("tiny_minimax_dir")
     results = generate(engine_for(folder))
     fp8_model = load_causal_lm(str(folder), quantization="fp8")
     apply_fp8_blocks(fp8_model, kernels=False)
