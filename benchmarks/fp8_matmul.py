@@ -62,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--token-counts", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--moe-preset", default="qwen3-30b-a3b", choices=list(PRESETS), help="'' to skip the experts")
     parser.add_argument("--moe-token-counts", default=",".join(map(str, MOE_COUNTS)))
+    parser.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the grids of tiles too (--no-grid: the engine's choices only, a run of seconds)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--commit", help="the commit measured (see benchmarks/provenance.py)")
     return parser.parse_args()
@@ -91,7 +93,7 @@ SCALE_B_LAYOUTS = {"blocks_k_by_n": lambda s: s.t(), "blocks_k_by_n_contiguous":
 copied), or as they are. The first whose product agrees with the reference is timed."""
 
 
-def bench_dense(name: str, n: int, k: int, counts: list[int], device: torch.device) -> dict:
+def bench_dense(name: str, n: int, k: int, counts: list[int], device: torch.device, grid: bool) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, generator=gen).to(torch.bfloat16) * 0.02
     q, scale_inv = quantize_weight(w)
@@ -105,7 +107,7 @@ def bench_dense(name: str, n: int, k: int, counts: list[int], device: torch.devi
         row["triton_product_only"] = time_us(lambda: matmul(x_fp8, x_scale, weight, None, torch.bfloat16))
         row["triton_tiles"] = launch_config(m, n, k, num_multiprocessors(device.index))
         best = None
-        for config in (c for c in DENSE_GRID if c["BLOCK_M"] <= max(16, 2 * m) and c["SPLIT_K"] * 2 * GROUP <= k):
+        for config in (c for c in DENSE_GRID if grid and c["BLOCK_M"] <= max(16, 2 * m) and c["SPLIT_K"] * 2 * GROUP <= k):
             try:
                 t = time_us(lambda: matmul(x_fp8, x_scale, weight, None, torch.bfloat16, config))
             except Exception:  # a tile over the shared memory or registers: not a candidate
@@ -144,15 +146,15 @@ def moe_grid(rule: dict) -> list[dict]:
     return [dict(rule, BLOCK_N=n, BLOCK_K=128, num_warps=w, num_stages=3) for n, w in itertools.product((64, 128), (4, 8))]
 
 
-def bench_moe(preset: str, counts: list[int], device: torch.device) -> dict:
+def bench_moe(preset: str, counts: list[int], device: torch.device, grid: bool) -> dict:
     config = preset_config(preset)
     args = NATIVE[config["model_type"]][0].from_hf(config).moe_args()
     e, h, i, k = args.num_experts, args.hidden_size, args.intermediate_size, args.top_k
     gen = torch.Generator(device=device).manual_seed(0)
     gate_up = (torch.randn(e, 2 * i, h, device=device, generator=gen) * 0.02).to(torch.bfloat16)
     down = (torch.randn(e, h, i, device=device, generator=gen) * 0.02).to(torch.bfloat16)
-    scales = (quantize_weight(gate_up, 2), quantize_weight(down))
-    (gate_up_fp8, gate_up_scale), (down_fp8, down_scale) = scales
+    fp8_weights = (*quantize_weight(gate_up, 2), *quantize_weight(down))
+    gate_up_fp8, gate_up_scale, down_fp8, down_scale = fp8_weights
     key = shape_key(e, k, h, i, torch.bfloat16)
     shipped = shipped_table_path(torch.cuda.get_device_name(device))
     bf16_table = TileTable.load(shipped if shipped.is_file() else None, key, k, e, "the shipped MoE tile table")
@@ -165,33 +167,41 @@ def bench_moe(preset: str, counts: list[int], device: torch.device) -> dict:
         row = {"bf16": graph_us(lambda: fused_experts(x, gate_up, down, routing, expert_ids, bf16_table.tiles(count))),
                "fp8_rule": graph_us(lambda: fused_experts(x, gate_up_fp8, down_fp8, routing, expert_ids, (rule, rule),
                                                           (gate_up_scale, down_scale)))}
-        best = {}
-        blocks = moe_kernel.align_to_blocks(expert_ids, e, rule["BLOCK_M"])
-        x_fp8, x_scale = quantize_activations(x)
-        hidden = torch.randn(count * k, i, device=device, generator=gen).to(torch.bfloat16)
-        h_fp8, h_scale = quantize_activations(hidden)
-        runs = {"gate_up": lambda t: moe_kernel.grouped_matmul(
-                    x_fp8, gate_up_fp8, blocks, k, count * k, t, gated=True,
-                    fp8=moe_kernel.Fp8Operands(x_scale, gate_up_scale, torch.bfloat16)),
-                "down": lambda t: moe_kernel.grouped_matmul(
-                    h_fp8, down_fp8, blocks, 1, count * k, t, routing.reshape(-1),
-                    fp8=moe_kernel.Fp8Operands(h_scale, down_scale, torch.bfloat16))}
-        for matmul_name, run in runs.items():
-            timed = []
-            for tiles in moe_grid(rule):
-                try:
-                    timed.append((time_us(lambda: run(tiles)), tiles))
-                except Exception:  # over the shared memory: not a candidate
-                    continue
-            best[matmul_name] = min(timed, key=lambda pair: pair[0])
-        best_tiles = (best["gate_up"][1], best["down"][1])
-        row["fp8_best_tiles"] = {"gate_up": best_tiles[0], "down": best_tiles[1]}
-        row["fp8_best"] = graph_us(lambda: fused_experts(x, gate_up_fp8, down_fp8, routing, expert_ids, best_tiles,
-                                                         (gate_up_scale, down_scale)))
-        row["speedup_over_bf16"] = {"fp8_rule": row["bf16"] / row["fp8_rule"], "fp8_best": row["bf16"] / row["fp8_best"]}
+        row["speedup_over_bf16"] = {"fp8_rule": row["bf16"] / row["fp8_rule"]}
+        if grid:
+            row.update(best_moe_tiles(x, expert_ids, routing, rule, fp8_weights))
+            row["speedup_over_bf16"]["fp8_best"] = row["bf16"] / row["fp8_best"]
         out[count] = row
         print("moe", count, json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     return out
+
+
+def best_moe_tiles(x: torch.Tensor, expert_ids: torch.Tensor, routing: torch.Tensor, rule: dict,
+                   fp8_weights: tuple[torch.Tensor, ...]) -> dict:
+    """Each FP8 matmul's fastest tiles of `moe_grid` (timed alone), and the whole fused experts with them."""
+    gate_up_fp8, gate_up_scale, down_fp8, down_scale = fp8_weights
+    (count, k), num_experts, intermediate = expert_ids.shape, gate_up_fp8.shape[0], down_fp8.shape[2]
+    blocks = moe_kernel.align_to_blocks(expert_ids, num_experts, rule["BLOCK_M"])
+    x_fp8, x_scale = quantize_activations(x)
+    h_fp8, h_scale = quantize_activations(torch.randn(count * k, intermediate, device=x.device).to(torch.bfloat16))
+    runs = {"gate_up": lambda t: moe_kernel.grouped_matmul(
+                x_fp8, gate_up_fp8, blocks, k, count * k, t, gated=True,
+                fp8=moe_kernel.Fp8Operands(x_scale, gate_up_scale, torch.bfloat16)),
+            "down": lambda t: moe_kernel.grouped_matmul(
+                h_fp8, down_fp8, blocks, 1, count * k, t, routing.reshape(-1),
+                fp8=moe_kernel.Fp8Operands(h_scale, down_scale, torch.bfloat16))}
+    best = {}
+    for matmul_name, run in runs.items():
+        timed = []
+        for tiles in moe_grid(rule):
+            try:
+                timed.append((time_us(lambda: run(tiles)), tiles))
+            except Exception:  # over the shared memory: not a candidate
+                continue
+        best[matmul_name] = min(timed, key=lambda pair: pair[0])[1]
+    tiles = (best["gate_up"], best["down"])
+    return {"fp8_best_tiles": best, "fp8_best": graph_us(lambda: fused_experts(
+        x, gate_up_fp8, down_fp8, routing, expert_ids, tiles, (gate_up_scale, down_scale)))}
 
 
 def main() -> None:
@@ -201,9 +211,9 @@ def main() -> None:
     counts = [int(c) for c in args.token_counts.split(",")]
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        results["dense"][name] = bench_dense(name, n, k, counts, device)
+        results["dense"][name] = bench_dense(name, n, k, counts, device, args.grid)
     if args.moe_preset:
-        results["moe"] = bench_moe(args.moe_preset, [int(c) for c in args.moe_token_counts.split(",")], device)
+        results["moe"] = bench_moe(args.moe_preset, [int(c) for c in args.moe_token_counts.split(",")], device, args.grid)
     summary = {f"{name} M={m}": (row["fastest_fp8"], {k: round(v, 2) for k, v in row["speedup_over_bf16"].items()})
                for name, rows in results["dense"].items() for m, row in rows.items()}
     summary.update({f"moe T={c}": {k: round(v, 2) for k, v in row["speedup_over_bf16"].items()}
