@@ -7,7 +7,7 @@
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --parts engine,vllm --workloads C,D,E --out ...
     python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine --moe-tile-table T.json  # tuned MoE tiles
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --parts engine,vllm --workloads C,D --kv-cache-dtypes auto,fp8 --out ...
-    python benchmarks/inference.py --preset qwen3-30b-a3b --num-layers 12 --device cuda --parts engine --workloads A --quantizations none,fp8
+    python benchmarks/inference.py --preset qwen3-30b-a3b --num-layers 12 --device cuda --parts engine --workloads A --quantizations none,fp8 --fp8-experts
 
 Weights (`--load-format`, as `model.load_format`): `safetensors` writes the preset's folder with its random
 weights; `dummy` (the default for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB)
@@ -192,6 +192,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the table shipped for the GPU, else the rule)")
     parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=defaults.fused_blocks,
                         help="`engine.fused_blocks`: the blocks' norms, RoPE and cache write as Triton kernels")
+    parser.add_argument("--fp8-experts", action=argparse.BooleanOptionalAction, default=defaults.fp8_experts,
+                        help="`engine.fp8_experts`: with an FP8 quantization, the routed experts in FP8 too")
 
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int,
@@ -199,7 +201,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: in
     return EngineConfig(device=args.device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens or max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
                         compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table, fused_blocks=args.fused_blocks,
-                        kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+                        kv_cache_dtype=kv_cache_dtype, quantization=quantization, fp8_experts=args.fp8_experts)
 
 
 def sync(device: torch.device) -> None:
@@ -568,7 +570,7 @@ def main() -> None:
     results: dict = {"workloads": workloads, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
                      "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact,
                      "fused_blocks": args.fused_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "kv_cache_dtypes": kv_cache_dtypes, "quantizations": quantizations}
+                     "kv_cache_dtypes": kv_cache_dtypes, "quantizations": quantizations, "fp8_experts": args.fp8_experts}
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"

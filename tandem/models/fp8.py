@@ -146,13 +146,14 @@ def quantized_moes(model: nn.Module) -> list[MoE]:
     return [block.mlp for block in model.modules() if isinstance(block, DecoderLayer) and isinstance(block.mlp, MoE)]
 
 
-def fp8_weight_names(model: nn.Module) -> set[str]:
-    """The HF names of the weights `convert_to_fp8` holds in FP8 (those of `quantized_linears` and the routed experts
-    of `quantized_moes`), read from any model of the family: the trainer's bf16 one names what the engine holds in FP8."""
+def fp8_weight_names(model: nn.Module, experts: bool) -> set[str]:
+    """The HF names of the weights `convert_to_fp8` holds in FP8 (those of `quantized_linears`, and with `experts` the
+    routed experts of `quantized_moes`), read from any model of the family: the trainer's bf16 one names what the
+    engine holds in FP8."""
     names = {module: name for name, module in model.named_modules()}
     linears = {f"{names[parent]}.{attr}.weight" for parent, attr in quantized_linears(model)}
-    experts = {f"{names[moe]}.experts.{attr}" for moe in quantized_moes(model) for attr in ("gate_up_proj", "down_proj")}
-    return linears | experts
+    moes = quantized_moes(model) if experts else []
+    return linears | {f"{names[moe]}.experts.{attr}" for moe in moes for attr in ("gate_up_proj", "down_proj")}
 
 
 def quantize_named(tensors: Iterable[tuple[str, torch.Tensor]], names: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -168,15 +169,15 @@ def quantize_named(tensors: Iterable[tuple[str, torch.Tensor]], names: Collectio
             yield name, tensor
 
 
-def convert_to_fp8(model: nn.Module) -> None:
-    """Replace the layers of `quantized_linears` by empty `Fp8Linear`s and the routed experts of `quantized_moes` by
-    empty `Fp8Experts` on their device (meant for a model on `meta`, before its weights load; its own forward cannot
-    multiply by the linear layers: the engine installs one that can)."""
+def convert_to_fp8(model: nn.Module, experts: bool) -> None:
+    """Replace the layers of `quantized_linears` by empty `Fp8Linear`s and, with `experts`, the routed experts of
+    `quantized_moes` by empty `Fp8Experts` on their device (meant for a model on `meta`, before its weights load; its
+    own forward cannot multiply by the linear layers: the engine installs one that can)."""
     for parent, name in quantized_linears(model):
         linear: nn.Linear = getattr(parent, name)
         with torch.device(linear.weight.device):
             setattr(parent, name, Fp8Linear(linear.in_features, linear.out_features, linear.bias))
-    for moe in quantized_moes(model):
+    for moe in quantized_moes(model) if experts else []:
         held = moe.experts.down_proj
         with torch.device(held.device):
             moe.experts = Fp8Experts(moe.args.num_experts, moe.args.hidden_size, moe.args.intermediate_size, held.dtype)

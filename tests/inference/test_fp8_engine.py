@@ -98,24 +98,29 @@ def test_fp8_logprobs_stay_close_to_the_unquantized_models(tiny_dir, tiny_model)
     check_close_to_unquantized(generate(engine_for(tiny_dir)), tiny_model, "cpu", FACTORS_PER_BLOCK)
 
 
-def test_the_projections_and_routed_experts_are_held_in_fp8(tiny_dir, tiny_moe_dir, tiny_glm_dir):
+@pytest.mark.parametrize("fp8_experts", [True, False])
+def test_the_projections_and_routed_experts_are_held_in_fp8(tiny_dir, tiny_moe_dir, tiny_glm_dir, fp8_experts):
     """Embeddings, norms, the LM head and routers keep the model's dtype; the rest of each block is FP8: 7 weights a
     dense block, 4 + 2 a block of routed experts, 4 + 3 + 2 with a shared expert (GLM-4.5's, whose first block is
-    dense)."""
-    for folder, num_fp8 in ((tiny_dir, 7 * 2), (tiny_moe_dir, 6 * 2), (tiny_glm_dir, 7 + 9 * 2)):
-        state = engine_for(folder).weight_target.state_dict()
+    dense); without `fp8_experts` the 2 routed experts' weights keep the model's dtype."""
+    experts = 2 if fp8_experts else 0
+    for folder, num_fp8 in ((tiny_dir, 7 * 2), (tiny_moe_dir, (4 + experts) * 2), (tiny_glm_dir, 7 + (7 + experts) * 2)):
+        state = engine_for(folder, fp8_experts=fp8_experts).weight_target.state_dict()
         fp8 = {name for name, t in state.items() if t.dtype == FP8}
         assert len(fp8) == num_fp8 and all(QUANTIZED_MOE.fullmatch(name) for name in fp8), folder
         assert all(name.removesuffix("_scale_inv") in fp8 for name in state if name.endswith("_scale_inv"))
         assert all(t.dtype == torch.float32 for name, t in state.items() if name not in fp8), folder
 
 
-def test_a_bf16_model_names_the_weights_the_engine_holds_in_fp8(tiny_dir, tiny_moe_dir, tiny_glm_dir):
-    """What the trainer's broadcast quantizes (`fp8_weight_names` of its own bf16 model) is what the engine holds in
-    FP8, no more and no less: the dense projections, the shared experts' and the routed experts'."""
+@pytest.mark.parametrize("fp8_experts", [True, False])
+def test_a_bf16_model_names_the_weights_the_engine_holds_in_fp8(tiny_dir, tiny_moe_dir, tiny_glm_dir, fp8_experts):
+    """What the trainer's broadcast quantizes (`fp8_weight_names` of its own bf16 model, told
+    `weight_transport.fp8_experts`) is what the engine holds in FP8, no more and no less: the dense projections, the
+    shared experts' and, with `fp8_experts`, the routed experts'."""
     for folder in (tiny_dir, tiny_moe_dir, tiny_glm_dir):
-        held = {name for name, t in engine_for(folder).weight_target.state_dict().items() if t.dtype == FP8}
-        assert fp8_weight_names(build_native(read_hf_config(folder), "meta", torch.bfloat16)) == held, folder
+        state = engine_for(folder, fp8_experts=fp8_experts).weight_target.state_dict()
+        held = {name for name, t in state.items() if t.dtype == FP8}
+        assert fp8_weight_names(build_native(read_hf_config(folder), "meta", torch.bfloat16), fp8_experts) == held
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +136,8 @@ def test_fp8_experts_compute_the_scheme_and_stay_close_to_the_unquantized_moe(pr
     expert by expert), as for a dense model; and against the unquantized model within FP8's reach. The families
     whose mixture of experts runs the engine's fused MoE path."""
     folder = {"tiny-moe": tiny_moe_dir, "tiny-glm4-moe": tiny_glm_dir}.get(preset) or request.getfixturevalue("tiny_minimax_dir")
-    results = generate(engine_for(folder))
-    fp8_model = load_causal_lm(str(folder), quantization="fp8")
+    results = generate(engine_for(folder, fp8_experts=True))
+    fp8_model = load_causal_lm(str(folder), quantization="fp8", fp8_experts=True)
     apply_fp8_blocks(fp8_model, kernels=False)
     assert all(isinstance(layer.mlp.experts, Fp8Experts) for layer in fp8_model.layers if hasattr(layer.mlp, "experts"))
     differences = torch.cat([(torch.tensor(lp) - teacher_forced_logprobs(fp8_model, p, ids, t)).abs()
@@ -181,10 +186,10 @@ def tiny_glm_fp8_dir(tiny_glm_dir, tmp_path_factory):
 def test_an_fp8_checkpoint_of_experts_loads_as_it_is_and_generates(tiny_glm_dir, tiny_glm_fp8_dir):
     """Each expert's FP8 tensors and scales, stacked, are what the engine holds, bit for bit; the same as quantizing
     the bf16 checkpoint on load, so both engines sample the same tokens with the same logprobs. Without
-    `quantization` the experts are dequantized into the model's dtype."""
+    `quantization`, or without `fp8_experts`, the experts are dequantized into the model's dtype."""
     on_disk = load_file(str(tiny_glm_fp8_dir / "model.safetensors"))
     assert "model.layers.1.mlp.experts.7.up_proj.weight_scale_inv" in on_disk
-    from_checkpoint, on_load = engine_for(tiny_glm_fp8_dir), engine_for(tiny_glm_dir)
+    from_checkpoint, on_load = engine_for(tiny_glm_fp8_dir, fp8_experts=True), engine_for(tiny_glm_dir, fp8_experts=True)
     assert_same_tensors(fp8_state(from_checkpoint), fp8_state(on_load))
     held = fp8_state(from_checkpoint)
     for j in (0, 7):  # expert j's gate rows, then its up rows, each with the blocks of its own tensor
@@ -198,13 +203,14 @@ def test_an_fp8_checkpoint_of_experts_loads_as_it_is_and_generates(tiny_glm_dir,
                            on_disk[f"{prefix}.down_proj.weight_scale_inv"])
     assert generate(from_checkpoint) == generate(on_load)
 
-    dequantized = engine_for(tiny_glm_fp8_dir, quantization="none")
-    state = dequantized.weight_target.state_dict()
-    assert not fp8_state(dequantized)
     expected = dequantize_weight(on_disk["model.layers.2.mlp.experts.3.down_proj.weight"],
                                  on_disk["model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"])
-    assert torch.equal(state["model.layers.2.mlp.experts.down_proj"][3], expected)
-    generate(dequantized)
+    for quantization in ("none", "fp8"):  # "fp8" without `fp8_experts`: the experts alone in the model's dtype
+        dequantized = engine_for(tiny_glm_fp8_dir, quantization=quantization)
+        state = dequantized.weight_target.state_dict()
+        assert torch.equal(state["model.layers.2.mlp.experts.down_proj"][3], expected)
+        assert bool(fp8_state(dequantized)) == (quantization == "fp8")
+        generate(dequantized)
 
 
 def test_experts_updates_quantize_on_load_and_a_quantized_broadcast_equals_them(tiny_glm_dir, tmp_path_factory):
@@ -213,11 +219,11 @@ def test_experts_updates_quantize_on_load_and_a_quantized_broadcast_equals_them(
     the names its bf16 model gives) loads to the same bits."""
     other = init_model("tiny-glm4-moe", tmp_path_factory.mktemp("tiny_glm_other"), seed=1)
     update = load_state_dict(other)
-    engine = engine_for(tiny_glm_dir)
+    engine = engine_for(tiny_glm_dir, fp8_experts=True)
     engine.update_weights(update)
-    assert generate(engine) == generate(engine_for(other))
-    broadcast = engine_for(tiny_glm_dir)
-    names = fp8_weight_names(build_native(read_hf_config(tiny_glm_dir), "meta", torch.bfloat16))
+    assert generate(engine) == generate(engine_for(other, fp8_experts=True))
+    broadcast = engine_for(tiny_glm_dir, fp8_experts=True)
+    names = fp8_weight_names(build_native(read_hf_config(tiny_glm_dir), "meta", torch.bfloat16), experts=True)
     sent = dict(quantize_named(update.items(), names))
     assert sum(t.dtype == FP8 for t in sent.values()) == len(names)
     broadcast.update_weights(sent)
@@ -262,7 +268,8 @@ def test_dummy_weights_are_the_random_weights_quantized(tiny_dir, tiny_moe_dir):
     assert isinstance(layer, Fp8Linear)
     q, scale_inv = quantize_weight(initial_value(name, layer.weight.shape, DUMMY_SEED, "cpu"))
     assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale_inv, scale_inv)
-    experts = engine_for(tiny_moe_dir, load_format="dummy").weight_target.get_submodule("model.layers.1.mlp.experts")
+    experts = engine_for(tiny_moe_dir, load_format="dummy", fp8_experts=True).weight_target.get_submodule(
+        "model.layers.1.mlp.experts")
     assert isinstance(experts, Fp8Experts)
     name = "model.layers.1.mlp.experts.gate_up_proj"
     q, scale_inv = quantize_weight(initial_value(name, experts.gate_up_proj.shape, DUMMY_SEED, "cpu"), parts=2)
@@ -303,11 +310,11 @@ def test_fp8_experts_on_cuda_stay_close_to_bf16(preset, tiny_moe_dir, tiny_glm_d
     """The fused MoE kernels in block FP8 (routed experts), the dense FP8 feed-forward (shared experts), decode steps
     from CUDA graphs; against the same model unquantized, and against the eager FP8 experts (the reference)."""
     folder = {"tiny-moe": tiny_moe_dir, "tiny-glm4-moe": tiny_glm_dir}[preset]
-    engine = engine_for(folder, device="cuda", max_num_seqs=8)
+    engine = engine_for(folder, device="cuda", max_num_seqs=8, fp8_experts=True)
     assert engine.runner.graphs is not None and engine.runner.model.layers[1].mlp.forward.func.__name__ == "fused_moe_forward"
     results = generate(engine)
     check_close_to_unquantized(results, load_causal_lm(str(folder), "cuda"), "cuda", FACTORS_PER_BLOCK)
-    fp8_model = load_causal_lm(str(folder), "cuda", quantization="fp8")
+    fp8_model = load_causal_lm(str(folder), "cuda", quantization="fp8", fp8_experts=True)
     apply_fp8_blocks(fp8_model, kernels=False)
     differences = torch.cat([(torch.tensor(lp) - teacher_forced_logprobs(fp8_model, p, ids, t, "cuda")).abs()
                              for p, ids, lp, t in results.values()])

@@ -119,7 +119,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         check_fp8_device(device, "engine.kv_cache_dtype", "auto")
     folder = resolve_model_path(model_config.name)
     model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, model_config.load_format,
-                           engine.quantization)
+                           engine.quantization, engine.fp8_experts)
     if fp8:  # before anything runs the model: its own forward cannot multiply by FP8 layers
         apply_fp8_blocks(model, kernels=engine.fused_blocks)
     if exact:
