@@ -3,15 +3,16 @@
     python benchmarks/fp8_matmul.py --out $OUT/fp8-matmul.json          # CUDA (compute capability 8.9 on), ~1 minute
 
 Dense projections (`--shapes`, default the block projections of Qwen3-0.6B and of Qwen3-30B-A3B's attention), at
-token counts from one decode token to a prefill chunk, each timed alone (`triton.testing.do_bench`: CUDA events,
-L2 flushed, median), all in the same run:
+token counts from one decode token to a prefill chunk, each replayed from a CUDA graph as decode steps run it
+(`triton.testing.do_bench_cudagraph`, median: the host's launch cost left out, which timing eager calls would add
+to these few-microsecond products), all in the same run:
 - `bf16`: `F.linear` on bf16 weights (the baseline);
 - `triton`: the engine's path (`tandem.kernels.fp8`: the activations' quantization, then the product with
-  `launch_config`'s tiles), and `triton_best`: the fastest of a grid of tiles for the product (its tiles named), so
-  that `launch_config` can be set from it;
+  `launch_config`'s tiles), and `triton_best`: the fastest of a grid of tiles and reduction splits (`SPLIT_K`)
+  for the product (named), so that `launch_config` can be set from it;
 - `scaled_mm`: the same quantization, then cuBLAS's block-scaled `torch._scaled_mm` (1 x 128 activation scales,
-  128 x 128 weight scales), where it accepts the shape; its output is checked against the reference first
-  (`agrees`), and a refusal is recorded with its error.
+  128 x 128 weight scales), where it accepts the shape; its output is checked against the reference first (the
+  layout of the weight scales it took: `scaled_mm_scale_b`), and a refusal is recorded with its error.
 Routed experts (`--moe-preset`, default qwen3-30b-a3b's shape, random routing): the whole `fused_experts` replayed
 from a CUDA graph (as decode steps run it) in bf16 (the shipped tile table for the GPU, else the rule) and in FP8
 (the rule's FP8 tiles, and the fastest of a small grid of FP8 tiles per matmul: `fp8_best_tiles`).
@@ -33,8 +34,7 @@ import torch.nn.functional as F
 from provenance import environment
 from tandem.inference.engine.fused_moe import fused_experts
 from tandem.kernels import moe as moe_kernel
-from tandem.kernels.fp8 import (GROUP, BlockFp8Weight, launch_config, matmul, num_multiprocessors, quantize_activations,
-                                reference_matmul)
+from tandem.kernels.fp8 import GROUP, BlockFp8Weight, launch_config, matmul, quantize_activations, reference_matmul
 from tandem.kernels.moe_tiles import TileTable, rule_tiles, shape_key, shipped_table_path
 from tandem.models.fp8 import block_rows, quantize_weight
 from tandem.models.loading import NATIVE
@@ -69,12 +69,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def time_us(fn) -> float:
-    import triton.testing
-
-    return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
-
-
 def graph_us(fn) -> float:
     import triton.testing
 
@@ -102,14 +96,14 @@ def bench_dense(name: str, n: int, k: int, counts: list[int], device: torch.devi
     for m in counts:
         x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
         x_fp8, x_scale = quantize_activations(x)
-        row = {"bf16": time_us(lambda: F.linear(x, w))}
-        row["triton"] = time_us(lambda: matmul(*quantize_activations(x), weight, None, torch.bfloat16))
-        row["triton_product_only"] = time_us(lambda: matmul(x_fp8, x_scale, weight, None, torch.bfloat16))
-        row["triton_tiles"] = launch_config(m, n, k, num_multiprocessors(device.index))
+        row = {"bf16": graph_us(lambda: F.linear(x, w))}
+        row["triton"] = graph_us(lambda: matmul(*quantize_activations(x), weight, None, torch.bfloat16))
+        row["triton_product_only"] = graph_us(lambda: matmul(x_fp8, x_scale, weight, None, torch.bfloat16))
+        row["triton_tiles"] = launch_config(m)
         best = None
         for config in (c for c in DENSE_GRID if grid and c["BLOCK_M"] <= max(16, 2 * m) and c["SPLIT_K"] * 2 * GROUP <= k):
             try:
-                t = time_us(lambda: matmul(x_fp8, x_scale, weight, None, torch.bfloat16, config))
+                t = graph_us(lambda: matmul(x_fp8, x_scale, weight, None, torch.bfloat16, config))
             except Exception:  # a tile over the shared memory or registers: not a candidate
                 continue
             if best is None or t < best[0]:
@@ -128,7 +122,7 @@ def bench_dense(name: str, n: int, k: int, counts: list[int], device: torch.devi
             error = ((got.float() - reference).norm() / reference.norm()).item()
             if error < 2 ** -7:
                 row["scaled_mm_scale_b"], row["scaled_mm_relative_error"] = layout, error
-                row["scaled_mm"] = time_us(lambda: scaled_mm(*quantize_activations(x), weight.weight, scale_b))
+                row["scaled_mm"] = graph_us(lambda: scaled_mm(*quantize_activations(x), weight.weight, scale_b))
                 break
             errors[layout] = f"disagrees with the reference: relative error {error:.3g}"
         if "scaled_mm" not in row:
@@ -195,7 +189,7 @@ def best_moe_tiles(x: torch.Tensor, expert_ids: torch.Tensor, routing: torch.Ten
         timed = []
         for tiles in moe_grid(rule):
             try:
-                timed.append((time_us(lambda: run(tiles)), tiles))
+                timed.append((graph_us(lambda: run(tiles)), tiles))
             except Exception:  # over the shared memory: not a candidate
                 continue
         best[matmul_name] = min(timed, key=lambda pair: pair[0])[1]

@@ -137,55 +137,30 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.t()
 
 
-def launch_config(M: int, N: int, K: int, num_sms: int) -> dict:
+def launch_config(M: int) -> dict:
     """Tiles by the number of rows: small tiles where few tokens run (decode), so that more programs share the
-    weight's columns; BLOCK_K is the scale group, so each partial product has one pair of scales.
-
-    Where the tiles still leave most of the GPU's `num_sms` multiprocessors idle (decode: a few row tiles times
-    N / BLOCK_N column tiles), the reduction is split too (SPLIT_K): each program sums a share of K's groups, and
-    the shares are added in fp32 after (a fixed order: deterministic). A decode step reads each weight once, so it
-    runs at memory speed only with enough programs reading at once."""
+    weight's columns; BLOCK_K is the scale group, so each partial product has one pair of scales. One program per
+    tile: the kernel can also split the reduction (`SPLIT_K`, for decode steps whose few column tiles leave most
+    multiprocessors idle), which `benchmarks/fp8_matmul.py` times; the engine does not split until a GPU run shows
+    it pays."""
     if M <= 16:
-        config = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
-    elif M <= 64:
-        config = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
-    else:
-        config = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
-    programs = -(-M // config["BLOCK_M"]) * -(-N // config["BLOCK_N"])
-    groups = -(-K // GROUP)
-    split = 1
-    while programs * split * 2 <= num_sms and groups // (split * 2) >= MIN_GROUPS_PER_SPLIT:
-        split *= 2
-    return dict(config, SPLIT_K=split)
-
-
-MIN_GROUPS_PER_SPLIT = 2
-"""Fewest 128-column groups one share of a split reduction sums: below that, the partials' writes and their sum
-cost more than the extra programs gain."""
-
-
-@functools.cache
-def num_multiprocessors(index: int | None) -> int:
-    """Read once per device, as `_capability`."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-DEFAULT_MULTIPROCESSORS = 132
-"""Multiprocessors assumed where none can be asked (Triton's interpreter on the CPU): a large datacenter GPU's count, so
-that the interpreter runs the split reductions a GPU would."""
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+    if M <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
 def matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
            out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """`reference_matmul` by the Triton kernel; `config`: its tiles (default `launch_config`'s; the benchmark
-    `benchmarks/fp8_matmul.py` tries others)."""
+    `benchmarks/fp8_matmul.py` tries others), with `SPLIT_K` shares of K's groups each summed by a program of its own
+    and added after in fp32, in a fixed order (deterministic)."""
     M, K = x_fp8.shape
     N = weight.weight.shape[0]
     w = weight.weight
     if w.stride(1) != 1:
         raise ValueError(f"the FP8 weight must have contiguous rows, got strides {tuple(w.stride())}")
-    sms = num_multiprocessors(x_fp8.device.index) if x_fp8.is_cuda else DEFAULT_MULTIPROCESSORS
-    config = dict(config or launch_config(M, N, K, sms))
+    config = dict(config or launch_config(M))
     split = config.pop("SPLIT_K", 1)
     out = torch.empty(M, N, dtype=out_dtype, device=x_fp8.device)
     # Split: each share writes its fp32 partial sums, added after in a fixed order (then the bias, then the rounding).

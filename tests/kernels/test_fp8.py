@@ -122,9 +122,7 @@ def test_stacked_layers_keep_their_own_blocks_where_a_part_is_not_a_multiple_of_
 
 
 SHAPES = [(1, 256, 128), (7, 130, 200), (16, 384, 384), (33, 1024, 1024), (200, 320, 448), (1000, 256, 256)]
-"""(M, N, K): one token (decode) to many, widths off the 128 grid, each tile size of `launch_config`, and reductions
-it splits (decode-sized M over a few column tiles: (33, 1024, 1024) on a GPU, (200, 320, 448) under the
-interpreter's assumed 132 multiprocessors)."""
+"""(M, N, K): one token (decode) to many, widths off the 128 grid, each tile size of `launch_config`."""
 
 
 def fp8_layers(parts: list[torch.Tensor]) -> BlockFp8Weight:
