@@ -60,7 +60,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="0.6b_down,30b_qkv", help=f"dense shapes among {list(SHAPES)}")
     parser.add_argument("--token-counts", default=",".join(map(str, TOKEN_COUNTS)))
-    parser.add_argument("--moe-preset", default="qwen3-30b-a3b", choices=list(PRESETS), help="'' to skip the experts")
+    parser.add_argument("--moe-preset", default="qwen3-30b-a3b", choices=[*PRESETS, ""], help="'' to skip the experts")
     parser.add_argument("--moe-token-counts", default=",".join(map(str, MOE_COUNTS)))
     parser.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                         help="time the grids of tiles too (--no-grid: the engine's choices only, a run of seconds)")
