@@ -7,6 +7,7 @@
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --parts engine,vllm --workloads C,D,E --out ...
     python benchmarks/inference.py --preset qwen3-30b-a3b --device cuda --parts engine --moe-tile-table T.json  # tuned MoE tiles
     python benchmarks/inference.py --preset qwen3-0.6b --device cuda --parts engine,vllm --workloads C,D --kv-cache-dtypes auto,fp8 --out ...
+    python benchmarks/inference.py --preset qwen3-30b-a3b --num-layers 12 --device cuda --parts engine --workloads A --quantizations none,fp8 --fp8-experts
 
 Weights (`--load-format`, as `model.load_format`): `safetensors` writes the preset's folder with its random
 weights; `dummy` (the default for presets too large for the GPU host's disk, such as qwen3-30b-a3b: 61 GB)
@@ -66,6 +67,11 @@ the names above; `fp8`'s carry the suffix `_kv_fp8` (`engine_C_kv_fp8`, `kv_cach
 `ratio_engine_C_kv_fp8_over_vllm_with_logprobs` (over vLLM in bf16) and
 `ratio_engine_C_kv_fp8_over_vllm_kv_fp8_with_logprobs`.
 
+Weight quantizations (`--quantizations`, `engine.quantization`, default `none`): likewise the engine parts run once
+per value listed (and per KV-cache dtype), each on an engine of its own; `fp8`'s figures carry the suffix `_w_fp8`
+before any KV one (`engine_A_w_fp8`, `engine_A_w_fp8_kv_fp8`), with the ratio `ratio_engine_A_w_fp8_over_engine_A`.
+vLLM runs in the model's dtype whatever this says.
+
 Each part that fails is recorded in the result file with its error and the run goes on (GPU
 time is scarce; one broken baseline should not cost the others).
 """
@@ -120,11 +126,18 @@ SHARED_ENGINE = ("A", "B", "C", "D", "G")
 """Workloads run on one engine (and one vLLM) sized for them all; E and F build their own (32k, 128k)."""
 KV_CACHE_DTYPES = ("auto", "fp8")
 """`engine.kv_cache_dtype`s the engine parts can run with (`--kv-cache-dtypes`)."""
+QUANTIZATIONS = ("none", "fp8")
+"""`engine.quantization`s the engine parts can run with (`--quantizations`)."""
 
 
 def kv_suffix(kv_cache_dtype: str) -> str:
     """The suffix of the figures of a KV-cache dtype: none for the default, `_kv_fp8` for FP8."""
     return "" if kv_cache_dtype == "auto" else f"_kv_{kv_cache_dtype}"
+
+
+def variant_suffix(quantization: str, kv_cache_dtype: str) -> str:
+    """The suffix of the engine figures of one weight quantization and KV-cache dtype: `_w_fp8`, then `kv_suffix`."""
+    return ("" if quantization == "none" else f"_w_{quantization}") + kv_suffix(kv_cache_dtype)
 
 
 def parse_args() -> argparse.Namespace:
@@ -153,6 +166,9 @@ def parse_args() -> argparse.Namespace:
                         "per dtype; fp8's figures carry the suffix _kv_fp8")
     parser.add_argument("--cascade-off-too", action="store_true",
                         help="run each shared workload but A again with cascade attention off, on the same engine")
+    parser.add_argument("--quantizations", default="none",
+                        help="comma-separated `engine.quantization`s (none, fp8): the engine parts run once per value "
+                        "(and KV-cache dtype); fp8's figures carry the suffix _w_fp8")
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
                         "(tandem.models.exact); the mismatch part then recomputes as the exact trainer does (expect 0)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
@@ -191,15 +207,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`engine.cascade_attention`: groups read their shared prompt once per decode step")
     parser.add_argument("--cascade-min-saved-tokens", type=int, default=defaults.cascade_min_saved_tokens,
                         help="`engine.cascade_min_saved_tokens`")
+    parser.add_argument("--fp8-experts", action=argparse.BooleanOptionalAction, default=defaults.fp8_experts,
+                        help="`engine.fp8_experts`: with an FP8 quantization, the routed experts in FP8 too")
 
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int,
-                  kv_cache_dtype: str = "auto") -> EngineConfig:
+                  kv_cache_dtype: str = "auto", quantization: str = "none") -> EngineConfig:
     return EngineConfig(device=args.device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens or max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
                         compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table, fused_blocks=args.fused_blocks,
                         kv_cache_dtype=kv_cache_dtype, cascade_attention=args.cascade_attention,
-                        cascade_min_saved_tokens=args.cascade_min_saved_tokens)
+                        cascade_min_saved_tokens=args.cascade_min_saved_tokens, quantization=quantization,
+                        fp8_experts=args.fp8_experts)
 
 
 def sync(device: torch.device) -> None:
@@ -435,7 +454,7 @@ def roofline_of(engine, results: dict, keys: list[str], bandwidths: dict) -> Non
 
 
 def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workloads: dict, prompts: dict, vocab: int,
-                 parts: set, bandwidths: dict, kv_cache_dtype: str = "auto") -> None:
+                 parts: set, bandwidths: dict, kv_cache_dtype: str = "auto", quantization: str = "none") -> None:
     """The engine on the shared workloads asked for (A with repeats and its read-each-step baseline; the
     mismatch on B), one engine sized for them all. Its memory is the caller's to free once this returns (the
     closures here hold the engine until then)."""
@@ -443,7 +462,8 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
     max_len = max(w["prompt_len"] + w["output_len"] for w in workloads.values())
     t0 = time.perf_counter()
     model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
-    engine = build_engine(model_config, engine_config(args, max_seqs, max_len, kv_cache_dtype), args.seed, exact=args.exact)
+    engine = build_engine(model_config, engine_config(args, max_seqs, max_len, kv_cache_dtype, quantization), args.seed,
+                          exact=args.exact)
     results["engine_build_s"] = time.perf_counter() - t0
     results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
                            "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}
@@ -490,12 +510,12 @@ def without_cascade(engine, prompts: list[list[int]], w: dict) -> dict:
 
 
 def bench_long_decode(folder: Path, args: argparse.Namespace, name: str, w: dict, prompts: list[list[int]],
-                      bandwidths: dict, kv_cache_dtype: str = "auto") -> dict:
+                      bandwidths: dict, kv_cache_dtype: str = "auto", quantization: str = "none") -> dict:
     """Workload `name` (E or F) on an engine of its own, sized for it: the decode step at its long context and
     its roofline."""
     model_config = ModelConfig(name=str(folder), dtype=args.dtype, load_format=args.load_format)
     engine = build_engine(model_config, engine_config(args, w["num_prompts"] * w["n"], w["prompt_len"] + w["output_len"],
-                                                      kv_cache_dtype), args.seed, exact=args.exact)
+                                                      kv_cache_dtype, quantization), args.seed, exact=args.exact)
     run_engine(engine, [[1] * 64, [2] * 64], 1, 4)  # warmup (prompts no later one shares a block with)
     result = {f"engine_{name}": run_engine(engine, prompts, w["n"], w["output_len"])}
     roofline_of(engine, result, [f"engine_{name}"], bandwidths)
@@ -511,7 +531,8 @@ def free_device_memory(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def add_ratios(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) -> None:
+def add_ratios(results: dict, workloads: list[str], suffixes: list[str]) -> None:
+    """`suffixes`: those of the engine variants run (`variant_suffix`); vLLM's are the KV-cache dtypes' alone."""
     engine_a = results.get("engine_A", {}).get("output_tokens_per_s")
     read_each_step = results.get("engine_A_read_each_step", {}).get("output_tokens_per_s")
     if engine_a and read_each_step:
@@ -528,7 +549,7 @@ def add_ratios(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) 
         if on and off:
             results[f"ratio_engine_{key}_over_engine_{key}_cascade_off"] = on / off
         anchor = results.get("vllm", {}).get(f"vllm_{key}_logprobs", {}).get("output_tokens_per_s")
-        for suffix in map(kv_suffix, kv_cache_dtypes):
+        for suffix in suffixes:
             engine = results.get(f"engine_{key}{suffix}", {}).get("output_tokens_per_s")
             if engine and anchor:
                 results[f"ratio_engine_{key}{suffix}_over_vllm_with_logprobs"] = engine / anchor
@@ -542,9 +563,9 @@ def add_ratios(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) 
                 results[f"ratio_engine_{key}{suffix}_over_vllm{suffix}_with_logprobs"] = engine / alike
 
 
-def summarize(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) -> dict:
+def summarize(results: dict, workloads: list[str], kv_cache_dtypes: list[str], suffixes: list[str]) -> dict:
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items() if k.startswith("ratio")}
-    keys = [f"{key}{suffix}" for suffix in map(kv_suffix, kv_cache_dtypes)
+    keys = [f"{key}{suffix}" for suffix in suffixes
             for key in ("engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads if k != "A"),
                         *(f"engine_{k}_cascade_off" for k in workloads if k != "A"), "mismatch_B")]
     keys += ["server_A", "transformers_generate_A", "transformers_generate_batch_A"]
@@ -575,13 +596,18 @@ def main() -> None:
     kv_cache_dtypes = args.kv_cache_dtypes.split(",")
     if not set(kv_cache_dtypes) <= set(KV_CACHE_DTYPES):
         raise SystemExit(f"--kv-cache-dtypes: {args.kv_cache_dtypes!r}; choose among {list(KV_CACHE_DTYPES)}")
+    quantizations = args.quantizations.split(",")
+    if not set(quantizations) <= set(QUANTIZATIONS):
+        raise SystemExit(f"--quantizations: {args.quantizations!r}; choose among {list(QUANTIZATIONS)}")
+    variants = [(q, kv) for q in quantizations for kv in kv_cache_dtypes]
+    suffixes = [variant_suffix(q, kv) for q, kv in variants]
     device = resolve_device(args.device)
     workloads = {k: scaled(args, k) for k in chosen}
     results: dict = {"workloads": workloads, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
                      "cascade_attention": args.cascade_attention, "cascade_min_saved_tokens": args.cascade_min_saved_tokens,
                      "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact,
                      "fused_blocks": args.fused_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "kv_cache_dtypes": kv_cache_dtypes}
+                     "kv_cache_dtypes": kv_cache_dtypes, "quantizations": quantizations, "fp8_experts": args.fp8_experts}
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
@@ -600,15 +626,17 @@ def main() -> None:
         if parts & {"engine", "mismatch"}:
             bandwidths = {"nominal": nominal_bandwidth(device), "measured_copy": measured_copy_bandwidth(device)}
             results["memory_bandwidth"] = bandwidths
-            for kv in kv_cache_dtypes:
+            for q, kv in variants:
+                suffix = variant_suffix(q, kv)
                 if shared:
                     figures: dict = {}
-                    bench_engine(folder, args, figures, shared, {k: prompts[k] for k in shared}, vocab, parts, bandwidths, kv)
+                    bench_engine(folder, args, figures, shared, {k: prompts[k] for k in shared}, vocab, parts, bandwidths,
+                                 kv, q)
                     free_device_memory(args)
-                    results.update({f"{key}{kv_suffix(kv)}": value for key, value in figures.items()})
+                    results.update({f"{key}{suffix}": value for key, value in figures.items()})
                 for name in (k for k in ("E", "F") if k in workloads):
-                    attempt(results, f"engine_{name}{kv_suffix(kv)}",
-                            lambda: bench_long_decode(folder, args, name, workloads[name], prompts[name], bandwidths, kv))
+                    attempt(results, f"engine_{name}{suffix}",
+                            lambda: bench_long_decode(folder, args, name, workloads[name], prompts[name], bandwidths, kv, q))
         if "vllm" in parts and shared:
             for kv in kv_cache_dtypes:
                 attempt(results, f"vllm{kv_suffix(kv)}",
@@ -623,8 +651,8 @@ def main() -> None:
                 attempt(results, "transformers_generate_A", lambda: bench_generate(model, device, a, prompts_a))
             if "generate_batch" in parts:
                 attempt(results, "transformers_generate_batch_A", lambda: bench_generate_batch(model, device, a, prompts_a))
-    add_ratios(results, chosen, kv_cache_dtypes)
-    summary = summarize(results, chosen, kv_cache_dtypes)
+    add_ratios(results, chosen, suffixes)
+    summary = summarize(results, chosen, kv_cache_dtypes, suffixes)
     print(json.dumps(summary, indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")

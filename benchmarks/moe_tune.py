@@ -2,6 +2,11 @@
 
     python benchmarks/moe_tune.py --preset qwen3-30b-a3b --out $OUT          # about 2-3 minutes on one H200
     TRITON_INTERPRET=1 python benchmarks/moe_tune.py --preset tiny-moe --token-counts 1,40 --quick --out /tmp/t
+    python benchmarks/moe_tune.py --preset qwen3-30b-a3b --fp8 --out $OUT     # the FP8 experts' tiles
+
+`--fp8`: the experts as `engine.quantization = "fp8"` holds them (128 x 128 block FP8, each matmul's rows quantized
+per 128 columns beforehand, out of the timings), with tiles whose BLOCK_K divides 128 (one scale group a step); the
+table's key names `dtype=float8_e4m3fn`, so one table file can hold both.
 
 For the preset's expert shapes (gate_up [E, 2I, H], SiLU * up in its epilogue; down [E, H, I], times the
 routing weights) and the token counts the engine runs (decode batches of its CUDA graphs, prefill chunks),
@@ -45,7 +50,9 @@ from provenance import environment
 from roofline import nominal_bandwidth
 from tandem.kernels import moe as moe_kernel
 from tandem.inference.engine.fused_moe import fused_experts
+from tandem.kernels.fp8 import FP8, GROUP, quantize_activations
 from tandem.kernels.moe_tiles import TILE_KEYS, rule_tiles, shape_key, shipped_table_path
+from tandem.models.fp8 import quantize_weight
 from tandem.models.loading import NATIVE, build_native
 from tandem.models.moe import MoE, MoEArgs
 from tandem.models.presets import PRESETS, preset_config
@@ -74,6 +81,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--token-counts", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--budget-s", type=float, default=150.0, help="seconds of tuning; past them, the rule's tiles")
     parser.add_argument("--quick", action="store_true", help="a grid of two tiles (a check that the script runs)")
+    parser.add_argument("--fp8", action="store_true", help="tune the FP8 experts (`engine.quantization = \"fp8\"`)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", help="the commit measured (see benchmarks/provenance.py)")
     return parser.parse_args()
@@ -92,11 +100,16 @@ def num_moe_layers(preset: str) -> int:
     return sum(isinstance(m, MoE) for m in build_native(preset_config(preset)).modules())
 
 
-def expert_weights(args: MoEArgs, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Random expert weights in the model's layout (`tandem.models.moe.GroupedExperts`)."""
+def expert_weights(args: MoEArgs, device: torch.device, dtype: torch.dtype, fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Random expert weights in the model's layout (`tandem.models.moe.GroupedExperts`); `fp8`: in block FP8
+    (`tandem.models.fp8.Fp8Experts`), their scales under `<matmul>_scales`."""
     e, h, i = args.num_experts, args.hidden_size, args.intermediate_size
-    return {"gate_up": (torch.randn(e, 2 * i, h, device=device) * 0.02).to(dtype),
-            "down": (torch.randn(e, h, i, device=device) * 0.02).to(dtype)}
+    weights = {"gate_up": (torch.randn(e, 2 * i, h, device=device) * 0.02).to(dtype),
+               "down": (torch.randn(e, h, i, device=device) * 0.02).to(dtype)}
+    if fp8:
+        weights["gate_up"], weights["gate_up_scales"] = quantize_weight(weights["gate_up"], parts=2)
+        weights["down"], weights["down_scales"] = quantize_weight(weights["down"])
+    return weights
 
 
 class Problem:
@@ -113,6 +126,13 @@ class Problem:
         self.hidden = torch.randn(self.num_copies, args.intermediate_size, device=device, dtype=dtype)
         self.experts_hit = self.expert_ids.unique().numel()
         self.layouts: dict[int, moe_kernel.ExpertBlocks] = {}
+        self.fp8 = weights["gate_up"].dtype == FP8
+        if self.fp8:  # each matmul's rows quantized once, as the engine does before it (not timed here)
+            self.rows = {m: quantize_activations(a) for m, a in (("gate_up", self.x), ("down", self.hidden))}
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts' block scales (gate_up, down) where they are FP8, as `fused_experts` takes them."""
+        return (self.weights["gate_up_scales"], self.weights["down_scales"]) if self.fp8 else None
 
     def layout(self, block_m: int) -> moe_kernel.ExpertBlocks:
         if block_m not in self.layouts:
@@ -121,11 +141,15 @@ class Problem:
 
     def run(self, matmul: str, tiles: dict) -> torch.Tensor:
         blocks = self.layout(tiles["BLOCK_M"])
+        a, fp8 = (self.x if matmul == "gate_up" else self.hidden), None
+        if self.fp8:
+            a, row_scales = self.rows[matmul]
+            fp8 = moe_kernel.Fp8Operands(row_scales, self.weights[f"{matmul}_scales"], self.x.dtype)
         if matmul == "gate_up":
-            return moe_kernel.grouped_matmul(self.x, self.weights["gate_up"], blocks, self.args.top_k, self.num_copies,
-                                             tiles, gated=True)
-        return moe_kernel.grouped_matmul(self.hidden, self.weights["down"], blocks, 1, self.num_copies, tiles,
-                                         routing=self.routing.reshape(-1))
+            return moe_kernel.grouped_matmul(a, self.weights["gate_up"], blocks, self.args.top_k, self.num_copies,
+                                             tiles, gated=True, fp8=fp8)
+        return moe_kernel.grouped_matmul(a, self.weights["down"], blocks, 1, self.num_copies, tiles,
+                                         routing=self.routing.reshape(-1), fp8=fp8)
 
     def traffic(self, matmul: str) -> tuple[int, int]:
         """(bytes the matmul must read and write at least, its FLOPs)."""
@@ -156,11 +180,14 @@ def fits(tiles: dict, gated: bool) -> bool:
     return shared <= SHARED_MEMORY and accumulators <= 128
 
 
-def coarse_grid(block_m: int, matmul: str, quick: bool) -> list[dict]:
+def coarse_grid(block_m: int, matmul: str, quick: bool, fp8: bool = False) -> list[dict]:
+    """`fp8`: only BLOCK_Ks that divide the scale group."""
     if quick:
         return [dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2) for n in (32, 64)]
     grid = []
     for n, k, w in itertools.product(*COARSE.values()):  # 3 stages, or 2 where 3 do not fit
+        if fp8 and GROUP % k:
+            continue
         fitting = [t for t in (dict(BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
                                for s in (3, 2)) if fits(t, matmul == "gate_up")]
         grid += fitting[:1]
@@ -198,13 +225,13 @@ def tile_id(tiles: dict) -> tuple:
     return tuple(tiles[k] for k in TILE_KEYS)
 
 
-def compile_tiles(preset: str, dtype_name: str, device_name: str, jobs: list[tuple[str, dict]]) -> list[str]:
+def compile_tiles(preset: str, dtype_name: str, device_name: str, jobs: list[tuple[str, dict]], fp8: bool) -> list[str]:
     """In a pool worker: compile each (matmul, tiles) into Triton's on-disk cache by running it once on one token
     of the real shapes (so the same specialization as the timed runs); top_k experts suffice. The failures."""
     args = moe_args_of(preset)
     args.num_experts = args.top_k
     dtype, device = getattr(torch, dtype_name), torch.device(device_name)
-    problem = Problem(args, expert_weights(args, device, dtype), 1, device, dtype)
+    problem = Problem(args, expert_weights(args, device, dtype, fp8), 1, device, dtype)
     failures = []
     for matmul, tiles in jobs:
         try:
@@ -216,7 +243,7 @@ def compile_tiles(preset: str, dtype_name: str, device_name: str, jobs: list[tup
     return failures
 
 
-def precompile(preset: str, dtype: torch.dtype, jobs: list[tuple[str, dict]], device: torch.device) -> dict:
+def precompile(preset: str, dtype: torch.dtype, jobs: list[tuple[str, dict]], device: torch.device, fp8: bool) -> dict:
     """Compile `jobs` in a pool of processes (CUDA only: the interpreter compiles nothing). Where the pool
     fails, the timed runs compile what it did not: slower, same figures."""
     unique = list({(m, tile_id(t)): (m, t) for m, t in jobs}.values())
@@ -229,7 +256,7 @@ def precompile(preset: str, dtype: torch.dtype, jobs: list[tuple[str, dict]], de
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
             name = str(dtype).removeprefix("torch.")
             failures = sum(pool.map(compile_tiles, [preset] * workers, [name] * workers, [str(device)] * workers,
-                                    [unique[w::workers] for w in range(workers)]), [])
+                                    [unique[w::workers] for w in range(workers)], [fp8] * workers), [])
     except Exception as err:  # see the docstring
         return {"kernels": len(unique), "seconds": time.perf_counter() - start, "error": f"{type(err).__name__}: {err}"}
     return {"kernels": len(unique), "workers": workers, "seconds": time.perf_counter() - start,
@@ -260,10 +287,10 @@ def tune(problems: dict[int, Problem], cli: argparse.Namespace, dtype: torch.dty
     """Coarse then fine pass over every token count: {(count, matmul): {tile id: (ms, tiles)}}, and the pool's figures."""
     args = next(iter(problems.values())).args
     timings = {(n, m): {} for n in problems for m in MATMULS}
-    rule = {n: rule_tiles(n, args.top_k, args.num_experts) for n in problems}
-    coarse = {(n, m): [rule[n]] + [t for bm in block_ms(n, args) for t in coarse_grid(bm, m, cli.quick)]
+    rule = {n: rule_tiles(n, args.top_k, args.num_experts, cli.fp8) for n in problems}
+    coarse = {(n, m): [rule[n]] + [t for bm in block_ms(n, args) for t in coarse_grid(bm, m, cli.quick, cli.fp8)]
               for n in problems for m in MATMULS}
-    pools = [precompile(cli.preset, dtype, [(m, t) for (_, m), ts in coarse.items() for t in ts], device)]
+    pools = [precompile(cli.preset, dtype, [(m, t) for (_, m), ts in coarse.items() for t in ts], device, cli.fp8)]
     deadline = start + cli.budget_s
     for (n, m), candidates in coarse.items():
         time_all(problems[n], m, candidates, device, timings[(n, m)], deadline)
@@ -273,7 +300,7 @@ def tune(problems: dict[int, Problem], cli: argparse.Namespace, dtype: torch.dty
         winners = [best_of(found, bm) for bm in block_ms(n, args)]
         fine[(n, m)] = [t for w in winners if w for t in fine_grid(w[1], m)] if not cli.quick else []
     if time.perf_counter() < deadline:
-        pools.append(precompile(cli.preset, dtype, [(m, t) for (_, m), ts in fine.items() for t in ts], device))
+        pools.append(precompile(cli.preset, dtype, [(m, t) for (_, m), ts in fine.items() for t in ts], device, cli.fp8))
     for (n, m), candidates in fine.items():
         time_all(problems[n], m, [rule[n]] + candidates, device, timings[(n, m)], deadline)
     print(f"fine pass done at {time.perf_counter() - start:.0f} s", flush=True)
@@ -308,7 +335,7 @@ def measure(problem: Problem, entry: dict, timings: dict, device: torch.device, 
     """The chosen entry's figures, the rule's, and the whole fused experts with each, checked against each other;
     `all_moe_layers_ms`: the fused experts times the model's `num_layers` MoE blocks (a decode step's share)."""
     args, n = problem.args, problem.num_tokens
-    rule = rule_tiles(n, args.top_k, args.num_experts)
+    rule = rule_tiles(n, args.top_k, args.num_experts, problem.fp8)
     figures = {"experts_hit": problem.experts_hit, "tiles": {m: entry[m] for m in MATMULS}}
     for m in MATMULS:
         figures[m] = matmul_figures(problem, m, entry["ms"][m], bandwidth, peak)
@@ -316,7 +343,7 @@ def measure(problem: Problem, entry: dict, timings: dict, device: torch.device, 
 
     def fused(tiles: tuple[dict, dict]):
         return lambda: fused_experts(problem.x, problem.weights["gate_up"], problem.weights["down"], problem.routing,
-                                     problem.expert_ids, tiles)
+                                     problem.expert_ids, tiles, problem.scales())
 
     tuned, untuned = (entry["gate_up"], entry["down"]), (rule, rule)
     with torch.no_grad():
@@ -347,8 +374,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter has no bf16 dot
     torch.manual_seed(cli.seed)
     args = moe_args_of(cli.preset)
-    key = shape_key(args.num_experts, args.top_k, args.hidden_size, args.intermediate_size, dtype)
-    weights = expert_weights(args, device, dtype)
+    key = shape_key(args.num_experts, args.top_k, args.hidden_size, args.intermediate_size, FP8 if cli.fp8 else dtype)
+    weights = expert_weights(args, device, dtype, cli.fp8)
     problems = {n: Problem(args, weights, n, device, dtype) for n in map(int, cli.token_counts.split(","))}
     timings, pools = tune(problems, cli, dtype, device, start)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -53,11 +53,14 @@ def measured_copy_bandwidth(device: torch.device, num_bytes: int = 2 << 30, repe
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters a decode step reads: all of them (tied ones once), less an untied input
-    embedding (a decode reads only its tokens' rows) and layers the forward never runs (GLM-5's multi-token
-    prediction layer). For a mixture of experts this counts every expert."""
+    """Bytes of the parameters a decode step reads: all of them (tied ones once), with the FP8 weights and their
+    scales (`engine.quantization = "fp8"` holds them as buffers), less an untied input embedding (a decode reads
+    only its tokens' rows) and layers the forward never runs (GLM-5's multi-token prediction layer). For a mixture
+    of experts this counts every expert."""
     unread = getattr(model.model, "mtp_layers", nn.ModuleList())
-    total = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(p.nbytes for p in unread.parameters())
+    fp8 = [b for name, b in model.named_buffers() if b.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")]
+    total = (sum(p.numel() * p.element_size() for p in model.parameters()) + sum(b.nbytes for b in fp8)
+             - sum(p.nbytes for p in unread.parameters()))
     embedding = model.model.embed_tokens.weight
     if embedding is not model.lm_head.weight:
         total -= embedding.numel() * embedding.element_size()

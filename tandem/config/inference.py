@@ -159,14 +159,22 @@ class EngineConfig(Section):
     computes one more token, which is dropped. (On CPU all work is the host's: nothing to overlap.)"""
 
     quantization: Literal["none", "fp8"] = "none"
-    """`fp8`, native models: each block's dense projections (q/k/v/o; gate/up/down of a dense feed-forward) in
-    block-scaled FP8, weights in 128 x 128 blocks, activations quantized per token and 128 columns
-    (`tandem.kernels.fp8`): half the weight memory of bf16, and FP8 tensor cores (CUDA: compute capability 8.9
+    """`fp8`, native models: each block's dense projections (q/k/v/o; gate/up/down of a dense feed-forward or of
+    shared experts; the routed experts with `fp8_experts`) in block-scaled FP8, weights in 128 x 128 blocks,
+    activations quantized per token and 128 columns (`tandem.kernels.fp8`; the experts: `tandem.kernels.moe`):
+    half the weight memory of bf16, and FP8 tensor cores (CUDA: compute capability 8.9
     or newer; the CPU runs a slow torch reference of the same scheme). An FP8 checkpoint (`quantization_config`
     of `quant_method` "fp8", 128 x 128 blocks) loads as it is; bf16 weights, at start and in every update, are
-    quantized on load. Embeddings, norms, the LM head, routers and experts keep `model.dtype`. `none`: every
+    quantized on load. Embeddings, norms, the LM head and routers keep `model.dtype`. `none`: every
     weight in `model.dtype` (an FP8 checkpoint is dequantized). Not with `[run] exact`. The vLLM backend maps it
     to vLLM's own block FP8 (docs/vllm.md)."""
+
+    fp8_experts: bool = False
+    """With `quantization` = "fp8", a mixture of experts' routed experts in block FP8 too (the fused MoE kernel in FP8:
+    `tandem.kernels.moe`); off, they stay in `model.dtype` (an FP8 checkpoint's experts are dequantized) and only the
+    other projections are FP8. Off by default while the FP8 expert kernel has not yet run on a GPU (its tests pass
+    on the CPU under Triton's interpreter). `tandem rl` passes it to the trainer's broadcast
+    (`weight_transport.fp8_experts`)."""
 
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """`auto`: the KV cache holds keys and values in `model.dtype`. `fp8`, native models of decoder blocks: in

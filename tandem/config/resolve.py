@@ -269,8 +269,9 @@ def weight_broadcast(config: RLConfig, machine: Machine) -> list[Derived]:
     """With `weight_transport.type = "broadcast"`: `weight_transport.num_inference_ranks` is the number of
     servers (`orchestrator.client.base_urls`: `deployment.num_inference_servers` on each inference node) x the ranks
     of one server (`inference.vllm.tensor_parallel_size` with vLLM, 1 with tandem's engine),
-    `weight_transport.receiver` is `inference.backend`, `weight_transport.quantization` is
-    `inference.engine.quantization` with tandem's engine ("none" with vLLM's, which quantizes on its own load), and
+    `weight_transport.receiver` is `inference.backend`, `weight_transport.quantization` and `.fp8_experts` are
+    `inference.engine.quantization` and `.fp8_experts` with tandem's engine ("none" with vLLM's, which quantizes on
+    its own load), and
     `weight_transport.port = 0` becomes a free port. On
     several nodes the group meets at trainer rank 0, `weight_transport.host` is node 0's host, and the port must be
     set. On `gpu`, `deployment.trainer_devices` must be apart from `deployment.inference_devices` (NCCL runs one
@@ -302,6 +303,9 @@ def weight_broadcast(config: RLConfig, machine: Machine) -> list[Derived]:
            Derived("weight_transport.quantization", config.inference.engine.quantization, "`inference.engine.quantization`")
            if config.inference.backend == "tandem" else
            Derived("weight_transport.quantization", "none", "`inference.backend` = 'vllm' (vLLM quantizes on its own load)")]
+    if config.inference.backend == "tandem":
+        out.append(Derived("weight_transport.fp8_experts", config.inference.engine.fp8_experts,
+                           "`inference.engine.fp8_experts`"))
     if cluster.num_nodes > 1:
         out.append(Derived("weight_transport.host", cluster_hosts(config)[0], "`deployment.cluster.hosts` (node 0 runs trainer "
                            "rank 0)", placeholder="127.0.0.1"))

@@ -49,6 +49,10 @@ class BroadcastWeightTransport(Section):
     by the function the engine quantizes bf16 weights with (`tandem.models.fp8.quantize_weight`), so the engine
     holds exactly what it would have made from the bf16 weights, for about half their bytes on the wire."""
 
+    fp8_experts: bool = False
+    """With `quantization` = "fp8": the routed experts are sent in block FP8 too, as the engine holds them with
+    `inference.engine.fp8_experts`, from which `tandem rl` sets it."""
+
     timeout_s: float = Field(300.0, gt=0)
     """Longest wait for the group to form or for one update to cross it; past it the trainer fails
     (a dead server stops the run instead of hanging it). Keep it below `client.timeout_s`."""

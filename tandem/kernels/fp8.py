@@ -139,7 +139,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def launch_config(M: int) -> dict:
     """Tiles by the number of rows: small tiles where few tokens run (decode), so that more programs share the
-    weight's columns; BLOCK_K is the scale group, so each partial product has one pair of scales."""
+    weight's columns; BLOCK_K is the scale group, so each partial product has one pair of scales. One program per
+    tile: the kernel can also split the reduction (`SPLIT_K`, for decode steps whose few column tiles leave most
+    multiprocessors idle), which `benchmarks/fp8_matmul.py` times; the engine does not split until a GPU run shows
+    it pays."""
     if M <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
     if M <= 64:
@@ -148,19 +151,31 @@ def launch_config(M: int) -> dict:
 
 
 def matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """`reference_matmul` by the Triton kernel."""
+           out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """`reference_matmul` by the Triton kernel; `config`: its tiles (default `launch_config`'s; the benchmark
+    `benchmarks/fp8_matmul.py` tries others), with `SPLIT_K` shares of K's groups each summed by a program of its own
+    and added after in fp32, in a fixed order (deterministic)."""
     M, K = x_fp8.shape
     N = weight.weight.shape[0]
     w = weight.weight
     if w.stride(1) != 1:
         raise ValueError(f"the FP8 weight must have contiguous rows, got strides {tuple(w.stride())}")
+    config = dict(config or launch_config(M))
+    split = config.pop("SPLIT_K", 1)
     out = torch.empty(M, N, dtype=out_dtype, device=x_fp8.device)
-    config = launch_config(M)
-    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
-    _matmul_kernel[grid](x_fp8, x_scale, w, weight.scale_inv, weight.scale_rows, bias if bias is not None else out, out,
-                         M, N, K, x_fp8.stride(0), *x_scale.stride(), w.stride(0), weight.scale_inv.stride(0),
-                         out.stride(0), HAS_BIAS=bias is not None, BLOCK_K=GROUP, **config)
+    # Split: each share writes its fp32 partial sums, added after in a fixed order (then the bias, then the rounding).
+    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x_fp8.device)
+    groups_per_split = triton.cdiv(triton.cdiv(K, GROUP), split)
+    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), split)
+    _matmul_kernel[grid](x_fp8, x_scale, w, weight.scale_inv, weight.scale_rows, bias if bias is not None else out, target,
+                         M, N, K, groups_per_split, x_fp8.stride(0), *x_scale.stride(), w.stride(0),
+                         weight.scale_inv.stride(0), target.stride(-2), M * N, HAS_BIAS=bias is not None and split == 1,
+                         BLOCK_K=GROUP, **config)
+    if split > 1:
+        total = target.sum(0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
     return out
 
 
@@ -181,10 +196,11 @@ if triton is not None:
         tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + group * M + rows, scale, mask=rows < M)
 
-    @triton.jit(do_not_specialize=["M"])
-    def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xsm, stride_xsg,
-                       stride_wn, stride_wsr, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    @triton.jit(do_not_specialize=["M", "split_stride"])
+    def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, b_ptr, y_ptr, M, N, K, groups_per_split, stride_xm,
+                       stride_xsm, stride_xsg, stride_wn, stride_wsr, stride_ym, split_stride, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Program (m, n, s) sums groups [s * groups_per_split, (s + 1) * groups_per_split) of K into y's share s.
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -194,7 +210,8 @@ if triton is not None:
         xs_rows = xs_ptr + rm.to(tl.int64) * stride_xsm
         ws_rows = ws_ptr + tl.load(rows_ptr + rn, mask=n_ok, other=0).to(tl.int64) * stride_wsr
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for group in range(0, tl.cdiv(K, BLOCK_K)):
+        first = tl.program_id(2) * groups_per_split
+        for group in range(first, tl.minimum(first + groups_per_split, tl.cdiv(K, BLOCK_K))):
             k = group * BLOCK_K + rk
             k_ok = k < K
             a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -204,5 +221,5 @@ if triton is not None:
             acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        y = y_ptr + tl.program_id(2).to(tl.int64) * split_stride + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -16,6 +16,11 @@ rows by its expert's weight [n-tile, K] and writes output rows in copy order (ea
 The gate_up matmul (`gated`) reads the gate and the up rows of its n-tile and writes SiLU(gate) * up:
 the [N*k, 2I] intermediate is never written.
 
+Block FP8 (`Fp8Operands`): the same kernel over FP8 rows and FP8 experts, in the scheme of `tandem.kernels.fp8`
+(activations scaled per row and 128-column group, weights per 128 x 128 block of each expert): each BLOCK_K
+step (a divisor of 128, so it lies in one group) is one FP8 product with fp32 sums, scaled by its row scales
+and its weight columns' block scales, and added in fp32.
+
 Reference: `tandem.models.moe.MoE` (experts: `GroupedExperts`); the row layout's is the test's `align_to_blocks`.
 Tests: `tests/kernels/test_moe_kernels.py` (interpreter); on CUDA `tests/inference/test_gpu_moe.py`.
 """
@@ -25,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tandem.kernels.fp8 import GROUP
 
 try:
     import triton
@@ -48,6 +55,18 @@ class ExpertBlocks:
     num_padded: torch.Tensor
     """[1] int64: rows in real (padded) groups; blocks from there on do nothing."""
     block_m: int
+
+
+@dataclass
+class Fp8Operands:
+    """Block scales of a grouped matmul whose rows and experts are FP8 (`tandem.kernels.fp8`'s scheme)."""
+
+    row_scales: torch.Tensor
+    """fp32 [rows of `a`, ceil(K / 128)], any strides (`quantize_activations` gives them token-minor)."""
+    weight_scales: torch.Tensor
+    """fp32 [E, row blocks, ceil(K / 128)]; gated: each expert's gate row blocks, then as many of its up rows."""
+    out_dtype: torch.dtype
+    """The dtype the rows are written in (the model's)."""
 
 
 ALIGN_CHUNK = 256
@@ -79,23 +98,31 @@ def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 def grouped_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks, rows_per_copy: int, num_copies: int,
-                   config: dict, routing: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                   config: dict, routing: torch.Tensor | None = None, gated: bool = False,
+                   fp8: Fp8Operands | None = None) -> torch.Tensor:
     """out[c] = a[c // rows_per_copy] @ weight[expert(c)].T for each token copy c (times routing[c] if given);
     `gated`: weight holds gate rows then up rows [E, 2I, K], and out[c] = SiLU(gate) * up [I].
 
     a [N or N*k, K]; weight [E, N_out, K] (the model's own layout, read in place); routing [N*k] fp32;
-    `config`: tiles (`moe_tiles`), its BLOCK_M that of `blocks`."""
+    `config`: tiles (`moe_tiles`), its BLOCK_M that of `blocks`; `fp8`: `a` and `weight` are FP8, with these
+    scales (BLOCK_K then divides 128)."""
     n_out, k_dim = weight.shape[1] // (2 if gated else 1), weight.shape[2]
     if config["BLOCK_M"] != blocks.block_m:
         raise ValueError(f"tiles of {config['BLOCK_M']} rows over row blocks of {blocks.block_m}")
-    out = torch.empty(num_copies, n_out, dtype=a.dtype, device=a.device)
+    if fp8 is not None and GROUP % config["BLOCK_K"]:
+        raise ValueError(f"FP8 experts need a BLOCK_K that divides {GROUP} (one scale group a step), got {config['BLOCK_K']}")
+    out = torch.empty(num_copies, n_out, dtype=a.dtype if fp8 is None else fp8.out_dtype, device=a.device)
+    row_scales = out if fp8 is None else fp8.row_scales
+    weight_scales = out[None] if fp8 is None else fp8.weight_scales
     grid = (blocks.block_experts.numel() * triton.cdiv(n_out, config["BLOCK_N"]),)
     _grouped_matmul_kernel[grid](
-        a, weight, out, routing if routing is not None else out, blocks.sorted_copies, blocks.block_experts,
-        blocks.num_padded, n_out, k_dim, num_copies, blocks.block_experts.numel(),
+        a, weight, out, routing if routing is not None else out, row_scales, weight_scales, blocks.sorted_copies,
+        blocks.block_experts, blocks.num_padded, n_out, k_dim, num_copies, blocks.block_experts.numel(),
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0), out.stride(1),
-        ROWS_PER_COPY=rows_per_copy, MUL_ROUTING=routing is not None, GATED=gated,
-        EVEN_K=k_dim % config["BLOCK_K"] == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **config)
+        row_scales.stride(0), row_scales.stride(1), *weight_scales.stride(), weight_scales.shape[1] // 2,
+        ROWS_PER_COPY=rows_per_copy, MUL_ROUTING=routing is not None, GATED=gated, BLOCK_FP8=fp8 is not None,
+        SCALE_GROUP=GROUP, EVEN_K=k_dim % config["BLOCK_K"] == 0,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **config)
     return out
 
 
@@ -174,12 +201,13 @@ if triton is not None:
     # The copy count changes with every prefill; a new specialization mid-run is a compile stall.
     @triton.jit(do_not_specialize=["num_copies", "num_blocks_m"])
     def _grouped_matmul_kernel(
-        a_ptr, w_ptr, out_ptr, routing_ptr, sorted_copies_ptr, block_experts_ptr, num_padded_ptr,
+        a_ptr, w_ptr, out_ptr, routing_ptr, as_ptr, ws_ptr, sorted_copies_ptr, block_experts_ptr, num_padded_ptr,
         n_out, k_dim, num_copies, num_blocks_m,
         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-        ROWS_PER_COPY: tl.constexpr, MUL_ROUTING: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
+        stride_asm, stride_asg, stride_wse, stride_wsr, stride_wsg, up_scale_rows,
+        ROWS_PER_COPY: tl.constexpr, MUL_ROUTING: tl.constexpr, GATED: tl.constexpr, BLOCK_FP8: tl.constexpr,
+        SCALE_GROUP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # Programs walk GROUP_M row blocks down one column of tiles before the next: weights stay in L2.
         pid = tl.program_id(0)
@@ -203,6 +231,9 @@ if triton is not None:
         w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED only (else unused, and dropped)
+        # BLOCK_FP8: the scales of each step's group, for the rows and for the weight's row blocks (gate, then up).
+        as_ptrs = as_ptr + a_rows * stride_asm
+        ws_ptrs = ws_ptr + expert * stride_wse + (offs_n // SCALE_GROUP) * stride_wsr
         for k0 in range(0, k_dim, BLOCK_K):
             a_mask = real[:, None]
             w_mask = n_ok[None, :]
@@ -211,10 +242,21 @@ if triton is not None:
                 a_mask = a_mask & k_ok[None, :]
                 w_mask = w_mask & k_ok[:, None]
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision=PRECISION)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if BLOCK_FP8:
+                group = k0 // SCALE_GROUP
+                a_scale = tl.load(as_ptrs + group * stride_asg, mask=real, other=0.0)
+                w_scale = tl.load(ws_ptrs + group * stride_wsg, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
             if GATED:  # the up rows: n_out rows below the gate rows
                 w_up = tl.load(w_ptrs + n_out * stride_wn, mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+                if BLOCK_FP8:
+                    up_scale = tl.load(ws_ptrs + up_scale_rows * stride_wsr + group * stride_wsg, mask=n_ok, other=0.0)
+                    acc_up += tl.dot(a, w_up) * a_scale[:, None] * up_scale[None, :]
+                else:
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
         if GATED:

@@ -49,29 +49,31 @@ def shipped_table_path(device_name: str) -> Path:
     return SHIPPED / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
 
 
-def rule_tiles(num_tokens: int, top_k: int, num_experts: int) -> dict:
+def rule_tiles(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> dict:
     """Untuned tiles from the mean rows per expert: each expert's group is padded to a row block, so
-    small blocks when few tokens reach each expert (decode), larger ones for prefill."""
+    small blocks when few tokens reach each expert (decode), larger ones for prefill. FP8 experts (`fp8`) step
+    through K by one scale group (128 columns: the bytes of bf16's 64), so that each step needs one pair of scales."""
     rows_per_expert = num_tokens * top_k / num_experts
+    block_k = 128 if fp8 else 64
     if rows_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=3)
     if rows_per_expert <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 class TileTable:
-    """The tiles of one expert shape by token count; empty: the rule for every count."""
+    """The tiles of one expert shape by token count; empty: the rule for every count (`fp8`: FP8 experts')."""
 
-    def __init__(self, entries: list[dict], top_k: int, num_experts: int):
+    def __init__(self, entries: list[dict], top_k: int, num_experts: int, fp8: bool = False):
         self.entries = sorted(entries, key=lambda e: e["num_tokens"])
         self.counts = [e["num_tokens"] for e in self.entries]
-        self.top_k, self.num_experts = top_k, num_experts
+        self.top_k, self.num_experts, self.fp8 = top_k, num_experts, fp8
 
     def tiles(self, num_tokens: int) -> tuple[dict, dict]:
         """(gate_up tiles, down tiles) for a forward of `num_tokens` tokens."""
         if not self.entries:
-            rule = rule_tiles(num_tokens, self.top_k, self.num_experts)
+            rule = rule_tiles(num_tokens, self.top_k, self.num_experts, self.fp8)
             return rule, rule
         entry = self.entries[min(bisect.bisect_left(self.counts, num_tokens), len(self.entries) - 1)]
         return entry["gate_up"], entry["down"]
@@ -85,11 +87,12 @@ class TileTable:
         return sorted({max(1, min(c, max_tokens)) for c in counts})
 
     @classmethod
-    def load(cls, path: Path | None, key: str, top_k: int, num_experts: int, source: str) -> "TileTable":
+    def load(cls, path: Path | None, key: str, top_k: int, num_experts: int, source: str,
+             fp8: bool = False) -> "TileTable":
         """The entries of shape `key` in the table at `path` (None, or a shape it lacks: the rule); `source`
-        names where the path came from in errors (a config key, or the shipped table)."""
+        names where the path came from in errors (a config key, or the shipped table); `fp8`: FP8 experts."""
         if path is None:
-            return cls([], top_k, num_experts)
+            return cls([], top_k, num_experts, fp8)
         try:
             table = json.loads(Path(path).read_text())
             entries = [checked_entry(entry) for entry in table["shapes"].get(key, [])]
@@ -97,7 +100,7 @@ class TileTable:
             raise ValueError(f"{source} = {str(path)!r}: not a MoE tile table ({type(err).__name__}: {err}); "
                              "write one with benchmarks/moe_tune.py") from err
         log.info("MoE tiles: %s from %s (%d token counts; other shapes: the rule)", key, path, len(entries))
-        return cls(entries, top_k, num_experts)
+        return cls(entries, top_k, num_experts, fp8)
 
 
 def checked_entry(entry: dict) -> dict:

@@ -39,13 +39,18 @@ EXPERT_LAYOUTS = {"qwen3_moe": ExpertLayout(), "glm4_moe": ExpertLayout(), "glm_
 tensors pass unchanged: a transformers fallback model publishes and reloads its own in-memory names."""
 
 
+SCALES = "_scale_inv"
+"""Suffix of an FP8 weight's block scales (`tandem.models.fp8`): on disk `experts.N.gate_proj.weight_scale_inv`, in
+memory `experts.gate_up_proj_scale_inv`, stacked as the weights are (each expert's gate blocks, then its up blocks)."""
+
+
 KEEPS_MTP_LAYERS = frozenset({"glm_moe_dsa", "deepseek_v3"})
 """Families whose models keep the checkpoints' multi-token prediction layers (as `model.mtp_layers.{i}`)."""
 
 
 def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
-    """On-disk names -> in-memory names: per-expert tensors stacked, the block renamed `mlp`, the
-    multi-token-prediction layers (`num_nextn_predict_layers`, after the last block) renamed
+    """On-disk names -> in-memory names: per-expert tensors (and FP8 experts' block scales) stacked, the block renamed
+    `mlp`, the multi-token-prediction layers (`num_nextn_predict_layers`, after the last block) renamed
     `model.mtp_layers.{i}` (`KEEPS_MTP_LAYERS`) or left out (GLM-4.5)."""
     model_type = hf_config.get("model_type", "")
     layout = EXPERT_LAYOUTS.get(model_type)
@@ -57,23 +62,23 @@ def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torc
         state = {name: t for name, t in state.items() if not _is_mtp_layer(name, hf_config)}
     if layout.block != "mlp":
         state = {name.replace(f".{layout.block}.", ".mlp."): t for name, t in state.items()}
-    pattern = re.compile(rf"(.*)\.mlp\.experts\.(\d+)\.({layout.gate}|{layout.up}|{layout.down})\.weight")
-    per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    pattern = re.compile(rf"(.*)\.mlp\.experts\.(\d+)\.({layout.gate}|{layout.up}|{layout.down})\.weight({SCALES})?")
+    per_expert: dict[tuple[str, str], dict[str, dict[int, torch.Tensor]]] = {}
     out = {}
     for name, tensor in state.items():
         match = pattern.fullmatch(name)
         if match is None:
             out[name] = tensor
         else:
-            prefix, j, proj = match.groups()
-            per_expert.setdefault(prefix, {}).setdefault(proj, {})[int(j)] = tensor
-    for prefix, projections in per_expert.items():
+            prefix, j, proj, scales = match.groups()
+            per_expert.setdefault((prefix, scales or ""), {}).setdefault(proj, {})[int(j)] = tensor
+    for (prefix, scales), projections in per_expert.items():
         count = 1 + max(j for tensors in projections.values() for j in tensors)
         disk_prefix = _mtp_on_disk(prefix + ".", hf_config["num_hidden_layers"])[:-1] if model_type in KEEPS_MTP_LAYERS else prefix
-        gate, up, down = (_stack(projections.get(p, {}), count, f"{disk_prefix}.{layout.block}.experts.{{j}}.{p}.weight")
+        gate, up, down = (_stack(projections.get(p, {}), count, f"{disk_prefix}.{layout.block}.experts.{{j}}.{p}.weight{scales}")
                           for p in (layout.gate, layout.up, layout.down))
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        out[f"{prefix}.mlp.experts.down_proj"] = down
+        out[f"{prefix}.mlp.experts.gate_up_proj{scales}"] = torch.cat([gate, up], dim=1)
+        out[f"{prefix}.mlp.experts.down_proj{scales}"] = down
     return out
 
 
@@ -106,8 +111,8 @@ def _stack(tensors: dict[int, torch.Tensor], count: int, name: str) -> torch.Ten
 
 
 def to_disk(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
-    """In-memory names -> on-disk names: stacked experts split into one tensor per expert (copies,
-    as safetensors stores no shared memory), the block renamed as the family names it, the kept
+    """In-memory names -> on-disk names: stacked experts (and FP8 experts' scales) split into one tensor per expert
+    (copies, as safetensors stores no shared memory), the block renamed as the family names it, the kept
     multi-token prediction layers named as the checkpoints name them."""
     model_type = hf_config.get("model_type", "")
     layout = EXPERT_LAYOUTS.get(model_type)
@@ -118,16 +123,13 @@ def to_disk(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.
         if model_type in KEEPS_MTP_LAYERS:
             name = _mtp_on_disk(name, hf_config["num_hidden_layers"])
         disk_name = name.replace(".mlp.", f".{layout.block}.")
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = disk_name.removesuffix(".gate_up_proj")
-            gate, up = tensor.chunk(2, dim=1)
-            for j in range(tensor.shape[0]):
-                out[f"{prefix}.{j}.{layout.gate}.weight"] = gate[j].clone()
-                out[f"{prefix}.{j}.{layout.up}.weight"] = up[j].clone()
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = disk_name.removesuffix(".down_proj")
-            for j in range(tensor.shape[0]):
-                out[f"{prefix}.{j}.{layout.down}.weight"] = tensor[j].clone()
-        else:
+        stacked = re.fullmatch(rf"(.*)\.experts\.(gate_up_proj|down_proj)({SCALES})?", disk_name)
+        if stacked is None:
             out[disk_name] = tensor
+            continue
+        prefix, proj, scales = stacked.group(1), stacked.group(2), stacked.group(3) or ""
+        disk_projections = (layout.gate, layout.up) if proj == "gate_up_proj" else (layout.down,)
+        for disk_proj, part in zip(disk_projections, tensor.chunk(len(disk_projections), dim=1)):
+            for j in range(tensor.shape[0]):
+                out[f"{prefix}.experts.{j}.{disk_proj}.weight{scales}"] = part[j].clone()
     return out

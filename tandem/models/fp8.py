@@ -12,7 +12,13 @@ and FP8 ones reach a bf16 layer. A broadcast update arrives quantized already: t
 have made itself, for half the bytes on the wire.
 
 Which layers: the dense projections of each decoder block (q, k, v, o; a dense feed-forward's gate,
-up and down). Embeddings, norms, the LM head, routers and experts keep the model's dtype.
+up and down; a mixture of experts' shared experts) and its routed experts (`Fp8Experts`: each expert's
+matrices in their own blocks, stacked as the model stacks them). Embeddings, norms, the LM head and routers
+keep the model's dtype.
+
+A stacked weight may hold several matrices by rows, each in its own 128-row blocks as its checkpoint stores
+it: the experts' `gate_up_proj` holds each expert's gate and up projections (`row_parts`), so that a gate of
+64 rows keeps a block of its own, as `experts.N.gate_proj.weight_scale_inv` does on disk.
 """
 
 from __future__ import annotations
@@ -22,30 +28,55 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from tandem.kernels.fp8 import FP8, FP8_MAX, GROUP, INV_FP8_MAX, MIN_AMAX, BlockFp8Weight, expand_scales
+from tandem.kernels.fp8 import FP8, FP8_MAX, GROUP, INV_FP8_MAX, MIN_AMAX, BlockFp8Weight, expand_scales, fp8_linear
 from tandem.models.decoder import DecoderLayer
 from tandem.models.layers import MLP
+from tandem.models.moe import MoE
 from tandem.models.random_init import initial_value
 
 SCALE_SUFFIX = "_scale_inv"
-"""`<name>.weight` + this: the checkpoint's name of a weight's block scales."""
+"""`<name>.weight` + this: the checkpoint's name of a weight's block scales (the experts': `gate_up_proj_scale_inv`)."""
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N / 128), ceil(K / 128)]): each block scaled so
-    that its largest magnitude is 448, then rounded to nearest (ties to even)."""
+
+def row_parts(name: str) -> int:
+    """How many matrices the weight `name` stacks by rows, each quantized in blocks of its own: 2 for the experts'
+    `gate_up_proj` (gate, then up), else 1."""
+    return 2 if name.endswith("experts.gate_up_proj") else 1
+
+
+def quantize_weight(weight: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] -> (float8_e4m3fn [..., N, K], fp32 scale_inv [..., parts * ceil(N / parts / 128),
+    ceil(K / 128)]): each block scaled so that its largest magnitude is 448, then rounded to nearest (ties to even);
+    `parts`: N is that many matrices stacked by rows, each in blocks of its own. Leading dimensions (experts) are
+    quantized one matrix at a time, so that a layer's experts need one expert's fp32 copy, not all of theirs."""
+    if weight.dim() > 2:
+        pairs = [quantize_weight(matrix, parts) for matrix in weight]
+        return torch.stack([q for q, _ in pairs]), torch.stack([scale for _, scale in pairs])
     N, K = weight.shape
-    rows, cols = -(-N // GROUP), -(-K // GROUP)
-    padded = torch.zeros(rows * GROUP, cols * GROUP, dtype=torch.float32, device=weight.device)
-    padded[:N, :K] = weight
-    blocks = padded.view(rows, GROUP, cols, GROUP)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) * INV_FP8_MAX
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(rows * GROUP, cols * GROUP)[:N, :K].contiguous(), scale
+    n = N // parts
+    rows, cols = -(-n // GROUP), -(-K // GROUP)
+    padded = torch.zeros(parts, rows * GROUP, cols * GROUP, dtype=torch.float32, device=weight.device)
+    padded[:, :n, :K] = weight.view(parts, n, K)
+    blocks = padded.view(parts, rows, GROUP, cols, GROUP)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=MIN_AMAX) * INV_FP8_MAX
+    q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = q.view(parts, rows * GROUP, cols * GROUP)[:, :n, :K].reshape(N, K)
+    return q.contiguous(), scale.view(parts * rows, cols)
 
 
-def dequantize_weight(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values a block-FP8 weight stands for, in `dtype`."""
-    rows = torch.arange(weight.shape[0], device=weight.device) // GROUP
+def block_rows(num_rows: int, parts: int = 1, device: torch.device | str | None = None) -> torch.Tensor:
+    """int32 [num_rows]: the row of `scale_inv` that scales each row of a weight of `parts` matrices stacked by rows."""
+    n = num_rows // parts
+    rows = torch.arange(num_rows, device=device, dtype=torch.int32)
+    return (rows // n) * -(-n // GROUP) + (rows % n) // GROUP
+
+
+def dequantize_weight(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                      parts: int = 1) -> torch.Tensor:
+    """The values a block-FP8 weight [..., N, K] (`parts` matrices stacked by rows) stands for, in `dtype`."""
+    if weight.dim() > 2:
+        return torch.stack([dequantize_weight(w, s, dtype, parts) for w, s in zip(weight, scale_inv)])
+    rows = block_rows(weight.shape[0], parts, weight.device)
     return (weight.float() * expand_scales(scale_inv, rows, weight.shape[1])).to(dtype)
 
 
@@ -62,22 +93,67 @@ class Fp8Linear(nn.Module):
         """The layer's bias, kept in the model's dtype."""
 
 
+class Fp8Experts(nn.Module):
+    """A mixture of experts' routed experts in FP8 blocks, under `GroupedExperts`' names plus their scales:
+    `gate_up_proj` [E, 2I, H] (each expert's gate and up in blocks of their own: `row_parts`) beside
+    `gate_up_proj_scale_inv` [E, 2 ceil(I / 128), ceil(H / 128)], `down_proj` [E, H, I] beside `down_proj_scale_inv`
+    [E, ceil(H / 128), ceil(I / 128)]. Its forward is `GroupedExperts`' in the scheme of `fp8_linear`, expert by
+    expert (the reference; the engine's fused kernels serve on CUDA: `tandem.inference.engine.fused_moe`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.activation_dtype = dtype
+        """The model's dtype: what the experts take and give."""
+        hidden_blocks, intermediate_blocks = -(-hidden_size // GROUP), -(-intermediate_size // GROUP)
+        self.register_buffer("gate_up_proj", torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=FP8))
+        self.register_buffer("gate_up_proj_scale_inv", torch.empty(num_experts, 2 * intermediate_blocks, hidden_blocks))
+        self.register_buffer("down_proj", torch.empty(num_experts, hidden_size, intermediate_size, dtype=FP8))
+        self.register_buffer("down_proj_scale_inv", torch.empty(num_experts, hidden_blocks, intermediate_blocks))
+
+    def expert_weights(self, expert: int) -> tuple[BlockFp8Weight, BlockFp8Weight]:
+        """Expert `expert`'s (gate_up, down) as `fp8_linear` takes them."""
+        device = self.gate_up_proj.device
+        return (BlockFp8Weight(self.gate_up_proj[expert], self.gate_up_proj_scale_inv[expert],
+                               block_rows(self.gate_up_proj.shape[1], 2, device)),
+                BlockFp8Weight(self.down_proj[expert], self.down_proj_scale_inv[expert],
+                               block_rows(self.down_proj.shape[1], 1, device)))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [M, H], rows grouped by expert (`num_tokens_per_expert[e]` rows of expert e, in order) -> [M, H]."""
+        outputs = []
+        for e, rows in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
+            gate_up, down = self.expert_weights(e)
+            gate, up = fp8_linear(rows, gate_up).chunk(2, dim=-1)
+            outputs.append(fp8_linear(torch.nn.functional.silu(gate) * up, down))
+        return torch.cat(outputs)
+
+
 def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent module, attribute) of every layer held in FP8: each block's attention projections, and its
-    feed-forward's where that is dense."""
+    """(parent module, attribute) of every linear layer held in FP8: each block's attention projections, and its
+    feed-forward's where that is dense, or its shared experts' in a mixture of experts."""
     out = []
     for block in (m for m in model.modules() if isinstance(m, DecoderLayer)):
         out += [(block.self_attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if isinstance(block.mlp, MLP):
-            out += [(block.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")]
+        dense = block.mlp if isinstance(block.mlp, MLP) else getattr(block.mlp, "shared_experts", None)
+        if dense is not None:
+            out += [(dense, name) for name in ("gate_proj", "up_proj", "down_proj")]
     return out
 
 
-def fp8_weight_names(model: nn.Module) -> set[str]:
-    """The HF names of the weights `convert_to_fp8` holds in FP8 (those of `quantized_linears`), read from any model
-    of the family: the trainer's bf16 one names what the engine holds in FP8."""
+def quantized_moes(model: nn.Module) -> list[MoE]:
+    """The mixtures of experts whose routed experts are held in FP8: those of the decoder blocks."""
+    return [block.mlp for block in model.modules() if isinstance(block, DecoderLayer) and isinstance(block.mlp, MoE)]
+
+
+def fp8_weight_names(model: nn.Module, experts: bool) -> set[str]:
+    """The HF names of the weights `convert_to_fp8` holds in FP8 (those of `quantized_linears`, and with `experts` the
+    routed experts of `quantized_moes`), read from any model of the family: the trainer's bf16 one names what the
+    engine holds in FP8."""
     names = {module: name for name, module in model.named_modules()}
-    return {f"{names[parent]}.{attr}.weight" for parent, attr in quantized_linears(model)}
+    linears = {f"{names[parent]}.{attr}.weight" for parent, attr in quantized_linears(model)}
+    moes = quantized_moes(model) if experts else []
+    return linears | {f"{names[moe]}.experts.{attr}" for moe in moes for attr in ("gate_up_proj", "down_proj")}
 
 
 def quantize_named(tensors: Iterable[tuple[str, torch.Tensor]], names: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,20 +162,25 @@ def quantize_named(tensors: Iterable[tuple[str, torch.Tensor]], names: Collectio
     again; the others pass as they are. Meta tensors give the quantized shapes and dtypes (an announcement)."""
     for name, tensor in tensors:
         if name in names:
-            weight, scale_inv = quantize_weight(tensor)
+            weight, scale_inv = quantize_weight(tensor, row_parts(name))
             yield name, weight
             yield name + SCALE_SUFFIX, scale_inv
         else:
             yield name, tensor
 
 
-def convert_to_fp8(model: nn.Module) -> None:
-    """Replace the layers of `quantized_linears` by empty `Fp8Linear`s on their device (meant for a model on
-    `meta`, before its weights load; its own forward cannot multiply by them: the engine installs one that can)."""
+def convert_to_fp8(model: nn.Module, experts: bool) -> None:
+    """Replace the layers of `quantized_linears` by empty `Fp8Linear`s and, with `experts`, the routed experts of
+    `quantized_moes` by empty `Fp8Experts` on their device (meant for a model on `meta`, before its weights load; its
+    own forward cannot multiply by the linear layers: the engine installs one that can)."""
     for parent, name in quantized_linears(model):
         linear: nn.Linear = getattr(parent, name)
         with torch.device(linear.weight.device):
             setattr(parent, name, Fp8Linear(linear.in_features, linear.out_features, linear.bias))
+    for moe in quantized_moes(model) if experts else []:
+        held = moe.experts.down_proj
+        with torch.device(held.device):
+            moe.experts = Fp8Experts(moe.args.num_experts, moe.args.hidden_size, moe.args.intermediate_size, held.dtype)
 
 
 def init_fp8_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
@@ -112,6 +193,13 @@ def init_fp8_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
                 weight, scale_inv = quantize_weight(value)
                 module.weight.copy_(weight)
                 module.weight_scale_inv.copy_(scale_inv)
+            elif isinstance(module, Fp8Experts):
+                for attr in ("gate_up_proj", "down_proj"):
+                    held = getattr(module, attr)
+                    value = initial_value(f"{name}.{attr}", held.shape, seed, held.device).to(dtype)
+                    weight, scale_inv = quantize_weight(value, row_parts(f"{name}.{attr}"))
+                    held.copy_(weight)
+                    getattr(module, attr + SCALE_SUFFIX).copy_(scale_inv)
 
 
 def stack_fp8_rows(linears: list[Fp8Linear]) -> tuple[BlockFp8Weight, torch.Tensor | None]:
@@ -148,11 +236,14 @@ def match_quantization(held: Mapping[str, torch.Tensor], state: Mapping[str, tor
         target = held.get(name)
         if tensor.dtype == FP8 and scale_name not in state:
             raise ValueError(f"{source or 'the weights'}: {name} is FP8 but {scale_name} is missing")
+        parts = row_parts(name)
         if target is not None and target.dtype == FP8:  # quantized where the model is (a folder is read on the CPU)
             fp8 = tensor.dtype == FP8
-            out[name], out[scale_name] = (tensor, state[scale_name]) if fp8 else quantize_weight(tensor.to(target.device))
+            out[name], out[scale_name] = ((tensor, state[scale_name]) if fp8
+                                          else quantize_weight(tensor.to(target.device), parts))
         elif tensor.dtype == FP8:
-            out[name] = dequantize_weight(tensor, state[scale_name], target.dtype if target is not None else torch.float32)
+            out[name] = dequantize_weight(tensor, state[scale_name], target.dtype if target is not None else torch.float32,
+                                          parts)
         else:
             out[name] = tensor
     return out

@@ -71,12 +71,13 @@ def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: to
 
 
 def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype, source: str = "config.json",
-                 quantization: str = "none") -> nn.Module:
+                 quantization: str = "none", fp8_experts: bool = False) -> nn.Module:
     """A native model with uninitialized memory on `device` (built on `meta`: no init work), tied again;
-    `quantization` "fp8": its dense projections held in FP8 blocks (`tandem.models.fp8`)."""
+    `quantization` "fp8": its dense projections held in FP8 blocks (`tandem.models.fp8`), and with `fp8_experts` its
+    routed experts."""
     model = build_native(hf_config, "meta", dtype, source)
     if quantization == "fp8":
-        convert_to_fp8(model)
+        convert_to_fp8(model, fp8_experts)
     model.to_empty(device=device)
     retie(model)
     return model
@@ -152,11 +153,11 @@ def _tied(model: nn.Module) -> bool:
 
 
 def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "auto", trust_remote_code: bool = False,
-                   load_format: str = "safetensors", quantization: str = "none") -> nn.Module:
+                   load_format: str = "safetensors", quantization: str = "none", fp8_experts: bool = False) -> nn.Module:
     """Load weights of `name` (folder or hub name) onto `device`: meta init, then weights (read,
     or random ones made on the device with `load_format` "dummy"). `quantization` "fp8" (native models):
-    the dense projections held in FP8 blocks, read as such from an FP8 checkpoint, else quantized on load;
-    without it, an FP8 checkpoint's weights are dequantized to `dtype`."""
+    the dense projections (and with `fp8_experts` the routed experts) held in FP8 blocks, read as such from an FP8
+    checkpoint, else quantized on load; without it, an FP8 checkpoint's weights are dequantized to `dtype`."""
     folder = resolve_model_path(name)
     hf_config = read_hf_config(folder)
     torch_dtype = resolve_dtype(dtype, device)
@@ -174,7 +175,7 @@ def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "
             raise ValueError(f"{quantization} layers need decoder blocks split at attention; {source} says model_type "
                              f"{hf_config['model_type']!r} (latent attention), whose blocks run whole")
         unquantized = {k: v for k, v in hf_config.items() if k != "quantization_config"}  # the layers' shapes are the same
-        model = empty_native(unquantized, device, torch_dtype, source, quantization)
+        model = empty_native(unquantized, device, torch_dtype, source, quantization, fp8_experts)
         model.hf_config = hf_config
         if load_format == "dummy":
             model.init_weights(DUMMY_SEED)

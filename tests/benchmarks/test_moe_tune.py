@@ -39,25 +39,31 @@ def test_the_grid_leaves_out_tiles_a_block_cannot_hold(matmul):
             assert all(t != tiles and t["BLOCK_N"] >= 32 and moe_tune.fits(t, matmul == "gate_up") for t in near)
     big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=256, GROUP_M=8, num_warps=8, num_stages=3)
     assert not moe_tune.fits(big, matmul == "gate_up")  # 3 stages of 128x256 + 256x256 bf16 tiles: 576 KiB
+    fp8_grid = moe_tune.coarse_grid(16, matmul, quick=False, fp8=True)  # FP8 experts: one scale group a step at most
+    assert fp8_grid and all(128 % t["BLOCK_K"] == 0 for t in fp8_grid)
 
 
 @needs_triton_interpreter
-def test_the_tuner_runs_under_the_interpreter_and_writes_a_table_the_engine_loads(tmp_path):
+@pytest.mark.parametrize("fp8", [False, True], ids=["experts in the model's dtype", "fp8 experts"])
+def test_the_tuner_runs_under_the_interpreter_and_writes_a_table_the_engine_loads(tmp_path, fp8):
+    """`--fp8`: a table under the FP8 experts' key, whose entries the engine's FP8 experts read (their BLOCK_K
+    divides 128)."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_tune.py"), "--preset", "tiny-moe", "--quick",
-                          "--token-counts", "1,40", "--commit", "test", "--out", str(tmp_path)],
+                          "--token-counts", "1,40", "--commit", "test", "--out", str(tmp_path)] + (["--fp8"] * fp8),
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     figures = json.loads((tmp_path / "moe_tune.json").read_text())
     assert figures["environment"]["commit"] == "test"
     args = moe_tune.moe_args_of("tiny-moe")
-    key = shape_key(args.num_experts, args.top_k, args.hidden_size, args.intermediate_size, torch.float32)
-    table = TileTable.load(tmp_path / "moe_tiles.json", key, args.top_k, args.num_experts, "test")
+    key = shape_key(args.num_experts, args.top_k, args.hidden_size, args.intermediate_size,
+                    torch.float8_e4m3fn if fp8 else torch.float32)
+    table = TileTable.load(tmp_path / "moe_tiles.json", key, args.top_k, args.num_experts, "test", fp8)
     assert table.counts == [1, 40]
     for n in (1, 40):
         assert figures["by_num_tokens"][str(n)]["agrees_with_rule"]
         quick = [t for m in moe_tune.block_ms(n, args) for t in moe_tune.coarse_grid(m, "down", quick=True)]
-        quick.append(rule_tiles(n, args.top_k, args.num_experts))
+        quick.append(rule_tiles(n, args.top_k, args.num_experts, fp8))
         assert all(tiles in quick for tiles in table.tiles(n))
         assert figures["by_num_tokens"][str(n)]["down"]["bytes"] > 0

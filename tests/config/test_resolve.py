@@ -232,9 +232,14 @@ def test_the_broadcast_group_is_derived_from_the_servers():
 
 def test_the_trainer_quantizes_the_broadcast_for_an_fp8_engine_only():
     """The trainer learns the engine's scheme from the resolved config: tandem's FP8 engine takes its projections
-    quantized; a bf16 engine, and vLLM (which quantizes on its own load), take `model.dtype`."""
+    quantized (its routed experts too with `inference.engine.fp8_experts`); a bf16 engine, and vLLM (which quantizes
+    on its own load), take `model.dtype`."""
     cfg = resolve("--weight_transport.type", "broadcast", "--inference.engine.quantization", "fp8")
     assert cfg.trainer.weight_transport.quantization == cfg.orchestrator.weight_transport.quantization == "fp8"
+    assert not cfg.trainer.weight_transport.fp8_experts  # the engine's default: experts in `model.dtype`
+    cfg = resolve("--weight_transport.type", "broadcast", "--inference.engine.quantization", "fp8",
+                  "--inference.engine.fp8_experts", "true")
+    assert cfg.trainer.weight_transport.fp8_experts and cfg.trainer.weight_transport.quantization == "fp8"
     assert resolve("--weight_transport.type", "broadcast").trainer.weight_transport.quantization == "none"
     cfg = resolve(*GPU_VLLM, "--inference.engine.quantization", "fp8",
                   "--deployment.trainer_devices", "[1]", machine=FakeMachine(cuda_devices=2))

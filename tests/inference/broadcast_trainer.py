@@ -26,7 +26,8 @@ def main(*args: str) -> None:
     # A small bucket threshold, so that the tiny model crosses the group in several buckets.
     config = BroadcastWeightTransport(port=int(port), num_inference_ranks=int(num_ranks), bucket_mib=0.25, timeout_s=60,
                                       quantization="fp8" if fp8 else "none")
-    names = fp8_weight_names(build_native(read_hf_config(Path(policies[1])), "meta", torch.bfloat16)) if fp8 else ()
+    model = build_native(read_hf_config(Path(policies[1])), "meta", torch.bfloat16)
+    names = fp8_weight_names(model, config.fp8_experts) if fp8 else ()
     sender = WeightBroadcaster(Path(run_dir), config, torch.device("cpu"), names)
     for step, folder in zip(policies[::2], policies[1::2]):
         print(f"step {step}: {sender.send(int(step), load_state_dict(Path(folder)))} bytes", flush=True)

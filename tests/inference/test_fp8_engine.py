@@ -1,6 +1,7 @@
 """The engine with `engine.quantization = "fp8"`: what it holds in FP8, what it computes, FP8 checkpoints, updates,
-and the settings it refuses. How close FP8 logprobs stay to the unquantized model's: `check_close_to_unquantized`,
-with 8 quantized factors per block (q/k/v, o, gate/up and down products, both factors of each in FP8)."""
+and the settings it refuses, for dense models and mixtures of experts (routed experts, shared experts). How close
+FP8 logprobs stay to the unquantized model's: `check_close_to_unquantized`, with 8 quantized factors per block
+(q/k/v, o, gate/up and down products, both factors of each in FP8; the experts' products are the same four)."""
 
 import json
 import re
@@ -8,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from inference_helpers import QUANTIZED, check_close_to_unquantized, fp8_rho, generate, teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
@@ -17,15 +19,23 @@ from tandem.config.resolve import parse_rl_args
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_device
 from tandem.inference.engine.setup import build_engine
 from tandem.kernels.fp8 import FP8
-from tandem.models.fp8 import Fp8Linear, dequantize_weight, fp8_weight_names, quantize_weight
+from tandem.models.fp8 import Fp8Experts, Fp8Linear, dequantize_weight, fp8_weight_names, quantize_named, quantize_weight
 from tandem.models.hub import read_hf_config
 from tandem.models.loading import DUMMY_SEED, build_native, load_causal_lm
+from tandem.models.presets import init_model
 from tandem.models.random_init import initial_value
-from tandem.models.weights import load_state_dict, save_state_dict
+from tandem.models.weights import load_state_dict, save_state_dict, weight_files
 
 FACTORS_PER_BLOCK = 8
 """FP8 factors between a block's input and output: both factors of q/k/v, o, gate/up and down."""
 CHECKPOINT_SCHEME = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+QUANTIZED_MOE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj\.weight|mlp\.(gate|up|down)_proj\.weight|"
+                           r"mlp\.shared_experts\.(gate|up|down)_proj\.weight|mlp\.experts\.(gate_up|down)_proj)")
+"""The in-memory names of the weights a mixture of experts holds in FP8: attention, a dense block's feed-forward,
+shared experts, routed experts."""
+QUANTIZED_ON_DISK = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts\.|experts\.\d+\.)?"
+                               r"(gate|up|down)_proj)\.weight")
+"""The on-disk names of the weights a released FP8 checkpoint of a mixture of experts holds in FP8 (per expert)."""
 
 
 def engine_for(model_dir, device: str = "cpu", quantization: str = "fp8", load_format: str = "safetensors", **settings):
@@ -88,30 +98,52 @@ def test_fp8_logprobs_stay_close_to_the_unquantized_models(tiny_dir, tiny_model)
     check_close_to_unquantized(generate(engine_for(tiny_dir)), tiny_model, "cpu", FACTORS_PER_BLOCK)
 
 
-def test_only_the_dense_projections_are_held_in_fp8(tiny_dir, tiny_moe_dir):
-    """Embeddings, norms and the LM head keep the model's dtype, and a mixture of experts' experts and router too."""
-    for folder, num_fp8 in ((tiny_dir, 7), (tiny_moe_dir, 4)):
-        state = engine_for(folder).weight_target.state_dict()
+@pytest.mark.parametrize("fp8_experts", [True, False])
+def test_the_projections_and_routed_experts_are_held_in_fp8(tiny_dir, tiny_moe_dir, tiny_glm_dir, fp8_experts):
+    """Embeddings, norms, the LM head and routers keep the model's dtype; the rest of each block is FP8: 7 weights a
+    dense block, 4 + 2 a block of routed experts, 4 + 3 + 2 with a shared expert (GLM-4.5's, whose first block is
+    dense); without `fp8_experts` the 2 routed experts' weights keep the model's dtype."""
+    experts = 2 if fp8_experts else 0
+    for folder, num_fp8 in ((tiny_dir, 7 * 2), (tiny_moe_dir, (4 + experts) * 2), (tiny_glm_dir, 7 + (7 + experts) * 2)):
+        state = engine_for(folder, fp8_experts=fp8_experts).weight_target.state_dict()
         fp8 = {name for name, t in state.items() if t.dtype == FP8}
-        assert len(fp8) == num_fp8 * 2 and all(QUANTIZED.fullmatch(name) for name in fp8)
+        assert len(fp8) == num_fp8 and all(QUANTIZED_MOE.fullmatch(name) for name in fp8), folder
+        assert all(name.removesuffix("_scale_inv") in fp8 for name in state if name.endswith("_scale_inv"))
         assert all(t.dtype == torch.float32 for name, t in state.items() if name not in fp8), folder
 
 
-def test_a_bf16_model_names_the_weights_the_engine_holds_in_fp8(tiny_dir, tiny_moe_dir):
-    """What the trainer's broadcast quantizes (`fp8_weight_names` of its own bf16 model) is what the engine holds in
-    FP8, no more and no less: the dense projections of a dense model, the attention's of a mixture of experts."""
-    for folder in (tiny_dir, tiny_moe_dir):
-        held = {name for name, t in engine_for(folder).weight_target.state_dict().items() if t.dtype == FP8}
-        assert fp8_weight_names(build_native(read_hf_config(folder), "meta", torch.bfloat16)) == held, folder
+@pytest.mark.parametrize("fp8_experts", [True, False])
+def test_a_bf16_model_names_the_weights_the_engine_holds_in_fp8(tiny_dir, tiny_moe_dir, tiny_glm_dir, fp8_experts):
+    """What the trainer's broadcast quantizes (`fp8_weight_names` of its own bf16 model, told
+    `weight_transport.fp8_experts`) is what the engine holds in FP8, no more and no less: the dense projections, the
+    shared experts' and, with `fp8_experts`, the routed experts'."""
+    for folder in (tiny_dir, tiny_moe_dir, tiny_glm_dir):
+        state = engine_for(folder, fp8_experts=fp8_experts).weight_target.state_dict()
+        held = {name for name, t in state.items() if t.dtype == FP8}
+        assert fp8_weight_names(build_native(read_hf_config(folder), "meta", torch.bfloat16), fp8_experts) == held
 
 
-def test_a_mixture_of_experts_generates_with_fp8_attention(tiny_moe_dir):
-    model = load_causal_lm(str(tiny_moe_dir))
-    rho = fp8_rho(4, len(model.layers))  # both factors of q/k/v and o only: experts unquantized
-    results = generate(engine_for(tiny_moe_dir))
-    differences = torch.cat([(torch.tensor(lp) - teacher_forced_logprobs(model, p, ids, t)).abs()
+@pytest.fixture(scope="module")
+def tiny_minimax_dir(tmp_path_factory):
+    """MiniMax-M2's block: its experts named w1/w3/w2 under `block_sparse_moe` on disk, a score bias on the block."""
+    return init_model("tiny-minimax-m2", tmp_path_factory.mktemp("tiny_minimax"), seed=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-glm4-moe", "tiny-minimax-m2"])
+def test_fp8_experts_compute_the_scheme_and_stay_close_to_the_unquantized_moe(preset, tiny_moe_dir, tiny_glm_dir,
+                                                                             request):
+    """The engine's logprobs against a teacher-forced pass of the same FP8 model (its experts by the reference,
+    expert by expert), as for a dense model; and against the unquantized model within FP8's reach. The families
+    whose mixture of experts runs the engine's fused MoE path."""
+    folder = {"tiny-moe": tiny_moe_dir, "tiny-glm4-moe": tiny_glm_dir}.get(preset) or request.getfixturevalue("tiny_minimax_dir")
+    results = generate(engine_for(folder, fp8_experts=True))
+    fp8_model = load_causal_lm(str(folder), quantization="fp8", fp8_experts=True)
+    apply_fp8_blocks(fp8_model, kernels=False)
+    assert all(isinstance(layer.mlp.experts, Fp8Experts) for layer in fp8_model.layers if hasattr(layer.mlp, "experts"))
+    differences = torch.cat([(torch.tensor(lp) - teacher_forced_logprobs(fp8_model, p, ids, t)).abs()
                              for p, ids, lp, t in results.values()])
-    assert 0 < differences.mean() <= rho
+    assert (differences <= 1e-5).float().mean() >= 0.95 and differences.max() <= 2.0 ** -6
+    check_close_to_unquantized(results, load_causal_lm(str(folder)), "cpu", FACTORS_PER_BLOCK)
 
 
 def test_an_fp8_checkpoint_loads_as_it_is_and_generates(tiny_dir, tiny_fp8_dir):
@@ -131,6 +163,71 @@ def test_an_fp8_checkpoint_loads_as_it_is_and_generates(tiny_dir, tiny_fp8_dir):
     for name in filter(QUANTIZED.fullmatch, on_disk):
         assert torch.equal(state[name], dequantize_weight(on_disk[name], on_disk[name + "_scale_inv"]))
     generate(dequantized)
+
+
+@pytest.fixture(scope="module")
+def tiny_glm_fp8_dir(tiny_glm_dir, tmp_path_factory):
+    """GLM-4.5's tiny model as a released FP8 checkpoint of a mixture of experts stores it: each expert's gate, up
+    and down projection in FP8 beside its own `weight_scale_inv`, as are the shared experts and attention."""
+    folder = tmp_path_factory.mktemp("tiny_glm_fp8") / "model"
+    shutil.copytree(tiny_glm_dir, folder)
+    for file in weight_files(folder):
+        file.unlink()
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = CHECKPOINT_SCHEME
+    on_disk = load_file(str(weight_files(tiny_glm_dir)[0]))
+    for name in [n for n in on_disk if QUANTIZED_ON_DISK.fullmatch(n)]:
+        on_disk[name], on_disk[name + "_scale_inv"] = quantize_weight(on_disk[name])
+    save_file(on_disk, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_an_fp8_checkpoint_of_experts_loads_as_it_is_and_generates(tiny_glm_dir, tiny_glm_fp8_dir):
+    """Each expert's FP8 tensors and scales, stacked, are what the engine holds, bit for bit; the same as quantizing
+    the bf16 checkpoint on load, so both engines sample the same tokens with the same logprobs. Without
+    `quantization`, or without `fp8_experts`, the experts are dequantized into the model's dtype."""
+    on_disk = load_file(str(tiny_glm_fp8_dir / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.7.up_proj.weight_scale_inv" in on_disk
+    from_checkpoint, on_load = engine_for(tiny_glm_fp8_dir, fp8_experts=True), engine_for(tiny_glm_dir, fp8_experts=True)
+    assert_same_tensors(fp8_state(from_checkpoint), fp8_state(on_load))
+    held = fp8_state(from_checkpoint)
+    for j in (0, 7):  # expert j's gate rows, then its up rows, each with the blocks of its own tensor
+        prefix = f"model.layers.1.mlp.experts.{j}"
+        gate_up = held["model.layers.1.mlp.experts.gate_up_proj"][j].view(torch.uint8)
+        gate, up = (on_disk[f"{prefix}.{p}.weight"].view(torch.uint8) for p in ("gate_proj", "up_proj"))
+        assert torch.equal(gate_up, torch.cat([gate, up]))
+        assert torch.equal(held["model.layers.1.mlp.experts.gate_up_proj_scale_inv"][j], torch.cat(
+            [on_disk[f"{prefix}.gate_proj.weight_scale_inv"], on_disk[f"{prefix}.up_proj.weight_scale_inv"]]))
+        assert torch.equal(held["model.layers.1.mlp.experts.down_proj_scale_inv"][j],
+                           on_disk[f"{prefix}.down_proj.weight_scale_inv"])
+    assert generate(from_checkpoint) == generate(on_load)
+
+    expected = dequantize_weight(on_disk["model.layers.2.mlp.experts.3.down_proj.weight"],
+                                 on_disk["model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"])
+    for quantization in ("none", "fp8"):  # "fp8" without `fp8_experts`: the experts alone in the model's dtype
+        dequantized = engine_for(tiny_glm_fp8_dir, quantization=quantization)
+        state = dequantized.weight_target.state_dict()
+        assert torch.equal(state["model.layers.2.mlp.experts.down_proj"][3], expected)
+        assert bool(fp8_state(dequantized)) == (quantization == "fp8")
+        generate(dequantized)
+
+
+def test_experts_updates_quantize_on_load_and_a_quantized_broadcast_equals_them(tiny_glm_dir, tmp_path_factory):
+    """A bf16 update reaches every FP8 weight of a mixture of experts (the shared experts' stacks included): the
+    engine then samples as one started from those weights. The trainer's quantized broadcast (`quantize_named` of
+    the names its bf16 model gives) loads to the same bits."""
+    other = init_model("tiny-glm4-moe", tmp_path_factory.mktemp("tiny_glm_other"), seed=1)
+    update = load_state_dict(other)
+    engine = engine_for(tiny_glm_dir, fp8_experts=True)
+    engine.update_weights(update)
+    assert generate(engine) == generate(engine_for(other, fp8_experts=True))
+    broadcast = engine_for(tiny_glm_dir, fp8_experts=True)
+    names = fp8_weight_names(build_native(read_hf_config(tiny_glm_dir), "meta", torch.bfloat16), experts=True)
+    sent = dict(quantize_named(update.items(), names))
+    assert sum(t.dtype == FP8 for t in sent.values()) == len(names)
+    broadcast.update_weights(sent)
+    assert_same_tensors(fp8_state(broadcast), fp8_state(engine))
 
 
 @pytest.mark.parametrize("field, value", [("quant_method", "gptq"), ("fmt", "e5m2"), ("activation_scheme", "static"),
@@ -164,13 +261,20 @@ def test_a_bf16_update_is_quantized_on_load(tiny_dir, tiny_other_dir):
     assert generate(engine) == generate(engine_for(tiny_other_dir))
 
 
-def test_dummy_weights_are_the_random_weights_quantized(tiny_dir):
+def test_dummy_weights_are_the_random_weights_quantized(tiny_dir, tiny_moe_dir):
     engine = engine_for(tiny_dir, load_format="dummy")
     name = "model.layers.0.mlp.down_proj.weight"
     layer = engine.weight_target.get_submodule(name.removesuffix(".weight"))
     assert isinstance(layer, Fp8Linear)
     q, scale_inv = quantize_weight(initial_value(name, layer.weight.shape, DUMMY_SEED, "cpu"))
     assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale_inv, scale_inv)
+    experts = engine_for(tiny_moe_dir, load_format="dummy", fp8_experts=True).weight_target.get_submodule(
+        "model.layers.1.mlp.experts")
+    assert isinstance(experts, Fp8Experts)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    q, scale_inv = quantize_weight(initial_value(name, experts.gate_up_proj.shape, DUMMY_SEED, "cpu"), parts=2)
+    assert torch.equal(experts.gate_up_proj.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(experts.gate_up_proj_scale_inv, scale_inv)
 
 
 def test_a_gpu_without_fp8_tensor_cores_is_refused_at_engine_start(monkeypatch):
@@ -197,3 +301,21 @@ def test_fp8_on_cuda_stays_close_to_bf16(tiny_dir):
     engine = engine_for(tiny_dir, device="cuda", max_num_seqs=8)
     assert engine.runner.graphs is not None
     check_close_to_unquantized(generate(engine), load_causal_lm(str(tiny_dir), "cuda"), "cuda", FACTORS_PER_BLOCK)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU of compute capability 8.9 or newer")
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-glm4-moe"])
+def test_fp8_experts_on_cuda_stay_close_to_bf16(preset, tiny_moe_dir, tiny_glm_dir):
+    """The fused MoE kernels in block FP8 (routed experts), the dense FP8 feed-forward (shared experts), decode steps
+    from CUDA graphs; against the same model unquantized, and against the eager FP8 experts (the reference)."""
+    folder = {"tiny-moe": tiny_moe_dir, "tiny-glm4-moe": tiny_glm_dir}[preset]
+    engine = engine_for(folder, device="cuda", max_num_seqs=8, fp8_experts=True)
+    assert engine.runner.graphs is not None and engine.runner.model.layers[1].mlp.forward.func.__name__ == "fused_moe_forward"
+    results = generate(engine)
+    check_close_to_unquantized(results, load_causal_lm(str(folder), "cuda"), "cuda", FACTORS_PER_BLOCK)
+    fp8_model = load_causal_lm(str(folder), "cuda", quantization="fp8", fp8_experts=True)
+    apply_fp8_blocks(fp8_model, kernels=False)
+    differences = torch.cat([(torch.tensor(lp) - teacher_forced_logprobs(fp8_model, p, ids, t, "cuda")).abs()
+                             for p, ids, lp, t in results.values()])
+    assert differences.mean() <= fp8_rho(FACTORS_PER_BLOCK, len(fp8_model.layers)) / 4, differences.mean()

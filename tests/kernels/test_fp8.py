@@ -149,6 +149,10 @@ def assert_product_close(got: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.
     assert (error <= bound).all(), (what, float((error - bound).max()))
 
 
+SPLIT_TILES = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3, SPLIT_K=3)
+"""Small tiles and a reduction split in 3 (more shares than some shapes have groups: empty shares add nothing)."""
+
+
 def check_kernel_against_reference(device: str, dtype: torch.dtype, casts_round: bool = True,
                                    shapes: list[tuple[int, int, int]] = SHAPES) -> None:
     """The Triton kernels against the torch reference on `device`: activation quantization bit for bit (where
@@ -173,6 +177,10 @@ def check_kernel_against_reference(device: str, dtype: torch.dtype, casts_round:
                                  TENSOR_CORE_SUM if device == "cuda" else 0.0)
             if casts_round:
                 assert torch.equal(fp8_linear(x, weight, bias), got)
+            # The reduction split in shares of K's groups, added after in fp32 (the tiles a benchmark may choose).
+            split = matmul(q_ref, scale_ref, weight, bias, dtype, SPLIT_TILES)
+            assert_product_close(split, q_ref, scale_ref, weight, bias, f"{(M, N, K)} split",
+                                 TENSOR_CORE_SUM if device == "cuda" else 0.0)
 
 
 INTERPRETED = """

@@ -102,6 +102,32 @@ def test_experts_are_stacked_in_memory_and_per_expert_on_disk(tiny_moe, tmp_path
     assert torch.equal(state["model.layers.1.mlp.experts.gate_up_proj"][3], torch.cat([gate, up]))  # gate rows first
 
 
+@pytest.mark.parametrize("model_type, block, names", [("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
+                                                      ("minimax_m2", "block_sparse_moe", ("w1", "w3", "w2"))])
+def test_fp8_experts_and_their_scales_go_per_expert_on_disk_and_back(model_type, block, names):
+    """An FP8 checkpoint stores each expert's projections beside their own `weight_scale_inv`, under the family's
+    names; in memory they stack as the weights do (gate blocks, then up blocks), and the round trip is exact."""
+    from tandem.kernels.fp8 import FP8
+    from tandem.models.expert_layout import to_disk, to_memory
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 2 * 64, 256, generator=gen).to(FP8),
+             "model.layers.0.mlp.experts.gate_up_proj_scale_inv": torch.rand(4, 2, 2, generator=gen),
+             "model.layers.0.mlp.experts.down_proj": torch.randn(4, 256, 64, generator=gen).to(FP8),
+             "model.layers.0.mlp.experts.down_proj_scale_inv": torch.rand(4, 2, 1, generator=gen)}
+    config = {"model_type": model_type, "num_hidden_layers": 1}
+    on_disk = to_disk(state, config)
+    gate, up, down = (f"model.layers.0.{block}.experts.3.{name}.weight" for name in names)
+    assert on_disk[f"{up}_scale_inv"].shape == (1, 2) and on_disk[f"{down}_scale_inv"].shape == (2, 1)
+    assert torch.equal(on_disk[f"{up}_scale_inv"], state["model.layers.0.mlp.experts.gate_up_proj_scale_inv"][3, 1:])
+    assert torch.equal(on_disk[gate].view(torch.uint8),
+                       state["model.layers.0.mlp.experts.gate_up_proj"][3, :64].view(torch.uint8))
+    back = to_memory(on_disk, config)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k].view(torch.uint8) if back[k].dtype == FP8 else back[k],
+                           state[k].view(torch.uint8) if state[k].dtype == FP8 else state[k]) for k in state)
+
+
 def test_saved_weights_load_back_into_transformers(tiny_moe, tmp_path):
     """A folder written through `save_state_dict` (what published `weights/step_N` are) is one transformers reads."""
     model = load_causal_lm(str(tiny_moe))

@@ -5,7 +5,8 @@ with `F.linear`, and an FP8 layer (`tandem.models.fp8.Fp8Linear`) needs its bloc
 quantized per token (`tandem.kernels.fp8.fp8_linear`). The block here computes what the model's does
 with every dense projection in block FP8: q, k and v as one stacked matmul, o, and a dense feed-forward's
 gate and up as one matmul, then down. A mixture of experts' feed-forward runs as the model's (the
-engine's `fused_moe` kernels, experts in the model's dtype).
+engine's `fused_moe` kernels, on FP8 experts: `tandem.models.fp8.Fp8Experts`), its shared experts given the
+dense feed-forward's FP8 forward (`fp8_feed_forward`).
 
 On CUDA with the engine's paged cache (and `kernels`), the pointwise work around the matmuls runs as
 `fused_blocks` runs it (`tandem.kernels.pointwise`); anywhere else (the CPU) the model's own functions
@@ -28,6 +29,7 @@ from tandem.models.attention import AttentionBackend, CachedAttention
 from tandem.models.decoder import DecoderLayer, attention_residual, normed_rotated
 from tandem.models.fp8 import Fp8Linear, stack_fp8_rows
 from tandem.models.layers import rms_norm
+from tandem.models.moe import MoE
 
 
 @dataclass
@@ -78,7 +80,21 @@ def apply_fp8_blocks(model: nn.Module, kernels: bool) -> int:
     with torch.no_grad():
         for block in blocks:
             block.forward = functools.partial(fp8_block_forward, block, fp8_projections(block), kernels)
+            shared = block.mlp.shared_experts if isinstance(block.mlp, MoE) else None
+            if shared is not None:
+                gate_up = stack_fp8_rows([shared.gate_proj, shared.up_proj])[0]
+                shared.forward = functools.partial(fp8_feed_forward, gate_up, stack_fp8_rows([shared.down_proj])[0], kernels)
     return len(blocks)
+
+
+def fp8_feed_forward(gate_up: BlockFp8Weight, down: BlockFp8Weight, kernels: bool, h: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU feed-forward of block-FP8 projections (a dense block's, or a mixture of experts' shared experts):
+    h [..., H] -> [..., H]; `kernels`: SiLU(gate) * up by the pointwise kernel where it serves (rows of h 2-D)."""
+    gate_up_out = fp8_linear(h, gate_up)
+    if kernels and h.dim() == 2 and pointwise.is_available(h):
+        return fp8_linear(pointwise.silu_mul(gate_up_out), down)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return fp8_linear(F.silu(gate) * up, down)
 
 
 def fp8_block_forward(block: DecoderLayer, proj: Fp8Projections, kernels: bool, x: torch.Tensor, cos: torch.Tensor,
@@ -98,12 +114,11 @@ def fp8_block_forward(block: DecoderLayer, proj: Fp8Projections, kernels: bool, 
         x_ND, h = pointwise.rms_norm(x_ND, post_norm_weight, eps, delta=fp8_linear(attended.flatten(1), proj.o, proj.o_bias))
         if proj.gate_up is None:
             return (x_ND + block.mlp(h[None])[0])[None]
-        return (x_ND + fp8_linear(pointwise.silu_mul(fp8_linear(h, proj.gate_up)), proj.down))[None]
+        return (x_ND + fp8_feed_forward(proj.gate_up, proj.down, True, h))[None]
     h = rms_norm(x, norm_weight, eps)
     q, k, v = fp8_linear(h, proj.qkv, proj.qkv_bias).split(proj.qkv_sizes, dim=-1)
     attended = backend.attend(layer, *normed_rotated(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim))
     x, h = attention_residual(x, attended, proj.o, proj.o_bias, post_norm_weight, eps, linear=fp8_linear)
     if proj.gate_up is None:
         return x + block.mlp(h)
-    gate, up = fp8_linear(h, proj.gate_up).chunk(2, dim=-1)
-    return x + fp8_linear(F.silu(gate) * up, proj.down)
+    return x + fp8_feed_forward(proj.gate_up, proj.down, False, h)

@@ -9,6 +9,9 @@ steps run inside CUDA graphs:
     -> grouped matmul gate_up, writing SiLU(gate) * up -> grouped matmul down, times the routing weight
     -> sum of each token's k copies (+ shared experts).
 Tiles by token count from a tuned table (`moe_tiles`).
+Experts held in block FP8 (`engine.quantization = "fp8"`: `tandem.models.fp8.Fp8Experts`) run the same kernels
+on FP8 rows: each matmul's input is quantized per token copy and 128-column group first
+(`tandem.kernels.fp8.quantize_activations`, the dense layers' quantizer), and the products are scaled by block.
 Model code stays as it is; where the kernel cannot run (CPU, no Triton) the model's eager path
 serves.
 
@@ -27,8 +30,10 @@ import torch
 from torch import nn
 
 from tandem.kernels import moe as moe_kernel
+from tandem.kernels.fp8 import quantize_activations
 from tandem.kernels.moe_tiles import TileTable, shape_key, shipped_table_path
 from tandem.models.eager_rounding import compile_like_eager
+from tandem.models.fp8 import Fp8Experts
 from tandem.models.moe import MoE, MoEArgs, route
 
 
@@ -91,21 +96,35 @@ def compile_tile_variants(block: MoE, tiles: TileTable, max_tokens: int) -> None
     args = block.args
     generator = torch.Generator(device=weight.device).manual_seed(0)
     for count in tiles.variant_token_counts(max_tokens):
-        x = torch.zeros(count, args.hidden_size, dtype=weight.dtype, device=weight.device)
+        x = torch.zeros(count, args.hidden_size, dtype=activation_dtype(block.experts), device=weight.device)
         expert_ids = torch.randint(0, args.num_experts, (count, args.top_k), device=weight.device, generator=generator)
         routing = torch.full((count, args.top_k), 1.0 / args.top_k, device=weight.device)
-        fused_experts(x, weight, block.experts.down_proj, routing, expert_ids, tiles.tiles(count))
+        fused_experts(x, weight, block.experts.down_proj, routing, expert_ids, tiles.tiles(count),
+                      expert_scales(block.experts))
+
+
+def activation_dtype(experts: nn.Module) -> torch.dtype:
+    """The dtype the experts take and give: their weights' own, or the model's where they are FP8."""
+    return experts.activation_dtype if isinstance(experts, Fp8Experts) else experts.gate_up_proj.dtype
+
+
+def expert_scales(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The block scales (gate_up, down) of experts held in FP8; None for experts in the model's dtype."""
+    if isinstance(experts, Fp8Experts):
+        return experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
+    return None
 
 
 def load_tiles(block: MoE, tile_table: str | None) -> TileTable:
     """The tiles of `block`'s expert shape: from `tile_table`, else the table shipped for this GPU, else the rule."""
     weight, args = block.experts.gate_up_proj, block.args
     key = shape_key(args.num_experts, args.top_k, args.hidden_size, args.intermediate_size, weight.dtype)
+    fp8 = isinstance(block.experts, Fp8Experts)
     if tile_table is not None:
-        return TileTable.load(Path(tile_table), key, args.top_k, args.num_experts, "`engine.moe_tile_table`")
+        return TileTable.load(Path(tile_table), key, args.top_k, args.num_experts, "`engine.moe_tile_table`", fp8)
     shipped = shipped_table_path(torch.cuda.get_device_name(weight.device))
     return TileTable.load(shipped if shipped.is_file() else None, key, args.top_k, args.num_experts,
-                          "the shipped MoE tile table")
+                          "the shipped MoE tile table", fp8)
 
 
 @contextlib.contextmanager
@@ -137,20 +156,35 @@ def fused_moe_forward(block: MoE, router, recorder: RoutingRecorder | None, moe_
     if recorder is not None:
         recorder.record(moe_index, expert_ids)
     out = fused_experts(flat, block.experts.gate_up_proj, block.experts.down_proj, weights, expert_ids,
-                        tiles.tiles(flat.shape[0]))
+                        tiles.tiles(flat.shape[0]), expert_scales(block.experts))
     if block.shared_experts is not None:
         out = out + block.shared_experts(flat)
     return out.view(x.shape)
 
 
 def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
-                  expert_ids: torch.Tensor, tiles: tuple[dict, dict]) -> torch.Tensor:
+                  expert_ids: torch.Tensor, tiles: tuple[dict, dict],
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [N, H] through each token's k experts (gate_up [E, 2I, H], down [E, H, I]), weighted and summed: [N, H].
-    `tiles`: the (gate_up, down) tiles (`TileTable.tiles`), one BLOCK_M."""
+    `tiles`: the (gate_up, down) tiles (`TileTable.tiles`), one BLOCK_M; `scales`: the weights are FP8 with these
+    block scales (`expert_scales`)."""
     (num_tokens, top_k), num_experts = expert_ids.shape, gate_up_proj.shape[0]
     gate_up_tiles, down_tiles = tiles
+    gate_up_scales, down_scales = scales if scales is not None else (None, None)
     blocks = moe_kernel.align_to_blocks(expert_ids, num_experts, gate_up_tiles["BLOCK_M"])
     num_copies = num_tokens * top_k
-    hidden = moe_kernel.grouped_matmul(x, gate_up_proj, blocks, top_k, num_copies, gate_up_tiles, gated=True)
-    down = moe_kernel.grouped_matmul(hidden, down_proj, blocks, 1, num_copies, down_tiles, routing=weights.reshape(-1))
+    hidden = expert_matmul(x, gate_up_proj, gate_up_scales, blocks, top_k, num_copies, gate_up_tiles, gated=True)
+    down = expert_matmul(hidden, down_proj, down_scales, blocks, 1, num_copies, down_tiles, routing=weights.reshape(-1))
     return down.view(num_tokens, top_k, -1).sum(1)
+
+
+def expert_matmul(a: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor | None, blocks: moe_kernel.ExpertBlocks,
+                  rows_per_copy: int, num_copies: int, tiles: dict, routing: torch.Tensor | None = None,
+                  gated: bool = False) -> torch.Tensor:
+    """`moe_kernel.grouped_matmul` of rows `a` in the model's dtype; with `weight_scales` (FP8 experts) the rows are
+    quantized first, per row and 128-column group, and the result comes back in `a`'s dtype."""
+    if weight_scales is None:
+        return moe_kernel.grouped_matmul(a, weight, blocks, rows_per_copy, num_copies, tiles, routing, gated)
+    a_fp8, a_scales = quantize_activations(a)
+    fp8 = moe_kernel.Fp8Operands(a_scales, weight_scales, a.dtype)
+    return moe_kernel.grouped_matmul(a_fp8, weight, blocks, rows_per_copy, num_copies, tiles, routing, gated, fp8)

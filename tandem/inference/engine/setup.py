@@ -133,7 +133,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         model = load_mapped_model(folder, Path(shared_base), device, resolve_dtype(model_config.dtype, device))
     else:
         model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code,
-                               model_config.load_format, engine.quantization)
+                               model_config.load_format, engine.quantization, engine.fp8_experts)
     if fp8:  # before anything runs the model: its own forward cannot multiply by FP8 layers
         apply_fp8_blocks(model, kernels=engine.fused_blocks)
     if exact:

@@ -75,7 +75,8 @@ def open_weight_transport(config: TrainerConfig, session: Session) -> None:
         return
     if session.dims.is_main:
         transport = config.weight_transport
-        fp8_weights = fp8_weight_names(session.model.lm) if transport.quantization == "fp8" else ()
+        fp8_weights = (fp8_weight_names(session.model.lm, transport.fp8_experts) if transport.quantization == "fp8"
+                       else ())
         session.broadcaster = WeightBroadcaster(config.run_dir, transport, session.dims.device, fp8_weights)
         session.log.info("weight broadcast group of %d ranks formed", config.weight_transport.world_size)
     if session.start_step > 0:
