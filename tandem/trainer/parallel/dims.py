@@ -20,7 +20,6 @@ gradients of different tokens of the same rows, which add up.
 
 from __future__ import annotations
 
-import gc
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -135,10 +134,11 @@ def close_parallel(wait_for_peers: bool = False) -> None:
     topology) keep the device meshes after the model is gone, and a world mesh keeps every group of its axes in
     its registry. gloo's worker and socket threads then live on into interpreter teardown, where a rank could
     abort after its last step ("terminate called without an active exception", a C++ thread torn down unjoined).
-    Emptying the registries of the meshes built here leaves the groups to their other holders (a model's FSDP
-    state, often in reference cycles): collected here once those are gone, or by the process's entry point after
-    its command returns (`tandem.cli`), their destructors join those threads and close the connections before the
-    interpreter's teardown begins."""
+    Emptying the registries of the meshes built here leaves the groups to their other holders, a model's FSDP state
+    in reference cycles: collected by the process's entry point once its command returns (`tandem.cli`), their
+    destructors join those threads and close the connections before the interpreter's teardown begins. Not
+    collected here, where the caller's model is still alive (and a collection costs a test that closes its ranks
+    a fifth of a second)."""
     if not dist.is_initialized():
         return
     if wait_for_peers and dist.get_world_size() > 1:
@@ -146,4 +146,3 @@ def close_parallel(wait_for_peers: bool = False) -> None:
     dist.destroy_process_group()
     while _ROOT_MESHES:
         getattr(_ROOT_MESHES.pop(), "_pg_registry", {}).clear()  # a torch whose meshes keep no registry: nothing held
-    gc.collect()
