@@ -19,12 +19,14 @@ needs_triton_interpreter = pytest.mark.skipif(
 """Marks a test that runs kernels under the interpreter."""
 
 
-def run_interpreted(script: str, timeout: float) -> None:
+def run_interpreted(script: str, timeout: float, folder: str | None = None) -> None:
     """Run `script` in a Python subprocess under the interpreter; it must print only `ok`.
 
     The subprocess finds tests/'s shared modules (this one, `attention_cases`) as pytest's `pythonpath` lets the
-    tests find them: a test module the script imports imports them too."""
-    python_path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")]))
+    tests find them: a test module the script imports imports them too. `folder`: a folder of test modules the
+    script imports, put first on its path."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    python_path = os.pathsep.join(filter(None, [folder, tests, os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path),
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
