@@ -8,10 +8,14 @@ BIN := $(VENV)/bin
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --no-compile --upgrade pip
 	# torch first, pinned: the local CPU wheel; a looser spec could pull a CUDA build.
-	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,verifiers]'
+	$(BIN)/pip install -q --no-compile -c constraints.txt torch
+	$(BIN)/pip install -q --no-compile -c constraints.txt -e '.[dev,verifiers]'
+	# Byte-compiled once here, on every core (pip compiles on one): a process then loads .pyc files even where
+	# PYTHONDONTWRITEBYTECODE keeps imports from writing them. A file that does not compile (a package's
+	# templates) is skipped, as pip skips it.
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 .PHONY: venv rl test docs
@@ -23,6 +27,7 @@ rl: $(STAMP)
 # Two workers (CI's two cores), each module on one of them, modules with slow tests handed out first
 # (tests/conftest.py says how they share the cores).
 test: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 tandem tests > /dev/null
 	$(BIN)/python -m pytest -q -x -n 2 --dist loadscope --no-loadscope-reorder tests
 
 docs: $(STAMP)

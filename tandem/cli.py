@@ -7,6 +7,7 @@ milliseconds and shows a clear message, never a traceback.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import signal
 import sys
@@ -123,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     # The process's own stderr (`sys.__stderr__`): a caller in the same process may have replaced `sys.stderr`
     # with an object that has no file descriptor (pytest's capture).
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
-    return int(entry(config) or 0)
+    code = int(entry(config) or 0)
+    # What the command built is garbage now, but objects in reference cycles wait for a collection, which might come
+    # only in the interpreter's teardown: a trainer's process groups, held by its FSDP modules, would then end their
+    # native threads there (`tandem.trainer.parallel.dims.close_parallel`). Collected here, they end first.
+    gc.collect()
+    return code
 
 
 def _launcher_flags(argv: list[str]) -> list[str]:

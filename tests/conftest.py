@@ -39,7 +39,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules holding `slow` tests first, each module's order kept: the worker that finishes first takes the next
     module (`--no-loadscope-reorder` keeps this order), so the last modules handed out are short ones, and
-    neither worker is left alone with a long test at the end."""
+    neither worker is left alone with a long test at the end. A test of tens of seconds that starts no process
+    (one that compiles, say) is `slow` for this too: in the alphabetical order, tests/trainer and tests/transport
+    come last."""
     if is_worker(config):
         slow = {item.path for item in items if item.get_closest_marker("slow")}
         items.sort(key=lambda item: item.path not in slow)

@@ -49,15 +49,31 @@ def prose_lines(source: str) -> list[tuple[int, str]]:
     """(line number, text) of every comment and string statement of a module, one entry per line."""
     lines = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
              if tok.type == tokenize.COMMENT]
+    source_lines = [line.encode() for line in LINE_BREAK.split(source)]
     for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
         for statement in body if isinstance(body, list) else []:
             if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
                     and isinstance(statement.value.value, str)):
                 continue
-            text = ast.get_source_segment(source, statement) or ""
+            text = statement_text(source_lines, statement)
             lines.extend((statement.lineno + k, line) for k, line in enumerate(text.splitlines()))
     return sorted(lines)
+
+
+LINE_BREAK = re.compile(r"\r\n|\r|\n")
+"""Where the parser's line numbers break a module (`ast.get_source_segment` splits the same way)."""
+
+
+def statement_text(source_lines: list[bytes], statement: ast.stmt) -> str:
+    """The statement's source, as `ast.get_source_segment` cuts it (columns count UTF-8 bytes), from the module's
+    lines split once: that function splits the whole module again for each statement."""
+    first, last = statement.lineno - 1, statement.end_lineno - 1
+    if first == last:
+        return source_lines[first][statement.col_offset:statement.end_col_offset].decode()
+    middle = source_lines[first + 1:last]
+    parts = [source_lines[first][statement.col_offset:], *middle, source_lines[last][:statement.end_col_offset]]
+    return "\n".join(part.decode() for part in parts)
 
 
 def findings(source: str, name: str) -> list[str]:

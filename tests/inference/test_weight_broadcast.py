@@ -143,6 +143,7 @@ def test_bad_init_info_is_a_400_naming_it(server):
         asyncio.run(init())
 
 
+@pytest.mark.slow
 def test_policies_announced_back_to_back_are_received_in_turn(two_servers, tiny_dir, tiny_other_dir, tmp_path):
     """The trainer sends policies 1 and 2 without waiting for the servers (the transport may buffer
     them); the orchestrator takes 1, then 2, never skipping one that is already in the group."""

@@ -159,7 +159,9 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch
 from test_batch_invariant import check_gradients, check_kernels, check_packed_attention_equals_paged
+from triton_interpreter import dots_row_by_row
 
+dots_row_by_row()
 check_kernels("cpu", torch.float32, hidden=80, out=96, vocab=5000, tolerance=1e-5)
 check_packed_attention_equals_paged("cpu", torch.float32, [5, 9, 1, 3], tolerance=1e-5)
 check_gradients("cpu", torch.float32, tolerance=1e-4)

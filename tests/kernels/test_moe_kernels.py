@@ -5,8 +5,6 @@ MoE; tile tables load and choose by token count. On CUDA: `tests/inference/test_
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch
 from tandem.kernels.moe import ExpertBlocks
 from tandem.kernels.moe_tiles import TileTable, rule_tiles, shape_key, shipped_table_path
 from tandem.models.moe import MoE, MoEArgs, permute
-from triton_interpreter import needs_triton_interpreter
+from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 
 def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
@@ -144,10 +142,7 @@ def test_the_kernel_under_tritons_interpreter_computes_the_models_moe():
     """The real kernels on CPU tensors (fp32, exact dot products), run by Triton's interpreter: the layout
     kernels against their torch specification, the fused experts (SiLU * up in the gate_up kernel) against
     the model's MoE, and the block's engine forward with its tiles from a table file."""
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNEL], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(INTERPRETED_KERNEL, timeout=300, folder=os.path.dirname(__file__))
 
 
 def write_table(path, key: str, entries: list[dict]) -> str:

@@ -5,14 +5,11 @@ the step's dtype and over FP8 caches with their scales (dense attention over wha
 the same: the scales are applied in fp32, and an e4m3 number widens to bf16 exactly). Also the decode grids'
 context bounds, which CUDA graphs are captured for."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from triton_interpreter import needs_triton_interpreter
+from triton_interpreter import needs_triton_interpreter, run_interpreted
 from attention_cases import DECODES, MIXED, check_split_decode, dense_reference, kernel_caches, mixed_step
 
 from tandem.inference.engine.cuda_graphs import padded_batch_size
@@ -41,10 +38,7 @@ def test_kernels_under_tritons_interpreter_equal_dense_attention_and_decodes_are
     GQA groups of 3 (padded to 4), contexts around the chunk size, a padding row; each sequence's output
     bitwise equal alone and in the batch, whatever the grid's bound. Then a mixed step (prefill tiles). Both over
     an fp32 cache and over an FP8 one."""
-    script = INTERPRETED_KERNELS.format(tests=str(Path(__file__).parents[1]))  # tests/, where attention_cases is
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(INTERPRETED_KERNELS.format(tests=str(Path(__file__).parents[1])), timeout=300)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

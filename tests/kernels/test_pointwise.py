@@ -5,9 +5,6 @@ torch does), so bf16 runs on CUDA only. The cache write into an FP8 cache agains
 the kernel writes into a cache in the model's dtype. The engine's blocks that run them:
 `tests/inference/test_fused_blocks.py`."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ import torch
 
 from tandem.inference.engine.kv_cache import KVCache, quantize_heads
 from tandem.models.layers import YarnScaling, apply_rope, rms_norm, rope_cos_sin
-from triton_interpreter import needs_triton_interpreter
+from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 
 def reference_qk(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim):
@@ -149,10 +146,7 @@ print("ok")
 def test_the_kernels_under_tritons_interpreter_compute_the_models_functions():
     """fp32, CPU tensors: the kernels against the model's functions (Qwen3's per-head norms, GLM's partial
     rotary without norms, a norm over all heads with YaRN), at seven tokens and at one; the FP8 cache write."""
-    script = INTERPRETED_KERNELS.format(tests=str(Path(__file__).parent))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(INTERPRETED_KERNELS.format(tests=str(Path(__file__).parent)), timeout=300)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

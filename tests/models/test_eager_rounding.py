@@ -10,6 +10,7 @@ from tandem.models.eager_rounding import compile_like_eager
 from tandem.models.layers import rms_norm, swiglu
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="inductor on the CPU needs a C++ compiler")
 def test_compiled_bf16_chains_equal_eager_bit_for_bit():

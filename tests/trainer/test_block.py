@@ -59,6 +59,7 @@ def test_training_blocks_compute_the_model(folder, recompute, compile, traced, r
         torch.testing.assert_close(grads[name], grad, rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("folder", ["tiny_model", "tiny_moe_model"])
 def test_one_compiled_graph_per_half_serves_every_layer_and_length(folder, traced, request):
     """Dense: before and after attention; sparse: before attention and the attention residual."""

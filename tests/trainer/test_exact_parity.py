@@ -128,7 +128,9 @@ from pathlib import Path
 from tandem.models.presets import init_model
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from test_exact_parity import check_parity
+from triton_interpreter import dots_row_by_row
 
+dots_row_by_row()
 dims = init_parallel("cpu")
 check_parity(init_model("tiny", Path({folder!r}), seed=0), dims, alone=False)
 close_parallel()

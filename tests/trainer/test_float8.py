@@ -167,6 +167,7 @@ def test_a_tensorwise_fsdp_checkpoint_resumes_bit_for_bit(tiny_model, dims, tmp_
     assert [loader.step(step) for step in range(1, len(ONE_DOCUMENT_ROWS))] == expected[1:]
 
 
+@pytest.mark.slow
 def test_compiled_as_one_stack_fp8_trains_like_its_blocks_run_eagerly(tiny_model, dims, traced):
     """The float8 matmuls trace into the compiled stack (one graph, no break) and give eager mode's losses."""
     stacked = Trainer(tiny_model, dims, "tensorwise", compile="on", stack=True)

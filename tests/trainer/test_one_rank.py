@@ -104,6 +104,7 @@ def test_one_rank_trains_bit_for_bit_like_fsdp(request, dims, model, dtype, chec
     assert all(p.dtype == torch.float32 for p in plain.policy.parameters())
 
 
+@pytest.mark.slow
 def test_compiled_one_rank_trains_bit_for_bit_like_fsdp_without_recompiling(tiny_model, dims, traced):
     """The compiled halves take the compute copies (plain bf16 parameters, their storage freed and made again
     every pass) where they took FSDP's gathered weights: the same graphs, the same numbers, and no recompile."""

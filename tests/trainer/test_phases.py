@@ -88,6 +88,7 @@ def test_device_idle_lists_the_longest_waits_with_the_host_ops_of_the_time():
     assert step_profile.idle_gaps([event("gemm", 0, 10, DeviceType.CUDA)]) == {}  # no host events: no window
 
 
+@pytest.mark.slow
 def test_trainer_benchmark_profiles_a_shape_on_the_cpu(tmp_path):
     out, folder = tmp_path / "result.json", tmp_path / "profile"
     cmd = [sys.executable, str(BENCHMARKS / "trainer.py"), "--preset", "tiny", "--device", "cpu", "--shapes", "64:2:2", "32:1:1",

@@ -78,6 +78,7 @@ def largest_weight_gap(a: Trainer, b: Trainer) -> float:
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", ["selective", "off"])
 def test_the_stack_trains_bit_for_bit_like_blocks_compiled_apart_and_compiles_once(tiny_model, dims, traced, one_by_one_calls,
                                                                                    checkpointing):

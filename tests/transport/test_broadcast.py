@@ -24,6 +24,7 @@ def run_group(devices: list[str]) -> None:
         assert proc.returncode == 0 and f"ok {rank}" in output, output
 
 
+@pytest.mark.slow
 def test_gloo_group_carries_every_dtype_bit_for_bit():
     run_group(["cpu", "cpu", "cpu"])
 

@@ -40,6 +40,10 @@ DP = "dp"
 """Mesh axis of the context mesh over which rows are split: the `cp` groups."""
 
 
+_ROOT_MESHES: list[DeviceMesh] = []
+"""The world meshes `init_parallel` built and `close_parallel` has yet to release (see `close_parallel`)."""
+
+
 @dataclass
 class ParallelDims:
     rank: int
@@ -112,6 +116,7 @@ def init_parallel(device: Literal["auto", "cpu", "cuda"], ep: int = 1, cp: int =
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=(DP_SHARD,))
+    _ROOT_MESHES.append(mesh)
     expert_mesh = mesh._unflatten(0, (world // ep, ep), (EFSDP, EP)) if ep > 1 else None
     context_mesh = mesh._unflatten(0, (world // cp, cp), (DP, CP)) if cp > 1 else None
     return ParallelDims(rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=dev, mesh=mesh,
@@ -119,14 +124,25 @@ def init_parallel(device: Literal["auto", "cpu", "cuda"], ep: int = 1, cp: int =
 
 
 def close_parallel(wait_for_peers: bool = False) -> None:
-    """Tear the process group down (in-process callers such as tests may open another).
+    """Tear the process group down, its backends' threads and connections with it, while the interpreter is whole
+    (in-process callers such as tests may open another).
 
     `wait_for_peers`: on a normal end, meet every rank in a barrier first, so no rank closes its gloo
-    connections while a peer still drains traffic on them (seen as a rare SIGABRT, "terminate called
-    without an active exception", at the end of a 4-rank CPU run). Not on an error path: a dead peer
-    would never arrive."""
+    connections while a peer still drains traffic on them. Not on an error path: a dead peer would never arrive.
+
+    Destroying the group is not enough to end its backend: torch's DTensor caches (sharding propagation, mesh
+    topology) keep the device meshes after the model is gone, and a world mesh keeps every group of its axes in
+    its registry. gloo's worker and socket threads then live on into interpreter teardown, where a rank could
+    abort after its last step ("terminate called without an active exception", a C++ thread torn down unjoined).
+    Emptying the registries of the meshes built here leaves the groups to their other holders, a model's FSDP state
+    in reference cycles: collected by the process's entry point once its command returns (`tandem.cli`), their
+    destructors join those threads and close the connections before the interpreter's teardown begins. Not
+    collected here, where the caller's model is still alive (and a collection costs a test that closes its ranks
+    a fifth of a second)."""
     if not dist.is_initialized():
         return
     if wait_for_peers and dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()
+    while _ROOT_MESHES:
+        getattr(_ROOT_MESHES.pop(), "_pg_registry", {}).clear()  # a torch whose meshes keep no registry: nothing held
