@@ -173,7 +173,8 @@ class LatentAttentionBlock(PreNormBlock):
         if sparse is None:
             return backend.attend(self.layer_idx, q, k, v), selection
         if attention.indexer is not None:
-            selection = select(attention.indexer(h, projections.query_latent, cos, sin), sparse)
+            index = attention.indexer.project(h, projections.query_latent, cos, sin)
+            selection = select(index, index.keys, sparse.visible, sparse.index_topk)
         elif selection is None:
             raise ValueError(f"layer {self.layer_idx} shares the DSA selection of an earlier layer, but none came before")
         return sparse_attend(q, k, v, selection), selection
