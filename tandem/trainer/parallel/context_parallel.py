@@ -2,8 +2,9 @@
 
 Applied from outside the model: the trainer shards each row after reading it, and the model's
 attention backend (`backend.attend(layer_idx, q, k, v)`) becomes `RingAttention`, which passes
-k and v around the group and merges the partial results with their log-sum-exp. Everything else
-in a block is per token, so the model code does not know its tokens are a shard.
+k and v around the group and merges the partial results with their log-sum-exp (a latent-attention
+model's becomes `latent_context_parallel.LatentContextAttention`, which gathers the row's latents). Everything
+else in a block is per token, so the model code does not know its tokens are a shard.
 
 Invariants:
 - The ranks of a `cp` group train the same rows: each contributes its row files (or fake rows),
