@@ -114,20 +114,20 @@ def top_k(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Te
     return top, visible.gather(-1, top)
 
 
-def choose(index: IndexerProjections, keys: torch.Tensor, visible: torch.Tensor, k: int,
+def choose(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int,
            max_pairs: int = SCORED_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
-    """`top_k` of the index scores of `index`'s queries [B, T, ...] against keys [B, S, index_head_dim] (a row's or a
-    cache's; `index.keys` are the queries' own tokens'), among the keys `visible` [B, T, S] lets each see; scored in
-    slices of the queries of at most `max_pairs` (query, key) pairs each (one query at least)."""
-    parts = [top_k(index_scores(index.queries[:, part], keys, index.weights[:, part]), visible[:, part], k)
+    """`top_k` of the index scores of queries [B, T, H, D] with weights [B, T, H] against keys [B, S, D] (a row's, a
+    gathered row's or a cache's), among the keys `visible` [B, T, S] lets each see; scored in slices of the queries
+    of at most `max_pairs` (query, key) pairs each (one query at least)."""
+    parts = [top_k(index_scores(queries[:, part], keys, weights[:, part]), visible[:, part], k)
              for part in query_slices(visible.numel(), visible.shape[1], max_pairs)]
     positions, kept = (torch.cat(chosen, dim=1) for chosen in zip(*parts))
     return positions, kept
 
 
 def select(index: IndexerProjections, keys: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """`choose` as a mask [B, T, S] bool: the keys each query attends to."""
-    positions, kept = choose(index, keys, visible, k)
+    """`choose` of `index`'s queries over `keys` as a mask [B, T, S] bool: the keys each query attends to."""
+    positions, kept = choose(index.queries, index.weights, keys, visible, k)
     return torch.zeros_like(visible).scatter_(-1, positions, kept)
 
 

@@ -64,7 +64,7 @@ def test_the_indexers_choice_over_a_long_row_holds_a_slice_of_its_scores_at_a_ti
     visible = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()[None]
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    positions, kept = choose(index, index.keys, visible, k)
+    positions, kept = choose(index.queries, index.weights, index.keys, visible, k)
     peak = torch.cuda.max_memory_allocated() - before
     assert positions.shape == kept.shape == (1, T, k)
     assert peak < 4 * 2**30, f"{peak / 2**30:.1f} GiB"

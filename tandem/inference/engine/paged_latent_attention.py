@@ -162,8 +162,8 @@ class PagedLatentAttention:
         if group.longest <= self.index_topk:
             return None
         context = keys[group.blocks].flatten(1, 2)  # [G, W x S, index_head_dim]
-        rows = IndexerProjections(index.queries[0][group.rows], context, index.weights[0][group.rows])
-        positions, kept = choose(rows, context, group.visible, self.index_topk, QUERY_KEY_PAIRS)
+        positions, kept = choose(index.queries[0][group.rows], index.weights[0][group.rows], context, group.visible,
+                                 self.index_topk, QUERY_KEY_PAIRS)
         if group.expanded:
             return torch.zeros_like(group.visible).scatter_(-1, positions, kept)
         return Chosen(positions, kept)

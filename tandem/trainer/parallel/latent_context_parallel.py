@@ -20,8 +20,10 @@ Why an all-gather of latents rather than a ring of keys and values: an entry is 
 (576 for GLM-5) where the expanded keys and values are H x (Dn + Dr + Dv) (64 x 512 = 32,768): the whole row's
 entries cost less to gather once than a ring's expanded blocks cost to pass, and the indexer's choice needs the keys
 of the whole row anyway. Why absorbed: no rank expands the row's entries (kv_b_proj applies to its own queries and
-outputs only), so no work is repeated on every rank. What each rank holds for the whole row: its entries
-(T x 576 a layer), the indexer's keys (T x index_head_dim) and the masks (T_local x T booleans); everything else
+outputs only), so neither the expansion's work nor its memory (the whole row's keys and values) is repeated on
+every rank; the price is wider products per (query, key) pair (kv_lora_rank + Dr and kv_lora_rank features a head
+against Dn + Dr and Dv: about twice the attention FLOPs at GLM-5's shape). What each rank holds for the whole row:
+the entries (T x 576 a layer), the indexer's keys (T x index_head_dim) and the masks (T_local x T booleans); everything else
 scales with T_local.
 
 The document ids and global token indices come from the shard (`ContextShard`): padding is a document of its own
