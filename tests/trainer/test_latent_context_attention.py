@@ -1,5 +1,5 @@
 """Latent attention's context-parallel backend at a `cp` group of one rank, on the CPU and on CUDA: the gathered-latent
-path (absorbed attention under the DSA choice) gives the one-rank forward and gradients on a packed row whose
+path (attention over the gathered entries under the DSA choice) gives the one-rank forward and gradients on a packed row whose
 documents outgrow `index_topk`; and on CUDA the indexer's choice over a long row holds a slice of its scores at a
 time, never all of them. (`test_context_parallel.py` runs the backend over 2 and 4 ranks.)"""
 

@@ -12,19 +12,20 @@ projections of its tokens. Per layer it
    and keeps each local query's `index_topk` best among the keys it sees (`dsa.select`): the choice one rank makes
    over the whole row. A `shared` layer reuses it. Where no document of the row is longer than `index_topk`, every
    visible key is kept (what top-k would keep) and no score is computed;
-3. attends the local queries over the gathered entries in the absorbed form (`LatentAttention.attend_absorbed`),
-   under the selection, or else the document-causal mask by global token index, in slices of
-   `parallel.cp_query_chunk` queries.
+3. attends the local queries over the gathered entries, expanded to each head's keys and values
+   (`LatentAttention.attend_expanded`), under the selection, or else the document-causal mask by global token index,
+   in slices of `parallel.cp_query_chunk` queries.
 
 Why an all-gather of latents rather than a ring of keys and values: an entry is kv_lora_rank + Dr numbers a token
 (576 for GLM-5) where the expanded keys and values are H x (Dn + Dr + Dv) (64 x 512 = 32,768): the whole row's
 entries cost less to gather once than a ring's expanded blocks cost to pass, and the indexer's choice needs the keys
-of the whole row anyway. Why absorbed: no rank expands the row's entries (kv_b_proj applies to its own queries and
-outputs only), so neither the expansion's work nor its memory (the whole row's keys and values) is repeated on
-every rank; the price is wider products per (query, key) pair (kv_lora_rank + Dr and kv_lora_rank features a head
-against Dn + Dr and Dv: about twice the attention FLOPs at GLM-5's shape). What each rank holds for the whole row:
-the entries (T x 576 a layer), the indexer's keys (T x index_head_dim) and the masks (T_local x T booleans); everything else
-scales with T_local.
+of the whole row anyway. Why expanded rather than absorbed (queries folded into the latent space, no expansion): the
+absorbed products are wider (kv_lora_rank + Dr and kv_lora_rank features a head against Dn + Dr and Dv: about twice
+the attention FLOPs at GLM-5's shape), while the expanded form is the one-rank path's own (its kernels, its
+numbers). Its price: every rank expands the whole row's entries (kv_b_proj over T tokens, small beside attention
+over T_local x T pairs) and holds the row's keys and values of the layer it computes. What each rank holds for the
+whole row besides: the entries (T x 576 a layer), the indexer's keys (T x index_head_dim) and the masks
+(T_local x T booleans); everything else scales with T_local.
 
 The document ids and global token indices come from the shard (`ContextShard`): padding is a document of its own
 after every real token, so no real token sees it.
@@ -79,6 +80,6 @@ class LatentContextAttention:
             with torch.no_grad():
                 selection = select(index, self.gather(index.keys), self.visible, self.index_topk)
         mask = self.visible if selection is None else selection
-        out = attention.attend_absorbed(projections.q_nope, projections.q_rope, entries, mask,
+        out = attention.attend_expanded(projections.q_nope, projections.q_rope, entries, mask,
                                         self.query_chunk * mask.shape[-1])
         return out, selection
