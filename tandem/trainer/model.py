@@ -36,8 +36,8 @@ from tandem.config.lora import LoraConfig
 from tandem.config.trainer import (ActivationCheckpointConfig, Float8TrainingConfig, KernelsConfig, MultiTokenPredictionConfig,
                                    ParallelConfig, RouterConfig)
 from tandem.models.attention import DocumentCausalAttention, document_lengths
-from tandem.models.glm_moe_dsa import LatentMoeForCausalLM
 from tandem.models.exact import ExactDocumentAttention, apply_exact, check_exact, exact_token_logprobs
+from tandem.models.glm_moe_dsa import LatentMoeForCausalLM
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
 from tandem.models.lora import LoraSpec, apply_lora, initial_adapters, is_adapter_name
@@ -53,9 +53,9 @@ from tandem.trainer.mtp import (MtpLoss, check_mtp_trainable, counted_positions,
                                unfreeze_mtp_layers)
 from tandem.trainer.parallel.context_parallel import check_context_parallel, context_attention
 from tandem.trainer.parallel.dims import EP, ParallelDims
-from tandem.trainer.parallel.latent_context_parallel import LatentContextAttention
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp
+from tandem.trainer.parallel.latent_context_parallel import LatentContextAttention
 from tandem.trainer.parallel.one_rank import OneRank, apply_one_rank
 from tandem.trainer.phases import phase
 from tandem.trainer.router import RouterMonitor, build_router_monitor
@@ -113,8 +113,9 @@ class PolicyModel(nn.Module):
         `row_document_lengths`: the lengths of the documents packed in each row, as the host
         knows them from the batch; read from `position_ids` (a device sync) when not given.
         `context`: a context-parallel shard (`tandem.trainer.parallel.context_parallel`): attention
-        runs around the ring (a latent model's over the gathered latents: `latent_context_parallel`), and `temperatures` and `loss_mask` are already aligned with the
-        predicting position, whose target is `context.targets`.
+        runs around the ring (a latent model's over the gathered latents: `latent_context_parallel`),
+        and `temperatures` and `loss_mask` are already aligned with the predicting position, whose
+        target is `context.targets`.
         `predicting_positions`: flat indices into the [B * T] positions of those whose next token is
         a loss token, as the host knows them from the batch (`MicroBatch`); found from `loss_mask`
         (a device sync) when not given.
@@ -146,7 +147,7 @@ class PolicyModel(nn.Module):
             predicting_positions = mask_positions(torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1))
         with phase("logprobs"):
             out = self._logprobs(hidden, input_ids, temperatures, predicting_positions, predicting_positions + 1)
-        if self.mtp_parameters:  # a native latent model on whole rows (`check_mtp_trainable`; `mtp.train` refuses `parallel.cp`)
+        if self.mtp_parameters:  # a native latent model on whole rows (`check_mtp_trainable`; its config refuses CP)
             with phase("mtp"):
                 counted = counted_positions(position_ids, loss_mask)
                 out.mtp = mtp_loss(self.lm, hidden, input_ids, position_ids, counted, mask_positions(counted), attention,
