@@ -176,18 +176,21 @@ class ParallelConfig(Section):
 
     cp: int = Field(1, ge=1)
     """Context parallelism: ranks each packed row's tokens are split over (zigzag shards, ring
-    attention). CP borrows data-parallel ranks: it must divide the world size; the `cp` ranks of a
-    group train the rows of all of them together. Native models only. 1: every rank holds whole rows."""
+    attention; latent attention gathers the row's latents). CP borrows data-parallel ranks: it must divide the
+    world size; the `cp` ranks of a group train the rows of all of them together. Native models only. 1: every
+    rank holds whole rows."""
 
     cp_attention: Literal["ring", "ulysses"] = "ring"
     """How a context-parallel shard attends. `ring`: k/v blocks passed around the `cp` ranks, partial
-    results merged by log-sum-exp (any head count; plain PyTorch math per block). `ulysses`: two
+    results merged by log-sum-exp (any head count; plain PyTorch math per block); for latent attention
+    (GLM-5, DeepSeek-V3) the row's latent entries gathered instead, the only choice there. `ulysses`: two
     all-to-alls turn token shards into head shards, so each rank attends every token of 1/cp of the
     heads with the single-device kernels (the key/value heads must divide by `cp`)."""
 
     cp_query_chunk: int = Field(1024, ge=1)
-    """Context parallelism: queries per chunk of ring attention. A chunk holds chunk x (row / cp)
-    fp32 scores per query head, in forward and again in backward."""
+    """Context parallelism: queries per chunk of ring attention (of latent attention over the gathered
+    row). A chunk holds chunk x (row / cp) fp32 scores per query head (chunk x row for latent attention), in
+    forward and again in backward."""
 
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     """Recompute activations in backward to save memory."""
@@ -358,6 +361,10 @@ class TrainingProcessConfig(ProcessConfig):
         if self.mtp.train and self.lora.enabled:
             raise ValueError("`mtp.train` with `lora.enabled`: LoRA publishes only the adapters, so the trained MTP "
                              "layers would never reach the engine; turn one of them off")
+        if self.mtp.train and self.parallel.cp > 1:
+            raise ValueError(f"`mtp.train` with `parallel.cp` = {self.parallel.cp}: the MTP layer reads token t + 1 beside "
+                             "the hidden state at t, both of the whole row, and is trained on whole rows only; set "
+                             "`parallel.cp` = 1 or `mtp.train` = false")
         return self
 
 

@@ -20,7 +20,10 @@ approximation, so both are left out, as transformers leaves them out.
 Where no query sees more than `index_topk` tokens (no document longer), the selection is every visible token:
 `sparse_context` is None and the layers attend densely through the model's attention backend, without indexer.
 Otherwise the selection is a boolean mask [B, T, T] and attention runs under it (`sparse_attend`): a plain PyTorch
-reference whose memory grows with T^2 (the indexer's with T^2 x index_n_heads), not a sparse kernel.
+reference whose memory grows with T^2, not a sparse kernel. The index scores would grow with T^2 x index_n_heads in
+fp32: they are made and reduced to their top-k in slices of the queries (`choose`), each of at most `SCORED_PAIRS`
+(query, key) pairs. Nothing of them is kept for backward (they carry no gradient), so activation checkpointing has
+nothing of theirs to save or recompute but the boolean selection.
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ from torch import nn
 
 from tandem.models.attention import document_causal_mask
 from tandem.models.layers import projection_weight
-from tandem.models.mla import rotate
+from tandem.models.mla import query_slices, rotate
 
 INDEXER_NORM_EPS = 1e-6
 """Epsilon of the indexer's key LayerNorm (`indexer.k_norm`)."""
+
+SCORED_PAIRS = 2**22
+"""Most (query, key) pairs whose index scores exist at once: 512 MiB of fp32 at GLM-5's 32 indexer heads."""
 
 
 @dataclass
@@ -91,11 +97,6 @@ class Indexer(nn.Module):
         weights = F.linear(x.float(), projection_weight(self.weights_proj).float()) * H ** -0.5
         return IndexerProjections(q, k, weights)
 
-    def forward(self, x: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Index scores I [B, T, T] fp32 of every pair of the row's tokens (`select` masks what a query may not see)."""
-        p = self.project(x, latent, cos, sin)
-        return index_scores(p.queries, p.keys, p.weights)
-
 
 def index_scores(queries: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """I[t, s] in fp32 (the module docstring) of queries [B, T, H, D] with weights [B, T, H] against keys [B, S, D]:
@@ -113,10 +114,21 @@ def top_k(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Te
     return top, visible.gather(-1, top)
 
 
-def select(scores: torch.Tensor, context: SparseContext) -> torch.Tensor:
-    """Index scores [B, T, S] -> the selection [B, T, S] bool: `top_k` of `context.visible` [B, T, S] as a mask."""
-    top, kept = top_k(scores, context.visible, context.index_topk)
-    return torch.zeros_like(context.visible).scatter_(-1, top, kept)
+def choose(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int,
+           max_pairs: int = SCORED_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_k` of the index scores of queries [B, T, H, D] with weights [B, T, H] against keys [B, S, D] (a row's, a
+    gathered row's or a cache's), among the keys `visible` [B, T, S] lets each see; scored in slices of the queries
+    of at most `max_pairs` (query, key) pairs each (one query at least)."""
+    parts = [top_k(index_scores(queries[:, part], keys, weights[:, part]), visible[:, part], k)
+             for part in query_slices(visible.numel(), visible.shape[1], max_pairs)]
+    positions, kept = (torch.cat(chosen, dim=1) for chosen in zip(*parts))
+    return positions, kept
+
+
+def select(index: IndexerProjections, keys: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """`choose` of `index`'s queries over `keys` as a mask [B, T, S] bool: the keys each query attends to."""
+    positions, kept = choose(index.queries, index.weights, keys, visible, k)
+    return torch.zeros_like(visible).scatter_(-1, positions, kept)
 
 
 def sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ DeepSeek sparse attention in GLM-5.
 The blocks are not `decoder.DecoderLayer`s (their attention has projections of its own), so `has_split_blocks` is
 false for these families: the trainer runs each block whole (no compiled halves; selective checkpointing falls back to
 whole blocks), and the inference engine serves them through a `mla.LatentBackend` (its paged latent cache), to which
-a block hands its projections rather than expanded keys and values.
+a block hands its projections rather than expanded keys and values; the trainer's context parallelism is another
+(`tandem.trainer.parallel.latent_context_parallel`).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class LatentAttentionBlock(PreNormBlock):
 
         `sparse`: None attends densely through `backend` (no DSA, or no query sees more than `index_topk` tokens);
         else a full layer selects with its indexer and a shared one uses `selection`. A `LatentBackend` (the engine's
-        latent cache) is handed the layer's projections and selects itself: `sparse` is None and `selection` is its
+        latent cache, the trainer's context-parallel gather) is handed the layer's projections and selects itself: `sparse` is None and `selection` is its
         own form."""
         attention = self.self_attn
         h = rms_norm(x, self.input_layernorm.weight, self.eps)
@@ -173,7 +174,8 @@ class LatentAttentionBlock(PreNormBlock):
         if sparse is None:
             return backend.attend(self.layer_idx, q, k, v), selection
         if attention.indexer is not None:
-            selection = select(attention.indexer(h, projections.query_latent, cos, sin), sparse)
+            index = attention.indexer.project(h, projections.query_latent, cos, sin)
+            selection = select(index, index.keys, sparse.visible, sparse.index_topk)
         elif selection is None:
             raise ValueError(f"layer {self.layer_idx} shares the DSA selection of an earlier layer, but none came before")
         return sparse_attend(q, k, v, selection), selection
@@ -238,7 +240,8 @@ class LatentMoeForCausalLM(DecoderLM):
         return self.model.norm(self.run_layers(h, cos, sin, backend, self.sparse_context(position_ids, backend)))
 
     def sparse_context(self, position_ids: torch.Tensor, backend: AttentionBackend | None = None) -> SparseContext | None:
-        """The DSA context of a packed row; None without DSA or for a `LatentBackend`, which selects over its cache."""
+        """The DSA context of a packed row; None without DSA or for a `LatentBackend`, which selects over the entries
+        it holds."""
         if not self.args.has_dsa or isinstance(backend, LatentBackend):
             return None
         return sparse_context(position_ids, self.args.index_topk)

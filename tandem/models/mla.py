@@ -56,8 +56,9 @@ class LatentProjections:
 
 @runtime_checkable
 class LatentBackend(Protocol):
-    """An attention backend that keeps latent entries itself (the inference engine's paged latent cache): a block
-    hands it its projections instead of expanded keys and values.
+    """An attention backend that keeps latent entries itself (the inference engine's paged latent cache, the
+    trainer's context-parallel gather of a row's entries): a block hands it its projections instead of expanded keys
+    and values.
 
     `selection`: the DSA choice of the last `full` layer, in the backend's own form (None: none made, every visible
     token attends); `index`: this layer's indexer projections (None: no indexer here). Returns the attention's

@@ -37,6 +37,7 @@ from tandem.config.trainer import (ActivationCheckpointConfig, Float8TrainingCon
                                    ParallelConfig, RouterConfig)
 from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.exact import ExactDocumentAttention, apply_exact, check_exact, exact_token_logprobs
+from tandem.models.glm_moe_dsa import LatentMoeForCausalLM
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
 from tandem.models.lora import LoraSpec, apply_lora, initial_adapters, is_adapter_name
@@ -54,6 +55,7 @@ from tandem.trainer.parallel.context_parallel import check_context_parallel, con
 from tandem.trainer.parallel.dims import EP, ParallelDims
 from tandem.trainer.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel, moe_blocks
 from tandem.trainer.parallel.fsdp import apply_fsdp
+from tandem.trainer.parallel.latent_context_parallel import LatentContextAttention
 from tandem.trainer.parallel.one_rank import OneRank, apply_one_rank
 from tandem.trainer.phases import phase
 from tandem.trainer.router import RouterMonitor, build_router_monitor
@@ -114,8 +116,9 @@ class PolicyModel(nn.Module):
         `row_document_lengths`: the lengths of the documents packed in each row, as the host
         knows them from the batch; read from `position_ids` (a device sync) when not given.
         `context`: a context-parallel shard (`tandem.trainer.parallel.context_parallel`): attention
-        runs around the ring, and `temperatures` and `loss_mask` are already aligned with the
-        predicting position, whose target is `context.targets`.
+        runs around the ring (a latent model's over the gathered latents: `latent_context_parallel`),
+        and `temperatures` and `loss_mask` are already aligned with the predicting position, whose
+        target is `context.targets`.
         `predicting_positions`: flat indices into the [B * T] positions of those whose next token is
         a loss token, as the host knows them from the batch (`MicroBatch`); found from `loss_mask`
         (a device sync) when not given.
@@ -126,8 +129,11 @@ class PolicyModel(nn.Module):
         must run on every rank for every micro-batch, padding rows included.
         """
         if context is not None:
-            attention = context_attention(context, self.context_parallel.cp_attention, self.context_parallel.cp_query_chunk,
-                                          self.sdpa_backends)
+            if isinstance(self.lm, LatentMoeForCausalLM):  # its blocks hand their latents to the backend
+                attention = LatentContextAttention(context, self.context_parallel.cp_query_chunk, self.lm.args.index_topk)
+            else:
+                attention = context_attention(context, self.context_parallel.cp_attention,
+                                              self.context_parallel.cp_query_chunk, self.sdpa_backends)
             hidden = self.lm(input_ids, position_ids, attention=attention)
             positions = mask_positions(loss_mask)
             with phase("logprobs"):
@@ -144,7 +150,7 @@ class PolicyModel(nn.Module):
             predicting_positions = mask_positions(torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1))
         with phase("logprobs"):
             out = self._logprobs(hidden, input_ids, temperatures, predicting_positions, predicting_positions + 1)
-        if self.mtp_parameters:  # a native latent model on whole rows (`check_mtp_trainable`, no context parallelism)
+        if self.mtp_parameters:  # a native latent model on whole rows (`check_mtp_trainable`; its config refuses CP)
             with phase("mtp"):
                 counted = counted_positions(position_ids, loss_mask)
                 out.mtp = mtp_loss(self.lm, hidden, input_ids, position_ids, counted, mask_positions(counted), attention,
@@ -260,10 +266,9 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         apply_compiled_stack(lm, recompute=checkpointing.mode == "selective", linear=linear)
         policy.compiled_stack = True
     check_context_parallel(dims.cp_size, parallel.cp_attention, hf_config, str(folder / "config.json"))
-    if dims.cp_size > 1 and not has_split_blocks(hf_config):
-        kind = "latent attention, whose sparse selection needs every token" if native else "transformers fallback"
-        raise ValueError(f"`parallel.cp` = {dims.cp_size} needs decoder blocks split at attention; {folder / 'config.json'} has "
-                         f"model_type {hf_config.get('model_type')!r} ({kind}); set `parallel.cp` = 1")
+    if dims.cp_size > 1 and not native:
+        raise ValueError(f"`parallel.cp` = {dims.cp_size} needs a model tandem runs natively; {folder / 'config.json'} has "
+                         f"model_type {hf_config.get('model_type')!r} (transformers fallback); set `parallel.cp` = 1")
     if dims.ep_size > 1:
         apply_expert_parallel_to(policy, hf_config, dims, str(folder / "config.json"))
     if not one_rank:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.models.presets import init_model
+from tandem.models.presets import init_model, preset_config, write_model
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +31,19 @@ def tiny_glm_model(tmp_path_factory) -> Path:
 def tiny_minimax_model(tmp_path_factory) -> Path:
     """MiniMax-M2's block: q/k norms over all heads, partial rotary, a score correction bias."""
     return init_model("tiny-minimax-m2", tmp_path_factory.mktemp("models") / "tiny-minimax-m2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5_model(tmp_path_factory) -> Path:
+    """GLM-5's blocks (MLA, DSA indexers, GLM-4.5's routing) keeping 8 tokens a query, so that rows of documents of
+    a dozen tokens or more take the sparse path."""
+    return write_model(dict(preset_config("tiny-glm5"), index_topk=8), tmp_path_factory.mktemp("models") / "tiny-glm5")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_model(tmp_path_factory) -> Path:
+    """DeepSeek-V3's blocks: MLA without DSA, grouped routing."""
+    return init_model("tiny-deepseek-v3", tmp_path_factory.mktemp("models") / "tiny-deepseek-v3", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Context parallelism on the CPU (gloo, torchrun, 4 ranks): CP = 2 (x FSDP 2) and CP = 4 compute the loss,
 entropy and gradients of CP = 1 on packed rows of odd-length documents, also with expert parallelism and
-router replay; the trainer at CP = 2 follows the 1-rank trajectory; bad sizes are clear errors."""
+router replay, and for the latent families (GLM-5 with its sparse selection, DeepSeek-V3); the trainer at CP = 2
+follows the 1-rank trajectory; bad sizes are clear errors."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def test_zigzag_shards_cover_the_row_once_with_balanced_causal_work():
 SIZES = {
     "tiny_model": ["1:1", "2:1", "4:1", "2:1:ulysses"],  # CP:EP[:attention]; CP = 2 on 4 ranks is CP x FSDP = 2 x 2
     "tiny_moe_model": ["1:1", "2:2", "4:2", "2:2:ulysses"],  # with expert parallelism and router replay
+    "tiny_glm5_model": ["1:1", "1:2", "2:1", "2:2"],  # gathered latents, DSA over the whole row; EP; CP x EP
+    "tiny_deepseek_model": ["1:1", "2:1"],  # MLA without DSA
 }
 
 
@@ -74,10 +77,16 @@ def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, cp_ru
 
 
 @pytest.mark.slow
-def test_cp_2_trains_like_one_rank(tiny_model, tmp_path):
+@pytest.mark.parametrize("model, steps", [
+    ("tiny_model", 3),
+    # documents of 15 tokens, past index_topk: the trajectory leaves 1e-5 at step 3 from gradients 1e-7 apart at step 1
+    ("tiny_glm5_model", 2),
+])
+def test_cp_2_trains_like_one_rank(model, steps, request, tmp_path):
     """The loop's wiring: each rank reads its own fake rows, the `cp` group trains them all, sharded."""
-    common = ["--model.name", str(tiny_model), "--data.fake", "--data.fake-rows", "2", "--data.fake-samples-per-row", "3",
-              "--max-steps", "3", "--seq-len", "46", "--optim.lr", "3e-3", "--device", "cpu"]
+    common = ["--model.name", str(request.getfixturevalue(model)), "--data.fake", "--data.fake-rows", "2",
+              "--data.fake-samples-per-row", "3", "--max-steps", str(steps), "--seq-len", "46", "--optim.lr", "3e-3",
+              "--device", "cpu"]
     one, cp2 = tmp_path / "one", tmp_path / "cp2"
     with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
         launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(cp2), "--parallel.cp", "2", nproc=2)
@@ -85,21 +94,25 @@ def test_cp_2_trains_like_one_rank(tiny_model, tmp_path):
             assert run_trainer(*common, "--output-dir", str(one)) == 0
         result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len({m["loss"] for m in metrics(one)}) == 3  # the trajectory moves
+    assert len({m["loss"] for m in metrics(one)}) == steps  # the trajectory moves
     for key in ("loss", "grad_norm", "entropy", "num_loss_tokens"):
         assert [m[key] for m in metrics(cp2)] == pytest.approx([m[key] for m in metrics(one)], abs=1e-5), key
 
-@pytest.mark.parametrize("options, message", [
-    (["--parallel.cp", "2"], "`parallel.cp` = 2 must divide the world size 1"),
-    (["--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],  # found from config.json before the ranks join
+@pytest.mark.parametrize("model, options, message", [
+    ("tiny_model", ["--parallel.cp", "2"], "`parallel.cp` = 2 must divide the world size 1"),
+    ("tiny_model", ["--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],  # from config.json before the ranks join
      "`parallel.cp` = 4 with `parallel.cp_attention` = 'ulysses' splits the key/value heads, but `num_key_value_heads` = 2 "
      "in {folder}/config.json does not divide by it"),
+    ("tiny_glm5_model", ["--parallel.cp", "2", "--parallel.cp-attention", "ulysses"],
+     "`parallel.cp_attention` = 'ulysses' splits key/value heads over the `parallel.cp` ranks, but {folder}/config.json "
+     "has model_type 'glm_moe_dsa' (latent attention"),
 ])
-def test_bad_context_parallel_sizes_are_clear_errors(options, message, tiny_model, tmp_path, caplog, monkeypatch):
+def test_bad_context_parallel_sizes_are_clear_errors(model, options, message, request, tmp_path, caplog, monkeypatch):
+    folder = request.getfixturevalue(model)
     monkeypatch.setattr(setup_logging("trainer").parent, "propagate", True)  # let caplog see tandem's records
-    args = ["--model.name", str(tiny_model), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path), *options]
+    args = ["--model.name", str(folder), "--data.fake", "--max-steps", "1", "--output-dir", str(tmp_path), *options]
     assert run_trainer(*args) == 1
-    assert message.format(folder=tiny_model) in caplog.text
+    assert message.format(folder=folder) in caplog.text
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""Expert parallelism on the CPU (gloo, torchrun, 4 ranks) with the tiny-moe preset: EP = 2 and 4 compute
-the losses and gradients of EP = 1, train the same trajectory, and DCP checkpoints taken at EP = 2
+"""Expert parallelism on the CPU (gloo, torchrun, 4 ranks) with the tiny-moe preset (and for the losses and
+gradients, GLM-4.5's and GLM-5's): EP = 2 and 4 compute the losses and gradients of EP = 1, train the same trajectory, and DCP checkpoints taken at EP = 2
 resume at EP = 1 and EP = 4."""
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from trainer_helpers import losses, metrics, one_thread, run_trainer
 HERE = Path(__file__).resolve().parent
 
 
-MODELS = ["tiny_moe_model", "tiny_glm_model"]  # GLM: shared expert, grouped sigmoid router
+MODELS = ["tiny_moe_model", "tiny_glm_model", "tiny_glm5_model"]
+"""GLM-4.5: a shared expert, a grouped sigmoid router; GLM-5: its routing under latent attention and DSA, and an MTP
+layer (whose experts stay whole) published beside the split ones."""
 
 
 @pytest.fixture(scope="module")

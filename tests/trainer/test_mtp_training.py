@@ -200,6 +200,11 @@ def test_mtp_training_under_expert_parallelism_is_refused(tiny_glm5):
         check_mtp_trainable(load_causal_lm(str(tiny_glm5)), 2, str(tiny_glm5 / "config.json"))
 
 
+def test_mtp_training_with_context_parallelism_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match="`mtp.train` with `parallel.cp` = 2: .* set `parallel.cp` = 1 or `mtp.train` = false"):
+        parse_args(SFTConfig, ["--model.name", "m", "--data.path", "d.jsonl", "--mtp.train", "--parallel.cp", "2"], environ={})
+
+
 def test_mtp_training_with_lora_is_refused_naming_both_keys():
     with pytest.raises(ConfigError, match="`mtp.train` with `lora.enabled`.*from the command line"):
         parse_args(SFTConfig, ["--model.name", "m", "--data.path", "d.jsonl", "--mtp.train", "--lora.enabled"], environ={})

@@ -13,7 +13,7 @@ The step's queries form groups, planned once per step and the same for every lay
 A decode-only step plans from device tensors alone (the contexts' bound is the step's `max_context`).
 
 DSA (`tandem.models.dsa`): a layer with an indexer scores each query's visible context against the cached indexer
-keys (`dsa.index_scores`) and keeps its `index_topk` best (`dsa.top_k`); a group whose contexts all fit in
+keys and keeps its `index_topk` best (`dsa.choose`); a group whose contexts all fit in
 `index_topk` keeps every visible token and skips the scores. A chunk attends under the choice as a mask over its
 context; a short query gathers its chosen entries alone from the cache ([G, L, index_topk, E]) and attends to those,
 so that past `index_topk` tokens its attention reads no more entries however long the context. The choice of each
@@ -33,8 +33,8 @@ import torch
 
 from tandem.inference.engine.kv_cache import LatentCache
 from tandem.inference.engine.paged_attention import SHORT_QUERY_TOKENS, AttentionMetadata
-from tandem.models.dsa import IndexerProjections, index_scores, top_k
-from tandem.models.mla import LatentAttention, LatentProjections, query_slices
+from tandem.models.dsa import IndexerProjections, choose
+from tandem.models.mla import LatentAttention, LatentProjections
 
 QUERY_KEY_PAIRS = 2**22
 """Most (query, context token) pairs one op of a group scores: the logits of 64 heads in fp32 take 1 GiB."""
@@ -162,10 +162,8 @@ class PagedLatentAttention:
         if group.longest <= self.index_topk:
             return None
         context = keys[group.blocks].flatten(1, 2)  # [G, W x S, index_head_dim]
-        queries, weights = index.queries[0][group.rows], index.weights[0][group.rows]
-        parts = [top_k(index_scores(queries[:, part], context, weights[:, part]), group.visible[:, part], self.index_topk)
-                 for part in query_slices(group.visible.numel(), group.rows.shape[1], QUERY_KEY_PAIRS)]
-        positions, kept = (torch.cat(chosen, dim=1) for chosen in zip(*parts))
+        positions, kept = choose(index.queries[0][group.rows], index.weights[0][group.rows], context, group.visible,
+                                 self.index_topk, QUERY_KEY_PAIRS)
         if group.expanded:
             return torch.zeros_like(group.visible).scatter_(-1, positions, kept)
         return Chosen(positions, kept)

@@ -2,8 +2,9 @@
 
 Applied from outside the model: the trainer shards each row after reading it, and the model's
 attention backend (`backend.attend(layer_idx, q, k, v)`) becomes `RingAttention`, which passes
-k and v around the group and merges the partial results with their log-sum-exp. Everything else
-in a block is per token, so the model code does not know its tokens are a shard.
+k and v around the group and merges the partial results with their log-sum-exp (a latent-attention
+model's becomes `latent_context_parallel.LatentContextAttention`, which gathers the row's latents). Everything
+else in a block is per token, so the model code does not know its tokens are a shard.
 
 Invariants:
 - The ranks of a `cp` group train the same rows: each contributes its row files (or fake rows),
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from tandem.models.attention import DocumentCausalAttention, document_ids
+from tandem.models.loading import has_split_blocks, is_native
 
 from tandem.trainer.micro_batch import ContextShard, MicroBatch, zigzag_indices
 
@@ -185,9 +187,15 @@ def context_attention(shard: ContextShard, kind: str, query_chunk: int,
 
 
 def check_context_parallel(cp: int, attention: str, hf_config: dict, source: str) -> None:
-    """Ulysses splits the key/value heads over the `cp` ranks: they must divide (checked from config.json)."""
+    """Ulysses splits the key/value heads over the `cp` ranks: they must divide, and the model must have them
+    (checked from config.json)."""
     if cp == 1 or attention != "ulysses":
         return
+    if is_native(hf_config) and not has_split_blocks(hf_config):
+        raise ValueError(f"`parallel.cp_attention` = 'ulysses' splits key/value heads over the `parallel.cp` ranks, but "
+                         f"{source} has model_type {hf_config['model_type']!r} (latent attention: one latent entry a "
+                         "token, shared by every head, which context parallelism gathers from the ranks instead); "
+                         "use `parallel.cp_attention` = 'ring'")
     kv_heads = hf_config.get("num_key_value_heads") or hf_config.get("num_attention_heads")
     if kv_heads is not None and kv_heads % cp:
         raise ValueError(f"`parallel.cp` = {cp} with `parallel.cp_attention` = 'ulysses' splits the key/value heads, but "
