@@ -1,4 +1,5 @@
-"""CUDA graphs of decode-only steps, one per batch size of a fixed ladder and context bound.
+"""CUDA graphs of decode-only steps, one per batch size of a fixed ladder and context bound; and, for speculative
+decoding, of steps that verify drafts (k + 1 tokens a sequence: `model_runner.py`).
 
 Why: a decode step of a small model is a thousand-odd short kernels; launched from Python each
 costs more host time than the GPU spends on it. A graph replays them all with one launch. The
@@ -57,9 +58,9 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return padded_batch_size(self.sizes, batch)
 
-    def replay(self, batch: int, max_context: int) -> torch.Tensor:
-        """Run the graph of `padded(batch)` rows and the smallest bound >= `max_context` (static inputs
-        already filled); its first `batch` logits."""
+    def replay(self, batch: int, max_context: int, num_rows: int | None = None) -> torch.Tensor:
+        """Run the graph of `padded(batch)` sequences and the smallest bound >= `max_context` (static inputs
+        already filled); its first `num_rows` logits (default `batch`: one row a sequence)."""
         graph, out = self.graphs[self.padded(batch), padded_batch_size(self.context_bounds, max_context)]
         graph.replay()
-        return out[:batch]
+        return out[:batch if num_rows is None else num_rows]
