@@ -148,7 +148,8 @@ class EngineConfig(Section):
     """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,
     16, 32, ... up to `max_num_seqs`, each for a few bounds of the longest context (512, 2048, 8192, ...
     `max_model_len`; a few seconds and a little memory: each graph keeps its logits, batch x vocabulary);
-    prefill steps run eager. Latent-attention models (GLM-5, DeepSeek-V3) run every step eager: their torch
+    with `speculative`, steps that verify drafts too (a graph per batch size, k + 1 tokens a sequence); prefill
+    steps run eager. Latent-attention models (GLM-5, DeepSeek-V3) run every step eager: their torch
     attention gathers whole contexts, which a graph would hold for good."""
 
     moe_tile_table: str | None = None

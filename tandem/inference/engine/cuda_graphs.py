@@ -35,8 +35,9 @@ def padded_batch_size(sizes: list[int], batch: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, forward: Callable[[int, int], torch.Tensor], max_batch: int, context_bounds: list[int]):
-        """`forward(b, bound)`: the decode step of b rows over the static buffers, no context over `bound`,
-        returning its logits [b, V]. `context_bounds`: ascending, the last one the longest context allowed."""
+        """`forward(b, bound)`: the step of b sequences over the static buffers, no context over `bound`, returning
+        its output (a decode step's logits [b, V]; a verifying step's hidden states, a row per token).
+        `context_bounds`: ascending, the last one the longest context allowed."""
         self.sizes = graph_batch_sizes(max_batch)
         self.context_bounds = context_bounds
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -60,7 +61,7 @@ class DecodeGraphs:
 
     def replay(self, batch: int, max_context: int, num_rows: int | None = None) -> torch.Tensor:
         """Run the graph of `padded(batch)` sequences and the smallest bound >= `max_context` (static inputs
-        already filled); its first `num_rows` logits (default `batch`: one row a sequence)."""
+        already filled); the first `num_rows` rows of its output (default `batch`: one row a sequence)."""
         graph, out = self.graphs[self.padded(batch), padded_batch_size(self.context_bounds, max_context)]
         graph.replay()
         return out[:batch if num_rows is None else num_rows]

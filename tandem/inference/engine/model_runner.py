@@ -111,14 +111,15 @@ class PagedModelRunner:
         return self._logits(hidden[0])
 
     def _verify_graph_forward(self, b: int, max_context: int) -> torch.Tensor:
-        """A verifying step of b sequences of up to k + 1 tokens each, in `StepInputBuilder.build_verify`'s layout."""
+        """A verifying step of b sequences of up to k + 1 tokens each, in `StepInputBuilder.build_verify`'s layout:
+        its final hidden states. The LM head runs after the replay, over the real rows only: a graph's logits of
+        every padded row would hold (k + 1) x vocabulary per sequence for good, for each batch size."""
         n = b * self._tokens_per_seq
         static, lengths = self._static, self._verify_static
         meta = AttentionMetadata(slot_mapping=static[2, :n], query_start=lengths[1, :b + 2], seq_lens=lengths[0, :b + 1],
                                  block_tables=self.inputs.block_tables, tiles=self._verify_tiles[b],
                                  block_q=self._verify_block_q)
-        hidden = self.model(static[0, :n][None], static[1, :n][None], attention=self.attention_for(meta))
-        return self._logits(hidden[0])
+        return self.model(static[0, :n][None], static[1, :n][None], attention=self.attention_for(meta))[0]
 
     def _replay_verify(self, batch: ScheduledBatch) -> torch.Tensor:
         """A step of decoding sequences with drafts through its graph: the logits of its real rows."""
@@ -131,10 +132,9 @@ class PagedModelRunner:
         self._verify_static[0, :padded + 1].copy_(step.seq_lens)
         self._verify_static[1, :padded + 2].copy_(step.query_start)
         self._verify_tiles[padded].copy_(step.tiles)
-        num_rows = step.sample_index.shape[0]
-        logits = self.verify_graphs.replay(b, 0, num_rows)
+        hidden = self.verify_graphs.replay(b, 0, step.sample_index.shape[0])
         self._record_routing(step.sample_index)
-        return logits
+        return self._logits(hidden)
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
