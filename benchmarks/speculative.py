@@ -11,8 +11,9 @@ request's tokens equal the non-speculative engine's (the promise of deterministi
 same tokens; in bf16 on CUDA the verifying forward rounds otherwise than a decode step, see docs/inference.md).
 
 Random weights decode at temperature 1 near uniformly over the vocabulary, where no draft is ever right; greedy
-decoding of random weights falls into loops, which prompt lookup drafts well. `--temperature` picks which: 0 gives
+decoding of random weights falls into loops, which prompt lookup drafts well. `--temperatures` picks which: 0 gives
 a best case for n-gram drafts (loops), 1 the worst (nothing repeats). Neither is a trained model's acceptance.
+Each engine is built once (graph captures) and serves the requests at every temperature in turn.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float) -
     return outputs, time.perf_counter() - start
 
 
+ENGINES = ("default", "no_overlap", "ngram", "ngram_no_overlap")
+
+
+def ratio(results: dict, a: str, b: str) -> float | None:
+    """Output tokens/s of engine `a` over engine `b`, where both ran."""
+    if a not in results or b not in results:
+        return None
+    return results[a]["output_tokens_per_s"] / results[b]["output_tokens_per_s"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
@@ -57,12 +68,20 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperatures", default="0", help="comma-separated; each engine serves the requests at each")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     parser.add_argument("--num-tokens", type=int, default=4, help="k, tokens drafted per sequence and step")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--commit", help="the commit measured (default: git's HEAD, which a copied tree may hold stale)")
     args = parser.parse_args()
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    names = args.engines.split(",")
+    unknown = set(names) - set(ENGINES)
+    if unknown:
+        parser.error(f"--engines: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     rng = random.Random(0)
+    results: dict[float, dict] = {t: {} for t in temperatures}
+    outputs: dict[float, dict] = {t: {} for t in temperatures}
     with tempfile.TemporaryDirectory() as tmp:
         folder = init_model(args.preset, Path(tmp) / "model", weights=False)
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
@@ -70,36 +89,41 @@ def main() -> int:
         model = ModelConfig(name=str(folder), load_format="dummy")
         base = dict(device=args.device, max_num_seqs=args.requests, max_model_len=args.prompt_tokens + args.max_tokens + 16)
         spec = SpeculativeConfig(method="ngram", num_tokens=args.num_tokens)
-        engines = {"default": EngineConfig(**base),
+        configs = {"default": EngineConfig(**base),
                    "no_overlap": EngineConfig(**base, overlap_steps=False),
                    "ngram": EngineConfig(**base, speculative=spec),
                    "ngram_no_overlap": EngineConfig(**base, overlap_steps=False, speculative=spec)}
-        results, outputs = {}, {}
-        for name, config in engines.items():
-            engine = build_engine(model, config, seed=0)
-            run(engine, prompts[:2], 8, args.temperature)  # warm-up: compilation, graphs
-            outputs[name], seconds = run(engine, prompts, args.max_tokens, args.temperature)
-            tokens = sum(len(t) for t, _ in outputs[name].values())
-            results[name] = {"seconds": seconds, "output_tokens_per_s": tokens / seconds,
-                             "drafted": engine.num_draft_tokens, "accepted": engine.num_accepted_tokens}
-            print(f"{name}: {tokens / seconds:,.0f} output tokens/s, drafted {engine.num_draft_tokens}, accepted "
-                  f"{engine.num_accepted_tokens}", file=sys.stderr)
+        for name in names:
+            engine = build_engine(model, configs[name], seed=0)
+            run(engine, prompts[:2], 8, temperatures[0])  # warm-up: compilation, graphs
+            for t in temperatures:
+                drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+                outputs[t][name], seconds = run(engine, prompts, args.max_tokens, t)
+                tokens = sum(len(ids) for ids, _ in outputs[t][name].values())
+                drafted, accepted = engine.num_draft_tokens - drafted, engine.num_accepted_tokens - accepted
+                results[t][name] = {"seconds": seconds, "output_tokens_per_s": tokens / seconds, "drafted": drafted,
+                                    "accepted": accepted, "acceptance": accepted / max(drafted, 1)}
+                print(f"T = {t:g}, {name}: {tokens / seconds:,.0f} output tokens/s, drafted {drafted}, accepted "
+                      f"{accepted}", file=sys.stderr)
             del engine
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    same_tokens = all(outputs["ngram"][r][0] == outputs["default"][r][0] for r in outputs["default"])
-    max_logprob_diff = max(max((abs(a - b) for a, b in zip(outputs["ngram"][r][1], outputs["default"][r][1])), default=0.0)
-                           for r in outputs["default"])
-    ngram = results["ngram"]
-    summary = {"acceptance": ngram["accepted"] / max(ngram["drafted"], 1), "same_tokens_as_without": same_tokens,
-               "max_logprob_difference": max_logprob_diff,
-               "speedup_over_default": ngram["output_tokens_per_s"] / results["default"]["output_tokens_per_s"],
-               "speedup_without_overlap": (results["ngram_no_overlap"]["output_tokens_per_s"]
-                                           / results["no_overlap"]["output_tokens_per_s"])}
+    summary = {}
+    for t in temperatures:
+        entry: dict = {"speedup_over_default": ratio(results[t], "ngram", "default"),
+                       "speedup_without_overlap": ratio(results[t], "ngram_no_overlap", "no_overlap")}
+        if "ngram" in outputs[t] and "default" in outputs[t]:
+            spec_out, plain = outputs[t]["ngram"], outputs[t]["default"]
+            entry["same_tokens_as_without"] = all(spec_out[r][0] == plain[r][0] for r in plain)
+            entry["max_logprob_difference"] = max(
+                max((abs(a - b) for a, b in zip(spec_out[r][1], plain[r][1])), default=0.0) for r in plain)
+        summary[f"T={t:g}"] = entry
     print(json.dumps(summary, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "speculative", "commit": source_commit(args.commit),
-                                              "settings": vars(args), "engines": results, "summary": summary,
+                                              "settings": vars(args),
+                                              "engines": {f"T={t:g}": results[t] for t in temperatures},
+                                              "summary": summary,
                                               "environment": environment(torch.device(args.device), args.commit)},
                                              indent=2))
     return 0
