@@ -77,7 +77,8 @@ class SpeculativeConfig(Section):
     drafts each, on average, judged by how often prompt lookup would have guessed each sequence's recent tokens
     (its moving hit rate h gives h + h^2 + ... + h^k). A verifying step costs more than a decode step (k + 1
     tokens a sequence, and with `overlap_steps` the read it waits for); a step that does not draft is a plain
-    decode step. 0: every step drafts where lookup finds a match."""
+    decode step. 0: every step drafts where lookup finds a match. tandem's engine only: the vLLM backend drafts
+    wherever lookup finds a match."""
 
     draft_model: str | None = None
     """`draft_model`: the draft's folder (or hub name); its vocabulary must be the policy's. It keeps its
