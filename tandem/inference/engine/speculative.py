@@ -61,9 +61,11 @@ class NgramIndex:
     followed the latest earlier occurrence of the longest suffix (`ngram_max` tokens down to 1) of the sequence.
 
     Why an index: looking the last token up among its earlier places costs what those places cost, not a pass
-    over the whole context every step. Only the latest `MAX_PLACES` places are tried (a frequent token's older
-    places are older contexts). The index also keeps `hit_rate`: how often, over the sequence's recent tokens,
-    the first draft would have been the token that came, which says whether drafting for it pays."""
+    over the whole context every step. The places of a token are chained from its latest (`latest`, then
+    `previous` at each place), so indexing a token allocates no container the garbage collector would scan. Only
+    the latest `MAX_PLACES` places are tried (a frequent token's older places are older contexts). The index also
+    keeps `hit_rate`: how often, over the sequence's recent tokens, the first draft would have been the token that
+    came, which says whether drafting for it pays."""
 
     MAX_PLACES = 64
     HIT_RATE_TOKENS = 16
@@ -72,34 +74,39 @@ class NgramIndex:
     def __init__(self, ngram_max: int):
         self.ngram_max = ngram_max
         self.tokens: list[int] = []
-        self.places: dict[int, list[int]] = {}
-        """Token id -> the positions holding it, ascending, the last token's own position excluded."""
+        self.latest: dict[int, int] = {}
+        """Token id -> its latest position before the last token's."""
+        self.previous: list[int] = []
+        """Per position p before the last token's: the position of the same token before p, or -1."""
         self.hit_rate = 0.0
 
     def extend(self, token_ids: list[int]) -> None:
         """Catch up with `token_ids` (the sequence's tokens, which only grow). Only the last `HIT_RATE_TOKENS` * 4
         of a long stretch (a prompt) are scored: older ones would weigh nothing in the average."""
         first_scored = len(token_ids) - 4 * self.HIT_RATE_TOKENS
-        for position in range(len(self.tokens), len(token_ids)):
+        tokens, latest, previous = self.tokens, self.latest, self.previous
+        for position in range(len(tokens), len(token_ids)):
             token = token_ids[position]
-            if self.tokens:
+            if tokens:
                 if position >= first_scored:
                     guess = self.drafts(1)
                     hit = 1.0 if guess and guess[0] == token else 0.0
                     self.hit_rate += (hit - self.hit_rate) / self.HIT_RATE_TOKENS
-                self.places.setdefault(self.tokens[-1], []).append(position - 1)
-            self.tokens.append(token)
+                before = tokens[-1]  # now an earlier occurrence
+                previous.append(latest.get(before, -1))
+                latest[before] = position - 1
+            tokens.append(token)
 
     def drafts(self, num_drafts: int) -> list[int]:
         """At most `num_drafts` tokens after the latest earlier occurrence of the longest suffix; none without one."""
         tokens = self.tokens
         last = len(tokens) - 1
-        places = self.places.get(tokens[last]) if last > 0 else None
-        if not places:
+        end = self.latest.get(tokens[last], -1) if last > 0 else -1
+        if end < 0:
             return []
         longest = min(self.ngram_max, last)
         best, best_length = -1, 0
-        for end in reversed(places[-self.MAX_PLACES:]):
+        for _ in range(self.MAX_PLACES):
             length = 1
             while length < longest and end >= length and tokens[end - length] == tokens[last - length]:
                 length += 1
@@ -107,12 +114,15 @@ class NgramIndex:
                 best, best_length = end, length
                 if length == longest:
                     break
+            end = self.previous[end]
+            if end < 0:
+                break
         return tokens[best + 1:best + 1 + num_drafts]
 
     def expected_accepted(self, num_drafts: int) -> float:
         """Accepted drafts to expect of `num_drafts`, each right as often as the recent first drafts were."""
         r = self.hit_rate
-        return sum(r ** j for j in range(1, num_drafts + 1))
+        return r * (1 - r ** num_drafts) / (1 - r) if r < 1 else float(num_drafts)
 
 
 def draw_drafts(logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler, sampled: bool
@@ -173,7 +183,10 @@ class NgramProposer:
         self.min_expected_tokens = min_expected_tokens
         """A step drafts when its decoding sequences are expected to gain at least this many accepted tokens each,
         on average (`engine.speculative.min_expected_tokens`)."""
-        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+        self._indexes: dict[Sequence, NgramIndex] = {}
+        """Per sequence; those that finished are dropped whenever the table reaches `_prune_at` entries. A plain
+        dict: a weak one allocates a reference at every look-up, each step for each sequence."""
+        self._prune_at = 1024
 
     def worth_drafting(self, seqs: list[Sequence], num_drafts: int) -> bool:
         """A verifying step costs more than a decode step (k + 1 tokens a sequence, and the read it waits for): it
@@ -195,6 +208,9 @@ class NgramProposer:
         """The sequence's index, caught up with the tokens the host knows."""
         index = self._indexes.get(seq)
         if index is None:
+            if len(self._indexes) >= self._prune_at:  # a finished sequence's index is never read again
+                self._indexes = {s: i for s, i in self._indexes.items() if not s.is_finished}
+                self._prune_at = max(self._prune_at, 2 * len(self._indexes))
             index = self._indexes[seq] = NgramIndex(self.ngram_max)
         if len(index.tokens) < len(seq.token_ids):
             index.extend(seq.token_ids)
