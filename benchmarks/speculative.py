@@ -19,6 +19,7 @@ Each engine is built once (graph captures) and serves the requests at every temp
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -33,11 +34,15 @@ from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig, SpeculativeConfig
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
+from tandem.inference.server import settle_heap
 from tandem.models.presets import PRESETS, init_model
 
 
 def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float) -> tuple[dict, float]:
-    """Every request to its end; (request id -> (tokens, logprobs)), seconds."""
+    """Every request to its end; (request id -> (tokens, logprobs)), seconds. The heap is settled first as the
+    server settles it (`settle_heap`), so that a full collection of what earlier runs and engines left does not
+    land in one engine's timing; unfrozen after, so that a dropped engine's memory can be collected."""
+    settle_heap()
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
                                                           ignore_eos=True), incremental=False)
@@ -48,7 +53,9 @@ def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float) -
             outputs[out.request_id] = (out.token_ids, out.logprobs)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    return outputs, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    gc.unfreeze()
+    return outputs, seconds
 
 
 ENGINES = ("default", "no_overlap", "ngram", "ngram_no_overlap")
@@ -106,6 +113,7 @@ def main() -> int:
                 print(f"T = {t:g}, {name}: {tokens / seconds:,.0f} output tokens/s, drafted {drafted}, accepted "
                       f"{accepted}", file=sys.stderr)
             del engine
+            gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     summary = {}
