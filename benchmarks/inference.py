@@ -23,8 +23,10 @@ sequence gets exactly its output length; random prompt token ids; `--scale` shri
 - E (32k decode): 4 requests of 32,768 prompt tokens, 128 output tokens, on an engine of their own
   (its `max_model_len`): the decode step time of a few sequences at 32k context;
 - F (128k decode): E at 131,072 tokens of context (prompt and output); a model whose context is shorter
-  is extended to it by YaRN, as Qwen3 reaches 128k (`--max-position-embeddings`, presets only).
-`--workloads` picks which run (GPU time is scarce); A, B, C, D share one engine sized for the
+  is extended to it by YaRN, as Qwen3 reaches 128k (`--max-position-embeddings`, presets only);
+- G (long shared prompts, groups): 16 prompts x n = 8 samples, 4,096 prompt tokens, 4,096 output tokens: the
+  workload where cascade attention (`engine.cascade_attention`) reads each group's prompt once per step.
+`--workloads` picks which run (GPU time is scarce); A, B, C, D, G share one engine sized for the
 longest and widest of them.
 
 Figures:
@@ -52,7 +54,10 @@ Figures:
   estimate of KL(engine || trainer), exp(r) - 1 - r with r = trainer - engine. With `--exact`, the
   forward, head and log_softmax are the exact trainer's (`tandem.models.exact`): every difference must be 0. For a mixture of
   experts also `mismatch_B_router_replay`: a run of B's first 16 prompts asking for the routed
-  experts, its mismatch without and with the trainer replaying them (`loss.router_replay`).
+  experts, its mismatch without and with the trainer replaying them (`loss.router_replay`);
+- cascade off (`--cascade-off-too`): each shared workload but A again on the same engine with its cascade
+  planner removed (plain decode attention; fresh prompts of the same shape, so no prefix is cached from the first
+  run), as `engine_<W>_cascade_off`, and `ratio_engine_<W>_over_engine_<W>_cascade_off`.
 
 KV-cache dtypes (`--kv-cache-dtypes`, `engine.kv_cache_dtype`, default `auto`): the engine parts and vLLM's
 run once per dtype listed, each on an engine (and a vLLM) of its own, in the same call. `auto`'s figures keep
@@ -109,8 +114,9 @@ WORKLOADS = {"A": dict(num_prompts=256, n=1, prompt_len=128, output_len=512),
              "C": dict(num_prompts=128, n=1, prompt_len=256, output_len=4096),
              "D": dict(num_prompts=16, n=4, prompt_len=1024, output_len=8192),
              "E": dict(num_prompts=4, n=1, prompt_len=32768, output_len=128),
-             "F": dict(num_prompts=4, n=1, prompt_len=131072 - 128, output_len=128)}
-SHARED_ENGINE = ("A", "B", "C", "D")
+             "F": dict(num_prompts=4, n=1, prompt_len=131072 - 128, output_len=128),
+             "G": dict(num_prompts=16, n=8, prompt_len=4096, output_len=4096)}
+SHARED_ENGINE = ("A", "B", "C", "D", "G")
 """Workloads run on one engine (and one vLLM) sized for them all; E and F build their own (32k, 128k)."""
 KV_CACHE_DTYPES = ("auto", "fp8")
 """`engine.kv_cache_dtype`s the engine parts can run with (`--kv-cache-dtypes`)."""
@@ -134,6 +140,8 @@ def parse_args() -> argparse.Namespace:
                         help="extend the preset's context to this many positions by YaRN (default: F's 131,072 when F runs)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)")
+    parser.add_argument("--output-scale", type=float, default=1.0,
+                        help="multiply output lengths only (quick runs that keep a workload's batch and prompts)")
     parser.add_argument("--repeats", type=int, default=2, help="timed engine runs of workload A; the best counts")
     parser.add_argument("--parts", default="engine,server,generate,generate_batch,mismatch",
                         help="comma-separated parts to run")
@@ -143,6 +151,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtypes", default="auto",
                         help="comma-separated `engine.kv_cache_dtype`s (auto, fp8): the engine parts and vLLM's run once "
                         "per dtype; fp8's figures carry the suffix _kv_fp8")
+    parser.add_argument("--cascade-off-too", action="store_true",
+                        help="run each shared workload but A again with cascade attention off, on the same engine")
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
                         "(tandem.models.exact); the mismatch part then recomputes as the exact trainer does (expect 0)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
@@ -156,6 +166,7 @@ def scaled(args: argparse.Namespace, name: str) -> dict:
     w = dict(WORKLOADS[name])
     for key in ("num_prompts", "prompt_len", "output_len"):
         w[key] = max(1, int(w[key] * args.scale))
+    w["output_len"] = max(1, int(w["output_len"] * args.output_scale))
     return w
 
 
@@ -176,6 +187,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the table shipped for the GPU, else the rule)")
     parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=defaults.fused_blocks,
                         help="`engine.fused_blocks`: the blocks' norms, RoPE and cache write as Triton kernels")
+    parser.add_argument("--cascade-attention", choices=["auto", "off"], default=defaults.cascade_attention,
+                        help="`engine.cascade_attention`: groups read their shared prompt once per decode step")
+    parser.add_argument("--cascade-min-saved-tokens", type=int, default=defaults.cascade_min_saved_tokens,
+                        help="`engine.cascade_min_saved_tokens`")
 
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int,
@@ -183,7 +198,8 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: in
     return EngineConfig(device=args.device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens or max(4096, max_model_len), cuda_graphs=args.cuda_graphs,
                         compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table, fused_blocks=args.fused_blocks,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, cascade_attention=args.cascade_attention,
+                        cascade_min_saved_tokens=args.cascade_min_saved_tokens)
 
 
 def sync(device: torch.device) -> None:
@@ -432,8 +448,10 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
     results["kv_cache"] = {"blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size,
                            "tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}
     print(f"engine built in {results['engine_build_s']:.1f} s; KV cache {results['kv_cache']}", flush=True)
-    first = next(iter(prompts.values()))
-    run_engine(engine, first[:4], 2, 8)  # warmup: prefill kernels compile
+    # Warmup (prefill kernels compile) on prompts no workload shares a block with: a workload's own would be
+    # cached for its timed run, and not for the cascade-off run beside it.
+    length = max(1, min(64, max_len // 2))
+    run_engine(engine, [[token] * length for token in (1, 2, 3, 4)], 2, max(1, min(8, max_len - length)))
     if "A" in workloads:
         a = workloads["A"]
 
@@ -450,12 +468,25 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
     for key in [k for k in workloads if k != "A"]:
         w = workloads[key]
         attempt(results, f"engine_{key}", lambda: run_engine(engine, prompts[key], w["n"], w["output_len"]))
+        if args.cascade_off_too:
+            attempt(results, f"engine_{key}_cascade_off", lambda: without_cascade(engine, prompts_for(
+                w, vocab, args.seed + 300 + list(WORKLOADS).index(key)), w))
     b_outputs = results.get("engine_B", {}).get("outputs")
     if "mismatch" in parts and b_outputs:
         attempt(results, "mismatch_B", lambda: mismatch_kl(engine.runner.model, prompts["B"], b_outputs, 1.0, exact=args.exact))
     if "mismatch" in parts and "B" in workloads and moe_blocks(engine.runner.model):
         attempt(results, "mismatch_B_router_replay", lambda: replay_mismatch(engine, prompts["B"][:16], workloads["B"]))
-    roofline_of(engine, results, ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads)], bandwidths)
+    roofline_of(engine, results, ["engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads),
+                                  *(f"engine_{k}_cascade_off" for k in workloads)], bandwidths)
+
+
+def without_cascade(engine, prompts: list[list[int]], w: dict) -> dict:
+    """A run of workload `w` with the engine's cascade planner removed: every decode step attends plainly."""
+    planner, engine.runner.cascade = engine.runner.cascade, None
+    try:
+        return run_engine(engine, prompts, w["n"], w["output_len"])
+    finally:
+        engine.runner.cascade = planner
 
 
 def bench_long_decode(folder: Path, args: argparse.Namespace, name: str, w: dict, prompts: list[list[int]],
@@ -493,6 +524,9 @@ def add_ratios(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) 
             if server:
                 results[f"ratio_server_A_over_{base.removeprefix('transformers_')}"] = server / rate
     for key in workloads:
+        on, off = (results.get(f"engine_{key}{part}", {}).get("output_tokens_per_s") for part in ("", "_cascade_off"))
+        if on and off:
+            results[f"ratio_engine_{key}_over_engine_{key}_cascade_off"] = on / off
         anchor = results.get("vllm", {}).get(f"vllm_{key}_logprobs", {}).get("output_tokens_per_s")
         for suffix in map(kv_suffix, kv_cache_dtypes):
             engine = results.get(f"engine_{key}{suffix}", {}).get("output_tokens_per_s")
@@ -511,7 +545,8 @@ def add_ratios(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) 
 def summarize(results: dict, workloads: list[str], kv_cache_dtypes: list[str]) -> dict:
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items() if k.startswith("ratio")}
     keys = [f"{key}{suffix}" for suffix in map(kv_suffix, kv_cache_dtypes)
-            for key in ("engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads if k != "A"), "mismatch_B")]
+            for key in ("engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads if k != "A"),
+                        *(f"engine_{k}_cascade_off" for k in workloads if k != "A"), "mismatch_B")]
     keys += ["server_A", "transformers_generate_A", "transformers_generate_batch_A"]
     for key in (k for k in keys if k in results):
         r = results[key]
@@ -543,6 +578,7 @@ def main() -> None:
     device = resolve_device(args.device)
     workloads = {k: scaled(args, k) for k in chosen}
     results: dict = {"workloads": workloads, "environment": environment(device, args.commit), "cuda_graphs": args.cuda_graphs,
+                     "cascade_attention": args.cascade_attention, "cascade_min_saved_tokens": args.cascade_min_saved_tokens,
                      "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact,
                      "fused_blocks": args.fused_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
                      "kv_cache_dtypes": kv_cache_dtypes}

@@ -127,3 +127,57 @@ def check_split_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: in
     for i, (_, ctx) in enumerate(SPLIT_DECODES):
         assert torch.equal(decode([i], ctx)[0], batch[i]), f"sequence {i} (context {ctx}) differs alone and in the batch"
     assert torch.equal(decode(rows, None), batch), "the block tables' bound changed the outputs"
+
+
+SHARED_PREFIXES = [(640, [1, 9, 16, 17, 40, 3, 5, 2, 33]), (48, [5, 17]), (16, [600, 2, 70]), (0, [30]), (0, [700]),
+                   (32, [4, 4, 4, 4]), (0, [0])]
+"""A decode step of RL groups, each (prompt tokens in shared blocks, each member's tokens after them): a group of 9
+(one more than a prefix program of heads 2 per KV head holds) over a prefix of two chunks, members' own parts from a
+partial block to past a block; a pair; a group whose members' own parts span chunks; sequences that share
+nothing; a group of 4; and a CUDA-graph padding row (context 0, last)."""
+
+
+def shared_prefix_step(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+                       block_size: int = 16, seed: int = 0, groups: list[tuple[int, list[int]]] = SHARED_PREFIXES,
+                       fp8: bool = False) -> tuple:
+    """(q, cache, metadata, tables) of a decode step of `groups` (as `SHARED_PREFIXES`): the members of a group
+    hold the same block ids for its prefix, then blocks of their own; every slot of the one-layer `cache` random
+    (`fp8`: an FP8 cache). `tables`: each row's block ids, as the block manager holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [(prefix, own) for prefix, members in groups for own in members]
+    num_blocks = sum(prefix // block_size for prefix, _ in groups) + sum(-(-own // block_size) for _, own in rows) + 4
+    cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device(device), fp8)
+    every_slot = torch.arange((num_blocks + 1) * block_size, device=device)
+    cache.write(0, every_slot, *(torch.randn(len(every_slot), kv_heads, head_dim, generator=gen).to(device, dtype)
+                                 for _ in range(2)))
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables: list[list[int]] = []
+    for prefix, members in groups:
+        shared = [free.pop() for _ in range(prefix // block_size)]
+        tables.extend(shared + [free.pop() for _ in range(-(-own // block_size))] for own in members)
+    contexts = [prefix + own for prefix, own in rows]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+    q = torch.randn(len(rows), heads, head_dim, generator=gen).to(device, dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(rows), dtype=torch.long, device=device),
+        query_start=torch.arange(len(rows) + 1, device=device), seq_lens=torch.tensor(contexts, device=device),
+        block_tables=block_tables, tiles=torch.tensor([list(range(len(rows))), [0] * len(rows)], device=device),
+        block_q=1, query_lens_host=[1] * len(rows), seq_lens_host=contexts, max_context=max(contexts))
+    return q, cache, meta, tables
+
+
+def with_cascade(meta: AttentionMetadata, tables: list[list[int]], block_size: int, members: int,
+                 num_slots: int | None = None) -> AttentionMetadata:
+    """`meta` with the cascade plan of its tables (`find_shared_prefixes`), `num_slots` group slots (a CUDA graph's
+    bound) or as many as its groups."""
+    from dataclasses import replace
+
+    from tandem.inference.engine.cascade import CascadeMetadata, find_shared_prefixes
+
+    plan = find_shared_prefixes(tables, meta.seq_lens_host, block_size, members)
+    row_prefix, group_prefix, table = plan.transfer_parts(len(tables), num_slots or len(plan.groups), members)
+    device = meta.seq_lens.device
+    cascade = CascadeMetadata(torch.tensor(row_prefix, device=device), torch.tensor(group_prefix, device=device),
+                              torch.tensor(table, device=device).view(-1, members), plan)
+    return replace(meta, cascade=cascade)

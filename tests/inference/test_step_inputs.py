@@ -6,6 +6,7 @@ import torch
 from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.cascade import CascadePlanner
 from tandem.inference.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.scheduler import Scheduler
@@ -125,7 +126,7 @@ def verifying_batch():
 
 
 def test_a_verifying_graphs_inputs_pack_the_real_rows_then_one_padding_sequence():
-    """Graph of 4 sequences of k + 1 = 4 tokens, tiles of 4 tokens: the 8 real rows first, as an eager step packs
+    """Graph of 4 sequences of k + 1 = 4 tokens, tiles of 4 tokens: the 7 real rows first, as an eager step packs
     them; the other 9 rows are a padding sequence of context 0 writing to the pad slot (three tiles); the unused
     tiles start past every token."""
     batch, builder = verifying_batch()
@@ -176,3 +177,35 @@ def test_a_verifying_graphs_rows_attend_as_the_eager_step_does():
     outputs, the padding rows zeros."""
     here = Path(__file__).parent
     run_interpreted(INTERPRETED_VERIFY.format(tests=str(here.parent), here=str(here)), timeout=300)
+
+
+def test_a_cascade_plan_reaches_the_device_padded_to_a_graphs_rows_and_group_slots():
+    """Three samples of one 9-token prompt (2 whole blocks of 4 shared by prefix caching) and a sequence of its
+    own, decoding, padded to a graph of 8 rows: each row's prefix, the group's prefix and members, unused group slots
+    empty; an eager step sends as many slots as groups."""
+    bm = BlockManager(64, 4)
+    scheduler = Scheduler(bm, 8, 256)
+    prompts = [list(range(9))] * 3 + [list(range(50, 59))]
+    seqs = [Sequence("r", i, prompt, SamplingParams(max_tokens=20), TOKENIZER) for i, prompt in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    builder = StepInputBuilder(torch.device("cpu"), 8, 16, 4, pad_slot=64 * 4)
+    for _ in range(4):  # prefill (the samples after the first wait for its blocks), then decodes
+        batch = scheduler.schedule()
+        if batch.is_decode_only:
+            break
+        builder.build(batch)
+        finish_step(batch)
+        for seq in batch.seqs:
+            bm.register_computed_blocks(seq)
+    assert batch.is_decode_only and len(batch.seqs) == 4
+    assert [s.block_table[:2] for s in seqs[:3]].count(seqs[0].block_table[:2]) == 3  # the prompt's shared blocks
+    plan = CascadePlanner(4, members=8, min_saved_tokens=1).plan(batch.seqs)
+    step = builder.build(batch, pad_to=8, cascade=plan, members=8)
+    rows = [batch.seqs.index(s) for s in seqs[:3]]
+    assert step.cascade.row_prefix.tolist() == [8 if i in rows else 0 for i in range(8)]
+    assert step.cascade.group_prefix.tolist() == [8, 0, 0, 0]  # a graph of 8 rows: 4 group slots
+    assert sorted(step.cascade.group_members[0].tolist()[:3]) == sorted(rows)
+    assert step.cascade.group_members.tolist()[0][3:] == [-1] * 5 and (step.cascade.group_members[1:] == -1).all()
+    eager = builder.build(batch, cascade=plan, members=8)
+    assert eager.cascade.group_prefix.tolist() == [8] and eager.cascade.row_prefix.shape == (4,)

@@ -12,6 +12,9 @@ The decode attention's grid has a program per chunk of the longest context it ma
 (`tandem.kernels.attention.decode_context_bounds`), and a step replays the smallest bound that holds its
 longest context. Short contexts then launch no idle chunk programs; the outputs are the same
 under every bound (the kernel's chunks depend only on each sequence's own context).
+
+With cascade attention (`cascade.py`) each batch size of two rows or more and bound has a second graph, whose
+attention reads each group's shared prefix once; a step replays it when its plan pays.
 """
 
 from __future__ import annotations
@@ -34,22 +37,25 @@ def padded_batch_size(sizes: list[int], batch: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Callable[[int, int], torch.Tensor], max_batch: int, context_bounds: list[int]):
-        """`forward(b, bound)`: the step of b sequences over the static buffers, no context over `bound`, returning
-        its output (a decode step's logits [b, V]; a verifying step's hidden states, a row per token).
-        `context_bounds`: ascending, the last one the longest context allowed."""
+    def __init__(self, forward: Callable[[int, int, bool], torch.Tensor], max_batch: int, context_bounds: list[int],
+                 cascade: bool = False):
+        """`forward(b, bound, cascade)`: the step of b sequences over the static buffers, no context over `bound`,
+        returning its output (a decode step's logits [b, V]; a verifying step's hidden states, a row per token);
+        `cascade`: its attention reads the groups of the static plan. `context_bounds`: ascending, the last one the
+        longest context allowed. `cascade`: capture those too."""
         self.sizes = graph_batch_sizes(max_batch)
         self.context_bounds = context_bounds
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
         for size in reversed(self.sizes):
             for bound in reversed(context_bounds):
-                forward(size, bound)  # warmup: Triton compiles, the allocator settles, outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = forward(size, bound)
-                pool = graph.pool()
-                self.graphs[size, bound] = (graph, out)
+                for variant in (False, True) if cascade and size > 1 else (False,):
+                    forward(size, bound, variant)  # warmup: Triton compiles, the allocator settles, outside the capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = forward(size, bound, variant)
+                    pool = graph.pool()
+                    self.graphs[size, bound, variant] = (graph, out)
         torch.cuda.synchronize()
 
     @property
@@ -59,9 +65,10 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return padded_batch_size(self.sizes, batch)
 
-    def replay(self, batch: int, max_context: int, num_rows: int | None = None) -> torch.Tensor:
+    def replay(self, batch: int, max_context: int, cascade: bool = False, num_rows: int | None = None) -> torch.Tensor:
         """Run the graph of `padded(batch)` sequences and the smallest bound >= `max_context` (static inputs
-        already filled); the first `num_rows` rows of its output (default `batch`: one row a sequence)."""
-        graph, out = self.graphs[self.padded(batch), padded_batch_size(self.context_bounds, max_context)]
+        already filled), its cascade variant if `cascade`; the first `num_rows` rows of its output (default
+        `batch`: one row a sequence)."""
+        graph, out = self.graphs[self.padded(batch), padded_batch_size(self.context_bounds, max_context), cascade]
         graph.replay()
         return out[:batch if num_rows is None else num_rows]

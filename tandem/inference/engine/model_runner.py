@@ -12,7 +12,8 @@ has not read yet are):
   served beside a LoRA policy, `lora_side_path.py`) the tokens of base sequences get it, in an eager step
   (a CUDA graph replays the policy's forward only); with `keep_forward` (a multi-token prediction draft, which
   runs its own layer over the policy's step) each eager step's inputs, attention and final hidden states stay
-  readable until the next (`last_forward`);
+  readable until the next (`last_forward`); with a `cascade` planner, decode-only steps whose sequences share
+  a long enough prompt prefix attend with each group's prefix read once (`cascade.py`);
 - `RecomputeModelRunner`: any transformers model (the slow path); no cache, each sampling
   sequence runs again from its first token.
 """
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from tandem.kernels.attention import decode_context_bounds, next_pow2
+from tandem.inference.engine.cascade import CascadeMetadata, CascadePlanner, group_slots
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
 from tandem.inference.engine.host_copies import to_device
@@ -42,7 +44,7 @@ def step_metadata(step: StepInputs, block_tables: torch.Tensor) -> AttentionMeta
     return AttentionMetadata(slot_mapping=step.slot_mapping, query_start=step.query_start, seq_lens=step.seq_lens,
                              block_tables=block_tables, tiles=step.tiles, block_q=step.block_q,
                              query_lens_host=step.query_lens, seq_lens_host=step.seq_lens_host,
-                             max_context=max(step.seq_lens_host, default=0))
+                             max_context=max(step.seq_lens_host, default=0), cascade=step.cascade)
 
 
 @dataclass
@@ -61,14 +63,18 @@ class PagedModelRunner:
 
     def __init__(self, model: nn.Module, cache: KVCache | LatentCache, device: torch.device, max_num_seqs: int, max_model_len: int,
                  cuda_graphs: bool, recorder: RoutingRecorder | None = None, exact: bool = False,
-                 side_path: LowRankSidePath | None = None, keep_forward: bool = False, num_draft_tokens: int = 0):
+                 side_path: LowRankSidePath | None = None, keep_forward: bool = False,
+                 cascade: CascadePlanner | None = None, num_draft_tokens: int = 0):
         """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (graphs only where
         its whole forward takes the kernel path: `tandem.models.exact.model_uses_kernels`). `side_path`: installed on
         the model (`lora_side_path.apply_side_path`), given the rows of base sequences for each step that has any.
-        `keep_forward`: keep each step's `Forward` (`last_forward`); its steps run eager. `num_draft_tokens` (k,
-        speculative decoding): with graphs, steps that verify drafts replay graphs of k + 1 tokens a sequence too
-        (not in exact mode, whose attention plans each token on the host)."""
+        `keep_forward`: keep each step's `Forward` (`last_forward`); its steps run eager. `cascade`: plans
+        decode-only steps' shared prefixes (not with `exact`: the cascade is not batch invariant).
+        `num_draft_tokens` (k, speculative decoding): with graphs, steps that verify drafts replay graphs of k + 1
+        tokens a sequence too (not in exact mode, whose attention plans each token on the host)."""
         assert not (keep_forward and cuda_graphs and device.type == "cuda"), "a replayed graph keeps no hidden states"
+        assert not (cascade and exact), "cascade attention is not batch invariant"
+        self.cascade = cascade
         self.model = model
         self.keep_forward = keep_forward
         self.last_forward: Forward | None = None
@@ -91,8 +97,16 @@ class PagedModelRunner:
             self._static[2] = cache.pad_slot  # the warmup and capture steps write nowhere that matters
             self._query_start = torch.arange(max_num_seqs + 1, device=device)
             self._tiles = {b: torch.tensor(decode_tiles(b), device=device) for b in graph_batch_sizes(max_num_seqs)}
+            if cascade is not None:
+                slots = group_slots(max_num_seqs)
+                self._static_cascade = CascadeMetadata(
+                    row_prefix=torch.zeros(max_num_seqs, dtype=torch.long, device=device),
+                    group_prefix=torch.zeros(slots, dtype=torch.long, device=device),
+                    group_members=torch.full((slots, cascade.members), -1, dtype=torch.long, device=device))
+                """The plan the cascade graphs read (no groups: the warmup and capture steps attend plainly)."""
             with torch.no_grad():
-                self.graphs = DecodeGraphs(self._graph_forward, max_num_seqs, decode_context_bounds(max_model_len))
+                self.graphs = DecodeGraphs(self._graph_forward, max_num_seqs, decode_context_bounds(max_model_len),
+                                           cascade=cascade is not None)
                 if self._tokens_per_seq > 1:
                     self._verify_block_q = next_pow2(self._tokens_per_seq)
                     self._verify_static = torch.zeros(2, max_num_seqs + 2, dtype=torch.long, device=device)
@@ -102,15 +116,20 @@ class PagedModelRunner:
                     # The tile kernel walks each sequence's whole context: one bound serves every step.
                     self.verify_graphs = DecodeGraphs(self._verify_graph_forward, max_num_seqs, [max_model_len])
 
-    def _graph_forward(self, b: int, max_context: int) -> torch.Tensor:
+    def _graph_forward(self, b: int, max_context: int, cascade: bool) -> torch.Tensor:
         static = self._static
+        plan = None
+        if cascade:
+            slots = group_slots(b)
+            plan = CascadeMetadata(self._static_cascade.row_prefix[:b], self._static_cascade.group_prefix[:slots],
+                                   self._static_cascade.group_members[:slots])
         meta = AttentionMetadata(slot_mapping=static[2, :b], query_start=self._query_start[:b + 1], seq_lens=static[3, :b],
                                  block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1,
-                                 max_context=max_context)
+                                 max_context=max_context, cascade=plan)
         hidden = self.model(static[0, :b][None], static[1, :b][None], attention=self.attention_for(meta))
         return self._logits(hidden[0])
 
-    def _verify_graph_forward(self, b: int, max_context: int) -> torch.Tensor:
+    def _verify_graph_forward(self, b: int, max_context: int, cascade: bool) -> torch.Tensor:
         """A verifying step of b sequences of up to k + 1 tokens each, in `StepInputBuilder.build_verify`'s layout:
         its final hidden states. The LM head runs after the replay, over the real rows only: a graph's logits of
         every padded row would hold (k + 1) x vocabulary per sequence for good, for each batch size."""
@@ -132,7 +151,7 @@ class PagedModelRunner:
         self._verify_static[0, :padded + 1].copy_(step.seq_lens)
         self._verify_static[1, :padded + 2].copy_(step.query_start)
         self._verify_tiles[padded].copy_(step.tiles)
-        hidden = self.verify_graphs.replay(b, 0, step.sample_index.shape[0])
+        hidden = self.verify_graphs.replay(b, 0, False, step.sample_index.shape[0])
         self._record_routing(step.sample_index)
         return self._logits(hidden)
 
@@ -143,15 +162,23 @@ class PagedModelRunner:
         if (self.verify_graphs is not None and batch.has_drafts and batch.is_verify_only and b <= self.verify_graphs.max_batch
                 and base_rows is None):
             return self._replay_verify(batch)  # every input known: a step that drafts follows a read step
+        plan = self.cascade.plan(batch.seqs) if self.cascade is not None and batch.is_decode_only else None
+        members = self.cascade.members if plan is not None else 0
         if self.graphs is not None and b <= self.graphs.max_batch and batch.is_decode_only and base_rows is None:
-            step = self.inputs.build(batch, pad_to=self.graphs.padded(b), previous_tokens=previous_tokens)
+            step = self.inputs.build(batch, pad_to=self.graphs.padded(b), previous_tokens=previous_tokens, cascade=plan,
+                                     members=members)
             size = step.input_ids.shape[0]
             for row, values in enumerate((step.input_ids, step.positions, step.slot_mapping, step.seq_lens)):
                 self._static[row, :size].copy_(values)
-            logits = self.graphs.replay(b, max(step.seq_lens_host, default=0))
+            if step.cascade is not None:
+                static, slots = self._static_cascade, step.cascade.group_prefix.shape[0]
+                static.row_prefix[:size].copy_(step.cascade.row_prefix)
+                static.group_prefix[:slots].copy_(step.cascade.group_prefix)
+                static.group_members[:slots].copy_(step.cascade.group_members)
+            logits = self.graphs.replay(b, max(step.seq_lens_host, default=0), step.cascade is not None)
             self._record_routing(self._query_start[:b])  # rows 0..b-1
             return logits
-        step = self.inputs.build(batch, previous_tokens=previous_tokens)
+        step = self.inputs.build(batch, previous_tokens=previous_tokens, cascade=plan, members=members)
         attention = self.attention_for(step_metadata(step, self.inputs.block_tables[:b]))
         if base_rows is not None:
             self.side_path.rows = base_rows

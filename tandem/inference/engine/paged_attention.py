@@ -14,6 +14,9 @@ runner only see `attend(layer_idx, q, k, v)`.
 With an FP8 cache (`KVCache.fp8`) every path attends over what the cache holds: the kernel reads FP8 keys and
 values with their scales in place; the torch path dequantizes the blocks it gathers, and a chunk's own keys and
 values are their round trip through the cache (`KVCache.write`), so both paths compute the same function.
+
+A decode-only step with a cascade plan (`AttentionMetadata.cascade`, `cascade.py`) reads each group's shared
+prefix once for all its members: `tandem.kernels.cascade_attention` on CUDA, `reference_cascade_attention` in torch.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import attention as attention_kernel
+from tandem.kernels.cascade_attention import cascade_decode
+from tandem.inference.engine.cascade import CascadeMetadata
 from tandem.inference.engine.kv_cache import KVCache
 from tandem.models.exact import attention_uses_kernels, exact_causal_attention
 
@@ -49,6 +54,9 @@ class AttentionMetadata:
     max_context: int | None = None
     """A bound on every sequence's context this step (the kernel sizes a decode's grid by it); None: what the
     block tables can hold. A CUDA graph captures it, so a graph's bound holds for every step it replays."""
+    cascade: CascadeMetadata | None = None
+    """A decode-only step's groups of sequences sharing a prompt prefix (`cascade.py`), each prefix read once for
+    its group; None: plain attention."""
 
 
 class PagedAttention:
@@ -67,6 +75,8 @@ class PagedAttention:
             return self.attend_cached(layer_idx, q_NHD)[None]
         if self.exact:
             return exact_paged_attention(q_NHD, k_NHD, v_NHD, *self.cache.layer(layer_idx), self.meta)[None]
+        if self.meta.cascade is not None:
+            return reference_cascade_attention(q_NHD, self.cache, layer_idx, self.meta)[None]
         return reference_attention(q_NHD, k_NHD, v_NHD, self.cache, layer_idx, self.meta)[None]
 
     def reads_only_the_cache(self, head_dim: int, device: torch.device) -> bool:
@@ -91,6 +101,12 @@ class PagedAttention:
             max_context = m.max_context if m.max_context is not None else m.block_tables.shape[1] * k_cache.shape[1]
             return attention_kernel.attend_each_token(q_NHD, k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start,
                                                       tiles, contexts, max_context)
+        if m.cascade is not None:
+            c = m.cascade
+            max_context = m.max_context if m.max_context is not None else m.block_tables.shape[1] * k_cache.shape[1]
+            return cascade_decode(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start,
+                                  c.row_prefix, c.group_prefix, c.group_members, max_context,
+                                  *self.cache.layer_scales(layer_idx))
         return attention_kernel.paged_attention(q_NHD.contiguous(), k_cache, v_cache, m.block_tables, m.seq_lens,
                                                 m.query_start, m.tiles, m.block_q, m.max_context,
                                                 *self.cache.layer_scales(layer_idx))
@@ -191,3 +207,56 @@ def attend_short_queries(q_NHD: torch.Tensor, cache: KVCache, layer_idx: int, me
     mask = torch.arange(width * block_size, device=device)[None, None] <= positions[:, :, None]  # [Bs, Lq, M * S]
     o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask[:, None], enable_gqa=q_s.shape[1] != num_kv_heads)
     out[tokens] = o.transpose(1, 2)
+
+
+def reference_cascade_attention(q_NHD: torch.Tensor, cache: KVCache, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
+    """The torch path of a cascade decode step (`meta.cascade`, its host plan): each group's queries against its
+    shared prefix, gathered once, and each sequence's query against its own keys past its prefix, merged by their
+    log-sum-exp, [N, H, D]."""
+    plan = meta.cascade.plan if meta.cascade is not None else None
+    assert plan is not None and meta.seq_lens_host is not None, "the torch path needs the plan on the host"
+    block_size = cache.block_size
+    num_kv_heads, head_dim = cache.keys.shape[3:]
+    device = q_NHD.device
+    rows = len(meta.seq_lens_host)
+    tokens = meta.query_start[:rows]
+    q_BHD = q_NHD[tokens]
+    lens = torch.tensor(meta.seq_lens_host, device=device)
+    starts = torch.tensor(plan.row_prefix, device=device)
+    width = -(-int(lens.max()) // block_size)
+    k_own, v_own = (x.view(rows, -1, num_kv_heads, head_dim) for x in
+                    cache.read_blocks(layer_idx, meta.block_tables[:rows, :width].reshape(-1)))
+    keys = torch.arange(width * block_size, device=device)
+    own = (keys[None] >= starts[:, None]) & (keys[None] < lens[:, None])  # [B, M * S]
+    out, lse = attend_with_lse(q_BHD[:, :, None], k_own, v_own, own[:, None, None])  # [B, H, 1, D], [B, H, 1]
+    out, lse = out[:, :, 0], lse[:, :, 0]
+    for members, prefix in zip(plan.groups, plan.prefix_tokens):
+        blocks = meta.block_tables[members[0], :prefix // block_size]
+        k_pre, v_pre = (x.reshape(1, prefix, num_kv_heads, head_dim) for x in cache.read_blocks(layer_idx, blocks))
+        group = torch.tensor(members, device=device)
+        out_pre, lse_pre = attend_with_lse(q_BHD[group].transpose(0, 1)[None], k_pre, v_pre, None)  # [1, H, n, D]
+        out_pre, lse_pre = out_pre[0].transpose(0, 1), lse_pre[0].transpose(0, 1)  # [n, H, D], [n, H]
+        total = torch.logaddexp(lse[group], lse_pre)
+        out[group] = (out[group] * (lse[group] - total).exp()[..., None]
+                      + out_pre * (lse_pre - total).exp()[..., None])
+        lse[group] = total
+    result = torch.zeros_like(q_NHD)
+    result[tokens] = out.to(q_NHD.dtype)
+    return result
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [B, H, Lq, D] over k, v [B, L, Hkv, D] (GQA: each KV head serves H / Hkv query heads)
+    where `mask` [B, 1 or H, Lq, L] allows, in fp32: (output [B, H, Lq, D], log-sum-exp of the scores [B, H, Lq]),
+    what two parts over disjoint keys need to be merged. A row that sees no key gets zeros and a log-sum-exp of
+    -inf (it weighs nothing in a merge)."""
+    group = q.shape[1] // k.shape[2]
+    k_ = k.float().transpose(1, 2).repeat_interleave(group, dim=1)  # [B, H, L, D]
+    v_ = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = q.float() @ k_.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.where(lse[..., None] == float("-inf"), 0.0, (scores - lse[..., None]).exp())
+    return weights @ v_, lse

@@ -23,6 +23,7 @@ import torch
 from tandem.config.base import ModelConfig
 from tandem.config.inference import BaseServing, EngineConfig, SpeculativeConfig
 from tandem.inference.engine.block_manager import BlockManager
+from tandem.inference.engine.cascade import CascadePlanner
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks, check_fp8_device
 from tandem.inference.engine.fused_blocks import apply_fused_blocks
 from tandem.inference.engine.fused_moe import RoutingRecorder, apply_fused_moe, moe_blocks
@@ -32,6 +33,7 @@ from tandem.inference.engine.llm_engine import LLMEngine
 from tandem.inference.engine.lora_merge import AdapterMerger
 from tandem.inference.engine.lora_side_path import LowRankSidePath, apply_side_path, uncovered_projections
 from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
+from tandem.kernels.cascade_attention import members_per_group
 from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
@@ -155,8 +157,13 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
         # The latent cache's torch attention gathers whole contexts: a graph would keep its largest bound's for good.
         graphs = engine.cuda_graphs and not isinstance(cache, LatentCache) and (not exact or model_uses_kernels(model, device))
+        cascade = None
+        if engine.cascade_attention == "auto" and not exact and isinstance(cache, KVCache):
+            members = members_per_group(model.hf_config["num_attention_heads"], cache.keys.shape[3])
+            cascade = CascadePlanner(engine.block_size, members, engine.cascade_min_saved_tokens)
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact,
-                                  base_path, keep_forward=mtp, num_draft_tokens=spec.num_tokens if spec.enabled else 0)
+                                  base_path, keep_forward=mtp, cascade=cascade,
+                                  num_draft_tokens=spec.num_tokens if spec.enabled else 0)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s) on %s", num_blocks, engine.block_size,

@@ -15,6 +15,8 @@ tables. Invariant: `_row_owner[i]` is the very `block_table` list whose first `_
 entries row i holds; the block manager only appends to a sequence's list and replaces it when
 it frees blocks, so an owner that is still the same list has only gained entries.
 
+A decode-only step with a cascade plan (`cascade.py`) sends its groups in the same copy.
+
 A sequence with drafts (speculative decoding) computes its last token and its drafts, and every one
 of those rows is sampled: the policy's next token after each. A verifying step a CUDA graph replays
 (`build_verify`) has a fixed shape, k + 1 tokens for each of a padded number of sequences: the real
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.inference.engine.cascade import CascadeMetadata, SharedPrefixes, group_slots
 from tandem.inference.engine.scheduler import ScheduledBatch
 from tandem.kernels.attention import query_tiles
 
@@ -65,6 +68,8 @@ class StepInputs:
     block_q: int
     query_lens: list[int]
     seq_lens_host: list[int]
+    cascade: CascadeMetadata | None = None
+    """A decode-only step's groups sharing a prompt prefix (group slots: `cascade.group_slots` of a padded batch)."""
 
 
 def decode_tiles(num_seqs: int) -> list[list[int]]:
@@ -101,10 +106,12 @@ class StepInputBuilder:
             value.extend(table[known:])
         return index, value
 
-    def build(self, batch: ScheduledBatch, pad_to: int | None = None, previous_tokens: torch.Tensor | None = None) -> StepInputs:
+    def build(self, batch: ScheduledBatch, pad_to: int | None = None, previous_tokens: torch.Tensor | None = None,
+              cascade: SharedPrefixes | None = None, members: int = 0) -> StepInputs:
         """The step's tensors; `pad_to`: a decode-only step padded to a CUDA graph's batch size.
 
         `previous_tokens`: the last launched step's sampled tokens (device), where pending input ids are.
+        `cascade`: a decode-only step's groups, of at most `members` sequences each.
         """
         bs = self.block_size
         seqs, num_new = batch.seqs, batch.num_new_tokens
@@ -163,6 +170,10 @@ class StepInputBuilder:
         update_index, update_value = self._table_updates(batch)
         parts = [ids, positions, slots, seq_lens, query_start, tiles[0] + tiles[1], sample_index, update_index, update_value,
                  gather_at, gather_from]
+        if cascade is not None:
+            assert decode_only, "cascade attention serves decode-only steps"
+            num_rows = len(seq_lens)
+            parts += cascade.transfer_parts(num_rows, group_slots(num_rows) if pad_to else len(cascade.groups), members)
         views = self._transfer(parts)
         if update_index:
             self.block_tables.view(-1).index_copy_(0, views[7], views[8])
@@ -173,6 +184,7 @@ class StepInputBuilder:
             input_ids=views[0], positions=views[1], slot_mapping=views[2], seq_lens=views[3], query_start=views[4],
             tiles=views[5].view(2, -1), sample_index=views[6], block_q=1 if decode_only else PREFILL_BLOCK_Q,
             query_lens=query_lens, seq_lens_host=seq_lens[:len(seqs)],
+            cascade=None if cascade is None else CascadeMetadata(views[11], views[12], views[13].view(-1, members), cascade),
         )
 
     def build_verify(self, batch: ScheduledBatch, pad_to: int, tokens_per_seq: int, block_q: int) -> StepInputs:
