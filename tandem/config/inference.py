@@ -72,6 +72,14 @@ class SpeculativeConfig(Section):
     ngram_max: int = Field(4, ge=1)
     """`ngram`: the longest suffix of the sequence looked up (from `ngram_max` tokens down to 1)."""
 
+    min_expected_tokens: float = Field(0.5, ge=0)
+    """`ngram`: a step drafts only when its decoding sequences are expected to gain at least this many accepted
+    drafts each, on average, judged by how often prompt lookup would have guessed each sequence's recent tokens
+    (its moving hit rate h gives h + h^2 + ... + h^k). A verifying step costs more than a decode step (k + 1
+    tokens a sequence, and with `overlap_steps` the read it waits for); a step that does not draft is a plain
+    decode step. 0: every step drafts where lookup finds a match. tandem's engine only: the vLLM backend drafts
+    wherever lookup finds a match."""
+
     draft_model: str | None = None
     """`draft_model`: the draft's folder (or hub name); its vocabulary must be the policy's. It keeps its
     weights when the policy's change, so its acceptance falls as training moves the policy."""
@@ -143,7 +151,8 @@ class EngineConfig(Section):
     """CUDA: replay decode-only steps from CUDA graphs captured at startup for batch sizes 1, 2, 4, 8,
     16, 32, ... up to `max_num_seqs`, each for a few bounds of the longest context (512, 2048, 8192, ...
     `max_model_len`; a few seconds and a little memory: each graph keeps its logits, batch x vocabulary);
-    prefill steps run eager. Latent-attention models (GLM-5, DeepSeek-V3) run every step eager: their torch
+    with `speculative`, steps that verify drafts too (a graph per batch size, k + 1 tokens a sequence); prefill
+    steps run eager. Latent-attention models (GLM-5, DeepSeek-V3) run every step eager: their torch
     attention gathers whole contexts, which a graph would hold for good."""
 
     moe_tile_table: str | None = None
@@ -206,7 +215,8 @@ class EngineConfig(Section):
     (`tandem.inference.engine.lora_merge`). `tandem rl` copies the trainer's `lora` here."""
 
     speculative: SpeculativeConfig = SpeculativeConfig()
-    """Speculative decoding (off by default). Needs `overlap_steps` = false on CUDA. With `[run] exact` the
+    """Speculative decoding (off by default). A draft model or MTP drafts need `overlap_steps` = false on CUDA; n-gram
+    drafts overlap the steps that do not draft. With `[run] exact` the
     verifying forward computes each token as a decode step would, so the logprobs stay the trainer's bit for bit.
     The vLLM backend gets the same drafts as its `--speculative-config` (`docs/vllm.md`)."""
 

@@ -249,7 +249,8 @@ _DECODE_LAUNCH = dict(BLOCK_N=32, num_warps=1, num_stages=2)
 than the prefill setting; each chunk program keeps it (`benchmarks/decode_attention.py` times other settings)."""
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
 
 
@@ -306,7 +307,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    group_p = _next_pow2(group)
+    group_p = next_pow2(group)
     tiles = tiles.contiguous()
     scales = _cache_scales(k_cache, k_scales, v_scales)
     _paged_attention_kernel[(num_tiles, num_kv_heads)](
@@ -322,7 +323,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def exact_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
     """Query tokens per program of exact mode's attention: as many as fill the 16 rows a decode program of one
     token has (its heads of one KV head, padded to 16 for `tl.dot`), so that every exact program has a decode's shape."""
-    return max(1, 16 // _next_pow2(num_heads // num_kv_heads))
+    return max(1, 16 // next_pow2(num_heads // num_kv_heads))
 
 
 def query_tiles(query_lens: list[int], tile_tokens: int) -> list[list[int]]:
@@ -373,7 +374,7 @@ def _split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    group_p = _next_pow2(group)
+    group_p = next_pow2(group)
     num_rows = seq_lens.shape[0] if tiles is None else q.shape[0]  # the workspace's: sequences, or tokens
     num_programs = seq_lens.shape[0] if tiles is None else tiles.shape[1]
     if num_programs == 0:

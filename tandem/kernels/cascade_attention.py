@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.attention import SPLIT_KEYS, _cache_scales, _next_pow2, decode_splits, triton
+from tandem.kernels.attention import SPLIT_KEYS, _cache_scales, next_pow2, decode_splits, triton
 
 if triton is not None:
     import triton.language as tl
@@ -171,7 +171,7 @@ decode program padded for `tl.dot` does."""
 def members_per_group(num_heads: int, num_kv_heads: int) -> int:
     """Most sequences a prefix program serves: as many as fill 16 rows of (member, query head of one KV head), at
     least 2. A larger group is served as several (each reads the prefix once)."""
-    return max(2, 16 // _next_pow2(num_heads // num_kv_heads))
+    return max(2, 16 // next_pow2(num_heads // num_kv_heads))
 
 
 def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -189,7 +189,7 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    group_p = _next_pow2(group)
+    group_p = next_pow2(group)
     members = group_members.shape[1]
     splits = decode_splits(max_context)  # per part: a prefix and a sequence's own keys are each < max_context
     part_out = torch.empty(num_seqs, num_heads, 2 * splits, head_dim, dtype=torch.float32, device=q.device)
@@ -206,7 +206,7 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         _shared_prefix_kernel[(num_slots, num_kv_heads, splits)](
             q, k_cache, v_cache, *scales[:2], *workspace[:2], block_tables, query_start, group_prefix, group_members,
             head_dim ** -0.5, q.stride(0), q.stride(1), *cache, *workspace[2:],
-            MEMBERS=members, ROWS=max(16, _next_pow2(members) * group_p), **shape,
+            MEMBERS=members, ROWS=max(16, next_pow2(members) * group_p), **shape,
         )
     _own_keys_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, *scales[:2], *workspace[:2], block_tables, seq_lens, query_start, seq_prefix, splits,

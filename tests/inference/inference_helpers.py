@@ -52,6 +52,20 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], completio
     return rows.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
+def check_teacher_forced(engine, model: torch.nn.Module, requests: dict, num_outputs: int, atol: float = 1e-4) -> list:
+    """Step `engine` to its end (requests added with `incremental=False`; `requests`: id -> (prompt, params)); each
+    output's logprobs against a teacher-forced pass of `model`. Returns the outputs."""
+    outputs = []
+    while engine.has_unfinished:
+        outputs.extend(engine.step())
+    assert len(outputs) == num_outputs
+    for out in outputs:
+        prompt, params = requests[out.request_id]
+        expected = teacher_forced_logprobs(model, prompt, out.token_ids, params.temperature)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=atol, rtol=0)
+    return outputs
+
+
 def make_config(model_dir: Path, **engine) -> InferenceConfig:
     return InferenceConfig.model_validate({"model": {"name": str(model_dir)}, "engine": {**ENGINE, **engine}})
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from inference_helpers import check_close_to_unquantized, generate, teacher_forced_logprobs
+from inference_helpers import check_close_to_unquantized, check_teacher_forced, generate, teacher_forced_logprobs
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
@@ -55,14 +55,7 @@ def test_engine_with_cuda_graphs_matches_a_teacher_forced_pass(tiny_dir, seeded)
                                 ignore_eos=True)
         requests[str(i)] = (prompt, params)
         engine.add_request(str(i), prompt, params, n=2, incremental=False)
-    outputs = []
-    while engine.has_unfinished:
-        outputs.extend(engine.step())
-    assert len(outputs) == 24
-    for out in outputs:
-        prompt, params = requests[out.request_id]
-        expected = teacher_forced_logprobs(model, prompt, out.token_ids, params.temperature)
-        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    check_teacher_forced(engine, model, requests, 24)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),

@@ -6,7 +6,6 @@ import random
 import shutil
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from counting_head import give_counting_head
@@ -19,7 +18,7 @@ from test_fallback import tiny_llama
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine.model_runner import RecomputeModelRunner
 from tandem.inference.engine.sampling_params import SamplingParams
-from tandem.inference.engine.speculative import ngram_drafts
+from tandem.inference.engine.speculative import NgramIndex
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 from tandem.models.weights import load_state_dict, save_state_dict
@@ -41,7 +40,10 @@ def blurred_dir(sharp_dir, tmp_path_factory):
 
 def test_ngram_drafts_continue_the_latest_occurrence_of_the_longest_suffix():
     def drafts(tokens: list[int], ngram_max: int, num_drafts: int) -> list[int]:
-        return ngram_drafts(np.array(tokens), ngram_max, num_drafts)
+        index = NgramIndex(ngram_max)
+        index.extend(tokens[:len(tokens) // 2])  # grown in two steps, as a sequence grows
+        index.extend(tokens)
+        return index.drafts(num_drafts)
 
     tokens = [1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3]
     assert drafts(tokens, 3, 2) == [9, 2]  # "1 2 3" occurs at the start
@@ -66,6 +68,16 @@ def seeded_requests(num: int) -> list[tuple[str, list[int], SamplingParams]]:
                                 ignore_eos=i % 2 == 0)
         requests.append((str(i), prompt, params))
     return requests
+
+
+def assert_same_outputs(got: dict, expected: dict) -> None:
+    """The same completions (tokens, text, finish reason), their logprobs within float rounding (a verifying
+    forward's rows are computed in other batches than a decode step's)."""
+    assert set(got) == set(expected)
+    for key, r in expected.items():
+        s = got[key]
+        assert (s["ids"], s["text"], s["finish"]) == (r["ids"], r["text"], r["finish"]), key
+        assert torch.allclose(torch.tensor(s["logprobs"]), torch.tensor(r["logprobs"]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("settings", [
@@ -95,11 +107,8 @@ def test_seeded_outputs_are_the_same_with_deterministic_drafts_on_or_off(tiny_di
     assert {r["finish"] for r in plain.values()} == {"stop", "length"}
     if settings:
         assert stats.num_preemptions > 0
-    assert set(plain) == set(speculated) and len(plain) == 24
-    for key, r in plain.items():
-        s = speculated[key]
-        assert (s["ids"], s["text"], s["finish"]) == (r["ids"], r["text"], r["finish"]), key
-        assert torch.allclose(torch.tensor(s["logprobs"]), torch.tensor(r["logprobs"]), atol=1e-5, rtol=0)
+    assert len(plain) == 24
+    assert_same_outputs(speculated, plain)
 
 
 @pytest.mark.parametrize("speculative", [
@@ -309,3 +318,42 @@ def test_exact_mode_speculates(tiny_dir):
     config = InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, "run": {"exact": True},
                                              "engine": {"speculative": {"method": "ngram"}}})
     assert config.run.exact and config.engine.speculative.enabled
+
+
+def test_overlapped_steps_give_the_same_tokens_with_ngram_drafts(tiny_dir):
+    """With `overlap` (CUDA's default), a step that drafts first reads the step in flight and is read at once, and
+    the steps that do not draft stay overlapped: the seeded outputs are those of reading every step without
+    speculation."""
+    results = {}
+    for overlap, spec in ((False, {}), (True, {"method": "ngram", "num_tokens": 3, "min_expected_tokens": 0.3})):
+        engine = engine_for(tiny_dir, overlap, speculative=spec)
+        engine.eos_token_ids = {7, 33}
+        out: dict = {}
+        for k, (rid, prompt, params) in enumerate(seeded_requests(12)):
+            engine.add_request(rid, prompt, params, n=2)
+            if k % 4 == 3:
+                run(engine, out, max_steps=3)
+        run(engine, out)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        results[overlap] = out, engine.stats()
+    (plain, _), (speculated, stats) = results[False], results[True]
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert len(plain) == 24
+    assert_same_outputs(speculated, plain)
+
+
+def test_sequences_that_lookup_does_not_guess_are_not_drafted_for(tiny_dir):
+    """Prompts that never repeat, sampled at T = 1: prompt lookup's first draft is almost never the next token,
+    so by default no step drafts (each would cost a verifying step for nothing); with `min_expected_tokens` = 0
+    steps draft wherever lookup finds a match. The tokens are the same either way."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(40)] for _ in range(8)]
+    results = {}
+    for minimum in (0.5, 0.0):
+        engine = engine_for(tiny_dir, speculative={"method": "ngram", "min_expected_tokens": minimum})
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=i, ignore_eos=True))
+        results[minimum] = run(engine), engine.stats()
+    (adaptive, stats), (always, always_stats) = results[0.5], results[0.0]
+    assert stats.num_draft_tokens == 0 < always_stats.num_draft_tokens
+    assert_same_outputs(adaptive, always)

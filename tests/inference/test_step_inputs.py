@@ -1,6 +1,9 @@
 """Step inputs: what reaches the device, block-table rows updated incrementally, graph buckets."""
 
+from pathlib import Path
+
 import torch
+from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 from tandem.inference.engine.block_manager import BlockManager
 from tandem.inference.engine.cascade import CascadePlanner
@@ -106,6 +109,74 @@ def test_pending_input_ids_are_copied_from_the_previous_steps_tokens_on_the_devi
             step = builder.build(scheduler.schedule(), pad_to=4, previous_tokens=previous)
             assert step.input_ids.tolist() == [72, 71, 70, 0] and step.positions.tolist() == [6, 6, 6, 0]
         assert [s.num_tokens for s in seqs] == [7, 7, 7] and [len(s.token_ids) for s in seqs] == [6, 6, 6]
+
+
+def verifying_batch():
+    """Three decoding sequences of 6, 7 and 8 tokens (block size 4) with 3, 0 and 1 drafts, and a builder."""
+    bm = BlockManager(64, 4)
+    scheduler = Scheduler(bm, 8, 256, num_lookahead_tokens=3)
+    seqs = [Sequence("r", i, list(range(3 + i, 8 + 2 * i)), SamplingParams(max_tokens=20), TOKENIZER) for i in range(3)]
+    for s in seqs:
+        scheduler.add(s)
+    finish_step(scheduler.schedule())  # the prompts, each sampling its next token
+    batch = scheduler.schedule()
+    for i, drafts in enumerate([[40, 41, 42], [], [43]]):
+        batch.set_drafts(i, drafts)
+    return batch, StepInputBuilder(torch.device("cpu"), 8, 16, 4, pad_slot=64 * 4)
+
+
+def test_a_verifying_graphs_inputs_pack_the_real_rows_then_one_padding_sequence():
+    """Graph of 4 sequences of k + 1 = 4 tokens, tiles of 4 tokens: the 7 real rows first, as an eager step packs
+    them; the other 9 rows are a padding sequence of context 0 writing to the pad slot (three tiles); the unused
+    tiles start past every token."""
+    batch, builder = verifying_batch()
+    assert batch.is_verify_only and batch.has_drafts
+    eager = builder.build(batch)
+    step = builder.build_verify(batch, pad_to=4, tokens_per_seq=4, block_q=4)
+    assert eager.input_ids.tolist() == [7, 40, 41, 42, 7, 7, 43]
+    assert step.input_ids.tolist() == eager.input_ids.tolist() + [0] * 9
+    assert step.positions.tolist()[:7] == eager.positions.tolist()
+    assert step.slot_mapping.tolist() == eager.slot_mapping.tolist() + [64 * 4] * 9
+    assert step.seq_lens.tolist() == eager.seq_lens.tolist() + [0, 0]
+    assert step.query_start.tolist() == eager.query_start.tolist() + [16, 16]
+    assert step.tiles.tolist() == [[0, 1, 2, 3, 3, 3, 3, 3], [0, 0, 0, 0, 4, 8, 16, 16]]
+    assert step.sample_index.tolist() == list(range(7))
+
+
+INTERPRETED_VERIFY = """
+import sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {here!r})
+import torch
+from attention_cases import kernel_caches
+from test_step_inputs import verifying_batch
+from tandem.inference.engine.kv_cache import KVCache
+from tandem.kernels.attention import paged_attention
+
+batch, builder = verifying_batch()
+gen = torch.Generator().manual_seed(0)
+cache = KVCache(1, 64, 4, 2, 16, torch.float32, torch.device("cpu"))
+every_slot = torch.arange(65 * 4)
+cache.write(0, every_slot, *(torch.randn(len(every_slot), 2, 16, generator=gen) for _ in range(2)))
+eager = builder.build(batch)
+q = torch.randn(16, 4, 16, generator=gen)
+expected = paged_attention(q[:7].contiguous(), block_tables=builder.block_tables, seq_lens=eager.seq_lens,
+                           query_start=eager.query_start, tiles=eager.tiles, block_q=16, **kernel_caches(cache))
+step = builder.build_verify(batch, pad_to=4, tokens_per_seq=4, block_q=4)
+out = paged_attention(q, block_tables=builder.block_tables, seq_lens=step.seq_lens, query_start=step.query_start,
+                      tiles=step.tiles, block_q=4, **kernel_caches(cache))
+torch.testing.assert_close(out[:7], expected, rtol=1e-5, atol=1e-5)
+assert (out[7:] == 0).all()
+print("ok")
+"""
+
+
+@needs_triton_interpreter
+def test_a_verifying_graphs_rows_attend_as_the_eager_step_does():
+    """Under Triton's interpreter: the real rows of a verifying graph's layout get the eager step's attention
+    outputs, the padding rows zeros."""
+    here = Path(__file__).parent
+    run_interpreted(INTERPRETED_VERIFY.format(tests=str(here.parent), here=str(here)), timeout=300)
 
 
 def test_a_cascade_plan_reaches_the_device_padded_to_a_graphs_rows_and_group_slots():

@@ -1,4 +1,5 @@
-"""CUDA graphs of decode-only steps, one per batch size of a fixed ladder and context bound.
+"""CUDA graphs of decode-only steps, one per batch size of a fixed ladder and context bound; and, for speculative
+decoding, of steps that verify drafts (k + 1 tokens a sequence: `model_runner.py`).
 
 Why: a decode step of a small model is a thousand-odd short kernels; launched from Python each
 costs more host time than the GPU spends on it. A graph replays them all with one launch. The
@@ -38,9 +39,10 @@ def padded_batch_size(sizes: list[int], batch: int) -> int:
 class DecodeGraphs:
     def __init__(self, forward: Callable[[int, int, bool], torch.Tensor], max_batch: int, context_bounds: list[int],
                  cascade: bool = False):
-        """`forward(b, bound, cascade)`: the decode step of b rows over the static buffers, no context over `bound`,
-        returning its logits [b, V]; `cascade`: its attention reads the groups of the static plan.
-        `context_bounds`: ascending, the last one the longest context allowed. `cascade`: capture those too."""
+        """`forward(b, bound, cascade)`: the step of b sequences over the static buffers, no context over `bound`,
+        returning its output (a decode step's logits [b, V]; a verifying step's hidden states, a row per token);
+        `cascade`: its attention reads the groups of the static plan. `context_bounds`: ascending, the last one the
+        longest context allowed. `cascade`: capture those too."""
         self.sizes = graph_batch_sizes(max_batch)
         self.context_bounds = context_bounds
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -63,9 +65,10 @@ class DecodeGraphs:
     def padded(self, batch: int) -> int:
         return padded_batch_size(self.sizes, batch)
 
-    def replay(self, batch: int, max_context: int, cascade: bool = False) -> torch.Tensor:
-        """Run the graph of `padded(batch)` rows and the smallest bound >= `max_context` (static inputs
-        already filled), its cascade variant if `cascade`; its first `batch` logits."""
+    def replay(self, batch: int, max_context: int, cascade: bool = False, num_rows: int | None = None) -> torch.Tensor:
+        """Run the graph of `padded(batch)` sequences and the smallest bound >= `max_context` (static inputs
+        already filled), its cascade variant if `cascade`; the first `num_rows` rows of its output (default
+        `batch`: one row a sequence)."""
         graph, out = self.graphs[self.padded(batch), padded_batch_size(self.context_bounds, max_context), cascade]
         graph.replay()
-        return out[:batch]
+        return out[:batch if num_rows is None else num_rows]

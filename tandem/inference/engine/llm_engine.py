@@ -11,8 +11,11 @@ one that ends at `max_tokens` is not scheduled again. Without `overlap` each ste
 
 With a `speculator` (speculative decoding, `speculative.py`) a step first drafts tokens for its decoding
 sequences, the policy computes each one's last token and drafts at once, and reading the step emits the
-accepted drafts and then the policy's own token, each through the same stop checks as any token. The next
-step cannot be planned before the accepted counts are read, so speculation runs without `overlap`.
+accepted drafts and then the policy's own token, each through the same stop checks as any token. With
+`overlap`, only steps that draft give it up: drafts follow a sequence's last token, so the step in flight is
+read before a step that drafts is planned, and the next step cannot be planned before the accepted counts are
+read, so a step that verifies drafts is read at once. Whether a step drafts is the speculator's call
+(`Speculator.should_draft`); a step that does not is a plain decode step, overlapped as without speculation.
 
 Nothing here is thread-safe: one thread owns the engine (`async_engine.AsyncEngine`), and weight
 updates, like new requests, take effect between two `step()` calls, so for the steps launched
@@ -145,7 +148,6 @@ class LLMEngine:
         self.base_path = base_path
         """With `engine.lora` and the base model served: the side path (installed on the runner's model) that
         subtracts the adapters from base sequences' rows, given each update's adapters; None: the policy alone."""
-        assert not (overlap and speculator), "speculative decoding reads each step before planning the next"
         self.speculator = speculator
         self.in_flight: LaunchedStep | None = None
         self.weight_version = 0
@@ -291,17 +293,24 @@ class LLMEngine:
     def step(self) -> list[SequenceOutput]:
         """Launch the next step; return the outputs of the step read now (this one, or with `overlap` the previous one)."""
         self._admit_prefilled()
-        batch = self.scheduler.schedule()
+        read: list[SequenceOutput] = []
+        draft = self.speculator is not None and self.speculator.should_draft(self.scheduler.running,
+                                                                             self.scheduler.num_lookahead_tokens)
+        if draft and self.in_flight is not None:
+            read = self.flush()  # drafts follow each sequence's last token: the host must know it first
+        batch = self.scheduler.schedule(lookahead=draft)
         try:
             launched = self._launch(batch) if batch.seqs or self.prefilled else None
         except BaseException:
             self.in_flight = None  # the caller fails the requests; nothing in flight survives a failed step
             raise
         handed_off, self.handed_off = self.handed_off, []
-        if not self.overlap:
-            return handed_off + self._read(launched)
+        if not self.overlap or (launched is not None and launched.drafts is not None):
+            # A verifying step is read at once: the next one is planned from its accepted counts.
+            previous, self.in_flight = self.in_flight, None
+            return handed_off + read + self._read(previous) + self._read(launched)
         previous, self.in_flight = self.in_flight, launched
-        return handed_off + self._read(previous)
+        return handed_off + read + self._read(previous)
 
     def flush(self) -> list[SequenceOutput]:
         """Read the step in flight, if any, launching nothing (before a pause holds)."""
@@ -311,7 +320,7 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
         if self.speculator is not None and batch.seqs:  # with no room to draft too: an MTP draft writes its entries
             self.speculator.propose(batch)
-        # Only a `PendingSample` is ever in flight: speculation reads each step at once.
+        # Only a `PendingSample` is ever in flight: a verifying step is read at once.
         previous_tokens = self.in_flight.sample.tokens if self.in_flight is not None else None
         logits = self.runner.run(batch, previous_tokens) if batch.seqs else None
         if self.speculator is not None:

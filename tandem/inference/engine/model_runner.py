@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.kernels.attention import decode_context_bounds
+from tandem.kernels.attention import decode_context_bounds, next_pow2
 from tandem.inference.engine.cascade import CascadeMetadata, CascadePlanner, group_slots
 from tandem.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.inference.engine.fused_moe import RoutingRecorder
@@ -65,12 +65,14 @@ class PagedModelRunner:
     def __init__(self, model: nn.Module, cache: KVCache | LatentCache, device: torch.device, max_num_seqs: int, max_model_len: int,
                  cuda_graphs: bool, recorder: RoutingRecorder | None = None, exact: bool = False,
                  side_path: LowRankSidePath | None = None, keep_forward: bool = False,
-                 cascade: CascadePlanner | None = None):
+                 cascade: CascadePlanner | None = None, num_draft_tokens: int = 0):
         """`exact`: the model has `tandem.models.exact.apply_exact`; attention and head follow it (graphs only where
         its whole forward takes the kernel path: `tandem.models.exact.model_uses_kernels`). `side_path`: installed on
         the model (`lora_side_path.apply_side_path`), given the rows that take it for each step (`_side_rows`).
         `keep_forward`: keep each step's `Forward` (`last_forward`); its steps run eager. `cascade`: plans
-        decode-only steps' shared prefixes (not with `exact`: the cascade is not batch invariant)."""
+        decode-only steps' shared prefixes (not with `exact`: the cascade is not batch invariant).
+        `num_draft_tokens` (k, speculative decoding): with graphs, steps that verify drafts replay graphs of k + 1
+        tokens a sequence too (not in exact mode, whose attention plans each token on the host)."""
         assert not (keep_forward and cuda_graphs and device.type == "cuda"), "a replayed graph keeps no hidden states"
         assert not (cascade and exact), "cascade attention is not batch invariant"
         self.cascade = cascade
@@ -87,9 +89,12 @@ class PagedModelRunner:
         self.inputs = StepInputBuilder(device, max_num_seqs, -(-max_model_len // cache.block_size), cache.block_size,
                                        cache.pad_slot)
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
-            self._static = torch.zeros(4, max_num_seqs, dtype=torch.long, device=device)
-            """Inputs the graphs read: token ids, positions, slots, context lengths (rows of the padded batch)."""
+            self._tokens_per_seq = 1 + (num_draft_tokens if not exact else 0)
+            self._static = torch.zeros(4, max_num_seqs * self._tokens_per_seq, dtype=torch.long, device=device)
+            """Inputs the graphs read: token ids, positions, slots, context lengths (rows of the padded batch; a
+            verifying graph's token rows in the first three)."""
             self._static[2] = cache.pad_slot  # the warmup and capture steps write nowhere that matters
             self._query_start = torch.arange(max_num_seqs + 1, device=device)
             self._tiles = {b: torch.tensor(decode_tiles(b), device=device) for b in graph_batch_sizes(max_num_seqs)}
@@ -103,6 +108,14 @@ class PagedModelRunner:
             with torch.no_grad():
                 self.graphs = DecodeGraphs(self._graph_forward, max_num_seqs, decode_context_bounds(max_model_len),
                                            cascade=cascade is not None)
+                if self._tokens_per_seq > 1:
+                    self._verify_block_q = next_pow2(self._tokens_per_seq)
+                    self._verify_static = torch.zeros(2, max_num_seqs + 2, dtype=torch.long, device=device)
+                    """A verifying graph's context lengths and query starts (`StepInputBuilder.build_verify`)."""
+                    self._verify_tiles = {b: torch.zeros(2, 2 * b, dtype=torch.long, device=device)
+                                          for b in graph_batch_sizes(max_num_seqs)}
+                    # The tile kernel walks each sequence's whole context: one bound serves every step.
+                    self.verify_graphs = DecodeGraphs(self._verify_graph_forward, max_num_seqs, [max_model_len])
 
     def _graph_forward(self, b: int, max_context: int, cascade: bool) -> torch.Tensor:
         static = self._static
@@ -117,11 +130,40 @@ class PagedModelRunner:
         hidden = self.model(static[0, :b][None], static[1, :b][None], attention=self.attention_for(meta))
         return self._logits(hidden[0])
 
+    def _verify_graph_forward(self, b: int, max_context: int, cascade: bool) -> torch.Tensor:
+        """A verifying step of b sequences of up to k + 1 tokens each, in `StepInputBuilder.build_verify`'s layout:
+        its final hidden states. The LM head runs after the replay, over the real rows only: a graph's logits of
+        every padded row would hold (k + 1) x vocabulary per sequence for good, for each batch size."""
+        n = b * self._tokens_per_seq
+        static, lengths = self._static, self._verify_static
+        meta = AttentionMetadata(slot_mapping=static[2, :n], query_start=lengths[1, :b + 2], seq_lens=lengths[0, :b + 1],
+                                 block_tables=self.inputs.block_tables, tiles=self._verify_tiles[b],
+                                 block_q=self._verify_block_q)
+        return self.model(static[0, :n][None], static[1, :n][None], attention=self.attention_for(meta))[0]
+
+    def _replay_verify(self, batch: ScheduledBatch) -> torch.Tensor:
+        """A step of decoding sequences with drafts through its graph: the logits of its real rows."""
+        b = len(batch.seqs)
+        padded = self.verify_graphs.padded(b)
+        step = self.inputs.build_verify(batch, padded, self._tokens_per_seq, self._verify_block_q)
+        n = step.input_ids.shape[0]
+        for row, values in enumerate((step.input_ids, step.positions, step.slot_mapping)):
+            self._static[row, :n].copy_(values)
+        self._verify_static[0, :padded + 1].copy_(step.seq_lens)
+        self._verify_static[1, :padded + 2].copy_(step.query_start)
+        self._verify_tiles[padded].copy_(step.tiles)
+        hidden = self.verify_graphs.replay(b, 0, False, step.sample_index.shape[0])
+        self._record_routing(step.sample_index)
+        return self._logits(hidden)
+
     @torch.no_grad()
     def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         b = len(batch.seqs)
         side_rows = self._side_rows(batch)
         plain = self.side_path is None or side_rows is self.side_path.default_rows  # what the graphs captured
+        if (self.verify_graphs is not None and batch.has_drafts and batch.is_verify_only and b <= self.verify_graphs.max_batch
+                and plain):
+            return self._replay_verify(batch)  # every input known: a step that drafts follows a read step
         plan = self.cascade.plan(batch.seqs) if self.cascade is not None and batch.is_decode_only else None
         members = self.cascade.members if plan is not None else 0
         if self.graphs is not None and b <= self.graphs.max_batch and batch.is_decode_only and plain:

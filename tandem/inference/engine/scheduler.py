@@ -63,6 +63,12 @@ class ScheduledBatch:
         """Every sequence computes one token: the step a CUDA graph can replay."""
         return all(n == 1 for n in self.num_new_tokens)
 
+    @property
+    def is_verify_only(self) -> bool:
+        """Every sequence computes its last token and its drafts (if any): the step a verifying graph replays."""
+        return all(n - len(d) == 1 and s.num_computed_tokens + 1 == s.num_tokens
+                   for s, n, d in zip(self.seqs, self.num_new_tokens, self.drafts))
+
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, so it samples the next one."""
         seq = self.seqs[i]
@@ -104,7 +110,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, lookahead: bool = True) -> ScheduledBatch:
+        """The next step; `lookahead`: room for drafts too (where `num_lookahead_tokens` is set)."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         num_preemptions = self.num_preemptions
@@ -124,7 +131,7 @@ class Scheduler:
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 batch.add(seq, num_new)
                 budget -= num_new
-            if decoding and self.num_lookahead_tokens:
+            if decoding and self.num_lookahead_tokens and lookahead:
                 budget -= self._reserve_lookahead(batch, budget)
         if self.num_preemptions == num_preemptions:  # memory is short: admit nobody new this step
             self._admit(batch, budget)

@@ -176,7 +176,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
             members = members_per_group(model.hf_config["num_attention_heads"], cache.keys.shape[3])
             cascade = CascadePlanner(engine.block_size, members, engine.cascade_min_saved_tokens)
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact,
-                                  side, keep_forward=mtp, cascade=cascade)
+                                  side, keep_forward=mtp, cascade=cascade,
+                                  num_draft_tokens=spec.num_tokens if spec.enabled else 0)
         overlap = engine.overlap_steps and device.type == "cuda"
         weight_target = model
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s) on %s", num_blocks, engine.block_size,
@@ -198,9 +199,11 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         weight_target = model.hf_model
         log.info("%s: not native to tandem, a transformers model recomputed every step (slow path)",
                  model.hf_config.get("model_type"))
-    if spec.enabled and overlap:
-        raise ValueError("`engine.speculative` with `engine.overlap_steps` = true on CUDA: the next step cannot be "
-                         "planned before the drafts each sequence kept are read; set `engine.overlap_steps` = false")
+    if spec.method in ("draft_model", "mtp") and overlap:
+        raise ValueError(f"`engine.speculative.method` = {spec.method!r} with `engine.overlap_steps` = true on CUDA: "
+                         "this draft runs beside every step of the policy, and no step of it can be launched before "
+                         "the previous one is read; set `engine.overlap_steps` = false (n-gram drafts overlap the "
+                         "steps that do not draft)")
     block_manager = BlockManager(num_blocks, engine.block_size)
     lora_spec = LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), tuple(lora.target_experts))
     if policy_path is not None:
@@ -211,7 +214,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     sampler = Sampler(device, seed, exact)
     speculator = None
     if spec.method == "ngram":
-        speculator = Speculator(NgramProposer(spec.ngram_max), sampler)
+        speculator = Speculator(NgramProposer(spec.ngram_max, spec.min_expected_tokens), sampler)
     elif draft is not None:
         draft_runner = PagedModelRunner(draft, cache_for(draft, num_blocks, engine.block_size, device, fp8_cache), device,
                                         engine.max_num_seqs, max_model_len, cuda_graphs=False)

@@ -31,8 +31,10 @@ draft model keeps the engine's ordinary path: its drafts decide which rows the p
 The multi-token prediction layer of GLM-5 and DeepSeek-V3 checkpoints drafts from the policy's own hidden
 states (`MtpProposer`): its entries live beside the policy's in the same latent cache, written as the policy runs.
 
-Verifying steps run eager. A CUDA graph of them needs a fixed shape: every sequence padded to k drafts (slots
-reserved for all k, acceptance stopping at its own drafts), so k + 1 query tokens per sequence.
+A step drafts only where the proposer judges it worth it (`Proposer.worth_drafting`; n-gram drafts from how
+often prompt lookup would have guessed each sequence's recent tokens), else it is a plain decode step. With CUDA
+graphs, a step whose sequences all decode replays a verifying graph of k + 1 tokens a sequence
+(`model_runner.py`); one that also prefills runs eager.
 """
 
 from __future__ import annotations
@@ -54,25 +56,73 @@ from tandem.inference.engine.sequence import Sequence
 from tandem.inference.engine.step_inputs import StepInputBuilder
 
 
-def ngram_drafts(ids: np.ndarray, ngram_max: int, num_drafts: int) -> list[int]:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest suffix of `ids`
-    (`ngram_max` tokens down to 1), at most `num_drafts` of them; none without an occurrence.
+class NgramIndex:
+    """One sequence's tokens indexed for prompt lookup, grown as the sequence grows: the drafts are the tokens that
+    followed the latest earlier occurrence of the longest suffix (`ngram_max` tokens down to 1) of the sequence.
 
-    One pass over the sequence finds where its last token occurred before (each such place has a token after
-    it); the suffix match at those places is then extended one token back at a time."""
-    last = len(ids) - 1
-    ends = np.flatnonzero(ids[:last] == ids[last])
-    if not ends.size:
-        return []
-    length = np.ones(ends.size, dtype=np.int64)
-    for m in range(1, min(ngram_max, last)):
-        longer = (length == m) & (ends >= m)
-        longer[longer] = ids[ends[longer] - m] == ids[last - m]
-        if not longer.any():
-            break
-        length[longer] += 1
-    start = int(ends[length == length.max()][-1]) + 1
-    return ids[start:start + num_drafts].tolist()
+    Why an index: looking the last token up among its earlier places costs what those places cost, not a pass
+    over the whole context every step. The places of a token are chained from its latest (`latest`, then
+    `previous` at each place), so indexing a token allocates no container the garbage collector would scan. Only
+    the latest `MAX_PLACES` places are tried (a frequent token's older places are older contexts). The index also
+    keeps `hit_rate`: how often, over the sequence's recent tokens, the first draft would have been the token that
+    came, which says whether drafting for it pays."""
+
+    MAX_PLACES = 64
+    HIT_RATE_TOKENS = 16
+    """The hit rate is a moving average over about this many tokens (each new one weighs 1/16)."""
+
+    def __init__(self, ngram_max: int):
+        self.ngram_max = ngram_max
+        self.tokens: list[int] = []
+        self.latest: dict[int, int] = {}
+        """Token id -> its latest position before the last token's."""
+        self.previous: list[int] = []
+        """Per position p before the last token's: the position of the same token before p, or -1."""
+        self.hit_rate = 0.0
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Catch up with `token_ids` (the sequence's tokens, which only grow). Only the last `HIT_RATE_TOKENS` * 4
+        of a long stretch (a prompt) are scored: older ones would weigh nothing in the average."""
+        first_scored = len(token_ids) - 4 * self.HIT_RATE_TOKENS
+        tokens, latest, previous = self.tokens, self.latest, self.previous
+        for position in range(len(tokens), len(token_ids)):
+            token = token_ids[position]
+            if tokens:
+                if position >= first_scored:
+                    guess = self.drafts(1)
+                    hit = 1.0 if guess and guess[0] == token else 0.0
+                    self.hit_rate += (hit - self.hit_rate) / self.HIT_RATE_TOKENS
+                before = tokens[-1]  # now an earlier occurrence
+                previous.append(latest.get(before, -1))
+                latest[before] = position - 1
+            tokens.append(token)
+
+    def drafts(self, num_drafts: int) -> list[int]:
+        """At most `num_drafts` tokens after the latest earlier occurrence of the longest suffix; none without one."""
+        tokens = self.tokens
+        last = len(tokens) - 1
+        end = self.latest.get(tokens[last], -1) if last > 0 else -1
+        if end < 0:
+            return []
+        longest = min(self.ngram_max, last)
+        best, best_length = -1, 0
+        for _ in range(self.MAX_PLACES):
+            length = 1
+            while length < longest and end >= length and tokens[end - length] == tokens[last - length]:
+                length += 1
+            if length > best_length:
+                best, best_length = end, length
+                if length == longest:
+                    break
+            end = self.previous[end]
+            if end < 0:
+                break
+        return tokens[best + 1:best + 1 + num_drafts]
+
+    def expected_accepted(self, num_drafts: int) -> float:
+        """Accepted drafts to expect of `num_drafts`, each right as often as the recent first drafts were."""
+        r = self.hit_rate
+        return r * (1 - r ** num_drafts) / (1 - r) if r < 1 else float(num_drafts)
 
 
 def draw_drafts(logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler, sampled: bool
@@ -113,6 +163,10 @@ def set_drafts(batch: ScheduledBatch, steps: list[tuple[list[int], torch.Tensor,
 
 
 class Proposer(Protocol):
+    def worth_drafting(self, seqs: list[Sequence], num_drafts: int) -> bool:
+        """Whether the next step should draft for the decoding sequences `seqs` (at most `num_drafts` each)."""
+        ...
+
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         """Fill `batch.drafts` within each sequence's lookahead; return, per sequence whose drafts were sampled,
         the distributions they were drawn from ([d, V] float32)."""
@@ -124,29 +178,43 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    def __init__(self, ngram_max: int):
+    def __init__(self, ngram_max: int, min_expected_tokens: float):
         self.ngram_max = ngram_max
-        self._ids: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
-        """Per sequence, a buffer of its tokens and how many it holds, extended as the sequence grows: rebuilding
-        the array every step would read the whole Python list of every sequence every step."""
+        self.min_expected_tokens = min_expected_tokens
+        """A step drafts when its decoding sequences are expected to gain at least this many accepted tokens each,
+        on average (`engine.speculative.min_expected_tokens`)."""
+        self._indexes: dict[Sequence, NgramIndex] = {}
+        """Per sequence; those that finished are dropped whenever the table reaches `_prune_at` entries. A plain
+        dict: a weak one allocates a reference at every look-up, each step for each sequence."""
+        self._prune_at = 1024
+
+    def worth_drafting(self, seqs: list[Sequence], num_drafts: int) -> bool:
+        """A verifying step costs more than a decode step (k + 1 tokens a sequence, and the read it waits for): it
+        pays when the drafts are expected to be right often enough, which prompt lookup can tell from how often
+        it would have guessed each sequence's recent tokens. Deterministic drafts never change the tokens, so
+        this choice changes only the speed."""
+        if not seqs:
+            return False
+        expected = sum(self._index(seq).expected_accepted(num_drafts) for seq in seqs)
+        return expected >= self.min_expected_tokens * len(seqs)
 
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         for i, lookahead in enumerate(batch.num_lookahead):
             if lookahead:
-                batch.set_drafts(i, ngram_drafts(self._tokens(batch.seqs[i]), self.ngram_max, lookahead))
+                batch.set_drafts(i, self._index(batch.seqs[i]).drafts(lookahead))
         return {}
 
-    def _tokens(self, seq: Sequence) -> np.ndarray:
-        """`seq.token_ids` as an array (its tokens only grow, preemption included)."""
-        buffer, known = self._ids.get(seq, (np.empty(0, dtype=np.int64), 0))
-        n = len(seq.token_ids)
-        if n > buffer.shape[0]:
-            grown = np.empty(max(n, 2 * buffer.shape[0]), dtype=np.int64)
-            grown[:known] = buffer[:known]
-            buffer = grown
-        buffer[known:n] = seq.token_ids[known:n]
-        self._ids[seq] = buffer, n
-        return buffer[:n]
+    def _index(self, seq: Sequence) -> NgramIndex:
+        """The sequence's index, caught up with the tokens the host knows."""
+        index = self._indexes.get(seq)
+        if index is None:
+            if len(self._indexes) >= self._prune_at:  # a finished sequence's index is never read again
+                self._indexes = {s: i for s, i in self._indexes.items() if not s.is_finished}
+                self._prune_at = max(self._prune_at, 2 * len(self._indexes))
+            index = self._indexes[seq] = NgramIndex(self.ngram_max)
+        if len(index.tokens) < len(seq.token_ids):
+            index.extend(seq.token_ids)
+        return index
 
     def observe(self, batch: ScheduledBatch) -> None:
         pass
@@ -179,6 +247,10 @@ class DraftModelProposer:
         self.sampler = sampler
         """Whose shared generator draws the noise of sequences without a seed."""
         self.sampled = sampled
+
+    def worth_drafting(self, seqs: list[Sequence], num_drafts: int) -> bool:
+        """Always: the draft's own cache follows every step, and how often it is right shows only in verifying."""
+        return True
 
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         drafting = [i for i, lookahead in enumerate(batch.num_lookahead) if lookahead]
@@ -235,6 +307,10 @@ class MtpProposer:
         self._hidden: weakref.WeakKeyDictionary[Sequence, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
         """Per sequence, from the last step that sampled it: the position of its first sampled row and the policy's
         final hidden states of its sampled rows ([1 + drafts, hidden]); the accepted count picks the row."""
+
+    def worth_drafting(self, seqs: list[Sequence], num_drafts: int) -> bool:
+        """Always: draft step 0 writes the layer's entries of every decoding sequence (see the class docstring)."""
+        return True
 
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         active, starts = [], []
@@ -342,6 +418,10 @@ class Speculator:
         self.sampler = sampler
         self._distributions: dict[Sequence, torch.Tensor] = {}
 
+    def should_draft(self, running: list[Sequence], num_drafts: int) -> bool:
+        """Whether the next step makes room for drafts (`Proposer.worth_drafting` of the decoding sequences)."""
+        return self.proposer.worth_drafting([s for s in running if s.has_prefilled_prompt], num_drafts)
+
     def propose(self, batch: ScheduledBatch) -> None:
         self._distributions = self.proposer.propose(batch)
 
@@ -356,22 +436,25 @@ class Speculator:
         temps = [p.temperature for p in row_params]
         logits = logits.float()
         logprobs = self.sampler.reported_logprobs(logits, temps)
-        filtered = filter_logprobs(logprobs, row_params)
-        noise = torch.empty_like(filtered).exponential_(generator=self.sampler.generator)
-        rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]] = {}
-        for i, (seq, first) in enumerate(zip(seqs, first_rows)):
-            if seq.generator is None or seq.params.is_greedy:
-                continue
-            states = []
-            for r in range(first, first + 1 + len(drafts[i])):
-                states.append(seq.generator.get_state())
-                noise[r].exponential_(generator=seq.generator)
-            if seq not in self._distributions:
-                rewinds[i] = (seq.generator, states)
-        sample = race(filtered, noise)
         greedy = [p.is_greedy for p in row_params]
-        if any(greedy):
-            sample = torch.where(to_device(greedy, torch.bool, device), logits.argmax(-1), sample)
+        rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]] = {}
+        if all(greedy):  # no noise to draw (and no sampled draft: those are drawn for sampling requests only)
+            sample = logits.argmax(-1)
+        else:
+            filtered = filter_logprobs(logprobs, row_params)
+            noise = torch.empty_like(filtered).exponential_(generator=self.sampler.generator)
+            for i, (seq, first) in enumerate(zip(seqs, first_rows)):
+                if seq.generator is None or seq.params.is_greedy:
+                    continue
+                states = []
+                for r in range(first, first + 1 + len(drafts[i])):
+                    states.append(seq.generator.get_state())
+                    noise[r].exponential_(generator=seq.generator)
+                if seq not in self._distributions:
+                    rewinds[i] = (seq.generator, states)
+            sample = race(filtered, noise)
+            if any(greedy):
+                sample = torch.where(to_device(greedy, torch.bool, device), logits.argmax(-1), sample)
         next_draft = to_device([t for d in drafts for t in d + [-1]], torch.long, device)
         accepted = sample == next_draft
         replacement = sample

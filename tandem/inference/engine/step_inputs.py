@@ -18,7 +18,10 @@ it frees blocks, so an owner that is still the same list has only gained entries
 A decode-only step with a cascade plan (`cascade.py`) sends its groups in the same copy.
 
 A sequence with drafts (speculative decoding) computes its last token and its drafts, and every one
-of those rows is sampled: the policy's next token after each.
+of those rows is sampled: the policy's next token after each. A verifying step a CUDA graph replays
+(`build_verify`) has a fixed shape, k + 1 tokens for each of a padded number of sequences: the real
+sequences' tokens come first, packed as in an eager step, and the tokens left over belong to one padding
+sequence of context 0 (its attention reads nothing and writes zeros; its keys and values go to the pad slot).
 """
 
 from __future__ import annotations
@@ -182,6 +185,54 @@ class StepInputBuilder:
             tiles=views[5].view(2, -1), sample_index=views[6], block_q=1 if decode_only else PREFILL_BLOCK_Q,
             query_lens=query_lens, seq_lens_host=seq_lens[:len(seqs)],
             cascade=None if cascade is None else CascadeMetadata(views[11], views[12], views[13].view(-1, members), cascade),
+        )
+
+    def build_verify(self, batch: ScheduledBatch, pad_to: int, tokens_per_seq: int, block_q: int) -> StepInputs:
+        """A step of decoding sequences with drafts, as a verifying graph of `pad_to` sequences reads it: token
+        rows [pad_to * tokens_per_seq], lengths [pad_to + 1] and query starts [pad_to + 2] (the real sequences,
+        then the padding sequence), tiles [2, 2 * pad_to] of `block_q` tokens (unused ones start past their
+        sequence's tokens, so they do nothing). Every input token is known to the host: a step that drafts was
+        planned after the previous one was read."""
+        bs = self.block_size
+        b = len(batch.seqs)
+        num_rows = pad_to * tokens_per_seq
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        for seq, drafts in zip(batch.seqs, batch.drafts):
+            start = seq.num_computed_tokens
+            assert start == len(seq.token_ids) - 1, "a verifying step's sequences decode, their last token known"
+            table = seq.block_table
+            ids.append(seq.token_ids[start])
+            ids.extend(drafts)
+            for p in range(start, start + 1 + len(drafts)):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            seq_lens.append(start + 1 + len(drafts))
+            query_lens.append(1 + len(drafts))
+        num_real = len(ids)
+        pad = num_rows - num_real
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.pad_slot] * pad
+        query_start = np.zeros(pad_to + 2, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:b + 1])
+        query_start[b + 1:] = num_rows  # the padding sequence owns the rest; those after it, nothing
+        padding_tiles = -(-pad // block_q)
+        unused = 2 * pad_to - b - padding_tiles
+        tile_seqs = list(range(b)) + [b] * (padding_tiles + unused)
+        tile_starts = [0] * b + list(range(0, padding_tiles * block_q, block_q)) + [num_rows] * unused
+        update_index, update_value = self._table_updates(batch)
+        views = self._transfer([ids, positions, slots, seq_lens + [0] * (pad_to + 1 - b), query_start,
+                                tile_seqs + tile_starts, list(range(num_real)), update_index, update_value])
+        if update_index:
+            self.block_tables.view(-1).index_copy_(0, views[7], views[8])
+        return StepInputs(
+            input_ids=views[0], positions=views[1], slot_mapping=views[2], seq_lens=views[3], query_start=views[4],
+            tiles=views[5].view(2, -1), sample_index=views[6], block_q=block_q, query_lens=query_lens,
+            seq_lens_host=seq_lens,
         )
 
     def _transfer(self, parts: list) -> list[torch.Tensor]:
