@@ -77,6 +77,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths (quick runs)")
+    parser.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths only (after --scale)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per route and server; the best counts")
     parser.add_argument("--routes", default=",".join(ROUTES), help="comma-separated routes: " + ", ".join(ROUTES))
     parser.add_argument("--client-processes", type=int, default=4, help="processes that send a run's requests, split evenly")

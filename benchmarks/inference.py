@@ -240,8 +240,8 @@ def run_engine(engine, prompts: list[list[int]], n: int, output_len: int, return
     counts = {"prompt_tokens_computed": 0}
     has_decodes: list[bool] = []
 
-    def recording_schedule():
-        batch = schedule()
+    def recording_schedule(**options):
+        batch = schedule(**options)
         batches.append(batch)
         contexts.append(sum(s.num_computed_tokens + k for s, k in zip(batch.seqs, batch.num_new_tokens)))
         has_decodes.append(any(s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs))
