@@ -199,7 +199,7 @@ class EngineConfig(Section):
     group, not once each, when the step saves at least `cascade_min_saved_tokens` (`docs/inference.md`, "Shared
     prompts read once"). Outputs equal plain attention's within rounding (the sums run in another order). Off in
     `[run] exact` (not batch invariant); latent-attention models never take it. With `cuda_graphs` each graph is
-    captured a second time for it (measured on workload G: `benchmarks/results/engine-G-cascade-h100-2026-12-06.json`).
+    captured a second time for it.
     `off`: plain decode attention."""
 
     cascade_min_saved_tokens: int = Field(2048, ge=1)
