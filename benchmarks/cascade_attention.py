@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from decode_attention import time_call
+from decode_attention import attention_bench_args, time_call
 from provenance import environment
 from tandem.inference.engine.cascade import find_shared_prefixes
-from tandem.kernels import attention as attention_kernel
 from tandem.kernels.attention import paged_attention
 from tandem.kernels.cascade_attention import cascade_decode, members_per_group
 
@@ -77,18 +76,7 @@ def bench_shape(groups: int, members: int, prefix: int, own: int, args: argparse
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
-    parser.add_argument("--out", help="write the figures to this JSON file")
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    if not attention_kernel.is_available(torch.empty(1, args.head_dim, device=device)):
-        raise SystemExit("needs CUDA and Triton")
+    args, device = attention_bench_args(__doc__, SHAPES)
     results: dict = {"environment": environment(device)}
     for name in args.shapes.split(","):
         results[name] = bench_shape(*SHAPES[name], args, device)

@@ -94,19 +94,26 @@ def bench_shape(num_seqs: int, context: int, args: argparse.Namespace, bandwidth
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def attention_bench_args(doc: str, shapes: dict) -> tuple[argparse.Namespace, torch.device]:
+    """The attention kernel benchmarks' shared options (heads, block size, repeats, shape names, --out) and their
+    CUDA device; exits where the kernels cannot run."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    parser.add_argument("--shapes", default=",".join(shapes), help="comma-separated names of SHAPES")
     parser.add_argument("--out", help="write the figures to this JSON file")
     args = parser.parse_args()
     device = torch.device("cuda")
     if not attention_kernel.is_available(torch.empty(1, args.head_dim, device=device)):
         raise SystemExit("needs CUDA and Triton")
+    return args, device
+
+
+def main() -> None:
+    args, device = attention_bench_args(__doc__, SHAPES)
     bandwidth = measured_copy_bandwidth(device)
     results: dict = {"environment": environment(device), "copy_bandwidth_bytes_per_s": bandwidth,
                      "settings": {k: {"split_keys": s, **launch} for k, (s, launch) in SETTINGS.items()}}
