@@ -178,12 +178,11 @@ class EngineConfig(Section):
     weight in `model.dtype` (an FP8 checkpoint is dequantized). Not with `[run] exact`. The vLLM backend maps it
     to vLLM's own block FP8 (docs/vllm.md)."""
 
-    fp8_experts: bool = False
+    fp8_experts: bool = True
     """With `quantization` = "fp8", a mixture of experts' routed experts in block FP8 too (the fused MoE kernel in FP8:
-    `tandem.kernels.moe`); off, they stay in `model.dtype` (an FP8 checkpoint's experts are dequantized) and only the
-    other projections are FP8. Off by default while the FP8 expert kernel has not yet run on a GPU (its tests pass
-    on the CPU under Triton's interpreter). `tandem rl` passes it to the trainer's broadcast
-    (`weight_transport.fp8_experts`)."""
+    `tandem.kernels.moe`): on such models they are most of the weights a decode step reads. Off, they stay in
+    `model.dtype` (an FP8 checkpoint's experts are dequantized) and only the other projections are FP8. `tandem rl`
+    passes it to the trainer's broadcast (`weight_transport.fp8_experts`)."""
 
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """`auto`: the KV cache holds keys and values in `model.dtype`. `fp8`, native models of decoder blocks: in

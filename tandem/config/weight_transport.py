@@ -49,7 +49,7 @@ class BroadcastWeightTransport(Section):
     by the function the engine quantizes bf16 weights with (`tandem.models.fp8.quantize_weight`), so the engine
     holds exactly what it would have made from the bf16 weights, for about half their bytes on the wire."""
 
-    fp8_experts: bool = False
+    fp8_experts: bool = True
     """With `quantization` = "fp8": the routed experts are sent in block FP8 too, as the engine holds them with
     `inference.engine.fp8_experts`, from which `tandem rl` sets it."""
 

@@ -236,10 +236,10 @@ def test_the_trainer_quantizes_the_broadcast_for_an_fp8_engine_only():
     on its own load), take `model.dtype`."""
     cfg = resolve("--weight_transport.type", "broadcast", "--inference.engine.quantization", "fp8")
     assert cfg.trainer.weight_transport.quantization == cfg.orchestrator.weight_transport.quantization == "fp8"
-    assert not cfg.trainer.weight_transport.fp8_experts  # the engine's default: experts in `model.dtype`
+    assert cfg.trainer.weight_transport.fp8_experts  # the engine's default: experts in FP8 too
     cfg = resolve("--weight_transport.type", "broadcast", "--inference.engine.quantization", "fp8",
-                  "--inference.engine.fp8_experts", "true")
-    assert cfg.trainer.weight_transport.fp8_experts and cfg.trainer.weight_transport.quantization == "fp8"
+                  "--inference.engine.fp8_experts", "false")
+    assert not cfg.trainer.weight_transport.fp8_experts and cfg.trainer.weight_transport.quantization == "fp8"
     assert resolve("--weight_transport.type", "broadcast").trainer.weight_transport.quantization == "none"
     cfg = resolve(*GPU_VLLM, "--inference.engine.quantization", "fp8",
                   "--deployment.trainer_devices", "[1]", machine=FakeMachine(cuda_devices=2))

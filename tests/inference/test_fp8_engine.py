@@ -206,7 +206,7 @@ def test_an_fp8_checkpoint_of_experts_loads_as_it_is_and_generates(tiny_glm_dir,
     expected = dequantize_weight(on_disk["model.layers.2.mlp.experts.3.down_proj.weight"],
                                  on_disk["model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"])
     for quantization in ("none", "fp8"):  # "fp8" without `fp8_experts`: the experts alone in the model's dtype
-        dequantized = engine_for(tiny_glm_fp8_dir, quantization=quantization)
+        dequantized = engine_for(tiny_glm_fp8_dir, quantization=quantization, fp8_experts=False)
         state = dequantized.weight_target.state_dict()
         assert torch.equal(state["model.layers.2.mlp.experts.down_proj"][3], expected)
         assert bool(fp8_state(dequantized)) == (quantization == "fp8")
