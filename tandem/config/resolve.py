@@ -114,7 +114,8 @@ def nodes(config: RLConfig, machine: Machine) -> list[Derived]:
     address: as written, or under `--k8s` the pods' DNS names (`<run>-trainer-<i>.<run>-trainer`, then
     `<run>-inference-<j>.<run>-inference`), or under `--slurm` placeholders that the job script replaces with
     the allocation's hosts at start. `inference.server.host` is then `0.0.0.0` (every interface, so that the
-    orchestrator's node reaches it), or `127.0.0.1` when every host is a loopback address. Under `--k8s` each
+    orchestrator's node reaches it), or this node's own host when every host is a loopback address (nodes
+    simulated on one machine: `127.0.0.1`, `127.0.0.2`, ... keep their servers' ports apart). Under `--k8s` each
     role has its own pods, so `num_nodes` must be `num_trainer_nodes` + `num_inference_nodes`, and each inference
     pod runs one server (`deployment.num_inference_servers` = 1; disaggregated, `num_prefill_servers` =
     `num_decode_servers` = 1 and `deployment.cluster.num_prefill_nodes` > 0: the prefill pods
@@ -130,7 +131,7 @@ def nodes(config: RLConfig, machine: Machine) -> list[Derived]:
     if cluster.num_nodes == 1:
         return []
     hosts = cluster_hosts(config)
-    bind = "127.0.0.1" if all(_is_loopback(h) for h in hosts) else "0.0.0.0"
+    bind = hosts[cluster.node_rank] if all(_is_loopback(h) for h in hosts) else "0.0.0.0"
     return [Derived("deployment.cluster.hosts", hosts, f"`deployment.launcher` = {config.deployment.launcher!r}", placeholder=[]),
             Derived("inference.server.host", bind, "`deployment.cluster.hosts` (servers answer other nodes)")]
 

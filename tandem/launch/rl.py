@@ -292,10 +292,10 @@ def _starts_together(config: RLConfig) -> bool:
     """Whether this node's processes may start at once instead of after its servers are healthy: not when the
     preflight runs (it goes between the servers and the trainer), nor when trainer and server share a GPU (the
     engine sizes its KV cache from the memory it finds free, which a trainer starting beside it would take), nor
-    when the pools are disaggregated (a decode server checks its prefill servers as it starts), nor when the servers
+    when this node runs both pools (a decode server checks its prefill servers as it starts), nor when the servers
     map the trainer's base (`trainer.lora.share_base`: the trainer first)."""
-    return not (_runs_preflight(config) or config.deployment.shares_a_gpu or config.deployment.is_disaggregated
-                or _shares_base(config))
+    both_pools = {"prefill", "decode"} <= {s.role for s in node_servers(config)}
+    return not (_runs_preflight(config) or config.deployment.shares_a_gpu or both_pools or _shares_base(config))
 
 
 def _shares_base(config: RLConfig) -> bool:
@@ -333,12 +333,14 @@ def _runs_preflight(config: RLConfig) -> bool:
 
 def _server_urls(config: RLConfig) -> dict[str, str]:
     """This node's inference servers by process name (prefill servers first), each at its port of
-    `deployment.inference_ports`: at the URL the resolution gave it on one node, on loopback on several (the
-    resolved URLs name the node's host, which this launcher need not reach itself through)."""
+    `deployment.inference_ports`: at the URL the resolution gave it on one node; on several, at the address it
+    binds, loopback for every interface (the resolved URLs name the node's host, which this launcher need not
+    reach itself through)."""
     servers = node_servers(config)
     if config.deployment.cluster.num_nodes == 1:
         return {s.name: s.url for s in servers}
-    return {s.name: f"http://127.0.0.1:{s.port}" for s in servers}
+    host = config.inference.server.host
+    return {s.name: f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{s.port}" for s in servers}
 
 
 def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None, mirror: WandbMirror | None) -> None:
