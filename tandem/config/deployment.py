@@ -47,8 +47,9 @@ class ClusterConfig(Section):
     """Nodes running inference servers (`deployment.num_inference_servers` each)."""
 
     num_prefill_nodes: int = Field(0, ge=0)
-    """Disaggregated: inference nodes (the first ones) that run only prefill servers; 0: every inference node runs
-    both pools (see above). Must leave at least one inference node for the decode servers."""
+    """Disaggregated: inference nodes (the first ones) that run only prefill servers, the other inference nodes
+    running only decode servers; 0: every inference node runs both pools, its decode servers handing prompts to its
+    own prefill servers. Must leave at least one inference node for the decode servers."""
 
     rendezvous_port: int = Field(29400, ge=1, le=65535)
     """TCP port of the trainer's c10d rendezvous on `hosts[0]`."""
@@ -185,12 +186,14 @@ class DeploymentConfig(Section):
 
     num_prefill_servers: int = Field(0, ge=0)
     """Prefill/decode disaggregation (with `num_decode_servers`; 0 and 0, the default: colocated servers, as many as
-    `num_inference_servers`): servers that only compute prompts and hand their KV cache to a decode server. They
-    start first; the orchestrator never talks to them (`docs/inference.md`)."""
+    `num_inference_servers`): servers that only compute prompts and hand their KV cache to a decode server, this
+    many on each node that runs the pool (`cluster.num_prefill_nodes`). They start first; the orchestrator never
+    talks to them (`docs/inference.md`)."""
 
     num_decode_servers: int = Field(0, ge=0)
-    """Prefill/decode disaggregation: servers the orchestrator talks to; each hands prompts of at least
-    `inference.disaggregation.min_remote_prefill_tokens` new tokens to a prefill server and decodes them."""
+    """Prefill/decode disaggregation: servers the orchestrator talks to, this many on each node that runs the pool;
+    each hands prompts of at least `inference.disaggregation.min_remote_prefill_tokens` new tokens to a prefill
+    server and decodes them."""
 
     disaggregated_memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
     """`gpu`, disaggregated: let prefill and decode servers share GPUs, server i on

@@ -249,9 +249,10 @@ def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 def inference_device_slices(config: RLConfig, machine: Machine) -> list[Derived]:
-    """On `gpu`, a node's server i (prefill servers first) runs on `deployment.inference_device_slices[i]`: the i-th consecutive slice of
-    `deployment.inference_devices`, of one server's devices each (`inference.vllm.tensor_parallel_size` with vLLM,
-    1 with tandem's engine), so the list must hold exactly `num_inference_servers` x that many. Empty on `cpu`.
+    """On `gpu`, a node's server i (prefill servers first) runs on `deployment.inference_device_slices[i]`: the i-th
+    consecutive slice of `deployment.inference_devices`, of one server's devices each
+    (`inference.vllm.tensor_parallel_size` with vLLM, 1 with tandem's engine), so the list must hold exactly
+    `num_inference_servers` (disaggregated: the busiest node's servers) x that many. Empty on `cpu`.
     Disaggregated with `deployment.disaggregated_memory_fraction`, server i (prefill servers first) runs on
     `inference_devices[i % len(inference_devices)]` and `inference.engine.memory_fraction` is that fraction."""
     deployment = config.deployment
