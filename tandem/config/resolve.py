@@ -593,16 +593,24 @@ def process_configs(config: RLConfig) -> dict[str, ProcessConfig]:
     """What each process of this node of a resolved run gets, by process name: one `inference` config per server of
     the node (each on its port of `deployment.inference_ports`; disaggregated, each with its `disaggregation` role and
     peers), then orchestrator and trainer. A view, not a change."""
+    here = [(s, c) for s, c in server_configs(config) if s.node == config.deployment.cluster.node_rank]
+    return {**{s.name: c for s, c in here}, "orchestrator": config.orchestrator, "trainer": config.trainer}
+
+
+def server_configs(config: RLConfig) -> list[tuple[PlacedServer, ProcessConfig]]:
+    """Every inference server of the run, on every node, with its config."""
     placed = placed_servers(config)
-    here = [s for s in placed if s.node == config.deployment.cluster.node_rank]
-    return {**{s.name: server_config(config, placed, s) for s in here},
-            "orchestrator": config.orchestrator, "trainer": config.trainer}
+    return [(s, server_config(config, placed, s)) for s in placed]
 
 
 def server_config(config: RLConfig, placed: list[PlacedServer], server: PlacedServer) -> ProcessConfig:
-    """The config of one placed server (`placed`: every server of the run, its peers among them)."""
+    """The config of one placed server (`placed`: every server of the run, its peers among them). It binds
+    `inference.server.host` where that is every interface, else its node's own address (the same on one node; on
+    loopback nodes, the one the rule `nodes` gives that node)."""
+    bind = config.inference.server.host
     return config.inference.model_copy(update={
-        "server": config.inference.server.model_copy(update={"port": server.port}),
+        "server": config.inference.server.model_copy(update={"port": server.port,
+                                                             "host": bind if bind == "0.0.0.0" else server.host}),
         "disaggregation": server_disaggregation(config, placed, server),
         "engine": server_engine(config, server.position)})
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from test_resolve import FakeMachine, resolve
 
+from tandem.config.dump import dump_process_configs
 from tandem.config.loader import ConfigError
 from tandem.config.resolve import process_configs
 
@@ -61,6 +62,12 @@ def test_three_nodes_a_trainer_node_then_two_prefill_servers_then_three_decode_s
     assert all(c.disaggregation.prefill_urls == prefill for c in on_d.values())
     # Each prefill server gets its weight updates from exactly one decode server.
     assert [c.disaggregation.forward_updates_to for c in on_d.values()] == [[prefill[0]], [prefill[1]], []]
+    # `--dry-run` on any node shows every server of the run, named as its node's log file.
+    shown = {s.split(" ----")[0]: s.split("\n")[1] for s in dump_process_configs(config).split("# ---- ")[1:]}
+    assert shown == {"prefill.node1": "# runs on: the CPU of node(s) 1 (p)", "prefill_1.node1": "# runs on: the CPU of node(s) 1 (p)",
+                     "inference.node2": "# runs on: the CPU of node(s) 2 (d)", "inference_1.node2": "# runs on: the CPU of node(s) 2 (d)",
+                     "inference_2.node2": "# runs on: the CPU of node(s) 2 (d)", "orchestrator": "# runs on: the CPU of node(s) 2 (d)",
+                     "trainer": "# runs on: 1 rank(s) on the CPU of node(s) 0 (t)"}
 
 
 def test_without_prefill_nodes_every_inference_node_runs_both_pools_and_keeps_its_kv_at_home():
@@ -94,6 +101,9 @@ def test_loopback_nodes_bind_their_own_address():
                    "--deployment.cluster.num-prefill-nodes", "1", *pools(1, 1))
     hosts = [resolve(*argv, "--deployment.cluster.node-rank", str(r)).inference.server.host for r in (0, 1)]
     assert hosts == ["127.0.0.1", "127.0.0.2"]
+    on_0, on_1 = servers_of(*argv, nodes=2)
+    assert (on_0["prefill"].server.host, on_1["inference"].server.host) == ("127.0.0.1", "127.0.0.2")
+    assert on_1["inference"].disaggregation.prefill_urls == [f"http://127.0.0.1:{PORT[1]}"]
 
 
 def test_placement_errors_name_the_keys():
