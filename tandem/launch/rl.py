@@ -12,7 +12,8 @@ then stopped and the culprit is named with the last lines of its log.
 
 On several nodes (`deployment.cluster`), `tandem rl` runs once per node and starts the processes
 `ClusterConfig.roles` gives its node; the launchers wait for each other and then watch each other
-(`tandem.launch.nodes`), so that a failure or a lost node anywhere stops every node, naming it.
+(`tandem.launch.nodes`), so that a failure or a lost node anywhere stops every node, naming it. A node whose
+decode servers hand prompts to other nodes' prefill servers starts once those answer.
 With `--slurm` or `--k8s` the command renders a job instead (`tandem.launch.render`).
 """
 
