@@ -55,6 +55,10 @@ def test_a_prefill_node_and_a_decode_node_train_together_and_hand_prompts_over(t
     decode_log = (out / "logs" / "inference.node1.log").read_text()
     handed = re.search(r"prompts handed over by prefill servers: (\d+)", decode_log)
     assert handed and int(handed.group(1)) > 0, decode_log[-3000:]
+    # The blocks came through the transport asked for, from node 0's address, which also got the weight updates.
+    prefill = f"http://127.0.0.1:{port}"
+    via = f"POST {prefill}/kv/pairs" if kv_transport == "torch_distributed" else f"GET {prefill}/kv/"
+    assert via in decode_log and f"POST {prefill}/update_weights" in decode_log
     assert (out / "logs" / "prefill.node0.log").is_file() and not (out / "logs" / "inference.node0.log").exists()
     decode = tomllib.loads((out / "configs" / "inference.node1.toml").read_text())
     assert decode["disaggregation"]["prefill_urls"] == [f"http://127.0.0.1:{port}"]  # node 0's host
