@@ -18,7 +18,15 @@ class ClusterConfig(Section):
     on nodes `0 .. num_trainer_nodes-1`, `deployment.num_inference_servers` inference servers on each of the
     last `num_inference_nodes` nodes, the orchestrator on the last node (the ranges may overlap). The run folder
     must be on a file system every node shares: processes exchange rollouts and weights there, and the launchers
-    their heartbeats."""
+    their heartbeats.
+
+    Disaggregated (`deployment.num_prefill_servers` and `num_decode_servers`), `num_prefill_nodes` places the pools,
+    and this is the one place of the rule (`tandem.config.placement` applies it). 0: every inference node runs both
+    pools, and its decode servers hand prompts to its own prefill servers, so the KV cache never leaves a host. k > 0:
+    the first k inference nodes run `num_prefill_servers` prefill servers each and the others `num_decode_servers`
+    decode servers each (so the orchestrator's node holds decode servers); every decode server knows every prefill
+    server, and each prefill server gets its weight updates from one decode server. Either way a node's servers take
+    ports `inference.server.port` + 0, 1, ... in that order, prefill servers first."""
 
     num_nodes: int = Field(1, ge=1)
     """Machines of the run."""
@@ -37,6 +45,11 @@ class ClusterConfig(Section):
 
     num_inference_nodes: int = Field(1, ge=1)
     """Nodes running inference servers (`deployment.num_inference_servers` each)."""
+
+    num_prefill_nodes: int = Field(0, ge=0)
+    """Disaggregated: inference nodes (the first ones) that run only prefill servers, the other inference nodes
+    running only decode servers; 0: every inference node runs both pools, its decode servers handing prompts to its
+    own prefill servers. Must leave at least one inference node for the decode servers."""
 
     rendezvous_port: int = Field(29400, ge=1, le=65535)
     """TCP port of the trainer's c10d rendezvous on `hosts[0]`."""
@@ -61,15 +74,22 @@ class ClusterConfig(Section):
         if self.num_trainer_nodes + self.num_inference_nodes < n:
             raise ValueError(f"nodes {self.num_trainer_nodes} .. {n - self.num_inference_nodes - 1} would run nothing: "
                              f"`num_trainer_nodes` + `num_inference_nodes` must be at least `num_nodes` = {n}")
+        if self.num_prefill_nodes and self.num_prefill_nodes >= self.num_inference_nodes:
+            raise ValueError(f"`num_prefill_nodes` = {self.num_prefill_nodes} leaves no node of `num_inference_nodes` = "
+                             f"{self.num_inference_nodes} for the decode servers: lower it or add inference nodes")
         if self.node_rank >= n:
             raise ValueError(f"`node_rank` = {self.node_rank} must be below `num_nodes` = {n}")
         if self.hosts and len(self.hosts) != n:
             raise ValueError(f"`hosts` lists {len(self.hosts)} address(es) but `num_nodes` = {n}")
         return self
 
+    @property
+    def first_inference_node(self) -> int:
+        return self.num_nodes - self.num_inference_nodes
+
     def roles(self, node: int) -> list[str]:
         """The processes that node `node` runs, in start order."""
-        roles = ["inference"] if node >= self.num_nodes - self.num_inference_nodes else []
+        roles = ["inference"] if node >= self.first_inference_node else []
         roles += ["orchestrator"] if node == self.num_nodes - 1 else []
         return roles + (["trainer"] if node < self.num_trainer_nodes else [])
 
@@ -166,12 +186,14 @@ class DeploymentConfig(Section):
 
     num_prefill_servers: int = Field(0, ge=0)
     """Prefill/decode disaggregation (with `num_decode_servers`; 0 and 0, the default: colocated servers, as many as
-    `num_inference_servers`): servers that only compute prompts and hand their KV cache to a decode server. They
-    start first; the orchestrator never talks to them (`docs/inference.md`)."""
+    `num_inference_servers`): servers that only compute prompts and hand their KV cache to a decode server, this
+    many on each node that runs the pool (`cluster.num_prefill_nodes`). They start first; the orchestrator never
+    talks to them (`docs/inference.md`)."""
 
     num_decode_servers: int = Field(0, ge=0)
-    """Prefill/decode disaggregation: servers the orchestrator talks to; each hands prompts of at least
-    `inference.disaggregation.min_remote_prefill_tokens` new tokens to a prefill server and decodes them."""
+    """Prefill/decode disaggregation: servers the orchestrator talks to, this many on each node that runs the pool;
+    each hands prompts of at least `inference.disaggregation.min_remote_prefill_tokens` new tokens to a prefill
+    server and decodes them."""
 
     disaggregated_memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
     """`gpu`, disaggregated: let prefill and decode servers share GPUs, server i on
@@ -199,6 +221,10 @@ class DeploymentConfig(Section):
     def _check_pools(self) -> "DeploymentConfig":
         prefill, decode = self.num_prefill_servers, self.num_decode_servers
         if not (prefill or decode):
+            if self.cluster.num_prefill_nodes:
+                raise ValueError(f"`cluster.num_prefill_nodes` = {self.cluster.num_prefill_nodes} but "
+                                 "`num_prefill_servers` and `num_decode_servers` are 0 (colocated servers): remove it or "
+                                 "set both counts")
             if self.disaggregated_memory_fraction is not None:
                 raise ValueError("`disaggregated_memory_fraction` is set but `num_prefill_servers` and "
                                  "`num_decode_servers` are 0 (colocated servers): remove it or set both counts")
@@ -212,14 +238,17 @@ class DeploymentConfig(Section):
         if self.num_inference_servers != 1:
             raise ValueError(f"`num_inference_servers` = {self.num_inference_servers} counts colocated servers; with "
                              "`num_prefill_servers` and `num_decode_servers` set, leave it unset")
-        if (self.type == "gpu" and prefill + decode > len(self.inference_devices)
+        busiest = self.num_servers_per_node
+        if (self.type == "gpu" and busiest > len(self.inference_devices)
                 and self.disaggregated_memory_fraction is None):
-            raise ValueError(f"`num_prefill_servers` + `num_decode_servers` = {prefill + decode} servers but "
+            counts = ("`num_prefill_servers` + `num_decode_servers`" if not self.cluster.num_prefill_nodes else
+                      "the busiest node's `num_prefill_servers` or `num_decode_servers`")
+            raise ValueError(f"{counts} = {busiest} servers but "
                              f"`inference_devices` = {self.inference_devices} lists {len(self.inference_devices)} "
                              "GPU(s): list one per server, or set `disaggregated_memory_fraction` to let servers share "
                              "a GPU")
         if self.type == "gpu" and self.disaggregated_memory_fraction is not None and self.inference_devices:
-            sharing = -(-(prefill + decode) // len(self.inference_devices))  # servers on the busiest GPU
+            sharing = -(-busiest // len(self.inference_devices))  # servers on the busiest GPU
             if sharing * self.disaggregated_memory_fraction > 1.0:
                 raise ValueError(f"`disaggregated_memory_fraction` = {self.disaggregated_memory_fraction} x {sharing} "
                                  f"servers on one of `inference_devices` = {self.inference_devices} is more than the "
@@ -230,12 +259,23 @@ class DeploymentConfig(Section):
     def is_disaggregated(self) -> bool:
         return self.num_prefill_servers > 0
 
+    def server_roles(self, node: int) -> list[str]:
+        """The role of each inference server of node `node`, in port order (the placement `ClusterConfig` states)."""
+        cluster = self.cluster
+        if node < cluster.first_inference_node:
+            return []
+        if not self.is_disaggregated:
+            return ["colocated"] * self.num_inference_servers
+        prefill, decode = ["prefill"] * self.num_prefill_servers, ["decode"] * self.num_decode_servers
+        if not cluster.num_prefill_nodes:
+            return prefill + decode
+        return prefill if node < cluster.first_inference_node + cluster.num_prefill_nodes else decode
+
     @property
     def num_servers_per_node(self) -> int:
-        """Inference servers of an inference node: colocated, or both pools."""
-        if self.is_disaggregated:
-            return self.num_prefill_servers + self.num_decode_servers
-        return self.num_inference_servers
+        """Inference servers of the busiest inference node: every inference node has that many ports (and on `gpu`
+        device slices) ready, and its own servers take the first ones."""
+        return max(len(self.server_roles(node)) for node in range(self.cluster.num_nodes))
 
     @property
     def ranks_per_node(self) -> int:

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from tandem.config.base import ProcessConfig
 from tandem.config.loader import _models_in
-from tandem.config.resolve import inference_server_names, process_configs
+from tandem.config.resolve import server_configs
 from tandem.config.rl import RLConfig
 from tandem.config.secret import redacted_dump
 
@@ -21,23 +21,33 @@ def to_toml(config: BaseModel) -> str:
 
 def dump_process_configs(config: ProcessConfig) -> str:
     """Each process's resolved config under a `# ---- <process> ----` heading and a comment saying
-    where it runs (just the config when it is not an RL config)."""
+    where it runs (just the config when it is not an RL config). Every inference server of the run is shown, on
+    several nodes under its name on that node (`inference.node2`, as its log file), since servers of one name
+    differ between nodes (a decode server's prefill servers)."""
     if not isinstance(config, RLConfig):
         return to_toml(config)
-    return "\n".join(f"# ---- {name} ----\n# runs on: {_placement(config, name)}\n{to_toml(process_config)}"
-                     for name, process_config in process_configs(config).items())
+    cluster = config.deployment.cluster
+    servers = [(f"{s.name}.node{s.node}" if cluster.num_nodes > 1 else s.name, _devices(config, s.position), [s.node], c)
+               for s, c in server_configs(config)]
+    others = [(p, config.deployment.trainer_devices if p == "trainer" else None,
+               [n for n in range(cluster.num_nodes) if p in cluster.roles(n)], getattr(config, p))
+              for p in ("orchestrator", "trainer")]
+    return "\n".join(f"# ---- {name} ----\n# runs on: {_placement(config, name, devices, nodes)}\n{to_toml(process_config)}"
+                     for name, devices, nodes, process_config in servers + others)
 
 
-def _placement(config: RLConfig, process: str) -> str:
+def _devices(config: RLConfig, position: int) -> list[int] | None:
+    slices = config.deployment.inference_device_slices
+    return slices[position] if position < len(slices) else None
+
+
+def _placement(config: RLConfig, process: str, devices: list[int] | None, nodes: list[int]) -> str:
     deployment = config.deployment
-    servers = dict(zip(inference_server_names(config), deployment.inference_device_slices))
-    devices = {**servers, "trainer": deployment.trainer_devices}.get(process)
     where = f"CUDA device(s) {devices}" if deployment.type == "gpu" and devices else "the CPU"
     ranks = f"{deployment.num_trainer_ranks} rank(s) on " if process == "trainer" else ""
     cluster = deployment.cluster
     if cluster.num_nodes == 1:
         return ranks + where
-    nodes = [n for n in range(cluster.num_nodes) if process in cluster.roles(n)]
     return ranks + where + f" of node(s) {', '.join(f'{n} ({cluster.hosts[n]})' for n in nodes)}"
 
 

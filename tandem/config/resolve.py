@@ -31,6 +31,7 @@ from tandem.config.base import ModelConfig, ProcessConfig
 from tandem.config.deployment import DeploymentConfig
 from tandem.config.inference import DisaggregationConfig, EngineConfig
 from tandem.config.loader import ConfigError, RawConfig, parse_args, read_args, shown, validate
+from tandem.config.placement import PlacedServer, place_servers, prefill_peers, updates_forwarded_by
 from tandem.config.rl import RLConfig
 from tandem.config.sft import SFTConfig
 from tandem.models.hub import is_hub_name
@@ -113,10 +114,14 @@ def nodes(config: RLConfig, machine: Machine) -> list[Derived]:
     address: as written, or under `--k8s` the pods' DNS names (`<run>-trainer-<i>.<run>-trainer`, then
     `<run>-inference-<j>.<run>-inference`), or under `--slurm` placeholders that the job script replaces with
     the allocation's hosts at start. `inference.server.host` is then `0.0.0.0` (every interface, so that the
-    orchestrator's node reaches it), or `127.0.0.1` when every host is a loopback address. Under `--k8s` each
+    orchestrator's node reaches it), or this node's own host when every host is a loopback address (nodes
+    simulated on one machine: `127.0.0.1`, `127.0.0.2`, ... keep their servers' ports apart). Under `--k8s` each
     role has its own pods, so `num_nodes` must be `num_trainer_nodes` + `num_inference_nodes`, and each inference
-    pod runs one server (`deployment.num_inference_servers` = 1)."""
+    pod runs one server (`deployment.num_inference_servers` = 1; disaggregated, `num_prefill_servers` =
+    `num_decode_servers` = 1 and `deployment.cluster.num_prefill_nodes` > 0: the prefill pods
+    `<run>-prefill-<j>.<run>-prefill` come before the decode pods, which are the `<run>-inference` ones)."""
     cluster = config.deployment.cluster
+    _check_k8s_pools(config)
     if config.deployment.launcher == "k8s" and cluster.num_trainer_nodes + cluster.num_inference_nodes != cluster.num_nodes:
         raise ConfigError("`deployment.launcher` = 'k8s' runs each node's role in its own pods: set `deployment.cluster.num_nodes` = "
                           f"`num_trainer_nodes` + `num_inference_nodes` = {cluster.num_trainer_nodes + cluster.num_inference_nodes}")
@@ -126,9 +131,25 @@ def nodes(config: RLConfig, machine: Machine) -> list[Derived]:
     if cluster.num_nodes == 1:
         return []
     hosts = cluster_hosts(config)
-    bind = "127.0.0.1" if all(_is_loopback(h) for h in hosts) else "0.0.0.0"
+    bind = hosts[cluster.node_rank] if all(_is_loopback(h) for h in hosts) else "0.0.0.0"
     return [Derived("deployment.cluster.hosts", hosts, f"`deployment.launcher` = {config.deployment.launcher!r}", placeholder=[]),
             Derived("inference.server.host", bind, "`deployment.cluster.hosts` (servers answer other nodes)")]
+
+
+def _check_k8s_pools(config: RLConfig) -> None:
+    """Under `--k8s` a pod runs one server: disaggregated, the pools are pods of their own (see the rule `nodes`)."""
+    deployment = config.deployment
+    if deployment.launcher != "k8s" or not deployment.is_disaggregated:
+        return
+    if deployment.cluster.num_prefill_nodes == 0:
+        raise ConfigError("`deployment.launcher` = 'k8s' with `deployment.num_prefill_servers` runs each pool in pods of "
+                          "its own: set `deployment.cluster.num_prefill_nodes` (the prefill pods, at least 1) and leave "
+                          "the other inference nodes to the decode servers")
+    for name in ("num_prefill_servers", "num_decode_servers"):
+        if getattr(deployment, name) != 1:
+            raise ConfigError(f"`deployment.launcher` = 'k8s' runs one inference server per pod: set "
+                              f"`deployment.{name}` = 1 (and more pods through `deployment.cluster.num_inference_nodes` "
+                              "and `num_prefill_nodes`)")
 
 
 def cluster_hosts(config: RLConfig) -> list[str]:
@@ -140,8 +161,10 @@ def cluster_hosts(config: RLConfig) -> list[str]:
         return [f"slurm-node-{i}" for i in range(cluster.num_nodes)]
     if deployment.launcher == "k8s":
         k8s = deployment.k8s
+        num_prefill = cluster.num_prefill_nodes if deployment.is_disaggregated else 0
         return ([k8s.pod_host(config.run.name, "trainer", i) for i in range(cluster.num_trainer_nodes)]
-                + [k8s.pod_host(config.run.name, "inference", i) for i in range(cluster.num_inference_nodes)])
+                + [k8s.pod_host(config.run.name, "prefill", i) for i in range(num_prefill)]
+                + [k8s.pod_host(config.run.name, "inference", i) for i in range(cluster.num_inference_nodes - num_prefill)])
     raise ConfigError(f"`deployment.cluster.num_nodes` = {cluster.num_nodes} needs `deployment.cluster.hosts`: the address of each "
                       "node in node-rank order (or `--slurm` / `--k8s`, which decide them)")
 
@@ -192,8 +215,9 @@ def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
     `http://<host>:<port>` for each inference node's host in `deployment.cluster.hosts` and each of its ports,
     and the port must be set (each node resolves the config itself: a port free on one is unknown to the
     others). `orchestrator.client.api_key` is `inference.server.api_key`. Disaggregated
-    (`deployment.num_prefill_servers` and `num_decode_servers`), the prefill servers take the first ports and the
-    orchestrator talks to the decode servers alone."""
+    (`deployment.num_prefill_servers` and `num_decode_servers`), the orchestrator talks to the decode servers alone,
+    wherever `deployment.cluster.num_prefill_nodes` puts them (`tandem.config.placement`); a node's prefill servers
+    take its first ports, and every inference node has the ports of the busiest one ready."""
     server, cluster = config.inference.server, config.deployment.cluster
     num_servers = config.deployment.num_servers_per_node
     if cluster.num_nodes > 1 and server.port == 0:
@@ -209,15 +233,14 @@ def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
         cause = "`inference.server.port` + i for each of `deployment.num_inference_servers`"
     if max(ports) > 65535:
         raise ConfigError(f"`inference.server.port` = {server.port} leaves no port for {num_servers} servers: lower it")
+    urls = [s.url for s in place_servers(config.deployment, _server_hosts(config), ports) if s.role != "prefill"]
     if cluster.num_nodes > 1:
-        hosts = cluster_hosts(config)[cluster.num_nodes - cluster.num_inference_nodes:]
-        urls = [f"http://{host}:{port}" for host in hosts for port in ports]
         url_cause = "`deployment.cluster.hosts` of the inference nodes and `deployment.inference_ports`"
     else:
-        urls = [server.model_copy(update={"port": port}).url for port in ports][config.deployment.num_prefill_servers:]
         url_cause = "`inference.server.host`, `inference.server.port` and `deployment.num_inference_servers`"
-        if config.deployment.is_disaggregated:
-            url_cause = "`inference.server.host`, `inference.server.port` and `deployment.num_decode_servers`"
+    if config.deployment.is_disaggregated:
+        url_cause = url_cause.replace("`deployment.num_inference_servers`", "`deployment.num_decode_servers`") + \
+            " (decode servers only)"
     return out + [
         Derived("deployment.inference_ports", ports, cause, placeholder=[]),
         Derived("orchestrator.client.base_urls", urls, url_cause),
@@ -226,9 +249,10 @@ def inference_servers(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 def inference_device_slices(config: RLConfig, machine: Machine) -> list[Derived]:
-    """On `gpu`, server i runs on `deployment.inference_device_slices[i]`: the i-th consecutive slice of
-    `deployment.inference_devices`, of one server's devices each (`inference.vllm.tensor_parallel_size` with vLLM,
-    1 with tandem's engine), so the list must hold exactly `num_inference_servers` x that many. Empty on `cpu`.
+    """On `gpu`, a node's server i (prefill servers first) runs on `deployment.inference_device_slices[i]`: the i-th
+    consecutive slice of `deployment.inference_devices`, of one server's devices each
+    (`inference.vllm.tensor_parallel_size` with vLLM, 1 with tandem's engine), so the list must hold exactly
+    `num_inference_servers` (disaggregated: the busiest node's servers) x that many. Empty on `cpu`.
     Disaggregated with `deployment.disaggregated_memory_fraction`, server i (prefill servers first) runs on
     `inference_devices[i % len(inference_devices)]` and `inference.engine.memory_fraction` is that fraction."""
     deployment = config.deployment
@@ -243,8 +267,8 @@ def inference_device_slices(config: RLConfig, machine: Machine) -> list[Derived]
                         "(servers share `deployment.inference_devices`)", placeholder=[]),
                 Derived("inference.engine.memory_fraction", fraction, "`deployment.disaggregated_memory_fraction`")]
     if len(devices) != num_servers * per_server:
-        counts = ("`deployment.num_prefill_servers` + `deployment.num_decode_servers`" if deployment.is_disaggregated
-                  else "`deployment.num_inference_servers`")
+        counts = ("the busiest inference node's servers (`deployment.num_prefill_servers`, `num_decode_servers`)"
+                  if deployment.is_disaggregated else "`deployment.num_inference_servers`")
         raise ConfigError(f"`deployment.inference_devices` = {devices} lists {len(devices)} CUDA device(s), but "
                           f"{counts} = {num_servers} server(s) of {per_server} device(s) need {num_servers * per_server}")
     slices = [devices[i * per_server:(i + 1) * per_server] for i in range(num_servers)]
@@ -462,19 +486,19 @@ def model_options(config: RLConfig, machine: Machine) -> list[Derived]:
 
 def disaggregation(config: RLConfig, machine: Machine) -> list[Derived]:
     """`deployment.num_prefill_servers` and `deployment.num_decode_servers` (both or neither) run the servers as two
-    pools on one node, with tandem's engine: each server's `inference.disaggregation` (its role, the prefill servers'
-    URLs, the one decode server that passes weight updates on to each prefill server) is set in its own config
-    (`process_configs`). It decides no value of the shared config. The `torch_distributed` KV transport is refused
-    where a prefill and a decode server share a GPU: NCCL pairs no two processes of one device."""
+    pools, with tandem's engine, on one node or placed over several by `deployment.cluster.num_prefill_nodes`: each
+    server's `inference.disaggregation` (its role, its prefill servers' URLs, the decode server that passes weight
+    updates on to each prefill server) is set in its own config (`process_configs`). It decides no value of the shared
+    config. The `shared_memory` KV transport is refused where the pools are on different nodes (CUDA IPC and
+    /dev/shm are one host's), and `torch_distributed` where a prefill and a decode server share a GPU: NCCL pairs no
+    two processes of one device. Across nodes `torch_distributed` meets at each prefill server's host, on a port that
+    server picks and tells its decode server over HTTP, so no port is set for it."""
     deployment = config.deployment
     if not deployment.is_disaggregated:
         if config.inference.disaggregation.role != "colocated":
             raise ConfigError(f"`inference.disaggregation.role` = {config.inference.disaggregation.role!r}: under `tandem "
                               "rl` the roles come from `deployment.num_prefill_servers` and `deployment.num_decode_servers`")
         return []
-    if deployment.cluster.num_nodes > 1:
-        raise ConfigError("`deployment.num_prefill_servers` with `deployment.cluster.num_nodes` = "
-                          f"{deployment.cluster.num_nodes}: disaggregated pools run on one node so far")
     if config.inference.backend != "tandem":
         raise ConfigError("`deployment.num_prefill_servers` needs `inference.backend` = 'tandem': the KV hand-off is "
                           "tandem's engine's")
@@ -483,7 +507,13 @@ def disaggregation(config: RLConfig, machine: Machine) -> list[Derived]:
     if set_by_hand:
         raise ConfigError(f"`inference.disaggregation.{set_by_hand[0]}` is decided for each server from "
                           "`deployment.num_prefill_servers` and `deployment.num_decode_servers`: remove it")
-    if config.inference.disaggregation.kv_transport == "torch_distributed" and _pools_share_a_gpu(deployment):
+    transport = config.inference.disaggregation.kv_transport
+    if transport == "shared_memory" and deployment.cluster.num_prefill_nodes:
+        raise ConfigError("`inference.disaggregation.kv_transport` = 'shared_memory' with "
+                          f"`deployment.cluster.num_prefill_nodes` = {deployment.cluster.num_prefill_nodes}: prefill and "
+                          "decode servers are on different hosts, and CUDA IPC and /dev/shm reach one host only; set it "
+                          "to 'http' or 'torch_distributed', or `num_prefill_nodes` = 0 (both pools on each node)")
+    if transport == "torch_distributed" and _pools_share_a_gpu(deployment):
         raise ConfigError("`inference.disaggregation.kv_transport` = 'torch_distributed' with a prefill and a decode "
                           "server on one GPU (`deployment.disaggregated_memory_fraction`): NCCL pairs no two processes "
                           "of one device; set it to 'shared_memory' (CUDA IPC) or 'http'")
@@ -491,12 +521,15 @@ def disaggregation(config: RLConfig, machine: Machine) -> list[Derived]:
 
 
 def _pools_share_a_gpu(deployment: DeploymentConfig) -> bool:
-    """Whether a prefill and a decode server land on one device (placed as `inference_device_slices` places them)."""
+    """Whether a prefill and a decode server land on one device (placed as `inference_device_slices` places them):
+    only where one node runs both pools."""
     if deployment.type != "gpu" or deployment.disaggregated_memory_fraction is None:
         return False
-    devices, num_prefill = deployment.inference_devices, deployment.num_prefill_servers
-    placed = [devices[i % len(devices)] for i in range(num_prefill + deployment.num_decode_servers)]
-    return bool(set(placed[:num_prefill]) & set(placed[num_prefill:]))
+    roles = deployment.server_roles(deployment.cluster.num_nodes - 1)  # an inference node; with both pools, each is alike
+    devices = deployment.inference_devices
+    placed = [devices[i % len(devices)] for i in range(len(roles))]
+    prefill = {d for d, role in zip(placed, roles) if role == "prefill"}
+    return bool(prefill & {d for d, role in zip(placed, roles) if role == "decode"})
 
 
 DERIVED_RULES: tuple[Rule, ...] = (model_options, nodes, trainer_ranks, devices, inference_servers,
@@ -535,34 +568,55 @@ def _shared_copies(key: str) -> list[str]:
             if key == shared or key.startswith(shared + ".") for process in processes]
 
 
-def inference_server_name(i: int, pool: str = "inference") -> str:
-    """Process (log and config file) name of server i of a pool: `inference`, `inference_1`, ... (colocated or
-    decode servers), `prefill`, `prefill_1`, ..."""
-    return pool if i == 0 else f"{pool}_{i}"
+def _server_hosts(config: RLConfig) -> list[str]:
+    """The address of each node as its servers' URLs name it: `deployment.cluster.hosts`, or on one node
+    `inference.server.host`."""
+    return cluster_hosts(config) if config.deployment.cluster.num_nodes > 1 else [config.inference.server.host]
+
+
+def placed_servers(config: RLConfig) -> list[PlacedServer]:
+    """Every inference server of a resolved run, on every node (`tandem.config.placement`)."""
+    return place_servers(config.deployment, _server_hosts(config), config.deployment.inference_ports)
+
+
+def node_servers(config: RLConfig) -> list[PlacedServer]:
+    """The inference servers this node (`deployment.cluster.node_rank`) runs, in start order (prefill servers first)."""
+    return [s for s in placed_servers(config) if s.node == config.deployment.cluster.node_rank]
 
 
 def inference_server_names(config: RLConfig) -> list[str]:
-    """The process name of each port of `deployment.inference_ports`, in order (prefill servers first)."""
-    num_prefill = config.deployment.num_prefill_servers
-    return [inference_server_name(i, "prefill") if i < num_prefill else inference_server_name(i - num_prefill)
-            for i in range(len(config.deployment.inference_ports))]
+    """The process name of each inference server of this node, in start order."""
+    return [s.name for s in node_servers(config)]
 
 
 def process_configs(config: RLConfig) -> dict[str, ProcessConfig]:
-    """What each process of a resolved run gets, by process name: one `inference` config per server (each
-    on its port of `deployment.inference_ports`; disaggregated, each with its `disaggregation` role and peers),
-    then orchestrator and trainer. A view, not a change."""
-    ports = config.deployment.inference_ports
-    servers = {name: config.inference.model_copy(update={
-                   "server": config.inference.server.model_copy(update={"port": port}),
-                   "disaggregation": server_disaggregation(config, i),
-                   "engine": server_engine(config, i)})
-               for i, (name, port) in enumerate(zip(inference_server_names(config), ports))}
-    return {**servers, "orchestrator": config.orchestrator, "trainer": config.trainer}
+    """What each process of this node of a resolved run gets, by process name: one `inference` config per server of
+    the node (each on its port of `deployment.inference_ports`; disaggregated, each with its `disaggregation` role and
+    peers), then orchestrator and trainer. A view, not a change."""
+    here = [(s, c) for s, c in server_configs(config) if s.node == config.deployment.cluster.node_rank]
+    return {**{s.name: c for s, c in here}, "orchestrator": config.orchestrator, "trainer": config.trainer}
+
+
+def server_configs(config: RLConfig) -> list[tuple[PlacedServer, ProcessConfig]]:
+    """Every inference server of the run, on every node, with its config."""
+    placed = placed_servers(config)
+    return [(s, server_config(config, placed, s)) for s in placed]
+
+
+def server_config(config: RLConfig, placed: list[PlacedServer], server: PlacedServer) -> ProcessConfig:
+    """The config of one placed server (`placed`: every server of the run, its peers among them). It binds
+    `inference.server.host` where that is every interface, else its node's own address (the same on one node; on
+    loopback nodes, the one the rule `nodes` gives that node)."""
+    bind = config.inference.server.host
+    return config.inference.model_copy(update={
+        "server": config.inference.server.model_copy(update={"port": server.port,
+                                                             "host": bind if bind == "0.0.0.0" else server.host}),
+        "disaggregation": server_disaggregation(config, placed, server),
+        "engine": server_engine(config, server.position)})
 
 
 def server_engine(config: RLConfig, i: int) -> EngineConfig:
-    """`engine` of the server on port i: with servers sharing GPUs (`deployment.disaggregated_memory_fraction`), the
+    """`engine` of a node's server i: with servers sharing GPUs (`deployment.disaggregated_memory_fraction`), the
     k-th server to start on a GPU has `memory_fraction` k x that fraction, since an engine's budget counts what the GPU
     already holds when it starts (the servers before it on that GPU), and servers start one after the other."""
     deployment, engine = config.deployment, config.inference.engine
@@ -574,21 +628,16 @@ def server_engine(config: RLConfig, i: int) -> EngineConfig:
     return engine.model_copy(update={"memory_fraction": min(1.0, fraction * started_here)})
 
 
-def server_disaggregation(config: RLConfig, i: int) -> DisaggregationConfig:
-    """`disaggregation` of the server on port i of `deployment.inference_ports`: prefill servers first, then decode
-    servers, each knowing every prefill server and passing weight updates on to prefill servers j with
-    j % num_decode_servers its own index."""
-    deployment, own = config.deployment, config.inference.disaggregation
-    if not deployment.is_disaggregated:
+def server_disaggregation(config: RLConfig, placed: list[PlacedServer], server: PlacedServer) -> DisaggregationConfig:
+    """`disaggregation` of one placed server: its role, and for a decode server its prefill servers and the ones it
+    passes weight updates on to (`tandem.config.placement`)."""
+    own = config.inference.disaggregation
+    if server.role == "colocated":
         return own
-    num_prefill, num_decode = deployment.num_prefill_servers, deployment.num_decode_servers
-    if i < num_prefill:
+    if server.role == "prefill":
         return own.model_copy(update={"role": "prefill"})
-    server = config.inference.server
-    urls = [server.model_copy(update={"port": port}).url for port in deployment.inference_ports[:num_prefill]]
-    decode = i - num_prefill
-    return own.model_copy(update={"role": "decode", "prefill_urls": urls,
-                                  "forward_updates_to": [u for j, u in enumerate(urls) if j % num_decode == decode]})
+    return own.model_copy(update={"role": "decode", "prefill_urls": [s.url for s in prefill_peers(placed, server)],
+                                  "forward_updates_to": [s.url for s in updates_forwarded_by(placed, server)]})
 
 
 def _apply(data: dict[str, Any], sources: dict[str, str], derived: Derived, fix: str) -> None:

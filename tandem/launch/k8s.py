@@ -6,7 +6,10 @@
 - a ReadWriteMany volume claim for the run folder, mounted in every pod at the run folder's path
   (under the working directory `/workspace` when it is relative), so the configs need no rewriting;
 - the inference servers: a StatefulSet behind a headless Service, so that pod j is
-  `<run>-inference-<j>.<run>-inference`, the host the resolution put into `orchestrator.client.base_urls`;
+  `<run>-inference-<j>.<run>-inference`, the host the resolution put into `orchestrator.client.base_urls`.
+  Disaggregated, that StatefulSet holds the decode servers, each pod reading its own config
+  (`inference-<j>.toml`: the prefill servers it passes weight updates on to are its own), and a second one,
+  `<run>-prefill` behind its Service, the prefill servers (`prefill.toml`), at the hosts the decode configs name;
 - the trainer: an Indexed Job of `num_trainer_nodes` pods behind a headless Service, torchrun in each,
   meeting in the c10d rendezvous served by pod 0 (`<run>-trainer-0.<run>-trainer`);
 - the orchestrator: a Job of one pod.
@@ -24,7 +27,7 @@ from typing import Any
 
 from tandem.config.dump import to_toml
 from tandem.config.loader import secret_env
-from tandem.config.resolve import PROCESSES, cluster_hosts
+from tandem.config.resolve import PROCESSES, cluster_hosts, placed_servers, server_config
 from tandem.config.rl import RLConfig
 from tandem.config.secret import REDACTED
 from tandem.launch.torchrun import trainer_argv
@@ -43,8 +46,8 @@ def render_manifests(config: RLConfig) -> list[dict[str, Any]]:
     def meta(role: str) -> dict[str, Any]:
         return {"name": name(role), "namespace": k8s.namespace, "labels": _labels(config, role)}
 
-    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("config"),
-                 "data": {f"{p}.toml": to_toml(getattr(config, p)) for p in PROCESSES}}
+    configs = {f"{p}.toml": to_toml(getattr(config, p)) for p in PROCESSES if p != "inference"} | _server_configs(config)
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("config"), "data": configs}
     values = {_secret_key(p, name): value for p in PROCESSES for name, value in secret_env(getattr(config, p)).items()}
     secret = [{"apiVersion": "v1", "kind": "Secret", "metadata": meta("secrets"), "type": "Opaque",
                "stringData": values}] if values else []
@@ -53,11 +56,21 @@ def render_manifests(config: RLConfig) -> list[dict[str, Any]]:
         claim_spec["storageClassName"] = k8s.storage_class
     claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta("run"), "spec": claim_spec}
     port = config.inference.server.port
-    inference = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta("inference"), "spec": {
-        "serviceName": name("inference"), "replicas": cluster.num_inference_nodes, "podManagementPolicy": "Parallel",
-        "selector": {"matchLabels": _labels(config, "inference")},
-        "template": _pod(config, "inference", _tandem("inference"), "Always", ports=[port], gpus=_gpus(config, "inference"),
-                         probe={"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5})}}
+    num_prefill = cluster.num_prefill_nodes if config.deployment.is_disaggregated else 0
+
+    def servers(role: str, replicas: int, command: list[str]) -> dict[str, Any]:
+        return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(role), "spec": {
+            "serviceName": name(role), "replicas": replicas, "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": _labels(config, role)},
+            "template": _pod(config, role, command, "Always", ports=[port], gpus=_gpus(config, "inference"),
+                             probe={"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5},
+                             process="inference")}}
+
+    # A decode pod's config is its own: a StatefulSet pod's host name ends in its ordinal.
+    decode_command = ["sh", "-c", "exec " + shlex.join(_tandem("inference")).replace(
+        "inference.toml", "inference-${HOSTNAME##*-}.toml")] if num_prefill else _tandem("inference")
+    inference = servers("inference", cluster.num_inference_nodes - num_prefill, decode_command)
+    prefill = [servers("prefill", num_prefill, _tandem("inference", "prefill.toml"))] if num_prefill else []
     trainer_script = shlex.join(trainer_argv(config.deployment, str(CONFIG_DIR / "trainer.toml"), cluster_hosts(config)[0],
                                              "__IS_HOST__", python="python"))
     # Pod 0 serves the rendezvous store; torchrun cannot tell from its host name, so each pod says so.
@@ -69,8 +82,20 @@ def render_manifests(config: RLConfig) -> list[dict[str, Any]]:
     trainer["spec"]["template"]["spec"]["subdomain"] = name("trainer")
     orchestrator = _job(config, "orchestrator", meta("orchestrator"), 1, _tandem("orchestrator"), ports=[], gpus=0)
     services = [_headless_service(config, meta(role), role, p) for role, p in
-                (("inference", port), ("trainer", cluster.rendezvous_port))]
-    return [configmap, *secret, claim, *services, inference, trainer, orchestrator]
+                ((("prefill", port),) if num_prefill else ()) + (("inference", port), ("trainer", cluster.rendezvous_port))]
+    return [configmap, *secret, claim, *services, *prefill, inference, trainer, orchestrator]
+
+
+def _server_configs(config: RLConfig) -> dict[str, str]:
+    """The servers' configs: the colocated servers' `inference.toml`, or disaggregated the prefill pods'
+    (`prefill.toml`, one for all) and each decode pod's (`inference-<j>.toml`)."""
+    if not config.deployment.is_disaggregated:
+        return {"inference.toml": to_toml(config.inference)}
+    placed = placed_servers(config)
+    first_decode = next(s.node for s in placed if s.role == "decode")
+    files = {"prefill.toml": to_toml(server_config(config, placed, next(s for s in placed if s.role == "prefill")))}
+    return files | {f"inference-{s.node - first_decode}.toml": to_toml(server_config(config, placed, s))
+                    for s in placed if s.role == "decode"}
 
 
 def to_documents(objects: list[dict[str, Any]]) -> str:
@@ -93,8 +118,8 @@ def _labels(config: RLConfig, role: str) -> dict[str, str]:
             "app.kubernetes.io/component": role}
 
 
-def _tandem(process: str) -> list[str]:
-    return ["python", "-m", "tandem.cli", process, "@", str(CONFIG_DIR / f"{process}.toml")]
+def _tandem(process: str, config_file: str | None = None) -> list[str]:
+    return ["python", "-m", "tandem.cli", process, "@", str(CONFIG_DIR / (config_file or f"{process}.toml"))]
 
 
 def _gpus(config: RLConfig, role: str) -> int:
@@ -105,15 +130,17 @@ def _gpus(config: RLConfig, role: str) -> int:
 
 
 def _pod(config: RLConfig, role: str, command: list[str], restart: str, ports: list[int], gpus: int,
-         probe: dict | None = None) -> dict[str, Any]:
+         probe: dict | None = None, process: str | None = None) -> dict[str, Any]:
+    """The pod template of `role`, whose container runs `process` (default: the role) and gets its secrets."""
     k8s = config.deployment.k8s
+    process = process or role
     run_path = WORKDIR / config.run_dir.as_posix()
     container: dict[str, Any] = {
         "name": role, "image": k8s.image, "command": command, "workingDir": str(WORKDIR),
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
                 *({"name": variable, "valueFrom": {"secretKeyRef": {"name": k8s.object_name(config.run.name, "secrets"),
-                                                                     "key": _secret_key(role, variable)}}}
-                  for variable in secret_env(getattr(config, role)))],
+                                                                     "key": _secret_key(process, variable)}}}
+                  for variable in secret_env(getattr(config, process)))],
         "ports": [{"containerPort": p} for p in ports],
         "volumeMounts": [{"name": "config", "mountPath": str(CONFIG_DIR), "readOnly": True},
                          {"name": "run", "mountPath": str(run_path)}],

@@ -12,7 +12,8 @@ then stopped and the culprit is named with the last lines of its log.
 
 On several nodes (`deployment.cluster`), `tandem rl` runs once per node and starts the processes
 `ClusterConfig.roles` gives its node; the launchers wait for each other and then watch each other
-(`tandem.launch.nodes`), so that a failure or a lost node anywhere stops every node, naming it.
+(`tandem.launch.nodes`), so that a failure or a lost node anywhere stops every node, naming it. A node whose
+decode servers hand prompts to other nodes' prefill servers starts once those answer.
 With `--slurm` or `--k8s` the command renders a job instead (`tandem.launch.render`).
 """
 
@@ -28,7 +29,8 @@ import httpx
 
 from tandem.config.dump import to_toml
 from tandem.config.loader import secret_env
-from tandem.config.resolve import cluster_hosts, inference_server_names, process_configs
+from tandem.config.placement import prefill_peers
+from tandem.config.resolve import cluster_hosts, inference_server_names, node_servers, placed_servers, process_configs
 from tandem.config.rl import RLConfig
 from tandem.config.run_folder import remove_run, results_in
 from tandem.launch.hang import HangWatch
@@ -88,10 +90,13 @@ def _cut_to_checkpoint(run_dir: Path, step: int, log) -> None:
 
 def _write_process_configs(config: RLConfig) -> dict[str, Path]:
     """Write the resolved config of each process (each inference server included), and the whole RL
-    config, under `configs/`; secrets redacted: each process gets them in its environment (`_process_env`)."""
+    config, under `configs/`; secrets redacted: each process gets them in its environment (`_process_env`). On
+    several nodes a server's file carries its node (`inference.node1.toml`): servers of one name on two nodes may
+    differ (a decode server's prefill servers are its node's), and the folder is shared."""
     paths = {}
+    servers = set(inference_server_names(config))
     for name, process_config in process_configs(config).items():
-        paths[name] = config.run_dir / "configs" / f"{name}.toml"
+        paths[name] = config.run_dir / "configs" / f"{name}{_node_suffix(config) if name in servers else ''}.toml"
         atomic_write_text(paths[name], to_toml(process_config))
     atomic_write_text(config.run_dir / "configs" / f"rl{_node_suffix(config)}.toml", to_toml(config))
     return paths
@@ -159,6 +164,8 @@ def _run(config: RLConfig, configs: dict[str, Path], log) -> int:
     try:
         peers = _join(config, log) if cluster.num_nodes > 1 else None
         mirror = _wandb_mirror(config, roles)
+        if peers and "inference" in roles:
+            _wait_for_remote_prefill_servers(config, peers, log)
         if _start(config, configs, roles, procs, log):
             return 0  # `preflight_only`: the preflight ran and passed
         _watch(config, procs, peers, mirror)
@@ -215,6 +222,33 @@ def _join(config: RLConfig, log) -> Peers:
     return Peers(beacon, watch)
 
 
+def _wait_for_remote_prefill_servers(config: RLConfig, peers: Peers, log) -> None:
+    """Before this node's decode servers start, the prefill servers of other nodes they hand prompts to answer
+    `/health`: a decode server gives its prefill servers `inference.disaggregation.peer_timeout_s` at start, less than
+    another node may take to load the model. RunFailed when a node fails meanwhile or
+    `orchestrator.client.health_timeout_s` passes."""
+    placed, rank = placed_servers(config), config.deployment.cluster.node_rank
+    remote = sorted({peer.url for s in placed if s.node == rank and s.role == "decode"
+                     for peer in prefill_peers(placed, s) if peer.node != rank})
+    timeout_s = config.orchestrator.client.health_timeout_s
+    deadline = time.monotonic() + timeout_s
+    for url in remote:
+        log.info("waiting for the prefill server %s", url)
+        while not _answers_health(url):
+            peers.watch.check()
+            if time.monotonic() > deadline:
+                raise RunFailed(f"the prefill server {url} did not answer {url}/health within {timeout_s:.0f} s "
+                                "(`orchestrator.client.health_timeout_s`)")
+            time.sleep(0.5)
+
+
+def _answers_health(base_url: str) -> bool:
+    try:
+        return httpx.get(base_url.rstrip("/") + "/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _start(config: RLConfig, configs: dict[str, Path], roles: list[str], procs: dict[str, ManagedProcess], log) -> bool:
     """Start `roles` in order; for `inference`, every inference server of this node, each until it answers
     `/health`, then the preflight (one node only: its probe runs the trainer beside the servers). True when
@@ -259,10 +293,10 @@ def _starts_together(config: RLConfig) -> bool:
     """Whether this node's processes may start at once instead of after its servers are healthy: not when the
     preflight runs (it goes between the servers and the trainer), nor when trainer and server share a GPU (the
     engine sizes its KV cache from the memory it finds free, which a trainer starting beside it would take), nor
-    when the pools are disaggregated (a decode server checks its prefill servers as it starts), nor when the servers
+    when this node runs both pools (a decode server checks its prefill servers as it starts), nor when the servers
     map the trainer's base (`trainer.lora.share_base`: the trainer first)."""
-    return not (_runs_preflight(config) or config.deployment.shares_a_gpu or config.deployment.is_disaggregated
-                or _shares_base(config))
+    both_pools = {"prefill", "decode"} <= {s.role for s in node_servers(config)}
+    return not (_runs_preflight(config) or config.deployment.shares_a_gpu or both_pools or _shares_base(config))
 
 
 def _shares_base(config: RLConfig) -> bool:
@@ -299,17 +333,15 @@ def _runs_preflight(config: RLConfig) -> bool:
 
 
 def _server_urls(config: RLConfig) -> dict[str, str]:
-    """This node's inference servers by process name, each at its port of `deployment.inference_ports`. On
-    one node these are `base_urls`; on several, `base_urls` names the inference nodes' hosts, and this node's
-    servers answer on loopback too."""
-    ports = config.deployment.inference_ports
-    if config.deployment.is_disaggregated:  # one node: the prefill servers first, then `base_urls`
-        urls = [config.inference.server.model_copy(update={"port": port}).url for port in ports]
-    elif config.deployment.cluster.num_nodes == 1:
-        urls = config.orchestrator.client.base_urls
-    else:
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
-    return dict(zip(inference_server_names(config), urls[:len(ports)]))
+    """This node's inference servers by process name (prefill servers first), each at its port of
+    `deployment.inference_ports`: at the URL the resolution gave it on one node; on several, at the address it
+    binds, loopback for every interface (the resolved URLs name the node's host, which this launcher need not
+    reach itself through)."""
+    servers = node_servers(config)
+    if config.deployment.cluster.num_nodes == 1:
+        return {s.name: s.url for s in servers}
+    host = config.inference.server.host
+    return {s.name: f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{s.port}" for s in servers}
 
 
 def _watch(config: RLConfig, procs: dict[str, ManagedProcess], peers: Peers | None, mirror: WandbMirror | None) -> None:
@@ -398,10 +430,7 @@ def wait_healthy(base_url: str, proc: ManagedProcess, timeout_s: float, beside: 
                 tail = "\n".join(f"  | {line}" for line in other.tail(20))
                 raise RunFailed(f"the {other.name} process failed at start (exit code {other.poll()}); last lines of "
                                 f"{other.log_path}:\n{tail}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if _answers_health(base_url):
+            return
         time.sleep(0.2)
     raise RunFailed(f"the inference server did not answer {url} within {timeout_s:.0f} s")

@@ -495,7 +495,11 @@ def test_several_servers_on_each_of_several_inference_nodes():
                   "--inference.server.port", "8100")
     assert cfg.deployment.inference_ports == [8100, 8101]
     assert cfg.orchestrator.client.base_urls == ["http://n1:8100", "http://n1:8101", "http://n2:8100", "http://n2:8101"]
-    assert list(process_configs(cfg)) == ["inference", "inference_1", "orchestrator", "trainer"]
+    assert list(process_configs(cfg)) == ["orchestrator", "trainer"]  # node 0 runs no server
+    on_node_1 = resolve("--deployment.cluster.num-nodes", "3", "--deployment.cluster.hosts", '["n0", "n1", "n2"]',
+                        "--deployment.cluster.num-inference-nodes", "2", "--deployment.num-inference-servers", "2",
+                        "--inference.server.port", "8100", "--deployment.cluster.node-rank", "1")
+    assert list(process_configs(on_node_1)) == ["inference", "inference_1", "orchestrator", "trainer"]
     with pytest.raises(ConfigError, match=r"'k8s' runs one inference server per pod: set `deployment.num_inference_servers` = 1"):
         resolve("--deployment.cluster.num-nodes", "2", "--deployment.launcher", "k8s", "--deployment.num-inference-servers", "2")
 

@@ -89,3 +89,50 @@ def test_tandem_rl_k8s_prints_or_writes_the_manifests(tmp_path):
     path = tmp_path / "outputs" / "default" / "k8s" / "manifests.yaml"
     assert f"kubectl apply -f {Path('outputs/default/k8s/manifests.yaml')}" in written.stdout
     assert path.read_text() == printed.stdout.split("# ---- k8s ----\n")[1]
+
+
+def test_disaggregated_pools_are_a_statefulset_each_and_every_host_a_config_names_is_a_pod_a_service_creates():
+    config = parse_rl_args(["--deployment.launcher", "k8s", "--deployment.type", "gpu", "--run.name", "rt",
+                            "--deployment.trainer-devices", "[0]", "--deployment.inference-devices", "[0]",
+                            "--deployment.cluster.num-nodes", "5", "--deployment.cluster.num-inference-nodes", "4",
+                            "--deployment.cluster.num-prefill-nodes", "2", "--deployment.num-prefill-servers", "1",
+                            "--deployment.num-decode-servers", "1", "--inference.disaggregation.kv-transport",
+                            "torch_distributed"], environ={}, machine=NoGPU())
+    listed = render_manifests(config)
+    for obj in listed:
+        kubernetes_validate.validate(obj, "1.37.0", strict=True)
+    objects = {f"{o['kind']}/{o['metadata']['name']}": o for o in listed}
+    assert {"Service/rt-prefill", "StatefulSet/rt-prefill", "Service/rt-inference", "StatefulSet/rt-inference"} <= set(objects)
+    assert (objects["StatefulSet/rt-prefill"]["spec"]["replicas"], objects["StatefulSet/rt-inference"]["spec"]["replicas"]) == (2, 2)
+    data = objects["ConfigMap/rt-config"]["data"]
+    assert set(data) == {"orchestrator.toml", "trainer.toml", "prefill.toml", "inference-0.toml", "inference-1.toml"}
+    configs = {name: tomllib.loads(text) for name, text in data.items()}
+    assert configs["prefill.toml"]["disaggregation"]["role"] == "prefill"
+    assert configs["prefill.toml"]["server"]["host"] == "0.0.0.0"
+
+    # Each decode pod reads the config of its ordinal.
+    decode_pod = objects["StatefulSet/rt-inference"]["spec"]["template"]["spec"]["containers"][0]
+    for ordinal in range(2):
+        shown = subprocess.run(["sh", "-c", decode_pod["command"][2].replace("exec ", "echo ", 1)], env={"HOSTNAME": f"rt-inference-{ordinal}"},
+                               capture_output=True, text=True, check=True).stdout.split()
+        assert shown[-1] == f"/config/inference-{ordinal}.toml" and configs[f"inference-{ordinal}.toml"]["disaggregation"]["role"] == "decode"
+    decode = [configs[f"inference-{j}.toml"]["disaggregation"] for j in range(2)]
+    prefill_urls = ["http://rt-prefill-0.rt-prefill:8000", "http://rt-prefill-1.rt-prefill:8000"]
+    assert decode[0]["prefill_urls"] == decode[1]["prefill_urls"] == prefill_urls
+    assert sorted(decode[0]["forward_updates_to"] + decode[1]["forward_updates_to"]) == prefill_urls  # once each
+
+    # Every host a config names is pod i of a StatefulSet, published by the headless Service it names.
+    urls = configs["orchestrator.toml"]["client"]["base_urls"] + [u for d in decode for u in d["prefill_urls"]]
+    assert configs["orchestrator.toml"]["client"]["base_urls"] == ["http://rt-inference-0.rt-inference:8000",
+                                                                   "http://rt-inference-1.rt-inference:8000"]
+    for url in urls:
+        host, port = url.removeprefix("http://").split(":")
+        pod, service_name = host.split(".")
+        workload, ordinal = pod.rsplit("-", 1)
+        stateful_set = objects[f"StatefulSet/{workload}"]
+        service = objects[f"Service/{service_name}"]
+        assert stateful_set["spec"]["serviceName"] == service_name and int(ordinal) < stateful_set["spec"]["replicas"]
+        assert service["spec"]["clusterIP"] == "None"
+        pod_spec = stateful_set["spec"]["template"]
+        assert service["spec"]["selector"].items() <= pod_spec["metadata"]["labels"].items()
+        assert {"containerPort": int(port)} in pod_spec["spec"]["containers"][0]["ports"]

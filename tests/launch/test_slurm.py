@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config.resolve import parse_rl_args
+from tandem.config.resolve import parse_rl_args, process_configs
 
 REPO = Path(__file__).resolve().parents[2]
 SHELLCHECK = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
@@ -63,6 +63,19 @@ def cluster_args(num_nodes: int) -> list[str]:
             "--run.name", "big run"]
 
 
+def node_configs(script: Path, hosts: list[str], cwd: Path, records: Path) -> list:
+    """Run the batch script on the fake allocation `hosts`; each node's config, resolved from the command line it got."""
+    env = os.environ | {"SLURM_JOB_NODELIST": "gpu-[000-xxx]", "SLURM_JOB_ID": "77", "FAKE_HOSTS": " ".join(hosts),
+                        "RUN_TASKS": RUN_TASKS}
+    subprocess.run(["bash", str(script)], cwd=cwd, env=env, check=True)
+    configs = []
+    for node in range(len(hosts)):
+        argv = json.loads((records / f"node_{node}.json").read_text())
+        assert argv[:3] == ["-m", "tandem.cli", "rl"]
+        configs.append(parse_rl_args(argv[3:], environ={}, machine=FourGPUs()))
+    return configs
+
+
 @pytest.mark.parametrize("num_nodes", [1, 2, 8])
 def test_the_script_is_valid_shell_and_every_node_resolves_its_part(num_nodes, tmp_path, fake_slurm):
     result = tandem_rl(*cluster_args(num_nodes), "--slurm", cwd=tmp_path)
@@ -79,16 +92,9 @@ def test_the_script_is_valid_shell_and_every_node_resolves_its_part(num_nodes, t
         assert checked.returncode == 0, checked.stdout
 
     hosts = [f"gpu-{i:03d}" for i in range(num_nodes)]
-    env = os.environ | {"SLURM_JOB_NODELIST": "gpu-[000-xxx]", "SLURM_JOB_ID": "77", "FAKE_HOSTS": " ".join(hosts),
-                        "RUN_TASKS": RUN_TASKS}
-    subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, check=True)
+    configs = node_configs(script, hosts, tmp_path, fake_slurm)
     srun = (fake_slurm / "srun.args").read_text().split("\n")
     assert {f"--nodes={num_nodes}", f"--ntasks={num_nodes}", "--kill-on-bad-exit=1"} <= set(srun)
-    configs = []
-    for node in range(num_nodes):
-        argv = json.loads((fake_slurm / f"node_{node}.json").read_text())
-        assert argv[:3] == ["-m", "tandem.cli", "rl"]
-        configs.append(parse_rl_args(argv[3:], environ={}, machine=FourGPUs()))
     for node, config in enumerate(configs):
         cluster = config.deployment.cluster
         assert (cluster.node_rank, cluster.hosts, cluster.rendezvous_id, config.deployment.launcher) == (node, hosts, "slurm-77", "local")
@@ -119,3 +125,21 @@ class FourGPUs:
 
     def free_port(self) -> int:
         raise AssertionError("a multi-node run never picks a free port")
+
+
+def test_each_node_of_a_disaggregated_job_starts_its_pool_with_the_allocations_hosts(tmp_path, fake_slurm):
+    pools = ("--deployment.cluster.num-inference-nodes", "2", "--deployment.cluster.num-prefill-nodes", "1",
+             "--deployment.num-prefill-servers", "1", "--deployment.num-decode-servers", "1",
+             "--inference.disaggregation.kv-transport", "torch_distributed")
+    result = tandem_rl(*cluster_args(3), *pools, "--slurm", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    hosts = ["gpu-000", "gpu-001", "gpu-002"]
+    configs = node_configs(tmp_path / "outputs" / "big run" / "slurm" / "job.sbatch", hosts, tmp_path, fake_slurm)
+    servers = [{name: c.disaggregation for name, c in process_configs(config).items() if name not in ("orchestrator", "trainer")}
+               for config in configs]
+    assert [c.deployment.cluster.roles(i) for i, c in enumerate(configs)] == [["trainer"], ["inference", "trainer"],
+                                                                              ["inference", "orchestrator"]]
+    assert servers[0] == {} and servers[1]["prefill"].role == "prefill"
+    decode = servers[2]["inference"]
+    assert (decode.role, decode.prefill_urls, decode.forward_updates_to) == ("decode", ["http://gpu-001:8100"], ["http://gpu-001:8100"])
+    assert all(c.orchestrator.client.base_urls == ["http://gpu-002:8100"] for c in configs)
