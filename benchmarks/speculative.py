@@ -140,6 +140,8 @@ def main() -> int:
     parser.add_argument("--temperatures", default="0", help="comma-separated; each engine serves the requests at each")
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     parser.add_argument("--num-tokens", type=int, default=4, help="k, tokens drafted per sequence and step")
+    parser.add_argument("--min-expected-tokens", type=float,
+                        help="the n-gram drafting rule's bar (`engine.speculative.min_expected_tokens`; default: its own)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--breakdown", action="store_true",
                         help="time the engine's parts per step (`BREAKDOWN`); costs a microsecond or two a call")
@@ -159,7 +161,8 @@ def main() -> int:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
         model = ModelConfig(name=str(folder), load_format="dummy")
         base = dict(device=args.device, max_num_seqs=args.requests, max_model_len=args.prompt_tokens + args.max_tokens + 16)
-        spec = SpeculativeConfig(method="ngram", num_tokens=args.num_tokens)
+        rule = {} if args.min_expected_tokens is None else {"min_expected_tokens": args.min_expected_tokens}
+        spec = SpeculativeConfig(method="ngram", num_tokens=args.num_tokens, **rule)
         configs = {"default": EngineConfig(**base),
                    "no_overlap": EngineConfig(**base, overlap_steps=False),
                    "ngram": EngineConfig(**base, speculative=spec),
