@@ -15,8 +15,9 @@ decoding of random weights falls into loops, which prompt lookup drafts well. `-
 a best case for n-gram drafts (loops), 1 the worst (nothing repeats). Neither is a trained model's acceptance.
 Each engine is built once (graph captures) and serves the requests at every temperature in turn.
 
-Per engine and temperature the file also holds the steps' wall times (median, 90th percentile, the longest) and
-how many steps verified drafts; `--breakdown` adds the milliseconds a step spends, on average, in each of the
+Per engine and temperature the file also holds the steps' wall times (median, 90th percentile, the longest), how
+many steps verified drafts, and work a steady step should not do (graphs compiled, device allocations:
+`step_profile.once_only_counts`; garbage collections); `--breakdown` adds the milliseconds a step spends, on average, in each of the
 engine's parts (`BREAKDOWN`), so that a gap between two engines shows where it lies: host work (scheduling, the
 drafting rule, step inputs and launches, reading results) or `wait`, the host blocked on the device's results.
 """
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from provenance import environment, source_commit
+from step_profile import counts_since, once_only_counts
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig, SpeculativeConfig
 from tandem.inference.engine.host_copies import HostRead
@@ -98,6 +100,8 @@ def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float, b
     parts: dict[str, float] = collections.defaultdict(float)
     drafted_before = engine.num_draft_tokens
     num_verifying = 0
+    once_only = once_only_counts(engine.device)
+    collections_before = [g["collections"] for g in gc.get_stats()]
     with timed_parts(parts) if breakdown else nullcontext():
         start = time.perf_counter()
         while engine.has_unfinished:
@@ -110,11 +114,14 @@ def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float, b
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
         seconds = time.perf_counter() - start
+    once_only = counts_since(once_only, engine.device)
+    gc_collections = [g["collections"] - before for g, before in zip(gc.get_stats(), collections_before)]
     gc.unfreeze()
     ms = sorted(1e3 * t for t in step_seconds)
     steps = {"num_steps": len(ms), "num_verifying_steps": num_verifying, "median_step_ms": statistics.median(ms),
              "p90_step_ms": ms[int(0.9 * (len(ms) - 1))], "max_step_ms": ms[-1],
-             "drafted_per_verifying_step": (engine.num_draft_tokens - drafted_before) / max(num_verifying, 1)}
+             "drafted_per_verifying_step": (engine.num_draft_tokens - drafted_before) / max(num_verifying, 1),
+             "once_only": once_only, "gc_collections": gc_collections}
     if breakdown:
         steps["ms_per_step"] = {name: 1e3 * parts[name] / len(ms) for name in BREAKDOWN}
     return outputs, seconds, steps
@@ -181,6 +188,8 @@ def main() -> int:
                       f"{accepted}; {steps['num_steps']} steps ({steps['num_verifying_steps']} verifying), median "
                       f"{steps['median_step_ms']:.2f} ms, p90 {steps['p90_step_ms']:.2f}, max {steps['max_step_ms']:.1f}",
                       file=sys.stderr)
+                print(f"    once-only work {steps['once_only']}, garbage collections per generation "
+                      f"{steps['gc_collections']}", file=sys.stderr)
                 if args.breakdown:
                     print("    ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in steps["ms_per_step"].items()),
                           file=sys.stderr)
