@@ -55,10 +55,13 @@ from tandem.inference.server import settle_heap
 from tandem.models.presets import PRESETS, init_model
 
 
-BREAKDOWN = {"should_draft": (Speculator, "should_draft"), "propose": (Speculator, "propose"),
-             "schedule": (Scheduler, "schedule"), "runner": (PagedModelRunner, "run"), "sample": (Sampler, "sample"),
-             "verify": (Speculator, "verify"), "read": (LLMEngine, "_read"), "wait": (HostRead, "values")}
-"""Engine parts timed by `--breakdown` (`read` includes its `wait`, `runner` the step inputs and the launch)."""
+BREAKDOWN = {"should_draft": (Speculator, "should_draft"), "schedule": (Scheduler, "schedule"),
+             "launch": (LLMEngine, "_launch"), "propose": (Speculator, "propose"), "runner": (PagedModelRunner, "run"),
+             "sample": (Sampler, "sample"), "verify": (Speculator, "verify"), "read": (LLMEngine, "_read"),
+             "wait": (HostRead, "values")}
+"""Engine parts timed by `--breakdown`: `launch` includes `propose`, `runner` (step inputs, graph replay or eager
+forward), `sample` and `verify`; `read` includes `wait`. A step's wall time past `should_draft` + `schedule` +
+`launch` + `read` is the engine's own bookkeeping."""
 
 
 @contextmanager
