@@ -376,8 +376,9 @@ def test_the_quiet_steps_are_those_in_which_no_hit_rate_can_climb_to_the_bar():
 
 def test_a_declining_rule_waits_without_looking_and_decides_as_if_it_looked_every_step(tiny_dir, monkeypatch):
     """Where the drafting rule declines, the steps in which the hit rates cannot climb to its bar decline without
-    indexing or scoring any sequence, so a step that does not draft costs the host no lookup work; the rule's
-    decisions and the tokens are those of looking every step (the indexes catch up when it looks again)."""
+    indexing or scoring any sequence, so a step that does not draft costs the host no lookup work (and none
+    reserves room for drafts or proposes any); the rule's decisions and the tokens are those of looking every step
+    (the indexes catch up when it looks again)."""
     rng = random.Random(11)
     prompts = [[rng.randrange(256) for _ in range(30)] for _ in range(6)]
     prompts += [[rng.randrange(256) for _ in range(5)] * 6 for _ in range(2)]  # lookup guesses these
@@ -402,10 +403,22 @@ def test_a_declining_rule_waits_without_looking_and_decides_as_if_it_looked_ever
             return decision
 
         engine.speculator.should_draft = recorded
+        propose = engine.speculator.propose
+        proposed = []  # per launched step: the rule's decision, and whether the batch had room for drafts, drafts or
+        # a lookup
+
+        def recorded_propose(batch, _propose=propose, _proposed=proposed, _decisions=decisions):
+            before = calls["drafts"]
+            _propose(batch)
+            _proposed.append((_decisions[-1][0], any(batch.num_lookahead) or batch.has_drafts or calls["drafts"] > before))
+
+        engine.speculator.propose = recorded_propose
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=1.0 if i < 6 else 0.0,
                                                               seed=i, ignore_eos=True))
         runs[looks_every_step] = run(engine), decisions, engine.stats()
+        assert not any(drafting for decided, drafting in proposed if not decided)  # declined: no room, lookup or draft
+        assert any(drafting for _, drafting in proposed)
     (quiet_out, quiet, stats), (every_out, every, _) = runs[False], runs[True]
     assert [d for d, _ in quiet] == [d for d, _ in every]
     assert any(d for d, _ in quiet) and stats.num_draft_tokens > 0
