@@ -6,6 +6,7 @@ import random
 import shutil
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from counting_head import give_counting_head
@@ -18,7 +19,8 @@ from test_fallback import tiny_llama
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine.model_runner import RecomputeModelRunner
 from tandem.inference.engine.sampling_params import SamplingParams
-from tandem.inference.engine.speculative import NgramIndex
+from tandem.inference.engine import speculative
+from tandem.inference.engine.speculative import NgramIndex, expected_accepted, steps_that_cannot_draft
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 from tandem.models.weights import load_state_dict, save_state_dict
@@ -357,3 +359,72 @@ def test_sequences_that_lookup_does_not_guess_are_not_drafted_for(tiny_dir):
     (adaptive, stats), (always, always_stats) = results[0.5], results[0.0]
     assert stats.num_draft_tokens == 0 < always_stats.num_draft_tokens
     assert_same_outputs(adaptive, always)
+
+
+def test_the_quiet_steps_are_those_in_which_no_hit_rate_can_climb_to_the_bar():
+    """After m quiet steps, even a hit at every token leaves the rates short of the bar; one more could reach it."""
+    rates = np.array([0.0, 0.1, 0.2, 0.05])
+    m = steps_that_cannot_draft(rates, 4, 0.5, most=32)
+    assert 0 < m < 32
+    step = 1 - 1 / NgramIndex.HIT_RATE_TOKENS
+    for steps, reaches in ((m, False), (m + 1, True)):
+        best = 1 - (1 - rates) * step ** steps
+        assert bool(expected_accepted(best, 4).mean() >= 0.5) == reaches
+    assert steps_that_cannot_draft(rates, 4, 0.01, most=32) == 0  # within reach at the next step
+    assert steps_that_cannot_draft(np.zeros(3), 4, 4.0, most=32) == 32  # never: every draft right each step
+
+
+def test_a_declining_rule_waits_without_looking_and_decides_as_if_it_looked_every_step(tiny_dir, monkeypatch):
+    """Where the drafting rule declines, the steps in which the hit rates cannot climb to its bar decline without
+    indexing or scoring any sequence, so a step that does not draft costs the host no lookup work (and none
+    reserves room for drafts or proposes any); the rule's decisions and the tokens are those of looking every step
+    (the indexes catch up when it looks again)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(30)] for _ in range(6)]
+    prompts += [[rng.randrange(256) for _ in range(5)] * 6 for _ in range(2)]  # lookup guesses these
+    calls = collections.Counter()
+    for method in ("extend", "drafts"):
+        def counted(self, *args, _method=getattr(NgramIndex, method), _name=method):
+            calls[_name] += 1
+            return _method(self, *args)
+        monkeypatch.setattr(NgramIndex, method, counted)
+    runs = {}
+    for looks_every_step in (False, True):
+        if looks_every_step:
+            monkeypatch.setattr(speculative, "steps_that_cannot_draft", lambda *args, **kwargs: 0)
+        engine = engine_for(tiny_dir, overlap=True, speculative={"method": "ngram", "min_expected_tokens": 0.3})
+        should_draft = engine.speculator.should_draft
+        decisions = []
+
+        def recorded(running, num_drafts, _should_draft=should_draft, _decisions=decisions):
+            before = calls["extend"] + calls["drafts"]
+            decision = _should_draft(running, num_drafts)
+            _decisions.append((decision, calls["extend"] + calls["drafts"] - before))
+            return decision
+
+        engine.speculator.should_draft = recorded
+        propose = engine.speculator.propose
+        proposed = []  # per launched step: the rule's decision, and whether the batch had room for drafts, drafts or
+        # a lookup
+
+        def recorded_propose(batch, _propose=propose, _proposed=proposed, _decisions=decisions):
+            before = calls["drafts"]
+            _propose(batch)
+            _proposed.append((_decisions[-1][0], any(batch.num_lookahead) or batch.has_drafts or calls["drafts"] > before))
+
+        engine.speculator.propose = recorded_propose
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=1.0 if i < 6 else 0.0,
+                                                              seed=i, ignore_eos=True))
+        runs[looks_every_step] = run(engine), decisions, engine.stats()
+        assert not any(drafting for decided, drafting in proposed if not decided)  # declined: no room, lookup or draft
+        assert any(drafting for _, drafting in proposed)
+    (quiet_out, quiet, stats), (every_out, every, _) = runs[False], runs[True]
+    assert [d for d, _ in quiet] == [d for d, _ in every]
+    assert any(d for d, _ in quiet) and stats.num_draft_tokens > 0
+    declined_quiet = [work for decision, work in quiet[1:] if not decision]  # after the first: nothing decodes
+    declined_every = [work for decision, work in every[1:] if not decision]
+    assert len(declined_quiet) > 8
+    assert declined_quiet.count(0) >= len(declined_quiet) // 2 and declined_every.count(0) <= 2
+    assert sum(declined_quiet) < sum(declined_every) / 2  # tokens indexed in one go when the rule looks again
+    assert_same_outputs(quiet_out, every_out)

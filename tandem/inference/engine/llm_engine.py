@@ -75,6 +75,8 @@ class LaunchedStep:
     """The sampled rows' expert ids on their way to the host, when a sequence asked for them."""
     drafts: list[list[int]] | None = None
     """A step that verifies drafts: per sequence, the drafted tokens its rows after the first verify."""
+    reserved_lookahead: bool = False
+    """The step was scheduled with room for drafts: reading it gives back the blocks that no token took."""
 
 
 @dataclass
@@ -349,7 +351,7 @@ class LLMEngine:
         routed = None
         if routed_rows is not None and any(s.params.return_routed_experts for s in sampling):
             routed = HostRead([routed_rows])  # rows of the batch's own sequences, which come first
-        return LaunchedStep(sampling, sample, self.weight_version, routed, drafts)
+        return LaunchedStep(sampling, sample, self.weight_version, routed, drafts, any(batch.num_lookahead))
 
     def _hand_off(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[int]:
         """Finish the prefill-only sequences among `sampling` (rows of `logits`) with their KV blocks and logits
@@ -411,7 +413,7 @@ class LLMEngine:
             seq.append_token(result.token_ids[j], result.logprobs[j], result.top_logprobs[j], version,
                              routed[first_row] if wants_experts else None)
             self._emitted(seq, outputs)
-            if self.speculator is not None and not seq.is_finished:
+            if step.reserved_lookahead and not seq.is_finished:
                 self.block_manager.free_lookahead_blocks(seq)
         return outputs
 

@@ -89,7 +89,9 @@ class NgramIndex:
             token = token_ids[position]
             if tokens:
                 if position >= first_scored:
-                    guess = self.drafts(1)
+                    # Lookup guesses nothing after a token not seen before (most tokens of text that does not
+                    # repeat): a miss, scored without the lookup.
+                    guess = self.drafts(1) if tokens[-1] in latest else None
                     hit = 1.0 if guess and guess[0] == token else 0.0
                     self.hit_rate += (hit - self.hit_rate) / self.HIT_RATE_TOKENS
                 before = tokens[-1]  # now an earlier occurrence
@@ -119,10 +121,22 @@ class NgramIndex:
                 break
         return tokens[best + 1:best + 1 + num_drafts]
 
-    def expected_accepted(self, num_drafts: int) -> float:
-        """Accepted drafts to expect of `num_drafts`, each right as often as the recent first drafts were."""
-        r = self.hit_rate
-        return r * (1 - r ** num_drafts) / (1 - r) if r < 1 else float(num_drafts)
+
+
+def expected_accepted(hit_rates: np.ndarray, num_drafts: int) -> np.ndarray:
+    """Accepted drafts to expect of `num_drafts` for each hit rate h (each draft right as often as the recent first
+    drafts were): h + h^2 + ... + h^num_drafts."""
+    return sum(hit_rates ** j for j in range(1, num_drafts + 1))
+
+
+def steps_that_cannot_draft(hit_rates: np.ndarray, num_drafts: int, min_expected_tokens: float, most: int) -> int:
+    """How many steps (at most `most`) the decoding sequences of these hit rates certainly stay below
+    `min_expected_tokens` accepted drafts each on average: even if each step's new token of every sequence were a
+    hit, each raising its rate h to h + (1 - h) / `NgramIndex.HIT_RATE_TOKENS`."""
+    steps = np.arange(1, most + 1)[:, None]
+    best = 1 - (1 - hit_rates[None, :]) * (1 - 1 / NgramIndex.HIT_RATE_TOKENS) ** steps
+    reaches = expected_accepted(best, num_drafts).mean(axis=1) >= min_expected_tokens
+    return int(reaches.argmax()) if reaches.any() else most
 
 
 def draw_drafts(logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler, sampled: bool
@@ -178,6 +192,11 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
+    MOST_QUIET_STEPS = 32
+    """Most steps the rule declines without looking: an index then catches up at most this many tokens, all
+    scored (`NgramIndex.extend` scores the last 4 * `HIT_RATE_TOKENS`), so its hit rate is the one that
+    following every step gives."""
+
     def __init__(self, ngram_max: int, min_expected_tokens: float):
         self.ngram_max = ngram_max
         self.min_expected_tokens = min_expected_tokens
@@ -187,16 +206,35 @@ class NgramProposer:
         """Per sequence; those that finished are dropped whenever the table reaches `_prune_at` entries. A plain
         dict: a weak one allocates a reference at every look-up, each step for each sequence."""
         self._prune_at = 1024
+        self._quiet_for: list[Sequence] = []
+        """The decoding sequences the rule last declined for."""
+        self._quiet_steps = 0
+        """Steps it declines for them without looking (`steps_that_cannot_draft`)."""
 
     def worth_drafting(self, seqs: list[Sequence], num_drafts: int) -> bool:
         """A verifying step costs more than a decode step (k + 1 tokens a sequence, and the read it waits for): it
         pays when the drafts are expected to be right often enough, which prompt lookup can tell from how often
         it would have guessed each sequence's recent tokens. Deterministic drafts never change the tokens, so
-        this choice changes only the speed."""
+        this choice changes only the speed.
+
+        Where it declines, the same sequences cannot reach the bar within the next few steps (a step adds one
+        token a sequence, and a token moves a hit rate by a sixteenth at most): those steps decline without
+        indexing or scoring anything, so a step that does not draft costs the host what it costs without
+        speculation. The indexes catch up when the rule looks again, with the hit rates that following each
+        step gives: the decisions are those of looking every step."""
         if not seqs:
             return False
-        expected = sum(self._index(seq).expected_accepted(num_drafts) for seq in seqs)
-        return expected >= self.min_expected_tokens * len(seqs)
+        if self._quiet_steps and seqs == self._quiet_for:
+            self._quiet_steps -= 1
+            return False
+        rates = np.array([self._index(seq).hit_rate for seq in seqs])
+        if expected_accepted(rates, num_drafts).mean() >= self.min_expected_tokens:
+            self._quiet_steps = 0
+            return True
+        self._quiet_for = seqs
+        self._quiet_steps = steps_that_cannot_draft(rates, num_drafts, self.min_expected_tokens,
+                                                    self.MOST_QUIET_STEPS)
+        return False
 
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         for i, lookahead in enumerate(batch.num_lookahead):
