@@ -7,6 +7,7 @@ Triton's interpreter on CPU tensors (fp32: 1e-5), and on CUDA in bf16."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,47 @@ def check_backend_against_torch_path(device: str, dtype: torch.dtype, tolerance:
     finally:
         paged_latent_attention.kernels_serve = serve
 
+def engine_samples(folder: Path, device: str, dtype: str = "float32", **engine) -> dict[str, tuple[list, list]]:
+    """Four prompts of 1 to 30 tokens, sampled together for 16 tokens each through an engine of the model in
+    `folder` (blocks of 4 tokens, `engine`'s settings): each request's token ids and logprobs."""
+    from tandem.config.base import ModelConfig
+    from tandem.config.inference import EngineConfig
+    from tandem.inference.engine.sampling_params import SamplingParams
+    from tandem.inference.engine.setup import build_engine
+
+    config = dict(device=device, block_size=4, max_model_len=64, max_num_seqs=8, **engine)
+    served = build_engine(ModelConfig(name=str(folder), dtype=dtype), EngineConfig(**config), seed=0)
+    rng = random.Random(0)
+    for i in range(4):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 30))]
+        served.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True))
+    samples: dict[str, tuple[list, list]] = {}
+    while served.has_unfinished:
+        for out in served.step():
+            ids, logprobs = samples.setdefault(out.request_id, ([], []))
+            ids += out.token_ids
+            logprobs += out.logprobs
+    assert sorted(len(ids) for ids, _ in samples.values()) == [16] * 4
+    assert (served.runner.graphs is not None) == (device == "cuda" and config.get("cuda_graphs", True))
+    return samples
+
+
+def check_engine_kernels_against_torch_path(folder: Path, device: str, tolerance: float, **engine) -> None:
+    """The engine's samples with the kernels equal its torch path's: the same tokens, logprobs within `tolerance`."""
+    from tandem.inference.engine import paged_latent_attention
+
+    with_kernels = engine_samples(folder, device, **engine)
+    serve = paged_latent_attention.kernels_serve
+    paged_latent_attention.kernels_serve = lambda cache, rank: False
+    try:
+        torch_path = engine_samples(folder, device, **dict(engine, cuda_graphs=False))
+    finally:
+        paged_latent_attention.kernels_serve = serve
+    for rid, (ids, logprobs) in torch_path.items():
+        assert with_kernels[rid][0] == ids, rid
+        torch.testing.assert_close(torch.tensor(with_kernels[rid][1]), torch.tensor(logprobs), atol=tolerance, rtol=0)
+
+
 INTERPRETED = """
 import torch
 from tandem.kernels import latent_attention
@@ -156,11 +198,31 @@ check_backend_against_torch_path("cpu", torch.float32, 1e-5)
 print("ok")
 """
 
+ENGINE_INTERPRETED = """
+from pathlib import Path
+from tandem.kernels import latent_attention
+latent_attention.serves = lambda *dims_and_device: True  # CPU tensors, run by the interpreter
+from test_latent_attention_kernels import check_engine_kernels_against_torch_path
+check_engine_kernels_against_torch_path(Path({folder!r}), "cpu", 1e-5)
+print("ok")
+"""
+
 
 @needs_triton_interpreter
 def test_latent_kernels_under_tritons_interpreter():
     """CPU tensors, fp32: the kernels against float64, the backend with them against its torch path."""
     run_interpreted(INTERPRETED, timeout=900, folder=str(Path(__file__).parent))
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("index_topk", [4, 64], ids=["sparse", "topk-past-the-contexts"])
+def test_engine_with_the_kernels_under_tritons_interpreter_samples_as_its_torch_path(index_topk, tmp_path):
+    """tiny-glm5 on the CPU in fp32, four prompts sampled for 16 tokens (contexts to 46): with DSA choosing 4 tokens
+    of most contexts, and with a top-k past every context (dense MLA)."""
+    from tandem.models.presets import PRESETS, shape_config, write_model
+
+    folder = write_model(shape_config(dict(PRESETS["tiny-glm5"], index_topk=index_topk)), tmp_path / "m")
+    run_interpreted(ENGINE_INTERPRETED.format(folder=str(folder)), timeout=900, folder=str(Path(__file__).parent))
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -172,3 +234,18 @@ def test_latent_kernels_on_cuda(dtype, tolerance):
     for index_topk in (12, 300):
         check_kernels_against_float64("cuda", dtype, tolerance, index_topk)
     check_backend_against_torch_path("cuda", dtype, tolerance)
+
+
+@needs_cuda
+@pytest.mark.parametrize("index_topk", [4, 64], ids=["sparse", "topk-past-the-contexts"])
+def test_engine_with_the_kernels_on_cuda(index_topk, tmp_path):
+    """tiny-glm5 in fp32: the engine with the kernels and CUDA graphs samples as its eager torch path, and as
+    itself without graphs."""
+    from tandem.models.presets import PRESETS, shape_config, write_model
+
+    folder = write_model(shape_config(dict(PRESETS["tiny-glm5"], index_topk=index_topk)), tmp_path / "m")
+    check_engine_kernels_against_torch_path(folder, "cuda", 1e-4)
+    graphs, eager = engine_samples(folder, "cuda"), engine_samples(folder, "cuda", cuda_graphs=False)
+    for rid, (ids, logprobs) in eager.items():
+        assert graphs[rid][0] == ids, rid
+        torch.testing.assert_close(torch.tensor(graphs[rid][1]), torch.tensor(logprobs), atol=1e-4, rtol=0)

@@ -19,10 +19,13 @@ context; a short query gathers its chosen entries alone from the cache ([G, L, i
 so that past `index_topk` tokens its attention reads no more entries however long the context. The choice of each
 group is what the block passes on, and a `shared` layer attends under the last one.
 
-Torch only, on CPU and CUDA: each group gathers its sequences' whole blocks (W x S entries per sequence, padded to
-the group's longest context; a chunk expands them all once), and scores its queries in slices of at most
-`QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long contexts. No
-CUDA graph is captured for this cache: a graph would hold the gathered context of its largest bound for good.
+Short queries take Triton kernels where they serve the shape (CUDA, `kernels_serve`): DSA's index scores and the
+absorbed-form attention read the cache in place through the block tables (`tandem.kernels.latent_attention`), so a
+decode-only step's work is sized by its bound alone and a CUDA graph captures it (`cuda_graphs.py`). Chunks, and
+everything on the CPU, take the torch path: each group gathers its sequences' whole blocks (W x S entries per
+sequence, padded to the group's longest context; a chunk expands them all once), and scores its queries in slices of
+at most `QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long
+contexts. Both paths hand on the same `Chosen`, so a `shared` layer reads either's.
 """
 
 from __future__ import annotations
