@@ -69,7 +69,9 @@ def chunk_keys(bound: int) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    # The bound (and the output's row stride, the same) changes with each eager step's longest context: not
+    # specialised on its value class, so that a new one compiles nothing mid-run.
+    @triton.jit(do_not_specialize=["bound", "stride_on"])
     def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, block_tables_ptr, query_seq_ptr, query_pos_ptr, out_ptr, bound,
                              scale, stride_qn, stride_qh, stride_wn, stride_kb, stride_ks, stride_bt, stride_on,
                              HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
