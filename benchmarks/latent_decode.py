@@ -92,7 +92,7 @@ def routed_expert_bytes_unread(engine, args: argparse.Namespace) -> int:
     runner = engine.runner
     if runner.recorder is None:
         return 0
-    chosen = runner.recorder.rows(torch.arange(args.batch, device="cuda"))  # [b, moe layers, k]
+    chosen = runner.recorder.rows(torch.arange(args.batch, device=runner.device))  # [b, moe layers, k]
     unread = 0
     for i, block in enumerate(moe_blocks(runner.model)):
         per_expert = sum(p.nbytes for p in block.experts.parameters()) // block.args.num_experts
