@@ -5,8 +5,9 @@ visible entry (dense MLA) or over each query's chosen ones (DSA). Formulas: `tan
 reference these kernels are tested against.
 
 Why kernels: the torch path gathers each sequence's whole blocks into a padded copy per layer (and a CUDA graph would
-hold the copy of its largest bound for good). Here every cached byte is read once where it lies, and a step's shape
-is its grid, sized by a bound tensor-free: a graph captures it like the other families' decode attention.
+hold the copy of its largest bound for good). Here every cached byte is read once where it lies, and a step's grid
+depends on its context bound alone (the contexts themselves are read on the device): a CUDA graph captures it as it
+captures the other families' decode attention.
 
 Legend: Q = queries (a group's [G, L] flattened), H = heads, C = kv_lora_rank, Dr = RoPE dims, E = C + Dr (an
 entry), Hi / Di = the indexer's heads / head dim, K = index_topk, S = block size.
