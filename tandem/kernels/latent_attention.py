@@ -46,14 +46,15 @@ try:
 except ImportError:  # CPU-only installs: the engine keeps its torch path
     triton = None
 
-HEADS_PER_PROGRAM = 16
-"""Query heads one attention program takes (fewer where the heads are fewer): `tl.dot`'s smallest tile height, and
-at GLM-5's 512 latent features an fp32 output tile of 32 KiB."""
+HEADS_PER_PROGRAM = 32
+"""Query heads one attention program takes (fewer where the heads are fewer). Each program reads its chunk's entries
+for its heads alone, so fewer programs a query means fewer reads; at GLM-5's 512 latent features in bf16, 32 heads
+over eight warps are the most whose output tile (64 KiB of fp32) stays in registers (sm_90's compiler: no spills)."""
 
 SCORE_KEYS = 64
 """Context positions one index-score program scores."""
 
-_ATTEND_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=2)
+_ATTEND_LAUNCH = dict(BLOCK_N=32, num_warps=8, num_stages=2)
 
 
 def serves(kv_lora_rank: int, rope_dim: int, index_head_dim: int | None, device: torch.device) -> bool:

@@ -80,11 +80,12 @@ def context_of(cache_layer: torch.Tensor, table: torch.Tensor, ctx: int) -> torc
     return cache_layer[table[positions // S], positions % S]
 
 
-def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: float, index_topk: int = 12) -> None:
+def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: float, index_topk: int = 12,
+                                  heads: int = 4) -> None:
     """The three kernels on a decode-only step (`DECODES`) against float64 formulas over each gathered context."""
     from tandem.kernels.latent_attention import choose, index_scores, latent_attention
 
-    attention, cache, meta, projections, index = latent_step(device, dtype, [(1, c) for c in DECODES])
+    attention, cache, meta, projections, index = latent_step(device, dtype, [(1, c) for c in DECODES], heads=heads)
     entries, keys = cache.layer(0), cache.layer_index_keys(0)
     positions = (meta.seq_lens - 1)
     rows = torch.arange(len(DECODES), device=device)
@@ -192,8 +193,8 @@ import torch
 from tandem.kernels import latent_attention
 latent_attention.serves = lambda *dims_and_device: True  # CPU tensors, run by the interpreter
 from test_latent_attention_kernels import check_backend_against_torch_path, check_kernels_against_float64
-for index_topk in (12, 300):  # one chunk of chosen keys, two
-    check_kernels_against_float64("cpu", torch.float32, 1e-5, index_topk)
+for index_topk, heads in ((12, 4), (300, 4), (12, 64)):  # one chunk of chosen keys, two; two programs' heads
+    check_kernels_against_float64("cpu", torch.float32, 1e-5, index_topk, heads)
 check_backend_against_torch_path("cpu", torch.float32, 1e-5)
 print("ok")
 """
@@ -231,8 +232,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_latent_kernels_on_cuda(dtype, tolerance):
-    for index_topk in (12, 300):
-        check_kernels_against_float64("cuda", dtype, tolerance, index_topk)
+    for index_topk, heads in ((12, 4), (300, 4), (12, 64)):
+        check_kernels_against_float64("cuda", dtype, tolerance, index_topk, heads)
     check_backend_against_torch_path("cuda", dtype, tolerance)
 
 
