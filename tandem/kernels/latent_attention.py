@@ -55,6 +55,8 @@ SCORE_KEYS = 64
 """Context positions one index-score program scores."""
 
 _ATTEND_LAUNCH = dict(BLOCK_N=32, num_warps=8, num_stages=2)
+_COMBINE_LAUNCH = dict(num_warps=8)
+"""Eight warps hold the combination's output tile of `HEADS_PER_PROGRAM` heads by 512 features without spilling."""
 
 
 def serves(kv_lora_rank: int, rope_dim: int, index_head_dim: int | None, device: torch.device) -> bool:
@@ -228,6 +230,6 @@ def latent_attention(q: torch.Tensor, entries: torch.Tensor, block_tables: torch
         _combine_splits_kernel[(num_queries, heads // group)](
             out, part_out, part_stats, lengths, torch.arange(num_queries + 1, device=q.device), out.stride(0),
             out.stride(1), *workspace_strides, GROUP=group, GROUP_P=group, SPLIT=split, HEAD_DIM=kv_lora_rank,
-            num_warps=4,
+            **_COMBINE_LAUNCH,
         )
     return out

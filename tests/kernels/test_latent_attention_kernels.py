@@ -230,36 +230,41 @@ def test_engine_with_the_kernels_under_tritons_interpreter_samples_as_its_torch_
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_glm5_attention_program_compiles_for_hopper_without_spills(tmp_path):
-    """GLM-5's shape in bf16 (512 latent + 64 RoPE features, 32 heads a program, dense and sparse) compiled for
-    sm_90 by Triton and its bundled ptxas, no GPU needed: the kernel builds, and its tiles stay in registers, as
-    `HEADS_PER_PROGRAM` says (a spill would move every chunk's output through local memory)."""
+def test_glm5_attention_programs_compile_for_hopper_without_spills(tmp_path):
+    """GLM-5's shape in bf16 (512 latent + 64 RoPE features, `HEADS_PER_PROGRAM` heads a program, dense and sparse;
+    and the combination of their chunks) compiled for sm_90 by Triton and its bundled ptxas, no GPU needed: the
+    kernels build, and their tiles stay in registers with the engine's launch settings (a spill would move every
+    chunk's output through local memory)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tandem.kernels import latent_attention
+    from tandem.kernels import attention, latent_attention
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("Triton's NVIDIA backend has no ptxas")
-    kernel = latent_attention._latent_chunk_kernel
-    pointers = dict(q_ptr="*bf16", entries_ptr="*bf16", out_ptr="*bf16", part_out_ptr="*fp32", part_stats_ptr="*fp32",
-                    block_tables_ptr="*i64", query_seq_ptr="*i64", lengths_ptr="*i64", chosen_ptr="*i64", qk_scale="fp32")
     heads = latent_attention.HEADS_PER_PROGRAM
-    options = {k: v for k, v in latent_attention._ATTEND_LAUNCH.items() if k != "BLOCK_N"}
-    for sparse in (False, True):
-        constants = dict(GROUP=heads, ROWS=heads, SPLIT=256, BLOCK_N=latent_attention._ATTEND_LAUNCH["BLOCK_N"], PAGE=16,
-                         LATENT=512, ROPE=64, SPARSE=sparse, IEEE=False)
+    launch = latent_attention._ATTEND_LAUNCH
+    pointers = dict(q_ptr="*bf16", entries_ptr="*bf16", out_ptr="*bf16", part_out_ptr="*fp32", part_stats_ptr="*fp32",
+                    block_tables_ptr="*i64", query_seq_ptr="*i64", lengths_ptr="*i64", chosen_ptr="*i64",
+                    seq_lens_ptr="*i64", query_start_ptr="*i64", qk_scale="fp32")
+    programs = [(latent_attention._latent_chunk_kernel,
+                 dict(GROUP=heads, ROWS=heads, SPLIT=256, BLOCK_N=launch["BLOCK_N"], PAGE=16, LATENT=512, ROPE=64,
+                      SPARSE=sparse, IEEE=False), {k: v for k, v in launch.items() if k != "BLOCK_N"})
+                for sparse in (False, True)]
+    programs.append((attention._combine_splits_kernel, dict(GROUP=heads, GROUP_P=heads, SPLIT=4096, HEAD_DIM=512),
+                     latent_attention._COMBINE_LAUNCH))
+    for i, (kernel, constants, options) in enumerate(programs):
         signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                                   target=GPUTarget("cuda", 90, 32), options=options)
-        ptx = tmp_path / f"sparse-{sparse}.ptx"
+        ptx = tmp_path / f"program-{i}.ptx"
         ptx.write_text(compiled.asm["ptx"])
         report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "out.cubin")],
                                 capture_output=True, text=True, check=True).stderr
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
-        assert spills and not any(spills), report
+        assert spills and not any(spills), (kernel.__name__, constants, report)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
