@@ -54,6 +54,7 @@ over eight warps are the most whose output tile (64 KiB of fp32) stays in regist
 SCORE_KEYS = 64
 """Context positions one index-score program scores."""
 
+_SCORE_LAUNCH = dict(num_warps=4)
 _ATTEND_LAUNCH = dict(BLOCK_N=32, num_warps=8, num_stages=2)
 _COMBINE_LAUNCH = dict(num_warps=8)
 """Eight warps hold the combination's output tile of `HEADS_PER_PROGRAM` heads by 512 features without spilling."""
@@ -178,7 +179,7 @@ def index_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
         queries, weights, keys, block_tables, query_seq, query_pos, out, bound, head_dim ** -0.5,
         queries.stride(0), queries.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), block_tables.stride(0),
         out.stride(0), HEADS=heads, HEADS_P=max(16, next_pow2(heads)), HEAD_DIM=head_dim, BLOCK_N=SCORE_KEYS,
-        PAGE=keys.shape[1], IEEE=queries.dtype == torch.float32, num_warps=4,
+        PAGE=keys.shape[1], IEEE=queries.dtype == torch.float32, **_SCORE_LAUNCH,
     )
     return out
 

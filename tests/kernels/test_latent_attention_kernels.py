@@ -232,7 +232,7 @@ def test_engine_with_the_kernels_under_tritons_interpreter_samples_as_its_torch_
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_glm5_attention_programs_compile_for_hopper_without_spills(tmp_path):
     """GLM-5's shape in bf16 (512 latent + 64 RoPE features, `HEADS_PER_PROGRAM` heads a program, dense and sparse;
-    and the combination of their chunks) compiled for sm_90 by Triton and its bundled ptxas, no GPU needed: the
+    the combination of their chunks; the indexer's scores) compiled for sm_90 by Triton and its bundled ptxas, no GPU needed: the
     kernels build, and their tiles stay in registers with the engine's launch settings (a spill would move every
     chunk's output through local memory)."""
     import triton
@@ -255,8 +255,13 @@ def test_glm5_attention_programs_compile_for_hopper_without_spills(tmp_path):
                 for sparse in (False, True)]
     programs.append((attention._combine_splits_kernel, dict(GROUP=heads, GROUP_P=heads, SPLIT=4096, HEAD_DIM=512),
                      latent_attention._COMBINE_LAUNCH))
+    programs.append((latent_attention._index_scores_kernel,  # GLM-5's indexer: 32 heads of 128
+                     dict(HEADS=32, HEADS_P=32, HEAD_DIM=128, BLOCK_N=latent_attention.SCORE_KEYS, PAGE=16, IEEE=False),
+                     latent_attention._SCORE_LAUNCH))
     for i, (kernel, constants, options) in enumerate(programs):
-        signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
+        types = dict(pointers, **(dict(w_ptr="*fp32", keys_ptr="*bf16", query_pos_ptr="*i64", out_ptr="*fp32",
+                                       scale="fp32") if kernel is latent_attention._index_scores_kernel else {}))
+        signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         ptx = tmp_path / f"program-{i}.ptx"
