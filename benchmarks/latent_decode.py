@@ -139,7 +139,8 @@ def bench_mode(mode: str, args: argparse.Namespace, bandwidth: float, tmp: Path)
         seconds = time_steps(engine, args, context)
         read = step_bytes(engine, args, context, index_topk)
         bound = read["total"] / bandwidth
-        figures[str(context)] = {"step_s": seconds, "bytes": read, "read_bound_s": bound, "fraction_of_bound": bound / seconds,
+        figures[str(context)] = {"step_s": seconds, "bytes": read, "read_bound_s": bound,
+                                 "fraction_of_bound": bound / seconds,
                                  "finite_logits": bool(torch.isfinite(step_at(engine, args, context)).all())}
         print(mode, context, json.dumps(figures[str(context)], default=lambda v: round(v, 6)), flush=True)
     del engine

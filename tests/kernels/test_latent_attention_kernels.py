@@ -151,8 +151,9 @@ def check_backend_against_torch_path(device: str, dtype: torch.dtype, tolerance:
         paged_latent_attention.kernels_serve = serve
 
 def engine_samples(folder: Path, device: str, dtype: str = "float32", **engine) -> dict[str, tuple[list, list]]:
-    """Four prompts of 1 to 30 tokens, sampled together for 16 tokens each through an engine of the model in
-    `folder` (blocks of 4 tokens, `engine`'s settings): each request's token ids and logprobs."""
+    """Four prompts of 1 to 30 tokens (with `speculative` in `engine`: of a 4-token pattern repeated, which n-gram
+    lookup drafts from), sampled together for 16 tokens each through an engine of the model in `folder` (blocks of
+    4 tokens, `engine`'s settings): each request's token ids and logprobs."""
     from tandem.config.base import ModelConfig
     from tandem.config.inference import EngineConfig
     from tandem.inference.engine.sampling_params import SamplingParams
@@ -163,6 +164,8 @@ def engine_samples(folder: Path, device: str, dtype: str = "float32", **engine) 
     rng = random.Random(0)
     for i in range(4):
         prompt = [rng.randrange(256) for _ in range(rng.randint(1, 30))]
+        if "speculative" in engine:
+            prompt = [5 + i, 6, 7, 8] * 6
         served.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True))
     samples: dict[str, tuple[list, list]] = {}
     while served.has_unfinished:
@@ -172,6 +175,7 @@ def engine_samples(folder: Path, device: str, dtype: str = "float32", **engine) 
             logprobs += out.logprobs
     assert sorted(len(ids) for ids, _ in samples.values()) == [16] * 4
     assert (served.runner.graphs is not None) == (device == "cuda" and config.get("cuda_graphs", True))
+    assert (served.stats().num_draft_tokens > 0) == ("speculative" in engine)
     return samples
 
 
@@ -208,6 +212,9 @@ from tandem.kernels import latent_attention
 latent_attention.serves = lambda *dims_and_device: True  # CPU tensors, run by the interpreter
 from test_latent_attention_kernels import check_engine_kernels_against_torch_path
 check_engine_kernels_against_torch_path(Path({folder!r}), "cpu", 1e-5)
+# A token and its drafts: short queries of several tokens, verified in eager steps.
+check_engine_kernels_against_torch_path(Path({folder!r}), "cpu", 1e-5,
+                                        speculative=dict(method="ngram", min_expected_tokens=0))
 print("ok")
 """
 
@@ -221,8 +228,8 @@ def test_latent_kernels_under_tritons_interpreter():
 @needs_triton_interpreter
 @pytest.mark.parametrize("index_topk", [4, 64], ids=["sparse", "topk-past-the-contexts"])
 def test_engine_with_the_kernels_under_tritons_interpreter_samples_as_its_torch_path(index_topk, tmp_path):
-    """tiny-glm5 on the CPU in fp32, four prompts sampled for 16 tokens (contexts to 46): with DSA choosing 4 tokens
-    of most contexts, and with a top-k past every context (dense MLA)."""
+    """tiny-glm5 on the CPU in fp32, four prompts sampled for 16 tokens (contexts to 46), then four that n-gram lookup
+    drafts for: with DSA choosing 4 tokens of most contexts, and with a top-k past every context (dense MLA)."""
     from tandem.models.presets import PRESETS, shape_config, write_model
 
     folder = write_model(shape_config(dict(PRESETS["tiny-glm5"], index_topk=index_topk)), tmp_path / "m")
@@ -232,9 +239,9 @@ def test_engine_with_the_kernels_under_tritons_interpreter_samples_as_its_torch_
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_glm5_attention_programs_compile_for_hopper_without_spills(tmp_path):
     """GLM-5's shape in bf16 (512 latent + 64 RoPE features, `HEADS_PER_PROGRAM` heads a program, dense and sparse;
-    the combination of their chunks; the indexer's scores) compiled for sm_90 by Triton and its bundled ptxas, no GPU needed: the
-    kernels build, and their tiles stay in registers with the engine's launch settings (a spill would move every
-    chunk's output through local memory)."""
+    the combination of their chunks; the indexer's scores) compiled for sm_90 by Triton and its bundled ptxas, no
+    GPU needed: the kernels build, and their tiles stay in registers with the engine's launch settings (a spill
+    would move every chunk's output through local memory)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
