@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.inference.engine.kv_cache import LatentCache
-from tandem.kernels import latent_attention as latent_kernels
 from tandem.inference.engine.paged_attention import SHORT_QUERY_TOKENS, AttentionMetadata
+from tandem.kernels import latent_attention as latent_kernels
 from tandem.models.dsa import IndexerProjections, choose
 from tandem.models.mla import LatentAttention, LatentProjections
 
