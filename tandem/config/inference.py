@@ -152,8 +152,8 @@ class EngineConfig(Section):
     16, 32, ... up to `max_num_seqs`, each for a few bounds of the longest context (512, 2048, 8192, ...
     `max_model_len`; a few seconds and a little memory: each graph keeps its logits, batch x vocabulary);
     with `speculative`, steps that verify drafts too (a graph per batch size, k + 1 tokens a sequence); prefill
-    steps run eager. Latent-attention models (GLM-5, DeepSeek-V3) run every step eager: their torch
-    attention gathers whole contexts, which a graph would hold for good."""
+    steps run eager. Latent-attention models (GLM-5, DeepSeek-V3) replay decode-only steps where their Triton
+    kernels serve (steps that verify drafts, and `speculative.method` = `mtp`, run eager)."""
 
     moe_tile_table: str | None = None
     """CUDA, mixtures of experts: a JSON table of the expert matmuls' tiles by token count, written by

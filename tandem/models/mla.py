@@ -149,15 +149,32 @@ class LatentAttention(nn.Module):
     def attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor,
                         max_pairs: int | None = None) -> torch.Tensor:
         """What `attend_expanded` computes, in the absorbed form (the module docstring): [G, L, H, Dv]."""
-        H, Dn = self.num_heads, self.qk_nope_head_dim
-        w_uk, w_uv = projection_weight(self.kv_b_proj).view(H, Dn + self.v_head_dim, self.kv_lora_rank).split(
-            (Dn, self.v_head_dim), dim=1)
-        q = self.queries(torch.einsum("glhd,hdc->glhc", q_nope, w_uk), q_rope)  # [G, L, H, kv_lora_rank + Dr]
+        q = self.absorbed_queries(q_nope, q_rope)  # [G, L, H, kv_lora_rank + Dr]
         k, v = entries[:, None], entries[:, None, :, :self.kv_lora_rank]  # one head, which every query head reads
         out = [F.scaled_dot_product_attention(q[:, part].transpose(1, 2), k, v, attn_mask=visible[:, None, part],
-                                              scale=(Dn + self.qk_rope_head_dim) ** -0.5, enable_gqa=True)
+                                              scale=self.absorbed_scale, enable_gqa=True)
                for part in query_slices(q.shape[0] * q.shape[1] * entries.shape[1], q.shape[1], max_pairs)]
-        return torch.einsum("ghlc,hvc->glhv", torch.cat(out, dim=2), w_uv)  # [G, H, L, kv_lora_rank] -> [G, L, H, Dv]
+        return self.latent_values(torch.cat(out, dim=2).transpose(1, 2))
+
+    def absorbed_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's per-head W_UK [H, Dn, kv_lora_rank] and W_UV [H, Dv, kv_lora_rank]."""
+        H, Dn = self.num_heads, self.qk_nope_head_dim
+        return projection_weight(self.kv_b_proj).view(H, Dn + self.v_head_dim, self.kv_lora_rank).split(
+            (Dn, self.v_head_dim), dim=1)
+
+    def absorbed_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """Queries q_nope [..., H, Dn], q_rope [..., H, Dr] in the absorbed form, [W_UK^T q_nope | q_rope] times
+        `query_factor`: [..., H, kv_lora_rank + Dr], to attend over entries at `absorbed_scale`."""
+        return self.queries(torch.einsum("...hd,hdc->...hc", q_nope, self.absorbed_projections()[0]), q_rope)
+
+    @property
+    def absorbed_scale(self) -> float:
+        """The softmax scale of absorbed queries on entries: attention's default of the expanded heads."""
+        return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+
+    def latent_values(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output over entries [..., H, kv_lora_rank] -> each head's values [..., H, Dv] (W_UV)."""
+        return torch.einsum("...hc,hvc->...hv", out, self.absorbed_projections()[1])
 
 
 def query_slices(num_pairs: int, num_queries: int, max_pairs: int | None) -> list[slice]:

@@ -1,5 +1,6 @@
-"""The latent cache on CUDA (GLM-5, DeepSeek-V3): the engine (overlapped steps, the MoE kernels, the torch latent
-attention and DSA selection) against a teacher-forced pass of the model under the experts the engine reports."""
+"""The latent cache on CUDA (GLM-5, DeepSeek-V3): the engine (overlapped steps, the MoE kernels, the latent attention
+and DSA kernels, decode steps replayed from CUDA graphs) against a teacher-forced pass of the model under the
+experts the engine reports."""
 
 
 import pytest
@@ -26,6 +27,6 @@ def test_latent_engine_matches_a_teacher_forced_pass(shape, dtype, atol, tmp_pat
     folder = write_model(shape_config(shape), tmp_path / "m")
     engine = build_engine(ModelConfig(name=str(folder), dtype=dtype),
                           EngineConfig(device="cuda", max_num_seqs=16, max_model_len=256, max_num_batched_tokens=96), seed=0)
-    assert isinstance(engine.runner.cache, LatentCache) and engine.runner.graphs is None and engine.overlap
+    assert isinstance(engine.runner.cache, LatentCache) and engine.runner.graphs is not None and engine.overlap
     model = load_causal_lm(str(folder), torch.device("cuda"), dtype)
     check_against_replayed_routing(engine, model, atol)

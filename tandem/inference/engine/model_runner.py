@@ -72,7 +72,8 @@ class PagedModelRunner:
         `keep_forward`: keep each step's `Forward` (`last_forward`); its steps run eager. `cascade`: plans
         decode-only steps' shared prefixes (not with `exact`: the cascade is not batch invariant).
         `num_draft_tokens` (k, speculative decoding): with graphs, steps that verify drafts replay graphs of k + 1
-        tokens a sequence too (not in exact mode, whose attention plans each token on the host)."""
+        tokens a sequence too (not in exact mode, whose attention plans each token on the host, nor over a latent
+        cache, whose steps of several tokens a sequence group them on the host: `paged_latent_attention.py`)."""
         assert not (keep_forward and cuda_graphs and device.type == "cuda"), "a replayed graph keeps no hidden states"
         assert not (cascade and exact), "cascade attention is not batch invariant"
         self.cascade = cascade
@@ -91,7 +92,7 @@ class PagedModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
-            self._tokens_per_seq = 1 + (num_draft_tokens if not exact else 0)
+            self._tokens_per_seq = 1 + (num_draft_tokens if not (exact or isinstance(cache, LatentCache)) else 0)
             self._static = torch.zeros(4, max_num_seqs * self._tokens_per_seq, dtype=torch.long, device=device)
             """Inputs the graphs read: token ids, positions, slots, context lengths (rows of the padded batch; a
             verifying graph's token rows in the first three)."""

@@ -19,10 +19,13 @@ context; a short query gathers its chosen entries alone from the cache ([G, L, i
 so that past `index_topk` tokens its attention reads no more entries however long the context. The choice of each
 group is what the block passes on, and a `shared` layer attends under the last one.
 
-Torch only, on CPU and CUDA: each group gathers its sequences' whole blocks (W x S entries per sequence, padded to
-the group's longest context; a chunk expands them all once), and scores its queries in slices of at most
-`QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long contexts. No
-CUDA graph is captured for this cache: a graph would hold the gathered context of its largest bound for good.
+Short queries take Triton kernels where they serve the shape (CUDA, `kernels_serve`): DSA's index scores and the
+absorbed-form attention read the cache in place through the block tables (`tandem.kernels.latent_attention`), so a
+decode-only step's work is sized by its bound alone and a CUDA graph captures it (`cuda_graphs.py`). Chunks, and
+everything on the CPU, take the torch path: each group gathers its sequences' whole blocks (W x S entries per
+sequence, padded to the group's longest context; a chunk expands them all once), and scores its queries in slices of
+at most `QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long
+contexts. Both paths hand on the same `Chosen`, so a `shared` layer reads either's.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from tandem.inference.engine.kv_cache import LatentCache
 from tandem.inference.engine.paged_attention import SHORT_QUERY_TOKENS, AttentionMetadata
+from tandem.kernels import latent_attention as latent_kernels
 from tandem.models.dsa import IndexerProjections, choose
 from tandem.models.mla import LatentAttention, LatentProjections
 
@@ -45,9 +49,15 @@ class Chosen:
     """A short-query group's DSA choice."""
 
     positions: torch.Tensor
-    """[G, L, index_topk] context positions of each query's chosen tokens."""
-    kept: torch.Tensor
-    """[G, L, index_topk] bool: the position is visible (a query seeing fewer tokens has fewer)."""
+    """[G, L, K] context positions of each query's chosen tokens, highest index score first (K <= index_topk)."""
+    counts: torch.Tensor
+    """[G, L] how many of them the query sees: its first ones (a query seeing fewer than K tokens has fewer; a top-k
+    ranks the positions it cannot see last)."""
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """[G, L, K] bool: the position is one the query sees."""
+        return torch.arange(self.positions.shape[-1], device=self.positions.device) < self.counts[..., None]
 
 
 @dataclass
@@ -56,23 +66,28 @@ class QueryGroup:
 
     rows: torch.Tensor
     """[G, L] the step's token of each query; a padding query repeats its sequence's last one (and its output)."""
+    positions: torch.Tensor
+    """[G, L] each query's position (it sees context tokens 0 to it); negative: a CUDA-graph padding row, context 0."""
     blocks: torch.Tensor
     """[G, W] cache blocks of each sequence's context."""
-    visible: torch.Tensor
-    """[G, L, W x S] bool: context token s is at or before the query's position."""
+    block_size: int
     longest: int
     """A bound on every context of the group (W x S at most)."""
     expanded: bool
     """Attend in the expanded form (a chunk), else the absorbed one."""
 
+    @property
+    def visible(self) -> torch.Tensor:
+        """[G, L, W x S] bool: context token s is at or before the query's position; a padding row sees its first
+        slot, so that its softmax stays finite."""
+        keys = torch.arange(self.blocks.shape[1] * self.block_size, device=self.positions.device)
+        return keys[None, None] <= self.positions.clamp(min=0)[..., None]
 
-def query_group(rows: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor, block_size: int, longest: int,
-                expanded: bool) -> QueryGroup:
-    """A group of queries at `positions` [G, L]; a negative position (a CUDA-graph padding row, context 0) sees
-    its first slot, so that its softmax stays finite."""
-    keys = torch.arange(blocks.shape[1] * block_size, device=positions.device)
-    visible = keys[None, None] <= positions.clamp(min=0)[..., None]
-    return QueryGroup(rows, blocks, visible, longest, expanded)
+
+def kernels_serve(cache: LatentCache, kv_lora_rank: int) -> bool:
+    """Whether short queries over `cache` take the Triton kernels (`tandem.kernels.latent_attention.serves`)."""
+    index_dim = cache.index_keys.shape[-1] if cache.index_keys.shape[0] else None
+    return latent_kernels.serves(kv_lora_rank, cache.entries.shape[-1] - kv_lora_rank, index_dim, cache.entries.device)
 
 
 class PagedLatentAttention:
@@ -96,7 +111,7 @@ class PagedLatentAttention:
             b = m.seq_lens.shape[0]
             bound = m.max_context if m.max_context is not None else m.block_tables.shape[1] * S
             rows = torch.arange(b, device=device)[:, None]
-            return [query_group(rows, (m.seq_lens - 1)[:, None], m.block_tables[:b, :-(-bound // S)], S, bound, False)]
+            return [QueryGroup(rows, (m.seq_lens - 1)[:, None], m.block_tables[:b, :-(-bound // S)], S, bound, False)]
         assert m.query_lens_host is not None and m.seq_lens_host is not None, "a step that prefills has host lengths"
         groups: list[QueryGroup] = []
         short: list[int] = []
@@ -107,7 +122,7 @@ class PagedLatentAttention:
             else:
                 rows = torch.arange(start, start + q_len, device=device)[None]
                 positions = torch.arange(ctx - q_len, ctx, device=device)[None]
-                groups.append(query_group(rows, positions, m.block_tables[i:i + 1, :-(-ctx // S)], S, ctx, True))
+                groups.append(QueryGroup(rows, positions, m.block_tables[i:i + 1, :-(-ctx // S)], S, ctx, True))
             start += q_len
         if short:
             q_lens_host = [m.query_lens_host[i] for i in short]
@@ -117,7 +132,7 @@ class PagedLatentAttention:
             offsets = torch.minimum(torch.arange(max(q_lens_host), device=device)[None], q_lens[:, None] - 1)  # [G, L]
             rows = m.query_start[seqs][:, None] + offsets
             positions = (torch.tensor(lens, device=device) - q_lens)[:, None] + offsets
-            groups.append(query_group(rows, positions, m.block_tables[seqs, :-(-max(lens) // S)], S, max(lens), False))
+            groups.append(QueryGroup(rows, positions, m.block_tables[seqs, :-(-max(lens) // S)], S, max(lens), False))
         return groups
 
     def attend_latent(self, layer_idx: int, attention: LatentAttention, projections: LatentProjections,
@@ -127,13 +142,19 @@ class PagedLatentAttention:
         entries = self.cache.layer(layer_idx)  # [blocks, S, E]
         entries.view(-1, entries.shape[-1]).index_copy_(0, slots, projections.entries[0])
         groups = self.groups()
+        in_place = kernels_serve(self.cache, attention.kv_lora_rank)
         if index is not None:
             keys = self.cache.layer_index_keys(layer_idx)
             keys.view(-1, keys.shape[-1]).index_copy_(0, slots, index.keys[0])
-            selection = [self._select(group, keys, index) for group in groups]
+            selection = [self._select_in_place(group, keys, index) if in_place and not group.expanded
+                         else self._select(group, keys, index) for group in groups]
         q_nope, q_rope = projections.q_nope[0], projections.q_rope[0]  # [N, H, Dn], [N, H, Dr]
         out = q_nope.new_empty(*q_nope.shape[:2], attention.v_head_dim)
         for group, chosen in zip(groups, selection or [None] * len(groups)):
+            if in_place and not group.expanded:
+                out[group.rows] = self._attend_in_place(attention, q_nope[group.rows], q_rope[group.rows], entries,
+                                                        group, chosen)
+                continue
             if isinstance(chosen, Chosen):
                 out[group.rows] = self._attend_chosen(attention, q_nope[group.rows], q_rope[group.rows], entries, group,
                                                       chosen)
@@ -156,6 +177,40 @@ class PagedLatentAttention:
                                         context.flatten(0, 1), chosen.kept.flatten(0, 1)[:, None], QUERY_KEY_PAIRS)
         return out.view(G, L, *out.shape[2:])
 
+    def _attend_in_place(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                         entries: torch.Tensor, group: QueryGroup, chosen: Chosen | None) -> torch.Tensor:
+        """`_attend_chosen`'s result (`chosen`), or the absorbed form's over every visible entry (None), from the
+        kernels reading the cache in place: [G, L, H, Dv]."""
+        G, L = group.rows.shape
+        query_seq, query_pos = self._kernel_queries(group)
+        q = attention.absorbed_queries(q_nope, q_rope).flatten(0, 1)  # [G x L, H, kv_lora_rank + Dr]
+        if chosen is None:
+            lengths, bound, positions = (query_pos + 1).clamp(min=0), group.longest, None
+        else:
+            positions = chosen.positions.flatten(0, 1)
+            lengths, bound = chosen.counts.flatten(), positions.shape[1]
+        out = latent_kernels.latent_attention(q, entries, group.blocks, query_seq, lengths, bound,
+                                              attention.absorbed_scale, attention.kv_lora_rank, positions)
+        return attention.latent_values(out).view(G, L, attention.num_heads, attention.v_head_dim)
+
+    def _select_in_place(self, group: QueryGroup, keys: torch.Tensor, index: IndexerProjections) -> Chosen | None:
+        """`_select` of short queries by the index-score kernel over the cached keys in place."""
+        if group.longest <= self.index_topk:
+            return None
+        G, L = group.rows.shape
+        positions, counts = latent_kernels.choose(index.queries[0][group.rows].flatten(0, 1),
+                                                  index.weights[0][group.rows].flatten(0, 1), keys, group.blocks,
+                                                  *self._kernel_queries(group), group.longest, self.index_topk,
+                                                  QUERY_KEY_PAIRS)
+        return Chosen(positions.view(G, L, -1), counts.view(G, L))
+
+    @staticmethod
+    def _kernel_queries(group: QueryGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' queries of a group: each one's row of the group's blocks and its position, [G x L] each."""
+        G, L = group.rows.shape
+        rows = torch.arange(G, device=group.rows.device)[:, None].expand(G, L)
+        return rows.flatten(), group.positions.flatten()
+
     def _select(self, group: QueryGroup, keys: torch.Tensor, index: IndexerProjections) -> torch.Tensor | Chosen | None:
         """The group's DSA choice from a layer's cached indexer keys: a mask [G, L, W x S] for a chunk, the chosen
         positions for short queries; None where it is every visible token."""
@@ -166,4 +221,4 @@ class PagedLatentAttention:
                                  self.index_topk, QUERY_KEY_PAIRS)
         if group.expanded:
             return torch.zeros_like(group.visible).scatter_(-1, positions, kept)
-        return Chosen(positions, kept)
+        return Chosen(positions, kept.sum(-1))

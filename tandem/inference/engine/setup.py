@@ -35,6 +35,7 @@ from tandem.inference.engine.llm_engine import LLMEngine
 from tandem.inference.engine.lora_merge import AdapterMerger
 from tandem.inference.engine.lora_side_path import LowRankSidePath, apply_side_path, uncovered_projections
 from tandem.inference.engine.model_runner import PagedModelRunner, RecomputeModelRunner
+from tandem.inference.engine.paged_latent_attention import kernels_serve
 from tandem.kernels.cascade_attention import members_per_group
 from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
@@ -169,8 +170,10 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         if side is not None:
             apply_side_path(model, side, blocks=not fused)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
-        # The latent cache's torch attention gathers whole contexts: a graph would keep its largest bound's for good.
-        graphs = engine.cuda_graphs and not isinstance(cache, LatentCache) and (not exact or model_uses_kernels(model, device))
+        # The latent cache's torch path gathers whole contexts (a graph would keep its largest bound's for good); its
+        # kernels read the cache in place. MTP drafting keeps each step's forward, which a replay does not make.
+        in_place = not isinstance(cache, LatentCache) or kernels_serve(cache, model.args.kv_lora_rank)
+        graphs = engine.cuda_graphs and in_place and not mtp and (not exact or model_uses_kernels(model, device))
         cascade = None
         if engine.cascade_attention == "auto" and not exact and isinstance(cache, KVCache):
             members = members_per_group(model.hf_config["num_attention_heads"], cache.keys.shape[3])
