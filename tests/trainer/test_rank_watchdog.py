@@ -11,11 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tandem.config.resolve import free_port
 from tandem.monitor.stop_signals import STOP_GRACE_S
 from tandem.trainer.parallel.watchdog import FLUSH_S, POLL_S
 
 RANKS = Path(__file__).with_name("blocked_rank.py")
+
+pytestmark = pytest.mark.slow  # seconds of waiting on the grace: handed out early, never the suite's tail
 
 
 def is_running(pid: int) -> bool:
@@ -55,7 +59,7 @@ def test_ranks_end_when_torchrun_is_killed_even_blocked_in_a_collective(tmp_path
         # handler had, the first to end is ended by its watchdog (its peer, losing it, may end either way)
         ended = sorted(seconds_until_ended(pid, killed_at, 60) for pid in pids)
         text = log.read_text()
-        assert STOP_GRACE_S <= ended[0] and ended[1] < POLL_S + STOP_GRACE_S + FLUSH_S + 3, (ended, text[-3000:])
+        assert STOP_GRACE_S <= ended[0] and ended[1] < POLL_S + STOP_GRACE_S + FLUSH_S + 5, (ended, text[-3000:])
         assert text.count("is gone: stopping") == 2, text[-3000:]
         assert f"still running {STOP_GRACE_S:.0f} s after a stop signal" in text, text[-3000:]
     finally:
