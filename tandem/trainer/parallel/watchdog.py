@@ -60,7 +60,7 @@ def _watch(read_fd: int, parent: int) -> None:
             stop_deadline = time.monotonic() + STOP_GRACE_S  # a later stop does not move it
         if stop_deadline is not None and time.monotonic() >= stop_deadline:
             _end(f"still running {STOP_GRACE_S:.0f} s after a stop signal (the main thread is blocked, "
-                      "likely in a collective whose peer is gone): exiting")
+                 "likely in a collective whose peer is gone): exiting")
         if os.getppid() != parent:
             log.warning("parent process %d is gone: stopping", parent)
             parent = os.getppid()  # one stop: a later check compares with the new parent
