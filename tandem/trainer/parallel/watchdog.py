@@ -10,7 +10,7 @@ whose peer is gone never returns to.
 A daemon thread covers both cases without the main thread:
 - parent gone (reparented, so `os.getppid()` changed): the rank sends itself SIGTERM, the stop the parent would have
   sent; with no Python handler set that ends it at once;
-- a SIGINT or SIGTERM seen by a Python handler (`signal.set_wakeup_fd`: the interpreter's C-level handler writes
+- a SIGTERM seen by a Python handler (`signal.set_wakeup_fd`: the interpreter's C-level handler writes
   the signal's number to a pipe even while the main thread is in C++): the orderly stop gets `STOP_GRACE_S`, then
   the thread flushes the logs and ends the process with `os._exit(1)`.
 """
@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from tandem.monitor.stop_signals import SIGNALS, STOP_GRACE_S
+from tandem.monitor.stop_signals import STOP_GRACE_S
 
 POLL_S = 0.5
 """How often the parent is checked: a lost parent is noticed within this."""
@@ -56,7 +56,8 @@ def _watch(read_fd: int, parent: int) -> None:
         timeout = POLL_S if stop_deadline is None else max(0.0, min(POLL_S, stop_deadline - time.monotonic()))
         ready, _, _ = select.select([read_fd], [], [], timeout)
         received = os.read(read_fd, 64) if ready else b""
-        if stop_deadline is None and any(number in SIGNALS for number in received):
+        # SIGTERM only, the stop torchrun and the launcher send: a SIGINT may be a debugger's, not a stop
+        if stop_deadline is None and signal.SIGTERM in received:
             stop_deadline = time.monotonic() + STOP_GRACE_S  # a later stop does not move it
         if stop_deadline is not None and time.monotonic() >= stop_deadline:
             _end(f"still running {STOP_GRACE_S:.0f} s after a stop signal (the main thread is blocked, "
