@@ -1,7 +1,8 @@
 """A child process of a run: its own process group, output teed into its log file.
 
-Each child starts a new session so that stopping it reaches its whole tree (torchrun's
-workers, uvicorn's threads): SIGTERM to the group, a grace period, then SIGKILL.
+Each child starts a new session so that stopping it reaches its whole tree: SIGTERM to the group, a grace period,
+then SIGKILL. torchrun's ranks are the exception, in sessions of their own: torchrun forwards the SIGTERM, and a rank
+whose torchrun is gone ends itself (`tandem.trainer.parallel.watchdog`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from tandem.monitor.stop_signals import STOP_GRACE_S
 
 _PR_SET_PDEATHSIG = 1
 # Resolved here, in the parent: the child between fork and exec must take no loader locks.
@@ -68,7 +71,7 @@ class ManagedProcess:
         self._reader.join(timeout=5.0)
         return code
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM the whole group, wait `grace` seconds, then SIGKILL whatever is left."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:

@@ -10,6 +10,7 @@ Shapes: q [B, T, Hq, D], k and v [B, T, Hkv, D], output [B, T, Hq, D].
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Protocol, runtime_checkable
 
@@ -115,7 +116,8 @@ class DocumentCausalAttention:
         self.backends = [SDPA_BACKENDS[b] for b in sdpa_backends]
         self.packed = any(len(lengths) > 1 for lengths in row_lengths)
         self.cu_seqlens: torch.Tensor | None = None
-        if self.packed and device.type == "cuda" and _varlen_attn is not None:
+        if self.packed and device.type == "cuda" and (varlen := _varlen_attn()) is not None:
+            self.varlen = varlen
             flat = [n for lengths in row_lengths for n in lengths]
             offsets = [0]
             for n in flat:
@@ -131,7 +133,7 @@ class DocumentCausalAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.cu_seqlens is not None and q.dtype in VARLEN_DTYPES:
             B, T, H, D = q.shape
-            out = _varlen_attn(q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
+            out = self.varlen(q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
                                self.cu_seqlens, self.max_len)
             return out.view(B, T, H, D)
         if not self.packed:
@@ -156,8 +158,12 @@ class DocumentCausalAttention:
         return out.transpose(1, 2)
 
 
-def _load_varlen_attn():
+@functools.cache
+def _varlen_attn():
     """`varlen_attn(q, k, v, cu_seqlens, max_len)`, causal, GQA allowed; None where torch lacks it.
+
+    Imported at first use, on CUDA: its module imports torch's compiler (dynamo), a second or more of CPU at the
+    start of every process that builds a model, which CPU runs never use.
 
     Its keyword arguments changed across torch releases (`is_causal` in 2.9-2.10, `window_size`
     later; `enable_gqa` once it checks head counts): the signature says which to pass.
@@ -176,5 +182,3 @@ def _load_varlen_attn():
 
     return attend
 
-
-_varlen_attn = _load_varlen_attn()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tandem.models.fp8 import convert_to_fp8, init_fp8_weights, match_quantization
 from tandem.models.fp8_checkpoint import checkpoint_quantization
@@ -62,12 +63,31 @@ def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: to
         args = args_cls.from_hf(hf_config)
     except UnsupportedConfig as err:
         raise ValueError(f"{source}: {err}") from None
-    with torch.device(device):
+    with _InitSkippedOnMeta(), torch.device(device):
         model = model_cls(args)
     model.hf_config = hf_config
     model.to(dtype)
     keep_routers_fp32(model)
     return model
+
+
+_INITS = frozenset({getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")}
+                   | {torch.Tensor.uniform_, torch.Tensor.normal_})
+"""The random initializers module constructors call (`nn.init`'s, and the tensor methods they end in)."""
+
+
+class _InitSkippedOnMeta(TorchFunctionMode):
+    """Module constructors' initialization of meta tensors skipped: it computes nothing there, yet torch runs it
+    through reference implementations whose first call imports its compiler (dynamo), about a second of CPU at the
+    start of a process that builds a model and never compiles, such as a server on the CPU (benchmarks/RESULTS.md)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITS:
+            tensor = args[0] if args else kwargs["tensor"]
+            if tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype, source: str = "config.json",

@@ -21,6 +21,11 @@ from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+STOP_GRACE_S = 10.0
+"""How long a stopped process may take to end on its own (its clean-up is bounded by its own timeouts) before it is
+ended for it: by the launcher's SIGKILL (`tandem.launch.process`), or, for a torchrun rank, by its own watchdog
+(`tandem.trainer.parallel.watchdog`)."""
+
 
 class Stopped(BaseException):
     """A stop signal was received. A `BaseException`, as `KeyboardInterrupt` is: no `except Exception` swallows it."""

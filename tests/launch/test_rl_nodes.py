@@ -20,6 +20,7 @@ from short_runs import env
 from test_rl_e2e import EXAMPLE, REPO, steps_of, tandem
 
 from tandem.config.resolve import free_port
+from tandem.monitor.stop_signals import STOP_GRACE_S
 from tandem.transport.paths import rollout_file
 
 
@@ -82,6 +83,27 @@ def test_two_nodes_train_together_then_a_lost_node_stops_the_other(tiny, tmp_pat
     for pid in json.loads((out / "logs" / "pids.node0.json").read_text()).values():
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
+    # nor any trainer rank, in torchrun's sessions of their own: one waiting in a collective with the lost node's rank
+    # ends by its watchdog within the grace of its stop
+    deadline = time.monotonic() + STOP_GRACE_S + 10
+    while processes_naming(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_naming(out)
+
+
+def processes_naming(folder: Path) -> list[str]:
+    """The command lines that name `folder` (a run's processes pass it their configs) of processes not yet ended:
+    a zombie, ended and waiting for its new parent to reap it, does not count."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ended = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, IndexError):  # not a process, or one that ended meanwhile
+            continue
+        if str(folder) in command and not ended:
+            found.append(command)
+    return found
 
 
 def test_a_node_that_never_comes_is_named_within_the_join_timeout(tiny, tmp_path):

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tandem.trainer.parallel.watchdog import start_rank_watchdog
+
 DP_SHARD = "dp_shard"
 """Mesh axis over which FSDP shards the dense parameters, gradients and optimizer state (all ranks)."""
 EP = "ep"
@@ -111,6 +113,7 @@ def init_parallel(device: Literal["auto", "cpu", "cuda"], ep: int = 1, cp: int =
     backend = "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
         if launched:
+            start_rank_watchdog()  # before the first collective: joining the group already waits on the peers
             dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
