@@ -5,20 +5,7 @@
 # does not stop the others.
 #
 #     bash benchmarks/exact_gpu.sh OUT_DIR        # PYTHON=... picks the interpreter (default: python)
-set -u
-mkdir -p "${1:?usage: bash benchmarks/exact_gpu.sh OUT_DIR}"
-out=$(cd "$1" && pwd)
-python=${PYTHON:-python}
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-run() {  # name, seconds, command...: its output in OUT_DIR/name.log, its exit status in OUT_DIR/status.txt
-    local name=$1 seconds=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$seconds" "$@" > "$out/$name.log" 2>&1
-    echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/status.txt"
-}
+source "$(dirname "$0")/gpu_script.sh" "$@"
 
 run tests 150 "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_batch_invariant.py tests/trainer/test_exact_parity.py \
     -k "cuda" --junitxml "$out/tests.xml"

@@ -4,14 +4,11 @@
 # against itself eager; the latent engine against a teacher-forced pass), then `latent_decode.py` at 4k, 32k and
 # 128k context, batch 8, DSA on and off. Each part's output goes to OUT_DIR; a failing part does not stop the other.
 #
-#     bash benchmarks/latent_gpu.sh OUT_DIR        # default OUT_DIR: $OUT
-set -u
-out=$(mkdir -p "${1:-${OUT:?give OUT_DIR}}" && cd "${1:-$OUT}" && pwd)
-cd "$(dirname "$0")/.." && export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+#     bash benchmarks/latent_gpu.sh OUT_DIR        # default OUT_DIR: $OUT; PYTHON=... picks the interpreter
+source "$(dirname "$0")/gpu_script.sh" "$@"
 
-timeout 130 python -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_latent_attention_kernels.py \
-    tests/inference/test_gpu_latent_cache.py 2>&1 | tee "$out/tests.log" | tail -40
-echo "tests: exit ${PIPESTATUS[0]}"
-cd benchmarks
-timeout 160 python latent_decode.py --out "$out/latent-decode.json" 2>&1 | tee "$out/latent-decode.log" | tail -30
-echo "latent_decode: exit ${PIPESTATUS[0]}"
+run tests 130 "$python" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_latent_attention_kernels.py \
+    tests/inference/test_gpu_latent_cache.py
+tail -40 "$out/tests.log"
+run latent_decode 160 "$python" benchmarks/latent_decode.py --out "$out/latent-decode.json"
+tail -30 "$out/latent_decode.log"

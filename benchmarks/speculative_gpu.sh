@@ -6,18 +6,16 @@
 # drafting bar. Results and logs go under OUT_DIR.
 #
 #     bash benchmarks/speculative_gpu.sh OUT_DIR        # PYTHON=... picks the interpreter (default: python)
-set -u
-mkdir -p "${1:?usage: bash benchmarks/speculative_gpu.sh OUT_DIR}"
-out=$(cd "$1" && pwd)
-python=${PYTHON:-python}
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/gpu_script.sh" "$@"
 shape=(--preset qwen3-0.6b --device cuda --requests 64 --prompt-tokens 128 --max-tokens 256 --breakdown)
 
-timeout 50 "$python" -m pytest -q -x -p no:cacheprovider tests/inference/test_gpu_speculative.py 2>&1 | tail -4
+run tests 50 "$python" -m pytest -q -x -p no:cacheprovider tests/inference/test_gpu_speculative.py
+tail -4 "$out/tests.log"
 echo "== n-gram against the default engine, T = 0 and 1"
-timeout 80 "$python" benchmarks/speculative.py "${shape[@]}" --temperatures 0,1 --engines default,ngram \
-    --out "$out/spec-ngram-breakdown.json" 2>&1 | grep -v -i warn | tail -34
+run ngram 80 "$python" benchmarks/speculative.py "${shape[@]}" --temperatures 0,1 --engines default,ngram \
+    --out "$out/spec-ngram-breakdown.json"
+grep -v -i warn "$out/ngram.log" | tail -34
 echo "== n-gram alone, T = 0, drafting bar 1.5 accepted drafts a sequence (compare with the default's T = 0 above)"
-timeout 45 "$python" benchmarks/speculative.py "${shape[@]}" --temperatures 0 --engines ngram --min-expected-tokens 1.5 \
-    --out "$out/spec-ngram-bar15.json" 2>&1 | grep -v -i warn | tail -12
+run ngram_bar15 45 "$python" benchmarks/speculative.py "${shape[@]}" --temperatures 0 --engines ngram \
+    --min-expected-tokens 1.5 --out "$out/spec-ngram-bar15.json"
+grep -v -i warn "$out/ngram_bar15.log" | tail -12

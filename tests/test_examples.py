@@ -33,10 +33,15 @@ class OneGpu:
         return 43210
 
 
-@pytest.mark.parametrize("config", sorted(str(p.relative_to(EXAMPLES.parent)) for p in EXAMPLES.glob("*/*_gpu.toml")))
-def test_the_one_gpu_examples_resolve_on_one_gpu(config, monkeypatch):
+ONE_GPU_EXAMPLES = [[str(p.relative_to(EXAMPLES.parent))] for p in sorted(EXAMPLES.glob("*/*_gpu.toml"))] + [
+    ["examples/reverse_text/rl_lora_gpu.toml", "examples/reverse_text/lora_shared_base.toml"]]
+"""Each `*_gpu.toml`, and the overlays its README layers on it."""
+
+
+@pytest.mark.parametrize("configs", ONE_GPU_EXAMPLES, ids=lambda configs: "+".join(Path(c).stem for c in configs))
+def test_the_one_gpu_examples_resolve_on_one_gpu(configs, monkeypatch):
     monkeypatch.chdir(EXAMPLES.parent)
-    resolved = parse_rl_args(["@", config], environ={}, machine=OneGpu())
+    resolved = parse_rl_args([arg for config in configs for arg in ("@", config)], environ={}, machine=OneGpu())
     assert resolved.deployment.trainer_devices == resolved.deployment.inference_devices == [0]
     if resolved.trainer.lora.enabled:
         assert resolved.inference.engine.lora == resolved.trainer.lora

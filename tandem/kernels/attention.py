@@ -205,6 +205,38 @@ if triton is not None:
         tl.store(part_stats_ptr + stat, m, mask=keep)
         tl.store(part_stats_ptr + stride_sm + stat, l, mask=keep)
 
+    @triton.jit
+    def _workspace_rows(seq, kv_head, stride_pb, stride_ph, stride_sb, stride_sh,
+                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Where the chunk results of sequence `seq`'s heads of KV head `kv_head` lie in the workspace: (real head
+        rows of the padded group, the heads, the features, the outputs' and the statistics' offsets)."""
+        g = tl.arange(0, GROUP_P)
+        row_ok = g < GROUP
+        head = kv_head * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
+        part = seq.to(tl.int64) * stride_pb + head * stride_ph
+        stat = seq.to(tl.int64) * stride_sb + head * stride_sh
+        return row_ok, head, d, part, stat
+
+    @triton.jit
+    def _fold_chunks(m, l, acc, part_out_ptr, part_stats_ptr, part, stat, first, count, row_ok, d, stride_ps,
+                     stride_sm):
+        """Chunks first..first+count-1 of one sequence's workspace folded, in that order, into the running (max,
+        sum, output); an empty chunk (its max -inf) adds nothing."""
+        for split in range(first, first + count):
+            m_s = tl.load(part_stats_ptr + stat + split, mask=row_ok, other=float("-inf"))
+            l_s = tl.load(part_stats_ptr + stride_sm + stat + split, mask=row_ok, other=0.0)
+            acc_s = tl.load(part_out_ptr + (part + split * stride_ps)[:, None] + d[None, :], mask=row_ok[:, None],
+                            other=0.0)
+            m_new = tl.maximum(m, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            beta = tl.exp2(m_s - m_safe)
+            l = l * alpha + l_s * beta
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            m = m_new
+        return m, l, acc
+
     @triton.jit(do_not_specialize=["stride_sb", "stride_sh"])
     def _combine_splits_kernel(
         out_ptr, part_out_ptr, part_stats_ptr, seq_lens_ptr, query_start_ptr, stride_on, stride_oh,
@@ -214,29 +246,15 @@ if triton is not None:
         """The chunks of one sequence's decode, combined one after another in chunk order (a fixed order:
         the result depends only on the sequence's context)."""
         seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        ctx = tl.load(seq_lens_ptr + seq)
-        num_splits = tl.cdiv(ctx, SPLIT)
-        g = tl.arange(0, GROUP_P)
-        row_ok = g < GROUP
-        head = kv_head * GROUP + g
-        d = tl.arange(0, HEAD_DIM)
-        part = seq.to(tl.int64) * stride_pb + head * stride_ph
-        stat = seq.to(tl.int64) * stride_sb + head * stride_sh
+        num_splits = tl.cdiv(tl.load(seq_lens_ptr + seq), SPLIT)
+        row_ok, head, d, part, stat = _workspace_rows(seq, tl.program_id(1), stride_pb, stride_ph, stride_sb,
+                                                      stride_sh, GROUP, GROUP_P, HEAD_DIM)
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
         # A sequence of one chunk was finished by its chunk's program: nothing to combine.
-        for split in range(0, tl.where(num_splits > 1, num_splits, 0)):
-            m_s = tl.load(part_stats_ptr + stat + split, mask=row_ok, other=0.0)
-            l_s = tl.load(part_stats_ptr + stride_sm + stat + split, mask=row_ok, other=0.0)
-            acc_s = tl.load(part_out_ptr + (part + split * stride_ps)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-            m_new = tl.maximum(m, m_s)
-            alpha = tl.exp2(m - m_new)
-            beta = tl.exp2(m_s - m_new)
-            l = l * alpha + l_s * beta
-            acc = acc * alpha[:, None] + acc_s * beta[:, None]
-            m = m_new
+        m, l, acc = _fold_chunks(m, l, acc, part_out_ptr, part_stats_ptr, part, stat, 0,
+                                 tl.where(num_splits > 1, num_splits, 0), row_ok, d, stride_ps, stride_sm)
         token = tl.load(query_start_ptr + seq).to(tl.int64)
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + token * stride_on + head[:, None] * stride_oh + d[None, :],

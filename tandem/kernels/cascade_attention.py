@@ -38,7 +38,7 @@ from tandem.kernels.attention import SPLIT_KEYS, _cache_scales, next_pow2, decod
 if triton is not None:
     import triton.language as tl
 
-    from tandem.kernels.attention import _attend_keys
+    from tandem.kernels.attention import _attend_keys, _fold_chunks, _workspace_rows
 
     @triton.jit(do_not_specialize=["stride_ps"])
     def _shared_prefix_kernel(
@@ -114,24 +114,6 @@ if triton is not None:
         tl.store(part_stats_ptr + stat, m, mask=row_ok)
         tl.store(part_stats_ptr + stride_sm + stat, l, mask=row_ok)
 
-    @triton.jit
-    def _fold_chunks(m, l, acc, part_out_ptr, part_stats_ptr, part, stat, first, count, row_ok, d, stride_ps,
-                     stride_sm):
-        """Chunks first..first+count-1 of one sequence's workspace folded into the running (max, sum, output)."""
-        for split in range(first, first + count):
-            m_s = tl.load(part_stats_ptr + stat + split, mask=row_ok, other=float("-inf"))
-            l_s = tl.load(part_stats_ptr + stride_sm + stat + split, mask=row_ok, other=0.0)
-            acc_s = tl.load(part_out_ptr + (part + split * stride_ps)[:, None] + d[None, :], mask=row_ok[:, None],
-                            other=0.0)
-            m_new = tl.maximum(m, m_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            beta = tl.exp2(m_s - m_safe)
-            l = l * alpha + l_s * beta
-            acc = acc * alpha[:, None] + acc_s * beta[:, None]
-            m = m_new
-        return m, l, acc
-
     @triton.jit(do_not_specialize=["num_prefix_splits", "stride_ps", "stride_sb", "stride_sh"])
     def _merge_kernel(
         out_ptr, part_out_ptr, part_stats_ptr, seq_lens_ptr, query_start_ptr, seq_prefix_ptr, num_prefix_splits,
@@ -141,15 +123,10 @@ if triton is not None:
         """Sequence `program_id(0)`'s output by the heads of KV head `program_id(1)`: its prefix chunks, then its
         own, combined in that order."""
         seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
         ctx = tl.load(seq_lens_ptr + seq)
         prefix = tl.load(seq_prefix_ptr + seq)
-        g = tl.arange(0, GROUP_P)
-        row_ok = g < GROUP
-        head = kv_head * GROUP + g
-        d = tl.arange(0, HEAD_DIM)
-        part = seq.to(tl.int64) * stride_pb + head * stride_ph
-        stat = seq.to(tl.int64) * stride_sb + head * stride_sh
+        row_ok, head, d, part, stat = _workspace_rows(seq, tl.program_id(1), stride_pb, stride_ph, stride_sb,
+                                                      stride_sh, GROUP, GROUP_P, HEAD_DIM)
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)

@@ -141,8 +141,8 @@ def launch_config(M: int) -> dict:
     """Tiles by the number of rows: small tiles where few tokens run (decode), so that more programs share the
     weight's columns; BLOCK_K is the scale group, so each partial product has one pair of scales. One program per
     tile: the kernel can also split the reduction (`SPLIT_K`, for decode steps whose few column tiles leave most
-    multiprocessors idle), which `benchmarks/fp8_matmul.py` times; the engine does not split until a GPU run shows
-    it pays."""
+    multiprocessors idle), which `benchmarks/fp8_matmul.py` times; the engine does not split, since splitting has not
+    been shown to pay there."""
     if M <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
     if M <= 64:

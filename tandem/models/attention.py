@@ -162,8 +162,8 @@ class DocumentCausalAttention:
 def _varlen_attn():
     """`varlen_attn(q, k, v, cu_seqlens, max_len)`, causal, GQA allowed; None where torch lacks it.
 
-    Imported at first use, on CUDA: its module imports torch's compiler (dynamo), a second or more of CPU at the
-    start of every process that builds a model, which CPU runs never use.
+    Imported at first use, on CUDA: its module imports torch's compiler (dynamo), a cost at the start of every
+    process that builds a model, which CPU runs never use.
 
     Its keyword arguments changed across torch releases (`is_causal` in 2.9-2.10, `window_size`
     later; `enable_gqa` once it checks head counts): the signature says which to pass.

@@ -78,8 +78,8 @@ _INITS = frozenset({getattr(nn.init, name) for name in dir(nn.init) if name.ends
 
 class _InitSkippedOnMeta(TorchFunctionMode):
     """Module constructors' initialization of meta tensors skipped: it computes nothing there, yet torch runs it
-    through reference implementations whose first call imports its compiler (dynamo), about a second of CPU at the
-    start of a process that builds a model and never compiles, such as a server on the CPU (benchmarks/RESULTS.md)."""
+    through reference implementations whose first call imports its compiler (dynamo), a cost at the start of every
+    process that builds a model and never compiles, such as a server on the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
