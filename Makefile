@@ -2,6 +2,11 @@
 # regenerates the key reference of docs/configuration.md.
 # Both create or update .venv on their own, keyed on a stamp file.
 PY ?= python3.11
+
+# Each module is compiled to a .pyc file by its first import, and later imports load it, even where the shell sets
+# PYTHONDONTWRITEBYTECODE (then every process would compile all it imports, again and again): the suite imports
+# about a fifth of the venv's files, so compiling all of them at install costs more than it saves.
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 STAMP := $(VENV)/.stamp
 BIN := $(VENV)/bin
@@ -12,10 +17,6 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, pinned: the local CPU wheel; a looser spec could pull a CUDA build.
 	$(BIN)/pip install -q --no-compile -c constraints.txt torch
 	$(BIN)/pip install -q --no-compile -c constraints.txt -e '.[dev,verifiers]'
-	# Byte-compiled once here, on every core (pip compiles on one): a process then loads .pyc files even where
-	# PYTHONDONTWRITEBYTECODE keeps imports from writing them. A file that does not compile (a package's
-	# templates) is skipped, as pip skips it.
-	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 .PHONY: venv rl test docs
@@ -27,7 +28,6 @@ rl: $(STAMP)
 # Two workers (CI's two cores), each module on one of them, modules with slow tests handed out first
 # (tests/conftest.py says how they share the cores).
 test: $(STAMP)
-	$(BIN)/python -m compileall -q -j 0 tandem tests > /dev/null
 	$(BIN)/python -m pytest -q -x -n 2 --dist loadscope --no-loadscope-reorder tests
 
 docs: $(STAMP)

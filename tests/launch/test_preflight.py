@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from short_runs import env
@@ -27,6 +28,20 @@ from tandem.transport.types import decode_batch
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def preflight_only(tiny, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`tandem rl --preflight-only`: the real launcher, server and preflight processes; what it printed and its run
+    folder. One run serves the test of what it leaves and the test of its report, since a run's start costs more
+    than its checks."""
+    out = tmp_path_factory.mktemp("preflight-only") / "run"
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "rl", "--model.name", str(tiny), "--output-dir", str(out),
+                           "--preflight-only", "--seq-len", "256", "--orchestrator.batch-size", "8",
+                           "--orchestrator.group-size", "4", "--inference.server.port", "0"],
+                          env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done, out
 
 
 @contextmanager
@@ -70,8 +85,10 @@ class FaithfulText:
         return self.inner.apply_chat_template(kept, **kwargs)
 
 
-def test_matching_engine_and_trainer_pass_with_a_plan_and_a_table(tiny, tmp_path, capsys):
-    report = preflight(tiny, tmp_path)
+@pytest.mark.slow
+def test_matching_engine_and_trainer_pass_with_a_plan_and_a_table(preflight_only):
+    done, out = preflight_only
+    report = json.loads((preflight_dir(out) / "report.json").read_text())
     # fp32 on both sides: the engine's paged attention and the trainer's SDPA round differently, but barely.
     assert report["kl_ok"] and 0 <= report["mismatch_kl"] < 1e-7
     assert report["num_turns"] == 8 and report["num_loss_tokens"] > 0
@@ -80,9 +97,9 @@ def test_matching_engine_and_trainer_pass_with_a_plan_and_a_table(tiny, tmp_path
     assert memory["engine_share"] == 1.0 and memory["fits"] and memory["device_total"] > memory["process_peak"] > 0
     overlap = report["overlap"]
     assert overlap["step_async_s"] == pytest.approx(max(overlap["t_generate_s"], overlap["t_train_s"]))
-    saved = preflight_dir(tmp_path)
+    saved = preflight_dir(out)
     assert f"chat-template prefix breaks  {report['num_prefix_breaks']} of 8 turns" in (saved / "report.txt").read_text()
-    assert "mismatch KL (probe)" in capsys.readouterr().out
+    assert "mismatch KL (probe)" in done.stdout
     assert json.loads((saved / "orchestrator.json").read_text())["num_turns"] == 8
 
 
@@ -131,15 +148,9 @@ def test_a_server_that_does_not_answer_stops_the_orchestrator_preflight_naming_i
     assert not (preflight_dir(tmp_path) / "trainer.json").exists()
 
 
-@pytest.mark.slow
-def test_preflight_only_runs_the_checks_and_nothing_else(tiny, tmp_path):
-    """`tandem rl --preflight-only`: the real launcher, server and trainer processes; no step is trained."""
-    out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "rl", "--model.name", str(tiny), "--output-dir", str(out),
-                           "--preflight-only", "--seq-len", "256", "--orchestrator.batch-size", "8",
-                           "--orchestrator.group-size", "4", "--inference.server.port", "0"],
-                          env=env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_preflight_only_runs_the_checks_and_nothing_else(preflight_only):
+    """`tandem rl --preflight-only`: the checks ran (their report), and no step is trained."""
+    done, out = preflight_only
     assert "mismatch KL (probe)" in done.stdout and (preflight_dir(out) / "report.json").is_file()
     assert not (out / "metrics.jsonl").exists() and not (out / "rollouts").exists()
 
