@@ -4,8 +4,8 @@
 PY ?= python3.11
 
 # Each module is compiled to a .pyc file by its first import, and later imports load it, even where the shell sets
-# PYTHONDONTWRITEBYTECODE (then every process would compile all it imports, again and again): the suite imports
-# about a fifth of the venv's files, so compiling all of them at install costs more than it saves.
+# PYTHONDONTWRITEBYTECODE (then every process would compile all it imports, again and again): what runs imports a
+# small part of the venv's files, so compiling all of them at install costs more than it saves.
 unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 STAMP := $(VENV)/.stamp
