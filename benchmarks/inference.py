@@ -209,6 +209,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`engine.cascade_min_saved_tokens`")
     parser.add_argument("--fp8-experts", action=argparse.BooleanOptionalAction, default=defaults.fp8_experts,
                         help="`engine.fp8_experts`: with an FP8 quantization, the routed experts in FP8 too")
+    parser.add_argument("--fp8-tile-table", default=defaults.fp8_tile_table,
+                        help="`engine.fp8_tile_table`: the dense FP8 products' choices, written by benchmarks/fp8_matmul.py "
+                        "--table-out (default: the table shipped for the GPU, else the rule)")
 
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int,
@@ -218,7 +221,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: in
                         compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table, fused_blocks=args.fused_blocks,
                         kv_cache_dtype=kv_cache_dtype, cascade_attention=args.cascade_attention,
                         cascade_min_saved_tokens=args.cascade_min_saved_tokens, quantization=quantization,
-                        fp8_experts=args.fp8_experts)
+                        fp8_experts=args.fp8_experts, fp8_tile_table=args.fp8_tile_table)
 
 
 def sync(device: torch.device) -> None:
@@ -607,7 +610,8 @@ def main() -> None:
                      "cascade_attention": args.cascade_attention, "cascade_min_saved_tokens": args.cascade_min_saved_tokens,
                      "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact,
                      "fused_blocks": args.fused_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "kv_cache_dtypes": kv_cache_dtypes, "quantizations": quantizations, "fp8_experts": args.fp8_experts}
+                     "kv_cache_dtypes": kv_cache_dtypes, "quantizations": quantizations, "fp8_experts": args.fp8_experts,
+                     "fp8_tile_table": args.fp8_tile_table}
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
