@@ -90,17 +90,23 @@ def fp8_linear(x: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | Non
     """`F.linear` with a block-FP8 weight: x [..., K] -> [..., N] in x's dtype (bias added after the product, in fp32)."""
     x2 = x.reshape(-1, x.shape[-1])
     if kernel_serves(x.device):
-        product, tiles = weight.tiles.choose(x2.shape[0]) if weight.tiles is not None else ("triton", None)
-        if product == "scaled_mm":
-            x_fp8, x_scale = quantize_activations(x2, SCALED_MM_ROWS)
-            out = scaled_mm(x_fp8, x_scale, weight, bias, x.dtype)[:x2.shape[0]]
-        else:
-            x_fp8, x_scale = quantize_activations(x2)
-            out = matmul(x_fp8, x_scale, weight, bias, x.dtype, tiles)
+        out = fp8_product(quantize_activations(x2, SCALED_MM_ROWS), x2.shape[0], weight, bias, x.dtype)
     else:
         x_fp8, x_scale = reference_quantize_activations(x2)
         out = reference_matmul(x_fp8, x_scale, weight, bias, x.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_product(quantized: tuple[torch.Tensor, torch.Tensor], num_rows: int, weight: BlockFp8Weight,
+                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x @ W.T (+ bias) -> [num_rows, N] for x [num_rows, K] already quantized: `quantize_activations(x,
+    SCALED_MM_ROWS)`, or a kernel that quantizes as it does (`tandem.kernels.pointwise.rms_norm_fp8`), its rows padded
+    so (cuBLAS's product wants them so); by the implementation and tiles `weight.tiles` chooses for `num_rows`."""
+    x_fp8, x_scale = quantized
+    product, tiles = weight.tiles.choose(num_rows) if weight.tiles is not None else ("triton", None)
+    if product == "scaled_mm":
+        return scaled_mm(x_fp8, x_scale, weight, bias, out_dtype)[:num_rows]
+    return matmul(x_fp8[:num_rows], x_scale[:num_rows], weight, bias, out_dtype, tiles)
 
 
 def reference_quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:

@@ -305,6 +305,31 @@ def test_fp8_on_cuda_stays_close_to_bf16(tiny_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU of compute capability 8.9 or newer")
+def test_fp8_on_cuda_with_a_tile_table_stays_close_to_bf16(tiny_dir, tmp_path):
+    """`engine.fp8_tile_table`: each product takes its table's choice by token count (split Triton tiles for decode
+    batches; cuBLAS's block-scaled product from 9 rows on, where the weight is whole 128 x 128 blocks, else the rule),
+    every choice warmed at start; the results stay as close to bf16 as the rule's."""
+    config = json.loads((tiny_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    shapes = [((config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim, hidden),
+              (hidden, config["num_attention_heads"] * head_dim), (2 * inter, hidden), (hidden, inter)]
+    split = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3, SPLIT_K=2)
+    entries = [{"num_tokens": 1, "product": "triton", "tiles": split},
+               {"num_tokens": 8, "product": "triton", "tiles": dict(split, SPLIT_K=1)},
+               {"num_tokens": 256, "product": "scaled_mm"}]
+    table = tmp_path / "fp8_tiles.json"
+    table.write_text(json.dumps({"device": "test", "shapes": {f"n={n},k={k}": entries for n, k in shapes}}))
+    engine = engine_for(tiny_dir, device="cuda", max_num_seqs=8, fp8_tile_table=str(table))
+    projections = engine.runner.model.layers[0].forward.args[1]
+    assert projections.qkv.tiles.choose(100) == ("triton", None)  # q, k, v of 128, 64, 64 rows: not whole blocks
+    assert projections.o.tiles.choose(100) == projections.down.tiles.choose(9) == ("scaled_mm", None)
+    assert projections.gate_up.tiles.choose(1) == ("triton", split)
+    check_close_to_unquantized(generate(engine), load_causal_lm(str(tiny_dir), "cuda"), "cuda", FACTORS_PER_BLOCK)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU of compute capability 8.9 or newer")
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-glm4-moe"])
 def test_fp8_experts_on_cuda_stay_close_to_bf16(preset, tiny_moe_dir, tiny_glm_dir):
     """The fused MoE kernels in block FP8 (routed experts), the dense FP8 feed-forward (shared experts), decode steps

@@ -27,7 +27,8 @@ from torch import nn
 
 from tandem.kernels import pointwise
 from tandem.kernels import fp8_tiles
-from tandem.kernels.fp8 import MIN_CAPABILITY, BlockFp8Weight, fp8_linear, kernel_serves, whole_blocks
+from tandem.kernels.fp8 import (MIN_CAPABILITY, SCALED_MM_ROWS, BlockFp8Weight, fp8_linear, fp8_product, kernel_serves,
+                                whole_blocks)
 from tandem.models.attention import AttentionBackend, CachedAttention
 from tandem.models.decoder import DecoderLayer, attention_residual, normed_rotated
 from tandem.models.fp8 import Fp8Linear, stack_fp8_rows
@@ -145,16 +146,20 @@ def fp8_block_forward(block: DecoderLayer, proj: Fp8Projections, kernels: bool, 
     post_norm_weight = block.post_attention_layernorm.weight
     if (kernels and isinstance(backend, CachedAttention) and backend.reads_only_the_cache(head_dim, x.device)
             and pointwise.is_available(x)):
-        x_ND = x[0]
-        _, h = pointwise.rms_norm(x_ND, norm_weight, eps)
-        q, k, v = fp8_linear(h, proj.qkv, proj.qkv_bias).split(proj.qkv_sizes, dim=-1)
+        x_ND, num_tokens = x[0], x.shape[1]
+        # The norms quantize what they write for the products they feed (`rms_norm_fp8`: no kernel reads them back).
+        _, _, h_fp8 = pointwise.rms_norm_fp8(x_ND, norm_weight, eps, row_multiple=SCALED_MM_ROWS)
+        q, k, v = fp8_product(h_fp8, num_tokens, proj.qkv, proj.qkv_bias, x.dtype).split(proj.qkv_sizes, dim=-1)
         q_NHD = pointwise.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_norm_weight, k_norm_weight, eps,
                                              *backend.cache_slots(layer))
         attended = backend.attend_cached(layer, q_NHD)
-        x_ND, h = pointwise.rms_norm(x_ND, post_norm_weight, eps, delta=fp8_linear(attended.flatten(1), proj.o, proj.o_bias))
-        if proj.gate_up is None:
+        o = fp8_linear(attended.flatten(1), proj.o, proj.o_bias)
+        if proj.gate_up is None:  # the experts (and their router) take the norm in the activations' dtype
+            x_ND, h = pointwise.rms_norm(x_ND, post_norm_weight, eps, delta=o)
             return (x_ND + block.mlp(h[None])[0])[None]
-        return (x_ND + fp8_feed_forward(proj.gate_up, proj.down, True, h))[None]
+        x_ND, _, h_fp8 = pointwise.rms_norm_fp8(x_ND, post_norm_weight, eps, delta=o, row_multiple=SCALED_MM_ROWS)
+        gate_up_out = fp8_product(h_fp8, num_tokens, proj.gate_up, None, x.dtype)
+        return (x_ND + fp8_linear(pointwise.silu_mul(gate_up_out), proj.down))[None]
     h = rms_norm(x, norm_weight, eps)
     q, k, v = fp8_linear(h, proj.qkv, proj.qkv_bias).split(proj.qkv_sizes, dim=-1)
     attended = backend.attend(layer, *normed_rotated(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim))
