@@ -8,12 +8,14 @@
 #     bash benchmarks/fp8_gpu.sh OUT_DIR        # PYTHON=... picks the interpreter (default: python)
 source "$(dirname "$0")/gpu_script.sh" "$@"
 
-run tests 60 "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_fp8_tiles.py \
-    "tests/inference/test_fp8_engine.py::test_fp8_on_cuda_with_a_tile_table_stays_close_to_bf16" --junitxml "$out/tests.xml"
+run tests 70 "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_pointwise.py \
+    "tests/inference/test_fp8_engine.py::test_fp8_on_cuda_with_a_tile_table_stays_close_to_bf16" -k cuda \
+    --junitxml "$out/tests.xml"
 cd benchmarks
 run sweep 75 "$python" fp8_matmul.py --shapes all --token-counts 1,16,64,256,512,2048,4096 --moe-preset '' \
     --out "$out/fp8_matmul.json" --table-out "$out/fp8_tiles.json"
-run moe_tune 55 "$python" moe_tune.py --preset qwen3-30b-a3b --fp8 --token-counts 16,256,4096 --budget-s 25 \
+# Workload A's decode batch (256 sequences; fewer take the same entry) and its prefill chunk (4,096 tokens).
+run moe_tune 50 "$python" moe_tune.py --preset qwen3-30b-a3b --fp8 --token-counts 256,4096 --budget-s 30 \
     --out "$out/moe_fp8"
 if [ -f "$out/moe_fp8/moe_tiles.json" ]; then  # the GPU's shipped shapes (bf16's tuned tiles), then the FP8 ones
     "$python" - "$out/moe_fp8/moe_tiles.json" "$out/moe_tiles.json" <<'EOF'
@@ -30,7 +32,7 @@ fi
 tables=()
 [ -f "$out/fp8_tiles.json" ] && tables+=(--fp8-tile-table "$out/fp8_tiles.json")
 [ -f "$out/moe_tiles.json" ] && tables+=(--moe-tile-table "$out/moe_tiles.json")
-run engine 105 "$python" inference.py --preset qwen3-30b-a3b --num-layers 12 --device cuda --parts engine --workloads A \
+run engine 100 "$python" inference.py --preset qwen3-30b-a3b --num-layers 12 --device cuda --parts engine --workloads A \
     --quantizations none,fp8 --fp8-experts --repeats 1 --profile "${tables[@]}" --out "$out/engine_A.json"
 
 echo "=== status"; cat "$out/status.txt"
