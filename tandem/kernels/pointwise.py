@@ -68,7 +68,7 @@ if triton is not None:
         """x rounded to the dtype `like_ptr` points to, back in fp32 (a no-op for fp32)."""
         return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows", "rows_out"])  # one compiled kernel for every row count
     def _rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, q_ptr, scale_ptr, num_rows, rows_out, stride_x,
                          stride_delta, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
                          STORE_NORM: tl.constexpr, QUANTIZE: tl.constexpr, GROUP: tl.constexpr):
