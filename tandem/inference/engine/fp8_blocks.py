@@ -110,10 +110,11 @@ def choose_products(products: list[tuple[BlockFp8Weight, torch.Tensor | None]], 
     captures, but prefill steps run eagerly, and a table gives each range of token counts its own tiles: without this,
     the first prefill in each range would stall serving for a compile."""
     device = products[0][0].weight.device
-    path, source = (Path(tile_table), "`engine.fp8_tile_table`") if tile_table is not None else (
-        fp8_tiles.shipped_table_path(torch.cuda.get_device_name(device)), "the shipped FP8 tile table")
-    if tile_table is None and not path.is_file():
-        path = None
+    if tile_table is not None:
+        path, source = Path(tile_table), "`engine.fp8_tile_table`"
+    else:  # CPU runs (Triton's interpreter) have no GPU's table
+        shipped = fp8_tiles.shipped_table_path(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        path, source = (shipped if shipped is not None and shipped.is_file() else None), "the shipped FP8 tile table"
     chosen: dict[tuple[int, int, bool], fp8_tiles.ProductTiles] = {}
     warmed: set[tuple[int, int, bool, bool]] = set()
     for weight, bias in products:
