@@ -66,6 +66,7 @@ class TileTable:
 
     def __init__(self, entries: list[dict], top_k: int, num_experts: int, fp8: bool = False):
         self.entries = sorted(entries, key=lambda e: e["num_tokens"])
+        self.counts = [e["num_tokens"] for e in self.entries]
         self.top_k, self.num_experts, self.fp8 = top_k, num_experts, fp8
 
     def tiles(self, num_tokens: int) -> tuple[dict, dict]:
@@ -78,7 +79,7 @@ class TileTable:
 
     def variant_token_counts(self, max_tokens: int) -> list[int]:
         """One token count (at most `max_tokens`) per tile variant that forwards of 1 to `max_tokens` tokens pick."""
-        counts = ([e["num_tokens"] for e in self.entries] if self.entries  # else the rule's ranges (`rule_tiles`)
+        counts = (self.counts if self.entries  # else the rule's ranges (`rule_tiles`)
                   else [16 * self.num_experts // self.top_k, 64 * self.num_experts // self.top_k, max_tokens])
         return tile_tables.variant_token_counts(counts, max_tokens)
 
