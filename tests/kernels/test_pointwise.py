@@ -76,6 +76,7 @@ def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: in
     ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     check_close(pointwise.silu_mul(gate_up), ref, dtype)
     equal.append((pointwise.silu_mul(gate_up) == ref).float().mean().item())
+    check_silu_mul_quantized(rand, num_tokens)
     return equal
 
 
@@ -96,6 +97,21 @@ def check_norm_quantized(rand, dtype: torch.dtype, num_tokens: int) -> None:
                 assert torch.equal(total_q, total) and (torch.equal(normed_q, normed) if store_norm else normed_q is None)
                 assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (hidden, add is None, row_multiple)
                 assert torch.equal(scale, scale_ref) and scale.stride() == scale_ref.stride()
+
+
+def check_silu_mul_quantized(rand, num_tokens: int) -> None:
+    """`silu_mul_fp8` gives `fp8.quantize_activations` of what `silu_mul` stores, bit for bit (rows padded alike,
+    scales token-minor): widths of three groups of 128 columns, the last part full, in one program, and of groups
+    across two programs, the second part masked."""
+    from tandem.kernels import fp8, pointwise
+
+    for inter in (300, 1100):
+        gate_up = rand(num_tokens, 2 * inter) * 4.0
+        for row_multiple in (1, 16):
+            q, scale = pointwise.silu_mul_fp8(gate_up, row_multiple)
+            q_ref, scale_ref = fp8.quantize_activations(pointwise.silu_mul(gate_up), row_multiple)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (inter, row_multiple)
+            assert torch.equal(scale, scale_ref) and scale.stride() == scale_ref.stride()
 
 
 def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:

@@ -148,7 +148,8 @@ def fp8_block_forward(block: DecoderLayer, proj: Fp8Projections, kernels: bool, 
     if (kernels and isinstance(backend, CachedAttention) and backend.reads_only_the_cache(head_dim, x.device)
             and pointwise.is_available(x)):
         x_ND, num_tokens = x[0], x.shape[1]
-        # The norms quantize what they write for the products they feed (`rms_norm_fp8`: no kernel reads them back).
+        # The norms (and a dense SiLU * up) quantize what they write for the products they feed (`rms_norm_fp8`,
+        # `silu_mul_fp8`): no kernel of its own reads them back to quantize them.
         _, _, h_fp8 = pointwise.rms_norm_fp8(x_ND, norm_weight, eps, row_multiple=SCALED_MM_ROWS)
         q, k, v = fp8_product(h_fp8, num_tokens, proj.qkv, proj.qkv_bias, x.dtype).split(proj.qkv_sizes, dim=-1)
         q_NHD = pointwise.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_norm_weight, k_norm_weight, eps,
@@ -160,7 +161,8 @@ def fp8_block_forward(block: DecoderLayer, proj: Fp8Projections, kernels: bool, 
             return (x_ND + block.mlp(h[None])[0])[None]
         x_ND, _, h_fp8 = pointwise.rms_norm_fp8(x_ND, post_norm_weight, eps, delta=o, row_multiple=SCALED_MM_ROWS)
         gate_up_out = fp8_product(h_fp8, num_tokens, proj.gate_up, None, x.dtype)
-        return (x_ND + fp8_linear(pointwise.silu_mul(gate_up_out), proj.down))[None]
+        hidden_fp8 = pointwise.silu_mul_fp8(gate_up_out, SCALED_MM_ROWS)
+        return (x_ND + fp8_product(hidden_fp8, num_tokens, proj.down, None, x.dtype))[None]
     h = rms_norm(x, norm_weight, eps)
     q, k, v = fp8_linear(h, proj.qkv, proj.qkv_bias).split(proj.qkv_sizes, dim=-1)
     attended = backend.attend(layer, *normed_rotated(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim))
