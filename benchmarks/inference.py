@@ -72,6 +72,12 @@ per value listed (and per KV-cache dtype), each on an engine of its own; `fp8`'s
 before any KV one (`engine_A_w_fp8`, `engine_A_w_fp8_kv_fp8`), with the ratio `ratio_engine_A_w_fp8_over_engine_A`.
 vLLM runs in the model's dtype whatever this says.
 
+Profile (`--profile`, with workload A): after A's timed runs, on the same engine, two prefill steps and ten
+decode steps of a fresh A run under `torch.profiler` (`engine_profile.py`): GPU milliseconds per step by kernel
+group (dense products in FP8 and in bf16, the activations' quantization, experts, attention, pointwise, other) and
+the kernels that take most, as `profile_A` (with each variant's suffix), and a table of the groups side by side
+for every variant run (`--quantizations none,fp8`: bf16 against FP8).
+
 Each part that fails is recorded in the result file with its error and the run goes on (GPU
 time is scarce; one broken baseline should not cost the others).
 """
@@ -96,6 +102,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from engine_profile import print_comparison, profiled_steps
 from provenance import environment
 from roofline import decode_roofline, measured_copy_bandwidth, nominal_bandwidth, weight_bytes
 from tandem.config.base import ModelConfig
@@ -171,6 +178,8 @@ def parse_args() -> argparse.Namespace:
                         "(and KV-cache dtype); fp8's figures carry the suffix _w_fp8")
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path "
                         "(tandem.models.exact); the mismatch part then recomputes as the exact trainer does (expect 0)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with workload A: profile prefill and decode steps by kernel group (profile_A)")
     parser.add_argument("--vllm-site", help="folder put first on PYTHONPATH of the vLLM part (an offline install)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
@@ -209,6 +218,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`engine.cascade_min_saved_tokens`")
     parser.add_argument("--fp8-experts", action=argparse.BooleanOptionalAction, default=defaults.fp8_experts,
                         help="`engine.fp8_experts`: with an FP8 quantization, the routed experts in FP8 too")
+    parser.add_argument("--fp8-tile-table", default=defaults.fp8_tile_table,
+                        help="`engine.fp8_tile_table`: the dense FP8 products' choices, written by benchmarks/fp8_matmul.py "
+                        "--table-out (default: the table shipped for the GPU, else the rule)")
 
 
 def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: int,
@@ -218,7 +230,7 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int, max_model_len: in
                         compile_norms=args.compile_norms, moe_tile_table=args.moe_tile_table, fused_blocks=args.fused_blocks,
                         kv_cache_dtype=kv_cache_dtype, cascade_attention=args.cascade_attention,
                         cascade_min_saved_tokens=args.cascade_min_saved_tokens, quantization=quantization,
-                        fp8_experts=args.fp8_experts)
+                        fp8_experts=args.fp8_experts, fp8_tile_table=args.fp8_tile_table)
 
 
 def sync(device: torch.device) -> None:
@@ -485,6 +497,10 @@ def bench_engine(folder: Path, args: argparse.Namespace, results: dict, workload
             engine.overlap = False
             attempt(results, "engine_A_read_each_step", lambda: best_of_repeats(200))
             engine.overlap = True
+        if args.profile:
+            label = variant_suffix(quantization, kv_cache_dtype).strip("_") or "default"
+            attempt(results, "profile_A", lambda: profiled_steps(engine, prompts_for(a, vocab, args.seed + 500),
+                                                                 a["output_len"], num_decode=10, label=label))
     for key in [k for k in workloads if k != "A"]:
         w = workloads[key]
         attempt(results, f"engine_{key}", lambda: run_engine(engine, prompts[key], w["n"], w["output_len"]))
@@ -607,7 +623,8 @@ def main() -> None:
                      "cascade_attention": args.cascade_attention, "cascade_min_saved_tokens": args.cascade_min_saved_tokens,
                      "compile_norms": args.compile_norms, "moe_tile_table": args.moe_tile_table, "exact": args.exact,
                      "fused_blocks": args.fused_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "kv_cache_dtypes": kv_cache_dtypes, "quantizations": quantizations, "fp8_experts": args.fp8_experts}
+                     "kv_cache_dtypes": kv_cache_dtypes, "quantizations": quantizations, "fp8_experts": args.fp8_experts,
+                     "fp8_tile_table": args.fp8_tile_table}
     with tempfile.TemporaryDirectory() as tmp:
         if args.load_format is None:
             args.load_format = "dummy" if not args.model and args.preset in DUMMY_PRESETS else "safetensors"
@@ -652,6 +669,10 @@ def main() -> None:
             if "generate_batch" in parts:
                 attempt(results, "transformers_generate_batch_A", lambda: bench_generate_batch(model, device, a, prompts_a))
     add_ratios(results, chosen, suffixes)
+    profiles = {suffix.strip("_") or "default": results[f"profile_A{suffix}"] for suffix in suffixes
+                if "prefill" in results.get(f"profile_A{suffix}", {})}
+    if profiles:
+        print_comparison(profiles)
     summary = summarize(results, chosen, kv_cache_dtypes, suffixes)
     print(json.dumps(summary, indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)))
     if args.out:

@@ -5,7 +5,9 @@
 Runs A once with per-step wall times and Python's garbage collections timed (`gc.callbacks`),
 reporting the slow steps (over twice the median decode step) and how much of them the
 collections explain; then profiles a few prefill and decode steps of a fresh A run with
-`torch.profiler` and prints the kernels and host functions that take the most time.
+`torch.profiler` and prints the GPU time by kernel group, the kernels and the host functions that take
+the most time (`engine_profile.py`; `inference.py --profile` does the same beside its timed runs, for
+every engine variant it runs).
 """
 
 from __future__ import annotations
@@ -18,11 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch.profiler import ProfilerActivity, profile
-
-from inference import add_engine_arguments, engine_config, prompts_for, run_engine, scaled, sync
+from engine_profile import profiled_steps
+from inference import add_engine_arguments, engine_config, prompts_for, run_engine, scaled
 from tandem.config.base import ModelConfig
-from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.setup import build_engine
 from tandem.models.presets import PRESETS, init_model
 
@@ -65,34 +65,6 @@ def timed_run(engine, w: dict, vocab: int, seed: int) -> dict:
     }
 
 
-def profiled_steps(engine, w: dict, vocab: int, seed: int, num_decode: int) -> dict:
-    params = SamplingParams(max_tokens=w["output_len"], temperature=1.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts_for(w, vocab, seed)):
-        engine.add_request(f"profiled-{i}", prompt, params, incremental=False)
-    out = {}
-    for phase in ("prefill", "decode"):
-        if phase == "decode":
-            while engine.scheduler.waiting or not all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running):
-                engine.step()
-            for _ in range(8):  # past the first decode steps
-                engine.step()
-        sync(engine.device)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            n = 2 if phase == "prefill" else num_decode
-            t0 = time.perf_counter()
-            for _ in range(n):
-                engine.step()
-            sync(engine.device)
-            wall = (time.perf_counter() - t0) / n
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
-        host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60)
-        print(f"--- {phase}: {wall * 1e3:.2f} ms per step\n{table}\n{host}", flush=True)
-        out[phase] = {"wall_per_step_s": wall}
-    while engine.has_unfinished:
-        engine.step()
-    return out
-
-
 def main() -> None:
     args = parse_args()
     w = scaled(args, "A")
@@ -105,7 +77,7 @@ def main() -> None:
         timed_run(engine, warm, vocab, 1)
         results = {"timed": timed_run(engine, w, vocab, 2)}
         print(json.dumps(results["timed"], indent=1), flush=True)
-        results["profiled"] = profiled_steps(engine, w, vocab, 3, num_decode=10)
+        results["profiled"] = profiled_steps(engine, prompts_for(w, vocab, 3), w["output_len"], num_decode=10)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -178,6 +178,14 @@ class EngineConfig(Section):
     weight in `model.dtype` (an FP8 checkpoint is dequantized). Not with `[run] exact`. The vLLM backend maps it
     to vLLM's own block FP8 (docs/vllm.md)."""
 
+    fp8_tile_table: str | None = None
+    """CUDA, `quantization` = "fp8": a JSON table of the dense FP8 products' implementation and tiles by token count
+    (the Triton kernel's tiles, or cuBLAS's block-scaled `torch._scaled_mm` where it is faster), written by
+    `benchmarks/fp8_matmul.py --table-out` on this GPU; unset: the table shipped for this GPU
+    (`tandem/kernels/fp8_tile_tables/<GPU name>.json`) where there is one. A product takes the entry of the smallest
+    tuned token count that holds it; weight shapes a table lacks get the Triton kernel with tiles from a rule of the
+    token count."""
+
     fp8_experts: bool = True
     """With `quantization` = "fp8", a mixture of experts' routed experts in block FP8 too (the fused MoE kernel in FP8:
     `tandem.kernels.moe`): on such models they are most of the weights a decode step reads. Off, they stay in

@@ -11,10 +11,13 @@ A weight may be several matrices stacked by rows (the engine's q/k/v and gate/up
 128-row blocks of its own checkpoint, so a block never spans two of them, and `scale_rows` gives
 every row of the stack the row of `scale_inv` that scales it (for one matrix: row // 128).
 
-Two implementations of one function: `reference_matmul` dequantizes in fp32 and multiplies with
-torch (any device: the CPU path, and the reference the kernel is tested against), and a Triton kernel
+Three implementations of one function: `reference_matmul` dequantizes in fp32 and multiplies with
+torch (any device: the CPU path, and the reference the others are tested against); a Triton kernel
 (`matmul`; CUDA, compute capability 8.9 or newer: FP8 tensor cores) whose tiles span exactly one
-128-column group, so that each partial product meets its own scales.
+128-column group, so that each partial product meets its own scales; and cuBLAS's block-scaled product
+(`scaled_mm`, through `torch._scaled_mm`; weights of whole 128 x 128 blocks). Which one a weight's product takes,
+and with which tiles, by token count: `BlockFp8Weight.tiles` (`tandem.kernels.fp8_tiles`: a table tuned on the
+GPU, else the Triton kernel with `launch_config`'s tiles).
 
 Reference: `reference_matmul`, `reference_quantize_activations`.
 Tests: `tests/kernels/test_fp8.py`; in the engine: `tests/inference/test_fp8_engine.py`.
@@ -25,9 +28,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tandem.kernels.fp8_tiles import ProductTiles
 
 try:
     import triton
@@ -59,6 +66,9 @@ class BlockFp8Weight:
     """fp32 [blocks of rows, ceil(K / 128)]: a weight's value is its FP8 value times its block's entry."""
     scale_rows: torch.Tensor
     """int32 [N]: the row of `scale_inv` of each row of `weight`."""
+    tiles: ProductTiles | None = None
+    """The product's implementation and tiles by token count (the engine sets them from a table); None: the Triton
+    kernel with `launch_config`'s tiles."""
 
 
 def kernel_serves(device: torch.device) -> bool:
@@ -80,12 +90,23 @@ def fp8_linear(x: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | Non
     """`F.linear` with a block-FP8 weight: x [..., K] -> [..., N] in x's dtype (bias added after the product, in fp32)."""
     x2 = x.reshape(-1, x.shape[-1])
     if kernel_serves(x.device):
-        x_fp8, x_scale = quantize_activations(x2)
-        out = matmul(x_fp8, x_scale, weight, bias, x.dtype)
+        out = fp8_product(quantize_activations(x2, SCALED_MM_ROWS), x2.shape[0], weight, bias, x.dtype)
     else:
         x_fp8, x_scale = reference_quantize_activations(x2)
         out = reference_matmul(x_fp8, x_scale, weight, bias, x.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_product(quantized: tuple[torch.Tensor, torch.Tensor], num_rows: int, weight: BlockFp8Weight,
+                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x @ W.T (+ bias) -> [num_rows, N] for x [num_rows, K] already quantized: `quantize_activations(x,
+    SCALED_MM_ROWS)`, or a kernel that quantizes as it does (`tandem.kernels.pointwise.rms_norm_fp8`), its rows padded
+    so (cuBLAS's product wants them so); by the implementation and tiles `weight.tiles` chooses for `num_rows`."""
+    x_fp8, x_scale = quantized
+    product, tiles = weight.tiles.choose(num_rows) if weight.tiles is not None else ("triton", None)
+    if product == "scaled_mm":
+        return scaled_mm(x_fp8, x_scale, weight, bias, out_dtype)[:num_rows]
+    return matmul(x_fp8[:num_rows], x_scale[:num_rows], weight, bias, out_dtype, tiles)
 
 
 def reference_quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,17 +145,43 @@ QUANTIZE_ROWS = 16
 """Rows of one program of the activation quantizer (each program: QUANTIZE_ROWS x 128 values)."""
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference_quantize_activations` by a Triton kernel; the scales come token-minor ([M, groups] with strides
-    (1, M)): a tile of the product reads one group's scales of consecutive tokens, contiguous so."""
+    (1, M)): a tile of the product reads one group's scales of consecutive tokens, contiguous so. `row_multiple`:
+    rows of zeros (FP8 0, scale of `MIN_AMAX`) are added up to a multiple of it."""
     M, K = x.shape
+    rows = -(-M // row_multiple) * row_multiple
     groups = -(-K // GROUP)
     x = x.contiguous()
-    q = torch.empty(M, K, dtype=FP8, device=x.device)
-    scale = torch.empty(groups, M, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(triton.cdiv(M, QUANTIZE_ROWS), groups)](x, q, scale, M, K, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX,
-                                                             MIN_AMAX=MIN_AMAX, GROUP=GROUP, ROWS=QUANTIZE_ROWS)
+    q = torch.empty(rows, K, dtype=FP8, device=x.device)
+    scale = torch.empty(groups, rows, dtype=torch.float32, device=x.device)
+    _quantize_kernel[(triton.cdiv(rows, QUANTIZE_ROWS), groups)](x, q, scale, M, rows, K, FP8_MAX=FP8_MAX,
+                                                                INV_FP8_MAX=INV_FP8_MAX, MIN_AMAX=MIN_AMAX, GROUP=GROUP,
+                                                                ROWS=QUANTIZE_ROWS)
     return q, scale.t()
+
+
+SCALED_MM_ROWS = 16
+"""`scaled_mm`'s activations are padded to a multiple of this many rows: cuBLAS reads the activations' scales
+with 16-byte aligned columns, whose length is the number of rows."""
+
+
+def whole_blocks(weight: BlockFp8Weight) -> bool:
+    """Whether `weight` is whole 128 x 128 blocks, as `scaled_mm` needs: each row's scales are those of row // 128
+    (a stack whose parts are multiples of 128 rows)."""
+    rows = torch.arange(weight.weight.shape[0], device=weight.scale_rows.device) // GROUP
+    return torch.equal(weight.scale_rows.long(), rows) and weight.scale_inv.shape[0] == -(-weight.weight.shape[0] // GROUP)
+
+
+def scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """`reference_matmul` by cuBLAS's block-scaled product (`torch._scaled_mm`: 1 x 128 activation scales, token-minor
+    as `quantize_activations` gives them, and 128 x 128 weight scales, which it takes as [K / 128, N / 128]). The
+    weight must be whole 128 x 128 blocks (`scale_rows` = row // 128). With a bias the product comes in fp32, so that
+    the result is rounded once, after the bias, as the reference rounds it."""
+    dtype = out_dtype if bias is None else torch.float32
+    out = torch._scaled_mm(x_fp8, weight.weight.t(), scale_a=x_scale, scale_b=weight.scale_inv.t(), out_dtype=dtype)
+    return out if bias is None else (out + bias.float()).to(out_dtype)
 
 
 def launch_config(M: int) -> dict:
@@ -182,19 +229,19 @@ def matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, b
 if triton is not None:
 
     @triton.jit
-    def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+    def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, rows_out, K, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
                          MIN_AMAX: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+        # Rows M to rows_out (padding) read as zeros and are written as such.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         group = tl.program_id(1)
         cols = group * GROUP + tl.arange(0, GROUP)
-        mask = (rows < M)[:, None] & (cols < K)[None, :]
         offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
-        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offsets, mask=(rows < M)[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) * INV_FP8_MAX
         # Rounded as IEEE division (torch's of two tensors) rounds, not approximated: the reference's values bit for bit.
         q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + group * M + rows, scale, mask=rows < M)
+        tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=(rows < rows_out)[:, None] & (cols < K)[None, :])
+        tl.store(scale_ptr + group * rows_out + rows, scale, mask=rows < rows_out)
 
     @triton.jit(do_not_specialize=["M", "split_stride"])
     def _matmul_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, rows_ptr, b_ptr, y_ptr, M, N, K, groups_per_split, stride_xm,

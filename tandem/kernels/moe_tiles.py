@@ -9,11 +9,11 @@ and writes the fastest as a table:
         {"num_tokens": 256, "gate_up": {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}, "down": {...}},
         ...]}}
 
-one list per expert shape (`shape_key`), sorted by `num_tokens`. A forward of T tokens takes the entry
-of the smallest tuned count >= T (the largest past the end); both matmuls share one row layout, so
-their BLOCK_M agree. The engine reads `engine.moe_tile_table`, else the table shipped for its GPU
-(`moe_tile_tables/<GPU name>.json` beside this module) where there is one; shapes a table lacks, and CPU
-runs, get the rule (`rule_tiles`).
+one list per expert shape (`shape_key`), read as `tandem.kernels.tile_tables` reads every such table: a
+forward of T tokens takes the entry of the smallest tuned count >= T (the largest past the end); both
+matmuls share one row layout, so their BLOCK_M agree. The engine reads `engine.moe_tile_table`, else the
+table shipped for its GPU (`moe_tile_tables/<GPU name>.json` beside this module) where there is one; shapes
+a table lacks, and CPU runs, get the rule (`rule_tiles`).
 
 Reference: none (it picks launch options; the kernels' tests run them under several tiles).
 Tests: `tests/kernels/test_moe_kernels.py` (loading, lookup by token count, errors naming the key and file).
@@ -21,13 +21,12 @@ Tests: `tests/kernels/test_moe_kernels.py` (loading, lookup by token count, erro
 
 from __future__ import annotations
 
-import bisect
-import json
 import logging
-import re
 from pathlib import Path
 
 import torch
+
+from tandem.kernels import tile_tables
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ def shape_key(num_experts: int, top_k: int, hidden_size: int, intermediate_size:
 
 def shipped_table_path(device_name: str) -> Path:
     """Where the table of a GPU named `device_name` ships (it may not exist)."""
-    return SHIPPED / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+    return tile_tables.shipped_table_path(SHIPPED, device_name)
 
 
 def rule_tiles(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> dict:
@@ -75,16 +74,14 @@ class TileTable:
         if not self.entries:
             rule = rule_tiles(num_tokens, self.top_k, self.num_experts, self.fp8)
             return rule, rule
-        entry = self.entries[min(bisect.bisect_left(self.counts, num_tokens), len(self.entries) - 1)]
+        entry = tile_tables.entry_for(self.entries, num_tokens)
         return entry["gate_up"], entry["down"]
 
     def variant_token_counts(self, max_tokens: int) -> list[int]:
         """One token count (at most `max_tokens`) per tile variant that forwards of 1 to `max_tokens` tokens pick."""
-        if self.entries:  # the tuned counts below `max_tokens`, and `max_tokens` for the first one that holds it
-            counts = [c for c in self.counts if c < max_tokens] + ([max_tokens] if self.counts[-1] >= max_tokens else [])
-        else:  # the rule's three ranges of rows per expert (`rule_tiles`)
-            counts = [16 * self.num_experts // self.top_k, 64 * self.num_experts // self.top_k, max_tokens]
-        return sorted({max(1, min(c, max_tokens)) for c in counts})
+        counts = (self.counts if self.entries  # else the rule's ranges (`rule_tiles`)
+                  else [16 * self.num_experts // self.top_k, 64 * self.num_experts // self.top_k, max_tokens])
+        return tile_tables.variant_token_counts(counts, max_tokens)
 
     @classmethod
     def load(cls, path: Path | None, key: str, top_k: int, num_experts: int, source: str,
@@ -93,12 +90,7 @@ class TileTable:
         names where the path came from in errors (a config key, or the shipped table); `fp8`: FP8 experts."""
         if path is None:
             return cls([], top_k, num_experts, fp8)
-        try:
-            table = json.loads(Path(path).read_text())
-            entries = [checked_entry(entry) for entry in table["shapes"].get(key, [])]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{source} = {str(path)!r}: not a MoE tile table ({type(err).__name__}: {err}); "
-                             "write one with benchmarks/moe_tune.py") from err
+        entries = tile_tables.load_entries(path, key, checked_entry, source, "MoE tile table", "benchmarks/moe_tune.py")
         log.info("MoE tiles: %s from %s (%d token counts; other shapes: the rule)", key, path, len(entries))
         return cls(entries, top_k, num_experts, fp8)
 

@@ -3,8 +3,11 @@
 Why: in eager mode a block's RMS norm is about eight kernels, RoPE about six per tensor and the
 cache write two; a decode step of a small model spends more GPU time in those tiny launches than
 in its matmuls. Here:
-- `rms_norm`: a norm (optionally of x + delta, the residual add, whose sum it also returns);
-- `silu_mul`: a dense feed-forward's silu(gate) * up, from its stacked gate/up projection;
+- `rms_norm`: a norm (optionally of x + delta, the residual add, whose sum it also returns); `rms_norm_fp8`: the
+  same norm also quantized for a block-FP8 product (`tandem.kernels.fp8`), in the same launch: the norm is read
+  back from memory by no separate quantization kernel;
+- `silu_mul`: a dense feed-forward's silu(gate) * up, from its stacked gate/up projection; `silu_mul_fp8`: the same
+  quantized for the block-FP8 down projection instead of stored;
 - `qk_norm_rope_write`: the q/k norms (per head, over all heads, or none), RoPE (the model's cos
   and sin, so partial rotary and YaRN's scaling come with them) and the write of k and v into
   their paged-cache slots, for every token of a step; into an FP8 cache each token's head quantized
@@ -66,29 +69,52 @@ if triton is not None:
         """x rounded to the dtype `like_ptr` points to, back in fp32 (a no-op for fp32)."""
         return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, stride_x, stride_delta, eps,
-                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_rows", "rows_out"])  # one compiled kernel for every row count
+    def _rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, q_ptr, scale_ptr, num_rows, rows_out, stride_x,
+                         stride_delta, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+                         STORE_NORM: tl.constexpr, QUANTIZE: tl.constexpr, GROUP: tl.constexpr):
+        # Rows from num_rows to rows_out (QUANTIZE's padding) read zeros and write only their FP8 zeros and scales.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        mask = cols < HIDDEN
+        mask = (cols < HIDDEN) & (row < num_rows)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA:  # the residual add, rounded as the model's x + delta is
             x = _rounded(x + tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32), out_ptr)
             tl.store(sum_ptr + row * HIDDEN + cols, x, mask=mask)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * HIDDEN + cols, weight * _rounded(x * rstd, out_ptr), mask=mask)
+        normed = _rounded(weight * _rounded(x * rstd, out_ptr), out_ptr)  # the norm as stored in the activations' dtype
+        if STORE_NORM:
+            tl.store(out_ptr + row * HIDDEN + cols, normed, mask=mask)
+        if QUANTIZE:  # `fp8._quantize_kernel`'s arithmetic on each group of GROUP columns of the stored norm
+            groups = tl.reshape(normed, (BLOCK // GROUP, GROUP))
+            scale = tl.maximum(tl.max(tl.abs(groups), axis=1), MIN_AMAX) * INV_FP8_MAX
+            q = tl.clamp(tl.math.div_rn(groups, scale[:, None]), -FP8_MAX, FP8_MAX)
+            group = tl.arange(0, BLOCK // GROUP)
+            q_cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            tl.store(q_ptr + row * HIDDEN + q_cols, q.to(q_ptr.dtype.element_ty), mask=q_cols < HIDDEN)
+            tl.store(scale_ptr + group * rows_out + row, scale, mask=group * GROUP < HIDDEN)
 
-    @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_row, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_rows", "rows_out"])  # one compiled kernel for every row count
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, q_ptr, scale_ptr, num_rows, rows_out, stride_row, INTER: tl.constexpr,
+                         BLOCK: tl.constexpr, QUANTIZE: tl.constexpr, GROUP: tl.constexpr):
+        # QUANTIZE: the product quantized instead of stored, rows from num_rows to rows_out (padding) as FP8 zeros.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < INTER
+        mask = (cols < INTER) & (row < num_rows)
         gate = tl.load(gate_up_ptr + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_up_ptr + row * stride_row + INTER + cols, mask=mask, other=0.0).to(tl.float32)
         silu = _rounded(gate / (1.0 + tl.exp(-gate)), out_ptr)  # F.silu's output, in the activations' dtype
-        tl.store(out_ptr + row * INTER + cols, silu * up, mask=mask)
+        if QUANTIZE:  # `fp8._quantize_kernel`'s arithmetic on each group of GROUP columns of the product as stored
+            groups = tl.reshape(_rounded(silu * up, out_ptr), (BLOCK // GROUP, GROUP))
+            scale = tl.maximum(tl.max(tl.abs(groups), axis=1), MIN_AMAX) * INV_FP8_MAX
+            q = tl.clamp(tl.math.div_rn(groups, scale[:, None]), -FP8_MAX, FP8_MAX)
+            group = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+            q_cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            tl.store(q_ptr + row * INTER + q_cols, q.to(q_ptr.dtype.element_ty), mask=q_cols < INTER)
+            tl.store(scale_ptr + group * rows_out + row, scale, mask=group * GROUP < INTER)
+        else:
+            tl.store(out_ptr + row * INTER + cols, silu * up, mask=mask)
 
     @triton.jit
     def _normed_rotated(row_ptr, weight_ptr, cos_row, sin_row, like_ptr, eps, H: tl.constexpr, D: tl.constexpr,
@@ -160,27 +186,70 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`layers.rms_norm` of x [N, hidden] (of x + delta where given, the residual add) -> (that sum, its norm).
     Without delta the sum is x itself."""
+    total, out, _ = _launch_rms_norm(x, weight, eps, delta, store_norm=True)
+    return total, out
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+                 store_norm: bool = False, row_multiple: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    """`rms_norm`, its norm also quantized in the same launch -> (sum, norm (None unless `store_norm`), (FP8, scales)):
+    what `tandem.kernels.fp8.quantize_activations(norm, row_multiple)` gives, bit for bit (rows of zeros added up to a
+    multiple of `row_multiple`; scales token-minor), for `tandem.kernels.fp8.fp8_product`."""
+    return _launch_rms_norm(x, weight, eps, delta, store_norm, row_multiple)
+
+
+def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None, store_norm: bool,
+                     row_multiple: int | None = None):
+    """The norm kernel; `row_multiple` None: no quantization."""
     num_rows, hidden = x.shape
     assert x.stride(-1) == 1 and (delta is None or delta.stride(-1) == 1), "features must be contiguous"
-    out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
-    total = x if delta is None else torch.empty_like(out)
-    if num_rows:
+    out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device) if store_norm else None
+    total = x if delta is None else torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
+    quantize = row_multiple is not None
+    rows_out = -(-num_rows // row_multiple) * row_multiple if quantize else num_rows
+    q = torch.empty(rows_out, hidden, dtype=fp8.FP8, device=x.device) if quantize else None
+    scale = torch.empty(-(-hidden // fp8.GROUP), rows_out, dtype=torch.float32, device=x.device) if quantize else None
+    if rows_out:
         other = x if delta is None else delta
-        block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(num_rows,)](x, other, weight, total, out, x.stride(0), other.stride(0), eps, HIDDEN=hidden,
-                                      BLOCK=block, HAS_DELTA=delta is not None, num_warps=warps_for(block))
-    return total, out
+        block = max(triton.next_power_of_2(hidden), fp8.GROUP if quantize else 1)
+        like = out if store_norm else total  # the activations' dtype, whatever is stored
+        _rms_norm_kernel[(rows_out,)](x, other, weight, total, like, q if quantize else like, scale if quantize else like,
+                                      num_rows, rows_out, x.stride(0), other.stride(0), eps, HIDDEN=hidden, BLOCK=block,
+                                      HAS_DELTA=delta is not None, STORE_NORM=store_norm, QUANTIZE=quantize,
+                                      GROUP=fp8.GROUP, num_warps=warps_for(block))
+    return total, out, ((q, scale.t()) if quantize else None)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [N, 2 * I] (a dense feed-forward's gate and up projections side by side) -> silu(gate) * up [N, I]."""
+    return _launch_silu_mul(gate_up, None)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul` quantized in the same launch, not stored -> (FP8, scales): what
+    `tandem.kernels.fp8.quantize_activations(silu_mul(gate_up), row_multiple)` gives, bit for bit, for
+    `tandem.kernels.fp8.fp8_product` (the down projection)."""
+    return _launch_silu_mul(gate_up, row_multiple)
+
+
+def _launch_silu_mul(gate_up: torch.Tensor, row_multiple: int | None):
+    """The SiLU * up kernel; `row_multiple` None: the product stored, else quantized."""
     num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(-1) == 1, "features must be contiguous"
-    out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    if num_rows:
-        block = min(1024, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), INTER=inter, BLOCK=block)
-    return out
+    quantize = row_multiple is not None
+    rows_out = -(-num_rows // row_multiple) * row_multiple if quantize else num_rows
+    out = (torch.empty(rows_out, inter, dtype=fp8.FP8, device=gate_up.device) if quantize
+           else torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device))
+    scale = torch.empty(-(-inter // fp8.GROUP), rows_out, dtype=torch.float32, device=gate_up.device) if quantize else out
+    if rows_out:
+        # Quantized, a program holds whole groups of 128 columns, and rounds the product to gate_up's dtype first.
+        block = min(1024, max(triton.next_power_of_2(inter), fp8.GROUP if quantize else 1))
+        stored = gate_up if quantize else out
+        _silu_mul_kernel[(rows_out, triton.cdiv(inter, block))](gate_up, stored, out, scale, num_rows, rows_out,
+                                                                gate_up.stride(0), INTER=inter, BLOCK=block,
+                                                                QUANTIZE=quantize, GROUP=fp8.GROUP)
+    return (out, scale.t()) if quantize else out
 
 
 def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

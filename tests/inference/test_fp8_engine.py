@@ -6,11 +6,13 @@ FP8 logprobs stay to the unquantized model's: `check_close_to_unquantized`, with
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from inference_helpers import QUANTIZED, check_close_to_unquantized, fp8_rho, generate, teacher_forced_logprobs
+from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
@@ -300,6 +302,74 @@ def test_fp8_on_cuda_stays_close_to_bf16(tiny_dir):
     """The kernel path: Triton FP8 products, the pointwise kernels around them, decode steps from CUDA graphs."""
     engine = engine_for(tiny_dir, device="cuda", max_num_seqs=8)
     assert engine.runner.graphs is not None
+    check_close_to_unquantized(generate(engine), load_causal_lm(str(tiny_dir), "cuda"), "cuda", FACTORS_PER_BLOCK)
+
+
+INTERPRETED_TILE_TABLE = """
+import json
+import torch
+from inference_helpers import teacher_forced_logprobs
+from tandem.inference.engine.fp8_blocks import apply_fp8_blocks
+from tandem.models.loading import load_causal_lm
+
+split = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3, SPLIT_K=2)
+model = load_causal_lm({folder!r}, quantization="fp8")
+shapes = [f"n={{n}},k={{k}}" for n, k in {shapes!r}]
+entries = [{{"num_tokens": 4, "product": "triton", "tiles": split}}, {{"num_tokens": 64, "product": "triton",
+            "tiles": dict(split, BLOCK_M=32, SPLIT_K=1)}}]
+with open({table!r}, "w") as f:
+    json.dump({{"device": "test", "shapes": {{key: entries for key in shapes}}}}, f)
+apply_fp8_blocks(model, kernels=False, tile_table={table!r}, max_tokens=20)
+weights = [w for block in model.layers for w in vars(block.forward.args[1]).values() if hasattr(w, "tiles")]
+assert len(weights) == 4 * len(model.layers), len(weights)
+assert all(w.tiles.choose(3) == ("triton", split) and w.tiles.variant_token_counts(20) == [4, 20] for w in weights)
+prompt, completion = list(range(1, 12)), list(range(12, 16))
+tuned = teacher_forced_logprobs(model, prompt, completion, 1.0)
+for w in weights:
+    w.tiles = None
+rule = teacher_forced_logprobs(model, prompt, completion, 1.0)
+assert (tuned - rule).abs().max() <= 1e-4, (tuned - rule).abs().max()  # the order of fp32 sums alone
+print("ok")
+"""
+
+
+def tiny_projection_shapes(folder) -> list[tuple[int, int]]:
+    """(N, K) of the tiny model's stacked q/k/v, o, gate/up and down weights."""
+    config = json.loads((folder / "config.json").read_text())
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    return [((heads + 2 * config["num_key_value_heads"]) * head_dim, hidden), (hidden, heads * head_dim),
+            (2 * inter, hidden), (hidden, inter)]
+
+
+@needs_triton_interpreter
+def test_a_tile_table_gives_every_projection_its_tiles_under_tritons_interpreter(tiny_dir, tmp_path):
+    """`engine.fp8_tile_table` as the engine installs it (`apply_fp8_blocks`), the Triton kernel run by Triton's
+    interpreter: each stacked weight gets its shape's choices, every choice is warmed, and the products with the
+    table's tiles (a split reduction) give what the rule's give, to the order of fp32 sums."""
+    script = INTERPRETED_TILE_TABLE.format(folder=str(tiny_dir), shapes=tiny_projection_shapes(tiny_dir),
+                                           table=str(tmp_path / "fp8_tiles.json"))
+    run_interpreted(script, timeout=600, folder=str(Path(__file__).parent))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU of compute capability 8.9 or newer")
+def test_fp8_on_cuda_with_a_tile_table_stays_close_to_bf16(tiny_dir, tmp_path):
+    """`engine.fp8_tile_table`: each product takes its table's choice by token count (split Triton tiles for decode
+    batches; cuBLAS's block-scaled product from 9 rows on, where the weight is whole 128 x 128 blocks, else the rule),
+    every choice warmed at start; the results stay as close to bf16 as the rule's."""
+    shapes = tiny_projection_shapes(tiny_dir)
+    split = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3, SPLIT_K=2)
+    entries = [{"num_tokens": 1, "product": "triton", "tiles": split},
+               {"num_tokens": 8, "product": "triton", "tiles": dict(split, SPLIT_K=1)},
+               {"num_tokens": 256, "product": "scaled_mm"}]
+    table = tmp_path / "fp8_tiles.json"
+    table.write_text(json.dumps({"device": "test", "shapes": {f"n={n},k={k}": entries for n, k in shapes}}))
+    engine = engine_for(tiny_dir, device="cuda", max_num_seqs=8, fp8_tile_table=str(table))
+    projections = engine.runner.model.layers[0].forward.args[1]
+    assert projections.qkv.tiles.choose(100) == ("triton", None)  # q, k, v of 128, 64, 64 rows: not whole blocks
+    assert projections.o.tiles.choose(100) == projections.down.tiles.choose(9) == ("scaled_mm", None)
+    assert projections.gate_up.tiles.choose(1) == ("triton", split)
     check_close_to_unquantized(generate(engine), load_causal_lm(str(tiny_dir), "cuda"), "cuda", FACTORS_PER_BLOCK)
 
 

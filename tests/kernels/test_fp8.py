@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.kernels.fp8 import (FP8, FP8_MAX, GROUP, INV_FP8_MAX, BlockFp8Weight, expand_scales, fp8_linear,
-                                kernel_serves, matmul, quantize_activations, reference_matmul,
-                                reference_quantize_activations)
+from tandem.kernels.fp8 import (FP8, FP8_MAX, GROUP, INV_FP8_MAX, SCALED_MM_ROWS, BlockFp8Weight, expand_scales,
+                                fp8_linear, kernel_serves, matmul, quantize_activations, reference_matmul,
+                                reference_quantize_activations, scaled_mm)
+from tandem.kernels.fp8_tiles import ProductTiles
 from tandem.models.fp8 import Fp8Linear, dequantize_weight, quantize_weight, stack_fp8_rows
 from triton_interpreter import needs_triton_interpreter, run_interpreted
 
@@ -167,6 +168,14 @@ def check_kernel_against_reference(device: str, dtype: torch.dtype, casts_round:
         assert torch.equal(scale, scale_ref), (M, N, K)
         if casts_round:
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (M, N, K)
+        # Padded to a multiple of 16 rows (cuBLAS's product): the same rows, then rows of zeros with a zero row's scale.
+        q_padded, scale_padded = quantize_activations(x, SCALED_MM_ROWS)
+        rows = -(-M // SCALED_MM_ROWS) * SCALED_MM_ROWS
+        assert q_padded.shape == (rows, K) and scale_padded.shape == (rows, scale.shape[1])
+        assert scale_padded.stride() == (1, rows)  # token-minor, as cuBLAS's 1 x 128 scales must be
+        assert torch.equal(q_padded[:M].view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale_padded[:M], scale)
+        zero_scale = reference_quantize_activations(torch.zeros(1, K, device=device, dtype=dtype))[1]
+        assert (q_padded[M:].float() == 0).all() and torch.equal(scale_padded[M:], zero_scale.expand(rows - M, -1))
         bias = torch.randn(N, generator=gen).to(device, dtype)
         # A stacked weight: parts of 64 rows beside full blocks, so scale rows jump inside a tile; and one matrix.
         stacked = fp8_layers([torch.randn(n, K, generator=gen).to(device) * s for n, s in ((N - 128, 1.0), (64, 30.0), (64, 0.03))])
@@ -181,6 +190,10 @@ def check_kernel_against_reference(device: str, dtype: torch.dtype, casts_round:
             split = matmul(q_ref, scale_ref, weight, bias, dtype, SPLIT_TILES)
             assert_product_close(split, q_ref, scale_ref, weight, bias, f"{(M, N, K)} split",
                                  TENSOR_CORE_SUM if device == "cuda" else 0.0)
+            # A table's tiles reach the kernel through `fp8_linear`.
+            weight.tiles = ProductTiles([{"num_tokens": M, "product": "triton", "tiles": SPLIT_TILES}])
+            assert torch.equal(fp8_linear(x, weight, bias), matmul(q, scale, weight, bias, dtype, SPLIT_TILES))
+            weight.tiles = None
 
 
 INTERPRETED = """
@@ -218,3 +231,28 @@ def test_weights_quantize_to_the_same_bits_on_cuda_as_on_the_cpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernels_on_cuda_match_the_reference(dtype):
     check_kernel_against_reference("cuda", dtype)
+
+
+WHOLE_BLOCK_SHAPES = [(1, 256, 128), (5, 384, 384), (16, 1024, 1024), (33, 256, 2048), (1000, 512, 256), (4093, 256, 512)]
+"""(M, N, K) of weights of whole 128 x 128 blocks (what `scaled_mm` takes): one token to a prefill chunk of an odd
+number of rows, which the activations' padding makes a multiple of 16."""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not kernel_serves(torch.device("cuda")),
+                    reason="needs a CUDA GPU of compute capability 8.9 or newer, and Triton")
+def test_cublas_block_scaled_product_on_cuda_matches_the_reference():
+    """`scaled_mm` (cuBLAS through `torch._scaled_mm`) computes the scheme: the reference's product of the same
+    quantized factors, to the rounding of the result and the tensor cores' sums, with and without a bias; and a table
+    that names it is what `fp8_linear` runs."""
+    gen = torch.Generator().manual_seed(5)
+    for M, N, K in WHOLE_BLOCK_SHAPES:
+        x = (torch.randn(M, K, generator=gen) * torch.logspace(-2, 2, K)).to("cuda", torch.bfloat16)
+        weight = fp8_layers([torch.randn(N, K, generator=gen).cuda()])
+        for bias in (None, torch.randn(N, generator=gen).to("cuda", torch.bfloat16)):
+            q, scale = quantize_activations(x, SCALED_MM_ROWS)
+            got = scaled_mm(q, scale, weight, bias, torch.bfloat16)[:M]
+            assert got.shape == (M, N) and got.dtype == torch.bfloat16
+            assert_product_close(got, q[:M], scale[:M], weight, bias, f"{(M, N, K)} bias={bias is not None}", TENSOR_CORE_SUM)
+            weight.tiles = ProductTiles([{"num_tokens": 1, "product": "scaled_mm", "tiles": None}])
+            assert torch.equal(fp8_linear(x, weight, bias), got)
+            weight.tiles = None

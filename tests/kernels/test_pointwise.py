@@ -70,12 +70,48 @@ def check_kernels(device: str, dtype: torch.dtype, num_tokens: int = 7, seed: in
     same, normed = pointwise.rms_norm(x, weight, 1e-6)
     assert same is x
     check_close(normed, rms_norm(x, weight, 1e-6), dtype)
+    check_norm_quantized(rand, dtype, num_tokens)
     inter = 1100  # two programs per row, the second one part masked
     gate_up = rand(num_tokens, 2 * inter + 5)[:, :2 * inter]  # rows wider than gate and up (a view)
     ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     check_close(pointwise.silu_mul(gate_up), ref, dtype)
     equal.append((pointwise.silu_mul(gate_up) == ref).float().mean().item())
+    check_silu_mul_quantized(rand, num_tokens)
     return equal
+
+
+def check_norm_quantized(rand, dtype: torch.dtype, num_tokens: int) -> None:
+    """`rms_norm_fp8` writes the sum and norm `rms_norm` writes, and the norm quantized as `fp8.quantize_activations`
+    quantizes it (the same FP8 bits and scales, rows padded with zeros alike, scales token-minor): widths below one
+    group of 128 columns and of three groups, the last part full; without the residual add and with it."""
+    from tandem.kernels import fp8, pointwise
+
+    for hidden in (48, 300):
+        x, delta, weight = rand(num_tokens, hidden) * 10.0, rand(num_tokens, hidden), rand(hidden)
+        for add in (None, delta):
+            total, normed = pointwise.rms_norm(x, weight, 1e-6, delta=add)
+            for store_norm, row_multiple in ((False, 16), (True, 1)):
+                total_q, normed_q, (q, scale) = pointwise.rms_norm_fp8(x, weight, 1e-6, delta=add, store_norm=store_norm,
+                                                                       row_multiple=row_multiple)
+                q_ref, scale_ref = fp8.quantize_activations(normed, row_multiple)
+                assert torch.equal(total_q, total) and (torch.equal(normed_q, normed) if store_norm else normed_q is None)
+                assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (hidden, add is None, row_multiple)
+                assert torch.equal(scale, scale_ref) and scale.stride() == scale_ref.stride()
+
+
+def check_silu_mul_quantized(rand, num_tokens: int) -> None:
+    """`silu_mul_fp8` gives `fp8.quantize_activations` of what `silu_mul` stores, bit for bit (rows padded alike,
+    scales token-minor): widths of three groups of 128 columns, the last part full, in one program, and of groups
+    across two programs, the second part masked."""
+    from tandem.kernels import fp8, pointwise
+
+    for inter in (300, 1100):
+        gate_up = rand(num_tokens, 2 * inter) * 4.0
+        for row_multiple in (1, 16):
+            q, scale = pointwise.silu_mul_fp8(gate_up, row_multiple)
+            q_ref, scale_ref = fp8.quantize_activations(pointwise.silu_mul(gate_up), row_multiple)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (inter, row_multiple)
+            assert torch.equal(scale, scale_ref) and scale.stride() == scale_ref.stride()
 
 
 def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:

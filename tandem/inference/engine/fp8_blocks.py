@@ -11,20 +11,24 @@ dense feed-forward's FP8 forward (`fp8_feed_forward`).
 On CUDA with the engine's paged cache (and `kernels`), the pointwise work around the matmuls runs as
 `fused_blocks` runs it (`tandem.kernels.pointwise`); anywhere else (the CPU) the model's own functions
 compute it and the FP8 products run as torch's dequantized reference of the scheme: slow, but the
-same numbers up to the order of the sums.
+same numbers up to the order of the sums. On CUDA each stacked weight's product takes the implementation and
+tiles of `engine.fp8_tile_table` (else the table shipped for the GPU, else a rule: `tandem.kernels.fp8_tiles`).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import pointwise
-from tandem.kernels.fp8 import MIN_CAPABILITY, BlockFp8Weight, fp8_linear, kernel_serves
+from tandem.kernels import fp8_tiles
+from tandem.kernels.fp8 import (MIN_CAPABILITY, SCALED_MM_ROWS, BlockFp8Weight, fp8_linear, fp8_product, kernel_serves,
+                                whole_blocks)
 from tandem.models.attention import AttentionBackend, CachedAttention
 from tandem.models.decoder import DecoderLayer, attention_residual, normed_rotated
 from tandem.models.fp8 import Fp8Linear, stack_fp8_rows
@@ -73,18 +77,56 @@ def fp8_projections(block: DecoderLayer) -> Fp8Projections:
     return Fp8Projections(qkv, qkv_bias, sizes, o, o_bias, gate_up, down)
 
 
-def apply_fp8_blocks(model: nn.Module, kernels: bool) -> int:
+def apply_fp8_blocks(model: nn.Module, kernels: bool, tile_table: str | None = None, max_tokens: int | None = None) -> int:
     """Give every `DecoderLayer` of `model` (its layers converted by `tandem.models.fp8.convert_to_fp8`) the FP8 block
-    forward, in place; `kernels`: the pointwise kernels where they serve. Returns how many blocks."""
+    forward, in place; `kernels`: the pointwise kernels where they serve. Where the FP8 kernels serve, each product's
+    choices come from `tile_table` (`engine.fp8_tile_table`; `choose_products`), compiled for products of up to
+    `max_tokens` rows (None: none now). Returns how many blocks."""
     blocks = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    products: list[tuple[BlockFp8Weight, torch.Tensor | None]] = []
     with torch.no_grad():
         for block in blocks:
-            block.forward = functools.partial(fp8_block_forward, block, fp8_projections(block), kernels)
+            proj = fp8_projections(block)
+            block.forward = functools.partial(fp8_block_forward, block, proj, kernels)
+            products += [(proj.qkv, proj.qkv_bias), (proj.o, proj.o_bias)]
+            products += [(proj.gate_up, None), (proj.down, None)] if proj.gate_up is not None else []
             shared = block.mlp.shared_experts if isinstance(block.mlp, MoE) else None
             if shared is not None:
-                gate_up = stack_fp8_rows([shared.gate_proj, shared.up_proj])[0]
-                shared.forward = functools.partial(fp8_feed_forward, gate_up, stack_fp8_rows([shared.down_proj])[0], kernels)
+                gate_up, down = stack_fp8_rows([shared.gate_proj, shared.up_proj])[0], stack_fp8_rows([shared.down_proj])[0]
+                shared.forward = functools.partial(fp8_feed_forward, gate_up, down, kernels)
+                products += [(gate_up, None), (down, None)]
+        if products and kernel_serves(products[0][0].weight.device):
+            choose_products(products, blocks[0].post_attention_layernorm.weight.dtype, tile_table, max_tokens)
     return len(blocks)
+
+
+def choose_products(products: list[tuple[BlockFp8Weight, torch.Tensor | None]], dtype: torch.dtype,
+                    tile_table: str | None, max_tokens: int | None) -> None:
+    """Set each weight's `tiles` (its product's implementation and tiles by token count) from `tile_table`, else the
+    table shipped for this GPU, else the rule; then run each choice once for products of up to `max_tokens` rows of
+    `dtype` (with the weight's bias, if any).
+
+    Why run them now: Triton compiles a kernel variant on its first launch. Decode batches are warmed by the CUDA-graph
+    captures, but prefill steps run eagerly, and a table gives each range of token counts its own tiles: without this,
+    the first prefill in each range would stall serving for a compile."""
+    device = products[0][0].weight.device
+    if tile_table is not None:
+        path, source = Path(tile_table), "`engine.fp8_tile_table`"
+    else:  # CPU runs (Triton's interpreter) have no GPU's table
+        shipped = fp8_tiles.shipped_table_path(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        path, source = (shipped if shipped is not None and shipped.is_file() else None), "the shipped FP8 tile table"
+    chosen: dict[tuple[int, int, bool], fp8_tiles.ProductTiles] = {}
+    warmed: set[tuple[int, int, bool, bool]] = set()
+    for weight, bias in products:
+        (num_rows, num_columns), whole = weight.weight.shape, whole_blocks(weight)
+        key = (num_rows, num_columns, whole)
+        if key not in chosen:
+            chosen[key] = fp8_tiles.ProductTiles.load(path, num_rows, num_columns, source, whole)
+        weight.tiles = chosen[key]
+        if max_tokens is not None and (*key, bias is not None) not in warmed:
+            warmed.add((*key, bias is not None))
+            for count in weight.tiles.variant_token_counts(max_tokens):
+                fp8_linear(torch.zeros(count, num_columns, dtype=dtype, device=device), weight, bias)
 
 
 def fp8_feed_forward(gate_up: BlockFp8Weight, down: BlockFp8Weight, kernels: bool, h: torch.Tensor) -> torch.Tensor:
@@ -105,16 +147,22 @@ def fp8_block_forward(block: DecoderLayer, proj: Fp8Projections, kernels: bool, 
     post_norm_weight = block.post_attention_layernorm.weight
     if (kernels and isinstance(backend, CachedAttention) and backend.reads_only_the_cache(head_dim, x.device)
             and pointwise.is_available(x)):
-        x_ND = x[0]
-        _, h = pointwise.rms_norm(x_ND, norm_weight, eps)
-        q, k, v = fp8_linear(h, proj.qkv, proj.qkv_bias).split(proj.qkv_sizes, dim=-1)
+        x_ND, num_tokens = x[0], x.shape[1]
+        # The norms (and a dense SiLU * up) quantize what they write for the products they feed (`rms_norm_fp8`,
+        # `silu_mul_fp8`): no kernel of its own reads them back to quantize them.
+        _, _, h_fp8 = pointwise.rms_norm_fp8(x_ND, norm_weight, eps, row_multiple=SCALED_MM_ROWS)
+        q, k, v = fp8_product(h_fp8, num_tokens, proj.qkv, proj.qkv_bias, x.dtype).split(proj.qkv_sizes, dim=-1)
         q_NHD = pointwise.qk_norm_rope_write(q, k, v, cos[0], sin[0], q_norm_weight, k_norm_weight, eps,
                                              *backend.cache_slots(layer))
         attended = backend.attend_cached(layer, q_NHD)
-        x_ND, h = pointwise.rms_norm(x_ND, post_norm_weight, eps, delta=fp8_linear(attended.flatten(1), proj.o, proj.o_bias))
-        if proj.gate_up is None:
+        o = fp8_linear(attended.flatten(1), proj.o, proj.o_bias)
+        if proj.gate_up is None:  # the experts (and their router) take the norm in the activations' dtype
+            x_ND, h = pointwise.rms_norm(x_ND, post_norm_weight, eps, delta=o)
             return (x_ND + block.mlp(h[None])[0])[None]
-        return (x_ND + fp8_feed_forward(proj.gate_up, proj.down, True, h))[None]
+        x_ND, _, h_fp8 = pointwise.rms_norm_fp8(x_ND, post_norm_weight, eps, delta=o, row_multiple=SCALED_MM_ROWS)
+        gate_up_out = fp8_product(h_fp8, num_tokens, proj.gate_up, None, x.dtype)
+        hidden_fp8 = pointwise.silu_mul_fp8(gate_up_out, SCALED_MM_ROWS)
+        return (x_ND + fp8_product(hidden_fp8, num_tokens, proj.down, None, x.dtype))[None]
     h = rms_norm(x, norm_weight, eps)
     q, k, v = fp8_linear(h, proj.qkv, proj.qkv_bias).split(proj.qkv_sizes, dim=-1)
     attended = backend.attend(layer, *normed_rotated(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, head_dim))

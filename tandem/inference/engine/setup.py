@@ -136,7 +136,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code,
                                model_config.load_format, engine.quantization, engine.fp8_experts)
     if fp8:  # before anything runs the model: its own forward cannot multiply by FP8 layers
-        apply_fp8_blocks(model, kernels=engine.fused_blocks)
+        apply_fp8_blocks(model, kernels=engine.fused_blocks, tile_table=engine.fp8_tile_table,
+                         max_tokens=max(engine.max_num_batched_tokens, engine.max_num_seqs))
     if exact:
         check_exact(model.hf_config, str(folder / "config.json"))
         apply_exact(model, stack=True)  # the engine: its projections stacked once
