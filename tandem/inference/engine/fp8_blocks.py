@@ -8,6 +8,12 @@ gate and up as one matmul, then down. A mixture of experts' feed-forward runs as
 engine's `fused_moe` kernels, on FP8 experts: `tandem.models.fp8.Fp8Experts`), its shared experts given the
 dense feed-forward's FP8 forward (`fp8_feed_forward`).
 
+A latent-attention block (GLM-5, DeepSeek-V3: `tandem.models.glm_moe_dsa.LatentAttentionBlock`) keeps its
+attention's own code, which calls its projections as modules: each FP8 one (q_a, q_b, kv_a, the indexer's wq_b
+and wk) is given a forward multiplying in block FP8, and the block's forward (`fp8_latent_block_forward`) takes
+over from o_proj on, with the feed-forward's FP8 forward as above. `kv_b_proj` stays in the model's dtype
+(`tandem.models.fp8` says why), as do the multi-token prediction layers.
+
 On CUDA with the engine's paged cache (and `kernels`), the pointwise work around the matmuls runs as
 `fused_blocks` runs it (`tandem.kernels.pointwise`); anywhere else (the CPU) the model's own functions
 compute it and the FP8 products run as torch's dequantized reference of the scheme: slow, but the
@@ -26,9 +32,11 @@ from torch import nn
 from tandem.kernels import pointwise
 from tandem.kernels.fp8 import MIN_CAPABILITY, BlockFp8Weight, fp8_linear, kernel_serves
 from tandem.models.attention import AttentionBackend, CachedAttention
-from tandem.models.decoder import DecoderLayer, attention_residual, normed_rotated
-from tandem.models.fp8 import Fp8Linear, stack_fp8_rows
-from tandem.models.layers import rms_norm
+from tandem.models.decoder import DecoderLayer, after_attention, attention_residual, normed_rotated
+from tandem.models.dsa import SparseContext
+from tandem.models.fp8 import Fp8Linear, quantized_blocks, stack_fp8_rows
+from tandem.models.glm_moe_dsa import LatentAttentionBlock
+from tandem.models.layers import MLP, rms_norm
 from tandem.models.moe import MoE
 
 
@@ -74,17 +82,50 @@ def fp8_projections(block: DecoderLayer) -> Fp8Projections:
 
 
 def apply_fp8_blocks(model: nn.Module, kernels: bool) -> int:
-    """Give every `DecoderLayer` of `model` (its layers converted by `tandem.models.fp8.convert_to_fp8`) the FP8 block
-    forward, in place; `kernels`: the pointwise kernels where they serve. Returns how many blocks."""
-    blocks = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    """Give every block of `model` whose layers `tandem.models.fp8.convert_to_fp8` converted (`quantized_blocks`) the
+    FP8 block forward, in place; `kernels`: the pointwise kernels where they serve. Returns how many blocks."""
+    blocks = quantized_blocks(model)
     with torch.no_grad():
         for block in blocks:
-            block.forward = functools.partial(fp8_block_forward, block, fp8_projections(block), kernels)
+            if isinstance(block, LatentAttentionBlock):
+                apply_fp8_latent_block(block, kernels)
+            else:
+                block.forward = functools.partial(fp8_block_forward, block, fp8_projections(block), kernels)
             shared = block.mlp.shared_experts if isinstance(block.mlp, MoE) else None
             if shared is not None:
-                gate_up = stack_fp8_rows([shared.gate_proj, shared.up_proj])[0]
-                shared.forward = functools.partial(fp8_feed_forward, gate_up, stack_fp8_rows([shared.down_proj])[0], kernels)
+                give_fp8_feed_forward(shared, kernels)
     return len(blocks)
+
+
+def give_fp8_feed_forward(mlp: MLP, kernels: bool) -> None:
+    """`mlp` (FP8 layers) computes `fp8_feed_forward` of its gate and up stacked, then down."""
+    gate_up = stack_fp8_rows([mlp.gate_proj, mlp.up_proj])[0]
+    mlp.forward = functools.partial(fp8_feed_forward, gate_up, stack_fp8_rows([mlp.down_proj])[0], kernels)
+
+
+def apply_fp8_latent_block(block: LatentAttentionBlock, kernels: bool) -> None:
+    """A latent block's FP8 layers made callable (`fp8_linear` over their blocks, which updates reach: the layers'
+    tensors are views of them), and its forward `fp8_latent_block_forward`."""
+    for linear in block.self_attn.modules():
+        if isinstance(linear, Fp8Linear) and linear is not block.self_attn.o_proj:
+            weight, bias = stack_fp8_rows([linear])
+            linear.forward = functools.partial(fp8_linear, weight=weight, bias=bias)
+    if isinstance(block.mlp, MLP):
+        give_fp8_feed_forward(block.mlp, kernels)
+    o, o_bias = stack_fp8_rows([block.self_attn.o_proj])
+    block.forward = functools.partial(fp8_latent_block_forward, block, o, o_bias)
+
+
+def fp8_latent_block_forward(block: LatentAttentionBlock, o: BlockFp8Weight, o_bias: torch.Tensor | None,
+                             x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                             sparse: SparseContext | None = None, selection: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What `LatentAttentionBlock.forward` computes, o_proj in block FP8 (the attention's projections and the
+    feed-forward multiply in FP8 through their own forwards)."""
+    attended, selection = block.attention_output(x, cos, sin, backend, sparse, selection)
+    x = after_attention(x, attended, o, o_bias, block.post_attention_layernorm.weight, block.eps, block.mlp,
+                        linear=fp8_linear)
+    return x, selection
 
 
 def fp8_feed_forward(gate_up: BlockFp8Weight, down: BlockFp8Weight, kernels: bool, h: torch.Tensor) -> torch.Tensor:
