@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks
 from tandem.inference.engine.kv_cache import LatentCache
 from tandem.kernels.fp8 import FP8
-from tandem.models.fp8 import Fp8Experts, Fp8Linear, dequantize_weight, fp8_weight_names, quantize_named
+from tandem.models.fp8 import Fp8Experts, dequantize_weight, fp8_weight_names, quantize_named
 from tandem.models.hub import read_hf_config
 from tandem.models.loading import build_native, load_causal_lm
 from tandem.models.presets import init_model
@@ -138,8 +138,11 @@ def test_updates_are_quantized_on_load_and_a_quantized_broadcast_equals_them(bf1
     started = engine_for(other, fp8_experts=True)
     assert_same_tensors(fp8_state(engine), fp8_state(started))
     assert generate(engine) == generate(started)
-    layer = engine.weight_target.layers[1].self_attn.q_b_proj
-    assert isinstance(layer, Fp8Linear) and layer.forward.keywords["weight"].weight.data_ptr() == layer.weight.data_ptr()
+    attention = engine.weight_target.layers[1].self_attn  # the blocks the FP8 products read are the layers' tensors
+    assert attention.q_b_proj.forward.keywords["weight"].weight.data_ptr() == attention.q_b_proj.weight.data_ptr()
+    stacked = attention.input_projections.args[0].weight  # q_a's rows, then kv_a's
+    assert stacked.data_ptr() == attention.q_a_proj.weight.data_ptr()
+    assert attention.kv_a_proj_with_mqa.weight.data_ptr() == stacked[attention.q_a_proj.out_features:].data_ptr()
 
     broadcast = engine_for(bf16_dirs["tiny-glm5"], fp8_experts=True)
     names = fp8_weight_names(build_native(read_hf_config(other), "meta", torch.bfloat16), experts=True)

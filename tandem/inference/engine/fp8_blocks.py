@@ -9,9 +9,10 @@ engine's `fused_moe` kernels, on FP8 experts: `tandem.models.fp8.Fp8Experts`), i
 dense feed-forward's FP8 forward (`fp8_feed_forward`).
 
 A latent-attention block (GLM-5, DeepSeek-V3: `tandem.models.glm_moe_dsa.LatentAttentionBlock`) keeps its
-attention's own code, which calls its projections as modules: each FP8 one (q_a, q_b, kv_a, the indexer's wq_b
-and wk) is given a forward multiplying in block FP8, and the block's forward (`fp8_latent_block_forward`) takes
-over from o_proj on, with the feed-forward's FP8 forward as above. `kv_b_proj` stays in the model's dtype
+attention's own code, which calls its projections as modules: q_a and kv_a, which both read the block's normed
+input, become one stacked FP8 product (the attention's `input_projections`), each other FP8 projection (q_b, the
+indexer's wq_b and wk) is given a forward multiplying in block FP8, and the block's forward
+(`fp8_latent_block_forward`) takes over from o_proj on, with the feed-forward's FP8 forward as above. `kv_b_proj` stays in the model's dtype
 (`tandem.models.fp8` says why), as do the multi-token prediction layers.
 
 On CUDA with the engine's paged cache (and `kernels`), the pointwise work around the matmuls runs as
@@ -104,16 +105,28 @@ def give_fp8_feed_forward(mlp: MLP, kernels: bool) -> None:
 
 
 def apply_fp8_latent_block(block: LatentAttentionBlock, kernels: bool) -> None:
-    """A latent block's FP8 layers made callable (`fp8_linear` over their blocks, which updates reach: the layers'
-    tensors are views of them), and its forward `fp8_latent_block_forward`."""
-    for linear in block.self_attn.modules():
-        if isinstance(linear, Fp8Linear) and linear is not block.self_attn.o_proj:
+    """A latent block's FP8 layers computed by `fp8_linear` over their blocks (which updates reach: the layers'
+    tensors are views of them): q_a (or q) and kv_a stacked as the attention's `input_projections`, the others as
+    their own forwards; and the block's forward `fp8_latent_block_forward`."""
+    attention = block.self_attn
+    inputs = [attention.q_proj if attention.q_lora_rank is None else attention.q_a_proj, attention.kv_a_proj_with_mqa]
+    weight, bias = stack_fp8_rows(inputs)
+    sizes = [linear.out_features for linear in inputs]
+    attention.input_projections = functools.partial(fp8_split_product, weight, bias, sizes)
+    for linear in attention.modules():
+        if isinstance(linear, Fp8Linear) and not any(linear is held for held in (*inputs, attention.o_proj)):
             weight, bias = stack_fp8_rows([linear])
             linear.forward = functools.partial(fp8_linear, weight=weight, bias=bias)
     if isinstance(block.mlp, MLP):
         give_fp8_feed_forward(block.mlp, kernels)
     o, o_bias = stack_fp8_rows([block.self_attn.o_proj])
     block.forward = functools.partial(fp8_latent_block_forward, block, o, o_bias)
+
+
+def fp8_split_product(weight: BlockFp8Weight, bias: torch.Tensor | None, sizes: list[int],
+                      x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One block-FP8 product of x by projections stacked by rows, split back into each one's output."""
+    return fp8_linear(x, weight, bias).split(sizes, dim=-1)
 
 
 def fp8_latent_block_forward(block: LatentAttentionBlock, o: BlockFp8Weight, o_bias: torch.Tensor | None,
