@@ -168,8 +168,9 @@ class EngineConfig(Section):
     computes one more token, which is dropped. (On CPU all work is the host's: nothing to overlap.)"""
 
     quantization: Literal["none", "fp8"] = "none"
-    """`fp8`, native models: each block's dense projections (q/k/v/o; gate/up/down of a dense feed-forward or of
-    shared experts; the routed experts with `fp8_experts`) in block-scaled FP8, weights in 128 x 128 blocks,
+    """`fp8`, native models: each block's dense projections (q/k/v/o, or latent attention's q_a/q_b/kv_a/o and DSA
+    indexer's wq_b/wk; gate/up/down of a dense feed-forward or of shared experts; the routed experts with
+    `fp8_experts`) in block-scaled FP8, weights in 128 x 128 blocks,
     activations quantized per token and 128 columns (`tandem.kernels.fp8`; the experts: `tandem.kernels.moe`):
     half the weight memory of bf16, and FP8 tensor cores (CUDA: compute capability 8.9
     or newer; the CPU runs a slow torch reference of the same scheme). An FP8 checkpoint (`quantization_config`

@@ -14,7 +14,14 @@ have made itself, for half the bytes on the wire.
 Which layers: the dense projections of each decoder block (q, k, v, o; a dense feed-forward's gate,
 up and down; a mixture of experts' shared experts) and its routed experts (`Fp8Experts`: each expert's
 matrices in their own blocks, stacked as the model stacks them). Embeddings, norms, the LM head and routers
-keep the model's dtype.
+keep the model's dtype. A latent-attention block (GLM-5, DeepSeek-V3: `tandem.models.glm_moe_dsa`) holds in FP8
+what their released FP8 checkpoints hold in FP8 and the engine multiplies as a plain projection: q_a, q_b (or a
+full q), kv_a and o, its DSA indexer's wq_b and wk (not `weights_proj`, bf16 in the releases too), and the
+feed-forward's as above. Two exceptions, kept in the model's dtype (an FP8 checkpoint's copy dequantized on load):
+- `kv_b_proj`, FP8 on disk: decode never multiplies by it as a projection; its two halves are folded into the
+  queries and the attention's output (the absorbed form, `tandem.models.mla`), products with per-head slices that
+  a 128 x 128 block layout of the whole matrix does not fit, and prefill expands the cached latents with it;
+- the multi-token prediction layers (`model.mtp_layers`): a draft runs them through the model's own forward.
 
 A stacked weight may hold several matrices by rows, each in its own 128-row blocks as its checkpoint stores
 it: the experts' `gate_up_proj` holds each expert's gate and up projections (`row_parts`), so that a gate of
@@ -30,6 +37,7 @@ from torch import nn
 
 from tandem.kernels.fp8 import FP8, FP8_MAX, GROUP, INV_FP8_MAX, MIN_AMAX, BlockFp8Weight, expand_scales, fp8_linear
 from tandem.models.decoder import DecoderLayer
+from tandem.models.glm_moe_dsa import LatentAttentionBlock, MultiTokenPrediction
 from tandem.models.layers import MLP
 from tandem.models.moe import MoE
 from tandem.models.random_init import initial_value
@@ -129,12 +137,33 @@ class Fp8Experts(nn.Module):
         return torch.cat(outputs)
 
 
+LATENT_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+"""A latent attention's projections held in FP8, those it has (`q_proj` without a query rank, else q_a and q_b)."""
+INDEXER_PROJECTIONS = ("wq_b", "wk")
+"""A DSA indexer's projections held in FP8."""
+
+
+def quantized_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks whose layers are held in FP8: the `DecoderLayer`s, and the latent families' blocks but their
+    multi-token prediction layers (kept in the model's dtype). By `isinstance`: FSDP gives a trainer's sharded
+    blocks classes of their own, subclasses of these."""
+    return [m for m in model.modules() if isinstance(m, DecoderLayer)
+            or (isinstance(m, LatentAttentionBlock) and not isinstance(m, MultiTokenPrediction))]
+
+
 def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent module, attribute) of every linear layer held in FP8: each block's attention projections, and its
-    feed-forward's where that is dense, or its shared experts' in a mixture of experts."""
+    """(parent module, attribute) of every linear layer held in FP8: each block's attention projections (a latent
+    one's of `LATENT_PROJECTIONS` and its indexer's), and its feed-forward's where that is dense, or its shared
+    experts' in a mixture of experts."""
     out = []
-    for block in (m for m in model.modules() if isinstance(m, DecoderLayer)):
-        out += [(block.self_attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    for block in quantized_blocks(model):
+        attention = block.self_attn
+        if isinstance(block, DecoderLayer):
+            out += [(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        else:
+            out += [(attention, name) for name in LATENT_PROJECTIONS if hasattr(attention, name)]
+            if attention.indexer is not None:
+                out += [(attention.indexer, name) for name in INDEXER_PROJECTIONS]
         dense = block.mlp if isinstance(block.mlp, MLP) else getattr(block.mlp, "shared_experts", None)
         if dense is not None:
             out += [(dense, name) for name in ("gate_proj", "up_proj", "down_proj")]
@@ -142,8 +171,8 @@ def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 def quantized_moes(model: nn.Module) -> list[MoE]:
-    """The mixtures of experts whose routed experts are held in FP8: those of the decoder blocks."""
-    return [block.mlp for block in model.modules() if isinstance(block, DecoderLayer) and isinstance(block.mlp, MoE)]
+    """The mixtures of experts whose routed experts are held in FP8: those of `quantized_blocks`."""
+    return [block.mlp for block in quantized_blocks(model) if isinstance(block.mlp, MoE)]
 
 
 def fp8_weight_names(model: nn.Module, experts: bool) -> set[str]:
@@ -236,14 +265,26 @@ def match_quantization(held: Mapping[str, torch.Tensor], state: Mapping[str, tor
         target = held.get(name)
         if tensor.dtype == FP8 and scale_name not in state:
             raise ValueError(f"{source or 'the weights'}: {name} is FP8 but {scale_name} is missing")
-        parts = row_parts(name)
         if target is not None and target.dtype == FP8:  # quantized where the model is (a folder is read on the CPU)
             fp8 = tensor.dtype == FP8
             out[name], out[scale_name] = ((tensor, state[scale_name]) if fp8
-                                          else quantize_weight(tensor.to(target.device), parts))
+                                          else quantize_weight(tensor.to(target.device), row_parts(name)))
         elif tensor.dtype == FP8:
-            out[name] = dequantize_weight(tensor, state[scale_name], target.dtype if target is not None else torch.float32,
-                                          parts)
+            out[name] = weight_values(state, name, target.dtype if target is not None else torch.float32, source)
         else:
             out[name] = tensor
     return out
+
+
+def weight_values(state: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype = torch.float32,
+                  source: str | None = None) -> torch.Tensor:
+    """`state[name]` as the values it stands for: an FP8 weight dequantized by its `<name>_scale_inv` into `dtype`
+    (a missing scale is an error naming `source`), any other tensor as it is. One tensor at a time, so that a
+    reader of a released FP8 checkpoint (the trainer) never holds more than one weight dequantized at once."""
+    tensor = state[name]
+    if tensor.dtype != FP8:
+        return tensor
+    scale_name = name + SCALE_SUFFIX
+    if scale_name not in state:
+        raise ValueError(f"{source or 'the weights'}: {name} is FP8 but {scale_name} is missing")
+    return dequantize_weight(tensor, state[scale_name], dtype, row_parts(name))

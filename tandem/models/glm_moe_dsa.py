@@ -151,18 +151,26 @@ class LatentAttentionBlock(PreNormBlock):
         else a full layer selects with its indexer and a shared one uses `selection`. A `LatentBackend` (the engine's
         latent cache, the trainer's context-parallel gather) is handed the layer's projections and selects itself: `sparse` is None and `selection` is its
         own form."""
+        attended, selection = self.attention_output(x, cos, sin, backend, sparse, selection)
+        attention = self.self_attn
+        x = after_attention(x, attended, projection_weight(attention.o_proj), attention.o_proj.bias,
+                            self.post_attention_layernorm.weight, self.eps, self.mlp)
+        return x, selection
+
+    def attention_output(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                         sparse: SparseContext | None, selection: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's attention before o_proj, [B, T, H, Dv], and the selection `forward` passes on (its
+        arguments). Apart from `forward` so that the engine's FP8 block (`tandem.inference.engine.fp8_blocks`)
+        computes the same attention and takes over from o_proj on."""
         attention = self.self_attn
         h = rms_norm(x, self.input_layernorm.weight, self.eps)
         projections = attention.project_latent(h, cos, sin)
         if isinstance(backend, LatentBackend):  # it keeps the latents, selects and attends itself
             indexer = attention.indexer
             index = indexer.project(h, projections.query_latent, cos, sin) if indexer is not None else None
-            attended, selection = backend.attend_latent(self.layer_idx, attention, projections, index, selection)
-        else:
-            attended, selection = self.attend(h, projections, cos, sin, backend, sparse, selection)
-        x = after_attention(x, attended, projection_weight(attention.o_proj), attention.o_proj.bias,
-                            self.post_attention_layernorm.weight, self.eps, self.mlp)
-        return x, selection
+            return backend.attend_latent(self.layer_idx, attention, projections, index, selection)
+        return self.attend(h, projections, cos, sin, backend, sparse, selection)
 
     def attend(self, h: torch.Tensor, projections: LatentProjections, cos: torch.Tensor, sin: torch.Tensor,
                backend: AttentionBackend, sparse: SparseContext | None, selection: torch.Tensor | None

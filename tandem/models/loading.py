@@ -48,8 +48,8 @@ def is_native(hf_config: dict) -> bool:
 
 def has_split_blocks(hf_config: dict) -> bool:
     """Whether the model is native and made of `decoder.DecoderLayer`s, split at attention: what the engine's KV
-    cache of keys and values, FP8 layers and exact mode and the trainer's compiled block halves work
-    on. The latent-attention families (`glm_moe_dsa`, `deepseek_v3`) run whole blocks (`tandem.models.glm_moe_dsa`)
+    cache of keys and values and exact mode and the trainer's compiled block halves work on. The latent-attention
+    families (`glm_moe_dsa`, `deepseek_v3`) run whole blocks (`tandem.models.glm_moe_dsa`)
     and the engine keeps their latents (`tandem.inference.engine.kv_cache.LatentCache`)."""
     return is_native(hf_config) and NATIVE[hf_config["model_type"]][1].split_blocks
 
@@ -57,10 +57,13 @@ def has_split_blocks(hf_config: dict) -> bool:
 def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
                  source: str = "config.json") -> nn.Module:
     """An uninitialized native model (on `meta` by default: no memory until `to_empty`); `source`
-    names the config file in errors."""
+    names the config file in errors. A released FP8 checkpoint's config builds the same layers as its unquantized
+    one (the FP8 ones are `tandem.models.fp8.convert_to_fp8`'s choice); any other `quantization_config` is an
+    error naming `source` and the field."""
     args_cls, model_cls = NATIVE[hf_config["model_type"]]
+    checkpoint_quantization(hf_config, source)
     try:
-        args = args_cls.from_hf(hf_config)
+        args = args_cls.from_hf({k: v for k, v in hf_config.items() if k != "quantization_config"})
     except UnsupportedConfig as err:
         raise ValueError(f"{source}: {err}") from None
     with _InitSkippedOnMeta(), torch.device(device):
@@ -186,17 +189,7 @@ def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "
         raise ValueError(f"{quantization} layers need a model native to tandem; {folder / 'config.json'} says "
                          f"model_type {hf_config.get('model_type')!r}, which loads through transformers")
     if is_native(hf_config):
-        source = str(folder / "config.json")
-        fp8_checkpoint = checkpoint_quantization(hf_config, source)  # an error for any scheme but block FP8
-        if fp8_checkpoint and not has_split_blocks(hf_config):
-            raise ValueError(f"{source}: `quantization_config` = {hf_config['quantization_config']!r}: FP8 checkpoints of "
-                             f"model_type {hf_config['model_type']!r} (latent attention) are not supported; use bf16 weights")
-        if quantization != "none" and not has_split_blocks(hf_config):
-            raise ValueError(f"{quantization} layers need decoder blocks split at attention; {source} says model_type "
-                             f"{hf_config['model_type']!r} (latent attention), whose blocks run whole")
-        unquantized = {k: v for k, v in hf_config.items() if k != "quantization_config"}  # the layers' shapes are the same
-        model = empty_native(unquantized, device, torch_dtype, source, quantization, fp8_experts)
-        model.hf_config = hf_config
+        model = empty_native(hf_config, device, torch_dtype, str(folder / "config.json"), quantization, fp8_experts)
         if load_format == "dummy":
             model.init_weights(DUMMY_SEED)
             init_fp8_weights(model, DUMMY_SEED, torch_dtype)

@@ -108,17 +108,24 @@ class LatentAttention(nn.Module):
         """Normed hidden states h [B, T, hidden] -> the layer's `LatentProjections`."""
         B, T, _ = h.shape
         H, Dn, Dr = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        q_input, kv_input = self.input_projections(h)
         if self.q_lora_rank is None:
-            latent, q = None, self.q_proj(h)
+            latent, q = None, q_input
         else:
-            latent = rms_norm(self.q_a_proj(h), self.q_a_layernorm.weight, LATENT_NORM_EPS)
+            latent = rms_norm(q_input, self.q_a_layernorm.weight, LATENT_NORM_EPS)
             q = self.q_b_proj(latent)
         q_nope, q_rope = q.view(B, T, H, Dn + Dr).split((Dn, Dr), dim=-1)
-        c, k_rope = self.kv_a_proj_with_mqa(h).split((self.kv_lora_rank, Dr), dim=-1)
+        c, k_rope = kv_input.split((self.kv_lora_rank, Dr), dim=-1)
         c = rms_norm(c, self.kv_a_layernorm.weight, LATENT_NORM_EPS)
         k_rope = rotate(k_rope.view(B, T, 1, Dr), cos, sin, self.rope_interleave)[:, :, 0]
         return LatentProjections(q_nope, rotate(q_rope, cos, sin, self.rope_interleave), torch.cat((c, k_rope), dim=-1),
                                  latent)
+
+    def input_projections(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two products of the normed hidden states h [B, T, hidden]: q_a_proj's (q_proj's without a query rank)
+        and kv_a_proj_with_mqa's. A method of its own because both read h: the engine's FP8 blocks compute them as
+        one stacked product (`tandem.inference.engine.fp8_blocks`)."""
+        return (self.q_proj if self.q_lora_rank is None else self.q_a_proj)(h), self.kv_a_proj_with_mqa(h)
 
     def queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         """The expanded queries [..., H, Dn + Dr], times `query_factor`."""

@@ -37,6 +37,7 @@ from tandem.config.trainer import (ActivationCheckpointConfig, Float8TrainingCon
                                    ParallelConfig, RouterConfig)
 from tandem.models.attention import DocumentCausalAttention, document_lengths
 from tandem.models.exact import ExactDocumentAttention, apply_exact, check_exact, exact_token_logprobs
+from tandem.models.fp8 import weight_values
 from tandem.models.glm_moe_dsa import LatentMoeForCausalLM
 from tandem.models.hf_fallback import HFCausalLM
 from tandem.models.hub import resolve_model_path
@@ -334,14 +335,16 @@ def apply_expert_parallel_to(policy: PolicyModel, hf_config: dict, dims: Paralle
 def load_shards(policy: PolicyModel, state: Mapping[str, torch.Tensor], source: str,
                 params: list[tuple[str, nn.Parameter]] | None = None) -> None:
     """Copy each full HF-named tensor of `state` into this rank's shard of the parameter (of `params`, default
-    `hf_named_parameters()`); errors name `source`, the folder `state` was read from."""
+    `hf_named_parameters()`); errors name `source`, the folder `state` was read from. A released FP8 checkpoint's
+    weights are dequantized by their block scales, one at a time (`tandem.models.fp8.weight_values`): the trainer
+    steps the values they stand for."""
     params = policy.hf_named_parameters() if params is None else params
     missing = [name for name, _ in params if name not in state]
     if missing:
         raise KeyError(f"the weights in {source} lack {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():
         for name, param in params:
-            full = state[name]
+            full = weight_values(state, name, param.dtype, source)
             if tuple(full.shape) != tuple(param.shape):
                 raise ValueError(f"{source}: shape mismatch for {name}: model {tuple(param.shape)}, weights {tuple(full.shape)}")
             full = full.to(device=param.device, dtype=param.dtype)

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import torch
 
-from tandem.config.inference import InferenceConfig
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig, InferenceConfig
 from tandem.inference.engine.sampling_params import SamplingParams
+from tandem.inference.engine.setup import build_engine
+from tandem.kernels.fp8 import FP8
 from tandem.models.loading import load_causal_lm
 from tandem.models.lora import LoraSpec, apply_lora, lora_modules, write_adapter_folder
 
@@ -92,6 +95,26 @@ def generate(engine, num_requests: int = 6, max_tokens: int = 24, seed: int = 0,
     assert len(results) == num_requests * n and all(len(ids) == max_tokens for ids, _ in results.values())
     return {key: (requests[key.split("/")[0]][0], ids, logprobs, requests[key.split("/")[0]][1])
             for key, (ids, logprobs) in results.items()}
+
+
+def engine_for(model_dir, device: str = "cpu", quantization: str = "fp8", load_format: str = "safetensors", **settings):
+    """An engine of the FP8 tests (`quantization` FP8 unless told) over `model_dir`, its other `engine` keys `settings`."""
+    config = {"device": device, "num_blocks": 64, "block_size": 16, "max_model_len": 256, "max_num_batched_tokens": 256,
+              "quantization": quantization, **settings}
+    return build_engine(ModelConfig(name=str(model_dir), load_format=load_format), EngineConfig(**config), seed=0)
+
+
+def fp8_state(engine) -> dict[str, torch.Tensor]:
+    """The FP8 weights an engine holds and their scales, by in-memory name."""
+    return {k: v for k, v in engine.weight_target.state_dict().items() if v.dtype == FP8 or k.endswith("_scale_inv")}
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """The same names and, bit for bit, the same values."""
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        as_bits = (lambda t: t.view(torch.uint8)) if tensor.dtype == FP8 else (lambda t: t)
+        assert torch.equal(as_bits(tensor), as_bits(expected[name].to(tensor.device))), name
 
 
 def fp8_rho(factors_per_block: int, num_layers: int) -> float:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from inference_helpers import QUANTIZED, check_close_to_unquantized, fp8_rho, generate, teacher_forced_logprobs
+from safetensors.torch import load_file
+from fp8_release import CHECKPOINT_SCHEME, DECODER_RELEASE, write_fp8_release
+from inference_helpers import (QUANTIZED, assert_same_tensors, check_close_to_unquantized, engine_for, fp8_rho, fp8_state,
+                               generate, teacher_forced_logprobs)
 from triton_interpreter import needs_triton_interpreter, run_interpreted
 
 from tandem.config.base import ModelConfig
@@ -26,35 +28,14 @@ from tandem.models.hub import read_hf_config
 from tandem.models.loading import DUMMY_SEED, build_native, load_causal_lm
 from tandem.models.presets import init_model
 from tandem.models.random_init import initial_value
-from tandem.models.weights import load_state_dict, save_state_dict, weight_files
+from tandem.models.weights import load_state_dict, save_state_dict
 
 FACTORS_PER_BLOCK = 8
 """FP8 factors between a block's input and output: both factors of q/k/v, o, gate/up and down."""
-CHECKPOINT_SCHEME = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 QUANTIZED_MOE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj\.weight|mlp\.(gate|up|down)_proj\.weight|"
                            r"mlp\.shared_experts\.(gate|up|down)_proj\.weight|mlp\.experts\.(gate_up|down)_proj)")
 """The in-memory names of the weights a mixture of experts holds in FP8: attention, a dense block's feed-forward,
 shared experts, routed experts."""
-QUANTIZED_ON_DISK = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts\.|experts\.\d+\.)?"
-                               r"(gate|up|down)_proj)\.weight")
-"""The on-disk names of the weights a released FP8 checkpoint of a mixture of experts holds in FP8 (per expert)."""
-
-
-def engine_for(model_dir, device: str = "cpu", quantization: str = "fp8", load_format: str = "safetensors", **settings):
-    config = {"device": device, "num_blocks": 64, "block_size": 16, "max_model_len": 256, "max_num_batched_tokens": 256,
-              "quantization": quantization, **settings}
-    return build_engine(ModelConfig(name=str(model_dir), load_format=load_format), EngineConfig(**config), seed=0)
-
-
-def fp8_state(engine) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in engine.weight_target.state_dict().items() if v.dtype == FP8 or k.endswith("_scale_inv")}
-
-
-def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == expected.keys()
-    for name, tensor in got.items():
-        as_bits = (lambda t: t.view(torch.uint8)) if tensor.dtype == FP8 else (lambda t: t)
-        assert torch.equal(as_bits(tensor), as_bits(expected[name].to(tensor.device))), name
 
 
 def quantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -171,18 +152,7 @@ def test_an_fp8_checkpoint_loads_as_it_is_and_generates(tiny_dir, tiny_fp8_dir):
 def tiny_glm_fp8_dir(tiny_glm_dir, tmp_path_factory):
     """GLM-4.5's tiny model as a released FP8 checkpoint of a mixture of experts stores it: each expert's gate, up
     and down projection in FP8 beside its own `weight_scale_inv`, as are the shared experts and attention."""
-    folder = tmp_path_factory.mktemp("tiny_glm_fp8") / "model"
-    shutil.copytree(tiny_glm_dir, folder)
-    for file in weight_files(folder):
-        file.unlink()
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = CHECKPOINT_SCHEME
-    on_disk = load_file(str(weight_files(tiny_glm_dir)[0]))
-    for name in [n for n in on_disk if QUANTIZED_ON_DISK.fullmatch(n)]:
-        on_disk[name], on_disk[name + "_scale_inv"] = quantize_weight(on_disk[name])
-    save_file(on_disk, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return write_fp8_release(tiny_glm_dir, tmp_path_factory.mktemp("tiny_glm_fp8") / "model", DECODER_RELEASE)
 
 
 def test_an_fp8_checkpoint_of_experts_loads_as_it_is_and_generates(tiny_glm_dir, tiny_glm_fp8_dir):

@@ -20,6 +20,7 @@ from tandem.config.resolve import free_port
 from tandem.config.weight_transport import BroadcastWeightTransport
 from tandem.inference.server import BackgroundServer
 from tandem.kernels.fp8 import FP8
+from tandem.models.presets import init_model
 from tandem.models.weights import load_state_dict
 from tandem.orchestrator.inference_pool import InferencePool, InferenceRequestError
 from tandem.orchestrator.policy_source import BroadcastPolicies
@@ -92,17 +93,17 @@ def test_broadcast_serves_what_a_folder_reload_serves(two_servers, tiny_dir, tin
     assert before != expected  # the other weights sample otherwise: the broadcast changed something
 
 
-def test_an_fp8_engine_takes_the_trainers_quantized_projections_as_they_are(tiny_dir, tiny_other_dir, tmp_path):
-    """`weight_transport.quantization = "fp8"`: the trainer sends the projections in FP8 blocks with their scales, and
-    the engine holds, bit for bit, what it holds after quantizing the same bf16 weights itself (a folder reload),
-    for the bytes of FP8 and scales in place of bf16."""
-    receiver, reloaded = (BackgroundServer(make_config(tiny_dir, quantization="fp8")) for _ in range(2))
+def quantized_broadcast(start: Path, policy: Path, run_dir: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """An FP8 engine over `start` takes `policy` by a quantized broadcast (`weight_transport.quantization = "fp8"`),
+    another by a folder reload: both hold the same tensors, bit for bit, and sample alike. Returns the trainer's
+    output and the weights the engine holds."""
+    receiver, reloaded = (BackgroundServer(make_config(start, quantization="fp8")) for _ in range(2))
     try:
-        output = broadcast(tmp_path, [receiver], tiny_other_dir, 3, "--fp8")
-        response = httpx.post(f"{reloaded.url}/update_weights", json={"path": str(tiny_other_dir), "version": 3}, timeout=60)
+        output = broadcast(run_dir, [receiver], policy, 3, "--fp8")
+        response = httpx.post(f"{reloaded.url}/update_weights", json={"path": str(policy), "version": 3}, timeout=60)
         assert response.status_code == 200, response.text
         got, expected = (server.served.engine.engine.weight_target.state_dict() for server in (receiver, reloaded))
-        assert got.keys() == expected.keys() and sum(t.dtype == FP8 for t in got.values()) == 14  # 7 projections x 2 layers
+        assert got.keys() == expected.keys()
         for name, tensor in got.items():
             bits = (lambda t: t.view(torch.uint8)) if tensor.dtype == FP8 else (lambda t: t)
             assert tensor.dtype == expected[name].dtype and torch.equal(bits(tensor), bits(expected[name])), name
@@ -110,12 +111,32 @@ def test_an_fp8_engine_takes_the_trainers_quantized_projections_as_they_are(tiny
     finally:
         receiver.stop()
         reloaded.stop()
+    return output, got
+
+
+def test_an_fp8_engine_takes_the_trainers_quantized_projections_as_they_are(tiny_dir, tiny_other_dir, tmp_path):
+    """`weight_transport.quantization = "fp8"`: the trainer sends the projections in FP8 blocks with their scales, and
+    the engine holds, bit for bit, what it holds after quantizing the same bf16 weights itself (a folder reload),
+    for the bytes of FP8 and scales in place of bf16."""
+    output, got = quantized_broadcast(tiny_dir, tiny_other_dir, tmp_path)
+    assert sum(t.dtype == FP8 for t in got.values()) == 14  # 7 projections x 2 layers
     state = load_state_dict(tiny_other_dir)
     fp8_bytes = sum(t.numel() + 4 * -(-t.shape[0] // 128) * -(-t.shape[1] // 128) for n, t in state.items() if QUANTIZED.fullmatch(n))
     other_bytes = sum(t.numel() * t.itemsize for n, t in state.items() if not QUANTIZED.fullmatch(n))
     assert f"step 3: {fp8_bytes + other_bytes} bytes" in output, output
     bf16_bytes = sum(2 * t.numel() for n, t in state.items() if QUANTIZED.fullmatch(n))
     assert fp8_bytes < 0.6 * bf16_bytes
+
+
+def test_an_fp8_latent_engine_takes_the_trainers_quantized_weights_as_they_are(tmp_path):
+    """The same for GLM-5's latent blocks: MLA's and the indexer's FP8 projections, the feed-forwards' and the routed
+    experts' cross the group quantized; kv_b_proj and the multi-token prediction layer in the model's dtype."""
+    start, policy = (init_model("tiny-glm5", tmp_path / f"glm5-{seed}", seed=seed) for seed in (0, 1))
+    _, got = quantized_broadcast(start, policy, tmp_path / "run")
+    fp8 = {name for name, t in got.items() if t.dtype == FP8}
+    assert "model.layers.1.self_attn.q_b_proj.weight" in fp8 and "model.layers.1.mlp.experts.gate_up_proj" in fp8
+    assert "model.layers.0.self_attn.indexer.wk.weight" in fp8
+    assert not any(".kv_b_proj." in name or "mtp_layers" in name for name in fp8)
 
 
 def test_out_of_order_calls_are_conflicts(server):

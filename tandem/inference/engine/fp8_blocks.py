@@ -8,6 +8,13 @@ gate and up as one matmul, then down. A mixture of experts' feed-forward runs as
 engine's `fused_moe` kernels, on FP8 experts: `tandem.models.fp8.Fp8Experts`), its shared experts given the
 dense feed-forward's FP8 forward (`fp8_feed_forward`).
 
+A latent-attention block (GLM-5, DeepSeek-V3: `tandem.models.glm_moe_dsa.LatentAttentionBlock`) keeps its
+attention's own code, which calls its projections as modules: q_a and kv_a, which both read the block's normed
+input, become one stacked FP8 product (the attention's `input_projections`), each other FP8 projection (q_b, the
+indexer's wq_b and wk) is given a forward multiplying in block FP8, and the block's forward
+(`fp8_latent_block_forward`) takes over from o_proj on, with the feed-forward's FP8 forward as above. `kv_b_proj` stays in the model's dtype
+(`tandem.models.fp8` says why), as do the multi-token prediction layers.
+
 On CUDA with the engine's paged cache (and `kernels`), the pointwise work around the matmuls runs as
 `fused_blocks` runs it (`tandem.kernels.pointwise`); anywhere else (the CPU) the model's own functions
 compute it and the FP8 products run as torch's dequantized reference of the scheme: slow, but the
@@ -30,9 +37,11 @@ from tandem.kernels import fp8_tiles
 from tandem.kernels.fp8 import (MIN_CAPABILITY, SCALED_MM_ROWS, BlockFp8Weight, fp8_linear, fp8_product, kernel_serves,
                                 whole_blocks)
 from tandem.models.attention import AttentionBackend, CachedAttention
-from tandem.models.decoder import DecoderLayer, attention_residual, normed_rotated
-from tandem.models.fp8 import Fp8Linear, stack_fp8_rows
-from tandem.models.layers import rms_norm
+from tandem.models.decoder import DecoderLayer, after_attention, attention_residual, normed_rotated
+from tandem.models.dsa import SparseContext
+from tandem.models.fp8 import Fp8Linear, quantized_blocks, stack_fp8_rows
+from tandem.models.glm_moe_dsa import LatentAttentionBlock
+from tandem.models.layers import MLP, rms_norm
 from tandem.models.moe import MoE
 
 
@@ -77,30 +86,64 @@ def fp8_projections(block: DecoderLayer) -> Fp8Projections:
     return Fp8Projections(qkv, qkv_bias, sizes, o, o_bias, gate_up, down)
 
 
+Product = tuple[BlockFp8Weight, torch.Tensor | None]
+"""An FP8 weight and its bias (None: none), as `choose_products` warms them."""
+
+
 def apply_fp8_blocks(model: nn.Module, kernels: bool, tile_table: str | None = None, max_tokens: int | None = None) -> int:
-    """Give every `DecoderLayer` of `model` (its layers converted by `tandem.models.fp8.convert_to_fp8`) the FP8 block
-    forward, in place; `kernels`: the pointwise kernels where they serve. Where the FP8 kernels serve, each product's
-    choices come from `tile_table` (`engine.fp8_tile_table`; `choose_products`), compiled for products of up to
-    `max_tokens` rows (None: none now). Returns how many blocks."""
-    blocks = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    products: list[tuple[BlockFp8Weight, torch.Tensor | None]] = []
+    """Give every block of `model` whose layers `tandem.models.fp8.convert_to_fp8` converted (`quantized_blocks`) the
+    FP8 block forward, in place; `kernels`: the pointwise kernels where they serve. Where the FP8 kernels serve, each
+    product's choices come from `tile_table` (`engine.fp8_tile_table`; `choose_products`), compiled for products of up
+    to `max_tokens` rows (None: none now). Returns how many blocks."""
+    blocks = quantized_blocks(model)
+    products: list[Product] = []
     with torch.no_grad():
         for block in blocks:
-            proj = fp8_projections(block)
-            block.forward = functools.partial(fp8_block_forward, block, proj, kernels)
-            products += [(proj.qkv, proj.qkv_bias), (proj.o, proj.o_bias)]
-            products += [(proj.gate_up, None), (proj.down, None)] if proj.gate_up is not None else []
+            if isinstance(block, LatentAttentionBlock):
+                products += apply_fp8_latent_block(block, kernels)
+            else:
+                proj = fp8_projections(block)
+                block.forward = functools.partial(fp8_block_forward, block, proj, kernels)
+                products += [(proj.qkv, proj.qkv_bias), (proj.o, proj.o_bias)]
+                products += [(proj.gate_up, None), (proj.down, None)] if proj.gate_up is not None else []
             shared = block.mlp.shared_experts if isinstance(block.mlp, MoE) else None
             if shared is not None:
-                gate_up, down = stack_fp8_rows([shared.gate_proj, shared.up_proj])[0], stack_fp8_rows([shared.down_proj])[0]
-                shared.forward = functools.partial(fp8_feed_forward, gate_up, down, kernels)
-                products += [(gate_up, None), (down, None)]
+                products += give_fp8_feed_forward(shared, kernels)
         if products and kernel_serves(products[0][0].weight.device):
             choose_products(products, blocks[0].post_attention_layernorm.weight.dtype, tile_table, max_tokens)
     return len(blocks)
 
 
-def choose_products(products: list[tuple[BlockFp8Weight, torch.Tensor | None]], dtype: torch.dtype,
+def give_fp8_feed_forward(mlp: MLP, kernels: bool) -> list[Product]:
+    """`mlp` (FP8 layers) computes `fp8_feed_forward` of its gate and up stacked, then down; returns both products."""
+    gate_up, down = stack_fp8_rows([mlp.gate_proj, mlp.up_proj])[0], stack_fp8_rows([mlp.down_proj])[0]
+    mlp.forward = functools.partial(fp8_feed_forward, gate_up, down, kernels)
+    return [(gate_up, None), (down, None)]
+
+
+def apply_fp8_latent_block(block: LatentAttentionBlock, kernels: bool) -> list[Product]:
+    """A latent block's FP8 layers computed by `fp8_linear` over their blocks (which updates reach: the layers'
+    tensors are views of them): q_a (or q) and kv_a stacked as the attention's `input_projections`, the others as
+    their own forwards; and the block's forward `fp8_latent_block_forward`. Returns the block's products."""
+    attention = block.self_attn
+    inputs = [attention.q_proj if attention.q_lora_rank is None else attention.q_a_proj, attention.kv_a_proj_with_mqa]
+    weight, bias = stack_fp8_rows(inputs)
+    sizes = [linear.out_features for linear in inputs]
+    attention.input_projections = functools.partial(fp8_split_product, weight, bias, sizes)
+    products: list[Product] = [(weight, bias)]
+    for linear in attention.modules():
+        if isinstance(linear, Fp8Linear) and not any(linear is held for held in (*inputs, attention.o_proj)):
+            weight, bias = stack_fp8_rows([linear])
+            linear.forward = functools.partial(fp8_linear, weight=weight, bias=bias)
+            products.append((weight, bias))
+    if isinstance(block.mlp, MLP):
+        products += give_fp8_feed_forward(block.mlp, kernels)
+    o, o_bias = stack_fp8_rows([block.self_attn.o_proj])
+    block.forward = functools.partial(fp8_latent_block_forward, block, o, o_bias)
+    return products + [(o, o_bias)]
+
+
+def choose_products(products: list[Product], dtype: torch.dtype,
                     tile_table: str | None, max_tokens: int | None) -> None:
     """Set each weight's `tiles` (its product's implementation and tiles by token count) from `tile_table`, else the
     table shipped for this GPU, else the rule; then run each choice once for products of up to `max_tokens` rows of
@@ -127,6 +170,24 @@ def choose_products(products: list[tuple[BlockFp8Weight, torch.Tensor | None]], 
             warmed.add((*key, bias is not None))
             for count in weight.tiles.variant_token_counts(max_tokens):
                 fp8_linear(torch.zeros(count, num_columns, dtype=dtype, device=device), weight, bias)
+
+
+def fp8_split_product(weight: BlockFp8Weight, bias: torch.Tensor | None, sizes: list[int],
+                      x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One block-FP8 product of x by projections stacked by rows, split back into each one's output."""
+    return fp8_linear(x, weight, bias).split(sizes, dim=-1)
+
+
+def fp8_latent_block_forward(block: LatentAttentionBlock, o: BlockFp8Weight, o_bias: torch.Tensor | None,
+                             x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                             sparse: SparseContext | None = None, selection: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What `LatentAttentionBlock.forward` computes, o_proj in block FP8 (the attention's projections and the
+    feed-forward multiply in FP8 through their own forwards)."""
+    attended, selection = block.attention_output(x, cos, sin, backend, sparse, selection)
+    x = after_attention(x, attended, o, o_bias, block.post_attention_layernorm.weight, block.eps, block.mlp,
+                        linear=fp8_linear)
+    return x, selection
 
 
 def fp8_feed_forward(gate_up: BlockFp8Weight, down: BlockFp8Weight, kernels: bool, h: torch.Tensor) -> torch.Tensor:
