@@ -87,6 +87,17 @@ class LaunchedStep:
 
 
 @dataclass
+class PendingImport:
+    """Handed-over blocks being written into the cache on the engine's `import_stream` (CUDA)."""
+
+    done: torch.cuda.Event
+    """Recorded on the import stream after the copy."""
+    block_ids: frozenset[int]
+    overlapped: bool = False
+    """A step was launched beside the copy (none of its sequences held these blocks); the next one waits for it."""
+
+
+@dataclass
 class SequenceOutput:
     """What a sequence gained in one step (incremental requests), or all of it at its end (the others)."""
 
@@ -166,6 +177,10 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.waiting_prefilled: deque[tuple[list[Sequence], PrefilledPrompt]] = deque()
         """Requests whose prompt another engine computed, waiting for room (`add_prefilled`)."""
+        self.import_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """CUDA: the stream that writes handed-over KV blocks into the cache, beside the steps (`_import`)."""
+        self.pending_imports: list[PendingImport] = []
+        """Imports on `import_stream` that no step has waited for yet."""
         self.prefilled: list[tuple[Sequence, torch.Tensor]] = []
         """Sequences admitted from `waiting_prefilled`, each with the logits row that the next launched step samples
         its first token from."""
@@ -275,9 +290,8 @@ class LLMEngine:
         try:
             if num_cached < prefilled.first_block:
                 raise ValueError("leading blocks left out are no longer cached here")
-            cache, blocks, skip = self.runner.cache, prefilled.kv_blocks, num_cached - prefilled.first_block
-            cache.import_blocks(first.block_table[num_cached:],
-                                blocks.narrow(cache.exported_block_dim, skip, blocks.shape[cache.exported_block_dim] - skip))
+            dim, blocks, skip = self.runner.cache.exported_block_dim, prefilled.kv_blocks, num_cached - prefilled.first_block
+            self._import(first.block_table[num_cached:], blocks.narrow(dim, skip, blocks.shape[dim] - skip))
         except ValueError:
             self.block_manager.free_blocks(first)
             first.num_computed_tokens = 0
@@ -289,6 +303,36 @@ class LLMEngine:
         self.scheduler.add_running(first)
         self.prefilled.append((first, prefilled.logits))
         return True
+
+    def _import(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write handed-over blocks into the cache (ValueError, nothing written, if they do not fit it). On CUDA on
+        `import_stream`, once the work queued so far is done (a step in flight may still write blocks that were just
+        freed and are now these), so the copy runs beside the next step instead of ahead of it: that step samples
+        the handed prompt's first token from its logits row and reads none of its blocks unless another sequence
+        shares them; `_wait_for_imports` holds back each forward that could read them."""
+        cache = self.runner.cache
+        if self.import_stream is None:
+            cache.import_blocks(block_ids, blocks)
+            return
+        self.import_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.import_stream):
+            cache.import_blocks(block_ids, blocks)
+            done = torch.cuda.Event()
+            done.record()
+        blocks.record_stream(self.import_stream)  # its memory is not reused before the copy has read it
+        self.pending_imports.append(PendingImport(done, frozenset(block_ids)))
+
+    def _wait_for_imports(self, batch: ScheduledBatch) -> None:
+        """Before a step's forward: have the device wait for each pending import, unless this is the first step
+        launched since it and none of its sequences holds one of its blocks (a shared prefix, a block taken again
+        after a preemption): so each copy overlaps one step, and no step reads its blocks before it is done."""
+        pending, self.pending_imports = self.pending_imports, []
+        for entry in pending:
+            if entry.overlapped or any(not entry.block_ids.isdisjoint(seq.block_table) for seq in batch.seqs):
+                torch.cuda.current_stream(self.device).wait_event(entry.done)
+            else:
+                entry.overlapped = True
+                self.pending_imports.append(entry)
 
     def abort_request(self, request_id: str) -> None:
         for entry in [e for e in self.waiting_prefilled if e[0][0].request_id == request_id]:
@@ -341,6 +385,7 @@ class LLMEngine:
         return self._read(previous)
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
+        self._wait_for_imports(batch)
         if self.speculator is not None and batch.seqs:  # with no room to draft too: an MTP draft writes its entries
             self.speculator.propose(batch)
         # Only a `PendingSample` is ever in flight: a verifying step is read at once.
