@@ -19,6 +19,16 @@ by `--drain-s` after the decoding ends (later ones are cancelled: a transport th
 and each transport's hand-off alone (a prompt the prefill server holds, taken into this process's device memory)
 per 1k prompt tokens. The goal of the design: p99 time between tokens within 2x the median step, at no more than
 10% fewer output tokens/s than colocated.
+
+Each setup's `steps` say what made its slow steps slow: every server keeps step records (`engine.num_step_records`),
+and those of the server the client talks to, over the decoding phase, are broken down by `step_breakdown.py`: the
+slowest percent of steps against the median ones (time parts, batch, handed-over prompts joining and their KV
+tokens written in, graph or eager) and, per possible cause, its share of the slow steps; for a decode server the
+prefill server's records mark the steps during which it computed prompts on the same device (`peer_busy`); the
+records themselves are kept beside the servers' logs. `--isolate` tells the decode server's own costs of a hand-off
+from the prefill server's work on a shared device: the same decode server runs the workload with the long prompts
+sent to the prefill server itself (`decode_prefill_busy`: the device shared, nothing handed over), then with none
+(`decode_alone`).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import httpx
 import msgspec
 import torch
 from provenance import environment
+from step_breakdown import breakdown, in_window
 
 from tandem.config.resolve import free_port
 from tandem.inference.disaggregated import make_kv_transport
@@ -47,6 +58,9 @@ from tandem.models.presets import PRESETS, init_model
 
 BLOCK_SIZE = 16
 """`engine.block_size`'s default: the servers' caches are counted in its blocks."""
+
+NUM_STEP_RECORDS = 50_000
+"""`engine.num_step_records` of every server: more steps than a run of this benchmark takes."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +78,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--kv-transports", default="http", help="comma-separated `disaggregation.kv_transport` values")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each server process")
+    parser.add_argument("--isolate", action="store_true",
+                        help="on the first transport's decode server, run the workload twice more to tell the causes "
+                             "of slow steps apart: the long prompts sent to the prefill server itself (it computes on "
+                             "the device, nothing is handed over), then no long prompts at all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     return parser.parse_args()
@@ -88,7 +106,8 @@ def server(folder: Path, logs: Path, name: str, args: argparse.Namespace, pool: 
     argv = [sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(folder), "--server.port", str(port),
             "--engine.device", args.device, "--engine.max-model-len", str(max_len), "--seed", str(args.seed),
             "--engine.num-blocks", str(num_blocks(args, pool)),
-            "--engine.max-num-seqs", str(args.num_decoding + args.long_in_flight), *weights, *flags]
+            "--engine.max-num-seqs", str(args.num_decoding + args.long_in_flight),
+            "--engine.num-step-records", str(NUM_STEP_RECORDS), *weights, *flags]
     proc = ManagedProcess(name, argv, logs / f"{name}.log", {**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -113,7 +132,11 @@ async def decode_one(http: httpx.AsyncClient, url: str, body: dict) -> list[floa
     return times
 
 
-async def workload(url: str, args: argparse.Namespace, vocab: int, model: str) -> dict:
+async def workload(url: str, args: argparse.Namespace, vocab: int, model: str, long_url: str | None = "",
+                   long_seed: int = 10_000) -> dict:
+    """The decoding requests to `url` while the long prompts arrive at `long_url` (default `url`; None: no long
+    prompts), these numbered from `long_seed` on (a server that computed a prompt before would find it cached)."""
+    long_url = url if long_url == "" else long_url
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
         decoding = [asyncio.create_task(decode_one(http, url, {
             "model": model, "prompt": prompt(i, args.decode_prompt_len, vocab), "max_tokens": args.output_len,
@@ -121,9 +144,9 @@ async def workload(url: str, args: argparse.Namespace, vocab: int, model: str) -
             for i in range(args.num_decoding)]
         start = time.perf_counter()
         arrivals = []
-        while not all(task.done() for task in decoding):
-            long = {"prompt_token_ids": prompt(10_000 + len(arrivals), args.long_prompt_len, vocab), "max_tokens": 1}
-            arrivals.append(asyncio.create_task(http.post(f"{url}/v1/generate", json=long)))
+        while long_url is not None and not all(task.done() for task in decoding):
+            long = {"prompt_token_ids": prompt(long_seed + len(arrivals), args.long_prompt_len, vocab), "max_tokens": 1}
+            arrivals.append(asyncio.create_task(http.post(f"{long_url}/v1/generate", json=long)))
             await asyncio.sleep(args.arrival_ms / 1000)
         times = [await task for task in decoding]
         end = time.perf_counter()
@@ -137,7 +160,8 @@ async def workload(url: str, args: argparse.Namespace, vocab: int, model: str) -
     p50, p99 = gaps[len(gaps) // 2], gaps[int(len(gaps) * 0.99)]
     return {"output_tokens": num_tokens, "output_tokens_per_s": num_tokens / (end - start),
             "tbt_p50_ms": 1000 * p50, "tbt_p99_ms": 1000 * p99, "tbt_p99_over_p50": p99 / p50,
-            "num_long_prompts": len(arrivals), "num_long_prompts_served": len(served)}
+            "num_long_prompts": len(arrivals), "num_long_prompts_served": len(served),
+            "decoding_window": [max(t[0] for t in times if t), end]}
 
 
 async def hand_off_ms_per_1k(prefill_url: str, transport_name: str, device: torch.device, args: argparse.Namespace,
@@ -176,6 +200,7 @@ def main() -> None:
         logs = Path(args.out).with_suffix("") if args.out else Path(tmp) / "logs"
         url = stack.enter_context(server(folder, logs, "colocated", args, "colocated"))
         colocated = results["colocated"] = asyncio.run(workload(url, args, vocab, str(folder)))
+        colocated["steps"] = step_figures(url, colocated, None, logs / "colocated.steps.json")
         save(results, args.out)
         stack.close()
         prefill_url = stack.enter_context(server(folder, logs, "prefill", args, "prefill", "--disaggregation.role",
@@ -188,10 +213,30 @@ def main() -> None:
                 setup = asyncio.run(workload(decode_url, args, vocab, str(folder)))
                 setup["output_tokens_per_s_over_colocated"] = setup["output_tokens_per_s"] / colocated["output_tokens_per_s"]
                 setup["stats"] = httpx.get(f"{decode_url}/disaggregation/stats").json()
+                setup["steps"] = step_figures(decode_url, setup, prefill_url, logs / f"decode-{transport}.steps.json")
+                results[f"disaggregated_{transport}"] = setup
+                save(results, args.out)
+                if args.isolate and transport == transports[0]:
+                    for name, long_url, long_seed in (("prefill_busy", prefill_url, 20_000), ("alone", None, 0)):
+                        alone = asyncio.run(workload(decode_url, args, vocab, str(folder), long_url, long_seed))
+                        alone["steps"] = step_figures(decode_url, alone, prefill_url,
+                                                      logs / f"decode-{transport}-{name}.steps.json")
+                        results[f"decode_{name}"] = alone
+                        save(results, args.out)
             setup["hand_off_ms_per_1k_tokens"] = asyncio.run(hand_off_ms_per_1k(prefill_url, transport, device, args, vocab))
-            results[f"disaggregated_{transport}"] = setup
             save(results, args.out)
     print(json.dumps(results, indent=1))
+
+
+def step_figures(url: str, setup: dict, peer_url: str | None, keep: Path) -> dict:
+    """The breakdown of the decoding phase's steps of the server at `url` (`step_breakdown.breakdown`), the server
+    at `peer_url` (sharing its device) as the peer; the records themselves go to `keep`, for a closer look."""
+    def steps(at: str) -> list[dict]:
+        return in_window(httpx.get(f"{at}/engine/steps", timeout=60).json()["steps"], *setup["decoding_window"])
+    own, peer = steps(url), steps(peer_url) if peer_url else []
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    keep.write_text(json.dumps({"steps": own, "peer_steps": peer}))
+    return breakdown(own, peer)
 
 
 def save(results: dict, out: str | None) -> None:

@@ -167,6 +167,14 @@ class EngineConfig(Section):
     so the host's work runs while the GPU computes. A sequence that stops at EOS or a stop string
     computes one more token, which is dropped. (On CPU all work is the host's: nothing to overlap.)"""
 
+    num_step_records: int = Field(0, ge=0)
+    """Keep a record of each of the last this many engine steps, served by `GET /engine/steps`: when its tokens came
+    out, how the time since the previous step's split (the engine thread's host work, its wait for the device,
+    admitting prompts handed over by a prefill server, garbage collection) and what the step held (its batch, prompt
+    tokens, handed-over prompts joining it and their KV tokens written in, whether a CUDA graph replayed it). For
+    telling what makes slow steps slow (`benchmarks/disaggregated.py`); a few clock reads a step, no device sync.
+    0: off."""
+
     quantization: Literal["none", "fp8"] = "none"
     """`fp8`, native models: each block's dense projections (q/k/v/o, or latent attention's q_a/q_b/kv_a/o and DSA
     indexer's wq_b/wk; gate/up/down of a dense feed-forward or of shared experts; the routed experts with

@@ -93,3 +93,15 @@ async def metrics(request: Request) -> PlainTextResponse:
     served: Served = request.app.state.served
     return PlainTextResponse(render_metrics(served.engine.stats(), served.model_name),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/engine/steps", responses=error_responses(404))
+async def engine_steps(request: Request) -> dict:
+    """The engine's last steps, oldest first, one record each (`tandem.inference.engine.step_records`): the time since
+    the previous record and its parts, and what the steps it read and launched held; 404 while
+    `engine.num_step_records` is 0."""
+    records = request.app.state.served.engine.engine.step_records
+    if records is None:
+        raise APIError(404, "this server keeps no step records: set `engine.num_step_records` in its config",
+                       "engine.num_step_records")
+    return {"steps": records.snapshot()}

@@ -1,4 +1,5 @@
-"""`benchmarks/disaggregated.py` runs end to end on the CPU (tiny preset, a short workload) and writes its figures."""
+"""`benchmarks/disaggregated.py` runs end to end on the CPU (tiny preset, a short workload) and writes its figures,
+the breakdown of each setup's steps among them."""
 
 from __future__ import annotations
 
@@ -16,14 +17,22 @@ def test_the_staggered_arrivals_benchmark_measures_colocated_and_each_transport(
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "disaggregated.py"), "--num-decoding", "3",
                           "--output-len", "16", "--long-prompt-len", "128", "--arrival-ms", "50",
-                          "--kv-transports", "http,shared_memory", "--out", str(out)],
+                          "--kv-transports", "http,shared_memory", "--isolate", "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    for setup in ("colocated", "disaggregated_http", "disaggregated_shared_memory"):
+    for setup in ("colocated", "disaggregated_http", "disaggregated_shared_memory", "decode_prefill_busy", "decode_alone"):
         figures = result[setup]
         assert figures["output_tokens"] == 3 * 16  # EOS ignored: every stream has its length
-        assert 0 < figures["tbt_p50_ms"] <= figures["tbt_p99_ms"] and figures["num_long_prompts_served"] >= 1
+        assert 0 < figures["tbt_p50_ms"] <= figures["tbt_p99_ms"]
+        assert figures["num_long_prompts_served"] >= (setup != "decode_alone")
+        steps = figures["steps"]  # the decoding phase: most of the 15 steps after the streams' first tokens
+        assert steps["num_steps"] >= 5 and steps["slow"]["num_steps"] >= 1 and steps["median"]["num_steps"] >= 1
+    # Handed-over prompts joined the decode servers' batches, never the colocated one's.
+    assert result["colocated"]["steps"]["by_cause"]["joined"]["num_steps"] == 0
+    assert result["disaggregated_http"]["steps"]["by_cause"]["joined"]["num_steps"] >= 1
+    assert result["decode_alone"]["steps"]["by_cause"]["joined"]["num_steps"] == 0
+    assert result["decode_prefill_busy"]["steps"]["by_cause"]["joined"]["num_steps"] == 0
     for transport in ("http", "shared_memory"):
         figures = result[f"disaggregated_{transport}"]
         # Every long prompt served went over (the threshold sits between the short and the long prompts).
@@ -31,3 +40,4 @@ def test_the_staggered_arrivals_benchmark_measures_colocated_and_each_transport(
         assert figures["stats"]["num_prefills_handed"] >= figures["num_long_prompts_served"]
         assert figures["hand_off_ms_per_1k_tokens"] > 0
         assert (tmp_path / "pd" / f"decode-{transport}.log").is_file()  # the servers' logs, kept beside the result
+        assert json.loads((tmp_path / "pd" / f"decode-{transport}.steps.json").read_text())["steps"]  # and the records

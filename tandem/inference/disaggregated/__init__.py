@@ -35,7 +35,7 @@ from tandem.inference.engine.async_engine import AsyncEngine
 def make_kv_transport(name: str, device: torch.device, peer_timeout_s: float) -> KVTransport:
     """The decode server's half of `disaggregation.kv_transport` = `name`, taking the tensors into `device`."""
     if name == "http":
-        return HTTPBodyTransport()
+        return HTTPBodyTransport(device)
     if name == "torch_distributed":
         return TorchDistributedTransport(device, peer_timeout_s)
     if name == "shared_memory":

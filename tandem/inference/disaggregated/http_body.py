@@ -2,7 +2,8 @@
 
 The body is the announced tensors' bytes, one after the other, in the order and shapes of `PrefillAnswer.tensors`.
 Works between any two hosts; every byte passes through both hosts' memory, so it suits the CPU and tests more than
-GPUs.
+GPUs. On a GPU the decode server copies the tensors onto its device itself, in a worker thread on a stream of its
+own (`kv_transport.CopyStream`): taken into the cache from host memory they would make the engine wait for the copy.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import httpx
 import torch
 
-from tandem.inference.disaggregated.kv_transport import KVTransport, TransferError
+from tandem.inference.disaggregated.kv_transport import CopyStream, KVTransport, TransferError
 from tandem.inference.disaggregated.wire import PrefillAnswer, TensorSpec
 
 
@@ -37,7 +38,17 @@ def decode(body: bytes, specs: list[TensorSpec]) -> list[torch.Tensor]:
 
 
 class HTTPBodyTransport(KVTransport):
+    def __init__(self, device: torch.device):
+        self._copies = CopyStream(device)
+
     async def receive(self, client: httpx.AsyncClient, peer: str, answer: PrefillAnswer) -> list[torch.Tensor]:
         response = await client.get(f"{peer}/kv/{answer.transfer_id}")
         response.raise_for_status()
-        return await asyncio.to_thread(decode, response.content, answer.tensors)  # a copy of the body: off the loop
+        return await asyncio.to_thread(self._decode, response.content, answer.tensors)  # copies: off the loop
+
+    def _decode(self, body: bytes, specs: list[TensorSpec]) -> list[torch.Tensor]:
+        tensors = decode(body, specs)
+        with self._copies.copying():
+            tensors = [t.to(self._copies.device) for t in tensors]
+        self._copies.wait()
+        return self._copies.hand_over(tensors)

@@ -10,6 +10,7 @@ on GPUs, /dev/shm on the CPU; no byte crosses a socket).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 
 import httpx
@@ -20,6 +21,35 @@ from tandem.inference.disaggregated.wire import PrefillAnswer
 
 class TransferError(RuntimeError):
     """A transfer failed: the decode server prefills the prompt itself."""
+
+
+class CopyStream:
+    """Where a decode server's transport copies received tensors onto its device: on CUDA a stream of its own.
+
+    On the default stream, where the engine runs its steps, a copy would wait for the steps queued before it and
+    hold back the ones queued after it (a pageable copy from host memory for tens of milliseconds); on its own
+    stream it overlaps them, and waiting for it waits for that copy alone. Tensors made under `copying()` are this
+    stream's allocations: `hand_over` marks them as used by the default stream too, where the engine writes them
+    into its cache, so their memory goes to no later transfer before the engine has read them."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copying(self) -> contextlib.AbstractContextManager:
+        """Make the enclosed allocations and copies on the copy stream (nothing on the CPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def wait(self) -> None:
+        """Wait for the copies queued on the copy stream (in a worker thread: the host waits, the engine does not)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def hand_over(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.stream is not None:
+            for tensor in tensors:
+                tensor.record_stream(torch.cuda.default_stream(self.device))
+        return tensors
 
 
 class KVTransport(ABC):

@@ -6,7 +6,8 @@ of the prefill server's GPU, which the decode server opens through a CUDA IPC ha
 and maps the area once; it must run on the prefill server's host and see its GPU, else it stops naming the address
 or the device. Per transfer it asks `POST /kv/{transfer_id}/stage` for the held tensors' bytes piece by piece (each
 piece as much as the area holds, from byte `start` on) and copies each piece out into tensors of its own before
-asking the next, holding the area for one transfer at a time.
+asking the next, holding the area for one transfer at a time; on CUDA on a stream of its own
+(`kv_transport.CopyStream`), beside the engine's steps.
 
 Invariants:
 - a piece is written over only when the decode server asks for the next one, which it does once it copied the last
@@ -34,7 +35,7 @@ import msgspec
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from tandem.inference.disaggregated.kv_transport import KVTransport, TransferError
+from tandem.inference.disaggregated.kv_transport import CopyStream, KVTransport, TransferError
 from tandem.inference.disaggregated.wire import AreaAnswer, AreaRequest, CudaArea, PrefillAnswer, StageAnswer, StageRequest
 from tandem.inference.serving import random_id
 
@@ -195,6 +196,7 @@ class SharedMemoryTransport(KVTransport):
 
     def __init__(self, device: torch.device):
         self.device = with_index(device)
+        self._copies = CopyStream(self.device)
         self._areas: dict[str, torch.Tensor] = {}
         """Prefill server -> its area, mapped here."""
         self._area_ids: dict[str, str] = {}
@@ -248,7 +250,8 @@ class SharedMemoryTransport(KVTransport):
         if peer not in self._areas:
             raise TransferError(f"no KV staging area mapped from {peer} (never mapped, or dropped after a failure)")
         area = self._areas[peer]
-        tensors = [torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device) for spec in answer.tensors]
+        with self._copies.copying():
+            tensors = [torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device) for spec in answer.tensors]
         parts = byte_views(tensors)
         total, start = sum(part.numel() for part in parts), 0
         async with self._locks.setdefault(peer, asyncio.Lock()):
@@ -265,13 +268,13 @@ class SharedMemoryTransport(KVTransport):
             except BaseException:  # the area's state there is unknown: the next prompt asks for a new one
                 self._areas.pop(peer, None)
                 raise
-        return tensors
+        return self._copies.hand_over(tensors)
 
     def _copy_out(self, area: torch.Tensor, parts: list[torch.Tensor], start: int, length: int) -> None:
-        for part, offset in pieces(parts, start, length):
-            part.copy_(area[offset:offset + part.numel()])
-        for device in {self.device, area.device}:
-            synchronize(device)
+        with self._copies.copying():
+            for part, offset in pieces(parts, start, length):
+                part.copy_(area[offset:offset + part.numel()])
+        self._copies.wait()  # the prefill server writes the next piece over the area once asked for it
 
     def close(self) -> None:
         """Unmap the areas and have each prefill server free its own (at most a second each: a prefill server that

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.inference.engine.host_copies import to_device
 from tandem.kernels.fp8 import FP8, reference_quantize_activations
 
 SCALE_DTYPE = torch.float32
@@ -112,12 +113,14 @@ class KVCache:
         head_dim] (keys, then values): what a prefill server hands a decode server. FP8: bytes, each head's
         `head_dim` FP8 values followed by the four bytes of its fp32 scale ([..., head_dim + 4] uint8), so the blocks
         travel as they are held, neither rounded again nor widened."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.keys.device)
+        index = to_device(block_ids, torch.long, self.keys.device)  # no wait for the steps queued on the device
+        if not self.fp8:  # gathered straight into the tensor handed over: one pass over the bytes
+            out = self.keys.new_empty((2, self.keys.shape[0], len(block_ids), *self.keys.shape[2:]))
+            for i, cache in enumerate((self.keys, self.values)):
+                torch.index_select(cache, 1, index, out=out[i])
+            return out
         parts = []
         for cache, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)):
-            if scales is None:
-                parts.append(cache.index_select(1, index))
-                continue
             held = cache.view(torch.uint8).index_select(1, index)  # torch gathers no FP8 by index
             parts.append(torch.cat([held, scales.index_select(1, index).unsqueeze(-1).view(torch.uint8)], dim=-1))
         return torch.stack(parts)
@@ -131,7 +134,7 @@ class KVCache:
         if tuple(blocks.shape) != expected or blocks.dtype != dtype:
             raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} and {blocks.dtype}; this cache takes {expected} "
                              f"and {dtype}")
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.keys.device)
+        index = to_device(block_ids, torch.long, self.keys.device)  # no wait for the steps queued on the device
         blocks = blocks.to(self.keys.device)
         for part, cache, scales in zip(blocks, (self.keys, self.values), (self.key_scales, self.value_scales)):
             if scales is None:
@@ -200,7 +203,7 @@ class LatentCache:
         """A copy of everything `block_ids` hold, [len(block_ids), block_size, layers x entry_dim + indexed layers x
         index_dim]: each token's latent entries, layer after layer, then its indexer keys, so that one tensor of one
         dtype crosses between servers as `KVCache`'s does (the transports need no other case)."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.entries.device)
+        index = to_device(block_ids, torch.long, self.entries.device)
         return torch.cat([cache.index_select(1, index).permute(1, 2, 0, 3).flatten(2)
                           for cache in (self.entries, self.index_keys)], dim=-1)
 
@@ -212,7 +215,7 @@ class LatentCache:
         if tuple(blocks.shape) != expected or blocks.dtype != self.dtype:
             raise ValueError(f"latent blocks of shape {tuple(blocks.shape)} and {blocks.dtype}; this cache takes "
                              f"{expected} and {self.dtype}")
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.entries.device)
+        index = to_device(block_ids, torch.long, self.entries.device)
         for cache, part in zip((self.entries, self.index_keys), blocks.to(self.entries.device).split(widths, dim=-1)):
             cache.index_copy_(1, index, part.unflatten(-1, (cache.shape[0], cache.shape[-1])).permute(2, 0, 1, 3))
 

@@ -30,7 +30,9 @@ with `is_base` is computed with the current adapters subtracted, in the same ste
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+import time
 from typing import Any, Protocol
 
 import torch
@@ -47,6 +49,7 @@ from tandem.inference.engine.sampling_params import InvalidRequest, SamplingPara
 from tandem.inference.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.inference.engine.sequence import Sequence, SequenceStatus
 from tandem.inference.engine.speculative import Speculator, VerifiedSample
+from tandem.inference.engine.step_records import StepRecords, StepShape
 from tandem.models.loading import load_weights_into
 from tandem.models.lora import LoraSpec, is_adapter_name
 
@@ -59,6 +62,8 @@ class ModelRunner(Protocol):
     """Where the MoE blocks write their expert ids (mixtures of experts on the paged path), else None."""
     routed_experts: torch.Tensor | None
     """After `run`, for a mixture of experts: [S, num_moe_layers, k] expert ids of each sampled row; else None."""
+    replayed_graph: bool
+    """After `run`: whether its forward replayed a CUDA graph."""
 
     def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -77,6 +82,19 @@ class LaunchedStep:
     """A step that verifies drafts: per sequence, the drafted tokens its rows after the first verify."""
     reserved_lookahead: bool = False
     """The step was scheduled with room for drafts: reading it gives back the blocks that no token took."""
+    shape: StepShape | None = None
+    """What it held, where the engine keeps step records."""
+
+
+@dataclass
+class PendingImport:
+    """Handed-over blocks being written into the cache on the engine's `import_stream` (CUDA)."""
+
+    done: torch.cuda.Event
+    """Recorded on the import stream after the copy."""
+    block_ids: frozenset[int]
+    overlapped: bool = False
+    """A step was launched beside the copy (none of its sequences held these blocks); the next one waits for it."""
 
 
 @dataclass
@@ -131,6 +149,7 @@ class LLMEngine:
         adapters: AdapterMerger | None = None,
         speculator: Speculator | None = None,
         base_path: LowRankSidePath | None = None,
+        step_records: StepRecords | None = None,
     ):
         self.runner = runner
         self.weight_target = weight_target
@@ -151,11 +170,17 @@ class LLMEngine:
         """With `engine.lora` and the base model served: the side path (installed on the runner's model) that
         subtracts the adapters from base sequences' rows, given each update's adapters; None: the policy alone."""
         self.speculator = speculator
+        self.step_records = step_records
+        """A record per step (`step_records.py`), where `engine.num_step_records` asks for them; else None."""
         self.in_flight: LaunchedStep | None = None
         self.weight_version = 0
         self.requests: dict[str, list[Sequence]] = {}
         self.waiting_prefilled: deque[tuple[list[Sequence], PrefilledPrompt]] = deque()
         """Requests whose prompt another engine computed, waiting for room (`add_prefilled`)."""
+        self.import_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """CUDA: the stream that writes handed-over KV blocks into the cache, beside the steps (`_import`)."""
+        self.pending_imports: list[PendingImport] = []
+        """Imports on `import_stream` that no step has waited for yet."""
         self.prefilled: list[tuple[Sequence, torch.Tensor]] = []
         """Sequences admitted from `waiting_prefilled`, each with the logits row that the next launched step samples
         its first token from."""
@@ -265,18 +290,49 @@ class LLMEngine:
         try:
             if num_cached < prefilled.first_block:
                 raise ValueError("leading blocks left out are no longer cached here")
-            cache, blocks, skip = self.runner.cache, prefilled.kv_blocks, num_cached - prefilled.first_block
-            cache.import_blocks(first.block_table[num_cached:],
-                                blocks.narrow(cache.exported_block_dim, skip, blocks.shape[cache.exported_block_dim] - skip))
+            dim, blocks, skip = self.runner.cache.exported_block_dim, prefilled.kv_blocks, num_cached - prefilled.first_block
+            self._import(first.block_table[num_cached:], blocks.narrow(dim, skip, blocks.shape[dim] - skip))
         except ValueError:
             self.block_manager.free_blocks(first)
             first.num_computed_tokens = 0
             return False
+        if self.step_records is not None:
+            self.step_records.num_imported_tokens += first.num_prompt_tokens - num_cached * self.block_manager.block_size
         first.num_computed_tokens = first.num_prompt_tokens
         self.block_manager.register_computed_blocks(first)
         self.scheduler.add_running(first)
         self.prefilled.append((first, prefilled.logits))
         return True
+
+    def _import(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write handed-over blocks into the cache (ValueError, nothing written, if they do not fit it). On CUDA on
+        `import_stream`, once the work queued so far is done (a step in flight may still write blocks that were just
+        freed and are now these), so the copy runs beside the next step instead of ahead of it: that step samples
+        the handed prompt's first token from its logits row and reads none of its blocks unless another sequence
+        shares them; `_wait_for_imports` holds back each forward that could read them."""
+        cache = self.runner.cache
+        if self.import_stream is None:
+            cache.import_blocks(block_ids, blocks)
+            return
+        self.import_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.import_stream):
+            cache.import_blocks(block_ids, blocks)
+            done = torch.cuda.Event()
+            done.record()
+        blocks.record_stream(self.import_stream)  # its memory is not reused before the copy has read it
+        self.pending_imports.append(PendingImport(done, frozenset(block_ids)))
+
+    def _wait_for_imports(self, batch: ScheduledBatch) -> None:
+        """Before a step's forward: have the device wait for each pending import, unless this is the first step
+        launched since it and none of its sequences holds one of its blocks (a shared prefix, a block taken again
+        after a preemption): so each copy overlaps one step, and no step reads its blocks before it is done."""
+        pending, self.pending_imports = self.pending_imports, []
+        for entry in pending:
+            if entry.overlapped or any(not entry.block_ids.isdisjoint(seq.block_table) for seq in batch.seqs):
+                torch.cuda.current_stream(self.device).wait_event(entry.done)
+            else:
+                entry.overlapped = True
+                self.pending_imports.append(entry)
 
     def abort_request(self, request_id: str) -> None:
         for entry in [e for e in self.waiting_prefilled if e[0][0].request_id == request_id]:
@@ -294,7 +350,16 @@ class LLMEngine:
 
     def step(self) -> list[SequenceOutput]:
         """Launch the next step; return the outputs of the step read now (this one, or with `overlap` the previous one)."""
-        self._admit_prefilled()
+        if self.step_records is None:
+            return self._step()
+        self.step_records.start_step()
+        outputs = self._step()
+        self.step_records.end_step()
+        return outputs
+
+    def _step(self) -> list[SequenceOutput]:
+        with self.step_records.admitting() if self.step_records is not None else nullcontext():
+            self._admit_prefilled()
         read: list[SequenceOutput] = []
         draft = self.speculator is not None and self.speculator.should_draft(self.scheduler.running,
                                                                              self.scheduler.num_lookahead_tokens)
@@ -320,6 +385,7 @@ class LLMEngine:
         return self._read(previous)
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
+        self._wait_for_imports(batch)
         if self.speculator is not None and batch.seqs:  # with no room to draft too: an MTP draft writes its entries
             self.speculator.propose(batch)
         # Only a `PendingSample` is ever in flight: a verifying step is read at once.
@@ -328,6 +394,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe(batch)
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        num_prefill_tokens = sum(max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
+                                 for seq, n in zip(batch.seqs, batch.num_new_tokens))
         for seq, num_new, seq_drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             seq.num_computed_tokens += num_new - len(seq_drafts)  # drafts count once accepted (`Sequence.accept_draft`)
             self.block_manager.register_computed_blocks(seq)
@@ -337,7 +405,12 @@ class LLMEngine:
             logits, sampled = logits[kept], [sampled[row] for row in kept]
             routed_rows = routed_rows[kept] if routed_rows is not None else None
         sampling = [batch.seqs[i] for i in sampled]
+        num_own = len(sampling)
         logits = self._with_prefilled_rows(logits, sampling)
+        shape = None
+        if self.step_records is not None:
+            shape = self.step_records.shape(len(sampling), batch.num_tokens, num_prefill_tokens,
+                                            len(sampling) - num_own, bool(batch.seqs) and self.runner.replayed_graph)
         if not sampling:
             return None
         drafts = None
@@ -351,7 +424,7 @@ class LLMEngine:
         routed = None
         if routed_rows is not None and any(s.params.return_routed_experts for s in sampling):
             routed = HostRead([routed_rows])  # rows of the batch's own sequences, which come first
-        return LaunchedStep(sampling, sample, self.weight_version, routed, drafts, any(batch.num_lookahead))
+        return LaunchedStep(sampling, sample, self.weight_version, routed, drafts, any(batch.num_lookahead), shape)
 
     def _hand_off(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[int]:
         """Finish the prefill-only sequences among `sampling` (rows of `logits`) with their KV blocks and logits
@@ -386,8 +459,11 @@ class LLMEngine:
     def _read(self, step: LaunchedStep | None) -> list[SequenceOutput]:
         if step is None:
             return []
+        waited_from = time.perf_counter()
         result = step.sample.result()
         routed = step.routed_experts.values()[0].tolist() if step.routed_experts is not None else None
+        if self.step_records is not None:
+            self.step_records.read(step.shape, time.perf_counter() - waited_from)
         outputs: list[SequenceOutput] = []
         row = 0  # the sampled row of each token: one per sequence, plus one per draft in a verifying step
         for j, seq in enumerate(step.seqs):

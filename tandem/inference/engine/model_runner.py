@@ -87,6 +87,8 @@ class PagedModelRunner:
         self.recorder = recorder
         self.routed_experts: torch.Tensor | None = None
         """After `run`: [S, num_moe_layers, k] expert ids of each sampled row's forward (MoE models), else None."""
+        self.replayed_graph = False
+        """After `run`: whether it replayed a CUDA graph (step records tell graph steps from eager ones)."""
         self.inputs = StepInputBuilder(device, max_num_seqs, -(-max_model_len // cache.block_size), cache.block_size,
                                        cache.pad_slot)
         self.graphs: DecodeGraphs | None = None
@@ -160,6 +162,7 @@ class PagedModelRunner:
     @torch.no_grad()
     def run(self, batch: ScheduledBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         b = len(batch.seqs)
+        self.replayed_graph = True
         side_rows = self._side_rows(batch)
         plain = self.side_path is None or side_rows is self.side_path.default_rows  # what the graphs captured
         if (self.verify_graphs is not None and batch.has_drafts and batch.is_verify_only and b <= self.verify_graphs.max_batch
@@ -181,6 +184,7 @@ class PagedModelRunner:
             logits = self.graphs.replay(b, max(step.seq_lens_host, default=0), step.cascade is not None)
             self._record_routing(self._query_start[:b])  # rows 0..b-1
             return logits
+        self.replayed_graph = False
         step = self.inputs.build(batch, previous_tokens=previous_tokens, cascade=plan, members=members)
         attention = self.attention_for(step_metadata(step, self.inputs.block_tables[:b]))
         if self.side_path is not None:
@@ -241,6 +245,7 @@ class RecomputeModelRunner:
     recorder = None
     routed_experts = None
     """No expert routing is reported on this path (see `PagedModelRunner`)."""
+    replayed_graph = False
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.model = model

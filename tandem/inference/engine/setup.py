@@ -41,6 +41,7 @@ from tandem.models.exact import apply_exact, check_exact, model_uses_kernels
 from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.scheduler import Scheduler
 from tandem.inference.engine.speculative import DraftModelProposer, MtpProposer, NgramProposer, Speculator
+from tandem.inference.engine.step_records import StepRecords
 from tandem.models.hub import resolve_model_path
 from tandem.models.glm_moe_dsa import LatentMoeArgs
 from tandem.inference.engine.mapped_base import SidePathAdapters, load_mapped_model
@@ -241,6 +242,7 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         adapters=adapters,
         speculator=speculator,
         base_path=base_path,
+        step_records=StepRecords(engine.num_step_records, device) if engine.num_step_records else None,
     )
 
 
