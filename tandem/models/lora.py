@@ -380,7 +380,7 @@ def export_merged(adapter_folder: Path, out: Path, base: str | None = None) -> P
     """Write a Hugging Face model folder at `out`: the base model (`base`, default the adapter folder's
     `base_model_name_or_path`) with the adapters merged in, in the base's dtype, and the base's config and tokenizer."""
     from tandem.models.hub import read_hf_config, resolve_model_path
-    from tandem.models.weights import load_state_dict, save_state_dict, side_files
+    from tandem.models.weights import load_state_dict, save_state_dict, side_files, unquantized_side_file
 
     spec, adapters = read_adapter_folder(adapter_folder)
     name = base or json.loads((Path(adapter_folder) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
@@ -391,5 +391,5 @@ def export_merged(adapter_folder: Path, out: Path, base: str | None = None) -> P
     out = Path(out)
     save_state_dict(merged, out, read_hf_config(folder))
     for src in side_files(folder):
-        (out / src.name).write_bytes(src.read_bytes())
+        (out / src.name).write_bytes(unquantized_side_file(src))
     return out

@@ -31,6 +31,19 @@ def side_files(model_folder: Path) -> list[Path]:
                   if p.is_file() and not p.name.startswith(".") and p.name != STABLE and not WEIGHT_FILE.match(p.name))
 
 
+def unquantized_side_file(src: Path) -> bytes:
+    """`src`'s bytes for a folder whose weights `save_state_dict` wrote unquantized: a `config.json` without its
+    `quantization_config` (a released FP8 checkpoint's scheme), which would tell readers to look for block scales
+    that the new folder does not hold; any other side file as it is."""
+    if src.name != "config.json":
+        return src.read_bytes()
+    config = json.loads(src.read_text())
+    if "quantization_config" not in config:
+        return src.read_bytes()
+    del config["quantization_config"]
+    return (json.dumps(config, indent=2) + "\n").encode()
+
+
 def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a folder, in index order when sharded."""
     index = folder / "model.safetensors.index.json"

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from tandem.models.lora import LoraSpec, write_adapter_folder
-from tandem.models.weights import save_state_dict, side_files
+from tandem.models.weights import save_state_dict, side_files, unquantized_side_file
 from tandem.transport.files import atomic_write_bytes, atomic_write_text
 from tandem.transport.paths import STABLE, final_weights_dir, weights_dir
 
@@ -42,7 +42,7 @@ def write_weights_folder(run_dir: Path, step: int, state: dict[str, torch.Tensor
     else:
         save_state_dict(state, folder, hf_config)
         for src in side_files(model_folder):
-            atomic_write_bytes(folder / src.name, src.read_bytes())
+            atomic_write_bytes(folder / src.name, unquantized_side_file(src))
     atomic_write_text(folder / STABLE, "")
     return folder
 
