@@ -6,7 +6,7 @@ rows: small tiles and a split reduction, so that enough programs read the weight
 prefill-sized products cuBLAS's block-scaled `torch._scaled_mm` may beat any of them. `benchmarks/fp8_matmul.py
 --table-out` times both on the GPU and writes, per weight shape (`shape_key`) and token count, the faster:
 
-    {"device": "NVIDIA H100 80GB HBM3", "shapes": {"n=5120,k=2048": [
+    {"device": "<GPU name>", "shapes": {"n=5120,k=2048": [
         {"num_tokens": 16, "product": "triton", "tiles": {BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_K}},
         {"num_tokens": 4096, "product": "scaled_mm"}, ...]}}
 

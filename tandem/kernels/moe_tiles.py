@@ -5,7 +5,7 @@ guessing them left the decode step's expert matmuls far below memory speed. `ben
 times a grid of tiles on the GPU for the token counts the engine runs (decode batches, prefill chunks)
 and writes the fastest as a table:
 
-    {"device": "NVIDIA H200", "shapes": {"<shape key>": [
+    {"device": "<GPU name>", "shapes": {"<shape key>": [
         {"num_tokens": 256, "gate_up": {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}, "down": {...}},
         ...]}}
 

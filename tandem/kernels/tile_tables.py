@@ -5,7 +5,7 @@ the GPU, the shape and the rows a call multiplies, so a benchmark times them on 
 MoE experts' tiles (`tandem.kernels.moe_tiles`) and the dense FP8 product's (`tandem.kernels.fp8_tiles`) are
 such tables, read the same way:
 
-    {"device": "NVIDIA H200", "shapes": {"<shape key>": [{"num_tokens": 256, ...}, ...]}}
+    {"device": "<GPU name>", "shapes": {"<shape key>": [{"num_tokens": 256, ...}, ...]}}
 
 A call of T tokens takes the entry of the smallest tuned count >= T (the largest past the end). A table ships
 with tandem as `<folder>/<GPU name>.json` (`shipped_table_path`); a config key may name another file.

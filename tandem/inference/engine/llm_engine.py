@@ -394,8 +394,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe(batch)
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        num_prefill_tokens = sum(max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
-                                 for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        num_prefill_tokens = 0 if self.step_records is None else sum(
+            max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens)) for seq, n in zip(batch.seqs, batch.num_new_tokens))
         for seq, num_new, seq_drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             seq.num_computed_tokens += num_new - len(seq_drafts)  # drafts count once accepted (`Sequence.accept_draft`)
             self.block_manager.register_computed_blocks(seq)
