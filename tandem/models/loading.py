@@ -101,9 +101,17 @@ def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype
     model = build_native(hf_config, "meta", dtype, source)
     if quantization == "fp8":
         convert_to_fp8(model, fp8_experts)
-    model.to_empty(device=device)
+    allocate_empty(model, device)
     retie(model)
     return model
+
+
+def allocate_empty(model: nn.Module, device: str | torch.device) -> None:
+    """`model.to_empty(device)` for a model of plain tensors: torch's `empty_like` of a meta tensor runs through
+    its reference implementation, whose first call imports sympy, a cost at the start of every process that loads
+    a model and never compiles, such as a server on the CPU; `torch.empty` of the same shape and dtype does not.
+    Not for sharded (DTensor) parameters, whose `empty_like` makes the local shard."""
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def load_weights_into(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True, source: str | None = None) -> None:
