@@ -1,4 +1,4 @@
-"""`report.html`: what a person looks at after a run. Curves as pictures, a few rollouts.
+"""`report.html`: what a person looks at after a run. Curves as charts, a few rollouts.
 
 Built only from the run folder (`metrics.jsonl`, `rollouts/step_N/samples.jsonl`), so it can be
 rebuilt for any finished or interrupted run: `python -m tandem.monitor.report RUN_DIR`.
@@ -6,10 +6,9 @@ rebuilt for any finished or interrupted run: `python -m tandem.monitor.report RU
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,26 +49,56 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     return summary
 
 
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+"""One per curve of a chart, in the order the curves are given."""
+
+WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM = 640, 320, 64, 12, 44, 42
+"""A chart's size and the margins around its plotting area (title and legend above it), in pixels."""
+
+
 def _plot(curves: list[tuple[str, list, list]], title: str, xlabel: str = "step") -> str:
-    import matplotlib
+    """A line chart as inline SVG, drawn here: a plotting library's import and rendering cost more than a second at
+    the end of every run, for four small charts."""
+    drawn = [(label, [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]) for label, xs, ys in curves]
+    drawn = [(label, points) for label, points in drawn if points]
+    xs_all = [x for _, points in drawn for x, _ in points]
+    ys_all = [y for _, points in drawn for _, y in points]
+    x0, x1 = (min(xs_all), max(xs_all)) if xs_all else (0, 1)
+    y0, y1 = (min(ys_all), max(ys_all)) if ys_all else (0, 1)
+    if x1 == x0:
+        x0, x1 = x0 - 1, x1 + 1
+    if y1 == y0:
+        pad = abs(y0) * 0.1 or 1.0
+        y0, y1 = y0 - pad, y1 + pad
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def px(x: float) -> float:
+        return LEFT + (x - x0) / (x1 - x0) * (WIDTH - LEFT - RIGHT)
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=100)
-    for label, xs, ys in curves:
-        if xs:
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.grid(alpha=0.3)
-    if any(xs for _, xs, _ in curves):
-        ax.legend()
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return f'<img src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+    def py(y: float) -> float:
+        return HEIGHT - BOTTOM - (y - y0) / (y1 - y0) * (HEIGHT - TOP - BOTTOM)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-size="11">',
+             f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
+             f'<text x="{(LEFT + WIDTH - RIGHT) / 2}" y="{HEIGHT - 6}" text-anchor="middle">{html.escape(xlabel)}</text>']
+    for k in range(5):  # grid lines with their values, both axes
+        y, x = y0 + (y1 - y0) * k / 4, x0 + (x1 - x0) * k / 4
+        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>'
+                     f'<text x="{LEFT - 4}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.3g}</text>'
+                     f'<text x="{px(x):.1f}" y="{HEIGHT - BOTTOM + 14}" text-anchor="middle">{x:.4g}</text>')
+    parts.append(f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" height="{HEIGHT - TOP - BOTTOM}" '
+                 'fill="none" stroke="#888"/>')
+    legend_x = LEFT
+    for i, (label, points) in enumerate(drawn):
+        color = COLORS[i % len(COLORS)]
+        line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
+        parts.append(f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+        if len(points) < 30:
+            parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}"/>' for x, y in points]
+        parts.append(f'<line x1="{legend_x}" x2="{legend_x + 18}" y1="{TOP - 12}" y2="{TOP - 12}" stroke="{color}" '
+                     f'stroke-width="2"/><text x="{legend_x + 24}" y="{TOP - 8}">{html.escape(label)}</text>')
+        legend_x += 40 + 6 * len(label)  # side by side above the plotting area, where no curve runs
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 def _samples(run_dir: Path, limit: int = 4) -> list[dict[str, Any]]:
@@ -111,7 +140,7 @@ def write_report(run_dir: Path) -> Path:
         for s in _samples(run_dir)
     )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tandem run {html.escape(run_dir.name)}</title>
-<style>body{{font-family:sans-serif;max-width:1400px;margin:2em auto}} img{{margin:4px}} td{{padding:2px 12px}} pre{{white-space:pre-wrap}}</style>
+<style>body{{font-family:sans-serif;max-width:1400px;margin:2em auto}} svg{{margin:4px}} td{{padding:2px 12px}} pre{{white-space:pre-wrap}}</style>
 </head><body><h1>tandem run: {html.escape(str(run_dir))}</h1>
 <h2>Summary</h2><table>{rows}</table><h2>Curves</h2>{''.join(figures)}<h2>Sampled rollouts (last step)</h2>{samples or '<p>none</p>'}
 </body></html>"""

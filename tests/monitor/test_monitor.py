@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 
 import httpx
 
@@ -73,7 +74,13 @@ def test_summary_and_report_from_the_run_folder(tmp_path):
     assert math.isclose(summary["off_policy_kl_mean"], 4e-5 * sum(range(2, 9)) / 7)
 
     page = write_report(tmp_path).read_text()
-    assert page.count('<img src="data:image/png;base64,') == 4
+    charts = re.findall(r"<svg .*?</svg>", page)
+    assert len(charts) == 4
+    train, evals = ([tuple(map(float, point.split(","))) for point in line.split()]
+                    for line in re.findall(r'<polyline points="([^"]+)"', charts[0]))
+    assert len(train) == 8 and len(evals) == 2 and "train reward" in charts[0] and "eval reward" in charts[0]
+    assert [y for _, y in train] == sorted((y for _, y in train), reverse=True)  # a rising reward climbs the page
+    assert [x for x, _ in train] == sorted(x for x, _ in train)
     assert "reverse_text" in page and "&lt;b&gt;olleh&lt;/b&gt;" in page  # rollouts shown, escaped
 
 
@@ -85,7 +92,7 @@ def test_report_of_a_mixture_of_experts_shows_expert_load_and_router_entropy(tmp
                            "router/tokens_per_expert": [[3, 1], [2, 2]]})
     assert summarize(tmp_path)["expert_load_max_over_mean_last"] == 1.4
     page = write_report(tmp_path).read_text()
-    assert page.count('<img src="data:image/png;base64,') == 6
+    assert len(re.findall(r"<svg .*?</svg>", page)) == 6
     assert "expert_load_max_over_mean_last" in page
 
 
