@@ -212,7 +212,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the table shipped for the GPU, else the rule)")
     parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=defaults.fused_blocks,
                         help="`engine.fused_blocks`: the blocks' norms, RoPE and cache write as Triton kernels")
-    parser.add_argument("--cascade-attention", choices=["auto", "off"], default=defaults.cascade_attention,
+    parser.add_argument("--cascade-attention", choices=["auto", "on", "off"], default=defaults.cascade_attention,
                         help="`engine.cascade_attention`: groups read their shared prompt once per decode step")
     parser.add_argument("--cascade-min-saved-tokens", type=int, default=defaults.cascade_min_saved_tokens,
                         help="`engine.cascade_min_saved_tokens`")

@@ -209,17 +209,19 @@ class EngineConfig(Section):
     token of context. The CPU dequantizes (slow, for tests); CUDA needs compute capability 8.9 or newer. Not with
     `[run] exact`; with the vLLM backend it becomes vLLM's `--kv-cache-dtype fp8`."""
 
-    cascade_attention: Literal["auto", "off"] = "auto"
-    """`auto`, native models of decoder blocks: in a decode step, sequences that share a prompt prefix (the n
-    samples of a prompt, whose prefix-cached blocks are the same) read its keys and values once for the whole
-    group, not once each, when the step saves at least `cascade_min_saved_tokens` (`docs/inference.md`, "Shared
-    prompts read once"). Outputs equal plain attention's within rounding (the sums run in another order). Off in
-    `[run] exact` (not batch invariant); latent-attention models never take it. With `cuda_graphs` each graph is
-    captured a second time for it.
+    cascade_attention: Literal["auto", "on", "off"] = "auto"
+    """`auto`, native models of decoder blocks on CUDA (where its kernels run): in a decode step, sequences that
+    share a prompt prefix (the n samples of a prompt, whose prefix-cached blocks are the same) read its keys and
+    values once for the whole group, not once each, when the step saves at least `cascade_min_saved_tokens`
+    (`docs/inference.md`, "Shared prompts read once"). Outputs equal plain attention's within rounding (the sums
+    run in another order). Off in `[run] exact` (not batch invariant); latent-attention models never take it. With
+    `cuda_graphs` each graph is captured a second time for it.
+    `on`: on every device, for tests and comparisons: on the CPU the cascade's torch path, which gathers each
+    group's prefix apart, costs more than plain attention, which is why `auto` leaves it off there.
     `off`: plain decode attention."""
 
     cascade_min_saved_tokens: int = Field(2048, ge=1)
-    """`cascade_attention` = `auto`: the fewest tokens of keys and values per layer that a decode step's groups
+    """`cascade_attention` = `auto` or `on`: the fewest tokens of keys and values per layer that a decode step's groups
     must spare (each group: its members but one times its prefix) for it to read shared prefixes once. Below it the
     two extra launches per layer are expected to cost more than the bytes spared: 2048 tokens of Qwen3's 8 KV heads
     of 128 in bf16 are 8 MB per layer, a few microseconds of reading, about what two launches cost

@@ -104,9 +104,10 @@ def check_same_samples(on: dict, off: dict, atol: float) -> None:
 
 
 def test_the_engines_tokens_and_logprobs_are_the_same_with_the_cascade_on_and_off(tiny_dir):
-    """fp32 on the CPU (the torch path): the same seeded samples, logprobs within fp32 rounding of the sums' order."""
-    on, cascade_steps = run_groups(tiny_dir, "auto")
-    off, none = run_groups(tiny_dir, "off")
+    """fp32 on the CPU (the torch path, `on`): the same seeded samples, logprobs within fp32 rounding of the sums'
+    order; `auto` attends plainly on the CPU."""
+    on, cascade_steps = run_groups(tiny_dir, "on")
+    off, none = run_groups(tiny_dir, "auto")
     assert cascade_steps >= 10 and none == 0
     check_same_samples(on, off, atol=1e-5)
 

@@ -177,7 +177,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         in_place = not isinstance(cache, LatentCache) or kernels_serve(cache, model.args.kv_lora_rank)
         graphs = engine.cuda_graphs and in_place and not mtp and (not exact or model_uses_kernels(model, device))
         cascade = None
-        if engine.cascade_attention == "auto" and not exact and isinstance(cache, KVCache):
+        cascade_serves = engine.cascade_attention == "on" or (engine.cascade_attention == "auto" and device.type == "cuda")
+        if cascade_serves and not exact and isinstance(cache, KVCache):
             members = members_per_group(model.hf_config["num_attention_heads"], cache.keys.shape[3])
             cascade = CascadePlanner(engine.block_size, members, engine.cascade_min_saved_tokens)
         runner = PagedModelRunner(model, cache, device, engine.max_num_seqs, max_model_len, graphs, recorder, exact,
