@@ -24,6 +24,7 @@ from tandem.inference.engine.setup import build_engine
 from tandem.models.exact import model_uses_kernels
 from tandem.models.loading import load_causal_lm
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter_name
+from tandem.models.presets import PRESETS, shape_config, write_model
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.samples import Turn, build_samples
 from tandem.trainer.micro_batch import MicroBatch
@@ -119,6 +120,28 @@ def test_a_lora_policy_keeps_exact_parity(tiny_model, dims):
 def test_expert_adapters_keep_exact_parity(tiny_moe_model, dims):
     """The same for adapters on every routed expert: the engine's merged stacks are the trainer's adapted ones."""
     check_parity(tiny_moe_model, dims, alone=False, adapters=trained_adapters(tiny_moe_model, EXPERT_LORA), lora=EXPERT_LORA)
+
+
+LATENT_SHAPES = {
+    # Two blocks: a full DSA layer (dense feed-forward), then a shared one (a mixture of experts).
+    "glm5-top-k-within-the-contexts": dict(PRESETS["tiny-glm5"], num_hidden_layers=2, index_topk=8),
+    "glm5-top-k-past-the-contexts": dict(PRESETS["tiny-glm5"], num_hidden_layers=2, index_topk=256),
+    "deepseek-v3": dict(PRESETS["tiny-deepseek-v3"], num_hidden_layers=2),
+}
+"""Latent attention models; the conversations' contexts run from 3 to about 70 tokens."""
+
+
+@pytest.fixture(scope="module", params=list(LATENT_SHAPES))
+def latent_model(request, tmp_path_factory) -> Path:
+    return write_model(shape_config(LATENT_SHAPES[request.param]), tmp_path_factory.mktemp(request.param) / "m")
+
+
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
+def test_latent_attention_keeps_exact_parity(latent_model, dims):
+    """GLM-5 (DSA's top-k choosing among the context, and not) and DeepSeek-V3: the engine's prefill chunks and
+    decodes read each token's latent entries from its paged cache, the trainer from its packed rows, and both attend
+    to them in the absorbed form one token at a time (`tandem.models.exact_latent`)."""
+    check_parity(latent_model, dims)
 
 
 INTERPRETED = """
