@@ -21,10 +21,13 @@ the same rule, for each operation:
   [context, heads, dim]), the head and log_softmax one row at a time. One kernel call per token and
   operation: for checking and small runs.
 
+Latent attention blocks (GLM-5, DeepSeek-V3) take a path of their own, token by token in torch on every device,
+one form of attention on both sides (`exact_latent`); the final norm and the head take the rules above.
+
 Both processes install it with `apply_exact` and pass `exact=True` to their attention backend and head
 (the engine's sampler computes its logprobs with `exact_log_softmax` too). Tested bitwise on the CPU in
-fp32, dense and mixture-of-experts models, both paths (`tests/trainer/test_exact_parity.py`); on the
-GPU in bf16 by the CUDA case of that test.
+fp32, dense, mixture-of-experts and latent attention models, both paths (`tests/trainer/test_exact_parity.py`);
+on the GPU in bf16 by the CUDA cases of that test.
 """
 
 from __future__ import annotations

@@ -42,6 +42,11 @@ NUM_TURNS = {0: 1, 1: 2, 2: 1, 3: 2}
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
 
 
+LATENT_LORA = LoraConfig(enabled=True, rank=4, alpha=8.0,
+                         target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+                         target_experts=["gate_up_proj", "down_proj"])
+
+
 EXPERT_LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", "o_proj"],
                          target_experts=["gate_up_proj", "down_proj"])
 
@@ -140,6 +145,14 @@ def test_latent_attention_keeps_exact_parity(shape, dims, tmp_path):
     DSA chooses (the other shapes' blocks differ from it only by what they leave out)."""
     check_parity(write_model(shape_config(LATENT_SHAPES[shape]), tmp_path / "m"), dims,
                  alone=shape == "glm5-top-k-within-the-contexts")
+
+
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
+def test_latent_adapters_keep_exact_parity(sparse_latent_model, dims):
+    """Adapters on every MLA projection and routed expert of GLM-5's blocks: both sides multiply by the adapted
+    weights `adapted_weight` forms, merged in the engine."""
+    check_parity(sparse_latent_model, dims, alone=False, adapters=trained_adapters(sparse_latent_model, LATENT_LORA),
+                 lora=LATENT_LORA)
 
 
 INTERPRETED = """
