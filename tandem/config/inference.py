@@ -401,14 +401,6 @@ class InferenceConfig(ProcessConfig):
         return "required" if self.server.base_model_name is not None else "where_possible"
 
     @model_validator(mode="after")
-    def _check_mtp_drafts_can_hold(self) -> "InferenceConfig":
-        if self.engine.speculative.method == "mtp" and self.run.exact:
-            raise ValueError("`engine.speculative.method` = 'mtp' with `run.exact`: MTP layers come with the latent "
-                             "attention families (GLM-5, DeepSeek-V3), which have no batch-invariant path yet; use "
-                             "another draft or turn exact mode off")
-        return self
-
-    @model_validator(mode="after")
     def _check_disaggregation_can_hold(self) -> "InferenceConfig":
         role = self.disaggregation.role
         if role == "colocated":

@@ -417,15 +417,12 @@ def exact(config: RLConfig, machine: Machine) -> list[Derived]:
                           "cannot be bitwise equal to a bf16 trainer's; set one of them off")
     hf_config = Path(config.model.name) / "config.json"
     if hf_config.is_file():
-        from tandem.models.loading import has_split_blocks, is_native  # torch, only for exact runs
+        from tandem.models.loading import is_native  # torch, only for exact runs
 
         model_type = json.loads(hf_config.read_text()).get("model_type")
         if not is_native({"model_type": model_type}):
             raise ConfigError(f"`run.exact` = true needs a model native to tandem; {hf_config} says model_type "
                               f"{model_type!r}, which falls back to transformers, whose kernels are not batch-invariant")
-        if not has_split_blocks({"model_type": model_type}):
-            raise ConfigError(f"`run.exact` = true needs decoder blocks split at attention; {hf_config} says model_type "
-                              f"{model_type!r} (latent attention), which has no batch-invariant path yet")
     return []
 
 

@@ -21,10 +21,13 @@ the same rule, for each operation:
   [context, heads, dim]), the head and log_softmax one row at a time. One kernel call per token and
   operation: for checking and small runs.
 
+Latent attention blocks (GLM-5, DeepSeek-V3) take a path of their own, token by token in torch on every device,
+one form of attention on both sides (`exact_latent`); the final norm and the head take the rules above.
+
 Both processes install it with `apply_exact` and pass `exact=True` to their attention backend and head
 (the engine's sampler computes its logprobs with `exact_log_softmax` too). Tested bitwise on the CPU in
-fp32, dense and mixture-of-experts models, both paths (`tests/trainer/test_exact_parity.py`); on the
-GPU in bf16 by the CUDA case of that test.
+fp32, dense, mixture-of-experts and latent attention models, both paths (`tests/trainer/test_exact_parity.py`);
+on the GPU in bf16 by the CUDA cases of that test.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from tandem.kernels import attention as attention_kernel, batch_invariant, point
 from tandem.kernels.batch_invariant import needs_grad
 from tandem.models.attention import AttentionBackend, CachedAttention, DocumentCausalAttention
 from tandem.models.decoder import DecoderLayer, after_attention, before_attention, normed_rotated
+from tandem.models.exact_latent import TokenContext, exact_latent_block_forward
+from tandem.models.glm_moe_dsa import LatentAttentionBlock
 from tandem.models.layers import MLP, RMSNorm, projection_weight, rms_norm
 from tandem.models.stacked_projections import SharedInputProjections, concatenated_projections, stack_projections
 
@@ -59,8 +64,8 @@ def attention_uses_kernels(device: torch.device, head_dim: int) -> bool:
 
 def model_uses_kernels(lm: nn.Module, device: torch.device) -> bool:
     """Every part of `lm` on the kernel path here, so its forward can be captured in a CUDA graph (no host
-    lengths, no data-dependent shapes)."""
-    return (all(block_uses_kernels(block, device) for block in lm.layers)
+    lengths, no data-dependent shapes). Never for latent attention blocks (`exact_latent`: torch, token by token)."""
+    return (all(isinstance(block, DecoderLayer) and block_uses_kernels(block, device) for block in lm.layers)
             and attention_uses_kernels(device, lm.layers[0].self_attn.head_dim))
 
 
@@ -199,11 +204,15 @@ def exact_norm_forward(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_exact(lm: nn.Module, stack: bool = False) -> None:
-    """Give a native causal LM (`tandem.models.decoder.DecoderLM`) the batch-invariant forward, in place.
+    """Give a native causal LM (`tandem.models.decoder.DecoderLM`) the batch-invariant forward, in place: decoder
+    blocks by `exact_block_forward`, latent attention blocks by `exact_latent.exact_latent_block_forward`.
     `stack` (the engine): each kernel-path block's projections stacked once, its parameters made views of them."""
     for block in lm.layers:
+        if isinstance(block, LatentAttentionBlock):
+            block.forward = functools.partial(exact_latent_block_forward, block, lm.args.index_topk)
+            continue
         if not isinstance(block, DecoderLayer):
-            raise TypeError(f"exact mode needs tandem's decoder blocks, got {type(block).__name__}")
+            raise TypeError(f"exact mode needs tandem's decoder or latent attention blocks, got {type(block).__name__}")
         with torch.no_grad():
             stacked = stack_projections(block) if stack and block_uses_kernels(block, lm.lm_head.weight.device) else None
         block.forward = functools.partial(exact_block_forward, block, stacked)
@@ -259,7 +268,8 @@ def exact_log_softmax(logits_NV: torch.Tensor, temperatures: torch.Tensor) -> to
 class ExactDocumentAttention:
     """The trainer's attention backend in exact mode (row_lengths[b]: the document lengths of row b): each
     token by `attention_kernel.attend_each_token` on the kernel path, else each document of each packed row
-    by `exact_causal_attention`."""
+    by `exact_causal_attention`; for latent attention blocks, each token's context in its row
+    (`exact_latent.ExactLatentBackend`)."""
 
     def __init__(self, row_lengths: list[list[int]]):
         self.row_lengths = row_lengths
@@ -274,10 +284,21 @@ class ExactDocumentAttention:
             return _KernelDocumentAttention.apply(q, k, v, *self._kernel_inputs)
         rows = []
         for b, lengths in enumerate(self.row_lengths):
-            starts = [sum(lengths[:i]) for i in range(len(lengths))]
             rows.append(torch.cat([exact_causal_attention(q[b, s:s + n], k[b, s:s + n], v[b, s:s + n])
-                                   for s, n in zip(starts, lengths)]))
+                                   for s, n in zip(document_starts(lengths), lengths)]))
         return torch.stack(rows)
+
+    def latent_contexts(self, layer_idx: int, entries: torch.Tensor,
+                        index_keys: torch.Tensor | None) -> list[TokenContext]:
+        """Each token's entries and indexer keys from its document's start to it ([B, T, ...] -> slices)."""
+        return [(entries[b, s:s + t + 1], index_keys[b, s:s + t + 1] if index_keys is not None else None)
+                for b, lengths in enumerate(self.row_lengths)
+                for s, n in zip(document_starts(lengths), lengths) for t in range(n)]
+
+
+def document_starts(lengths: list[int]) -> list[int]:
+    """Where each document of a packed row starts."""
+    return [sum(lengths[:i]) for i in range(len(lengths))]
 
 
 PACKED_PAGE = 16
@@ -355,14 +376,11 @@ class _KernelDocumentAttention(torch.autograd.Function):
 
 def check_exact(hf_config: dict, source: str) -> None:
     """Refuse what exact mode cannot honour, saying why (the config's resolve step says it first, by key)."""
-    from tandem.models.loading import has_split_blocks, is_native
+    from tandem.models.loading import is_native
 
     if not is_native(hf_config):
         raise ValueError(f"`run.exact` needs a model native to tandem; {source} says model_type "
                          f"{hf_config.get('model_type')!r}, which falls back to transformers, whose kernels are not batch-invariant")
-    if not has_split_blocks(hf_config):
-        raise ValueError(f"`run.exact` needs decoder blocks split at attention; {source} says model_type "
-                         f"{hf_config.get('model_type')!r} (latent attention), which has no batch-invariant path yet")
 
 
 def exact_token_logprobs(hidden_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,

@@ -15,7 +15,8 @@ The blocks are not `decoder.DecoderLayer`s (their attention has projections of i
 false for these families: the trainer runs each block whole (no compiled halves; selective checkpointing falls back to
 whole blocks), and the inference engine serves them through a `mla.LatentBackend` (its paged latent cache), to which
 a block hands its projections rather than expanded keys and values; the trainer's context parallelism is another
-(`tandem.trainer.parallel.latent_context_parallel`).
+(`tandem.trainer.parallel.latent_context_parallel`). Exact mode (`[run] exact`) replaces the block's forward by
+`tandem.models.exact_latent`'s, token by token.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def is_native(hf_config: dict) -> bool:
 
 def has_split_blocks(hf_config: dict) -> bool:
     """Whether the model is native and made of `decoder.DecoderLayer`s, split at attention: what the engine's KV
-    cache of keys and values and exact mode and the trainer's compiled block halves work on. The latent-attention
+    cache of keys and values and the trainer's compiled block halves work on. The latent-attention
     families (`glm_moe_dsa`, `deepseek_v3`) run whole blocks (`tandem.models.glm_moe_dsa`)
     and the engine keeps their latents (`tandem.inference.engine.kv_cache.LatentCache`)."""
     return is_native(hf_config) and NATIVE[hf_config["model_type"]][1].split_blocks

@@ -310,8 +310,9 @@ def test_exact_is_one_switch_and_refuses_what_cannot_honour_it(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match="model_type 'llama', which falls back to transformers"):
         resolve("--run.exact", "true", "--model.name", str(tmp_path))
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
-    assert resolve("--run.exact", "true", "--model.name", str(tmp_path)).trainer.run.exact
+    for model_type in ("qwen3", "glm_moe_dsa", "deepseek_v3"):  # decoder blocks and latent attention blocks
+        (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+        assert resolve("--run.exact", "true", "--model.name", str(tmp_path)).trainer.run.exact
     with pytest.raises(ConfigError, match=r"'vllm' runs on CUDA only"):  # exact off: only the backend's own rule speaks
         resolve("--inference.backend", "vllm")
     with pytest.raises(ConfigError, match=r"`run.exact` = true cannot split rows over ranks: `trainer.parallel.cp` = 2"):

@@ -2,8 +2,8 @@
 
 Every server of the tiny Qwen3 runs `run.exact` (batch-invariant), so a token's numbers do not depend on which step
 or batch computed it: a decode server continuing from a prefill server's KV must then give one colocated server's
-tokens and logprobs bit for bit, whatever was batched where. The latent-cache families (GLM-5, DeepSeek-V3) have no
-exact mode: their pairs are held to bit for bit where the forwards are one server's, to 1e-5 elsewhere.
+tokens and logprobs bit for bit, whatever was batched where. The latent-cache families (GLM-5, DeepSeek-V3) run here
+without exact mode: their pairs are held to bit for bit where the forwards are one server's, to 1e-5 elsewhere.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def assert_same_tokens_and_close_logprobs(got: list[dict], want: list[dict]) -> 
 
 @pytest.mark.parametrize("shape", LATENT_SHAPES)
 def test_a_latent_cache_pair_gives_one_servers_tokens_and_logprobs_single_and_multi_turn(shape, tmp_path):
-    """Latent attention has no exact mode, so the numbers agree bit for bit only where the decode server runs the
+    """Without exact mode, the numbers agree bit for bit only where the decode server runs the
     forwards one server runs: a lone prompt handed over whole. Elsewhere the same tokens were computed in other
     batches (n > 1: the other samples' last partial block beside other work; a handed turn: the earlier turns'
     sampled tokens recomputed in the prefill server's chunk), which fp32 rounds differently in the last bits."""

@@ -1,13 +1,12 @@
 """The policy's multi-token prediction layer as the speculative draft (`engine.speculative.method` = 'mtp'): its
 drafts are what the layer computes from the policy's hidden states, and the tokens and logprobs stay the policy's."""
 
-import json
 import shutil
 
 import httpx
 import pytest
 import torch
-from counting_head import give_counting_head
+from counting_head import give_counting_head, give_counting_mtp_layer
 from inference_helpers import make_config, teacher_forced_logprobs
 from pydantic import ValidationError
 from test_admin import metric
@@ -20,7 +19,6 @@ from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
 from tandem.models.presets import PRESETS, shape_config, write_model
-from tandem.models.weights import load_state_dict, save_state_dict
 
 SHAPES = {
     "glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=4),  # DSA chooses for the MTP layer's queries too
@@ -107,14 +105,7 @@ def counting_mtp_dir(counting_dir, tmp_path_factory):
     feed-forward add nothing), which then drafts t + 2: right wherever the policy counts."""
     folder = tmp_path_factory.mktemp("counting_mtp") / "model"
     shutil.copytree(counting_dir, folder)
-    state = load_state_dict(folder)
-    layer = "model.mtp_layers.0."
-    hidden_size = state[layer + "eh_proj.weight"].shape[0]
-    state[layer + "eh_proj.weight"] = torch.cat([torch.eye(hidden_size), torch.zeros(hidden_size, hidden_size)], 1)
-    for name in ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.shared_experts.down_proj.weight"):
-        state[layer + name] = torch.zeros_like(state[layer + name])
-    save_state_dict(state, folder, json.loads((folder / "config.json").read_text()))
-    return folder
+    return give_counting_mtp_layer(folder)
 
 
 def generate(engine, num_requests: int = 6) -> dict:
@@ -190,7 +181,6 @@ def test_a_model_without_an_mtp_layer_is_refused(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize(("settings", "expected"), [
-    ({"run": {"exact": True}}, "`engine.speculative.method` = 'mtp' with `run.exact`"),
     ({"disaggregation": {"role": "prefill"}}, "with `engine.speculative`"),
 ])
 def test_mtp_is_refused_where_speculation_is(tiny_dir, settings, expected):

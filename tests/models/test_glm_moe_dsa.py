@@ -266,16 +266,6 @@ def test_both_names_transformers_gives_the_dsa_layer_read_as_one(tmp_path):
         GlmMoeDsaArgs.from_hf(dict(config, layer_types=["sliding_attention"] * config["num_hidden_layers"]))
 
 
-def test_exact_mode_is_refused_naming_the_file(tmp_path):
-    """It works on decoder blocks split at attention, which latent attention does not have (yet)."""
-    from tandem.models.exact import check_exact
-
-    folder = write_model(shape_config(TINY_GLM5), tmp_path / "m", weights=False)
-    source = folder / "config.json"
-    with pytest.raises(ValueError, match=f"`run.exact` needs decoder blocks split at attention; {source} says model_type"):
-        check_exact(json.loads(source.read_text()), str(source))
-
-
 def test_the_indexer_passes_no_gradient(tmp_path):
     """Even with its weights made trainable, the selection is a choice without gradient."""
     model = load_causal_lm(str(write_model(shape_config(dict(TINY_GLM5, index_topk=4)), tmp_path / "m")))

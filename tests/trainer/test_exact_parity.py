@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from counting_head import give_counting_head
+from counting_head import give_counting_head, give_counting_mtp_layer
 
 from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
@@ -24,6 +24,7 @@ from tandem.inference.engine.setup import build_engine
 from tandem.models.exact import model_uses_kernels
 from tandem.models.loading import load_causal_lm
 from tandem.models.lora import LoraSpec, apply_lora, is_adapter_name
+from tandem.models.presets import PRESETS, shape_config, write_model
 from tandem.orchestrator.packing import pack_step
 from tandem.orchestrator.samples import Turn, build_samples
 from tandem.trainer.micro_batch import MicroBatch
@@ -39,6 +40,11 @@ NUM_TURNS = {0: 1, 1: 2, 2: 1, 3: 2}
 
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
+
+
+LATENT_LORA = LoraConfig(enabled=True, rank=4, alpha=8.0,
+                         target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+                         target_experts=["gate_up_proj", "down_proj"])
 
 
 EXPERT_LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", "o_proj"],
@@ -121,6 +127,34 @@ def test_expert_adapters_keep_exact_parity(tiny_moe_model, dims):
     check_parity(tiny_moe_model, dims, alone=False, adapters=trained_adapters(tiny_moe_model, EXPERT_LORA), lora=EXPERT_LORA)
 
 
+LATENT_SHAPES = {
+    # Two blocks: a full DSA layer (dense feed-forward), then a shared one (a mixture of experts).
+    "glm5-top-k-within-the-contexts": dict(PRESETS["tiny-glm5"], num_hidden_layers=2, index_topk=8),
+    "glm5-top-k-past-the-contexts": dict(PRESETS["tiny-glm5"], num_hidden_layers=2, index_topk=256),
+    "deepseek-v3": dict(PRESETS["tiny-deepseek-v3"], num_hidden_layers=2),
+}
+"""Latent attention models; the conversations' contexts run from 3 to about 70 tokens."""
+
+
+@pytest.mark.parametrize("shape", list(LATENT_SHAPES))
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
+def test_latent_attention_keeps_exact_parity(shape, dims, tmp_path):
+    """GLM-5 (DSA's top-k choosing among the context, and not) and DeepSeek-V3: the engine's prefill chunks and
+    decodes read each token's latent entries from its paged cache, the trainer from its packed rows, and both attend
+    to them in the absorbed form one token at a time (`tandem.models.exact_latent`). Each request alone too where
+    DSA chooses (the other shapes' blocks differ from it only by what they leave out)."""
+    check_parity(write_model(shape_config(LATENT_SHAPES[shape]), tmp_path / "m"), dims,
+                 alone=shape == "glm5-top-k-within-the-contexts")
+
+
+@pytest.mark.parametrize("dims", DEVICES, indirect=True)
+def test_latent_adapters_keep_exact_parity(sparse_latent_model, dims):
+    """Adapters on every MLA projection and routed expert of GLM-5's blocks: both sides multiply by the adapted
+    weights `adapted_weight` forms, merged in the engine."""
+    check_parity(sparse_latent_model, dims, alone=False, adapters=trained_adapters(sparse_latent_model, LATENT_LORA),
+                 lora=LATENT_LORA)
+
+
 INTERPRETED = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -201,24 +235,35 @@ def sharp_model(tiny_model, tmp_path_factory) -> Path:
     return give_counting_head(folder)
 
 
+@pytest.fixture(scope="module")
+def counting_mtp_model(tmp_path_factory) -> Path:
+    """One GLM-5 block (DSA choosing 8 tokens) with a counting head and an MTP layer that drafts the count
+    (`counting_head.py`): its drafts get accepted."""
+    shape = dict(LATENT_SHAPES["glm5-top-k-within-the-contexts"], num_hidden_layers=1)
+    folder = tmp_path_factory.mktemp("counting-mtp") / "m"
+    return give_counting_mtp_layer(give_counting_head(write_model(shape_config(shape), folder)))
+
+
 @pytest.mark.parametrize(("model", "draft", "temperature"), [
     ("sharp_model", "ngram", 0.0),
     ("sharp_model", "ngram", 0.7),
     ("sharp_model", "greedy-draft-model", 0.0),
     ("sharp_model", "greedy-draft-model", 0.7),
     ("tiny_moe_model", "ngram", 0.0),  # a mixture of experts: blocks token by token on every device
+    ("counting_mtp_model", "mtp", 0.7),  # latent attention, drafted by its own multi-token prediction layer
 ])
 @pytest.mark.parametrize("dims", DEVICES, indirect=True)
 def test_speculation_keeps_exact_tokens_and_logprobs(model, draft, temperature, dims, request):
     """Deterministic drafts (n-gram; a greedy draft model, here the policy's own weights on the engine's ordinary
-    path): the same seeds give the same tokens with bitwise the same logprobs as exact mode without speculation,
+    path; a latent model's own multi-token prediction layer, greedy): the same seeds give the same tokens with bitwise the same logprobs as exact mode without speculation,
     and those are the trainer's. The verifying forward computes each of a sequence's k + 1 tokens as that token's
     own decode step would, and speculation keeps exactly the tokens the policy samples."""
     folder = request.getfixturevalue(model)
     device = dims.device.type
     # n-gram drafts wherever lookup matches (`min_expected_tokens` = 0): these short outputs rarely copy their prompts.
-    speculative = {"method": "ngram", "num_tokens": 3, "min_expected_tokens": 0} if draft == "ngram" else {
-        "method": "draft_model", "draft_model": str(folder)}
+    speculative = {"ngram": {"method": "ngram", "num_tokens": 3, "min_expected_tokens": 0},
+                   "mtp": {"method": "mtp", "num_tokens": 3},
+                   "greedy-draft-model": {"method": "draft_model", "draft_model": str(folder)}}[draft]
     plain, _ = sample_conversations(folder, max_num_batched_tokens=512, staggered=False, device=device,
                                     temperature=temperature)
     speculated, stats = sample_conversations(folder, max_num_batched_tokens=16, staggered=True, device=device,
@@ -263,11 +308,19 @@ def test_exact_refuses_a_transformers_model(llama_model, dims):
                      exact=True)
 
 
+@pytest.fixture(scope="module")
+def sparse_latent_model(tmp_path_factory) -> Path:
+    """GLM-5's blocks choosing 8 tokens: training rows of 16 tokens choose for their last ones."""
+    shape = LATENT_SHAPES["glm5-top-k-within-the-contexts"]
+    return write_model(shape_config(shape), tmp_path_factory.mktemp("sparse-latent") / "m")
+
+
+@pytest.mark.parametrize("model", ["tiny_model", "sparse_latent_model"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_trainer_trains_in_exact_mode(tiny_model, tmp_path, device):
+def test_the_trainer_trains_in_exact_mode(model, tmp_path, device, request):
     """Backward runs through exact mode's forward (whole-block recompute): token by token on the CPU, through
-    the kernels' torch backward passes on CUDA."""
-    args = ["--model.name", str(tiny_model), "--run.exact", "true", "--data.fake", "--max-steps", "2",
+    the kernels' torch backward passes on CUDA; latent attention blocks by torch's autograd everywhere."""
+    args = ["--model.name", str(request.getfixturevalue(model)), "--run.exact", "true", "--data.fake", "--max-steps", "2",
             "--output-dir", str(tmp_path), "--seq-len", "16", "--optim.lr", "1e-3", "--logprob-chunk-size", "5"]
     if device == "cpu":
         assert run_trainer(*args) == 0

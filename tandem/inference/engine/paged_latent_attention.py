@@ -26,6 +26,10 @@ everything on the CPU, take the torch path: each group gathers its sequences' wh
 sequence, padded to the group's longest context; a chunk expands them all once), and scores its queries in slices of
 at most `QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long
 contexts. Both paths hand on the same `Chosen`, so a `shared` layer reads either's.
+
+Exact mode (`[run] exact`, `tandem.models.exact_latent`) plans no groups and takes no kernel: its blocks ask this
+backend for each token's context alone (`latent_contexts`), as the trainer's packed rows give it, and attend to it
+themselves.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tandem.inference.engine.kv_cache import LatentCache
 from tandem.inference.engine.paged_attention import SHORT_QUERY_TOKENS, AttentionMetadata
 from tandem.kernels import latent_attention as latent_kernels
 from tandem.models.dsa import IndexerProjections, choose
+from tandem.models.exact_latent import TokenContext
 from tandem.models.mla import LatentAttention, LatentProjections
 
 QUERY_KEY_PAIRS = 2**22
@@ -138,14 +143,11 @@ class PagedLatentAttention:
     def attend_latent(self, layer_idx: int, attention: LatentAttention, projections: LatentProjections,
                       index: IndexerProjections | None, selection: list[torch.Tensor | Chosen | None] | None
                       ) -> tuple[torch.Tensor, list[torch.Tensor | Chosen | None] | None]:
-        slots = self.meta.slot_mapping
-        entries = self.cache.layer(layer_idx)  # [blocks, S, E]
-        entries.view(-1, entries.shape[-1]).index_copy_(0, slots, projections.entries[0])
+        entries = self._write(self.cache.layer(layer_idx), projections.entries)  # [blocks, S, E]
         groups = self.groups()
         in_place = kernels_serve(self.cache, attention.kv_lora_rank)
         if index is not None:
-            keys = self.cache.layer_index_keys(layer_idx)
-            keys.view(-1, keys.shape[-1]).index_copy_(0, slots, index.keys[0])
+            keys = self._write(self.cache.layer_index_keys(layer_idx), index.keys)
             selection = [self._select_in_place(group, keys, index) if in_place and not group.expanded
                          else self._select(group, keys, index) for group in groups]
         q_nope, q_rope = projections.q_nope[0], projections.q_rope[0]  # [N, H, Dn], [N, H, Dr]
@@ -164,6 +166,29 @@ class PagedLatentAttention:
             attend = attention.attend_expanded if group.expanded else attention.attend_absorbed
             out[group.rows] = attend(q_nope[group.rows], q_rope[group.rows], context, visible, QUERY_KEY_PAIRS)
         return out[None], selection
+
+    def latent_contexts(self, layer_idx: int, entries: torch.Tensor,
+                        index_keys: torch.Tensor | None) -> list[TokenContext]:
+        """Exact mode (`tandem.models.exact_latent.ExactLatentBackend`): write the step's entries [1, N, E] (and
+        indexer keys), then read each token's context back from the cache, in the step's token order. Its steps
+        run eager: the host knows every length."""
+        m, S = self.meta, self.cache.block_size
+        assert m.query_lens_host is not None and m.seq_lens_host is not None, "exact attention needs host lengths"
+        cached = [self._write(self.cache.layer(layer_idx), entries)]
+        if index_keys is not None:
+            cached.append(self._write(self.cache.layer_index_keys(layer_idx), index_keys))
+        contexts: list[TokenContext] = []
+        for i, (q_len, ctx) in enumerate(zip(m.query_lens_host, m.seq_lens_host)):
+            blocks = m.block_tables[i, :-(-ctx // S)]
+            seq_entries, *seq_keys = (layer[blocks].flatten(0, 1)[:ctx] for layer in cached)
+            contexts.extend((seq_entries[:p + 1], seq_keys[0][:p + 1] if seq_keys else None)
+                            for p in range(ctx - q_len, ctx))
+        return contexts
+
+    def _write(self, layer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The step's values [1, N, features] into a layer's cache tensor [blocks, S, features] at their slots."""
+        layer.view(-1, layer.shape[-1]).index_copy_(0, self.meta.slot_mapping, values[0])
+        return layer
 
     def _attend_chosen(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
                        entries: torch.Tensor, group: QueryGroup, chosen: Chosen) -> torch.Tensor:

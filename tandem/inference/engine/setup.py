@@ -173,7 +173,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
             apply_side_path(model, side, blocks=not fused)
         recorder = moe_routing_recorder(model, engine, device, kernels=not exact)
         # The latent cache's torch path gathers whole contexts (a graph would keep its largest bound's for good); its
-        # kernels read the cache in place. MTP drafting keeps each step's forward, which a replay does not make.
+        # kernels read the cache in place. MTP drafting keeps each step's forward, which a replay does not make. Exact
+        # mode captures only forwards wholly on its kernel path: latent blocks run eager (torch, token by token).
         in_place = not isinstance(cache, LatentCache) or kernels_serve(cache, model.args.kv_lora_rank)
         graphs = engine.cuda_graphs and in_place and not mtp and (not exact or model_uses_kernels(model, device))
         cascade = None
