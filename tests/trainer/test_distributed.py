@@ -28,6 +28,15 @@ def torchrun_trainer(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 
+def torchrun_commands(*commands: list[str] | dict, nproc: int) -> subprocess.CompletedProcess:
+    """`tandem` commands (and `{"copy": [SRC, DST]}` steps) one after another in one launch of `nproc` ranks
+    (torchrun_commands.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(Path(__file__).resolve().parent / "torchrun_commands.py"), json.dumps(commands, default=str)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
     common = ["--model.name", str(tiny_model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
               "--max-steps", "4", "--seq-len", "64", "--optim.lr", "3e-3", "--device", "cpu",
