@@ -17,8 +17,7 @@ import torch
 from tandem.monitor.logging import setup_logging
 from tandem.trainer.micro_batch import zigzag_indices
 
-from test_distributed import BENCHMARK, torchrun_commands
-from test_expert_parallel import torchrun_env
+from test_distributed import BENCHMARK, torchrun_commands, torchrun_env
 from trainer_helpers import metrics, one_thread, run_trainer
 
 HERE = Path(__file__).resolve().parent

@@ -21,20 +21,22 @@ from trainer_helpers import losses, run_trainer
 pytestmark = pytest.mark.slow
 
 
+def torchrun_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def torchrun_trainer(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "tandem.cli", "trainer", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
 
 
 def torchrun_commands(*commands: list[str] | dict, nproc: int) -> subprocess.CompletedProcess:
     """`tandem` commands (and `{"copy": [SRC, DST]}` steps) one after another in one launch of `nproc` ranks
     (torchrun_commands.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(__file__).resolve().parent / "torchrun_commands.py"), json.dumps(commands, default=str)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
 
 
 def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
