@@ -26,6 +26,9 @@ def torchrun_env() -> dict:
 
 
 def torchrun_trainer(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`tandem trainer ARGS` under torchrun. Tests run a one-rank run in their own process beside a launch of 2
+    ranks (one thread each, `trainer_helpers.one_thread`): the 2 ranks alone leave part of CI's 2 cores idle. Not
+    beside 4 ranks, which keep both busy (benchmarks/RESULTS.md)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "tandem.cli", "trainer", *args]
     return subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
@@ -44,7 +47,7 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
               "--max-steps", "4", "--seq-len", "64", "--optim.lr", "3e-3", "--device", "cpu",
               "--ckpt.enabled", "--ckpt.interval", "2", "--ckpt.keep", "2"]
     one, two, resumed, back = tmp_path / "one", tmp_path / "two", tmp_path / "resumed", tmp_path / "back"
-    assert run_trainer(*common, "--output-dir", str(one)) == 0
+    assert run_trainer(*common, "--output-dir", str(one)) == 0  # before the launch, which resumes its checkpoint
     # One launch of 2 ranks: they train, then resume the 1-rank checkpoint of step 2 (DCP reshards model and
     # optimizer state). And back, after it: their (FSDP) checkpoint of step 2, resumed by the one-rank path's plain
     # tensors.
