@@ -17,8 +17,7 @@ import torch
 from tandem.monitor.logging import setup_logging
 from tandem.trainer.micro_batch import zigzag_indices
 
-from test_distributed import BENCHMARK, torchrun_trainer
-from test_expert_parallel import torchrun_env
+from test_distributed import BENCHMARK, torchrun_commands, torchrun_env
 from trainer_helpers import metrics, one_thread, run_trainer
 
 HERE = Path(__file__).resolve().parent
@@ -76,25 +75,54 @@ def test_context_parallel_sizes_give_the_loss_and_gradients_of_cp_1(model, cp_ru
             assert run["router"]["router/entropy"] == pytest.approx(ref["router"]["router/entropy"], abs=1e-6), size
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model, steps", [
-    ("tiny_model", 3),
+CP_2_STEPS = {
+    "tiny_model": 3,
     # documents of 15 tokens, past index_topk: the trajectory leaves 1e-5 at step 3 from gradients 1e-7 apart at step 1
-    ("tiny_glm5_model", 2),
-])
-def test_cp_2_trains_like_one_rank(model, steps, request, tmp_path):
-    """The loop's wiring: each rank reads its own fake rows, the `cp` group trains them all, sharded."""
-    common = ["--model.name", str(request.getfixturevalue(model)), "--data.fake", "--data.fake-rows", "2",
-              "--data.fake-samples-per-row", "3", "--max-steps", str(steps), "--seq-len", "46", "--optim.lr", "3e-3",
-              "--device", "cpu"]
-    one, cp2 = tmp_path / "one", tmp_path / "cp2"
-    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (test_distributed says why)
-        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(cp2), "--parallel.cp", "2", nproc=2)
+    "tiny_glm5_model": 2,
+}
+
+
+def trainer_args(model: Path, steps: int) -> list[str]:
+    return ["--model.name", str(model), "--data.fake", "--data.fake-rows", "2", "--data.fake-samples-per-row", "3",
+            "--max-steps", str(steps), "--seq-len", "46", "--optim.lr", "3e-3", "--device", "cpu"]
+
+
+def sft_args(model: Path, data: Path) -> list[str]:
+    return ["--model.name", str(model), "--data.path", str(data), "--seq-len", "90", "--data.rows-per-step", "2",
+            "--optim.lr", "3e-3", "--data.eval-fraction", "0.1", "--eval.interval", "3", "--max-steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def cp_2_runs(request, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """(one rank, CP = 2) run folders of each model's trainer and of SFT on the tiny model: the CP = 2 runs from one
+    launch of 2 ranks, the one-rank runs in this process beside it."""
+    from test_sft import reverse_text_data, sft
+
+    root = tmp_path_factory.mktemp("cp2")
+    models = {model: request.getfixturevalue(model) for model in CP_2_STEPS}
+    train = reverse_text_data(root / "train.jsonl", 40, seed=0)
+    runs = {name: (root / name / "one", root / name / "cp2") for name in (*CP_2_STEPS, "sft")}
+    commands = [["trainer", *trainer_args(models[m], CP_2_STEPS[m]), "--output-dir", runs[m][1], "--parallel.cp", "2"]
+                for m in CP_2_STEPS]
+    commands.append(["sft", *sft_args(models["tiny_model"], train), "--device", "cpu", "--output-dir", runs["sft"][1],
+                     "--parallel.cp", "2"])
+    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank runs (test_distributed says why)
+        launched = pool.submit(torchrun_commands, *commands, nproc=2)
         with one_thread():
-            assert run_trainer(*common, "--output-dir", str(one)) == 0
+            for m in CP_2_STEPS:
+                assert run_trainer(*trainer_args(models[m], CP_2_STEPS[m]), "--output-dir", str(runs[m][0])) == 0
+            assert sft(*sft_args(models["tiny_model"], train), "--output-dir", str(runs["sft"][0])) == 0
         result = launched.result()
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len({m["loss"] for m in metrics(one)}) == steps  # the trajectory moves
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(CP_2_STEPS))
+def test_cp_2_trains_like_one_rank(model, cp_2_runs):
+    """The loop's wiring: each rank reads its own fake rows, the `cp` group trains them all, sharded."""
+    one, cp2 = cp_2_runs[model]
+    assert len({m["loss"] for m in metrics(one)}) == CP_2_STEPS[model]  # the trajectory moves
     for key in ("loss", "grad_norm", "entropy", "num_loss_tokens"):
         assert [m[key] for m in metrics(cp2)] == pytest.approx([m[key] for m in metrics(one)], abs=1e-5), key
 
@@ -139,21 +167,8 @@ def test_long_sequence_benchmark_runs_yarn_and_context_parallel_on_the_cpu(tmp_p
 
 
 @pytest.mark.slow
-def test_sft_at_cp_2_trains_and_evaluates_like_one_rank(tiny_model, tmp_path):
-    from test_sft import reverse_text_data, sft
-
-    train = reverse_text_data(tmp_path / "train.jsonl", 40, seed=0)
-    common = ["--model.name", str(tiny_model), "--data.path", str(train), "--seq-len", "90", "--data.rows-per-step", "2",
-              "--optim.lr", "3e-3", "--data.eval-fraction", "0.1", "--eval.interval", "3", "--max-steps", "3"]
-    one, cp2 = tmp_path / "one", tmp_path / "cp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tandem.cli", "sft",
-           *common, "--device", "cpu", "--output-dir", str(cp2), "--parallel.cp", "2"]
-    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run
-        launched = pool.submit(subprocess.run, cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
-        with one_thread():
-            assert sft(*common, "--output-dir", str(one)) == 0
-        result = launched.result()
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_sft_at_cp_2_trains_and_evaluates_like_one_rank(cp_2_runs):
+    one, cp2 = cp_2_runs["sft"]
     ref, got = metrics(one, "sft"), metrics(cp2, "sft")
     assert "eval_loss" in ref[-1]
     for key in ("loss", "grad_norm", "num_loss_tokens"):

@@ -16,16 +16,30 @@ from safetensors.torch import load_file
 
 from tandem.transport.paths import weights_dir
 
-from trainer_helpers import losses, one_thread, run_trainer
+from trainer_helpers import losses, run_trainer
 
 pytestmark = pytest.mark.slow
 
 
+def torchrun_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def torchrun_trainer(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """`tandem trainer ARGS` under torchrun. Tests run a one-rank run in their own process beside a launch of 2
+    ranks (one thread each, `trainer_helpers.one_thread`): the 2 ranks alone leave part of CI's 2 cores idle. Not
+    beside 4 ranks, which keep both busy (benchmarks/RESULTS.md)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "tandem.cli", "trainer", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=180)
+
+
+def torchrun_commands(*commands: list[str] | dict, nproc: int) -> subprocess.CompletedProcess:
+    """`tandem` commands (and `{"copy": [SRC, DST]}` steps) one after another in one launch of `nproc` ranks
+    (torchrun_commands.py)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(Path(__file__).resolve().parent / "torchrun_commands.py"), json.dumps(commands, default=str)]
+    return subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
 
 
 def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
@@ -33,11 +47,13 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
               "--max-steps", "4", "--seq-len", "64", "--optim.lr", "3e-3", "--device", "cpu",
               "--ckpt.enabled", "--ckpt.interval", "2", "--ckpt.keep", "2"]
     one, two, resumed, back = tmp_path / "one", tmp_path / "two", tmp_path / "resumed", tmp_path / "back"
-    with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank run (which leaves a CI core idle alone)
-        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(two))
-        with one_thread():
-            assert run_trainer(*common, "--output-dir", str(one)) == 0
-        result = launched.result()
+    assert run_trainer(*common, "--output-dir", str(one)) == 0  # before the launch, which resumes its checkpoint
+    # One launch of 2 ranks: they train, then resume the 1-rank checkpoint of step 2 (DCP reshards model and
+    # optimizer state). And back, after it: their (FSDP) checkpoint of step 2, resumed by the one-rank path's plain
+    # tensors.
+    shutil.copytree(one / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    result = torchrun_commands(["trainer", *common, "--output-dir", two],
+                               ["trainer", *common, "--output-dir", resumed, "--ckpt.resume"], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     ref = losses(one)
     assert sorted(losses(two)) == [1, 2, 3, 4]
@@ -49,16 +65,8 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
     # fraction of lr (3e-3) on fp32 rounding differences alone: compare weights at that scale.
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
-    # The 1-rank checkpoint of step 2, resumed by 2 ranks: DCP reshards model and optimizer state.
-    # And back, beside it: the 2-rank (FSDP) checkpoint of step 2, resumed by the one-rank path's plain tensors.
-    shutil.copytree(one / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
     shutil.copytree(two / "checkpoints" / "step_2", back / "checkpoints" / "step_2")
-    with ThreadPoolExecutor() as pool:
-        launched = pool.submit(torchrun_trainer, *common, "--output-dir", str(resumed), "--ckpt.resume")
-        with one_thread():
-            assert run_trainer(*common, "--output-dir", str(back), "--ckpt.resume") == 0
-        result = launched.result()
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert run_trainer(*common, "--output-dir", str(back), "--ckpt.resume") == 0
     assert sorted(losses(resumed)) == [3, 4]
     for step, loss in losses(resumed).items():
         assert loss == pytest.approx(ref[step], abs=1e-5), step
