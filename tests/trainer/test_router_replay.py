@@ -4,6 +4,7 @@ samples, packing and the msgpack wire format, replayed by the trainer's forward.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +35,12 @@ def dims():
 @pytest.fixture(scope="module")
 def sampled_turns(tiny_moe_model) -> list[list[Turn]]:
     """Two-turn rollouts from the CPU engine, with the experts that sampled each token."""
-    engine = build_engine(ModelConfig(name=str(tiny_moe_model)), EngineConfig(device="cpu", num_blocks=64, max_model_len=256), seed=0)
+    return sample_turns(tiny_moe_model)
+
+
+def sample_turns(model: Path, exact: bool = False) -> list[list[Turn]]:
+    engine = build_engine(ModelConfig(name=str(model)), EngineConfig(device="cpu", num_blocks=64, max_model_len=256),
+                          seed=0, exact=exact)
     rng = random.Random(0)
     rollouts = []
     for i in range(3):
@@ -87,6 +93,18 @@ def test_replayed_trainer_logprobs_equal_the_engines_with_its_experts(tiny_moe_m
     shifted = torch.where(mb.routed_experts >= 0, (mb.routed_experts + 1) % 8, -1)
     other, _ = trainer_forward(policy, MicroBatch(**{**vars(mb), "routed_experts": shifted}))
     assert (other[0][mask] - logprobs[0][mask]).abs().max() > 1e-2
+
+
+def test_an_exact_engine_reports_the_experts_each_token_took(tiny_moe_model, dims):
+    """Exact mode runs the MoE once per token (`tandem.models.exact`): each token's experts are still reported at
+    its own row, those the trainer's own routing picks for it (a prompt's last token, in a prefill of several, too)."""
+    row = rows_on_the_wire(sample_turns(tiny_moe_model, exact=True))[0]
+    reported = MicroBatch.from_row(row, dims.device, router_replay=True).routed_experts
+    policy, _ = build_policy(ModelConfig(name=str(tiny_moe_model)), ParallelConfig(), dims, chunk_size=64)
+    _, used = trainer_forward(policy, MicroBatch.from_row(row, dims.device))
+    sampled = reported[:, 0, 0] >= 0
+    assert int(sampled.sum()) == 3 * 2 * 10
+    assert torch.equal(used[sampled].sort(-1).values, reported[sampled].long().sort(-1).values)
 
 
 def test_router_replay_without_routed_experts_is_a_clear_error(sampled_turns, dims):

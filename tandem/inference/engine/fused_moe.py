@@ -42,9 +42,22 @@ class RoutingRecorder:
 
     def __init__(self, num_moe_layers: int, max_tokens: int, top_k: int, device: torch.device):
         self.expert_ids = torch.zeros(num_moe_layers, max_tokens, top_k, dtype=torch.int16, device=device)
+        self._appended = [0] * num_moe_layers
 
     def record(self, moe_index: int, expert_ids: torch.Tensor) -> None:
+        """A forward's routing of one layer, all its tokens at once (the engine's MoE kernels, in CUDA graphs too)."""
         self.expert_ids[moe_index, :expert_ids.shape[0]].copy_(expert_ids)
+
+    def start_forward(self) -> None:
+        """Before an eager forward whose routing `append` records."""
+        self._appended = [0] * len(self._appended)
+
+    def append(self, moe_index: int, expert_ids: torch.Tensor) -> None:
+        """The model's own MoE path: one call per layer routes the forward's tokens, or in exact mode one call per
+        token (`tandem.models.exact`), so each call's rows follow those of the calls since `start_forward`."""
+        start = self._appended[moe_index]
+        self.expert_ids[moe_index, start:start + expert_ids.shape[0]].copy_(expert_ids)
+        self._appended[moe_index] = start + expert_ids.shape[0]
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """The recorded expert ids of tokens `index` of the last forward: [len(index), num_moe_layers, k]."""
@@ -139,7 +152,7 @@ def eager_moe(model: nn.Module):
 
 
 def _record_hook(recorder: RoutingRecorder, moe_index: int, router: nn.Module, inputs, output) -> None:
-    recorder.record(moe_index, output[1])
+    recorder.append(moe_index, output[1])
 
 
 def fused_moe_forward(block: MoE, router, recorder: RoutingRecorder | None, moe_index: int, tiles: TileTable,

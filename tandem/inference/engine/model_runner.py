@@ -130,7 +130,7 @@ class PagedModelRunner:
         meta = AttentionMetadata(slot_mapping=static[2, :b], query_start=self._query_start[:b + 1], seq_lens=static[3, :b],
                                  block_tables=self.inputs.block_tables[:b], tiles=self._tiles[b], block_q=1,
                                  max_context=max_context, cascade=plan)
-        hidden = self.model(static[0, :b][None], static[1, :b][None], attention=self.attention_for(meta))
+        hidden = self._forward(static[0, :b], static[1, :b], self.attention_for(meta))
         return self._logits(hidden[0])
 
     def _verify_graph_forward(self, b: int, max_context: int, cascade: bool) -> torch.Tensor:
@@ -142,7 +142,15 @@ class PagedModelRunner:
         meta = AttentionMetadata(slot_mapping=static[2, :n], query_start=lengths[1, :b + 2], seq_lens=lengths[0, :b + 1],
                                  block_tables=self.inputs.block_tables, tiles=self._verify_tiles[b],
                                  block_q=self._verify_block_q)
-        return self.model(static[0, :n][None], static[1, :n][None], attention=self.attention_for(meta))[0]
+        return self._forward(static[0, :n], static[1, :n], self.attention_for(meta))[0]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attention: PagedAttention | PagedLatentAttention) -> torch.Tensor:
+        """The model over one step's tokens [N]: hidden states [1, N, hidden]; the routing recorder's rows restart at
+        the step's first token."""
+        if self.recorder is not None:
+            self.recorder.start_forward()
+        return self.model(input_ids[None], positions[None], attention=attention)
 
     def _replay_verify(self, batch: ScheduledBatch) -> torch.Tensor:
         """A step of decoding sequences with drafts through its graph: the logits of its real rows."""
@@ -190,7 +198,7 @@ class PagedModelRunner:
         if self.side_path is not None:
             self.side_path.rows = side_rows
         try:
-            hidden = self.model(step.input_ids[None], step.positions[None], attention=attention)
+            hidden = self._forward(step.input_ids, step.positions, attention)
         finally:
             if self.side_path is not None:
                 self.side_path.rows = self.side_path.default_rows
