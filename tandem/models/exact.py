@@ -33,7 +33,6 @@ on the GPU in bf16 by the CUDA cases of that test.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +45,7 @@ from tandem.kernels import attention as attention_kernel, batch_invariant, point
 from tandem.kernels.batch_invariant import needs_grad
 from tandem.models.attention import AttentionBackend, CachedAttention, DocumentCausalAttention
 from tandem.models.decoder import DecoderLayer, after_attention, before_attention, normed_rotated
+from tandem.models.exact_attention import exact_attention
 from tandem.models.exact_latent import TokenContext, exact_latent_block_forward
 from tandem.models.glm_moe_dsa import LatentAttentionBlock
 from tandem.models.layers import MLP, RMSNorm, projection_weight, rms_norm
@@ -217,18 +217,6 @@ def apply_exact(lm: nn.Module, stack: bool = False) -> None:
             stacked = stack_projections(block) if stack and block_uses_kernels(block, lm.lm_head.weight.device) else None
         block.forward = functools.partial(exact_block_forward, block, stacked)
     lm.model.norm.forward = functools.partial(exact_norm_forward, lm.model.norm)
-
-
-def exact_attention(q_HD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.Tensor) -> torch.Tensor:
-    """One query token q [H, D] against its whole context k, v [C, Hkv, D] (C = its position + 1): [H, D].
-
-    Shapes and layouts depend only on the token's position, so its reduction orders and code paths do too."""
-    group = q_HD.shape[0] // k_CKD.shape[1]
-    k_HCD = k_CKD.repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
-    v_HCD = v_CKD.repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
-    scores = (k_HCD.float() * q_HD.float()[:, None]).sum(-1) * (1.0 / math.sqrt(q_HD.shape[-1]))  # [H, C]
-    p = scores.softmax(-1)
-    return (p[:, :, None] * v_HCD.float()).sum(1).to(q_HD.dtype)
 
 
 def exact_causal_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, num_cached: int = 0,

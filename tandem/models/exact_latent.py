@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from tandem.models.decoder import after_attention
 from tandem.models.dsa import IndexerProjections, SparseContext
+from tandem.models.exact_attention import exact_attention
 from tandem.models.glm_moe_dsa import LatentAttentionBlock
 from tandem.models.layers import projection_weight, rms_norm
 from tandem.models.mla import LatentAttention, LatentProjections
@@ -91,14 +92,12 @@ def token_projections(block: LatentAttentionBlock, x: torch.Tensor, cos: torch.T
 def attend_token(attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
                  context: torch.Tensor) -> torch.Tensor:
     """One query token (q_nope [1, 1, H, Dn], q_rope [1, 1, H, Dr]) in the absorbed form against exactly the entries
-    it attends to, `context` [C, kv_lora_rank + Dr] in ascending position: [1, 1, H, Dv]. Scores, softmax and the
-    weighted sum in fp32, as `exact.exact_attention` computes them."""
-    q_HE = attention.absorbed_queries(q_nope, q_rope)[0, 0].float()
-    context_CE = context.float()
-    scores = (context_CE[None] * q_HE[:, None]).sum(-1) * attention.absorbed_scale  # [H, C]
-    p = scores.softmax(-1)
-    out = (p[:, :, None] * context_CE[None, :, :attention.kv_lora_rank]).sum(1)  # [H, kv_lora_rank]
-    return attention.latent_values(out.to(context.dtype))[None, None]
+    it attends to, `context` [C, kv_lora_rank + Dr] in ascending position: [1, 1, H, Dv]. `exact_attention`
+    with one key head for every query head, the entries as keys and their latents as values."""
+    entries = context[:, None]  # [C, 1, E]
+    out = exact_attention(attention.absorbed_queries(q_nope, q_rope)[0, 0], entries,
+                          entries[..., :attention.kv_lora_rank], attention.absorbed_scale)  # [H, kv_lora_rank]
+    return attention.latent_values(out)[None, None]
 
 
 @torch.no_grad()
