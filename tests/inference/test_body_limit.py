@@ -4,6 +4,7 @@ The server is `tandem inference` in its own process, as deployed: a server in a 
 shares the interpreter lock and the garbage collector with everything the test session has built (there, one
 health answer took 0.32 s in CI; the cause was not traced)."""
 
+import gc
 import json
 import threading
 import time
@@ -27,7 +28,10 @@ def server_url(tiny_dir, tmp_path_factory):
 
 
 def health_latencies_during(url: str, request) -> tuple[list[float], httpx.Response, float]:
-    """Latencies of `GET /health` polled while `request()` runs in a thread; its response and duration."""
+    """Latencies of `GET /health` polled while `request()` runs in a thread; its response and duration.
+
+    The test process's garbage collector is paused meanwhile: a full collection of pytest's heap stops every
+    thread of this process, and would be timed as the server's latency."""
     done: dict = {}
 
     def run() -> None:
@@ -36,16 +40,21 @@ def health_latencies_during(url: str, request) -> tuple[list[float], httpx.Respo
         done["seconds"] = time.monotonic() - start
 
     latencies = []
-    with httpx.Client(base_url=url, timeout=10) as client:
-        client.get("/health")  # connected before the clock starts
-        worker = threading.Thread(target=run)
-        worker.start()
-        while worker.is_alive():
-            start = time.monotonic()
-            assert client.get("/health").status_code == 200
-            latencies.append(time.monotonic() - start)
-            time.sleep(0.01)
-        worker.join()
+    gc.collect()
+    gc.disable()
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            client.get("/health")  # connected before the clock starts
+            worker = threading.Thread(target=run)
+            worker.start()
+            while worker.is_alive():
+                start = time.monotonic()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.01)
+            worker.join()
+    finally:
+        gc.enable()
     return latencies, done["response"], done["seconds"]
 
 
