@@ -3,7 +3,8 @@
 Every server of the tiny Qwen3 runs `run.exact` (batch-invariant), so a token's numbers do not depend on which step
 or batch computed it: a decode server continuing from a prefill server's KV must then give one colocated server's
 tokens and logprobs bit for bit, whatever was batched where. The latent-cache families (GLM-5, DeepSeek-V3) run here
-without exact mode: their pairs are held to bit for bit where the forwards are one server's, to 1e-5 elsewhere.
+with and without exact mode: without, their pairs are held to bit for bit where the forwards are one server's, to
+1e-5 elsewhere.
 """
 
 from __future__ import annotations
@@ -323,6 +324,31 @@ def test_a_latent_cache_pair_gives_one_servers_tokens_and_logprobs_single_and_mu
         assert [stats(decode.url)["num_prefilled_taken"] for decode in decodes[1:]] == [2, 2]
     finally:
         for server in (*decodes, prefill, one):
+            server.stop()
+
+
+@pytest.mark.parametrize("shape", LATENT_SHAPES)
+def test_an_exact_latent_cache_pair_gives_one_servers_tokens_and_logprobs_bit_for_bit(shape, tmp_path):
+    """In exact mode each token is attended alone over exactly its context's latent entries (and, under DSA, its
+    own choice among the handed indexer keys): where the default pair above is held to 1e-5 past a lone prompt,
+    every sample and every turn is one server's to the last bit, whichever server computed its context."""
+    folder = write_model(shape_config(LATENT_SHAPES[shape]), tmp_path / shape)
+    one = BackgroundServer(exact_config(folder))
+    prefill = BackgroundServer(exact_config(folder, role="prefill"))
+    decode = BackgroundServer(exact_config(folder, role="decode", prefill_urls=[prefill.url],
+                                           min_remote_prefill_tokens=THRESHOLD))
+    try:
+        assert generate(decode.url, prompt_of(1), 1, n=3) == generate(one.url, prompt_of(1), 1, n=3)
+        conversation = prompt_of(5)
+        for turn, num_new in enumerate((0, 8, 50)):  # the first prompt and the long turn go to the prefill server
+            conversation = conversation + prompt_of(turn + 20, num_new)
+            got = generate(decode.url, conversation, seed=turn)
+            assert got == generate(one.url, conversation, seed=turn)
+            conversation = conversation + got[0]["token_ids"]
+        assert stats(decode.url) == {"num_prefills_handed": 3, "num_prefills_failed": 0, "num_prefilled_taken": 3,
+                                     "num_prefilled_refused": 0}
+    finally:
+        for server in (decode, prefill, one):
             server.stop()
 
 
