@@ -76,6 +76,9 @@ class Choice:
     """The oldest weight version that sampled any of the tokens."""
     routed_experts: list[list[list[int]]] = field(default_factory=list)
     """Per token, [MoE layer][k] expert ids (requests with `return_routed_experts`)."""
+    num_draft_tokens: int = 0
+    """Drafted tokens verified for this sample (speculative decoding), and of those the accepted ones."""
+    num_accepted_tokens: int = 0
 
     def add(self, out: SequenceOutput) -> None:
         self.token_ids += out.token_ids
@@ -85,6 +88,7 @@ class Choice:
         self.text += out.text
         self.finish_reason = out.finish_reason
         self.weight_version = out.weight_version
+        self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
 
 
 class Served:
@@ -118,6 +122,24 @@ class Served:
     def answer_version(self, is_base: bool) -> int:
         """The `weight_version` an answer reports: the policy's now, or for the base model `BASE_WEIGHT_VERSION`."""
         return BASE_WEIGHT_VERSION if is_base else self.weight_version
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the engine drafts tokens (`engine.speculative`)."""
+        return self.engine.engine.speculator is not None
+
+    def usage(self, prompt_tokens: int, choices: list[Choice]) -> dict:
+        """An answer's `usage`; when the engine speculates, `completion_tokens_details` says how many drafted tokens
+        the policy accepted and rejected for these choices (OpenAI's fields for predicted outputs, the same idea:
+        tokens proposed ahead and checked), which an RL run logs as its drafts' acceptance."""
+        completion = sum(len(c.token_ids) for c in choices)
+        out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                               "total_tokens": prompt_tokens + completion}
+        if self.speculates:
+            accepted = sum(c.num_accepted_tokens for c in choices)
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                "rejected_prediction_tokens": sum(c.num_draft_tokens for c in choices) - accepted}
+        return out
 
     def answer_model(self, is_base: bool) -> str:
         """The `model` an answer names: the base model's name or the policy's."""

@@ -46,6 +46,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     }
     if imbalance:  # mixtures of experts only
         summary["expert_load_max_over_mean_last"] = imbalance[-1]
+    drafted, accepted = (sum(series(orch, key)[1]) for key in ("speculative/draft_tokens", "speculative/accepted_tokens"))
+    if drafted:  # speculative decoding
+        summary["speculative_acceptance"] = accepted / drafted
     return summary
 
 
@@ -133,6 +136,10 @@ def write_report(run_dir: Path) -> Path:
                   "Expert load"),
             _plot([("router entropy (mean over MoE layers)", *series(trainer, "router/entropy"))], "Router entropy"),
         ]
+    if any("speculative/acceptance" in r for r in orch):  # the servers drafted tokens
+        figures.append(_plot([("accepted share of drafted tokens", *series(orch, "speculative/acceptance")),
+                              ("accepted drafts per generated token", *series(orch, "speculative/accepted_per_token"))],
+                             "Speculative decoding"))
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in summary.items())
     samples = "".join(
         f"<details><summary>reward {html.escape(_fmt(s.get('reward')))} — {html.escape(str(s.get('env', '')))}</summary>"

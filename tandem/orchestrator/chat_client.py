@@ -154,7 +154,8 @@ class TokenChatClient:
             raise ValueError("inference server answered without `weight_version`; is it a tandem-compatible server?")
         completion_ids = list(choice["token_ids"])
         self.turns.append(Turn(prompt_ids, completion_ids, [float(x) for x in choice["logprobs"]], int(version),
-                               float(request.get("temperature", 1.0)), choice.get("routed_experts", [])))
+                               float(request.get("temperature", 1.0)), choice.get("routed_experts", []),
+                               drafts_of(response.get("usage"))))
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
         finish_reason = choice.get("finish_reason") or "stop"
         content, calls = parse_tool_calls(text) if tools else (text, [])
@@ -163,6 +164,16 @@ class TokenChatClient:
             finish_reason = "tool_calls"
         return _completion(model, content, prompt_ids, completion_ids, self.turns[-1].logprobs, finish_reason,
                            int(version), tool_calls, self.tokenizer, response.get("id"))
+
+
+def drafts_of(usage: dict[str, Any] | None) -> tuple[int, int] | None:
+    """(drafted, accepted) from an answer's `usage.completion_tokens_details` (a speculating tandem server's
+    accepted and rejected prediction tokens), or None where it has none."""
+    details = (usage or {}).get("completion_tokens_details") or {}
+    if "accepted_prediction_tokens" not in details:
+        return None
+    accepted = int(details["accepted_prediction_tokens"])
+    return accepted + int(details.get("rejected_prediction_tokens", 0)), accepted
 
 
 def turn_seed(seed: int, turn: int) -> int:

@@ -63,6 +63,12 @@ class RolloutResult:
     def num_completion_tokens(self) -> int:
         return sum(len(t.completion_ids) for t in self.turns)
 
+    @property
+    def drafts(self) -> tuple[int, int] | None:
+        """(drafted, accepted) over the turns whose server counted them (speculative decoding); None if none did."""
+        counted = [t.drafts for t in self.turns if t.drafts is not None]
+        return (sum(d for d, _ in counted), sum(a for _, a in counted)) if counted else None
+
 
 @dataclass
 class GroupResult:

@@ -31,6 +31,9 @@ class Turn:
     temperature: float
     routed_experts: list[list[list[int]]] = field(default_factory=list)
     """Per completion token, [MoE layer][k] the experts that sampled it; empty when not asked."""
+    drafts: tuple[int, int] | None = None
+    """(drafted, accepted): the tokens a speculating server drafted for this completion and those the policy
+    accepted; None when the server does not say (no speculation, or a backend that does not count per request)."""
 
 
 @dataclass

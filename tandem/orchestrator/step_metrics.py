@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 from tandem.orchestrator.packing import PackingStats
+from tandem.orchestrator.rollout import RolloutResult
 from tandem.orchestrator.samples import Sample
 from tandem.orchestrator.scheduler import FinishedStep
 
@@ -24,6 +25,20 @@ def _mean(values: list[float]) -> float:
 def _std(values: list[float]) -> float:
     m = _mean(values)
     return math.sqrt(_mean([(v - m) ** 2 for v in values]))
+
+
+def speculative_metrics(rollouts: list[RolloutResult]) -> dict[str, float]:
+    """The drafts' record over `rollouts` when their servers speculated: tokens drafted, accepted, the accepted
+    share, and accepted tokens per generated token (the share of tokens that came without a forward of their own);
+    nothing when no server counted drafts."""
+    counted = [r.drafts for r in rollouts if r.drafts is not None]
+    if not counted:
+        return {}
+    drafted, accepted = sum(d for d, _ in counted), sum(a for _, a in counted)
+    generated = sum(r.num_completion_tokens for r in rollouts if r.drafts is not None)
+    return {"speculative/draft_tokens": drafted, "speculative/accepted_tokens": accepted,
+            "speculative/acceptance": accepted / drafted if drafted else 0.0,
+            "speculative/accepted_per_token": accepted / generated if generated else 0.0}
 
 
 def step_metrics(step: int, finished: FinishedStep, samples: list[Sample], num_dropped: int, stats: PackingStats,
@@ -45,6 +60,7 @@ def step_metrics(step: int, finished: FinishedStep, samples: list[Sample], num_d
         out[f"metrics/{name}"] = _mean([r.metrics[name] for r in trained if name in r.metrics])
     for reason, count in sorted(Counter(str(r.stop_reason) for r in trained).items()):
         out[f"stop/{reason}"] = count
+    out.update(speculative_metrics(trained))
     lengths = [len(s) for s in samples]
     gaps = [step - 1 - s.oldest_version for s in samples]
     step_s = max(finished.step_s, 1e-9)

@@ -28,7 +28,7 @@ def test_response_follows_the_contract(server):
         assert set(choice) == {"index", "token_ids", "logprobs", "text", "finish_reason", "weight_version"}
         assert choice["index"] == i and len(choice["token_ids"]) == len(choice["logprobs"]) == 4
         assert choice["finish_reason"] == "length" and choice["weight_version"] == 0
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}  # no drafts: no details
 
 
 def test_logprobs_equal_a_teacher_forced_pass_for_concurrent_mixed_requests(server, tiny_model):

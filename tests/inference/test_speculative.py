@@ -7,6 +7,7 @@ import shutil
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 from counting_head import give_counting_head
@@ -273,19 +274,30 @@ def test_the_recompute_path_speculates_too(tmp_path):
         assert torch.allclose(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=0)
 
 
-def test_metrics_count_drafted_and_accepted_tokens(tiny_dir):
+def test_answers_and_metrics_count_drafted_and_accepted_tokens(tiny_dir):
+    """Each answer's `usage.completion_tokens_details` (what an RL run logs per step; the official client reads
+    it) counts the drafts of its own tokens, and `/metrics` the server's: the answers add up to the counters."""
     config = make_config(tiny_dir, speculative={"method": "ngram"})
     running = BackgroundServer(config)
     try:
         before = httpx.get(f"{running.url}/metrics").text
-        httpx.post(f"{running.url}/v1/generate", timeout=60, json={
-            "prompt_token_ids": [5, 6, 7, 8] * 8, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+        generated = httpx.post(f"{running.url}/v1/generate", timeout=60, json={
+            "prompt_token_ids": [5, 6, 7, 8] * 8, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "n": 2}).json()
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused")
+        completed = client.completions.create(model=str(tiny_dir), prompt=[5, 6, 7, 8] * 8, max_tokens=30, temperature=0,
+                                              extra_body={"ignore_eos": True})
         after = httpx.get(f"{running.url}/metrics").text
     finally:
         running.stop()
     drafted, accepted = (metric(after, name) - metric(before, name) for name in
                          ("tandem_spec_decode_draft_tokens_total", "tandem_spec_decode_accepted_tokens_total"))
     assert drafted >= accepted > 0
+    details = generated["usage"]["completion_tokens_details"]
+    official = completed.usage.completion_tokens_details
+    assert details["accepted_prediction_tokens"] > 0 and official.accepted_prediction_tokens > 0
+    assert details["accepted_prediction_tokens"] + official.accepted_prediction_tokens == accepted
+    assert (details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+            + official.accepted_prediction_tokens + official.rejected_prediction_tokens) == drafted
 
 
 def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_dir, tmp_path):

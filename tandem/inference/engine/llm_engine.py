@@ -115,6 +115,10 @@ class SequenceOutput:
     """Per token of `token_ids`, [MoE layer][k] expert ids (requests with `return_routed_experts`)."""
     prefilled: PrefilledPrompt | None = None
     """A prefill-only request's result (`add_prefill`), with finish reason "prefilled" and no tokens."""
+    num_draft_tokens: int = 0
+    """Drafted tokens verified for the sequence so far, all its steps together (speculative decoding)."""
+    num_accepted_tokens: int = 0
+    """Of those, the tokens the policy accepted."""
 
 
 @dataclass
@@ -477,6 +481,8 @@ class LLMEngine:
                 accepted = result.accepted_drafts[j]
                 self.num_draft_tokens += num_rows - 1
                 self.num_accepted_tokens += len(accepted)
+                seq.num_draft_tokens += num_rows - 1
+                seq.num_accepted_tokens += len(accepted)
                 for m, (token, logprob, top) in enumerate(accepted):
                     experts = routed[first_row + m] if wants_experts else None
                     seq.accept_draft(token, logprob, top, version, experts)
@@ -525,12 +531,14 @@ class LLMEngine:
             if reason is None:
                 return None
             return SequenceOutput(seq.request_id, seq.index, seq.completion_token_ids, seq.logprobs, seq.top_logprobs,
-                                  seq.text, reason, seq.oldest_weight_version, seq.routed_experts)
+                                  seq.text, reason, seq.oldest_weight_version, seq.routed_experts,
+                                  num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
         held = 0 if reason is not None or not params.stop else max(map(len, params.stop)) - 1
         end = max(seq.num_text_sent, len(seq.text) - held)
         text, seq.num_text_sent = seq.text[seq.num_text_sent:end], end
         return SequenceOutput(seq.request_id, seq.index, [token], [seq.logprobs[-1]], [seq.top_logprobs[-1]],
-                              text, reason, seq.oldest_weight_version, seq.routed_experts[-1:])
+                              text, reason, seq.oldest_weight_version, seq.routed_experts[-1:],
+                              num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
 
     def _cut_at_stop_string(self, seq: Sequence, num_new_chars: int) -> bool:
         """Cut `seq.text` at the first stop string that the new text completes."""

@@ -88,6 +88,10 @@ class Sequence:
         """Completion text so far (cut at a stop string)."""
         self.num_text_sent = 0
         """Characters of `text` already handed out (the tail may be held back for stop strings)."""
+        self.num_draft_tokens = 0
+        """Drafted tokens the policy verified for this sequence (speculative decoding)."""
+        self.num_accepted_tokens = 0
+        """Of those, the tokens it accepted."""
 
     @property
     def num_tokens(self) -> int:
