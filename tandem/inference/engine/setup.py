@@ -122,8 +122,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     fp8_cache = engine.kv_cache_dtype == "fp8"
     if fp8_cache:
         if exact:
-            raise ValueError("`engine.kv_cache_dtype` = 'fp8' cannot run exact: attention over FP8 keys and values cannot "
-                             "equal the trainer's bit for bit")
+            raise ValueError("`engine.kv_cache_dtype` = 'fp8' cannot run exact: attention over an FP8 cache (keys and "
+                             "values, or latent entries) cannot equal the trainer's bit for bit")
         check_fp8_device(device, "engine.kv_cache_dtype", "auto")
     folder = resolve_model_path(model_config.name)
     lora = engine.lora
