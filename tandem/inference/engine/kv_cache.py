@@ -215,6 +215,11 @@ class LatentCache:
         return self.entry_scales is not None
 
     @property
+    def indexed_layers(self) -> list[int]:
+        """The layers with a DSA indexer, whose keys this cache holds."""
+        return list(self._index_row)
+
+    @property
     def entry_dim(self) -> int:
         """Numbers of one entry as attention reads it (latent part and RoPE part)."""
         return self.entries.shape[-1] + (self.ropes.shape[-1] if self.fp8 else 0)
@@ -276,7 +281,7 @@ class LatentCache:
         else:
             numbers = str(self.dtype).removeprefix("torch.")
         return (f"latent entries of {self.entry_dim} in each of {layers} layers, DSA indexer keys of "
-                f"{self.index_keys.shape[-1]} in layers {list(self._index_row)}, {numbers}")
+                f"{self.index_keys.shape[-1]} in layers {self.indexed_layers}, {numbers}")
 
     def _parts(self) -> list[torch.Tensor]:
         """The tensors a token is held in, [layers, num_blocks + 1, block_size, numbers], in the order
