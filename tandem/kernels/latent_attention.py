@@ -27,6 +27,11 @@ entry), Hi / Di = the indexer's heads / head dim, K = index_topk, S = block size
   row). The chunk size follows the step's bound (`chunk_keys`), so that long contexts split into a few dozen chunks:
   enough programs to fill the GPU, a workspace small beside the entries read.
 
+Over an FP8 cache (`LatentCache` with `fp8`) the latent parts and indexer keys are FP8, each token's with one fp32
+scale, and the RoPE parts a tensor of their own in the queries' dtype: the programs load the FP8 values, widen them
+exactly to the queries' dtype and apply each token's scale to its products (index score s x (q . k8); attention
+score s x (q_c . c8) + q_r . k_r, output sum p s c8), so nothing dequantized is written out.
+
 A query of length 0 (a CUDA-graph padding row) attends to nothing and outputs zeros.
 """
 

@@ -177,12 +177,13 @@ class LatentCache:
     the model's dtype; the indexer's keys are FP8 with one fp32 scale per token (`index_key_scales`). Scales are
     fitted when the token is written, as `KVCache`'s are (its docstring says why). One scale covers all of c because
     c leaves the kv_a RMS norm, so its features share one size; a single scale is then applied once to the score
-    q_c . c and once to the softmax weight, where group scales would split each product into four. The RoPE part
+    q_c . c and once to the softmax weight, where group scales would split each product into pieces. The RoPE part
     stays unquantized: it carries the token's position (rotation angles that grow with it), so that rounding it to
     3 mantissa bits would blur the positional part of every score, and at 64 of the 576 numbers it is a small share of
     the bytes. A DSA indexer key (LayerNorm, then RoPE on part of it) is one head of `index_dim` numbers: one scale
     per token, as a `KVCache` head; the indexer's top-k then ranks over rounded keys, so that near-ties may choose
-    otherwise (bounded in `tests/inference/test_fp8_latent_cache.py`). At GLM-5's shape a token takes 644 bytes per
+    otherwise (bounded in `tests/inference/test_fp8_kv_cache.py`), kept because at long contexts every token's key
+    is read at every DSA decode step, most of what the step reads. At GLM-5's shape a token takes 644 bytes per
     layer against 1,152 in bf16 (776 against 1,408 in an indexed layer): about 1.8x the tokens fit."""
 
     exported_block_dim = 0

@@ -27,6 +27,10 @@ sequence, padded to the group's longest context; a chunk expands them all once),
 at most `QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long
 contexts. Both paths hand on the same `Chosen`, so a `shared` layer reads either's.
 
+An FP8 cache (`LatentCache`, `engine.kv_cache_dtype = "fp8"`) changes no plan: the cache quantizes what it is
+written, the torch path reads entries and keys through it (dequantized, in the model's dtype), and the kernels take
+its scales and RoPE parts beside the FP8 tensors and dequantize in registers.
+
 Exact mode (`[run] exact`, `tandem.models.exact_latent`) plans no groups and takes no kernel: its blocks ask this
 backend for each token's context alone (`latent_contexts`), as the trainer's packed rows give it, and attend to it
 themselves.
