@@ -276,6 +276,21 @@ def test_fp8_latent_logprobs_stay_close_to_the_unquantized_cache(preset, tmp_pat
                                LATENT_TAILS)
 
 
+def test_mtp_drafts_keep_their_entries_in_the_fp8_latent_cache(tmp_path):
+    """`engine.speculative.method = "mtp"`: the multi-token prediction layer's entries and indexer keys, the cache's
+    last layer, are written in FP8 as the policy's are (their scales set), its drafts are verified over the FP8
+    cache, and the logprobs keep the bound above."""
+    folder = write_model(shape_config(PRESETS["tiny-glm5"]), tmp_path / "glm5")
+    engine = engine_for(folder, max_num_batched_tokens=40, speculative={"method": "mtp", "num_tokens": 2})
+    cache = engine.runner.cache
+    layers = PRESETS["tiny-glm5"]["num_hidden_layers"]
+    assert cache.fp8 and cache.entries.shape[0] == layers + 1 and cache.indexed_layers[-1] == layers
+    check_close_to_unquantized(generate(engine), load_causal_lm(str(folder)), "cpu", KV_FACTORS_PER_BLOCK,
+                               LATENT_TAILS)
+    assert engine.stats().num_draft_tokens > 0
+    assert cache.entry_scales[layers].any() and cache.layer_index_key_scales(layers).any()
+
+
 def test_rounded_indexer_keys_change_few_choices_and_the_next_token_distribution_little(tmp_path, monkeypatch):
     """tiny-glm5 with DSA keeping 8 tokens of contexts of 40 to 84 (a choice at nearly every query; each chosen token
     weighs 1/8 of the attention, so a changed choice moves the output most), teacher-forced with and without its
