@@ -206,7 +206,9 @@ class EngineConfig(Section):
     float8_e4m3fn, each token's head with an fp32 scale of its own fitted when it is written
     (`tandem/inference/engine/kv_cache.py`), so the scales follow the weights as RL moves them: at head_dim 128
     the cache holds 1.94x the tokens of bf16 in the same memory, and a decode step reads half the bytes per
-    token of context. The CPU dequantizes (slow, for tests); CUDA needs compute capability 8.9 or newer. Not with
+    token of context. Latent attention (GLM-5, DeepSeek-V3): each entry's latent part and each DSA indexer key in
+    FP8 with a scale per token, the RoPE part in `model.dtype` (it carries the position): about 1.8x the tokens at
+    GLM-5's shape. The CPU dequantizes (slow, for tests); CUDA needs compute capability 8.9 or newer. Not with
     `[run] exact`; with the vLLM backend it becomes vLLM's `--kv-cache-dtype fp8`."""
 
     cascade_attention: Literal["auto", "on", "off"] = "auto"

@@ -413,8 +413,8 @@ def exact(config: RLConfig, machine: Machine) -> list[Derived]:
                           "to a bf16 trainer's; set one of them off")
     if config.inference.engine.kv_cache_dtype != "auto":
         raise ConfigError(f"`run.exact` = true with `inference.engine.kv_cache_dtype` = "
-                          f"{config.inference.engine.kv_cache_dtype!r}: attention over keys and values rounded to FP8 "
-                          "cannot be bitwise equal to a bf16 trainer's; set one of them off")
+                          f"{config.inference.engine.kv_cache_dtype!r}: attention over a cache rounded to FP8 (keys and "
+                          "values, or latent entries) cannot be bitwise equal to a bf16 trainer's; set one of them off")
     hf_config = Path(config.model.name) / "config.json"
     if hf_config.is_file():
         from tandem.models.loading import is_native  # torch, only for exact runs

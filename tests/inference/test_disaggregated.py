@@ -284,8 +284,9 @@ LATENT_SHAPES = {"tiny-glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=8), "
 the tokens its indexer chose over the handed indexer keys, and DeepSeek-V3 (latent entries only)."""
 
 
-def latent_config(folder, **disaggregation) -> InferenceConfig:
-    config = make_config(folder)
+def latent_config(folder, engine: dict | None = None, **disaggregation) -> InferenceConfig:
+    """`engine`: settings over `inference_helpers.ENGINE`'s."""
+    config = make_config(folder, **(engine or {}))
     return config.model_copy(update={"disaggregation": DisaggregationConfig.model_validate(disaggregation)})
 
 
@@ -364,3 +365,28 @@ def test_a_decode_server_refuses_a_prefill_server_whose_blocks_hold_another_layo
             BackgroundServer(latent_config(folder, role="decode", prefill_urls=[prefill.url], peer_timeout_s=5))
     finally:
         prefill.stop()
+
+
+def test_fp8_latent_blocks_hand_over_as_held_and_a_cache_of_another_dtype_refuses_them(tmp_path):
+    """`engine.kv_cache_dtype = "fp8"` on both sides: the prompt's FP8 latent blocks (FP8 bytes and their scales, the
+    RoPE parts, FP8 indexer keys) land in the decode server's cache as they were held, so that a lone prompt handed
+    over whole gives one FP8 server's tokens and logprobs bit for bit. A decode server whose latent cache holds the
+    model's dtype refuses the FP8 prefill server at start-up, naming both layouts."""
+    folder = write_model(shape_config(LATENT_SHAPES["tiny-glm5-sparse"]), tmp_path / "glm5")
+    fp8 = {"kv_cache_dtype": "fp8"}
+    one = BackgroundServer(latent_config(folder, fp8))
+    prefill = BackgroundServer(latent_config(folder, fp8, role="prefill"))
+    decode = BackgroundServer(latent_config(folder, fp8, role="decode", prefill_urls=[prefill.url],
+                                            min_remote_prefill_tokens=THRESHOLD))
+    try:
+        for i in range(2):
+            assert generate(decode.url, prompt_of(i), i) == generate(one.url, prompt_of(i), i)
+        assert stats(decode.url)["num_prefilled_taken"] == 2
+        with pytest.raises(PeerUnreachable, match=r"keeps KV blocks of latent entries of 48 in each of 4 layers, DSA "
+                                                  r"indexer keys of 32 in layers \[0, 2\], FP8 latent parts and "
+                                                  r"indexer keys with an fp32 scale per token, RoPE parts of 16 in "
+                                                  r"float32; this decode server keeps .*, float32"):
+            BackgroundServer(latent_config(folder, role="decode", prefill_urls=[prefill.url], peer_timeout_s=5))
+    finally:
+        for server in (decode, prefill, one):
+            server.stop()

@@ -30,11 +30,12 @@ MIXED = [(6, 6), (1, 9), (3, 7), (2, 30)]
 
 
 def latent_step(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], block_size: int = 4, heads: int = 4,
-                seed: int = 0) -> tuple[LatentAttention, LatentCache, AttentionMetadata, LatentProjections,
-                                        IndexerProjections]:
+                seed: int = 0, fp8: bool = False) -> tuple[LatentAttention, LatentCache, AttentionMetadata,
+                                                            LatentProjections, IndexerProjections]:
     """A step of sequences of these `shapes` over a two-layer latent cache whose first layer has an indexer (the
     second shares its choice), every slot random: the layers' attention module, the cache, the step's metadata, and
-    its projections and indexer projections (the step's own entries and keys are written by the backend)."""
+    its projections and indexer projections (the step's own entries and keys are written by the backend). `fp8`: an
+    FP8 cache, every slot written (quantized) from random entries and keys."""
     gen = torch.Generator().manual_seed(seed)
     kv_lora_rank, rope, nope, v_dim, index_heads, index_dim = 32, 16, 16, 16, 8, 32
     attention = LatentAttention(64, heads, None, kv_lora_rank, nope, rope, v_dim, False, (nope + rope) ** -0.5, True)
@@ -44,9 +45,16 @@ def latent_step(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], 
     attention.to(device, dtype)
     blocks_needed = [-(-ctx // block_size) for _, ctx in shapes]
     num_blocks = sum(blocks_needed) + 8
-    cache = LatentCache(2, num_blocks, block_size, kv_lora_rank + rope, [0], index_dim, dtype, torch.device(device))
-    for tensor in (cache.entries, cache.index_keys):
-        tensor.copy_(torch.randn(tensor.shape, generator=gen))
+    cache = LatentCache(2, num_blocks, block_size, kv_lora_rank + rope, [0], index_dim, dtype, torch.device(device),
+                        fp8=fp8, rope_dim=rope)
+    if fp8:
+        every_slot = torch.arange((num_blocks + 1) * block_size, device=device)
+        for layer in range(2):
+            cache.write(layer, every_slot, torch.randn(len(every_slot), kv_lora_rank + rope, generator=gen).to(device, dtype))
+        cache.write_index_keys(0, every_slot, torch.randn(len(every_slot), index_dim, generator=gen).to(device, dtype))
+    else:
+        for tensor in (cache.entries, cache.index_keys):
+            tensor.copy_(torch.randn(tensor.shape, generator=gen))
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(shapes), max(blocks_needed) + 2, dtype=torch.long)
     slots: list[int] = []
@@ -84,23 +92,28 @@ def context_of(cache_layer: torch.Tensor, table: torch.Tensor, ctx: int) -> torc
 
 
 def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: float, index_topk: int = 12,
-                                  heads: int = 4) -> None:
-    """The three kernels on a decode-only step (`DECODES`) against float64 formulas over each gathered context."""
+                                  heads: int = 4, fp8: bool = False) -> None:
+    """The three kernels on a decode-only step (`DECODES`) against float64 formulas over each gathered context (`fp8`:
+    over an FP8 cache, the formulas over what it holds, each FP8 number times its scale)."""
     from tandem.kernels.latent_attention import choose, index_scores, latent_attention
 
-    attention, cache, meta, projections, index = latent_step(device, dtype, [(1, c) for c in DECODES], heads=heads)
-    entries, keys = cache.layer(0), cache.layer_index_keys(0)
+    attention, cache, meta, projections, index = latent_step(device, dtype, [(1, c) for c in DECODES], heads=heads,
+                                                             fp8=fp8)
+    every_block = torch.arange(cache.entries.shape[1], device=device)
+    entries, keys = cache.read_entries(0, every_block), cache.read_index_keys(0, every_block)  # as held, in `dtype`
+    held_entries, held_keys, key_scales = cache.layer(0), cache.layer_index_keys(0), cache.layer_index_key_scales(0)
     positions = (meta.seq_lens - 1)
     rows = torch.arange(len(DECODES), device=device)
     bound = max(DECODES)
-    scores = index_scores(index.queries[0], index.weights[0], keys, meta.block_tables, rows, positions, bound)
-    chosen, counts = choose(index.queries[0], index.weights[0], keys, meta.block_tables, rows, positions, bound,
-                            index_topk, max_pairs=2 * bound)  # two queries a slice
+    scores = index_scores(index.queries[0], index.weights[0], held_keys, meta.block_tables, rows, positions, bound,
+                          key_scales)
+    chosen, counts = choose(index.queries[0], index.weights[0], held_keys, meta.block_tables, rows, positions, bound,
+                            index_topk, max_pairs=2 * bound, key_scales=key_scales)  # two queries a slice
     q = attention.absorbed_queries(projections.q_nope[0], projections.q_rope[0])
-    dense = latent_attention(q, entries, meta.block_tables, rows, (positions + 1).clamp(min=0), bound,
-                             attention.absorbed_scale, attention.kv_lora_rank)
-    sparse = latent_attention(q, entries, meta.block_tables, rows, counts, chosen.shape[1], attention.absorbed_scale,
-                              attention.kv_lora_rank, chosen)
+    dense = latent_attention(q, held_entries, meta.block_tables, rows, (positions + 1).clamp(min=0), bound,
+                             attention.absorbed_scale, attention.kv_lora_rank, None, *cache.layer_scales(0))
+    sparse = latent_attention(q, held_entries, meta.block_tables, rows, counts, chosen.shape[1], attention.absorbed_scale,
+                              attention.kv_lora_rank, chosen, *cache.layer_scales(0))
     assert counts.tolist() == [min(c, index_topk) for c in DECODES]
     for i, ctx in enumerate(DECODES):
         if ctx == 0:  # a padding row: nothing seen, zeros out
@@ -120,9 +133,10 @@ def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: fl
             torch.testing.assert_close(out[i].double(), expected_out, rtol=tolerance, atol=tolerance)
 
 
-def check_backend_against_torch_path(device: str, dtype: torch.dtype, tolerance: float) -> None:
+def check_backend_against_torch_path(device: str, dtype: torch.dtype, tolerance: float, fp8: bool = False) -> None:
     """`PagedLatentAttention` with the kernels against its torch path, a full DSA layer then a shared one: decodes
-    (top-k below and past the contexts, as a CUDA graph's bound too) and a mixed step (decodes, drafts and a chunk)."""
+    (top-k below and past the contexts, as a CUDA graph's bound too) and a mixed step (decodes, drafts and a chunk);
+    `fp8`: over an FP8 cache (the torch path dequantizes what it gathers, the kernels in registers)."""
     from tandem.inference.engine import paged_latent_attention
     from tandem.inference.engine.paged_latent_attention import PagedLatentAttention
 
@@ -133,7 +147,7 @@ def check_backend_against_torch_path(device: str, dtype: torch.dtype, tolerance:
             outputs = []
             for kernels in (True, False):
                 paged_latent_attention.kernels_serve = serve if kernels else (lambda cache, rank: False)
-                attention, cache, meta, projections, index = latent_step(device, dtype, shapes)
+                attention, cache, meta, projections, index = latent_step(device, dtype, shapes, fp8=fp8)
                 if bound is not None:  # a graph's step: the bound, not the longest context
                     meta.max_context, meta.query_lens_host, meta.seq_lens_host = bound, None, None
                 backend = PagedLatentAttention(cache, meta, index_topk)
@@ -200,9 +214,10 @@ import torch
 from tandem.kernels import latent_attention
 latent_attention.serves = lambda *dims_and_device: True  # CPU tensors, run by the interpreter
 from test_latent_attention_kernels import check_backend_against_torch_path, check_kernels_against_float64
-for index_topk, heads in ((12, 4), (300, 4), (12, 64)):  # one chunk of chosen keys, two; two programs' heads
-    check_kernels_against_float64("cpu", torch.float32, 1e-5, index_topk, heads)
-check_backend_against_torch_path("cpu", torch.float32, 1e-5)
+for fp8 in (False, True):  # the cache in the model's dtype, in FP8
+    for index_topk, heads in ((12, 4), (300, 4), (12, 64)):  # one chunk of chosen keys, two; two programs' heads
+        check_kernels_against_float64("cpu", torch.float32, 1e-5, index_topk, heads, fp8)
+    check_backend_against_torch_path("cpu", torch.float32, 1e-5, fp8)
 print("ok")
 """
 
@@ -215,13 +230,15 @@ check_engine_kernels_against_torch_path(Path({folder!r}), "cpu", 1e-5)
 # A token and its drafts: short queries of several tokens, verified in eager steps.
 check_engine_kernels_against_torch_path(Path({folder!r}), "cpu", 1e-5,
                                         speculative=dict(method="ngram", min_expected_tokens=0))
+check_engine_kernels_against_torch_path(Path({folder!r}), "cpu", 1e-5, kv_cache_dtype="fp8")
 print("ok")
 """
 
 
 @needs_triton_interpreter
 def test_latent_kernels_under_tritons_interpreter():
-    """CPU tensors, fp32: the kernels against float64, the backend with them against its torch path."""
+    """CPU tensors, fp32: the kernels against float64, the backend with them against its torch path; over a cache in
+    the model's dtype and over an FP8 one."""
     run_interpreted(INTERPRETED, timeout=900, folder=str(Path(__file__).parent))
 
 
@@ -229,7 +246,8 @@ def test_latent_kernels_under_tritons_interpreter():
 @pytest.mark.parametrize("index_topk", [4, 64], ids=["sparse", "topk-past-the-contexts"])
 def test_engine_with_the_kernels_under_tritons_interpreter_samples_as_its_torch_path(index_topk, tmp_path):
     """tiny-glm5 on the CPU in fp32, four prompts sampled for 16 tokens (contexts to 46), then four that n-gram lookup
-    drafts for: with DSA choosing 4 tokens of most contexts, and with a top-k past every context (dense MLA)."""
+    drafts for, then the first four over an FP8 cache: with DSA choosing 4 tokens of most contexts, and with a top-k
+    past every context (dense MLA)."""
     from tandem.models.presets import PRESETS, shape_config, write_model
 
     folder = write_model(shape_config(dict(PRESETS["tiny-glm5"], index_topk=index_topk)), tmp_path / "m")
@@ -239,9 +257,9 @@ def test_engine_with_the_kernels_under_tritons_interpreter_samples_as_its_torch_
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_glm5_attention_programs_compile_for_hopper_without_spills(tmp_path):
     """GLM-5's shape in bf16 (512 latent + 64 RoPE features, `HEADS_PER_PROGRAM` heads a program, dense and sparse;
-    the combination of their chunks; the indexer's scores) compiled for sm_90 by Triton and its bundled ptxas, no
-    GPU needed: the kernels build, and their tiles stay in registers with the engine's launch settings (a spill
-    would move every chunk's output through local memory)."""
+    the combination of their chunks; the indexer's scores), over a bf16 cache and an FP8 one, compiled for sm_90 by
+    Triton and its bundled ptxas, no GPU needed: the kernels build, and their tiles stay in registers with the
+    engine's launch settings (a spill would move every chunk's output through local memory)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -252,22 +270,26 @@ def test_glm5_attention_programs_compile_for_hopper_without_spills(tmp_path):
     if not ptxas.exists():
         pytest.skip("Triton's NVIDIA backend has no ptxas")
     heads = latent_attention.HEADS_PER_PROGRAM
-    launch = latent_attention._ATTEND_LAUNCH
-    pointers = dict(q_ptr="*bf16", entries_ptr="*bf16", out_ptr="*bf16", part_out_ptr="*fp32", part_stats_ptr="*fp32",
-                    block_tables_ptr="*i64", query_seq_ptr="*i64", lengths_ptr="*i64", chosen_ptr="*i64",
-                    seq_lens_ptr="*i64", query_start_ptr="*i64", qk_scale="fp32")
+    pointers = dict(q_ptr="*bf16", ropes_ptr="*bf16", scales_ptr="*fp32", out_ptr="*bf16", part_out_ptr="*fp32",
+                    part_stats_ptr="*fp32", block_tables_ptr="*i64", query_seq_ptr="*i64", lengths_ptr="*i64",
+                    chosen_ptr="*i64", seq_lens_ptr="*i64", query_start_ptr="*i64", qk_scale="fp32")
+    held = {False: "*bf16", True: "*fp8e4nv"}
+    launches = {False: latent_attention._ATTEND_LAUNCH, True: latent_attention._FP8_ATTEND_LAUNCH}
     programs = [(latent_attention._latent_chunk_kernel,
-                 dict(GROUP=heads, ROWS=heads, SPLIT=256, BLOCK_N=launch["BLOCK_N"], PAGE=16, LATENT=512, ROPE=64,
-                      SPARSE=sparse, IEEE=False), {k: v for k, v in launch.items() if k != "BLOCK_N"})
-                for sparse in (False, True)]
+                 dict(GROUP=heads, ROWS=heads, SPLIT=256, BLOCK_N=launches[fp8]["BLOCK_N"], PAGE=16, LATENT=512,
+                      ROPE=64, SPARSE=sparse, FP8=fp8, IEEE=False),
+                 {k: v for k, v in launches[fp8].items() if k != "BLOCK_N"}, dict(entries_ptr=held[fp8]))
+                for sparse in (False, True) for fp8 in (False, True)]
     programs.append((attention._combine_splits_kernel, dict(GROUP=heads, GROUP_P=heads, SPLIT=4096, HEAD_DIM=512),
-                     latent_attention._COMBINE_LAUNCH))
-    programs.append((latent_attention._index_scores_kernel,  # GLM-5's indexer: 32 heads of 128
-                     dict(HEADS=32, HEADS_P=32, HEAD_DIM=128, BLOCK_N=latent_attention.SCORE_KEYS, PAGE=16, IEEE=False),
-                     latent_attention._SCORE_LAUNCH))
-    for i, (kernel, constants, options) in enumerate(programs):
-        types = dict(pointers, **(dict(w_ptr="*fp32", keys_ptr="*bf16", query_pos_ptr="*i64", out_ptr="*fp32",
-                                       scale="fp32") if kernel is latent_attention._index_scores_kernel else {}))
+                     latent_attention._COMBINE_LAUNCH, {}))
+    programs += [(latent_attention._index_scores_kernel,  # GLM-5's indexer: 32 heads of 128
+                  dict(HEADS=32, HEADS_P=32, HEAD_DIM=128, BLOCK_N=latent_attention.SCORE_KEYS, PAGE=16, FP8=fp8,
+                       IEEE=False), latent_attention._SCORE_LAUNCH,
+                  dict(w_ptr="*fp32", keys_ptr=held[fp8], key_scales_ptr="*fp32", query_pos_ptr="*i64",
+                       out_ptr="*fp32", scale="fp32"))
+                 for fp8 in (False, True)]
+    for i, (kernel, constants, options, own_types) in enumerate(programs):
+        types = dict(pointers, **own_types)
         signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                                   target=GPUTarget("cuda", 90, 32), options=options)
@@ -283,22 +305,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache-in-dtype", "fp8-cache"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_latent_kernels_on_cuda(dtype, tolerance):
+def test_latent_kernels_on_cuda(dtype, tolerance, fp8):
     for index_topk, heads in ((12, 4), (300, 4), (12, 64)):
-        check_kernels_against_float64("cuda", dtype, tolerance, index_topk, heads)
-    check_backend_against_torch_path("cuda", dtype, tolerance)
+        check_kernels_against_float64("cuda", dtype, tolerance, index_topk, heads, fp8)
+    check_backend_against_torch_path("cuda", dtype, tolerance, fp8)
 
 
 @needs_cuda
 @pytest.mark.parametrize("index_topk", [4, 64], ids=["sparse", "topk-past-the-contexts"])
 def test_engine_with_the_kernels_on_cuda(index_topk, tmp_path):
-    """tiny-glm5 in fp32: the engine with the kernels and CUDA graphs samples as its eager torch path, and as
-    itself without graphs."""
+    """tiny-glm5 in fp32: the engine with the kernels and CUDA graphs samples as its eager torch path (over a cache in
+    fp32 and an FP8 one), and as itself without graphs."""
     from tandem.models.presets import PRESETS, shape_config, write_model
 
     folder = write_model(shape_config(dict(PRESETS["tiny-glm5"], index_topk=index_topk)), tmp_path / "m")
     check_engine_kernels_against_torch_path(folder, "cuda", 1e-4)
+    check_engine_kernels_against_torch_path(folder, "cuda", 1e-4, kv_cache_dtype="fp8")
     graphs, eager = engine_samples(folder, "cuda"), engine_samples(folder, "cuda", cuda_graphs=False)
     for rid, (ids, logprobs) in eager.items():
         assert graphs[rid][0] == ids, rid

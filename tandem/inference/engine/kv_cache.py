@@ -170,64 +170,189 @@ class LatentCache:
     `entry_dim` (kv_lora_rank + Dr) numbers per token for every head together, where `KVCache` would hold
     2 x heads x head_dim; and per layer with a DSA indexer (`indexed_layers`), the indexer's key of `index_dim`
     numbers per token, in the same blocks (a block holds the same tokens in every tensor). Same slots, zero fill
-    and pad block as `KVCache`."""
+    and pad block as `KVCache`.
+
+    FP8 (`engine.kv_cache_dtype = "fp8"`): `entries` holds each entry's latent part c in float8_e4m3fn with one
+    fp32 scale per token and layer (`entry_scales`), and `ropes` its last `rope_dim` numbers (RoPE(k_rope)) apart, in
+    the model's dtype; the indexer's keys are FP8 with one fp32 scale per token (`index_key_scales`). Scales are
+    fitted when the token is written, as `KVCache`'s are (its docstring says why). One scale covers all of c because
+    c leaves the kv_a RMS norm, so its features share one size; a single scale is then applied once to the score
+    q_c . c and once to the softmax weight, where group scales would split each product into pieces. The RoPE part
+    stays unquantized: it carries the token's position (rotation angles that grow with it), so that rounding it to
+    3 mantissa bits would blur the positional part of every score, and at 64 of the 576 numbers it is a small share of
+    the bytes. A DSA indexer key (LayerNorm, then RoPE on part of it) is one head of `index_dim` numbers: one scale
+    per token, as a `KVCache` head; the indexer's top-k then ranks over rounded keys, so that near-ties may choose
+    otherwise (bounded in `tests/inference/test_fp8_kv_cache.py`), kept because at long contexts every token's key
+    is read at every DSA decode step, most of what the step reads. At GLM-5's shape a token takes 644 bytes per
+    layer against 1,152 in bf16 (776 against 1,408 in an indexed layer): about 1.8x the tokens fit."""
 
     exported_block_dim = 0
     """As `KVCache.exported_block_dim`."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, entry_dim: int, indexed_layers: list[int],
-                 index_dim: int, dtype: torch.dtype, device: torch.device):
-        self.entries = torch.zeros(num_layers, num_blocks + 1, block_size, entry_dim, dtype=dtype, device=device)
-        self.index_keys = torch.zeros(len(indexed_layers), num_blocks + 1, block_size, index_dim, dtype=dtype, device=device)
+                 index_dim: int, dtype: torch.dtype, device: torch.device, fp8: bool = False, rope_dim: int = 0):
+        """`dtype`: the model's; `fp8`: held in FP8 as the class docstring says, the entries' last `rope_dim`
+        numbers (the RoPE part) in `dtype`."""
+        held = FP8 if fp8 else dtype
+        shape = (num_blocks + 1, block_size)
+        self.entries = torch.zeros(num_layers, *shape, entry_dim - rope_dim if fp8 else entry_dim, dtype=held,
+                                   device=device)
+        """[layers, num_blocks + 1, block_size, entry_dim] (FP8: the latent part alone, entry_dim - rope_dim)."""
+        self.index_keys = torch.zeros(len(indexed_layers), *shape, index_dim, dtype=held, device=device)
+        self.entry_scales = self.ropes = self.index_key_scales = None
+        """FP8: [layers, num_blocks + 1, block_size] fp32, [layers, num_blocks + 1, block_size, rope_dim] in `dtype`,
+        [indexed layers, num_blocks + 1, block_size] fp32; else None."""
+        if fp8:
+            self.entry_scales = torch.zeros(num_layers, *shape, dtype=SCALE_DTYPE, device=device)
+            self.ropes = torch.zeros(num_layers, *shape, rope_dim, dtype=dtype, device=device)
+            self.index_key_scales = torch.zeros(len(indexed_layers), *shape, dtype=SCALE_DTYPE, device=device)
         self._index_row = {layer: row for row, layer in enumerate(indexed_layers)}
         self.dtype = dtype
         self.block_size = block_size
         self.pad_slot = num_blocks * block_size
 
+    @property
+    def fp8(self) -> bool:
+        return self.entry_scales is not None
+
+    @property
+    def indexed_layers(self) -> list[int]:
+        """The layers with a DSA indexer, whose keys this cache holds."""
+        return list(self._index_row)
+
+    @property
+    def entry_dim(self) -> int:
+        """Numbers of one entry as attention reads it (latent part and RoPE part)."""
+        return self.entries.shape[-1] + (self.ropes.shape[-1] if self.fp8 else 0)
+
     def layer(self, layer_idx: int) -> torch.Tensor:
-        """Entries [num_blocks, block_size, entry_dim] of one layer (a view, written in place)."""
+        """Entries [num_blocks, block_size, entry_dim] of one layer as held (a view, written in place); FP8: their
+        latent parts [num_blocks, block_size, kv_lora_rank]."""
         return self.entries[layer_idx]
 
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """FP8: the scales of one layer's entries [num_blocks, block_size] and its entries' RoPE parts [num_blocks,
+        block_size, rope_dim] (views); else Nones."""
+        if not self.fp8:
+            return None, None
+        return self.entry_scales[layer_idx], self.ropes[layer_idx]
+
     def layer_index_keys(self, layer_idx: int) -> torch.Tensor:
-        """The indexer's keys [num_blocks, block_size, index_dim] of a layer that has an indexer (a view)."""
+        """The indexer's keys [num_blocks, block_size, index_dim] of a layer that has an indexer, as held (a view)."""
         return self.index_keys[self._index_row[layer_idx]]
+
+    def layer_index_key_scales(self, layer_idx: int) -> torch.Tensor | None:
+        """FP8: the scales [num_blocks, block_size] of a layer's indexer keys (a view); else None."""
+        return self.index_key_scales[self._index_row[layer_idx]] if self.fp8 else None
+
+    def write(self, layer_idx: int, slots: torch.Tensor, entries_NE: torch.Tensor) -> None:
+        """Store the entries [N, entry_dim] of N tokens in their `slots` (FP8: the latent part quantized)."""
+        scales, ropes = self.layer_scales(layer_idx)
+        latent_dim = self.entries.shape[-1]
+        _store(self.layer(layer_idx), scales, slots, entries_NE[:, :latent_dim])
+        if ropes is not None:
+            ropes.view(-1, ropes.shape[-1]).index_copy_(0, slots, entries_NE[:, latent_dim:])
+
+    def write_index_keys(self, layer_idx: int, slots: torch.Tensor, keys_ND: torch.Tensor) -> None:
+        """Store the indexer keys [N, index_dim] of N tokens in their `slots` (FP8: quantized)."""
+        _store(self.layer_index_keys(layer_idx), self.layer_index_key_scales(layer_idx), slots, keys_ND)
+
+    def read_entries(self, layer_idx: int, where: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
+        """The entries of blocks `where` (any shape) [..., block_size, entry_dim], or with `per_slot` of slots `where`
+        [..., entry_dim], in the model's dtype (FP8: the latent part dequantized): what the torch path attends over."""
+        scales, ropes = self.layer_scales(layer_idx)
+        latent = _gather(self.layer(layer_idx), scales, where, per_slot, self.dtype)
+        if ropes is None:
+            return latent
+        return torch.cat([latent, _gather(ropes, None, where, per_slot, self.dtype)], dim=-1)
+
+    def read_index_keys(self, layer_idx: int, blocks: torch.Tensor) -> torch.Tensor:
+        """The indexer keys of `blocks` (any shape) [..., block_size, index_dim] in the model's dtype (FP8:
+        dequantized)."""
+        return _gather(self.layer_index_keys(layer_idx), self.layer_index_key_scales(layer_idx), blocks, False,
+                       self.dtype)
 
     @property
     def layout(self) -> str:
         """As `KVCache.layout`."""
-        layers, _, _, entry_dim = self.entries.shape
-        return (f"latent entries of {entry_dim} in each of {layers} layers, DSA indexer keys of "
-                f"{self.index_keys.shape[-1]} in layers {list(self._index_row)}, {str(self.dtype).removeprefix('torch.')}")
+        layers, _, _, _ = self.entries.shape
+        if self.fp8:
+            numbers = (f"FP8 latent parts and indexer keys with an fp32 scale per token, RoPE parts of "
+                       f"{self.ropes.shape[-1]} in {str(self.dtype).removeprefix('torch.')}")
+        else:
+            numbers = str(self.dtype).removeprefix("torch.")
+        return (f"latent entries of {self.entry_dim} in each of {layers} layers, DSA indexer keys of "
+                f"{self.index_keys.shape[-1]} in layers {self.indexed_layers}, {numbers}")
+
+    def _parts(self) -> list[torch.Tensor]:
+        """The tensors a token is held in, [layers, num_blocks + 1, block_size, numbers], in the order
+        `export_blocks` lays them out; under FP8 as bytes (uint8 views, a scale its four bytes)."""
+        if not self.fp8:
+            return [self.entries, self.index_keys]
+        return [self.entries.view(torch.uint8), self.entry_scales.unsqueeze(-1).view(torch.uint8),
+                self.ropes.view(torch.uint8), self.index_keys.view(torch.uint8),
+                self.index_key_scales.unsqueeze(-1).view(torch.uint8)]
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of everything `block_ids` hold, [len(block_ids), block_size, layers x entry_dim + indexed layers x
         index_dim]: each token's latent entries, layer after layer, then its indexer keys, so that one tensor of one
-        dtype crosses between servers as `KVCache`'s does (the transports need no other case)."""
+        dtype crosses between servers as `KVCache`'s does (the transports need no other case). FP8: bytes (uint8), the
+        layers' latent parts, their scales' four bytes each, their RoPE parts, then the indexer keys and their
+        scales: the blocks travel as held, neither rounded again nor widened."""
         index = to_device(block_ids, torch.long, self.entries.device)
-        return torch.cat([cache.index_select(1, index).permute(1, 2, 0, 3).flatten(2)
-                          for cache in (self.entries, self.index_keys)], dim=-1)
+        return torch.cat([part.index_select(1, index).permute(1, 2, 0, 3).flatten(2) for part in self._parts()], dim=-1)
 
     def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write `blocks` (as `export_blocks` returns them) into `block_ids`; ValueError if their shape or dtype is
-        not this cache's and nothing is written."""
-        widths = [cache.shape[0] * cache.shape[-1] for cache in (self.entries, self.index_keys)]
+        not this cache's (a peer serving another model, or another `kv_cache_dtype`) and nothing is written."""
+        parts = self._parts()
+        widths = [part.shape[0] * part.shape[-1] for part in parts]
         expected = (len(block_ids), self.block_size, sum(widths))
-        if tuple(blocks.shape) != expected or blocks.dtype != self.dtype:
+        if tuple(blocks.shape) != expected or blocks.dtype != parts[0].dtype:
             raise ValueError(f"latent blocks of shape {tuple(blocks.shape)} and {blocks.dtype}; this cache takes "
-                             f"{expected} and {self.dtype}")
+                             f"{expected} and {parts[0].dtype}")
         index = to_device(block_ids, torch.long, self.entries.device)
-        for cache, part in zip((self.entries, self.index_keys), blocks.to(self.entries.device).split(widths, dim=-1)):
-            cache.index_copy_(1, index, part.unflatten(-1, (cache.shape[0], cache.shape[-1])).permute(2, 0, 1, 3))
+        for part, landed in zip(parts, blocks.to(self.entries.device).split(widths, dim=-1)):
+            part.index_copy_(1, index, landed.unflatten(-1, (part.shape[0], part.shape[-1])).permute(2, 0, 1, 3))
 
     @property
     def bytes_per_token(self) -> int:
-        """Entries and indexer keys of one token over all layers: what a decode reads per token of its context
-        without DSA. Under DSA past `index_topk` tokens a decode reads every token's indexer keys but only its
-        chosen tokens' entries, so this overstates its reads there."""
-        return (self.entries.nbytes + self.index_keys.nbytes) // (self.entries.shape[1] * self.block_size)
+        """Entries and indexer keys of one token over all layers, scales included: what a decode reads per token of
+        its context without DSA. Under DSA past `index_topk` tokens a decode reads every token's indexer keys but
+        only its chosen tokens' entries, so this overstates its reads there."""
+        return sum(part.nbytes for part in self._parts()) // (self.entries.shape[1] * self.block_size)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, entry_dim: int, indexed_layers: list[int], index_dim: int,
-                        dtype: torch.dtype) -> int:
-        per_token = num_layers * entry_dim + len(indexed_layers) * index_dim
-        return block_size * per_token * torch.empty((), dtype=dtype).element_size()
+                        dtype: torch.dtype, fp8: bool = False, rope_dim: int = 0) -> int:
+        """Bytes of one block's entries and indexer keys over all layers, scales included: what the memory plan
+        divides its budget by."""
+        if not fp8:
+            return block_size * (num_layers * entry_dim + len(indexed_layers) * index_dim) * dtype.itemsize
+        entry = (entry_dim - rope_dim) * FP8.itemsize + SCALE_DTYPE.itemsize + rope_dim * dtype.itemsize
+        key = index_dim * FP8.itemsize + SCALE_DTYPE.itemsize
+        return block_size * (num_layers * entry + len(indexed_layers) * key)
+
+
+def _store(held: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Rows x [N, D] into a layer's tensor [blocks, S, D] at their slots; with `scales` ([blocks, S]) quantized,
+    one scale a row (`quantize_heads` with a head a token)."""
+    flat = held.view(-1, held.shape[-1])
+    if scales is None:
+        flat.index_copy_(0, slots, x)
+        return
+    x_fp8, x_scales = quantize_heads(x[:, None])
+    flat.view(torch.uint8).index_copy_(0, slots, x_fp8[:, 0].view(torch.uint8))  # torch copies no FP8 by index
+    scales.view(-1).index_copy_(0, slots, x_scales[:, 0])
+
+
+def _gather(held: torch.Tensor, scales: torch.Tensor | None, where: torch.Tensor, per_slot: bool,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a layer's tensor [blocks, S, D] in `dtype`: of blocks `where` [..., S, D], or with `per_slot` of
+    slots `where` [..., D]; with `scales` ([blocks, S]) dequantized."""
+    if per_slot:
+        held = held.flatten(0, 1)
+        scales = scales.flatten() if scales is not None else None
+    if scales is None:
+        return held[where]
+    return dequantize(held.view(torch.uint8)[where].view(FP8), scales[where], dtype)  # torch gathers no FP8 by index

@@ -27,6 +27,10 @@ sequence, padded to the group's longest context; a chunk expands them all once),
 at most `QUERY_KEY_PAIRS` (query, context token) pairs, so that logits and index scores stay bounded at long
 contexts. Both paths hand on the same `Chosen`, so a `shared` layer reads either's.
 
+An FP8 cache (`LatentCache`, `engine.kv_cache_dtype = "fp8"`) changes no plan: the cache quantizes what it is
+written, the torch path reads entries and keys through it (dequantized, in the model's dtype), and the kernels take
+its scales and RoPE parts beside the FP8 tensors and dequantize in registers.
+
 Exact mode (`[run] exact`, `tandem.models.exact_latent`) plans no groups and takes no kernel: its blocks ask this
 backend for each token's context alone (`latent_contexts`), as the trainer's packed rows give it, and attend to it
 themselves.
@@ -92,7 +96,7 @@ class QueryGroup:
 def kernels_serve(cache: LatentCache, kv_lora_rank: int) -> bool:
     """Whether short queries over `cache` take the Triton kernels (`tandem.kernels.latent_attention.serves`)."""
     index_dim = cache.index_keys.shape[-1] if cache.index_keys.shape[0] else None
-    return latent_kernels.serves(kv_lora_rank, cache.entries.shape[-1] - kv_lora_rank, index_dim, cache.entries.device)
+    return latent_kernels.serves(kv_lora_rank, cache.entry_dim - kv_lora_rank, index_dim, cache.entries.device)
 
 
 class PagedLatentAttention:
@@ -143,25 +147,26 @@ class PagedLatentAttention:
     def attend_latent(self, layer_idx: int, attention: LatentAttention, projections: LatentProjections,
                       index: IndexerProjections | None, selection: list[torch.Tensor | Chosen | None] | None
                       ) -> tuple[torch.Tensor, list[torch.Tensor | Chosen | None] | None]:
-        entries = self._write(self.cache.layer(layer_idx), projections.entries)  # [blocks, S, E]
+        slots = self.meta.slot_mapping
+        self.cache.write(layer_idx, slots, projections.entries[0])
         groups = self.groups()
         in_place = kernels_serve(self.cache, attention.kv_lora_rank)
         if index is not None:
-            keys = self._write(self.cache.layer_index_keys(layer_idx), index.keys)
-            selection = [self._select_in_place(group, keys, index) if in_place and not group.expanded
-                         else self._select(group, keys, index) for group in groups]
+            self.cache.write_index_keys(layer_idx, slots, index.keys[0])
+            selection = [self._select_in_place(group, layer_idx, index) if in_place and not group.expanded
+                         else self._select(group, layer_idx, index) for group in groups]
         q_nope, q_rope = projections.q_nope[0], projections.q_rope[0]  # [N, H, Dn], [N, H, Dr]
         out = q_nope.new_empty(*q_nope.shape[:2], attention.v_head_dim)
         for group, chosen in zip(groups, selection or [None] * len(groups)):
             if in_place and not group.expanded:
-                out[group.rows] = self._attend_in_place(attention, q_nope[group.rows], q_rope[group.rows], entries,
+                out[group.rows] = self._attend_in_place(attention, q_nope[group.rows], q_rope[group.rows], layer_idx,
                                                         group, chosen)
                 continue
             if isinstance(chosen, Chosen):
-                out[group.rows] = self._attend_chosen(attention, q_nope[group.rows], q_rope[group.rows], entries, group,
-                                                      chosen)
+                out[group.rows] = self._attend_chosen(attention, q_nope[group.rows], q_rope[group.rows], layer_idx,
+                                                      group, chosen)
                 continue
-            context = entries[group.blocks].flatten(1, 2)  # [G, W x S, E]
+            context = self.cache.read_entries(layer_idx, group.blocks).flatten(1, 2)  # [G, W x S, E]
             visible = group.visible if chosen is None else chosen
             attend = attention.attend_expanded if group.expanded else attention.attend_absorbed
             out[group.rows] = attend(q_nope[group.rows], q_rope[group.rows], context, visible, QUERY_KEY_PAIRS)
@@ -174,36 +179,32 @@ class PagedLatentAttention:
         run eager: the host knows every length."""
         m, S = self.meta, self.cache.block_size
         assert m.query_lens_host is not None and m.seq_lens_host is not None, "exact attention needs host lengths"
-        cached = [self._write(self.cache.layer(layer_idx), entries)]
+        self.cache.write(layer_idx, m.slot_mapping, entries[0])
         if index_keys is not None:
-            cached.append(self._write(self.cache.layer_index_keys(layer_idx), index_keys))
+            self.cache.write_index_keys(layer_idx, m.slot_mapping, index_keys[0])
         contexts: list[TokenContext] = []
         for i, (q_len, ctx) in enumerate(zip(m.query_lens_host, m.seq_lens_host)):
             blocks = m.block_tables[i, :-(-ctx // S)]
-            seq_entries, *seq_keys = (layer[blocks].flatten(0, 1)[:ctx] for layer in cached)
-            contexts.extend((seq_entries[:p + 1], seq_keys[0][:p + 1] if seq_keys else None)
+            seq_entries = self.cache.read_entries(layer_idx, blocks).flatten(0, 1)[:ctx]
+            seq_keys = self.cache.read_index_keys(layer_idx, blocks).flatten(0, 1)[:ctx] if index_keys is not None else None
+            contexts.extend((seq_entries[:p + 1], seq_keys[:p + 1] if seq_keys is not None else None)
                             for p in range(ctx - q_len, ctx))
         return contexts
 
-    def _write(self, layer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """The step's values [1, N, features] into a layer's cache tensor [blocks, S, features] at their slots."""
-        layer.view(-1, layer.shape[-1]).index_copy_(0, self.meta.slot_mapping, values[0])
-        return layer
-
-    def _attend_chosen(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
-                       entries: torch.Tensor, group: QueryGroup, chosen: Chosen) -> torch.Tensor:
+    def _attend_chosen(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_idx: int,
+                       group: QueryGroup, chosen: Chosen) -> torch.Tensor:
         """Short queries q_nope [G, L, H, Dn], q_rope [G, L, H, Dr] over their chosen entries only, each query one
         group of the absorbed form: [G, L, H, Dv]."""
         G, L, K = chosen.positions.shape
         S = self.cache.block_size
         blocks = group.blocks.gather(1, (chosen.positions // S).flatten(1)).view(G, L, K)
-        context = entries.flatten(0, 1)[blocks * S + chosen.positions % S]  # [G, L, K, E]
+        context = self.cache.read_entries(layer_idx, blocks * S + chosen.positions % S, per_slot=True)  # [G, L, K, E]
         out = attention.attend_absorbed(q_nope.flatten(0, 1)[:, None], q_rope.flatten(0, 1)[:, None],
                                         context.flatten(0, 1), chosen.kept.flatten(0, 1)[:, None], QUERY_KEY_PAIRS)
         return out.view(G, L, *out.shape[2:])
 
-    def _attend_in_place(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
-                         entries: torch.Tensor, group: QueryGroup, chosen: Chosen | None) -> torch.Tensor:
+    def _attend_in_place(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_idx: int,
+                         group: QueryGroup, chosen: Chosen | None) -> torch.Tensor:
         """`_attend_chosen`'s result (`chosen`), or the absorbed form's over every visible entry (None), from the
         kernels reading the cache in place: [G, L, H, Dv]."""
         G, L = group.rows.shape
@@ -214,19 +215,21 @@ class PagedLatentAttention:
         else:
             positions = chosen.positions.flatten(0, 1)
             lengths, bound = chosen.counts.flatten(), positions.shape[1]
-        out = latent_kernels.latent_attention(q, entries, group.blocks, query_seq, lengths, bound,
-                                              attention.absorbed_scale, attention.kv_lora_rank, positions)
+        out = latent_kernels.latent_attention(q, self.cache.layer(layer_idx), group.blocks, query_seq, lengths, bound,
+                                              attention.absorbed_scale, attention.kv_lora_rank, positions,
+                                              *self.cache.layer_scales(layer_idx))
         return attention.latent_values(out).view(G, L, attention.num_heads, attention.v_head_dim)
 
-    def _select_in_place(self, group: QueryGroup, keys: torch.Tensor, index: IndexerProjections) -> Chosen | None:
+    def _select_in_place(self, group: QueryGroup, layer_idx: int, index: IndexerProjections) -> Chosen | None:
         """`_select` of short queries by the index-score kernel over the cached keys in place."""
         if group.longest <= self.index_topk:
             return None
         G, L = group.rows.shape
         positions, counts = latent_kernels.choose(index.queries[0][group.rows].flatten(0, 1),
-                                                  index.weights[0][group.rows].flatten(0, 1), keys, group.blocks,
+                                                  index.weights[0][group.rows].flatten(0, 1),
+                                                  self.cache.layer_index_keys(layer_idx), group.blocks,
                                                   *self._kernel_queries(group), group.longest, self.index_topk,
-                                                  QUERY_KEY_PAIRS)
+                                                  QUERY_KEY_PAIRS, self.cache.layer_index_key_scales(layer_idx))
         return Chosen(positions.view(G, L, -1), counts.view(G, L))
 
     @staticmethod
@@ -236,12 +239,12 @@ class PagedLatentAttention:
         rows = torch.arange(G, device=group.rows.device)[:, None].expand(G, L)
         return rows.flatten(), group.positions.flatten()
 
-    def _select(self, group: QueryGroup, keys: torch.Tensor, index: IndexerProjections) -> torch.Tensor | Chosen | None:
+    def _select(self, group: QueryGroup, layer_idx: int, index: IndexerProjections) -> torch.Tensor | Chosen | None:
         """The group's DSA choice from a layer's cached indexer keys: a mask [G, L, W x S] for a chunk, the chosen
         positions for short queries; None where it is every visible token."""
         if group.longest <= self.index_topk:
             return None
-        context = keys[group.blocks].flatten(1, 2)  # [G, W x S, index_head_dim]
+        context = self.cache.read_index_keys(layer_idx, group.blocks).flatten(1, 2)  # [G, W x S, index_head_dim]
         positions, kept = choose(index.queries[0][group.rows], index.weights[0][group.rows], context, group.visible,
                                  self.index_topk, QUERY_KEY_PAIRS)
         if group.expanded:

@@ -17,7 +17,8 @@ import torch
 class PrefilledPrompt:
     kv_blocks: torch.Tensor
     """The prompt's blocks from `first_block` on, as the cache exports them (`KVCache.export_blocks`: keys and
-    values, FP8 caches as bytes with the scales; `LatentCache.export_blocks`: latent entries and indexer keys)."""
+    values, FP8 caches as bytes with the scales; `LatentCache.export_blocks`: latent entries and indexer keys, FP8
+    caches as bytes with the scales)."""
     logits: torch.Tensor
     """[vocab]: the logits row of the prompt's last token, in the model's dtype."""
     weight_version: int

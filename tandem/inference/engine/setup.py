@@ -122,8 +122,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     fp8_cache = engine.kv_cache_dtype == "fp8"
     if fp8_cache:
         if exact:
-            raise ValueError("`engine.kv_cache_dtype` = 'fp8' cannot run exact: attention over FP8 keys and values cannot "
-                             "equal the trainer's bit for bit")
+            raise ValueError("`engine.kv_cache_dtype` = 'fp8' cannot run exact: attention over an FP8 cache (keys and "
+                             "values, or latent entries) cannot equal the trainer's bit for bit")
         check_fp8_device(device, "engine.kv_cache_dtype", "auto")
     folder = resolve_model_path(model_config.name)
     lora = engine.lora
@@ -284,21 +284,22 @@ def side_path_for_base(model: torch.nn.Module, engine: EngineConfig, device: tor
 def cache_layout(model: torch.nn.Module, fp8: bool = False, mtp: bool = False
                  ) -> tuple[type[KVCache] | type[LatentCache], dict[str, Any]]:
     """The cache class a native model needs and the sizes it is built with (besides blocks, dtype and device);
-    `fp8`: keys and values in FP8 with a scale per token and head (`engine.kv_cache_dtype`), which the latent cache
-    does not hold (an error naming the key); `mtp`: room for the multi-token prediction layers' entries too, as
-    the layers after the blocks (their `layer_idx`)."""
+    `fp8`: held in FP8 with scales fitted per token (`engine.kv_cache_dtype`; `KVCache`: keys and values, a scale
+    per token and head; `LatentCache`: latent parts and indexer keys, a scale per token, RoPE parts as they are);
+    `mtp`: room for the multi-token prediction layers' entries too, as the layers after the blocks (their
+    `layer_idx`)."""
     args = model.args
+    fp8_sizes = {"fp8": True} if fp8 else {}
     if isinstance(args, LatentMoeArgs):
-        if fp8:
-            raise ValueError(f"`engine.kv_cache_dtype` = 'fp8': {model.hf_config.get('model_type')!r} keeps a latent "
-                             "cache, which is not held in FP8 yet; set `engine.kv_cache_dtype` = 'auto'")
         num_layers = args.num_hidden_layers + (args.num_nextn_predict_layers if mtp else 0)
         indexed = [i for i, kind in enumerate(args.indexer_types) if kind == "full"]
         indexed += list(range(args.num_hidden_layers, num_layers)) if args.has_dsa else []  # each MTP layer indexes
+        if fp8:
+            fp8_sizes["rope_dim"] = args.qk_rope_head_dim
         return LatentCache, dict(num_layers=num_layers, entry_dim=args.kv_lora_rank + args.qk_rope_head_dim,
-                                 indexed_layers=indexed, index_dim=args.index_head_dim)
+                                 indexed_layers=indexed, index_dim=args.index_head_dim, **fp8_sizes)
     return KVCache, dict(num_layers=args.num_hidden_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
-                         **({"fp8": True} if fp8 else {}))
+                         **fp8_sizes)
 
 
 def cache_bytes_per_block(model: torch.nn.Module, block_size: int, fp8: bool = False, mtp: bool = False) -> int:
