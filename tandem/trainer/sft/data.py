@@ -96,7 +96,7 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     `tokenizers` backend hands the batch to it directly: transformers' own batch call wraps the same ids in attention
     masks and a `BatchEncoding`, a large share of the tokenizing's CPU (timings: `benchmarks/RESULTS.md`)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is None or backend.truncation or backend.padding  # which transformers' call turns off first
+    if (backend is None or backend.truncation or backend.padding  # settings transformers' call resets before encoding
             or backend.encode_special_tokens != getattr(tokenizer, "split_special_tokens", False)):
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
