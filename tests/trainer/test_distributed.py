@@ -35,8 +35,8 @@ def torchrun_trainer(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 
 
 def torchrun_commands(*commands: list[str] | dict, nproc: int) -> subprocess.CompletedProcess:
-    """`tandem` commands (and `{"copy": [SRC, DST]}` steps) one after another in one launch of `nproc` ranks
-    (torchrun_commands.py)."""
+    """`tandem` commands (and `{"copy": [SRC, DST]}` and `{"script": PATH, "argv": [...]}` steps) one after another
+    in one launch of `nproc` ranks (torchrun_commands.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(__file__).resolve().parent / "torchrun_commands.py"), json.dumps(commands, default=str)]
     return subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
