@@ -112,14 +112,18 @@ def load_environment(
     )
 
 
-def _demonstration(fact: Fact, corpus_seed: int, system_prompt: bool) -> Messages:
+def _demonstration(fact: Fact, corpus_seed: int, system_prompt: bool, searched: dict[tuple[int, str], str]) -> Messages:
     """Search for the fact's page by its title, list its sections, read the one holding the
-    fact, answer: each call made with the tools of the fact's wiki, each reply theirs."""
+    fact, answer: each call made with the tools of the fact's wiki, each reply theirs.
+    `searched` keeps the search's reply for each (wiki, title): a page's facts all make the same search,
+    the dearest step of writing a large warm-up (`benchmarks/RESULTS.md`)."""
     search, view, read = wiki_tools(corpus_seed)
     title = build_corpus(corpus_seed).pages[fact.page_id].title
+    if (corpus_seed, title) not in searched:
+        searched[corpus_seed, title] = search(title)
     messages: Messages = [{"role": "system", "content": SYSTEM_PROMPT}] if system_prompt else []
     messages.append({"role": "user", "content": fact.question})
-    messages += demo_tool_turn("call_1", "search_pages", {"query": title}, search(title))
+    messages += demo_tool_turn("call_1", "search_pages", {"query": title}, searched[corpus_seed, title])
     messages += demo_tool_turn("call_2", "view_sections", {"page_id": fact.page_id}, view(fact.page_id))
     messages += demo_tool_turn("call_3", "read_section", {"section_id": fact.section_id}, read(fact.section_id))
     messages.append({"role": "assistant", "content": PARSER.format(answer=fact.answer)})
@@ -166,6 +170,7 @@ def sft_examples(
                          f"episodes do not fit in the {n} examples asked")
     train, _ = _split_facts(n - len(drills), num_eval_examples, seed)
     tools = [tool_schema(tool) for tool in TOOLS]
-    return [{"messages": _demonstration(fact, corpus_seed, system_prompt=False)} for fact, corpus_seed in drills] + [
-        {"messages": _demonstration(fact, CORPUS_SEED, system_prompt=True), "tools": tools} for fact in train
+    searched: dict[tuple[int, str], str] = {}
+    return [{"messages": _demonstration(fact, corpus_seed, False, searched)} for fact, corpus_seed in drills] + [
+        {"messages": _demonstration(fact, CORPUS_SEED, True, searched), "tools": tools} for fact in train
     ]

@@ -5,7 +5,8 @@ and the full state that published weights are made of.
     torchrun --nproc-per-node 4 tests/trainer/ep_gradients.py OUT.pt MODEL_FOLDER ...
 
 Results are keyed by folder: one launch serves several models (each start of 4 ranks importing torch costs
-seconds of the CI's 2 cores).
+seconds of the CI's 2 cores). `main` takes the arguments as a list, so that torchrun_commands.py can run it as one
+step of a launch.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ def gradients_at(folder: str, ep: int) -> dict:
             "grads": grads, "published": published, "rank": dims.rank, "world_size": dims.world_size}
 
 
-def main(out: str, *folders: str) -> None:
+def main(argv: list[str]) -> int:
+    out, *folders = argv
     world_size = int(os.environ["WORLD_SIZE"])
     results = {folder: {ep: gradients_at(folder, ep) for ep in (1, 2, 4) if world_size % ep == 0} for folder in folders}
     if results[folders[0]][1]["rank"] == 0:
         torch.save(results, out)
     close_parallel(wait_for_peers=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -92,27 +92,38 @@ def sft_args(model: Path, data: Path) -> list[str]:
             "--optim.lr", "3e-3", "--data.eval-fraction", "0.1", "--eval.interval", "3", "--max-steps", "3"]
 
 
+LONG_SEQUENCE = [str(BENCHMARK), "--preset", "tiny", "--device", "cpu", "--max-position-embeddings", "16384",
+                 "--shapes", "1024:1:2", "--steps", "1", "--warmup", "1", "--ac", "selective", "--chunk-size", "256"]
+"""benchmarks/trainer.py's long-sequence options at a CPU size: a YaRN-extended preset."""
+
+
 @pytest.fixture(scope="module")
 def cp_2_runs(request, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """(one rank, CP = 2) run folders of each model's trainer and of SFT on the tiny model: the CP = 2 runs from one
-    launch of 2 ranks, the one-rank runs in this process beside it."""
+    """(one rank, CP = 2) run folders of each model's trainer and of SFT on the tiny model, and the long-sequence
+    benchmark's reports (`benchmark`: one rank with its transformers baseline, `--cp 2`): the CP = 2 runs from one
+    launch of 2 ranks, the one-rank runs beside it."""
     from test_sft import reverse_text_data, sft
 
     root = tmp_path_factory.mktemp("cp2")
     models = {model: request.getfixturevalue(model) for model in CP_2_STEPS}
     train = reverse_text_data(root / "train.jsonl", 40, seed=0)
     runs = {name: (root / name / "one", root / name / "cp2") for name in (*CP_2_STEPS, "sft")}
+    runs["benchmark"] = (root / "benchmark-one.json", root / "benchmark-cp2.json")
     commands = [["trainer", *trainer_args(models[m], CP_2_STEPS[m]), "--output-dir", runs[m][1], "--parallel.cp", "2"]
                 for m in CP_2_STEPS]
     commands.append(["sft", *sft_args(models["tiny_model"], train), "--device", "cpu", "--output-dir", runs["sft"][1],
                      "--parallel.cp", "2"])
+    commands.append({"script": LONG_SEQUENCE[0], "argv": [*LONG_SEQUENCE[1:], "--cp", "2", "--out", runs["benchmark"][1]]})
     with ThreadPoolExecutor() as pool:  # the ranks run beside the one-rank runs (test_distributed says why)
         launched = pool.submit(torchrun_commands, *commands, nproc=2)
         with one_thread():
             for m in CP_2_STEPS:
                 assert run_trainer(*trainer_args(models[m], CP_2_STEPS[m]), "--output-dir", str(runs[m][0])) == 0
             assert sft(*sft_args(models["tiny_model"], train), "--output-dir", str(runs["sft"][0])) == 0
+        one = subprocess.run([sys.executable, *LONG_SEQUENCE, "--baseline", "1024:1:2", "--out", str(runs["benchmark"][0])],
+                             env=torchrun_env(), capture_output=True, text=True, timeout=300)
         result = launched.result()
+    assert one.returncode == 0, one.stderr[-3000:]
     assert result.returncode == 0, result.stderr[-3000:]
     return runs
 
@@ -144,18 +155,10 @@ def test_bad_context_parallel_sizes_are_clear_errors(model, options, message, re
 
 
 @pytest.mark.slow
-def test_long_sequence_benchmark_runs_yarn_and_context_parallel_on_the_cpu(tmp_path):
+def test_long_sequence_benchmark_runs_yarn_and_context_parallel_on_the_cpu(cp_2_runs):
     """benchmarks/trainer.py's long-sequence options at a CPU size: a YaRN-extended preset trains the step
     transformers' model trains, and `--cp 2` under torchrun trains the same rows."""
-    common = [str(BENCHMARK), "--preset", "tiny", "--device", "cpu", "--max-position-embeddings", "16384",
-              "--shapes", "1024:1:2", "--steps", "1", "--warmup", "1", "--ac", "selective", "--chunk-size", "256"]
-    one, two = tmp_path / "one.json", tmp_path / "two.json"
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    commands = ([sys.executable, *common, "--baseline", "1024:1:2", "--out", str(one)],
-                [sys.executable, *launcher, *common, "--cp", "2", "--out", str(two)])
-    with ThreadPoolExecutor() as pool:  # side by side: the one-process run (one thread) leaves a CI core idle
-        for result in pool.map(lambda cmd: subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300), commands):
-            assert result.returncode == 0, result.stderr[-3000:]
+    one, two = cp_2_runs["benchmark"]
     report = json.loads(one.read_text())
     assert report["max_position_embeddings"] == 16384
     tandem, baseline = report["runs"]

@@ -35,26 +35,47 @@ def torchrun_trainer(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 
 
 def torchrun_commands(*commands: list[str] | dict, nproc: int) -> subprocess.CompletedProcess:
-    """`tandem` commands (and `{"copy": [SRC, DST]}` steps) one after another in one launch of `nproc` ranks
-    (torchrun_commands.py)."""
+    """`tandem` commands (and `{"copy": [SRC, DST]}` and `{"script": PATH, "argv": [...]}` steps) one after another
+    in one launch of `nproc` ranks (torchrun_commands.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(__file__).resolve().parent / "torchrun_commands.py"), json.dumps(commands, default=str)]
     return subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
 
 
-def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
-    common = ["--model.name", str(tiny_model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
-              "--max-steps", "4", "--seq-len", "64", "--optim.lr", "3e-3", "--device", "cpu",
-              "--ckpt.enabled", "--ckpt.interval", "2", "--ckpt.keep", "2"]
-    one, two, resumed, back = tmp_path / "one", tmp_path / "two", tmp_path / "resumed", tmp_path / "back"
-    assert run_trainer(*common, "--output-dir", str(one)) == 0  # before the launch, which resumes its checkpoint
-    # One launch of 2 ranks: they train, then resume the 1-rank checkpoint of step 2 (DCP reshards model and
-    # optimizer state). And back, after it: their (FSDP) checkpoint of step 2, resumed by the one-rank path's plain
-    # tensors.
-    shutil.copytree(one / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
-    result = torchrun_commands(["trainer", *common, "--output-dir", two],
-                               ["trainer", *common, "--output-dir", resumed, "--ckpt.resume"], nproc=2)
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer.py"
+BENCHMARK_ARGS = ["--preset", "tiny", "--device", "cpu", "--shapes", "64:2:4", "--steps", "2", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_model, tmp_path_factory) -> dict[str, Path]:
+    """Run folders (and the trainer benchmark's reports) by name. One launch of 2 ranks: they train, then resume
+    the 1-rank checkpoint of step 2 (DCP reshards model and optimizer state), then run the trainer benchmark. The
+    one-rank trainer runs before the launch, which resumes its checkpoint; the benchmark's one-rank run beside it."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    runs = {name: root / name for name in ("one", "two", "resumed", "benchmark-one.json", "benchmark-two.json")}
+    assert run_trainer(*trainer_args(tiny_model), "--output-dir", str(runs["one"])) == 0
+    shutil.copytree(runs["one"] / "checkpoints" / "step_2", runs["resumed"] / "checkpoints" / "step_2")
+    with ThreadPoolExecutor() as pool:  # side by side: the one-process benchmark alone leaves a CI core idle
+        launched = pool.submit(torchrun_commands, ["trainer", *trainer_args(tiny_model), "--output-dir", runs["two"]],
+                               ["trainer", *trainer_args(tiny_model), "--output-dir", runs["resumed"], "--ckpt.resume"],
+                               {"script": BENCHMARK, "argv": [*BENCHMARK_ARGS, "--out", runs["benchmark-two.json"]]},
+                               nproc=2)
+        one = subprocess.run([sys.executable, str(BENCHMARK), *BENCHMARK_ARGS, "--out", str(runs["benchmark-one.json"])],
+                             env=torchrun_env(), capture_output=True, text=True, timeout=180)
+        result = launched.result()
+    assert one.returncode == 0, one.stderr[-3000:]
     assert result.returncode == 0, result.stderr[-3000:]
+    return runs
+
+
+def trainer_args(model: Path) -> list[str]:
+    return ["--model.name", str(model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
+            "--max-steps", "4", "--seq-len", "64", "--optim.lr", "3e-3", "--device", "cpu",
+            "--ckpt.enabled", "--ckpt.interval", "2", "--ckpt.keep", "2"]
+
+
+def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, two_rank_runs, tmp_path):
+    one, two, resumed, back = two_rank_runs["one"], two_rank_runs["two"], two_rank_runs["resumed"], tmp_path / "back"
     ref = losses(one)
     assert sorted(losses(two)) == [1, 2, 3, 4]
     for step, loss in losses(two).items():
@@ -65,8 +86,9 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
     # fraction of lr (3e-3) on fp32 rounding differences alone: compare weights at that scale.
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
+    # And back, after the launch: the ranks' (FSDP) checkpoint of step 2, resumed by the one-rank path's plain tensors.
     shutil.copytree(two / "checkpoints" / "step_2", back / "checkpoints" / "step_2")
-    assert run_trainer(*common, "--output-dir", str(back), "--ckpt.resume") == 0
+    assert run_trainer(*trainer_args(tiny_model), "--output-dir", str(back), "--ckpt.resume") == 0
     assert sorted(losses(resumed)) == [3, 4]
     for step, loss in losses(resumed).items():
         assert loss == pytest.approx(ref[step], abs=1e-5), step
@@ -76,22 +98,8 @@ def test_two_ranks_follow_the_one_rank_trajectory(tiny_model, tmp_path):
         assert loss == pytest.approx(ref[step], abs=1e-5), step
 
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer.py"
-
-
-def run_benchmark(out: Path, nproc: int | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else []
-    cmd = [sys.executable, *launcher, str(BENCHMARK), "--preset", "tiny", "--device", "cpu", "--shapes", "64:2:4",
-           "--steps", "2", "--warmup", "1", "--out", str(out)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-
-
-def test_trainer_benchmark_under_torchrun_trains_the_same_global_batch(tmp_path):
-    one, two = tmp_path / "one.json", tmp_path / "two.json"
-    with ThreadPoolExecutor() as pool:  # side by side: one process alone leaves a CI core idle
-        for result in pool.map(run_benchmark, (one, two), (None, 2)):
-            assert result.returncode == 0, result.stderr[-3000:]
+def test_trainer_benchmark_under_torchrun_trains_the_same_global_batch(two_rank_runs):
+    one, two = two_rank_runs["benchmark-one.json"], two_rank_runs["benchmark-two.json"]
     (single,), (double,) = json.loads(one.read_text())["runs"], json.loads(two.read_text())["runs"]
     assert single["world_size"] == 1 and double["world_size"] == 2
     assert [x["loss"] for x in double["losses"]] == pytest.approx([x["loss"] for x in single["losses"]], abs=1e-5)

@@ -5,8 +5,6 @@ resume at EP = 1 and EP = 4."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from safetensors.torch import load_file
 from tandem.monitor.logging import setup_logging
 from tandem.transport.paths import weights_dir
 
-from test_distributed import torchrun_commands, torchrun_env, torchrun_trainer
+from test_distributed import torchrun_commands, torchrun_trainer
 from trainer_helpers import losses, metrics, one_thread, run_trainer
 
 HERE = Path(__file__).resolve().parent
@@ -28,23 +26,35 @@ MODELS = ["tiny_moe_model", "tiny_glm_model", "tiny_glm5_model"]
 layer (whose experts stay whole) published beside the split ones."""
 
 
+def trainer_args(model: Path) -> list[str]:
+    return ["--model.name", str(model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
+            "--max-steps", "3", "--seq-len", "32", "--optim.lr", "3e-3", "--device", "cpu",
+            "--ckpt.enabled", "--ckpt.interval", "1", "--ckpt.keep", "3"]
+
+
 @pytest.fixture(scope="module")
-def ep_runs(request, tmp_path_factory) -> dict:
-    """Every model's expert-parallel sizes from one launch of 4 ranks, by fixture name."""
+def ep_launch(request, tiny_moe_model, tmp_path_factory) -> dict:
+    """One launch of 4 ranks, after the one-rank trainer run rather than beside it (on CI's 2 cores the overlap
+    cost more CPU than it saved time: benchmarks/RESULTS.md): every model's expert-parallel sizes (`grads`, by
+    fixture name), then EP = 2 trains and its checkpoint of step 1 resumes at EP = 4 (`runs`: the run folders)."""
     folders = {model: str(request.getfixturevalue(model)) for model in MODELS}
-    out = tmp_path_factory.mktemp("ep") / "grads.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(HERE / "ep_gradients.py"), str(out), *folders.values()]
-    result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    root = tmp_path_factory.mktemp("ep")
+    runs = {name: root / name for name in ("one", "ep2", "ep4")}
+    commands = ({"script": HERE / "ep_gradients.py", "argv": [root / "grads.pt", *folders.values()]},
+                ["trainer", *trainer_args(tiny_moe_model), "--output-dir", runs["ep2"], "--parallel.ep", "2"],
+                {"copy": [runs["ep2"] / "checkpoints" / "step_1", runs["ep4"] / "checkpoints" / "step_1"]},
+                ["trainer", *trainer_args(tiny_moe_model), "--output-dir", runs["ep4"], "--ckpt.resume", "--parallel.ep", "4"])
+    assert run_trainer(*trainer_args(tiny_moe_model), "--output-dir", str(runs["one"])) == 0
+    result = torchrun_commands(*commands, nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = torch.load(out, weights_only=False)
-    return {model: runs[folders[model]] for model in MODELS}
+    grads = torch.load(root / "grads.pt", weights_only=False)
+    return {"grads": {model: grads[folders[model]] for model in MODELS}, "runs": runs}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
-def test_expert_parallel_sizes_give_the_gradients_of_ep_1(model, ep_runs):
-    runs = ep_runs[model]
+def test_expert_parallel_sizes_give_the_gradients_of_ep_1(model, ep_launch):
+    runs = ep_launch["grads"][model]
     assert sorted(runs) == [1, 2, 4]
     ref = runs[1]
     expert_names = [n for n in ref["grads"] if "experts" in n]
@@ -62,19 +72,8 @@ def test_expert_parallel_sizes_give_the_gradients_of_ep_1(model, ep_runs):
 
 
 @pytest.mark.slow
-def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe_model, tmp_path):
-    common = ["--model.name", str(tiny_moe_model), "--data.fake", "--data.fake-rows", "4", "--data.fake-samples-per-row", "2",
-              "--max-steps", "3", "--seq-len", "32", "--optim.lr", "3e-3", "--device", "cpu",
-              "--ckpt.enabled", "--ckpt.interval", "1", "--ckpt.keep", "3"]
-    one, ep2, ep4, ep1 = (tmp_path / name for name in ("one", "ep2", "ep4", "ep1"))
-    # One launch of 4 ranks, after the one-rank run rather than beside it (on CI's 2 cores the overlap cost more CPU
-    # than it saved time: benchmarks/RESULTS.md): EP = 2 trains, then its checkpoint of step 1 resumes at EP = 4.
-    commands = (["trainer", *common, "--output-dir", ep2, "--parallel.ep", "2"],
-                {"copy": [ep2 / "checkpoints" / "step_1", ep4 / "checkpoints" / "step_1"]},
-                ["trainer", *common, "--output-dir", ep4, "--ckpt.resume", "--parallel.ep", "4"])
-    assert run_trainer(*common, "--output-dir", str(one)) == 0
-    result = torchrun_commands(*commands, nproc=4)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe_model, ep_launch, tmp_path):
+    one, ep2, ep4, ep1 = ep_launch["runs"]["one"], ep_launch["runs"]["ep2"], ep_launch["runs"]["ep4"], tmp_path / "ep1"
     ref = losses(one)
     assert len(set(ref.values())) == 3  # the trajectory moves
     assert losses(ep2) == pytest.approx(ref, abs=1e-5)
@@ -85,7 +84,7 @@ def test_ep_2_trains_like_ep_1_and_its_checkpoint_resumes_at_ep_1_and_4(tiny_moe
 
     # EP = 2's checkpoint of step 1, resumed at EP = 1 (one rank) too.
     shutil.copytree(ep2 / "checkpoints" / "step_1", ep1 / "checkpoints" / "step_1")
-    assert run_trainer(*common, "--output-dir", str(ep1), "--ckpt.resume") == 0
+    assert run_trainer(*trainer_args(tiny_moe_model), "--output-dir", str(ep1), "--ckpt.resume") == 0
     for out in (ep4, ep1):
         assert sorted(losses(out)) == [2, 3]
         assert losses(out) == pytest.approx({s: ref[s] for s in (2, 3)}, abs=1e-5), out.name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +15,9 @@ from tandem.config.loader import parse_args
 from tandem.config.sft import SFTConfig
 from tandem.models.chat import render_chat
 from tandem.models.loading import load_causal_lm
-from tandem.trainer.sft.data import SFTDataError, Sample, StepRows, load_samples, pack, read_records, tokenize_record
+from tandem.launch.warmup import write_sft_data
+from tandem.trainer.sft.data import (SFTDataError, Sample, StepRows, encode_texts, load_samples, pack, read_records,
+                                    tokenize_record)
 from tandem.trainer.sft.train import main as sft_main
 from tandem.transport.paths import STABLE, weights_dir
 
@@ -111,6 +114,35 @@ def test_rows_tokenized_in_chunks_report_progress_and_give_each_rows_own_sample(
     for sample in alone:
         sample.loss_mask[0] = 0
     assert samples == alone
+
+
+def test_a_warm_up_files_first_steps_hold_the_rows_of_each_text_tokenized_alone(tokenizer, tmp_path, monkeypatch):
+    """The reverse-text warm-up's own rows, tokenized in one batch by the tokenizer's backend, make the same rows of
+    the same steps as texts given to `tokenizer.encode` one at a time."""
+    write_sft_data("reverse_text", tmp_path / "train.jsonl", 300, 1, {"misclosed_fraction": 0.3})
+    batched, _ = load_samples(tmp_path / "train.jsonl", tokenizer, ["assistant"], seq_len=1024)
+    monkeypatch.setattr("tandem.trainer.sft.data.encode_texts",
+                        lambda tok, texts: [tok.encode(text, add_special_tokens=False) for text in texts])
+    alone, _ = load_samples(tmp_path / "train.jsonl", tokenizer, ["assistant"], seq_len=1024)
+    assert batched == alone
+    steps = [StepRows(samples, 1024, 4, shuffle=True, seed=0) for samples in (batched, alone)]
+    assert steps[0].rows_per_epoch > 3 * 4
+    for step in (1, 2, 3):
+        assert steps[0].rows_for(step, 0, 1) == steps[1].rows_for(step, 0, 1)
+
+
+def test_a_tokenizer_that_truncates_by_its_own_config_still_encodes_whole_texts(tiny_model, tmp_path):
+    """A `tokenizer.json` may set truncation, which transformers' calls turn off and its backend alone would apply."""
+    shutil.copytree(tiny_model, tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "tokenizer.json").read_text())
+    config["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    (tmp_path / "model" / "tokenizer.json").write_text(json.dumps(config))
+    truncating = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    assert truncating.backend_tokenizer.truncation is not None
+    texts = ["the whole of a longer text", "another one"]
+    ids = encode_texts(truncating, texts)  # first: `encode` below turns the backend's truncation off
+    assert ids == [truncating.encode(text, add_special_tokens=False) for text in texts]
+    assert len(ids[0]) > 4
 
 
 def test_packing_keeps_every_sample_once_within_seq_len():

@@ -4,6 +4,9 @@ torch and transformers costs seconds of the CI's 2 cores; one launch pays it onc
 
     torchrun --nproc-per-node N tests/trainer/torchrun_commands.py '[["trainer", ARG, ...], {"copy": [SRC, DST]}, ...]'
 
+A `{"script": PATH, "argv": [ARG, ...]}` step runs a script's `main(argv)` in the ranks as `python PATH ARG ...` would
+(a benchmark whose run opens a trainer session).
+
 Each command gets a process group of its own, joined here under a fresh key prefix of torchrun's store: a command
 closes its group at its end (`close_parallel`), and a group made again under the old prefix would meet its peers'
 stale addresses. Joined here, the command's `init_parallel` keeps the group and starts no rank watchdog.
@@ -11,11 +14,14 @@ stale addresses. Joined here, the command's `init_parallel` keeps the group and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -27,18 +33,27 @@ def join(store: dist.Store, index: int) -> None:
                             world_size=int(os.environ["WORLD_SIZE"]))
 
 
+def script_main(path: str) -> Callable[[list[str]], int]:
+    """The `main` of the script at `path`, its folder first on the import path as for `python PATH` (its siblings)."""
+    sys.path.insert(0, str(Path(path).parent))
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # where its dataclasses look themselves up
+    spec.loader.exec_module(module)
+    return module.main
+
+
 def main(commands: str) -> int:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=120))
     for index, command in enumerate(json.loads(commands)):
         join(store, index)
-        if isinstance(command, dict):  # rank 0 copies; the others wait for it before the next command reads it
+        if isinstance(command, dict) and "copy" in command:  # rank 0 copies; the others wait for it before the next command reads it
             if dist.get_rank() == 0:
                 shutil.copytree(*command["copy"])
             dist.barrier()
             dist.destroy_process_group()
             continue
-        code = tandem(command)
+        code = script_main(command["script"])(command["argv"]) if isinstance(command, dict) else tandem(command)
         if code:
             return code
     return 0

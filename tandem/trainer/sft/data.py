@@ -87,8 +87,19 @@ def tokenize_records(records: list[tuple[dict[str, Any], str]], tokenizer, loss_
     tokenized in one call, as `tokenizer.encode(text, add_special_tokens=False)` tokenizes one."""
     rows = [_row_texts(record, tokenizer, loss_roles, where) for record, where in records]
     texts = [text for row in rows for text in row.texts]
-    ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    ids = iter(encode_texts(tokenizer, texts) if texts else [])
     return [row.sample([list(next(ids)) for _ in row.texts]) for row in rows]
+
+
+def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of each text, as `tokenizer.encode(text, add_special_tokens=False)` gives them. A tokenizer over a
+    `tokenizers` backend hands the batch to it directly: transformers' own batch call wraps the same ids in attention
+    masks and a `BatchEncoding`, a large share of the tokenizing's CPU (timings: `benchmarks/RESULTS.md`)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or backend.truncation or backend.padding  # settings transformers' call resets before encoding
+            or backend.encode_special_tokens != getattr(tokenizer, "split_special_tokens", False)):
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def _row_texts(record: dict[str, Any], tokenizer, loss_roles: list[str], where: str) -> _RowTexts:
