@@ -31,6 +31,11 @@ draft model keeps the engine's ordinary path: its drafts decide which rows the p
 The multi-token prediction layer of GLM-5 and DeepSeek-V3 checkpoints drafts from the policy's own hidden
 states (`MtpProposer`): its entries live beside the policy's in the same latent cache, written as the policy runs.
 
+On a decode server (prefill/decode disaggregation) a prompt prefilled elsewhere samples its first token from the
+handed logits row in the step that takes it over, as a sequence with no drafts after the batch's own (one row of
+`verify`'s); the proposer then drafts for it from what it was handed (`Proposer.take_over`, given the prefill
+server's `Proposer.handed_state`), as if this engine had computed the prompt.
+
 A step drafts only where the proposer judges it worth it (`Proposer.worth_drafting`; n-gram drafts from how
 often prompt lookup would have guessed each sequence's recent tokens), else it is a plain decode step. With CUDA
 graphs, a step whose sequences all decode replays a verifying graph of k + 1 tokens a sequence
