@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from test_prefilled import prefill_on
 
 from tandem.config.base import ModelConfig
@@ -40,6 +41,9 @@ def run_all(engine, results: dict, max_steps: int | None = None) -> dict:
     while engine.has_unfinished and (max_steps is None or steps < max_steps):
         steps += 1
         for out in engine.step():
+            if out.prefilled is not None:  # a prefill-only request's result
+                results[out.request_id] = out.prefilled
+                continue
             r = results.setdefault((out.request_id, out.index), {"ids": [], "logprobs": []})
             r["ids"] += out.token_ids
             r["logprobs"] += out.logprobs
@@ -114,6 +118,33 @@ def test_a_handed_prompt_joins_a_verifying_step_and_the_tokens_are_one_engines(s
     assert ("handed", True, 0) in verified and any(r == "busy" and d > 0 for r, _, d in verified)
     assert got["handed", 0]["accepted"] > 0  # the sample that continued from the handed blocks
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_a_speculating_prefill_engine_hands_a_prompt_over_from_a_step_that_verifies_drafts(sharp_dir):
+    """A prefill server serves its own requests too: a prompt computed for a decode server beside a sequence whose
+    drafts the step verifies (its rows after that sequence's 1 + drafts) hands over the blocks and logits row of an
+    engine without speculation, and the other sequence's tokens are those without speculation."""
+    speculative = {"method": "ngram", "num_tokens": 3, "min_expected_tokens": 0}
+    engine = exact_engine(sharp_dir, speculative)
+    hand_off = engine._hand_off
+    drafts_beside = []
+
+    def recording(logits, sampling, drafts):
+        drafts_beside.extend(len(d) for d in drafts)
+        return hand_off(logits, sampling, drafts)
+
+    engine._hand_off = recording
+    engine.add_request("busy", BUSY_PROMPT, BUSY)
+    results = run_all(engine, {}, max_steps=2)
+    engine.add_prefill("p", HANDED_PROMPT)
+    results = run_all(engine, results)
+    assert drafts_beside == [3, 0]  # the busy request's 3 drafts, the prompt's none
+    want = prefill_on(exact_engine(sharp_dir, {}), HANDED_PROMPT)
+    assert torch.equal(results["p"].logits, want.logits) and torch.equal(results["p"].kv_blocks, want.kv_blocks)
+    plain = exact_engine(sharp_dir, {})
+    plain.add_request("busy", BUSY_PROMPT, BUSY)
+    assert tokens_and_logprobs({"busy": results["busy", 0]}) == tokens_and_logprobs({"busy": run_all(plain, {})["busy", 0]})
+    assert results["busy", 0]["accepted"] > 0
 
 
 def test_a_draft_model_that_skipped_the_handed_prompt_would_draft_otherwise(sharp_dir):
