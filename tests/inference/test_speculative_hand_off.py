@@ -29,10 +29,13 @@ BUSY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 HANDED = SamplingParams(max_tokens=16, temperature=1.0, seed=2, ignore_eos=True)
 
 
-def exact_engine(folder, speculative: dict):
+def exact_engine(folder, speculative: dict, overlap: bool = False):
+    """`overlap`: what CUDA does by default (launch a step before reading the last), which n-gram drafts keep."""
     config = EngineConfig(device="cpu", num_blocks=128, block_size=16, max_model_len=256, max_num_batched_tokens=256,
                           speculative=speculative)
-    return build_engine(ModelConfig(name=str(folder)), config, seed=0, exact=True)
+    engine = build_engine(ModelConfig(name=str(folder)), config, seed=0, exact=True)
+    engine.overlap = overlap
+    return engine
 
 
 def run_all(engine, results: dict, max_steps: int | None = None) -> dict:
@@ -97,8 +100,9 @@ def tokens_and_logprobs(results: dict) -> dict:
     return {key: (r["ids"], r["logprobs"]) for key, r in results.items()}
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_a_handed_prompt_joins_a_verifying_step_and_the_tokens_are_one_engines(sharp_dir, method):
+@pytest.mark.parametrize("method, overlap", [("ngram", False), ("ngram", True), ("draft_model", False)],
+                         ids=["ngram", "ngram-overlap", "draft_model"])
+def test_a_handed_prompt_joins_a_verifying_step_and_the_tokens_are_one_engines(sharp_dir, method, overlap):
     """The handed prompt's first token is sampled, as a sequence with no drafts, in a step that verifies the busy
     request's drafts; then it drafts too (n-gram: its index holds the handed prompt; a draft model: it ran its own
     prefill over the prompt). Bit for bit the tokens and logprobs of one engine with the same drafts, and of one
@@ -107,10 +111,10 @@ def test_a_handed_prompt_joins_a_verifying_step_and_the_tokens_are_one_engines(s
                    else {"method": "draft_model", "draft_model": str(sharp_dir), "num_tokens": 3})
     prefilled = prefill_on(exact_engine(sharp_dir, speculative), HANDED_PROMPT)
     assert prefilled.draft_state is None  # n-gram and draft-model drafts need nothing but the blocks
-    decode = exact_engine(sharp_dir, speculative)
+    decode = exact_engine(sharp_dir, speculative, overlap)
     verified = record_verified(decode)
     got = serve(decode, prefilled)
-    colocated = serve(exact_engine(sharp_dir, speculative))
+    colocated = serve(exact_engine(sharp_dir, speculative, overlap))
     plain = serve(exact_engine(sharp_dir, {}))
     assert decode.num_prefilled_taken == 1 and len(got) == 3
     assert got == colocated
@@ -118,6 +122,19 @@ def test_a_handed_prompt_joins_a_verifying_step_and_the_tokens_are_one_engines(s
     assert ("handed", True, 0) in verified and any(r == "busy" and d > 0 for r, _, d in verified)
     assert got["handed", 0]["accepted"] > 0  # the sample that continued from the handed blocks
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_handed_prompt_alone_samples_its_first_token_in_a_step_with_no_forward(sharp_dir, method):
+    """Nothing else runs: the step that samples the handed row computes nothing, and the draft sees no step."""
+    speculative = {"method": method, "num_tokens": 3, **({"draft_model": str(sharp_dir)} if method == "draft_model"
+                                                         else {"min_expected_tokens": 0})}
+    prefilled = prefill_on(exact_engine(sharp_dir, speculative), HANDED_PROMPT)
+    decode, colocated = exact_engine(sharp_dir, speculative), exact_engine(sharp_dir, speculative)
+    decode.add_prefilled("handed", HANDED_PROMPT, HANDED, 1, True, prefilled)
+    colocated.add_request("handed", HANDED_PROMPT, HANDED)
+    got = run_all(decode, {})
+    assert got == run_all(colocated, {}) and got["handed", 0]["accepted"] > 0
 
 
 def test_a_speculating_prefill_engine_hands_a_prompt_over_from_a_step_that_verifies_drafts(sharp_dir):

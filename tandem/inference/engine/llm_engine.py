@@ -397,7 +397,7 @@ class LLMEngine:
         # Only a `PendingSample` is ever in flight: a verifying step is read at once.
         previous_tokens = self.in_flight.sample.tokens if self.in_flight is not None else None
         logits = self.runner.run(batch, previous_tokens) if batch.seqs else None
-        if self.speculator is not None:
+        if self.speculator is not None and batch.seqs:  # none: a step that samples handed prompts' rows alone
             self.speculator.observe(batch)
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         num_prefill_tokens = 0 if self.step_records is None else sum(

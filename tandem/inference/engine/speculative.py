@@ -381,7 +381,8 @@ class MtpProposer:
     position with the logits row (`handed_state`), so the decode server's draft step 0 writes the last entry and
     drafts as one server's would (`take_over`). Without that state a sequence drafts from its second step on, its
     last prompt position's entry left as the prefill server wrote it (with no token after it): worse drafts there,
-    never other tokens."""
+    never other tokens. So is an entry that a prefill server wrote at the end of an earlier prompt and hands again
+    from its prefix cache (a block the decode server no longer holds)."""
 
     def __init__(self, runner: PagedModelRunner, sampler: Sampler, sampled: bool, max_num_seqs: int):
         """`runner`: the policy's, keeping each step's forward (`PagedModelRunner.keep_forward`)."""
