@@ -238,6 +238,9 @@ class EngineConfig(Section):
     """Speculative decoding (off by default). A draft model or MTP drafts need `overlap_steps` = false on CUDA; n-gram
     drafts overlap the steps that do not draft. With `[run] exact` the
     verifying forward computes each token as a decode step would, so the logprobs stay the trainer's bit for bit.
+    With prefill/decode disaggregation a decode server speculates as a colocated server does (a draft model
+    prefills a handed prompt itself); `mtp` needs its prefill servers to set the same method, which then write
+    the layer's entries into the blocks they hand over (`tandem rl` gives every server the same `engine`).
     The vLLM backend gets the same drafts as its `--speculative-config` (`docs/vllm.md`)."""
 
 
@@ -249,7 +252,9 @@ class DisaggregationConfig(Section):
 
     role: Literal["colocated", "prefill", "decode"] = "colocated"
     """`colocated`: one server prefills and decodes (the default). `prefill`: computes prompts for decode servers
-    (`POST /prefill`) and serves the API as any server. `decode`: hands long prompts to `prefill_urls`."""
+    (`POST /prefill`) and serves the API as any server. `decode`: hands long prompts to `prefill_urls`. Either
+    role takes `engine.speculative`; with `mtp` a decode server's prefill servers need it too (their blocks carry
+    the layer's entries: a decode server refuses, at start-up, a prefill server whose blocks do not)."""
 
     prefill_urls: list[str] = []
     """`decode`: base URLs of the prefill servers; each must answer at start-up, else the server exits naming it."""
@@ -405,14 +410,9 @@ class InferenceConfig(ProcessConfig):
     @model_validator(mode="after")
     def _check_disaggregation_can_hold(self) -> "InferenceConfig":
         role = self.disaggregation.role
-        if role == "colocated":
-            return self
-        if self.backend != "tandem":
+        if role != "colocated" and self.backend != "tandem":
             raise ValueError(f"`disaggregation.role` = {role!r} needs `backend` = 'tandem': the KV hand-off is tandem's "
                              "engine's")
-        if self.engine.speculative.enabled:
-            raise ValueError(f"`disaggregation.role` = {role!r} with `engine.speculative`: a step that verifies drafts "
-                             "cannot also sample a prompt prefilled elsewhere yet; turn one of them off")
         return self
 
     @model_validator(mode="after")

@@ -263,9 +263,9 @@ def test_a_decode_server_needs_prefill_servers_and_roles_need_tandems_engine(tin
         DisaggregationConfig(role="decode")
     with pytest.raises(ValueError, match=r"`forward_updates_to` names \['http://b'\], which `prefill_urls` does not list"):
         DisaggregationConfig(role="decode", prefill_urls=["http://a"], forward_updates_to=["http://b"])
-    with pytest.raises(ValueError, match=r"`disaggregation.role` = 'prefill' with `engine.speculative`"):
+    with pytest.raises(ValueError, match=r"`disaggregation.role` = 'prefill' needs `backend` = 'tandem'"):
         InferenceConfig.model_validate({"model": {"name": str(tiny_dir)}, "disaggregation": {"role": "prefill"},
-                                        "engine": {"speculative": {"method": "ngram"}}})
+                                        "backend": "vllm"})
 
 
 def test_a_transformers_model_is_refused_in_a_pool(tmp_path):

@@ -8,12 +8,10 @@ import pytest
 import torch
 from counting_head import give_counting_head, give_counting_mtp_layer
 from inference_helpers import make_config, teacher_forced_logprobs
-from pydantic import ValidationError
 from test_admin import metric
 from test_engine import engine_for, run
 from test_speculative import seeded_requests
 
-from tandem.config.inference import InferenceConfig
 from tandem.inference.admin_api import read_update_folder
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.server import BackgroundServer
@@ -178,15 +176,6 @@ def test_a_model_without_an_mtp_layer_is_refused(tiny_dir, tmp_path):
         with pytest.raises(ValueError, match="`engine.speculative.method` = 'mtp'") as err:
             mtp_engine(folder)
         assert str(folder) in str(err.value) and reason in str(err.value)
-
-
-@pytest.mark.parametrize(("settings", "expected"), [
-    ({"disaggregation": {"role": "prefill"}}, "with `engine.speculative`"),
-])
-def test_mtp_is_refused_where_speculation_is(tiny_dir, settings, expected):
-    with pytest.raises(ValidationError, match=expected.replace(".", r"\.")):
-        InferenceConfig.model_validate({"model": {"name": str(tiny_dir)},
-                                        "engine": {"speculative": {"method": "mtp"}}, **settings})
 
 
 def test_the_memory_plan_counts_the_mtp_layers_entries(tmp_path):

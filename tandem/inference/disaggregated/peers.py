@@ -61,7 +61,8 @@ class PrefillPeers:
             if info.cache_layout != cache_layout:
                 raise PeerUnreachable(f"the prefill server {url} keeps KV blocks of {info.cache_layout}; this decode "
                                       f"server keeps {cache_layout} (`model.name`, `engine.kv_cache_dtype`, "
-                                      "`model.dtype`): both pools must serve one model alike")
+                                      "`model.dtype`, `engine.speculative.method` = 'mtp', whose layer's entries are "
+                                      "layers of a latent cache): both pools must serve one model alike")
             try:
                 self.transport.connect(url, self.timeout_s, self.headers)
             except TransferError as err:
@@ -119,7 +120,7 @@ class PrefillPeers:
                     return None
                 response.raise_for_status()
                 answer = msgspec.json.decode(response.content, type=PrefillAnswer)
-                kv_blocks, logits = await self.transport.receive(self.client, url, answer)
+                kv_blocks, logits, *draft_state = await self.transport.receive(self.client, url, answer)
         except (httpx.HTTPError, TransferError, TimeoutError, msgspec.DecodeError, ValueError) as err:
             self.num_failed += 1
             self._down_until[url] = time.monotonic() + self.retry_s
@@ -129,7 +130,8 @@ class PrefillPeers:
         finally:
             self._in_flight[url] -= 1
         self.num_handed += 1
-        return PrefilledPrompt(kv_blocks, logits, answer.weight_version, answer.first_block)
+        return PrefilledPrompt(kv_blocks, logits, answer.weight_version, answer.first_block,
+                               draft_state[0] if draft_state else None)
 
     async def forward_update(self, path: str, version: int) -> None:
         """Have the prefill servers of `forward_updates_to` load `path` as policy `version`. One that fails keeps

@@ -58,7 +58,7 @@ async def prefill(body: PrefillRequest, request: Request) -> JSON:
         raise APIError(400, str(err), "prompt_token_ids") from None
     prefilled = await served.engine.prefill(random_id(), body.prompt_token_ids, body.first_block)
     _check_version(prefilled.weight_version, body.weight_version)
-    tensors = [prefilled.kv_blocks, prefilled.logits]
+    tensors = [prefilled.kv_blocks, prefilled.logits] + ([prefilled.draft_state] if prefilled.draft_state is not None else [])
     transfer_id = request.app.state.held_prefills.put(tensors)
     return JSON(PrefillAnswer(transfer_id, prefilled.weight_version, prefilled.first_block,
                               [TensorSpec.of(t) for t in tensors]))

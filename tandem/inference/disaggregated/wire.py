@@ -42,8 +42,9 @@ class PrefillAnswer(msgspec.Struct):
     weight_version: int
     first_block: int
     tensors: list[TensorSpec]
-    """The KV blocks (as the cache exports them: `KVCache.export_blocks`, `LatentCache.export_blocks`) and the last
-    logits row ([vocab])."""
+    """The KV blocks (as the cache exports them: `KVCache.export_blocks`, `LatentCache.export_blocks`), the last
+    logits row ([vocab]) and, where the prefill server's speculative draft keeps one, what the decode server's
+    needs (`PrefilledPrompt.draft_state`)."""
 
 
 class PrefillInfo(msgspec.Struct):

@@ -303,6 +303,8 @@ class LLMEngine:
         if self.step_records is not None:
             self.step_records.num_imported_tokens += first.num_prompt_tokens - num_cached * self.block_manager.block_size
         first.num_computed_tokens = first.num_prompt_tokens
+        if self.speculator is not None:
+            self.speculator.take_over(first, num_cached * self.block_manager.block_size, prefilled.draft_state)
         self.block_manager.register_computed_blocks(first)
         self.scheduler.add_running(first)
         self.prefilled.append((first, prefilled.logits))
@@ -395,7 +397,7 @@ class LLMEngine:
         # Only a `PendingSample` is ever in flight: a verifying step is read at once.
         previous_tokens = self.in_flight.sample.tokens if self.in_flight is not None else None
         logits = self.runner.run(batch, previous_tokens) if batch.seqs else None
-        if self.speculator is not None:
+        if self.speculator is not None and batch.seqs:  # none: a step that samples handed prompts' rows alone
             self.speculator.observe(batch)
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         num_prefill_tokens = 0 if self.step_records is None else sum(
@@ -404,10 +406,11 @@ class LLMEngine:
             seq.num_computed_tokens += num_new - len(seq_drafts)  # drafts count once accepted (`Sequence.accept_draft`)
             self.block_manager.register_computed_blocks(seq)
         routed_rows = self.runner.routed_experts
+        drafts = [batch.drafts[i] for i in sampled]
         if any(batch.seqs[i].hand_off_from_block is not None for i in sampled):
-            kept = self._hand_off(logits, [batch.seqs[i] for i in sampled])
-            logits, sampled = logits[kept], [sampled[row] for row in kept]
-            routed_rows = routed_rows[kept] if routed_rows is not None else None
+            kept, rows = self._hand_off(logits, [batch.seqs[i] for i in sampled], drafts)
+            logits, sampled, drafts = logits[rows], [sampled[k] for k in kept], [drafts[k] for k in kept]
+            routed_rows = routed_rows[rows] if routed_rows is not None else None
         sampling = [batch.seqs[i] for i in sampled]
         num_own = len(sampling)
         logits = self._with_prefilled_rows(logits, sampling)
@@ -417,11 +420,11 @@ class LLMEngine:
                                             len(sampling) - num_own, bool(batch.seqs) and self.runner.replayed_graph)
         if not sampling:
             return None
-        drafts = None
-        if batch.has_drafts:
-            drafts = [batch.drafts[i] for i in sampled]
+        if batch.has_drafts:  # a sequence prefilled elsewhere samples its handed row as one with no drafts
+            drafts += [[] for _ in range(len(sampling) - num_own)]
             sample = self.speculator.verify(logits, sampling, drafts)
         else:
+            drafts = None
             sample = self.sampler.sample(logits, sampling)
         for row, seq in enumerate(sampling):
             seq.mark_pending(row)
@@ -430,21 +433,28 @@ class LLMEngine:
             routed = HostRead([routed_rows])  # rows of the batch's own sequences, which come first
         return LaunchedStep(sampling, sample, self.weight_version, routed, drafts, any(batch.num_lookahead), shape)
 
-    def _hand_off(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[int]:
-        """Finish the prefill-only sequences among `sampling` (rows of `logits`) with their KV blocks and logits
-        row as outputs of this step; returns the rows of the others."""
-        kept = []
-        for row, seq in enumerate(sampling):
+    def _hand_off(self, logits: torch.Tensor, sampling: list[Sequence], drafts: list[list[int]]
+                  ) -> tuple[list[int], list[int]]:
+        """Finish the prefill-only sequences among `sampling` with their KV blocks and logits row as outputs of this
+        step (`logits`: 1 + `drafts` rows per sequence; a prefill-only one has no drafts, so one row); returns the
+        others' indices in `sampling` and their rows of `logits`."""
+        kept, rows = [], []
+        end = 0
+        for k, (seq, seq_drafts) in enumerate(zip(sampling, drafts)):
+            row, end = end, end + 1 + len(seq_drafts)
             if seq.hand_off_from_block is None:
-                kept.append(row)
+                kept.append(k)
+                rows.extend(range(row, end))
                 continue
             blocks = self.runner.cache.export_blocks(seq.block_table[seq.hand_off_from_block:])
-            prefilled = PrefilledPrompt(blocks, logits[row].clone(), self.weight_version, seq.hand_off_from_block)
+            draft_state = self.speculator.handed_state(seq) if self.speculator is not None else None
+            prefilled = PrefilledPrompt(blocks, logits[row].clone(), self.weight_version, seq.hand_off_from_block,
+                                        draft_state)
             self.handed_off.append(SequenceOutput(seq.request_id, seq.index, [], [], [], "", "prefilled",
                                                   self.weight_version, prefilled=prefilled))
             self.scheduler.finish(seq, "prefilled")
             self.requests.pop(seq.request_id, None)
-        return kept
+        return kept, rows
 
     def _with_prefilled_rows(self, logits: torch.Tensor | None, sampling: list[Sequence]) -> torch.Tensor | None:
         """`logits` with a row appended for each sequence prefilled elsewhere that still waits for its first token
@@ -454,7 +464,6 @@ class LLMEngine:
         self.prefilled = []
         if not ready:
             return logits
-        assert self.speculator is None, "speculative decoding verifies drafts in the batch's own rows"
         rows = [row.to(self.device) for _, row in ready]
         dtype = logits.dtype if logits is not None else rows[0].dtype
         sampling += [seq for seq, _ in ready]

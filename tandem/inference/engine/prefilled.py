@@ -25,3 +25,6 @@ class PrefilledPrompt:
     """The weights that computed both; a decode engine holding others prefills the prompt itself."""
     first_block: int = 0
     """Leading blocks left out: the decode engine said its prefix cache held them."""
+    draft_state: torch.Tensor | None = None
+    """What the decode engine's speculative draft needs besides the blocks (`Proposer.handed_state`: the MTP
+    layer's, the policy's hidden state at the last prompt position); None where the prefill engine keeps none."""

@@ -225,7 +225,8 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
     elif draft is not None:
         draft_runner = PagedModelRunner(draft, cache_for(draft, num_blocks, engine.block_size, device, fp8_cache), device,
                                         engine.max_num_seqs, max_model_len, cuda_graphs=False)
-        speculator = Speculator(DraftModelProposer(draft_runner, sampler, spec.draft_sampling == "sampled"), sampler)
+        speculator = Speculator(DraftModelProposer(draft_runner, sampler, spec.draft_sampling == "sampled",
+                                                   engine.max_num_batched_tokens), sampler)
     elif mtp:
         speculator = Speculator(MtpProposer(runner, sampler, spec.draft_sampling == "sampled", engine.max_num_seqs), sampler)
     return LLMEngine(

@@ -31,6 +31,11 @@ draft model keeps the engine's ordinary path: its drafts decide which rows the p
 The multi-token prediction layer of GLM-5 and DeepSeek-V3 checkpoints drafts from the policy's own hidden
 states (`MtpProposer`): its entries live beside the policy's in the same latent cache, written as the policy runs.
 
+On a decode server (prefill/decode disaggregation) a prompt prefilled elsewhere samples its first token from the
+handed logits row in the step that takes it over, as a sequence with no drafts after the batch's own (one row of
+`verify`'s); the proposer then drafts for it from what it was handed (`Proposer.take_over`, given the prefill
+server's `Proposer.handed_state`), as if this engine had computed the prompt.
+
 A step drafts only where the proposer judges it worth it (`Proposer.worth_drafting`; n-gram drafts from how
 often prompt lookup would have guessed each sequence's recent tokens), else it is a plain decode step. With CUDA
 graphs, a step whose sequences all decode replays a verifying graph of k + 1 tokens a sequence
@@ -190,6 +195,16 @@ class Proposer(Protocol):
         """See the step the policy just ran."""
         ...
 
+    def handed_state(self, seq: Sequence) -> torch.Tensor | None:
+        """A prefill server: what a decode server's proposer needs, besides the blocks, to draft for `seq`, whose
+        prompt this engine just computed to hand over (`take_over` reads it); None: nothing."""
+        ...
+
+    def take_over(self, seq: Sequence, start: int, state: torch.Tensor | None) -> None:
+        """A decode server: `seq`'s prompt from position `start` on was computed by another engine, whose blocks
+        the caller wrote into the policy's cache, with that engine's `handed_state` (None without one)."""
+        ...
+
 
 class NgramProposer:
     MOST_QUIET_STEPS = 32
@@ -257,6 +272,12 @@ class NgramProposer:
     def observe(self, batch: ScheduledBatch) -> None:
         pass
 
+    def handed_state(self, seq: Sequence) -> torch.Tensor | None:
+        return None
+
+    def take_over(self, seq: Sequence, start: int, state: torch.Tensor | None) -> None:
+        """Nothing to do: a sequence's index is built from its tokens, the handed prompt's included, when first read."""
+
 
 @dataclass
 class DraftPosition:
@@ -264,7 +285,9 @@ class DraftPosition:
 
     It offers what the step inputs read of a `Sequence` (`step_inputs.py`): a draft the host has not read is,
     like a pending token, the previous draft step's token on the device (row `pending_row`), so a draft step is a
-    decode step and the draft steps of a sequence run without waiting for the host."""
+    decode step and the draft steps of a sequence run without waiting for the host. The draft model's prefill of a
+    handed prompt (`DraftModelProposer.take_over`) computes a chunk of known tokens from `num_computed_tokens` on
+    the same way, and samples nothing."""
 
     token_ids: list[int]
     block_table: list[int]
@@ -278,13 +301,22 @@ class DraftPosition:
 
 class DraftModelProposer:
     """A smaller model of the same vocabulary drafts, greedily or at the request's temperature and filters, one
-    decode step per draft over the sequences that still draft."""
+    decode step per draft over the sequences that still draft.
 
-    def __init__(self, runner: PagedModelRunner, sampler: Sampler, sampled: bool):
+    A prompt prefilled by another engine (prefill/decode disaggregation) has no entries in the draft's cache: the
+    draft never ran it. This engine runs the draft's prefill over it as it takes it over (`take_over`), rather
+    than having the prefill server run the draft too and hand its blocks: the draft is small, so its prefill costs
+    a fraction of the policy's, and the prefill server then needs no draft model, no second cache to ship and no
+    second layout to agree on. The draft's entries are those it computes on one server, so its drafts are too."""
+
+    def __init__(self, runner: PagedModelRunner, sampler: Sampler, sampled: bool, max_chunk_tokens: int):
         self.runner = runner
         self.sampler = sampler
         """Whose shared generator draws the noise of sequences without a seed."""
         self.sampled = sampled
+        self.max_chunk_tokens = max_chunk_tokens
+        """Most tokens of a handed prompt in one forward of the draft (`engine.max_num_batched_tokens`, which its
+        activations are sized for)."""
 
     def worth_drafting(self, seqs: list[Sequence], num_drafts: int) -> bool:
         """Always: the draft's own cache follows every step, and how often it is right shows only in verifying."""
@@ -310,6 +342,17 @@ class DraftModelProposer:
     def observe(self, batch: ScheduledBatch) -> None:
         self.runner.run(batch)
 
+    def handed_state(self, seq: Sequence) -> torch.Tensor | None:
+        return None
+
+    def take_over(self, seq: Sequence, start: int, state: torch.Tensor | None) -> None:
+        """The draft's prefill over the handed tokens, in chunks, into its cache's slots of the policy's blocks."""
+        for first in range(start, seq.num_prompt_tokens, self.max_chunk_tokens):
+            chunk = ScheduledBatch()
+            num_new = min(self.max_chunk_tokens, seq.num_prompt_tokens - first)
+            chunk.add(DraftPosition(seq.token_ids, seq.block_table, first, -1), num_new)
+            self.runner.run(chunk)
+
 
 class MtpProposer:
     """The policy's own multi-token prediction layer drafts (GLM-5, DeepSeek-V3: `glm_moe_dsa.MultiTokenPrediction`):
@@ -330,7 +373,16 @@ class MtpProposer:
     those positions.
 
     Entries in a block shared by prefix caching are those of the sequence that wrote them: where the token after
-    a shared block differs, a draft is worse, never the emitted tokens, which are the policy's."""
+    a shared block differs, a draft is worse, never the emitted tokens, which are the policy's.
+
+    Prefill/decode disaggregation: a prefill server with the same `engine.speculative` runs the layer over the
+    prompts it computes, as here, so the entries travel in the handed blocks (its cache has the layer's layers too,
+    and a decode server takes blocks of its own layout only); it hands the policy's hidden state at the last prompt
+    position with the logits row (`handed_state`), so the decode server's draft step 0 writes the last entry and
+    drafts as one server's would (`take_over`). Without that state a sequence drafts from its second step on, its
+    last prompt position's entry left as the prefill server wrote it (with no token after it): worse drafts there,
+    never other tokens. So is an entry that a prefill server wrote at the end of an earlier prompt and hands again
+    from its prefix cache (a block the decode server no longer holds)."""
 
     def __init__(self, runner: PagedModelRunner, sampler: Sampler, sampled: bool, max_num_seqs: int):
         """`runner`: the policy's, keeping each step's forward (`PagedModelRunner.keep_forward`)."""
@@ -408,6 +460,16 @@ class MtpProposer:
         ids = to_device(following, torch.long, forward.hidden.device)
         self.model.predict_after_next(forward.hidden[None], ids[None], forward.inputs.positions[None], forward.attention)
 
+    def handed_state(self, seq: Sequence) -> torch.Tensor | None:
+        """The policy's final hidden state [hidden] at the prompt's last position, kept from the step that computed it."""
+        kept = self._hidden.get(seq)
+        return kept[1][0] if kept is not None else None
+
+    def take_over(self, seq: Sequence, start: int, state: torch.Tensor | None) -> None:
+        """Keep the handed hidden state, as if this engine's step had computed the prompt's last position."""
+        if state is not None:
+            self._hidden[seq] = seq.num_prompt_tokens - 1, state[None]
+
 
 class VerifiedSample:
     """A verifying step's emitted tokens on their way to the host; `result()` also sets seeded generators back
@@ -465,6 +527,12 @@ class Speculator:
 
     def observe(self, batch: ScheduledBatch) -> None:
         self.proposer.observe(batch)
+
+    def handed_state(self, seq: Sequence) -> torch.Tensor | None:
+        return self.proposer.handed_state(seq)
+
+    def take_over(self, seq: Sequence, start: int, state: torch.Tensor | None) -> None:
+        self.proposer.take_over(seq, start, state)
 
     def verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> VerifiedSample:
         """logits: per sequence, one row for its last token and one per draft ([sum(1 + d), V])."""
