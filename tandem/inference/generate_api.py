@@ -36,5 +36,5 @@ async def generate(body: GenerateRequest, request: Request) -> JSON:
         "prompt_token_ids": body.prompt_token_ids,
         "choices": [choice_json(c, body.return_routed_experts) for c in choices],
         "weight_version": served.answer_version(is_base),
-        "usage": served.usage(len(body.prompt_token_ids), choices),
+        "usage": served.usage(len(body.prompt_token_ids), sum(len(c.token_ids) for c in choices), choices),
     })

@@ -94,7 +94,8 @@ async def completions(body: CompletionRequest, request: Request):
                 choice["prompt_token_ids"], choice["token_ids"] = prompt, c.token_ids
             choices.append(choice)
     response = {**meta, "object": "text_completion", "choices": choices, "weight_version": served.answer_version(is_base),
-                "usage": served.usage(sum(map(len, prompts)), [c for r in results for c in r])}
+                "usage": served.usage(sum(map(len, prompts)), sum(len(c.token_ids) for r in results for c in r),
+                                      [c for r in results for c in r])}
     if body.return_token_ids and len(prompts) == 1:
         response["prompt_token_ids"] = prompts[0]
     return JSON(response)
@@ -136,12 +137,14 @@ async def _merged(served: Served, prompts: list[list[int]], params: list, n: int
 async def _completion_stream(served: Served, body: CompletionRequest, prompts, params, meta,
                              is_base: bool) -> AsyncIterator[str]:
     chunk = {**meta, "object": "text_completion"}
-    choices = {k * body.n + i: Choice(i) for k in range(len(prompts)) for i in range(body.n)}
+    counts = [0] * len(prompts)
+    last: dict[int, SequenceOutput] = {}  # each choice's latest output: its draft counts run over all its steps
     started: set[int] = set()  # choices that had their first chunk
     try:
         async for k, out in _merged(served, prompts, params, body.n, is_base):
+            counts[k] += len(out.token_ids)
             index = k * body.n + out.index
-            choices[index].add(out)
+            last[index] = out
             choice: dict[str, Any] = {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
             if body.logprobs is not None:
                 choice["logprobs"] = legacy_logprobs(served, out.token_ids, out.logprobs, out.top_logprobs, body.logprobs > 0)
@@ -154,7 +157,7 @@ async def _completion_stream(served: Served, body: CompletionRequest, prompts, p
                 choice["weight_version"] = out.weight_version
             yield sse({**chunk, "choices": [choice]})
         if body.stream_options and body.stream_options.include_usage:
-            yield sse({**chunk, "choices": [], "usage": served.usage(sum(map(len, prompts)), list(choices.values()))})
+            yield sse({**chunk, "choices": [], "usage": served.usage(sum(map(len, prompts)), sum(counts), last.values())})
     except APIError as err:
         yield sse(error_body(err.status, err.message, err.param))
     yield sse("[DONE]")
@@ -218,7 +221,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             choice["token_ids"] = c.token_ids
         choices.append(choice)
     response = {**meta, "object": "chat.completion", "choices": choices, "weight_version": served.answer_version(is_base),
-                "usage": served.usage(len(prompt), results)}
+                "usage": served.usage(len(prompt), sum(len(c.token_ids) for c in results), results)}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt
     return JSON(response)
@@ -260,7 +263,8 @@ async def _chat_stream(served: Served, body: ChatCompletionRequest, prompt: list
             if delta or reason is not None or body.logprobs or body.return_token_ids:  # else: text held back
                 yield sse({**chunk, "choices": [choice]})
         if body.stream_options and body.stream_options.include_usage:
-            yield sse({**chunk, "choices": [], "usage": served.usage(len(prompt), choices)})
+            yield sse({**chunk, "choices": [], "usage": served.usage(len(prompt), sum(len(c.token_ids) for c in choices),
+                                                                     choices)})
     except APIError as err:
         yield sse(error_body(err.status, err.message, err.param))
     yield sse("[DONE]")

@@ -6,7 +6,7 @@ import asyncio
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -128,17 +128,18 @@ class Served:
         """Whether the engine drafts tokens (`engine.speculative`)."""
         return self.engine.engine.speculator is not None
 
-    def usage(self, prompt_tokens: int, choices: list[Choice]) -> dict:
+    def usage(self, prompt_tokens: int, completion_tokens: int, samples: Iterable[Choice | SequenceOutput]) -> dict:
         """An answer's `usage`; when the engine speculates, `completion_tokens_details` says how many drafted tokens
-        the policy accepted and rejected for these choices (OpenAI's fields for predicted outputs, the same idea:
-        tokens proposed ahead and checked), which an RL run logs as its drafts' acceptance."""
-        completion = sum(len(c.token_ids) for c in choices)
-        out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                               "total_tokens": prompt_tokens + completion}
+        the policy accepted and rejected for its samples (each one's `Choice`, or its last output, whose counts run
+        over all its steps: OpenAI's fields for predicted outputs, the same idea of tokens proposed ahead and
+        checked), which an RL run logs as its drafts' acceptance."""
+        out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                               "total_tokens": prompt_tokens + completion_tokens}
         if self.speculates:
-            accepted = sum(c.num_accepted_tokens for c in choices)
+            counted = [(s.num_draft_tokens, s.num_accepted_tokens) for s in samples]
+            drafted, accepted = sum(d for d, _ in counted), sum(a for _, a in counted)
             out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                                "rejected_prediction_tokens": sum(c.num_draft_tokens for c in choices) - accepted}
+                                                "rejected_prediction_tokens": drafted - accepted}
         return out
 
     def answer_model(self, is_base: bool) -> str:

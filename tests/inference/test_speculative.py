@@ -276,7 +276,8 @@ def test_the_recompute_path_speculates_too(tmp_path):
 
 def test_answers_and_metrics_count_drafted_and_accepted_tokens(tiny_dir):
     """Each answer's `usage.completion_tokens_details` (what an RL run logs per step; the official client reads
-    it) counts the drafts of its own tokens, and `/metrics` the server's: the answers add up to the counters."""
+    it, a stream's last chunk included) counts the drafts of its own tokens, and `/metrics` the server's: the
+    answers add up to the counters."""
     config = make_config(tiny_dir, speculative={"method": "ngram"})
     running = BackgroundServer(config)
     try:
@@ -286,6 +287,9 @@ def test_answers_and_metrics_count_drafted_and_accepted_tokens(tiny_dir):
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused")
         completed = client.completions.create(model=str(tiny_dir), prompt=[5, 6, 7, 8] * 8, max_tokens=30, temperature=0,
                                               extra_body={"ignore_eos": True})
+        streamed = [chunk.usage for chunk in client.completions.create(
+            model=str(tiny_dir), prompt=[5, 6, 7, 8] * 8, max_tokens=30, temperature=0, n=2, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}) if chunk.usage is not None]
         after = httpx.get(f"{running.url}/metrics").text
     finally:
         running.stop()
@@ -293,11 +297,12 @@ def test_answers_and_metrics_count_drafted_and_accepted_tokens(tiny_dir):
                          ("tandem_spec_decode_draft_tokens_total", "tandem_spec_decode_accepted_tokens_total"))
     assert drafted >= accepted > 0
     details = generated["usage"]["completion_tokens_details"]
-    official = completed.usage.completion_tokens_details
-    assert details["accepted_prediction_tokens"] > 0 and official.accepted_prediction_tokens > 0
-    assert details["accepted_prediction_tokens"] + official.accepted_prediction_tokens == accepted
+    assert len(streamed) == 1 and streamed[0].completion_tokens == 60
+    official = [completed.usage.completion_tokens_details, streamed[0].completion_tokens_details]
+    assert details["accepted_prediction_tokens"] > 0 and all(o.accepted_prediction_tokens > 0 for o in official)
+    assert details["accepted_prediction_tokens"] + sum(o.accepted_prediction_tokens for o in official) == accepted
     assert (details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
-            + official.accepted_prediction_tokens + official.rejected_prediction_tokens) == drafted
+            + sum(o.accepted_prediction_tokens + o.rejected_prediction_tokens for o in official)) == drafted
 
 
 def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_dir, tmp_path):

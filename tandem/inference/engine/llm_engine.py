@@ -406,10 +406,11 @@ class LLMEngine:
             seq.num_computed_tokens += num_new - len(seq_drafts)  # drafts count once accepted (`Sequence.accept_draft`)
             self.block_manager.register_computed_blocks(seq)
         routed_rows = self.runner.routed_experts
-        drafts = [batch.drafts[i] for i in sampled]
+        drafts = [batch.drafts[i] for i in sampled] if batch.has_drafts else None
         if any(batch.seqs[i].hand_off_from_block is not None for i in sampled):
             kept, rows = self._hand_off(logits, [batch.seqs[i] for i in sampled], drafts)
-            logits, sampled, drafts = logits[rows], [sampled[k] for k in kept], [drafts[k] for k in kept]
+            logits, sampled = logits[rows], [sampled[k] for k in kept]
+            drafts = [drafts[k] for k in kept] if drafts is not None else None
             routed_rows = routed_rows[rows] if routed_rows is not None else None
         sampling = [batch.seqs[i] for i in sampled]
         num_own = len(sampling)
@@ -420,11 +421,10 @@ class LLMEngine:
                                             len(sampling) - num_own, bool(batch.seqs) and self.runner.replayed_graph)
         if not sampling:
             return None
-        if batch.has_drafts:  # a sequence prefilled elsewhere samples its handed row as one with no drafts
+        if drafts is not None:  # a sequence prefilled elsewhere samples its handed row as one with no drafts
             drafts += [[] for _ in range(len(sampling) - num_own)]
             sample = self.speculator.verify(logits, sampling, drafts)
         else:
-            drafts = None
             sample = self.sampler.sample(logits, sampling)
         for row, seq in enumerate(sampling):
             seq.mark_pending(row)
@@ -433,15 +433,15 @@ class LLMEngine:
             routed = HostRead([routed_rows])  # rows of the batch's own sequences, which come first
         return LaunchedStep(sampling, sample, self.weight_version, routed, drafts, any(batch.num_lookahead), shape)
 
-    def _hand_off(self, logits: torch.Tensor, sampling: list[Sequence], drafts: list[list[int]]
+    def _hand_off(self, logits: torch.Tensor, sampling: list[Sequence], drafts: list[list[int]] | None
                   ) -> tuple[list[int], list[int]]:
         """Finish the prefill-only sequences among `sampling` with their KV blocks and logits row as outputs of this
-        step (`logits`: 1 + `drafts` rows per sequence; a prefill-only one has no drafts, so one row); returns the
+        step (`logits`: 1 + `drafts` rows per sequence, one without drafts; a prefill-only one has none); returns the
         others' indices in `sampling` and their rows of `logits`."""
         kept, rows = [], []
         end = 0
-        for k, (seq, seq_drafts) in enumerate(zip(sampling, drafts)):
-            row, end = end, end + 1 + len(seq_drafts)
+        for k, seq in enumerate(sampling):
+            row, end = end, end + 1 + (len(drafts[k]) if drafts is not None else 0)
             if seq.hand_off_from_block is None:
                 kept.append(k)
                 rows.extend(range(row, end))

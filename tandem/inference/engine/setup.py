@@ -290,17 +290,15 @@ def cache_layout(model: torch.nn.Module, fp8: bool = False, mtp: bool = False
     `mtp`: room for the multi-token prediction layers' entries too, as the layers after the blocks (their
     `layer_idx`)."""
     args = model.args
-    fp8_sizes = {"fp8": True} if fp8 else {}
     if isinstance(args, LatentMoeArgs):
         num_layers = args.num_hidden_layers + (args.num_nextn_predict_layers if mtp else 0)
         indexed = [i for i, kind in enumerate(args.indexer_types) if kind == "full"]
         indexed += list(range(args.num_hidden_layers, num_layers)) if args.has_dsa else []  # each MTP layer indexes
-        if fp8:
-            fp8_sizes["rope_dim"] = args.qk_rope_head_dim
         return LatentCache, dict(num_layers=num_layers, entry_dim=args.kv_lora_rank + args.qk_rope_head_dim,
-                                 indexed_layers=indexed, index_dim=args.index_head_dim, **fp8_sizes)
+                                 indexed_layers=indexed, index_dim=args.index_head_dim, fp8=fp8,
+                                 rope_dim=args.qk_rope_head_dim)
     return KVCache, dict(num_layers=args.num_hidden_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
-                         **fp8_sizes)
+                         fp8=fp8)
 
 
 def cache_bytes_per_block(model: torch.nn.Module, block_size: int, fp8: bool = False, mtp: bool = False) -> int:
