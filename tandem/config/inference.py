@@ -35,8 +35,8 @@ class ServerConfig(Section):
 
     max_request_bytes: int = Field(2**20, ge=1024)
     """Largest request body; a longer one is refused (413) before it is read. 1 MiB holds a 128k-token prompt
-    as token ids or as text. Parsing a body holds the event loop (about 50 ms per MiB at worst: a long list of
-    one-digit ids), so a larger limit lets one request delay every other request by that much."""
+    as token ids or as text. Parsing a body holds the event loop (tens of milliseconds per MiB, the most for a
+    long list of one-digit ids), so a larger limit lets one request delay every other request by that much."""
 
     base_model_name: str | None = None
     """With LoRA (`engine.lora`): the name the base model, without adapters, is served under beside the policy

@@ -14,6 +14,7 @@ import pytest
 from local_servers import tandem_inference
 
 from tandem.config.inference import ServerConfig
+from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 LIMIT = ServerConfig().max_request_bytes
 
@@ -67,18 +68,35 @@ def maximal(body: dict, item: str) -> bytes:
     return f'{head}[{",".join(["1"] * (room // 2))}]{tail}'.encode()
 
 
-@pytest.mark.parametrize("path, body, item", [
-    ("/v1/completions", {"model": "MODEL", "max_tokens": 1, "prompt": "@"}, "text"),
-    ("/v1/chat/completions", {"model": "MODEL", "max_tokens": 1, "messages": [{"role": "user", "content": "@"}]}, "text"),
-    ("/v1/generate", {"max_tokens": 1, "prompt_token_ids": "@"}, "ids"),
+def parse_seconds(raw: bytes, model) -> float:
+    """The fastest of three parses of `raw` into `model`, as the server parses a body: the work that holds its event
+    loop by design (`server.max_request_bytes` says how long), timed on this machine at this moment."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        model.model_validate(json.loads(raw))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@pytest.mark.parametrize("path, body, item, model", [
+    ("/v1/completions", {"model": "MODEL", "max_tokens": 1, "prompt": "@"}, "text", CompletionRequest),
+    ("/v1/chat/completions", {"model": "MODEL", "max_tokens": 1, "messages": [{"role": "user", "content": "@"}]}, "text",
+     ChatCompletionRequest),
+    ("/v1/generate", {"max_tokens": 1, "prompt_token_ids": "@"}, "ids", GenerateRequest),
 ], ids=["text-prompt", "chat-message", "token-ids"])
-def test_health_answers_within_100ms_during_a_maximal_request(server_url, tiny_dir, path, body, item):
+def test_health_waits_for_no_more_than_the_parse_of_a_maximal_request(server_url, tiny_dir, path, body, item, model):
+    """Tokenizing, templating and checking a maximal prompt run off the event loop; only the body's parse holds it.
+
+    The bound is 0.1 s plus twice the parse timed here, so that it follows the machine's speed; tokenizing a
+    maximal text on the loop would hold it for most of the request, many times its parse."""
     raw = maximal({k: str(tiny_dir) if v == "MODEL" else v for k, v in body.items()}, item)
     assert LIMIT - 16 < len(raw) <= LIMIT
+    bound = 0.1 + 2 * parse_seconds(raw, model)
     latencies, response, seconds = health_latencies_during(
         server_url, lambda: httpx.post(f"{server_url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=60))
     assert response.status_code == 400 and "context" in response.json()["error"]["message"], response.text[:300]
-    assert max(latencies) < 0.1, (max(latencies), seconds)
+    assert max(latencies) < bound, (max(latencies), bound, seconds)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
