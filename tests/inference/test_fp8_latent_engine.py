@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 from fp8_release import CHECKPOINT_SCHEME, LATENT_RELEASE, write_fp8_release
-from inference_helpers import (assert_same_tensors, check_close_to_unquantized, engine_for, fp8_rho, fp8_state, generate,
-                               teacher_forced_logprobs)
+from inference_helpers import (assert_same_tensors, check_close_to_unquantized, check_follows_fp8_scheme, engine_for, fp8_rho,
+                               fp8_state, generate, teacher_forced_logprobs)
 from safetensors.torch import load_file, save_file
 
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks
@@ -96,9 +96,8 @@ def test_the_fp8_latent_engine_computes_the_scheme_and_stays_close_to_bf16(prese
     """Prompts of 1 to 60 tokens, 24 tokens each, through the latent cache (prefill chunks expanded, decodes absorbed;
     tiny-glm5's DSA keeps 64 tokens, fewer than the longest contexts).
 
-    - Against a teacher-forced pass of the same FP8 model (the scheme): as for the other families, the activations
-      are quantized per token, so the paths differ only by the order of fp32 sums, which can move a value across an
-      e4m3 rounding boundary now and then.
+    - Against a teacher-forced pass of the same FP8 model (the scheme), as for the other families
+      (`check_follows_fp8_scheme`).
     - Against the bf16 model on the same dequantized weights, the trainer's teacher-forced forward: within FP8's reach
       (`fp8_rho` of 12 factors a block), the bound the other families meet; the bf16 engine on those weights gives
       the trainer's logprobs (within fp32 rounding), so the FP8 engine is as close to it as to the trainer."""
@@ -106,12 +105,8 @@ def test_the_fp8_latent_engine_computes_the_scheme_and_stays_close_to_bf16(prese
     engine = engine_for(folder, fp8_experts=True)
     assert isinstance(engine.runner.cache, LatentCache)
     results = generate(engine)
-    fp8_model = fp8_reference(folder)
-    differences = torch.cat([(torch.tensor(lp) - teacher_forced_logprobs(fp8_model, p, ids, t)).abs()
-                             for p, ids, lp, t in results.values()])
-    assert (differences <= 1e-5).float().mean() >= 0.9 and differences.max() <= 2.0 ** -6, differences.max()
-
     bf16_model = load_causal_lm(str(folder))
+    check_follows_fp8_scheme(results, fp8_reference(folder), bf16_model)
     check_close_to_unquantized(results, bf16_model, "cpu", FACTORS_PER_BLOCK)
     for p, ids, lp, t in generate(engine_for(folder, quantization="none")).values():
         torch.testing.assert_close(torch.tensor(lp), teacher_forced_logprobs(bf16_model, p, ids, t), atol=1e-4, rtol=0)

@@ -109,7 +109,7 @@ class Trainer:
     def __init__(self, model: Path, dims, recipe: str, compile: str = "off", stack: bool = False, fsdp: bool = False):
         self.dims = dims
         self.policy = fp8_policy(model, dims, recipe, compile=compile, stack=stack, fsdp=fsdp)
-        self.optimizer = build_optimizer(self.policy, AdamWConfig(lr=1e-2))
+        self.optimizer = build_optimizer(self.policy, AdamWConfig(lr=3e-3))
         self.scheduler = build_scheduler(self.optimizer, ConstantSchedule(), len(ONE_DOCUMENT_ROWS))
         self.objective = rl_objective(build_loss(AIPOLoss()))
 
@@ -124,8 +124,10 @@ class Trainer:
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_training_follows_bf16_closely_but_not_bitwise(tiny_model, dims, recipe):
-    """Three bf16 steps at a learning rate of 1e-2, losses of about 0.5 in size (of either sign: AIPO's advantages):
-    each FP8 loss within 0.025 of bf16's (here 0.014 at most), and not equal to it (the FP8 matmuls ran)."""
+    """Three bf16 steps at a learning rate of 3e-3, losses of about 0.5 in size (of either sign: AIPO's advantages):
+    each FP8 loss within 0.025 of bf16's, and not equal to it (the FP8 matmuls ran). A larger rate makes the third
+    step's loss depend on the first steps' roundings more than on the scheme (AdamW's first updates are the
+    gradients' signs), and how a CPU's FP8 matmul rounds varies by CPU."""
     reference = Trainer(tiny_model, dims, "off").losses()
     losses = Trainer(tiny_model, dims, recipe).losses()
     assert losses != reference
