@@ -17,11 +17,13 @@ matrices in their own blocks, stacked as the model stacks them). Embeddings, nor
 keep the model's dtype. A latent-attention block (GLM-5, DeepSeek-V3: `tandem.models.glm_moe_dsa`) holds in FP8
 what their released FP8 checkpoints hold in FP8 and the engine multiplies as a plain projection: q_a, q_b (or a
 full q), kv_a and o, its DSA indexer's wq_b and wk (not `weights_proj`, bf16 in the releases too), and the
-feed-forward's as above. Two exceptions, kept in the model's dtype (an FP8 checkpoint's copy dequantized on load):
-- `kv_b_proj`, FP8 on disk: decode never multiplies by it as a projection; its two halves are folded into the
-  queries and the attention's output (the absorbed form, `tandem.models.mla`), products with per-head slices that
-  a 128 x 128 block layout of the whole matrix does not fit, and prefill expands the cached latents with it;
-- the multi-token prediction layers (`model.mtp_layers`): a draft runs them through the model's own forward.
+feed-forward's as above; so do its multi-token prediction layers (`model.mtp_layers`: a block each, as large as a
+block of the trunk, which the engine's draft runs through the same FP8 block forward), their `eh_proj` aside (it
+mixes the embedding with the hidden state, as the embeddings and norms beside it, in the model's dtype). One
+exception, kept in the model's dtype (an FP8 checkpoint's copy dequantized on load): `kv_b_proj`, FP8 on disk:
+decode never multiplies by it as a projection; its two halves are folded into the queries and the attention's
+output (the absorbed form, `tandem.models.mla`), products with per-head slices that a 128 x 128 block layout of
+the whole matrix does not fit, and prefill expands the cached latents with it.
 
 A stacked weight may hold several matrices by rows, each in its own 128-row blocks as its checkpoint stores
 it: the experts' `gate_up_proj` holds each expert's gate and up projections (`row_parts`), so that a gate of
@@ -37,7 +39,7 @@ from torch import nn
 
 from tandem.kernels.fp8 import FP8, FP8_MAX, GROUP, INV_FP8_MAX, MIN_AMAX, BlockFp8Weight, expand_scales, fp8_linear
 from tandem.models.decoder import DecoderLayer
-from tandem.models.glm_moe_dsa import LatentAttentionBlock, MultiTokenPrediction
+from tandem.models.glm_moe_dsa import LatentAttentionBlock
 from tandem.models.layers import MLP
 from tandem.models.moe import MoE
 from tandem.models.random_init import initial_value
@@ -144,11 +146,10 @@ INDEXER_PROJECTIONS = ("wq_b", "wk")
 
 
 def quantized_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks whose layers are held in FP8: the `DecoderLayer`s, and the latent families' blocks but their
-    multi-token prediction layers (kept in the model's dtype). By `isinstance`: FSDP gives a trainer's sharded
-    blocks classes of their own, subclasses of these."""
-    return [m for m in model.modules() if isinstance(m, DecoderLayer)
-            or (isinstance(m, LatentAttentionBlock) and not isinstance(m, MultiTokenPrediction))]
+    """The blocks whose layers are held in FP8: the `DecoderLayer`s and the latent families' blocks, their
+    multi-token prediction layers included. By `isinstance`: FSDP gives a trainer's sharded blocks classes of their
+    own, subclasses of these."""
+    return [m for m in model.modules() if isinstance(m, (DecoderLayer, LatentAttentionBlock))]
 
 
 def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -223,9 +223,10 @@ class MultiTokenPrediction(LatentAttentionBlock):
         normed hidden state [B, T, hidden] that predicts token t+2.
 
         The block runs as a plain method, without the module's forward hooks: a trainer that shards this layer
-        registers `predict` as its forward (`tandem.trainer.mtp`), which gathers the parameters once for all of it."""
+        registers `predict` as its forward (`tandem.trainer.mtp`), which gathers the parameters once for all of it.
+        It is `self.forward`, so that a forward installed on this layer serves (the engine's FP8 block)."""
         x = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))
-        return self.shared_head.norm(LatentAttentionBlock.forward(self, x, cos, sin, backend, sparse)[0])
+        return self.shared_head.norm(self.forward(x, cos, sin, backend, sparse)[0])
 
 
 class LatentMoeForCausalLM(DecoderLM):

@@ -28,10 +28,10 @@ from tandem.models.weights import load_state_dict
 
 FACTORS_PER_BLOCK = 12
 """FP8 factors between a latent block's input and output: both factors of q_a, q_b, kv_a, o, gate/up and down."""
-HELD_IN_FP8 = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|indexer\.(wq_b|wk))"
+HELD_IN_FP8 = re.compile(r"model\.(layers|mtp_layers)\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|indexer\.(wq_b|wk))"
                          r"\.weight|mlp\.((shared_experts\.)?(gate|up|down)_proj\.weight|experts\.(gate_up|down)_proj))")
-"""The in-memory names of the weights the engine holds in FP8 for these families (with `fp8_experts`): not kv_b_proj,
-the indexer's weights_proj, or anything of the multi-token prediction layer (`model.mtp_layers`)."""
+"""The in-memory names of the weights the engine holds in FP8 for these families (with `fp8_experts`), the multi-token
+prediction layer's (`model.mtp_layers`) among them: not kv_b_proj, the indexer's weights_proj, or `eh_proj`."""
 PRESETS = ["tiny-glm5", "tiny-deepseek-v3"]
 
 
@@ -56,8 +56,8 @@ def fp8_reference(folder) -> torch.nn.Module:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_released_fp8_checkpoint_loads_as_it_is_and_the_rest_dequantized(preset, fp8_dirs):
-    """The FP8 weights the engine holds are the checkpoint's, bit for bit (each expert's stacked); kv_b_proj and the
-    multi-token prediction layer, FP8 on disk, are held dequantized; without `quantization` everything is."""
+    """The FP8 weights the engine holds are the checkpoint's, bit for bit (each expert's stacked), the multi-token
+    prediction layer's included; kv_b_proj, FP8 on disk, is held dequantized; without `quantization` everything is."""
     folder = fp8_dirs[preset]
     on_disk = load_file(str(folder / "model.safetensors"))
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
@@ -68,10 +68,15 @@ def test_a_released_fp8_checkpoint_loads_as_it_is_and_the_rest_dequantized(prese
     assert fp8 and all(HELD_IN_FP8.fullmatch(name) for name in fp8)
     state = engine.weight_target.state_dict()
     assert {n for n, t in state.items() if HELD_IN_FP8.fullmatch(n)} == fp8  # every one of those, and no more
-    for name in ("model.layers.1.self_attn.q_a_proj.weight", "model.layers.0.mlp.down_proj.weight",
-                 "model.layers.2.mlp.shared_experts.up_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
-        assert torch.equal(held[name].view(torch.uint8), on_disk[name].view(torch.uint8)), name
-        assert torch.equal(held[name + "_scale_inv"], on_disk[name + "_scale_inv"]), name
+    same_names = {name: name for name in ("model.layers.1.self_attn.q_a_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                                          "model.layers.2.mlp.shared_experts.up_proj.weight",
+                                          "model.layers.1.self_attn.o_proj.weight")}
+    mtp = {f"model.mtp_layers.0.{name}": f"model.layers.{layers}.{name}"
+           for name in ("self_attn.q_b_proj.weight", "mlp.shared_experts.down_proj.weight")}
+    for in_memory, disk in (same_names | mtp).items():
+        assert torch.equal(held[in_memory].view(torch.uint8), on_disk[disk].view(torch.uint8)), in_memory
+        assert torch.equal(held[in_memory + "_scale_inv"], on_disk[disk + "_scale_inv"]), in_memory
+    assert state["model.mtp_layers.0.eh_proj.weight"].dtype == torch.float32
     gate = on_disk["model.layers.1.mlp.experts.5.gate_proj.weight"]
     assert torch.equal(held["model.layers.1.mlp.experts.gate_up_proj"][5, :gate.shape[0]].view(torch.uint8),
                        gate.view(torch.uint8))
@@ -80,7 +85,7 @@ def test_a_released_fp8_checkpoint_loads_as_it_is_and_the_rest_dequantized(prese
         assert state["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
 
     dequantized = {"model.layers.1.self_attn.kv_b_proj.weight": "model.layers.1.self_attn.kv_b_proj.weight",
-                   "model.mtp_layers.0.self_attn.q_b_proj.weight": f"model.layers.{layers}.self_attn.q_b_proj.weight"}
+                   "model.mtp_layers.0.self_attn.kv_b_proj.weight": f"model.layers.{layers}.self_attn.kv_b_proj.weight"}
     unquantized = engine_for(folder, quantization="none").weight_target.state_dict()
     assert not any(t.dtype == FP8 for t in unquantized.values())
     for in_memory, disk in dict(dequantized, **{"model.layers.1.self_attn.o_proj.weight":

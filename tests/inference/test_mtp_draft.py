@@ -13,8 +13,10 @@ from test_engine import engine_for, run
 from test_speculative import seeded_requests
 
 from tandem.inference.admin_api import read_update_folder
+from tandem.inference.engine.fp8_blocks import apply_fp8_blocks
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.server import BackgroundServer
+from tandem.models.fp8 import Fp8Experts
 from tandem.models.loading import load_causal_lm
 from tandem.models.presets import PRESETS, shape_config, write_model
 
@@ -65,11 +67,18 @@ def reference_drafts(model, hidden: torch.Tensor, tokens: list[int], num_drafts:
     return drafts
 
 
-@pytest.mark.parametrize("shape, settings", [("glm5-sparse", "roomy"), ("glm5-sparse", "memory-starved"),
-                                             ("deepseek-v3", "roomy")])
-def test_drafts_are_the_mtp_layers_own(shape, settings, tmp_path):
+@pytest.mark.parametrize("shape, settings, quantization", [("glm5-sparse", "roomy", "none"),
+                                                           ("glm5-sparse", "memory-starved", "none"),
+                                                           ("deepseek-v3", "roomy", "none"), ("glm5-sparse", "roomy", "fp8")])
+def test_drafts_are_the_mtp_layers_own(shape, settings, quantization, tmp_path):
+    """Each proposal equals the layer's greedy drafts called on a teacher-forced pass. In FP8 (`engine.quantization`,
+    the layer's projections and experts held in FP8 as the trunk's are) the reference is the same FP8 model run by
+    the engine's FP8 blocks outside the engine; batching moves its activations' FP8 roundings now and then
+    (`check_follows_fp8_scheme`), so a near tie of the layer's logits may draft otherwise: most proposals are equal."""
     folder = write_model(shape_config(SHAPES[shape]), tmp_path / "m")
-    engine = mtp_engine(folder, settings)
+    fp8 = quantization == "fp8"
+    engine = engine_for(folder, speculative={"method": "mtp", "num_tokens": 3}, quantization=quantization, fp8_experts=fp8,
+                        **SETTINGS[settings])
     seen = record_drafts(engine)
     for i in range(4):
         prompt = [(7 * i + 3 * j) % 256 for j in range(5 + 9 * i)]
@@ -78,15 +87,21 @@ def test_drafts_are_the_mtp_layers_own(shape, settings, tmp_path):
     run(engine)
     if settings == "memory-starved":
         assert engine.stats().num_preemptions > 0
-    model = load_causal_lm(str(folder))
+    model = load_causal_lm(str(folder), quantization=quantization, fp8_experts=fp8)
+    if fp8:
+        assert isinstance(engine.weight_target.model.mtp_layers[0].mlp.experts, Fp8Experts)
+        apply_fp8_blocks(model, kernels=False)
     assert len(seen) > 20 and max(len(drafts) for _, _, drafts in seen) == 3
     hidden = {}  # per sequence, a teacher-forced pass over all its tokens: causal, so its rows hold for any prefix
+    equal = []
     for seq, num_tokens, drafts in seen:
         if seq not in hidden:
             with torch.no_grad():
                 hidden[seq] = model(torch.tensor([seq.token_ids]), torch.arange(seq.num_tokens)[None])[0]
         tokens = seq.token_ids[:num_tokens]
-        assert drafts == reference_drafts(model, hidden[seq][:num_tokens], tokens, len(drafts)), tokens
+        equal.append(drafts == reference_drafts(model, hidden[seq][:num_tokens], tokens, len(drafts)))
+        assert fp8 or equal[-1], tokens
+    assert sum(equal) >= 0.9 * len(equal)
 
 
 @pytest.fixture(scope="module")

@@ -130,13 +130,15 @@ def test_an_fp8_engine_takes_the_trainers_quantized_projections_as_they_are(tiny
 
 def test_an_fp8_latent_engine_takes_the_trainers_quantized_weights_as_they_are(tmp_path):
     """The same for GLM-5's latent blocks: MLA's and the indexer's FP8 projections, the feed-forwards' and the routed
-    experts' cross the group quantized; kv_b_proj and the multi-token prediction layer in the model's dtype."""
+    experts' cross the group quantized, the multi-token prediction layer's too; kv_b_proj and the layer's eh_proj in
+    the model's dtype."""
     start, policy = (init_model("tiny-glm5", tmp_path / f"glm5-{seed}", seed=seed) for seed in (0, 1))
     _, got = quantized_broadcast(start, policy, tmp_path / "run")
     fp8 = {name for name, t in got.items() if t.dtype == FP8}
     assert "model.layers.1.self_attn.q_b_proj.weight" in fp8 and "model.layers.1.mlp.experts.gate_up_proj" in fp8
     assert "model.layers.0.self_attn.indexer.wk.weight" in fp8
-    assert not any(".kv_b_proj." in name or "mtp_layers" in name for name in fp8)
+    assert "model.mtp_layers.0.self_attn.q_b_proj.weight" in fp8 and "model.mtp_layers.0.mlp.experts.down_proj" in fp8
+    assert not any(".kv_b_proj." in name or ".eh_proj." in name for name in fp8)
 
 
 def test_out_of_order_calls_are_conflicts(server):
