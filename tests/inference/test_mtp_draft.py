@@ -14,6 +14,7 @@ from test_speculative import seeded_requests
 
 from tandem.inference.admin_api import read_update_folder
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks
+from tandem.inference.engine.fused_moe import fused_moe_forward
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.server import BackgroundServer
 from tandem.models.fp8 import Fp8Experts
@@ -67,18 +68,14 @@ def reference_drafts(model, hidden: torch.Tensor, tokens: list[int], num_drafts:
     return drafts
 
 
-@pytest.mark.parametrize("shape, settings, quantization", [("glm5-sparse", "roomy", "none"),
-                                                           ("glm5-sparse", "memory-starved", "none"),
-                                                           ("deepseek-v3", "roomy", "none"), ("glm5-sparse", "roomy", "fp8")])
-def test_drafts_are_the_mtp_layers_own(shape, settings, quantization, tmp_path):
-    """Each proposal equals the layer's greedy drafts called on a teacher-forced pass. In FP8 (`engine.quantization`,
-    the layer's projections and experts held in FP8 as the trunk's are) the reference is the same FP8 model run by
-    the engine's FP8 blocks outside the engine; batching moves its activations' FP8 roundings now and then
-    (`check_follows_fp8_scheme`), so a near tie of the layer's logits may draft otherwise: most proposals are equal."""
-    folder = write_model(shape_config(SHAPES[shape]), tmp_path / "m")
+def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none", device: str = "cpu") -> None:
+    """Run prompts through an engine drafting with the MTP layer; each proposal equals the layer's greedy drafts
+    called on a teacher-forced pass: all of them on the CPU in the model's dtype; where the engine's arithmetic
+    differs from the reference's in its roundings (FP8 activations quantized per batch row, the engine's kernels on
+    CUDA), a near tie of the layer's logits may draft otherwise, so most of them."""
     fp8 = quantization == "fp8"
     engine = engine_for(folder, speculative={"method": "mtp", "num_tokens": 3}, quantization=quantization, fp8_experts=fp8,
-                        **SETTINGS[settings])
+                        device=device, **SETTINGS[settings])
     seen = record_drafts(engine)
     for i in range(4):
         prompt = [(7 * i + 3 * j) % 256 for j in range(5 + 9 * i)]
@@ -87,7 +84,7 @@ def test_drafts_are_the_mtp_layers_own(shape, settings, quantization, tmp_path):
     run(engine)
     if settings == "memory-starved":
         assert engine.stats().num_preemptions > 0
-    model = load_causal_lm(str(folder), quantization=quantization, fp8_experts=fp8)
+    model = load_causal_lm(str(folder), device, quantization=quantization, fp8_experts=fp8)
     if fp8:
         assert isinstance(engine.weight_target.model.mtp_layers[0].mlp.experts, Fp8Experts)
         apply_fp8_blocks(model, kernels=False)
@@ -97,11 +94,35 @@ def test_drafts_are_the_mtp_layers_own(shape, settings, quantization, tmp_path):
     for seq, num_tokens, drafts in seen:
         if seq not in hidden:
             with torch.no_grad():
-                hidden[seq] = model(torch.tensor([seq.token_ids]), torch.arange(seq.num_tokens)[None])[0]
+                hidden[seq] = model(torch.tensor([seq.token_ids], device=device),
+                                    torch.arange(seq.num_tokens, device=device)[None])[0]
         tokens = seq.token_ids[:num_tokens]
         equal.append(drafts == reference_drafts(model, hidden[seq][:num_tokens], tokens, len(drafts)))
-        assert fp8 or equal[-1], tokens
+        assert fp8 or device != "cpu" or equal[-1], tokens
     assert sum(equal) >= 0.9 * len(equal)
+
+
+@pytest.mark.parametrize("shape, settings, quantization", [("glm5-sparse", "roomy", "none"),
+                                                           ("glm5-sparse", "memory-starved", "none"),
+                                                           ("deepseek-v3", "roomy", "none"), ("glm5-sparse", "roomy", "fp8")])
+def test_drafts_are_the_mtp_layers_own(shape, settings, quantization, tmp_path):
+    """In FP8 (`engine.quantization`: the layer's projections and experts held in FP8 as the trunk's are) the
+    reference is the same FP8 model run by the engine's FP8 blocks outside the engine (`check_follows_fp8_scheme`
+    says how their roundings part)."""
+    check_drafts_are_the_layers(write_model(shape_config(SHAPES[shape]), tmp_path / "m"), settings, quantization)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_on_cuda_the_mtp_layers_experts_run_the_engines_kernels(quantization, tmp_path):
+    """fp32 on CUDA: the layer's mixture of experts runs the engine's fused kernels as the trunk's do (its routing not
+    recorded), in FP8 on FP8 experts, and the drafts stay the layer's own."""
+    folder = write_model(shape_config(SHAPES["glm5-sparse"]), tmp_path / "m")
+    check_drafts_are_the_layers(folder, "roomy", quantization, "cuda")
+    engine = engine_for(folder, speculative={"method": "mtp", "num_tokens": 3}, quantization=quantization,
+                        fp8_experts=quantization == "fp8", device="cuda", **SETTINGS["roomy"])
+    forward = engine.weight_target.model.mtp_layers[0].mlp.forward
+    assert forward.func is fused_moe_forward and forward.args[2] is None
 
 
 @pytest.fixture(scope="module")

@@ -70,13 +70,22 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.layers.modules() if isinstance(m, MoE)]
 
 
+def draft_moe_blocks(model: nn.Module) -> list[MoE]:
+    """The MoE feed-forwards of the model's multi-token prediction layers (`model.mtp_layers`), which a speculative
+    draft runs apart from the model's forward."""
+    layers = getattr(getattr(model, "model", None), "mtp_layers", None)
+    return [m for m in layers.modules() if isinstance(m, MoE)] if layers is not None else []
+
+
 def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, kernels: bool = True,
                     tile_table: str | None = None, max_tokens: int | None = None) -> bool:
     """Serve every MoE block of `model` with the engine's kernels, in place, and record its routing into
-    `recorder`. Where the kernels cannot run (CPU, no Triton) or must not (`kernels` false: `[run] exact`,
-    whose MoE is the model's own path, as the trainer's) the model's eager path serves and a hook on each
-    router records; returns whether the kernels serve. `tile_table`: `engine.moe_tile_table`; `max_tokens`:
-    the most tokens of one forward, up to which every tile variant is compiled now (None: none)."""
+    `recorder`; its multi-token prediction layers' too (`draft_moe_blocks`: each draft token goes through one),
+    their routing not recorded (no sampled token took it). Where the kernels cannot run (CPU, no Triton) or must
+    not (`kernels` false: `[run] exact`, whose MoE is the model's own path, as the trainer's) the model's eager
+    path serves and a hook on each router records; returns whether the kernels serve. `tile_table`:
+    `engine.moe_tile_table`; `max_tokens`: the most tokens of one forward, up to which every tile variant is
+    compiled now (None: none)."""
     blocks = moe_blocks(model)
     if not blocks:
         return False
@@ -85,13 +94,15 @@ def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, k
             for index, block in enumerate(blocks):
                 block.gate.register_forward_hook(functools.partial(_record_hook, recorder, index))
         return False
-    args = blocks[0].args
-    if any(block.args != args for block in blocks):
+    args, drafts = blocks[0].args, draft_moe_blocks(model)
+    if any(block.args != args for block in blocks + drafts):
         raise ValueError("the engine's MoE path needs the same expert settings in every MoE layer")
     router = compile_like_eager(functools.partial(route, args=args), dynamic=True, fullgraph=True)
     tiles = load_tiles(blocks[0], tile_table)
     for index, block in enumerate(blocks):
         block.forward = functools.partial(fused_moe_forward, block, router, recorder, index, tiles)
+    for block in drafts:
+        block.forward = functools.partial(fused_moe_forward, block, router, None, -1, tiles)
     if max_tokens is not None:
         compile_tile_variants(blocks[0], tiles, max_tokens)
     return True
@@ -143,7 +154,8 @@ def load_tiles(block: MoE, tile_table: str | None) -> TileTable:
 @contextlib.contextmanager
 def eager_moe(model: nn.Module):
     """Within this block the MoE blocks run the model's own path: a reference sharing the engine's weights."""
-    installed = {block: block.__dict__.pop("forward") for block in moe_blocks(model) if "forward" in block.__dict__}
+    installed = {block: block.__dict__.pop("forward") for block in moe_blocks(model) + draft_moe_blocks(model)
+                 if "forward" in block.__dict__}
     try:
         yield
     finally:
