@@ -37,9 +37,10 @@ from torch import nn
 
 from tandem.kernels.fp8 import FP8, FP8_MAX, GROUP, INV_FP8_MAX, MIN_AMAX, BlockFp8Weight, expand_scales, fp8_linear
 from tandem.models.decoder import DecoderLayer
-from tandem.models.glm_moe_dsa import LatentAttentionBlock, MultiTokenPrediction
+from tandem.models.glm_moe_dsa import LatentAttentionBlock
 from tandem.models.layers import MLP
 from tandem.models.moe import MoE
+from tandem.models.multi_token import MtpParts
 from tandem.models.random_init import initial_value
 
 SCALE_SUFFIX = "_scale_inv"
@@ -144,11 +145,10 @@ INDEXER_PROJECTIONS = ("wq_b", "wk")
 
 
 def quantized_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks whose layers are held in FP8: the `DecoderLayer`s, and the latent families' blocks but their
+    """The blocks whose layers are held in FP8: the `DecoderLayer`s and the latent families' blocks, but not the
     multi-token prediction layers (kept in the model's dtype). By `isinstance`: FSDP gives a trainer's sharded
     blocks classes of their own, subclasses of these."""
-    return [m for m in model.modules() if isinstance(m, DecoderLayer)
-            or (isinstance(m, LatentAttentionBlock) and not isinstance(m, MultiTokenPrediction))]
+    return [m for m in model.modules() if isinstance(m, (DecoderLayer, LatentAttentionBlock)) and not isinstance(m, MtpParts)]
 
 
 def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -21,6 +21,7 @@ from tandem.models.presets import PRESETS, shape_config, write_model
 SHAPES = {
     "glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=4),  # DSA chooses for the MTP layer's queries too
     "deepseek-v3": PRESETS["tiny-deepseek-v3"],
+    "qwen3-head": dict(PRESETS["tiny"], num_nextn_predict_layers=1),  # a decoder family's draft head, over `KVCache`
 }
 SETTINGS = {
     "roomy": dict(block_size=4, num_blocks=256, max_model_len=128),
@@ -66,7 +67,8 @@ def reference_drafts(model, hidden: torch.Tensor, tokens: list[int], num_drafts:
 
 
 @pytest.mark.parametrize("shape, settings", [("glm5-sparse", "roomy"), ("glm5-sparse", "memory-starved"),
-                                             ("deepseek-v3", "roomy")])
+                                             ("deepseek-v3", "roomy"), ("qwen3-head", "roomy"),
+                                             ("qwen3-head", "memory-starved")])
 def test_drafts_are_the_mtp_layers_own(shape, settings, tmp_path):
     folder = write_model(shape_config(SHAPES[shape]), tmp_path / "m")
     engine = mtp_engine(folder, settings)
