@@ -67,6 +67,7 @@ class LatentMoeArgs(Glm4MoeArgs):
     index_head_dim: int = 0
     indexer_types: list[str] = field(default_factory=list)
     """DSA: "full" (its own indexer) or "shared" (the last full layer's selection) per block; empty: dense MLA."""
+
     @property
     def rotary_dim(self) -> int:
         return self.qk_rope_head_dim

@@ -16,6 +16,7 @@ from tandem.config.base import ModelConfig
 from tandem.config.inference import EngineConfig
 from tandem.inference.admin_api import read_update_folder
 from tandem.inference.engine.setup import build_engine
+from tandem.inference.engine.kv_cache import KVCache
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.server import BackgroundServer
 from tandem.models.loading import load_causal_lm
@@ -83,6 +84,9 @@ def test_drafts_are_the_mtp_layers_own(shape, settings, tmp_path):
     run(engine)
     if settings == "memory-starved":
         assert engine.stats().num_preemptions > 0
+    cache = engine.runner.cache
+    held = cache.keys if isinstance(cache, KVCache) else cache.entries
+    assert not held.requires_grad  # the layer's writes keep no autograd history (it would grow every step)
     model = load_causal_lm(str(folder))
     assert len(seen) > 20 and max(len(drafts) for _, _, drafts in seen) == 3
     hidden = {}  # per sequence, a teacher-forced pass over all its tokens: causal, so its rows hold for any prefix
