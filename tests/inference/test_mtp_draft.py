@@ -284,3 +284,14 @@ def test_a_head_trained_on_the_policys_samples_drafts_better_than_a_random_one(h
     # The policy (a counting head over a random trunk) is itself hard to predict two tokens ahead: the layer that
     # drafts t + 2 wherever it counts is accepted for about a sixth of its drafts on these prompts.
     assert max(random_head, random_held_out) < 0.01 and trained_head > 0.04, (random_head, random_held_out, trained_head)
+
+
+def test_the_memory_plan_counts_a_draft_heads_keys_and_values(head_dir):
+    """A draft head's keys and values are one more layer of the policy's `KVCache`: a block costs them too."""
+    plain, mtp = (engine_for(head_dir, speculative=spec, block_size=4, num_blocks=None, cpu_kv_cache_gib=1 / 1024,
+                             max_num_seqs=64, max_model_len=256) for spec in ({}, {"method": "mtp"}))
+    shape = PRESETS["tiny"]
+    layers = shape["num_hidden_layers"]
+    assert mtp.runner.cache.keys.shape[0] == layers + 1 and plain.runner.cache.keys.shape[0] == layers
+    per_block = 2 * (layers + 1) * 4 * shape["num_key_value_heads"] * shape["head_dim"] * 4  # keys and values, fp32
+    assert mtp.block_manager.num_blocks == 2**20 // per_block < plain.block_manager.num_blocks
