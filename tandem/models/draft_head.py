@@ -4,6 +4,9 @@ A draft head is a multi-token prediction layer (`tandem.models.decoder.DraftHead
 MTP layer: config.json `num_nextn_predict_layers` = 1, weights `model.layers.{num_hidden_layers}.*`
 (`tandem.models.expert_layout`). The engine drafts with it (`engine.speculative.method = "mtp"`) and the trainer
 trains it with the policy (`mtp.train`), so its drafts follow the policy as RL moves it.
+
+The module imports torch only where it makes weights: the vLLM wrapper, which loads no torch, reads
+`has_draft_head` here.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from tandem.models.random_init import initial_value
+if TYPE_CHECKING:
+    import torch
 
 HEAD_FAMILIES = ("qwen3", "qwen3_moe", "minimax_m2")
 """The families a draft head is added to: those built of `decoder.DecoderLayer`s. GLM-5 and DeepSeek-V3 carry an MTP
@@ -22,6 +25,11 @@ layer of their own; GLM-4.5's checkpoints carry theirs too (a routed block, whic
 
 HEAD_SEED = 0
 """Seed of the head's new matrices (those not copied from the trunk)."""
+
+
+def has_draft_head(hf_config: dict) -> bool:
+    """Whether the config is a decoder family's with a draft head (`num_nextn_predict_layers` set)."""
+    return hf_config.get("model_type") in HEAD_FAMILIES and bool(hf_config.get("num_nextn_predict_layers"))
 
 
 def with_draft_head(hf_config: dict, source: str) -> dict:
@@ -45,6 +53,10 @@ def initial_head(trunk: dict[str, torch.Tensor], shapes: dict[str, torch.Size], 
     - `eh_proj` = [0 | I], so the block's input is hnorm(h_t): the head starts from the features the LM head
       already reads, not from noise, and learns token t+1's part (the embedding half, zero at first);
     - `shared_head.norm` is the trunk's final norm; `enorm` and `hnorm` are ones."""
+    import torch
+
+    from tandem.models.random_init import initial_value
+
     dtype = trunk["model.norm.weight"].dtype
     last = f"model.layers.{num_layers - 1}."
     head = {}

@@ -87,7 +87,7 @@ def check_no_draft_head(config: InferenceConfig) -> None:
     loaders of these families know no layer after the last block (vLLM's MTP drafting is for GLM's and DeepSeek's
     checkpoints), so the head's weights, at load and in every update, are tensors it cannot place. A hub name is a
     released checkpoint, which carries none."""
-    from tandem.models.draft_head import HEAD_FAMILIES
+    from tandem.models.draft_head import has_draft_head
     from tandem.models.hub import read_hf_config
 
     folder = Path(config.model.name).expanduser()
@@ -95,7 +95,7 @@ def check_no_draft_head(config: InferenceConfig) -> None:
         return
     hf_config = read_hf_config(folder)
     model_type, heads = hf_config.get("model_type"), hf_config.get("num_nextn_predict_layers")
-    if model_type in HEAD_FAMILIES and heads:
+    if has_draft_head(hf_config):
         raise ValueError(f"`backend` = 'vllm' cannot serve `model.name` = {config.model.name!r}: a {model_type!r} model "
                          f"with a draft head ({folder / 'config.json'}: `num_nextn_predict_layers` = {heads}), which "
                          f"vLLM's {model_type!r} loader does not know; set `backend` = 'tandem', or serve a folder "
