@@ -135,13 +135,13 @@ def test_fsdp_at_one_rank_trains_the_layer_as_the_plain_path_does(with_mtp, dims
         assert a.metrics["mtp/grad_norm"] == pytest.approx(b.metrics["mtp/grad_norm"], rel=1e-5)
 
 
-def test_a_resumed_run_trains_the_layer_as_an_unbroken_one(tiny_glm5, dims, tmp_path):
+def test_a_resumed_run_trains_the_layer_as_an_unbroken_one(with_mtp, dims, tmp_path):
     """The trained layer and its AdamW moments are in the checkpoint (what trains is saved)."""
     batches = rows(dims.device)
     n = count_loss_tokens(batches, dims)
 
     def trainer():
-        policy = policy_of(tiny_glm5, dims, True)
+        policy = policy_of(with_mtp, dims, True)
         optimizer = build_optimizer(policy, AdamWConfig(lr=3e-3))
         return policy, optimizer, build_scheduler(optimizer, ConstantSchedule(), 2)
 
