@@ -33,8 +33,8 @@ def has_draft_head(hf_config: dict) -> bool:
 
 
 def with_draft_head(hf_config: dict, source: str) -> dict:
-    """`hf_config` (read from `source`) with one draft head; refused for a family that takes none or a model that
-    already has one."""
+    """`hf_config` (read from `source`) with one draft head; refused for a family that takes none, a model that
+    already has one, or quantized weights."""
     model_type = hf_config.get("model_type")
     if model_type not in HEAD_FAMILIES:
         raise ValueError(f"{source}: model_type {model_type!r} takes no draft head (the families that do: "
@@ -42,6 +42,9 @@ def with_draft_head(hf_config: dict, source: str) -> dict:
     if hf_config.get("num_nextn_predict_layers"):
         raise ValueError(f"{source} already has {hf_config['num_nextn_predict_layers']} multi-token prediction "
                          "layer(s) (`num_nextn_predict_layers`)")
+    if hf_config.get("quantization_config"):  # the head starts from the last block's weights, not their FP8 blocks
+        raise ValueError(f"{source} holds quantized weights (`quantization_config`): add the head to the unquantized "
+                         "checkpoint")
     return dict(hf_config, num_nextn_predict_layers=1)
 
 

@@ -111,3 +111,12 @@ def test_add_draft_head_refuses_what_cannot_take_one(preset, reason, tmp_path, c
     err = capsys.readouterr().err
     assert reason in err and str(src / "config.json") in err, err
     assert not (tmp_path / "dst").exists()
+
+
+def test_add_draft_head_refuses_a_quantized_checkpoint(tmp_path):
+    src = init_model("tiny", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="holds quantized weights .* add the head to the unquantized checkpoint"):
+        add_draft_head(str(src), tmp_path / "dst")
