@@ -31,14 +31,16 @@ def give_counting_head(folder: Path) -> Path:
 
 
 def give_counting_mtp_layer(folder: Path) -> Path:
-    """Make a latent model's multi-token prediction layer pass token t + 1's embedding on to the LM head (its
-    attention and feed-forward add nothing), in place: under a counting head it drafts t + 2, right wherever the
-    policy counts."""
+    """Make a model's multi-token prediction layer (a latent one, or a draft head) pass token t + 1's embedding on
+    to the LM head (its attention and feed-forward add nothing), in place: under a counting head it drafts t + 2,
+    right wherever the policy counts."""
     state = load_state_dict(folder)
     layer = "model.mtp_layers.0."
     hidden_size = state[layer + "eh_proj.weight"].shape[0]
     state[layer + "eh_proj.weight"] = torch.cat([torch.eye(hidden_size), torch.zeros(hidden_size, hidden_size)], 1)
-    for name in ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.shared_experts.down_proj.weight"):
-        state[layer + name] = torch.zeros_like(state[layer + name])
+    for name in ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.shared_experts.down_proj.weight",
+                 "mlp.down_proj.weight"):
+        if layer + name in state:
+            state[layer + name] = torch.zeros_like(state[layer + name])
     save_state_dict(state, folder, json.loads((folder / "config.json").read_text()))
     return folder

@@ -62,7 +62,8 @@ class SpeculativeConfig(Section):
     """`ngram`: prompt lookup, no weights (the tokens that followed the latest earlier occurrence of the
     sequence's last tokens); pays where outputs copy their context (code edits, tool outputs). `draft_model`:
     a smaller model of the same tokenizer (`draft_model`). `mtp`: the policy's own multi-token prediction layer
-    (GLM-5 and DeepSeek-V3 checkpoints), drafting from the policy's hidden states; part of the policy's weights,
+    (GLM-5 and DeepSeek-V3 checkpoints, or a draft head from `tandem model add-draft-head`), drafting from the
+    policy's hidden states; part of the policy's weights,
     so a weight update that carries it keeps the draft with the policy. Each draft past the first chains the
     (first) layer on its own output."""
 

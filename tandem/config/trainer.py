@@ -256,8 +256,8 @@ class Float8TrainingConfig(Section):
 
 
 class MultiTokenPredictionConfig(Section):
-    """The multi-token prediction (MTP) layer of GLM-5 and DeepSeek-V3 checkpoints (`model.mtp_layers`), which an
-    engine can draft with (`tandem.trainer.mtp`)."""
+    """The multi-token prediction (MTP) layer of GLM-5 and DeepSeek-V3 checkpoints, or a decoder family's draft
+    head (`tandem model add-draft-head`): `model.mtp_layers`, which an engine can draft with (`tandem.trainer.mtp`)."""
 
     train: bool = False
     """Train the MTP layer with the policy: a cross-entropy loss of its prediction of token t+2 on the loss tokens

@@ -22,6 +22,12 @@ def main(argv: list[str]) -> int:
                       help="Context length; past the preset's, RoPE is extended by YaRN (factor = new / preset's).")
     init.add_argument("--config-only", action="store_true",
                       help="Write config, generation config and tokenizer, no weights (for real shapes built on the device).")
+    init.add_argument("--draft-head", action="store_true",
+                      help="With a draft head (a multi-token prediction layer for `engine.speculative.method = \"mtp\"`).")
+    head = sub.add_parser("add-draft-head", help="Write a copy of a model folder with a draft head (a multi-token "
+                          "prediction layer, initialized from the last block) for speculative decoding.")
+    head.add_argument("src", help="Model folder (Qwen3, Qwen3-MoE, MiniMax-M2) or hub name.")
+    head.add_argument("dst", help="Folder to write (created if missing).")
     export = sub.add_parser("export", help="Write a standalone model folder from a run's published policy (`weights/step_N`).")
     export.add_argument("folder", help="A published policy folder: full weights, or LoRA adapters (with --merge).")
     export.add_argument("--out", required=True, help="Folder to write (created if missing).")
@@ -31,10 +37,20 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.action == "export":
         return export_folder(args.folder, args.out, args.merge, args.base)
+    if args.action == "add-draft-head":
+        from tandem.models.draft_head import add_draft_head
+
+        try:
+            out = add_draft_head(args.src, Path(args.dst))
+        except (ValueError, FileNotFoundError) as err:
+            print(f"tandem model add-draft-head: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.src} with a draft head to {out}", file=sys.stderr)
+        return 0
     from tandem.models.presets import init_model
 
     out = init_model(args.preset, args.out, args.seed, num_layers=args.num_layers, weights=not args.config_only,
-                     max_position_embeddings=args.max_position_embeddings)
+                     max_position_embeddings=args.max_position_embeddings, draft_head=args.draft_head)
     print(f"wrote {args.preset} model{' config' if args.config_only else ''} to {out}", file=sys.stderr)
     return 0
 

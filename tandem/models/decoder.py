@@ -14,10 +14,15 @@ mixture of experts (`moe.MoE`); a new kind of feed-forward is one new module, no
 Families differ only in settings of these parts: attention biases, q/k norms per head (Qwen3), over
 all heads (MiniMax-M2) or none (GLM-4.5), partial rotary embeddings, which layers are sparse.
 Single-device code: parallelism is applied from outside, per block in `layers`.
+
+A model may hold multi-token prediction layers after its blocks (`model.mtp_layers`, `num_nextn_predict_layers`):
+not part of `forward`, run by `predict_after_next` for a speculative draft, frozen unless the trainer trains them
+(`tandem.trainer.mtp`). The decoder families' is `DraftHead` (`tandem model add-draft-head` gives a model one).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Literal, Protocol
 
@@ -26,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.attention import AttentionBackend, PackedCausalAttention
-from tandem.models.layers import RMSNorm, YarnScaling, apply_rope, projection_weight, rms_norm, rope_cos_sin
+from tandem.models.layers import MLP, RMSNorm, YarnScaling, apply_rope, projection_weight, rms_norm, rope_cos_sin
+from tandem.models.multi_token import MtpParts
 from tandem.models.random_init import initial_value
 
 
@@ -52,6 +58,9 @@ class DecoderArgs:
     tie_word_embeddings: bool = False
     """The LM head is the embedding matrix."""
     max_position_embeddings: int = 40960
+    num_nextn_predict_layers: int = 0
+    """Multi-token prediction layers after the last block (`model.mtp_layers`): a speculative draft of the policy's
+    own (`DraftHead` for the decoder families; GLM-5's and DeepSeek-V3's in `tandem.models.glm_moe_dsa`)."""
 
     @property
     def rotary_dim(self) -> int:
@@ -174,6 +183,31 @@ class DecoderLayer(PreNormBlock):
         return after_attention(x, attended, *self.residual_args(), self.eps, self.mlp)
 
 
+class DraftHead(DecoderLayer, MtpParts):
+    """The decoder families' multi-token prediction layer: `multi_token.MtpParts` around one `DecoderLayer` of the
+    family's own attention with a dense SwiGLU feed-forward, at layer index `num_hidden_layers` (the engine's
+    paged cache holds its keys and values as one more layer). It reads the trunk's last hidden state only (not
+    EAGLE-3's fusion of several layers' features): what the trunk already hands the LM head."""
+
+    def __init__(self, layer_idx: int, attention: Attention, mlp: MLP, hidden_size: int, eps: float):
+        super().__init__(layer_idx, attention, mlp, hidden_size, eps)
+        self.add_mtp_parts(hidden_size, eps)
+
+    def predict(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        """hidden [B, T, H] (the LM's output at t), next_embeds [B, T, H] (token t+1's embedding) -> the LM head's
+        input [B, T, H] for token t+2. The block runs as `self.forward`, without forward hooks (see
+        `glm_moe_dsa.MultiTokenPrediction.predict`): a forward the engine installs on it serves (FP8, fused blocks)."""
+        return self.mtp_output(self.forward(self.mtp_input(hidden, next_embeds), cos, sin, backend))
+
+
+def draft_heads(args: DecoderArgs, last: DecoderLayer) -> list[DraftHead]:
+    """`args.num_nextn_predict_layers` draft heads after the blocks, each with attention shaped as the last
+    block's (biases, q/k norms) and a dense SwiGLU of `intermediate_size` features."""
+    return [DraftHead(args.num_hidden_layers + i, copy.deepcopy(last.self_attn), MLP(args.hidden_size, args.intermediate_size),
+                      args.hidden_size, args.rms_norm_eps) for i in range(args.num_nextn_predict_layers)]
+
+
 class DecoderModel(nn.Module):
     """Embeddings, blocks and final norm under Hugging Face's `model.` names."""
 
@@ -193,10 +227,13 @@ class DecoderLM(nn.Module):
     split_blocks: ClassVar[bool] = True
     """The blocks are `DecoderLayer`s, split at attention (`tandem.models.loading.has_split_blocks`)."""
 
-    def __init__(self, args: DecoderArgs, layers: list[DecoderLayer]):
+    def __init__(self, args: DecoderArgs, layers: list[DecoderLayer], mtp_layers: list[nn.Module] | None = None):
+        """`mtp_layers`: the multi-token prediction layers; None: `draft_heads` as `args` asks."""
         super().__init__()
         self.args = args
         self.model = DecoderModel(args.vocab_size, args.hidden_size, args.rms_norm_eps, layers)
+        self.model.mtp_layers = nn.ModuleList(draft_heads(args, layers[-1]) if mtp_layers is None else mtp_layers)
+        self.model.mtp_layers.requires_grad_(False)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -218,6 +255,26 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, cos, sin, backend)
         return h
+
+    def predict_after_next(self, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
+                           attention: AttentionBackend | None = None, depth: int = 0, detach_inputs: bool = False
+                           ) -> torch.Tensor:
+        """The MTP layer `depth`'s hidden state [B, T, hidden] for token t+2, from this model's output `hidden` at t
+        and `next_ids` [B, T] (token t+1 of each position); logits through `lm_head`. `detach_inputs`: `hidden` and
+        the embeddings enter without gradient, so a loss on the result trains the MTP layer alone."""
+        hidden, embeds, cos, sin, backend = self.mtp_inputs(hidden, next_ids, position_ids, attention, detach_inputs)
+        return self.model.mtp_layers[depth].predict(hidden, embeds, cos, sin, backend)
+
+    def mtp_inputs(self, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
+                   attention: AttentionBackend | None, detach_inputs: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionBackend]:
+        """What an MTP layer's `predict` takes: (hidden, the embeddings of `next_ids`, cos, sin, the backend)."""
+        backend = attention if attention is not None else PackedCausalAttention(position_ids)
+        embeds = self.model.embed_tokens(next_ids)
+        if detach_inputs:
+            hidden, embeds = hidden.detach(), embeds.detach()
+        cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, hidden.dtype, self.args.rope_scaling)
+        return hidden, embeds, cos, sin, backend
 
     def init_weights(self, seed: int = 0) -> None:
         """Random weights in place (`tandem.models.random_init`: values set by seed, name and device kind)."""

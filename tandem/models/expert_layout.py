@@ -11,7 +11,9 @@ Stacking copies: while a folder is loaded, its experts exist once more in host m
 
 The multi-token prediction layers that checkpoints hold after the last block (`model.layers.{N + i}`, N =
 `num_hidden_layers`) are left out for GLM-4.5, whose causal LM does not use them, and kept for the families of
-`KEEPS_MTP_LAYERS`, whose models hold them apart from the blocks as `model.mtp_layers.{i}`.
+`KEEPS_MTP_LAYERS`, whose models hold them apart from the blocks as `model.mtp_layers.{i}` (GLM-5's and
+DeepSeek-V3's own, the decoder families' draft head: `tandem.models.decoder.DraftHead`). A draft head's dense
+feed-forward keeps the name `mlp` on disk in every family (MiniMax-M2 names only its routed blocks otherwise).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ SCALES = "_scale_inv"
 memory `experts.gate_up_proj_scale_inv`, stacked as the weights are (each expert's gate blocks, then its up blocks)."""
 
 
-KEEPS_MTP_LAYERS = frozenset({"glm_moe_dsa", "deepseek_v3"})
+KEEPS_MTP_LAYERS = frozenset({"qwen3", "qwen3_moe", "minimax_m2", "glm_moe_dsa", "deepseek_v3"})
 """Families whose models keep the checkpoints' multi-token prediction layers (as `model.mtp_layers.{i}`)."""
 
 
@@ -54,12 +56,12 @@ def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torc
     `model.mtp_layers.{i}` (`KEEPS_MTP_LAYERS`) or left out (GLM-4.5)."""
     model_type = hf_config.get("model_type", "")
     layout = EXPERT_LAYOUTS.get(model_type)
-    if layout is None:
-        return state
     if model_type in KEEPS_MTP_LAYERS:
         state = {_mtp_in_memory(name, hf_config["num_hidden_layers"]): t for name, t in state.items()}
-    else:
+    elif layout is not None:
         state = {name: t for name, t in state.items() if not _is_mtp_layer(name, hf_config)}
+    if layout is None:
+        return state
     if layout.block != "mlp":
         state = {name.replace(f".{layout.block}.", ".mlp."): t for name, t in state.items()}
     pattern = re.compile(rf"(.*)\.mlp\.experts\.(\d+)\.({layout.gate}|{layout.up}|{layout.down})\.weight({SCALES})?")
@@ -116,13 +118,13 @@ def to_disk(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.
     multi-token prediction layers named as the checkpoints name them."""
     model_type = hf_config.get("model_type", "")
     layout = EXPERT_LAYOUTS.get(model_type)
+    if model_type in KEEPS_MTP_LAYERS:
+        state = {_mtp_on_disk(name, hf_config["num_hidden_layers"]): t for name, t in state.items()}
     if layout is None:
         return state
     out = {}
     for name, tensor in state.items():
-        if model_type in KEEPS_MTP_LAYERS:
-            name = _mtp_on_disk(name, hf_config["num_hidden_layers"])
-        disk_name = name.replace(".mlp.", f".{layout.block}.")
+        disk_name = name if _is_mtp_layer(name, hf_config) else name.replace(".mlp.", f".{layout.block}.")
         stacked = re.fullmatch(rf"(.*)\.experts\.(gate_up_proj|down_proj)({SCALES})?", disk_name)
         if stacked is None:
             out[disk_name] = tensor

@@ -7,7 +7,8 @@
   (`n_group`, `topk_group`), renormalized (`norm_topk_prob`), scaled by `routed_scaling_factor`,
   plus `n_shared_experts` shared experts.
 The multi-token-prediction layers of the checkpoints (`num_nextn_predict_layers`) are not part of
-the causal LM; `tandem.models.expert_layout` leaves them out when loading.
+the causal LM; `tandem.models.expert_layout` leaves them out when loading. (They hold a routed block, which a
+draft head of the decoder families, `decoder.DraftHead`, is not: the family builds none.)
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class Glm4MoeArgs(DecoderArgs):
     def from_hf(cls, config: dict[str, Any]) -> "Glm4MoeArgs":
         """Read a GLM-4.5 `config.json`; unsupported values raise `UnsupportedConfig`."""
         hf = transformers_config(config)
-        return cls(**decoder_fields(hf), **routing_fields(hf), first_k_dense_replace=hf.first_k_dense_replace,
-                   attention_bias=hf.attention_bias, use_qk_norm=hf.use_qk_norm)
+        return cls(**dict(decoder_fields(hf), num_nextn_predict_layers=0), **routing_fields(hf),
+                   first_k_dense_replace=hf.first_k_dense_replace, attention_bias=hf.attention_bias,
+                   use_qk_norm=hf.use_qk_norm)
 
     def moe_args(self) -> MoEArgs:
         return MoEArgs(num_experts=self.n_routed_experts, top_k=self.num_experts_per_tok, hidden_size=self.hidden_size,

@@ -33,9 +33,10 @@ from tandem.models.decoder import DecoderLM, PreNormBlock, after_attention
 from tandem.models.dsa import Indexer, SparseContext, select, sparse_attend, sparse_context
 from tandem.models.glm4_moe import Glm4MoeArgs, routing_fields
 from tandem.models.hf_config import UnsupportedConfig, decoder_fields, expect, transformers_config
-from tandem.models.layers import MLP, RMSNorm, projection_weight, rms_norm, rope_cos_sin
+from tandem.models.layers import MLP, projection_weight, rms_norm, rope_cos_sin
 from tandem.models.mla import LatentAttention, LatentBackend, LatentProjections
 from tandem.models.moe import MoE
+from tandem.models.multi_token import MtpParts
 
 
 DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
@@ -66,8 +67,6 @@ class LatentMoeArgs(Glm4MoeArgs):
     index_head_dim: int = 0
     indexer_types: list[str] = field(default_factory=list)
     """DSA: "full" (its own indexer) or "shared" (the last full layer's selection) per block; empty: dense MLA."""
-    num_nextn_predict_layers: int = 0
-    """Multi-token prediction layers after the last block."""
 
     @property
     def rotary_dim(self) -> int:
@@ -91,8 +90,7 @@ def latent_moe_fields(hf: Any, layer_types: tuple[str, ...], first_dense: int) -
     return dict(fields, head_dim=qk_head_dim, num_key_value_heads=hf.num_attention_heads, **routing_fields(hf),
                 first_k_dense_replace=first_dense, attention_bias=hf.attention_bias, q_lora_rank=hf.q_lora_rank,
                 kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim,
-                v_head_dim=hf.v_head_dim, softmax_scale=softmax_scale(hf.rope_parameters or {}, qk_head_dim),
-                num_nextn_predict_layers=getattr(hf, "num_nextn_predict_layers", 0) or 0)
+                v_head_dim=hf.v_head_dim, softmax_scale=softmax_scale(hf.rope_parameters or {}, qk_head_dim))
 
 
 def softmax_scale(rope: dict[str, Any], qk_head_dim: int) -> float:
@@ -201,21 +199,13 @@ def latent_block(args: LatentMoeArgs, layer_idx: int, sparse: bool, indexed: boo
     return cls(layer_idx, attention, mlp, args.hidden_size, args.rms_norm_eps)
 
 
-class MultiTokenPrediction(LatentAttentionBlock):
-    """One multi-token prediction layer (DeepSeek-V3's MTP, as GLM-5 ships it): from the causal LM's final hidden
-    state h_t and the embedding e of token t+1, a block computes a hidden state for token t+2,
-
-        x = eh_proj([enorm(e) ; hnorm(h_t)]) -> the block (its own MLA, indexer and MoE) -> shared_head.norm,
-
-    whose logits are the model's `lm_head`'s (the checkpoints store no head of its own)."""
+class MultiTokenPrediction(LatentAttentionBlock, MtpParts):
+    """One multi-token prediction layer (DeepSeek-V3's MTP, as GLM-5 ships it): `multi_token.MtpParts` around a
+    latent block of its own (its own MLA, indexer and MoE)."""
 
     def __init__(self, layer_idx: int, attention: LatentAttention, mlp: nn.Module, hidden_size: int, eps: float):
         super().__init__(layer_idx, attention, mlp, hidden_size, eps)
-        self.enorm = RMSNorm(hidden_size, eps)
-        self.hnorm = RMSNorm(hidden_size, eps)
-        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = RMSNorm(hidden_size, eps)
+        self.add_mtp_parts(hidden_size, eps)
 
     def predict(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend, sparse: SparseContext | None) -> torch.Tensor:
@@ -225,8 +215,8 @@ class MultiTokenPrediction(LatentAttentionBlock):
         The block runs as a plain method, without the module's forward hooks: a trainer that shards this layer
         registers `predict` as its forward (`tandem.trainer.mtp`), which gathers the parameters once for all of it.
         It is `self.forward`, so that a forward installed on this layer serves (the engine's FP8 block)."""
-        x = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))
-        return self.shared_head.norm(self.forward(x, cos, sin, backend, sparse)[0])
+        x = self.mtp_input(hidden, next_embeds)
+        return self.mtp_output(self.forward(x, cos, sin, backend, sparse)[0])
 
 
 class LatentMoeForCausalLM(DecoderLM):
@@ -236,11 +226,11 @@ class LatentMoeForCausalLM(DecoderLM):
 
     def __init__(self, args: LatentMoeArgs):
         num_layers = args.num_hidden_layers
+        mtp = [latent_block(args, num_layers + i, True, args.has_dsa, MultiTokenPrediction)
+               for i in range(args.num_nextn_predict_layers)]
         super().__init__(args, [latent_block(args, i, i >= args.first_k_dense_replace,
-                                             args.has_dsa and args.indexer_types[i] == "full") for i in range(num_layers)])
-        self.model.mtp_layers = nn.ModuleList([latent_block(args, num_layers + i, True, args.has_dsa, MultiTokenPrediction)
-                                               for i in range(args.num_nextn_predict_layers)])
-        self.model.mtp_layers.requires_grad_(False)
+                                             args.has_dsa and args.indexer_types[i] == "full") for i in range(num_layers)],
+                         mtp)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: AttentionBackend | None = None) -> torch.Tensor:
         """input_ids, position_ids [B, T] -> hidden [B, T, hidden]. Positions restart per document."""
@@ -267,12 +257,6 @@ class LatentMoeForCausalLM(DecoderLM):
     def predict_after_next(self, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
                            attention: AttentionBackend | None = None, depth: int = 0, detach_inputs: bool = False
                            ) -> torch.Tensor:
-        """The MTP layer `depth`'s hidden state [B, T, hidden] for token t+2, from this model's output `hidden` at t
-        and `next_ids` [B, T] (token t+1 of each position); logits through `lm_head`. `detach_inputs`: `hidden` and
-        the embeddings enter without gradient, so a loss on the result trains the MTP layer alone."""
-        backend = attention if attention is not None else PackedCausalAttention(position_ids)
-        embeds = self.model.embed_tokens(next_ids)
-        if detach_inputs:
-            hidden, embeds = hidden.detach(), embeds.detach()
-        cos, sin = rope_cos_sin(position_ids, self.args.rotary_dim, self.args.rope_theta, hidden.dtype, self.args.rope_scaling)
+        """`DecoderLM.predict_after_next`, the layer's DSA selecting over its own index keys."""
+        hidden, embeds, cos, sin, backend = self.mtp_inputs(hidden, next_ids, position_ids, attention, detach_inputs)
         return self.model.mtp_layers[depth].predict(hidden, embeds, cos, sin, backend, self.sparse_context(position_ids, backend))

@@ -85,6 +85,7 @@ def decoder_fields(config: Any, layer_types: tuple[str, ...] = ("full_attention"
         partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
         tie_word_embeddings=config.tie_word_embeddings,
         max_position_embeddings=config.max_position_embeddings,
+        num_nextn_predict_layers=getattr(config, "num_nextn_predict_layers", 0) or 0,
     )
 
 

@@ -147,10 +147,16 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"
 
 
 def init_model(preset: str, out: Path, seed: int = 0, num_layers: int | None = None, weights: bool = True,
-               max_position_embeddings: int | None = None) -> Path:
+               max_position_embeddings: int | None = None, draft_head: bool = False) -> Path:
     """Write a Hugging Face folder (config, safetensors, tokenizer, generation config) for `preset`;
-    `weights=False` leaves the safetensors out (load it with `model.load_format = "dummy"`)."""
-    return write_model(preset_config(preset, num_layers, max_position_embeddings), out, seed, weights)
+    `weights=False` leaves the safetensors out (load it with `model.load_format = "dummy"`); `draft_head`: with a
+    draft head (`tandem.models.draft_head`), random as the rest."""
+    from tandem.models.draft_head import with_draft_head
+
+    config = preset_config(preset, num_layers, max_position_embeddings)
+    if draft_head:
+        config = with_draft_head(config, f"preset {preset!r}")
+    return write_model(config, out, seed, weights)
 
 
 def write_model(hf_config: dict, out: Path, seed: int = 0, weights: bool = True) -> Path:

@@ -151,7 +151,7 @@ class PolicyModel(nn.Module):
             predicting_positions = mask_positions(torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1))
         with phase("logprobs"):
             out = self._logprobs(hidden, input_ids, temperatures, predicting_positions, predicting_positions + 1)
-        if self.mtp_parameters:  # a native latent model on whole rows (`check_mtp_trainable`; its config refuses CP)
+        if self.mtp_parameters:  # a native model on whole rows (`check_mtp_trainable`; its config refuses CP)
             with phase("mtp"):
                 counted = counted_positions(position_ids, loss_mask)
                 out.mtp = mtp_loss(self.lm, hidden, input_ids, position_ids, counted, mask_positions(counted), attention,

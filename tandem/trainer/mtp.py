@@ -1,7 +1,8 @@
 """Training the multi-token prediction (MTP) layer with the policy (`mtp.train`).
 
 GLM-5 and DeepSeek-V3 checkpoints carry an MTP layer that predicts token t+2 from the trunk's hidden state at t and
-the embedding of token t+1 (`tandem.models.glm_moe_dsa.MultiTokenPrediction`); an engine drafts with it. As RL moves
+the embedding of token t+1 (`tandem.models.glm_moe_dsa.MultiTokenPrediction`), and `tandem model add-draft-head`
+gives the decoder families one (`tandem.models.decoder.DraftHead`); an engine drafts with it. As RL moves
 the policy, a frozen layer keeps predicting an older policy and fewer of its drafts are accepted. With `mtp.train` the
 layer learns at every step to predict the tokens of the step's rows: a cross-entropy loss on token t+2 wherever it is
 a loss token of the same document as t (in RL the sampled completions, so the layer learns what the policy samples;
@@ -14,7 +15,7 @@ layer's gradients are clipped by their own norm, `mtp/grad_norm`) and updates ar
 frozen, bit for bit. The MTP loss's gradient is scaled as the objective's (per loss token of the step, over all
 ranks); with its own clipping and AdamW's normalized updates it needs no weight against the policy's loss. The
 layer's parameters otherwise train as a block's do: fp32 masters, the run's optimizer and schedule, a group of its
-own under FSDP. As in the trunk, its DSA indexer and its router's score correction bias stay frozen.
+own under FSDP. As in the trunk, a latent layer's DSA indexer and its router's score correction bias stay frozen.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ def mtp_layers(lm: nn.Module) -> nn.ModuleList:
 
 
 def check_mtp_trainable(lm: nn.Module, ep_size: int, source: str) -> None:
-    """`mtp.train` needs one MTP layer (in `source`, the model's config.json: GLM-5 and DeepSeek-V3 carry one; a
-    second would continue from the first's output, DeepSeek-V3's sequential MTP, which is not built) and the layer's
-    experts whole on each rank."""
+    """`mtp.train` needs one MTP layer (in `source`, the model's config.json: GLM-5 and DeepSeek-V3 carry one,
+    `tandem model add-draft-head` adds one; a second would continue from the first's output, DeepSeek-V3's
+    sequential MTP, which is not built) and the layer's experts whole on each rank."""
     count = len(mtp_layers(lm))
     if count != 1:
         raise ValueError(f"`mtp.train` = true but {source} has {count} multi-token prediction layers "
-                         "(`num_nextn_predict_layers`; one is trained, and the family must keep them); "
+                         "(`num_nextn_predict_layers`; one is trained, and the family must keep them: "
+                         "`tandem model add-draft-head` gives Qwen3, Qwen3-MoE and MiniMax-M2 models one); "
                          "set `mtp.train` = false")
     if ep_size > 1:
         raise ValueError(f"`mtp.train` with `parallel.ep` = {ep_size}: the MTP layer's experts are not split over "

@@ -16,7 +16,7 @@ import pytest
 from inference_helpers import make_config
 from test_admin import metric
 from test_disaggregated import THRESHOLD, stats
-from test_mtp_draft import counting_dir, counting_mtp_dir  # noqa: F401 (fixtures)
+from test_mtp_draft import counting_dir, counting_head_dir, counting_mtp_dir, head_dir  # noqa: F401 (fixtures)
 
 from tandem.config.inference import DisaggregationConfig, InferenceConfig
 from tandem.inference.disaggregated.peers import PeerUnreachable
@@ -26,6 +26,7 @@ SPECULATIVE = {
     "ngram": {"method": "ngram", "num_tokens": 3, "min_expected_tokens": 0},
     "draft_model": {"method": "draft_model", "num_tokens": 3},  # drafted by the policy's own weights: often right
     "mtp": {"method": "mtp", "num_tokens": 3},
+    "mtp-head": {"method": "mtp", "num_tokens": 3},  # a Qwen3 draft head: its keys and values travel in the blocks
 }
 
 
@@ -65,14 +66,15 @@ def accepted(url: str) -> float:
 
 
 @pytest.mark.parametrize("method", SPECULATIVE)
-def test_a_speculating_decode_server_gives_one_servers_tokens_logprobs_and_drafts(method, sharp_dir, counting_mtp_dir):
-    """The pair speculates with the colocated server's method (MTP on tiny GLM-5 with one MTP layer, the others on
-    the tiny Qwen3), both under a counting head. Its answers are the colocated server's to the last bit, and for
+def test_a_speculating_decode_server_gives_one_servers_tokens_logprobs_and_drafts(method, sharp_dir, counting_mtp_dir,
+                                                                                   counting_head_dir):
+    """The pair speculates with the colocated server's method (MTP on tiny GLM-5 with one MTP layer, or on the tiny
+    Qwen3 with a draft head, the others on the tiny Qwen3), all under a counting head. Its answers are the colocated server's to the last bit, and for
     the n-gram and MTP drafts (computed alike in any batch) their drafted and accepted counts too (so the decode
     server's drafts for a handed prompt, MTP's from the handed layer entries and hidden state, are one server's:
     acceptance no worse), and a server's without speculation but for those counts; the decode server accepted
     drafts."""
-    folder = counting_mtp_dir if method == "mtp" else sharp_dir
+    folder = {"mtp": counting_mtp_dir, "mtp-head": counting_head_dir}.get(method, sharp_dir)
     speculative = dict(SPECULATIVE[method], **({"draft_model": str(sharp_dir)} if method == "draft_model" else {}))
     prefill = BackgroundServer(server_config(folder, speculative, role="prefill"))
     servers = [prefill]

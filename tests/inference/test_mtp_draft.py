@@ -12,18 +12,23 @@ from test_admin import metric
 from test_engine import engine_for, run
 from test_speculative import seeded_requests
 
+from tandem.config.base import ModelConfig
+from tandem.config.inference import EngineConfig
 from tandem.inference.admin_api import read_update_folder
 from tandem.inference.engine.fp8_blocks import apply_fp8_blocks
 from tandem.inference.engine.fused_moe import fused_moe_forward
+from tandem.inference.engine.kv_cache import KVCache
+from tandem.inference.engine.setup import build_engine
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.server import BackgroundServer
-from tandem.models.fp8 import Fp8Experts
+from tandem.models.fp8 import Fp8Linear
 from tandem.models.loading import load_causal_lm
-from tandem.models.presets import PRESETS, shape_config, write_model
+from tandem.models.presets import PRESETS, init_model, shape_config, write_model
 
 SHAPES = {
     "glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=4),  # DSA chooses for the MTP layer's queries too
     "deepseek-v3": PRESETS["tiny-deepseek-v3"],
+    "qwen3-head": dict(PRESETS["tiny"], num_nextn_predict_layers=1),  # a decoder family's draft head, over `KVCache`
 }
 SETTINGS = {
     "roomy": dict(block_size=4, num_blocks=256, max_model_len=128),
@@ -84,9 +89,12 @@ def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none
     run(engine)
     if settings == "memory-starved":
         assert engine.stats().num_preemptions > 0
+    cache = engine.runner.cache
+    held = cache.keys if isinstance(cache, KVCache) else cache.entries
+    assert not held.requires_grad  # the layer's writes keep no autograd history (it would grow every step)
     model = load_causal_lm(str(folder), device, quantization=quantization, fp8_experts=fp8)
     if fp8:
-        assert isinstance(engine.weight_target.model.mtp_layers[0].mlp.experts, Fp8Experts)
+        assert isinstance(engine.weight_target.model.mtp_layers[0].self_attn.o_proj, Fp8Linear)
         apply_fp8_blocks(model, kernels=False)
     assert len(seen) > 20 and max(len(drafts) for _, _, drafts in seen) == 3
     hidden = {}  # per sequence, a teacher-forced pass over all its tokens: causal, so its rows hold for any prefix
@@ -104,9 +112,12 @@ def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none
 
 @pytest.mark.parametrize("shape, settings, quantization", [("glm5-sparse", "roomy", "none"),
                                                            ("glm5-sparse", "memory-starved", "none"),
-                                                           ("deepseek-v3", "roomy", "none"), ("glm5-sparse", "roomy", "fp8")])
+                                                           ("deepseek-v3", "roomy", "none"), ("glm5-sparse", "roomy", "fp8"),
+                                                           ("qwen3-head", "roomy", "none"),
+                                                           ("qwen3-head", "memory-starved", "none"),
+                                                           ("qwen3-head", "roomy", "fp8")])
 def test_drafts_are_the_mtp_layers_own(shape, settings, quantization, tmp_path):
-    """In FP8 (`engine.quantization`: the layer's projections and experts held in FP8 as the trunk's are) the
+    """In FP8 (`engine.quantization`: the layer's projections (and experts) held in FP8 as the trunk's are) the
     reference is the same FP8 model run by the engine's FP8 blocks outside the engine (`check_follows_fp8_scheme`
     says how their roundings part)."""
     check_drafts_are_the_layers(write_model(shape_config(SHAPES[shape]), tmp_path / "m"), settings, quantization)
@@ -226,4 +237,99 @@ def test_the_memory_plan_counts_the_mtp_layers_entries(tmp_path):
     cache = mtp.runner.cache
     assert cache.entries.shape[0] == layers + 1 and cache.index_keys.shape[0] == full + 1
     per_block = 4 * ((layers + 1) * entry + (full + 1) * shape["index_head_dim"]) * 4  # block_size 4, fp32
+    assert mtp.block_manager.num_blocks == 2**20 // per_block < plain.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    """Tiny Qwen3 with a random draft head (`tandem model init --draft-head`) and a counting LM head."""
+    return give_counting_head(init_model("tiny", tmp_path_factory.mktemp("head") / "model", draft_head=True))
+
+
+@pytest.fixture(scope="module")
+def counting_head_dir(head_dir, tmp_path_factory):
+    """`head_dir` with a head that drafts t + 2 wherever the policy counts (`give_counting_mtp_layer`)."""
+    folder = tmp_path_factory.mktemp("counting_head") / "model"
+    shutil.copytree(head_dir, folder)
+    return give_counting_mtp_layer(folder)
+
+
+def exact_engine(folder, **speculative):
+    return build_engine(ModelConfig(name=str(folder)), EngineConfig(device="cpu", num_blocks=128, block_size=4,
+                                                                    max_model_len=128, speculative=speculative),
+                        seed=0, exact=True)
+
+
+def test_a_draft_head_in_exact_mode_gives_bitwise_the_tokens_and_logprobs_without_speculation(counting_head_dir):
+    """A decoder family's head drafts over the paged `KVCache` (its keys and values one more layer): in exact mode
+    its greedy drafts change neither a token nor a logprob's bit, for greedy and seeded requests alike."""
+    plain = generate(exact_engine(counting_head_dir))
+    engine = exact_engine(counting_head_dir, method="mtp", num_tokens=3)
+    speculated = generate(engine)
+    stats = engine.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert engine.runner.cache.keys.shape[0] == PRESETS["tiny"]["num_hidden_layers"] + 1
+    assert speculated == plain
+
+
+def train_head(model, sequences: list[list[int]], steps: int) -> None:
+    """The head alone, trained as `mtp.train` trains it (cross-entropy on token t + 2, the trunk detached), for
+    `steps` steps over all of `sequences` (of one length) at once."""
+    head = model.model.mtp_layers
+    head.requires_grad_(True)
+    optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
+    ids = torch.tensor(sequences)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        hidden = model(ids, positions)
+    for _ in range(steps):
+        draft = model.predict_after_next(hidden, ids.roll(-1, 1), positions, detach_inputs=True)
+        loss = torch.nn.functional.cross_entropy(model.lm_head(draft[:, :-2]).flatten(0, 1), ids[:, 2:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    head.requires_grad_(False)
+
+
+def acceptance(engine, requests) -> float:
+    before = engine.stats()
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    out = run(engine)
+    after = engine.stats()
+    acceptance.outputs = out
+    return (after.num_accepted_tokens - before.num_accepted_tokens) / (after.num_draft_tokens - before.num_draft_tokens)
+
+
+def test_a_head_trained_on_the_policys_samples_drafts_better_than_a_random_one(head_dir):
+    """The point of training the head online: trained on what the policy samples (the mtp loss), it is accepted
+    far more often than the random head it started as, on prompts it was not trained on; an update carries it to
+    the serving engine."""
+    def requests(first: int, num: int) -> list:
+        return [(str(i), [(11 * i + 5 * j) % 256 for j in range(6)],
+                 SamplingParams(max_tokens=40, temperature=0.7, seed=i, ignore_eos=True)) for i in range(first, first + num)]
+
+    engine = mtp_engine(head_dir)
+    random_head = acceptance(engine, requests(0, 16))
+    samples = [list(prompt) + acceptance.outputs[(rid, 0)]["ids"] for rid, prompt, _ in requests(0, 16)]
+    model = load_causal_lm(str(head_dir))
+    train_head(model, samples, 100)
+    engine.update_weights(model.state_dict())
+    held_out = requests(100, 12)
+    trained_head = acceptance(engine, held_out)
+    engine.update_weights(load_causal_lm(str(head_dir)).state_dict())
+    random_held_out = acceptance(engine, [(f"random-{rid}", p, params) for rid, p, params in held_out])
+    # The policy (a counting head over a random trunk) is itself hard to predict two tokens ahead: the layer that
+    # drafts t + 2 wherever it counts is accepted for about a sixth of its drafts on these prompts.
+    assert max(random_head, random_held_out) < 0.01 and trained_head > 0.04, (random_head, random_held_out, trained_head)
+
+
+def test_the_memory_plan_counts_a_draft_heads_keys_and_values(head_dir):
+    """A draft head's keys and values are one more layer of the policy's `KVCache`: a block costs them too."""
+    plain, mtp = (engine_for(head_dir, speculative=spec, block_size=4, num_blocks=None, cpu_kv_cache_gib=1 / 1024,
+                             max_num_seqs=64, max_model_len=256) for spec in ({}, {"method": "mtp"}))
+    shape = PRESETS["tiny"]
+    layers = shape["num_hidden_layers"]
+    assert mtp.runner.cache.keys.shape[0] == layers + 1 and plain.runner.cache.keys.shape[0] == layers
+    per_block = 2 * (layers + 1) * 4 * shape["num_key_value_heads"] * shape["head_dim"] * 4  # keys and values, fp32
     assert mtp.block_manager.num_blocks == 2**20 // per_block < plain.block_manager.num_blocks

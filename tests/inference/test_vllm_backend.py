@@ -28,6 +28,7 @@ from tandem.config.orchestrator import ClientConfig, OrchestratorConfig
 from tandem.config.resolve import free_port
 from tandem.config.vllm import TANDEM_SET_FLAGS
 from tandem.inference.vllm.args import check_extra_args, flags_in_help, mapped_flags, serve_argv, serve_env
+from tandem.inference.vllm.server import main as vllm_main
 from tandem.inference.vllm.server import serves_fp8_checkpoint
 from tandem.models.byte_tokenizer import build_byte_tokenizer
 from tandem.models.hub import read_hf_config
@@ -325,6 +326,16 @@ def test_a_lora_run_loads_each_adapter_folder_in_place_and_keeps_the_base_by_nam
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert not start.exists()  # the start folder lives as long as the server
+
+
+def test_a_decoder_model_with_a_draft_head_is_refused_before_vllm_starts(tmp_path, capsys):
+    """vLLM's Qwen3 loader knows no layer after the last block: the head's weights could not load."""
+    folder = tmp_path / "with-head"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_nextn_predict_layers": 1}))
+    assert vllm_main(vllm_config(model={"name": str(folder)})) == 2
+    assert (f"`backend` = 'vllm' cannot serve `model.name` = {str(folder)!r}: a 'qwen3' model with a draft head"
+            in capsys.readouterr().err)
 
 
 def test_fp8_rollouts_map_onto_vllms_block_fp8_and_a_released_fp8_checkpoint_is_read_as_it_is(tmp_path):

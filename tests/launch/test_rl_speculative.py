@@ -1,5 +1,6 @@
-"""`tandem rl` with speculative decoding, GLM-5's way: the policy's own MTP layer drafts, the trainer trains that
-layer with the policy, and each update carries it to the server. The run records its drafts' acceptance per step
+"""`tandem rl` with speculative decoding, GLM-5's way: the policy's own MTP layer drafts (GLM-5's, or a Qwen3 draft
+head from `tandem model init --draft-head`), the trainer trains that layer with the policy, and each update carries it
+to the server. The run records its drafts' acceptance per step
 beside the usual records, and the rollouts' logprobs stay the policy's: the mismatch KL stays under the bound the
 learning test holds runs without drafts to (tests/launch/test_rl_e2e.py)."""
 
@@ -14,8 +15,10 @@ from tandem.monitor.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def test_an_rl_run_drafts_with_the_mtp_layer_it_trains_and_logs_acceptance(tmp_path):
-    model = init_model("tiny-glm5", tmp_path / "model", seed=0)
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-with-head"])
+def test_an_rl_run_drafts_with_the_mtp_layer_it_trains_and_logs_acceptance(preset, tmp_path):
+    model = (init_model("tiny", tmp_path / "model", seed=0, draft_head=True) if preset == "tiny-with-head"
+             else init_model(preset, tmp_path / "model", seed=0))
     out = tmp_path / "run"
     result = run(rl_command(model, out, 3, "--inference.engine.speculative.method", "mtp",
                             "--inference.engine.speculative.num-tokens", "2", "--trainer.mtp.train", "true",

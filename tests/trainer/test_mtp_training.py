@@ -3,12 +3,14 @@ own forward within each document, it learns, and the policy trains bit for bit a
 
 from __future__ import annotations
 
+import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
 
 from tandem.config.base import ModelConfig
@@ -16,6 +18,7 @@ from tandem.config.loader import ConfigError, parse_args
 from tandem.config.sft import SFTConfig
 from tandem.config.trainer import AdamWConfig, ConstantSchedule, MultiTokenPredictionConfig, ParallelConfig
 from tandem.models.presets import init_model
+from tandem.models.weights import weight_files
 from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.model import build_policy
@@ -34,6 +37,14 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def tiny_glm5(tmp_path_factory):
     return init_model("tiny-glm5", tmp_path_factory.mktemp("models") / "tiny-glm5", seed=0)
+
+
+@pytest.fixture(scope="module", params=["tiny-glm5", "tiny-with-head"])
+def with_mtp(request, tmp_path_factory):
+    """A model with one MTP layer: GLM-5's own, or a Qwen3 draft head (`tandem model init --draft-head`)."""
+    if request.param == "tiny-glm5":
+        return request.getfixturevalue("tiny_glm5")
+    return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny-with-head", seed=0, draft_head=True)
 
 
 @pytest.fixture
@@ -56,11 +67,13 @@ def policy_of(folder, dims, train: bool, fsdp: bool = False):
     return policy
 
 
-@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-deepseek-v3", "tiny-with-head"])
 def test_the_mtp_loss_is_the_cross_entropy_of_the_layers_own_forward_document_by_document(preset, dims, tmp_path):
     """The reference runs each document of the packed row alone (so nothing can cross a boundary) and takes the
     cross-entropy of token t+2 in fp64, on the loss tokens."""
-    policy = policy_of(init_model(preset, tmp_path / preset), dims, train=True)
+    folder = (init_model("tiny", tmp_path / preset, draft_head=True) if preset == "tiny-with-head"
+              else init_model(preset, tmp_path / preset))
+    policy = policy_of(folder, dims, train=True)
     mb = rows(dims.device)[0]
     out = policy(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths)
     lm = policy.lm
@@ -92,9 +105,9 @@ def train(policy, dims, batches) -> list:
     return results
 
 
-def test_the_layer_learns_while_the_policy_trains_bit_for_bit_as_with_it_frozen(tiny_glm5, dims):
+def test_the_layer_learns_while_the_policy_trains_bit_for_bit_as_with_it_frozen(with_mtp, dims):
     batches = rows(dims.device)
-    frozen, trained = policy_of(tiny_glm5, dims, train=False), policy_of(tiny_glm5, dims, train=True)
+    frozen, trained = policy_of(with_mtp, dims, train=False), policy_of(with_mtp, dims, train=True)
     mtp_before = {name: p.detach().clone() for name, p in trained.hf_named_parameters() if "mtp_layers" in name}
     with_frozen, with_trained = train(frozen, dims, batches), train(trained, dims, batches)
     for off, on in zip(with_frozen, with_trained):
@@ -110,25 +123,25 @@ def test_the_layer_learns_while_the_policy_trains_bit_for_bit_as_with_it_frozen(
     assert all(torch.equal(p, mtp_before[name]) for name, p in frozen.hf_named_parameters() if "mtp_layers" in name)
 
 
-def test_fsdp_at_one_rank_trains_the_layer_as_the_plain_path_does(tiny_glm5, dims):
+def test_fsdp_at_one_rank_trains_the_layer_as_the_plain_path_does(with_mtp, dims):
     """Under FSDP the layer is a group of its own whose `predict` gathers it; the numbers are the plain path's."""
     batches = rows(dims.device)
-    sharded_policy = policy_of(tiny_glm5, dims, True, fsdp=True)
+    sharded_policy = policy_of(with_mtp, dims, True, fsdp=True)
     assert isinstance(sharded_policy.lm.model.mtp_layers[0], FSDPModule)
-    plain, sharded = train(policy_of(tiny_glm5, dims, True), dims, batches), train(sharded_policy, dims, batches)
+    plain, sharded = train(policy_of(with_mtp, dims, True), dims, batches), train(sharded_policy, dims, batches)
     for a, b in zip(plain, sharded):
         assert a.loss == b.loss
         assert a.metrics["mtp/loss"] == pytest.approx(b.metrics["mtp/loss"], rel=1e-6)
         assert a.metrics["mtp/grad_norm"] == pytest.approx(b.metrics["mtp/grad_norm"], rel=1e-5)
 
 
-def test_a_resumed_run_trains_the_layer_as_an_unbroken_one(tiny_glm5, dims, tmp_path):
+def test_a_resumed_run_trains_the_layer_as_an_unbroken_one(with_mtp, dims, tmp_path):
     """The trained layer and its AdamW moments are in the checkpoint (what trains is saved)."""
     batches = rows(dims.device)
     n = count_loss_tokens(batches, dims)
 
     def trainer():
-        policy = policy_of(tiny_glm5, dims, True)
+        policy = policy_of(with_mtp, dims, True)
         optimizer = build_optimizer(policy, AdamWConfig(lr=3e-3))
         return policy, optimizer, build_scheduler(optimizer, ConstantSchedule(), 2)
 
@@ -147,23 +160,27 @@ def test_a_resumed_run_trains_the_layer_as_an_unbroken_one(tiny_glm5, dims, tmp_
         assert torch.equal(a, b), name
 
 
-def test_the_rl_trainer_logs_the_mtp_loss_and_publishes_the_trained_layer(tiny_glm5, tmp_path):
+def test_the_rl_trainer_logs_the_mtp_loss_and_publishes_the_trained_layer(with_mtp, tmp_path):
     """The real RL trainer on fake rollouts: `mtp/loss` in `metrics.jsonl`, the published layer trained (but for its
-    indexer and score biases), under the checkpoints' names."""
+    indexer and score biases), under the checkpoints' names (`model.layers.{num_hidden_layers}.` on disk)."""
     from tandem.config.trainer import TrainerConfig
     from tandem.models.weights import load_state_dict
     from tandem.trainer.rl.train import main
     from tandem.transport.paths import weights_dir
 
-    args = ["--device", "cpu", "--model.name", str(tiny_glm5), "--data.fake", "--data.fake-rows", "1",
+    args = ["--device", "cpu", "--model.name", str(with_mtp), "--data.fake", "--data.fake-rows", "1",
             "--data.fake-samples-per-row", "2", "--max-steps", "2", "--seq-len", "40", "--output-dir", str(tmp_path / "run"),
             "--mtp.train", "--optim.lr", "1e-3"]
     assert main(parse_args(TrainerConfig, args, environ={})) == 0
     logged = metrics(tmp_path / "run")
     assert len(logged) == 2 and all(math.isfinite(r["mtp/loss"]) and r["mtp/grad_norm"] > 0 for r in logged)
-    before, after = load_state_dict(tiny_glm5), load_state_dict(weights_dir(tmp_path / "run", 2))
+    before, after = load_state_dict(with_mtp), load_state_dict(weights_dir(tmp_path / "run", 2))
     layer = {name for name in before if name.startswith("model.mtp_layers.0.")}
     assert layer and layer <= after.keys()
+    num_layers = json.loads((with_mtp / "config.json").read_text())["num_hidden_layers"]
+    on_disk = {k for file in weight_files(weights_dir(tmp_path / "run", 2)) for k in load_file(file)}
+    assert {k for k in on_disk if ".mtp_layers." in k} == set()
+    assert {f"model.layers.{num_layers}.{name.split('.', 3)[3]}" for name in layer if ".experts." not in name} <= on_disk
     unchanged = {name for name in layer if torch.equal(before[name], after[name])}
     assert unchanged == {name for name in layer if ".indexer." in name or "e_score_correction_bias" in name}
 

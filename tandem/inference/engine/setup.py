@@ -5,8 +5,8 @@ values, the latent-attention families (GLM-5, DeepSeek-V3) the `LatentCache` of 
 any other architecture (loaded through transformers) runs on the recompute path. On CUDA the cache takes what
 `memory_fraction` leaves after the weights and the activations of a full-budget warmup step. A draft model
 (speculative decoding) gets a paged cache of its own with as many blocks as the policy's, sized with it; a
-multi-token prediction draft (the policy's own MTP layer) keeps its entries as extra layers of the policy's latent
-cache. Beside a
+multi-token prediction draft (the policy's own MTP layer, or a decoder family's draft head) keeps its entries as
+extra layers of the policy's cache. Beside a
 LoRA policy the base model is served through a low-rank side path (`lora_side_path.py`) where every adapted
 projection takes it (native decoder blocks and dense feed-forwards). Over the trainer's shared base
 (`lora.share_base`, `mapped_base.py`) the model's weights are mapped, not loaded, and the same side path adds the
@@ -297,8 +297,8 @@ def cache_layout(model: torch.nn.Module, fp8: bool = False, mtp: bool = False
         return LatentCache, dict(num_layers=num_layers, entry_dim=args.kv_lora_rank + args.qk_rope_head_dim,
                                  indexed_layers=indexed, index_dim=args.index_head_dim, fp8=fp8,
                                  rope_dim=args.qk_rope_head_dim)
-    return KVCache, dict(num_layers=args.num_hidden_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
-                         fp8=fp8)
+    num_layers = args.num_hidden_layers + (args.num_nextn_predict_layers if mtp else 0)
+    return KVCache, dict(num_layers=num_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim, fp8=fp8)
 
 
 def cache_bytes_per_block(model: torch.nn.Module, block_size: int, fp8: bool = False, mtp: bool = False) -> int:
@@ -314,13 +314,13 @@ def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: 
 
 def check_mtp_layers(model: torch.nn.Module, model_config: ModelConfig) -> None:
     """`engine.speculative.method` = 'mtp' drafts with the policy's multi-token prediction layer: refused for a model
-    that has none (another family, or a checkpoint without `num_nextn_predict_layers`)."""
-    args = getattr(model, "args", None)
-    if not isinstance(args, LatentMoeArgs) or not args.num_nextn_predict_layers:
-        what = ("no multi-token prediction layer (`num_nextn_predict_layers` = 0)" if isinstance(args, LatentMoeArgs)
-                else "no multi-token prediction layer tandem runs (GLM-5 and DeepSeek-V3 checkpoints keep theirs)")
+    that has none (a checkpoint without `num_nextn_predict_layers`, a family that keeps none)."""
+    if not getattr(getattr(model, "args", None), "num_nextn_predict_layers", 0):
         raise ValueError(f"`engine.speculative.method` = 'mtp', but `model.name` = {model_config.name!r} "
-                         f"({model.hf_config.get('model_type')!r}) has {what}; choose 'ngram' or 'draft_model'")
+                         f"({model.hf_config.get('model_type')!r}) has no multi-token prediction layer tandem runs "
+                         "(`num_nextn_predict_layers` = 0, or a family that keeps none; GLM-5 and DeepSeek-V3 "
+                         "checkpoints carry one, `tandem model add-draft-head` gives Qwen3, Qwen3-MoE and MiniMax-M2 "
+                         "models one); choose 'ngram' or 'draft_model'")
 
 
 def load_draft_model(spec: SpeculativeConfig, model_config: ModelConfig, device: torch.device, policy_folder: Path,

@@ -28,8 +28,9 @@ logits and logprobs are bitwise those of the decode step that computes its token
 trainer's: deterministic drafts then give bitwise the tokens and logprobs of exact mode without speculation. The
 draft model keeps the engine's ordinary path: its drafts decide which rows the policy computes, never a logprob.
 
-The multi-token prediction layer of GLM-5 and DeepSeek-V3 checkpoints drafts from the policy's own hidden
-states (`MtpProposer`): its entries live beside the policy's in the same latent cache, written as the policy runs.
+The multi-token prediction layer of GLM-5 and DeepSeek-V3 checkpoints, or a decoder family's draft head, drafts from
+the policy's own hidden states (`MtpProposer`): its entries live beside the policy's in the same paged cache (latent
+entries, or keys and values), written as the policy runs.
 
 On a decode server (prefill/decode disaggregation) a prompt prefilled elsewhere samples its first token from the
 handed logits row in the step that takes it over, as a sequence with no drafts after the batch's own (one row of
@@ -53,7 +54,6 @@ import numpy as np
 import torch
 
 from tandem.inference.engine.host_copies import HostRead, to_device
-from tandem.inference.engine.kv_cache import LatentCache
 from tandem.inference.engine.model_runner import PagedModelRunner, step_metadata
 from tandem.inference.engine.sampler import SampleResult, Sampler, filter_logprobs, race
 from tandem.inference.engine.scheduler import ScheduledBatch
@@ -355,9 +355,10 @@ class DraftModelProposer:
 
 
 class MtpProposer:
-    """The policy's own multi-token prediction layer drafts (GLM-5, DeepSeek-V3: `glm_moe_dsa.MultiTokenPrediction`):
-    from the policy's final hidden state at position t and token t + 1 it computes the LM head's input for token
-    t + 2. Its block attends over entries of its own, kept as extra layers of the policy's latent cache (`setup.py`),
+    """The policy's own multi-token prediction layer drafts (GLM-5, DeepSeek-V3: `glm_moe_dsa.MultiTokenPrediction`;
+    the decoder families' `decoder.DraftHead`): from the policy's final hidden state at position t and token t + 1 it
+    computes the LM head's input for token t + 2. Its block attends over entries of its own, kept as extra layers of
+    the policy's paged cache (`setup.py`),
     so in the policy's blocks: the entry at position t is made from the policy's hidden state at t and token t + 1.
 
     After each policy step (`observe`) the layer runs over the step's tokens, each paired with the token after it
@@ -386,7 +387,7 @@ class MtpProposer:
 
     def __init__(self, runner: PagedModelRunner, sampler: Sampler, sampled: bool, max_num_seqs: int):
         """`runner`: the policy's, keeping each step's forward (`PagedModelRunner.keep_forward`)."""
-        assert runner.keep_forward and isinstance(runner.cache, LatentCache), "the MTP layer runs over the policy's forward"
+        assert runner.keep_forward, "the MTP layer runs over the policy's forward"
         self.runner = runner
         self.model = runner.model
         self.sampler = sampler
@@ -402,6 +403,8 @@ class MtpProposer:
         """Always: draft step 0 writes the layer's entries of every decoding sequence (see the class docstring)."""
         return True
 
+    @torch.no_grad()  # as the runner's steps: a layer that writes the cache under autograd makes the cache a node of
+    # a graph that every later write extends, held for good (memory that grows with every step)
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         active, starts = [], []
         for i, seq in enumerate(batch.seqs):
@@ -443,6 +446,7 @@ class MtpProposer:
         attention = self.runner.attention_for(step_metadata(inputs, self.inputs.block_tables[:len(active)]))
         return self.model.predict_after_next(hidden[None], inputs.input_ids[None], inputs.positions[None], attention)[0]
 
+    @torch.no_grad()
     def observe(self, batch: ScheduledBatch) -> None:
         forward, self.runner.last_forward = self.runner.last_forward, None
         if forward is None or not batch.seqs:

@@ -82,6 +82,26 @@ def serves_fp8_checkpoint(config: InferenceConfig) -> bool:
     return checkpoint_quantization(read_hf_config(folder), str(folder / "config.json")) == "fp8"
 
 
+def check_no_draft_head(config: InferenceConfig) -> None:
+    """Refuse a Qwen3, Qwen3-MoE or MiniMax-M2 folder with a draft head (`tandem model add-draft-head`): vLLM's
+    loaders of these families know no layer after the last block (vLLM's MTP drafting is for GLM's and DeepSeek's
+    checkpoints), so the head's weights, at load and in every update, are tensors it cannot place. A hub name is a
+    released checkpoint, which carries none."""
+    from tandem.models.draft_head import has_draft_head
+    from tandem.models.hub import read_hf_config
+
+    folder = Path(config.model.name).expanduser()
+    if not (folder / "config.json").is_file():
+        return
+    hf_config = read_hf_config(folder)
+    model_type, heads = hf_config.get("model_type"), hf_config.get("num_nextn_predict_layers")
+    if has_draft_head(hf_config):
+        raise ValueError(f"`backend` = 'vllm' cannot serve `model.name` = {config.model.name!r}: a {model_type!r} model "
+                         f"with a draft head ({folder / 'config.json'}: `num_nextn_predict_layers` = {heads}), which "
+                         f"vLLM's {model_type!r} loader does not know; set `backend` = 'tandem', or serve a folder "
+                         "without the head")
+
+
 def run_vllm(command: list[str], argv: list[str], config: InferenceConfig) -> int:
     """Run `vllm serve` with `argv` until it exits or this process is told to stop; returns its exit code."""
     proc = subprocess.Popen([*command, "serve", *argv], env={**os.environ, **serve_env(config)},
@@ -109,6 +129,7 @@ def run_vllm(command: list[str], argv: list[str], config: InferenceConfig) -> in
 def main(config: InferenceConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="tandem-lora-start-") as scratch:
         try:
+            check_no_draft_head(config)
             command = find_vllm()
             if config.vllm.extra_args:
                 check_extra_args(config, known_flags(command))
