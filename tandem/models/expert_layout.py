@@ -14,6 +14,9 @@ The multi-token prediction layers that checkpoints hold after the last block (`m
 `KEEPS_MTP_LAYERS`, whose models hold them apart from the blocks as `model.mtp_layers.{i}` (GLM-5's and
 DeepSeek-V3's own, the decoder families' draft head: `tandem.models.decoder.DraftHead`). A draft head's dense
 feed-forward keeps the name `mlp` on disk in every family (MiniMax-M2 names only its routed blocks otherwise).
+DeepSeek-V3's checkpoints (R1's, V3.1's) also store, in each such layer, a copy of the model's embedding and LM
+head (`embed_tokens.weight`, `shared_head.head.weight`): the layer shares the model's own (DeepSeek-V3's paper; GLM-5's
+checkpoints store no copy), so those copies are left out on reading (`MTP_COPIES`), as tandem's MTP layer has neither.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ memory `experts.gate_up_proj_scale_inv`, stacked as the weights are (each expert
 KEEPS_MTP_LAYERS = frozenset({"qwen3", "qwen3_moe", "minimax_m2", "glm_moe_dsa", "deepseek_v3"})
 """Families whose models keep the checkpoints' multi-token prediction layers (as `model.mtp_layers.{i}`)."""
 
+MTP_COPIES = re.compile(r"model\.mtp_layers\.\d+\.(embed_tokens|shared_head\.head)\.weight(_scale_inv)?")
+"""An MTP layer's stored copies of the model's embedding and LM head (in-memory names), left out on reading."""
+
 
 def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
     """On-disk names -> in-memory names: per-expert tensors (and FP8 experts' block scales) stacked, the block renamed
@@ -58,6 +64,7 @@ def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torc
     layout = EXPERT_LAYOUTS.get(model_type)
     if model_type in KEEPS_MTP_LAYERS:
         state = {_mtp_in_memory(name, hf_config["num_hidden_layers"]): t for name, t in state.items()}
+        state = {name: t for name, t in state.items() if not MTP_COPIES.fullmatch(name)}
     elif layout is not None:
         state = {name: t for name, t in state.items() if not _is_mtp_layer(name, hf_config)}
     if layout is None:

@@ -224,6 +224,23 @@ def test_multi_token_prediction_layer_is_kept_named_as_released_and_frozen(tmp_p
     assert draft.shape == hidden.shape and not torch.allclose(draft, other)
 
 
+def test_the_mtp_layers_stored_copies_of_the_embedding_and_head_are_left_out(tmp_path):
+    """DeepSeek-V3's checkpoints store in the MTP layer a copy of the model's embedding and LM head
+    (`model.layers.61.embed_tokens.weight`, `model.layers.61.shared_head.head.weight`), which the layer shares: such a
+    folder loads, with the weights of the same folder without the copies."""
+    from safetensors.torch import load_file, save_file
+
+    folder = init_model("tiny-deepseek-v3", tmp_path / "m")
+    layer = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    copies = {f"model.layers.{layer}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+              f"model.layers.{layer}.shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    expected = load_causal_lm(str(folder)).state_dict()
+    save_file(dict(tensors, **copies), str(folder / "model.safetensors"))
+    got = load_causal_lm(str(folder)).state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 def test_a_tensor_past_the_multi_token_prediction_layers_is_an_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
