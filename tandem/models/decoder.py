@@ -185,11 +185,12 @@ class DecoderLayer(PreNormBlock):
 
 class DraftHead(DecoderLayer, MtpParts):
     """The decoder families' multi-token prediction layer: `multi_token.MtpParts` around one `DecoderLayer` of the
-    family's own attention with a dense SwiGLU feed-forward, at layer index `num_hidden_layers` (the engine's
-    paged cache holds its keys and values as one more layer). It reads the trunk's last hidden state only (not
-    EAGLE-3's fusion of several layers' features): what the trunk already hands the LM head."""
+    family's own attention with a dense SwiGLU feed-forward (GLM-4.5's checkpoints: its routed block), at layer
+    index `num_hidden_layers` (the engine's paged cache holds its keys and values as one more layer). It reads the
+    trunk's last hidden state only (not EAGLE-3's fusion of several layers' features): what the trunk already hands
+    the LM head."""
 
-    def __init__(self, layer_idx: int, attention: Attention, mlp: MLP, hidden_size: int, eps: float):
+    def __init__(self, layer_idx: int, attention: Attention, mlp: FeedForward, hidden_size: int, eps: float):
         super().__init__(layer_idx, attention, mlp, hidden_size, eps)
         self.add_mtp_parts(hidden_size, eps)
 

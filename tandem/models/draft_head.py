@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     import torch
 
 HEAD_FAMILIES = ("qwen3", "qwen3_moe", "minimax_m2")
-"""The families a draft head is added to: those built of `decoder.DecoderLayer`s. GLM-5 and DeepSeek-V3 carry an MTP
-layer of their own; GLM-4.5's checkpoints carry theirs too (a routed block, which tandem does not load)."""
+"""The families a draft head is added to: those built of `decoder.DecoderLayer`s. GLM-5's, DeepSeek-V3's and GLM-4.5's
+checkpoints carry an MTP layer of their own (GLM-4.5's a routed block, loaded as a `decoder.DraftHead` around it)."""
 
 HEAD_SEED = 0
 """Seed of the head's new matrices (those not copied from the trunk)."""
@@ -38,7 +38,7 @@ def with_draft_head(hf_config: dict, source: str) -> dict:
     model_type = hf_config.get("model_type")
     if model_type not in HEAD_FAMILIES:
         raise ValueError(f"{source}: model_type {model_type!r} takes no draft head (the families that do: "
-                         f"{', '.join(HEAD_FAMILIES)}; GLM-5 and DeepSeek-V3 checkpoints carry an MTP layer of their own)")
+                         f"{', '.join(HEAD_FAMILIES)}; GLM-5, DeepSeek-V3 and GLM-4.5 checkpoints carry an MTP layer of their own)")
     if hf_config.get("num_nextn_predict_layers"):
         raise ValueError(f"{source} already has {hf_config['num_nextn_predict_layers']} multi-token prediction "
                          "layer(s) (`num_nextn_predict_layers`)")

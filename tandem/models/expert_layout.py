@@ -10,9 +10,9 @@ loading and published `weights/step_N`, the engine's loading and weight updates)
 Stacking copies: while a folder is loaded, its experts exist once more in host memory.
 
 The multi-token prediction layers that checkpoints hold after the last block (`model.layers.{N + i}`, N =
-`num_hidden_layers`) are left out for GLM-4.5, whose causal LM does not use them, and kept for the families of
-`KEEPS_MTP_LAYERS`, whose models hold them apart from the blocks as `model.mtp_layers.{i}` (GLM-5's and
-DeepSeek-V3's own, the decoder families' draft head: `tandem.models.decoder.DraftHead`). A draft head's dense
+`num_hidden_layers`) are kept for the families of `KEEPS_MTP_LAYERS`, whose models hold them apart from the blocks as
+`model.mtp_layers.{i}` (GLM-5's, DeepSeek-V3's and GLM-4.5's own, the decoder families' draft head:
+`tandem.models.decoder.DraftHead`); another family's are left out. A draft head's dense
 feed-forward keeps the name `mlp` on disk in every family (MiniMax-M2 names only its routed blocks otherwise).
 DeepSeek-V3's checkpoints (R1's, V3.1's) also store, in each such layer, a copy of the model's embedding and LM
 head (`embed_tokens.weight`, `shared_head.head.weight`): the layer shares the model's own (DeepSeek-V3's paper; GLM-5's
@@ -49,7 +49,7 @@ SCALES = "_scale_inv"
 memory `experts.gate_up_proj_scale_inv`, stacked as the weights are (each expert's gate blocks, then its up blocks)."""
 
 
-KEEPS_MTP_LAYERS = frozenset({"qwen3", "qwen3_moe", "minimax_m2", "glm_moe_dsa", "deepseek_v3"})
+KEEPS_MTP_LAYERS = frozenset({"qwen3", "qwen3_moe", "minimax_m2", "glm4_moe", "glm_moe_dsa", "deepseek_v3"})
 """Families whose models keep the checkpoints' multi-token prediction layers (as `model.mtp_layers.{i}`)."""
 
 MTP_COPIES = re.compile(r"model\.mtp_layers\.\d+\.(embed_tokens|shared_head\.head)\.weight(_scale_inv)?")
@@ -59,14 +59,12 @@ MTP_COPIES = re.compile(r"model\.mtp_layers\.\d+\.(embed_tokens|shared_head\.hea
 def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
     """On-disk names -> in-memory names: per-expert tensors (and FP8 experts' block scales) stacked, the block renamed
     `mlp`, the multi-token-prediction layers (`num_nextn_predict_layers`, after the last block) renamed
-    `model.mtp_layers.{i}` (`KEEPS_MTP_LAYERS`) or left out (GLM-4.5)."""
+    `model.mtp_layers.{i}` (`KEEPS_MTP_LAYERS`, their copies of the embedding and head left out)."""
     model_type = hf_config.get("model_type", "")
     layout = EXPERT_LAYOUTS.get(model_type)
     if model_type in KEEPS_MTP_LAYERS:
         state = {_mtp_in_memory(name, hf_config["num_hidden_layers"]): t for name, t in state.items()}
         state = {name: t for name, t in state.items() if not MTP_COPIES.fullmatch(name)}
-    elif layout is not None:
-        state = {name: t for name, t in state.items() if not _is_mtp_layer(name, hf_config)}
     if layout is None:
         return state
     if layout.block != "mlp":

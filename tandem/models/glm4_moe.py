@@ -6,9 +6,9 @@
   with sigmoid scores, `e_score_correction_bias` on the router (choice only), group-limited top-k
   (`n_group`, `topk_group`), renormalized (`norm_topk_prob`), scaled by `routed_scaling_factor`,
   plus `n_shared_experts` shared experts.
-The multi-token-prediction layers of the checkpoints (`num_nextn_predict_layers`) are not part of
-the causal LM; `tandem.models.expert_layout` leaves them out when loading. (They hold a routed block, which a
-draft head of the decoder families, `decoder.DraftHead`, is not: the family builds none.)
+The multi-token-prediction layers of the checkpoints (`num_nextn_predict_layers`, after the last block) are kept
+as `model.mtp_layers` (`decoder.DraftHead` around the family's routed block, as the checkpoints hold it): not part of
+the causal LM's forward, frozen unless the trainer trains them, drafted with by `engine.speculative.method = "mtp"`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from tandem.models.decoder import Attention, DecoderArgs, DecoderLayer, DecoderLM
+from tandem.models.decoder import Attention, DecoderArgs, DecoderLayer, DecoderLM, DraftHead
 from tandem.models.hf_config import UnsupportedConfig, decoder_fields, transformers_config
 from tandem.models.layers import MLP
 from tandem.models.moe import MoE, MoEArgs
@@ -51,7 +51,7 @@ class Glm4MoeArgs(DecoderArgs):
     def from_hf(cls, config: dict[str, Any]) -> "Glm4MoeArgs":
         """Read a GLM-4.5 `config.json`; unsupported values raise `UnsupportedConfig`."""
         hf = transformers_config(config)
-        return cls(**dict(decoder_fields(hf), num_nextn_predict_layers=0), **routing_fields(hf),
+        return cls(**decoder_fields(hf), **routing_fields(hf),
                    first_k_dense_replace=hf.first_k_dense_replace, attention_bias=hf.attention_bias,
                    use_qk_norm=hf.use_qk_norm)
 
@@ -78,12 +78,14 @@ def routing_fields(hf: Any) -> dict[str, Any]:
 
 class Glm4MoeForCausalLM(DecoderLM):
     def __init__(self, args: Glm4MoeArgs):
-        def layer(i: int) -> DecoderLayer:
+        def layer(i: int, cls: type[DecoderLayer] = DecoderLayer) -> DecoderLayer:
             attention = Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
                                   args.rms_norm_eps, qkv_bias=args.attention_bias, o_bias=False,
                                   qk_norm="head" if args.use_qk_norm else "none")
             mlp: nn.Module = (MLP(args.hidden_size, args.intermediate_size) if i < args.first_k_dense_replace
                               else MoE(args.moe_args()))
-            return DecoderLayer(i, attention, mlp, args.hidden_size, args.rms_norm_eps)
+            return cls(i, attention, mlp, args.hidden_size, args.rms_norm_eps)
 
-        super().__init__(args, [layer(i) for i in range(args.num_hidden_layers)])
+        num_layers = args.num_hidden_layers
+        super().__init__(args, [layer(i) for i in range(num_layers)],
+                         [layer(num_layers + i, DraftHead) for i in range(args.num_nextn_predict_layers)])

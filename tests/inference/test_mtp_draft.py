@@ -29,6 +29,7 @@ SHAPES = {
     "glm5-sparse": dict(PRESETS["tiny-glm5"], index_topk=4),  # DSA chooses for the MTP layer's queries too
     "deepseek-v3": PRESETS["tiny-deepseek-v3"],
     "qwen3-head": dict(PRESETS["tiny"], num_nextn_predict_layers=1),  # a decoder family's draft head, over `KVCache`
+    "glm4-moe-mtp": dict(PRESETS["tiny-glm4-moe"], num_nextn_predict_layers=1),  # GLM-4.5's own: a routed block
 }
 SETTINGS = {
     "roomy": dict(block_size=4, num_blocks=256, max_model_len=128),
@@ -115,7 +116,7 @@ def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none
                                                            ("deepseek-v3", "roomy", "none"), ("glm5-sparse", "roomy", "fp8"),
                                                            ("qwen3-head", "roomy", "none"),
                                                            ("qwen3-head", "memory-starved", "none"),
-                                                           ("qwen3-head", "roomy", "fp8")])
+                                                           ("qwen3-head", "roomy", "fp8"), ("glm4-moe-mtp", "roomy", "none")])
 def test_drafts_are_the_mtp_layers_own(shape, settings, quantization, tmp_path):
     """In FP8 (`engine.quantization`: the layer's projections (and experts) held in FP8 as the trunk's are) the
     reference is the same FP8 model run by the engine's FP8 blocks outside the engine (`check_follows_fp8_scheme`

@@ -14,6 +14,7 @@ from tandem.models.cli import main
 from tandem.models.decoder import DraftHead
 from tandem.models.draft_head import add_draft_head
 from tandem.models.loading import load_causal_lm
+from tandem.models.moe import MoE
 from tandem.models.presets import PRESETS, init_model, shape_config, write_model
 from tandem.models.weights import load_state_dict, save_state_dict
 
@@ -46,12 +47,13 @@ def test_a_head_is_saved_and_loaded_bit_for_bit_under_deepseeks_names(with_head,
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-minimax-m2", "tiny-glm4-moe"])
-def test_a_folder_without_the_key_has_no_head_and_glm45_builds_none(preset, tmp_path):
-    """GLM-4.5's checkpoints carry an MTP layer of their own (a routed block): the family keeps none, key or not."""
+def test_a_folder_has_a_head_exactly_when_its_config_says_so(preset, tmp_path):
+    """GLM-4.5's checkpoints carry an MTP layer of their own, a routed block: kept, as a `DraftHead` around it."""
     plain = load_causal_lm(str(init_model(preset, tmp_path / "plain")))
     assert len(plain.model.mtp_layers) == 0
     asked = load_causal_lm(str(write_model(shape_config(dict(PRESETS[preset], num_nextn_predict_layers=1)), tmp_path / "a")))
-    assert len(asked.model.mtp_layers) == (0 if preset == "tiny-glm4-moe" else 1)
+    assert len(asked.model.mtp_layers) == 1 and isinstance(asked.model.mtp_layers[0], DraftHead)
+    assert isinstance(asked.model.mtp_layers[0].mlp, MoE) == (preset == "tiny-glm4-moe")
 
 
 def test_a_minimax_heads_feed_forward_keeps_the_name_mlp_on_disk(tmp_path):
@@ -102,7 +104,7 @@ def test_a_routed_last_block_leaves_a_head_whose_feed_forward_adds_nothing_yet(t
     assert head["model.mtp_layers.0.mlp.gate_proj.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("preset, reason", [("tiny-glm4-moe", "model_type 'glm4_moe' takes no draft head"),
+@pytest.mark.parametrize("preset, reason", [("tiny-glm4-moe", "GLM-4.5 checkpoints carry an MTP layer of their own"),
                                             ("tiny-glm5", "carry an MTP layer of their own"),
                                             ("tiny", "already has 1 multi-token prediction layer")])
 def test_add_draft_head_refuses_what_cannot_take_one(preset, reason, tmp_path, capsys):

@@ -224,15 +224,19 @@ def test_glm_routers_stay_fp32_in_a_bf16_model(tmp_path):
         assert model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None]).dtype == torch.bfloat16
 
 
-def test_glm_multi_token_prediction_layers_are_left_out_and_nothing_else(tmp_path):
-    """GLM-4.5 checkpoints hold `num_nextn_predict_layers` extra blocks after the last one, which the
-    causal LM does not use; a tensor past them is still an error."""
+def test_glm_multi_token_prediction_layers_are_kept_and_nothing_past_them(tmp_path):
+    """GLM-4.5 checkpoints hold `num_nextn_predict_layers` routed blocks after the last one (`model.layers.{N}`):
+    kept as the model's MTP layers (`model.mtp_layers`), experts and router included; a tensor past them is an
+    error."""
     from safetensors.torch import load_file, save_file
 
     folder = write_model(shape_config(dict(TINY_GLM, num_nextn_predict_layers=1)), tmp_path / "m")
     tensors = load_file(str(folder / "model.safetensors"))
-    save_file(dict(tensors, **{"model.layers.3.eh_proj.weight": torch.zeros(2, 2)}), str(folder / "model.safetensors"))
-    assert "model.layers.3.eh_proj.weight" not in load_causal_lm(str(folder)).state_dict()
+    state = load_causal_lm(str(folder)).state_dict()
+    for in_memory, on_disk in (("eh_proj.weight", "eh_proj.weight"), ("mlp.gate.e_score_correction_bias",) * 2,
+                               ("self_attn.q_proj.weight",) * 2):
+        assert torch.equal(state[f"model.mtp_layers.0.{in_memory}"], tensors[f"model.layers.3.{on_disk}"]), in_memory
+    assert torch.equal(state["model.mtp_layers.0.mlp.experts.down_proj"][7], tensors["model.layers.3.mlp.experts.7.down_proj.weight"])
     save_file(dict(tensors, **{"model.layers.4.eh_proj.weight": torch.zeros(2, 2)}), str(folder / "model.safetensors"))
-    with pytest.raises(KeyError, match=r"unexpected \['model.layers.4.eh_proj.weight'\]"):
+    with pytest.raises(KeyError, match=r"unexpected \['model.mtp_layers.1.eh_proj.weight'\]"):
         load_causal_lm(str(folder))

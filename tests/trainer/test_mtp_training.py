@@ -17,7 +17,7 @@ from tandem.config.base import ModelConfig
 from tandem.config.loader import ConfigError, parse_args
 from tandem.config.sft import SFTConfig
 from tandem.config.trainer import AdamWConfig, ConstantSchedule, MultiTokenPredictionConfig, ParallelConfig
-from tandem.models.presets import init_model
+from tandem.models.presets import PRESETS, init_model, shape_config, write_model
 from tandem.models.weights import weight_files
 from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.micro_batch import MicroBatch
@@ -67,12 +67,16 @@ def policy_of(folder, dims, train: bool, fsdp: bool = False):
     return policy
 
 
-@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-deepseek-v3", "tiny-with-head"])
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-deepseek-v3", "tiny-with-head", "tiny-glm4-moe-mtp"])
 def test_the_mtp_loss_is_the_cross_entropy_of_the_layers_own_forward_document_by_document(preset, dims, tmp_path):
     """The reference runs each document of the packed row alone (so nothing can cross a boundary) and takes the
-    cross-entropy of token t+2 in fp64, on the loss tokens."""
-    folder = (init_model("tiny", tmp_path / preset, draft_head=True) if preset == "tiny-with-head"
-              else init_model(preset, tmp_path / preset))
+    cross-entropy of token t+2 in fp64, on the loss tokens. GLM-4.5's layer is a routed block."""
+    if preset == "tiny-with-head":
+        folder = init_model("tiny", tmp_path / preset, draft_head=True)
+    elif preset == "tiny-glm4-moe-mtp":
+        folder = write_model(shape_config(dict(PRESETS["tiny-glm4-moe"], num_nextn_predict_layers=1)), tmp_path / preset)
+    else:
+        folder = init_model(preset, tmp_path / preset)
     policy = policy_of(folder, dims, train=True)
     mb = rows(dims.device)[0]
     out = policy(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask, mb.row_document_lengths)
