@@ -273,7 +273,9 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
     if dims.ep_size > 1:
         apply_expert_parallel_to(policy, hf_config, dims, str(folder / "config.json"))
     if not one_rank:
-        sharded = nn.ModuleList([*policy.blocks, *mtp_layers(lm)]) if mtp.train else policy.blocks
+        # The MTP layers in groups of their own, trained or not: in the root's group (gathered for the whole step) a
+        # frozen one would take a whole block's memory on every rank.
+        sharded = nn.ModuleList([*policy.blocks, *mtp_layers(lm)])
         apply_fsdp(policy, sharded, dims.mesh, param_dtype=compute_dtype(model, dims.device),
                    reduce_dtype=getattr(torch, parallel.reduce_dtype), reshard_after_forward=parallel.reshard_after_forward,
                    expert_mesh=dims.expert_mesh)

@@ -128,10 +128,12 @@ def test_the_layer_learns_while_the_policy_trains_bit_for_bit_as_with_it_frozen(
 
 
 def test_fsdp_at_one_rank_trains_the_layer_as_the_plain_path_does(with_mtp, dims):
-    """Under FSDP the layer is a group of its own whose `predict` gathers it; the numbers are the plain path's."""
+    """Under FSDP the layer is a group of its own whose `predict` gathers it, trained or frozen (in the root's group
+    a frozen layer would stay gathered through every step); the numbers are the plain path's."""
     batches = rows(dims.device)
     sharded_policy = policy_of(with_mtp, dims, True, fsdp=True)
     assert isinstance(sharded_policy.lm.model.mtp_layers[0], FSDPModule)
+    assert isinstance(policy_of(with_mtp, dims, False, fsdp=True).lm.model.mtp_layers[0], FSDPModule)
     plain, sharded = train(policy_of(with_mtp, dims, True), dims, batches), train(sharded_policy, dims, batches)
     for a, b in zip(plain, sharded):
         assert a.loss == b.loss
