@@ -19,6 +19,12 @@ from torch import nn
 from tandem.models.layers import RMSNorm
 
 
+def mtp_layers(lm: nn.Module) -> nn.ModuleList:
+    """The model's MTP layers (`model.mtp_layers`); an empty list for a model without them (a transformers fallback)."""
+    layers = getattr(getattr(lm, "model", None), "mtp_layers", None)
+    return layers if layers is not None else nn.ModuleList()
+
+
 class MtpParts(nn.Module):
     """Mixed into a block class: `add_mtp_parts` in its constructor, then `mtp_input` before the block and
     `mtp_output` after it."""

@@ -44,13 +44,14 @@ from tandem.models.hub import resolve_model_path
 from tandem.models.lora import LoraSpec, apply_lora, initial_adapters, is_adapter_name
 from tandem.models.loading import (DUMMY_SEED, build_native, check_load_format, has_split_blocks, is_native, read_hf_config,
                                    resolve_dtype)
+from tandem.models.multi_token import mtp_layers
 from tandem.models.random_init import RandomWeights
 from tandem.models.weights import load_state_dict
 from tandem.trainer.block import apply_training_blocks
 from tandem.trainer.logprobs import token_logprobs
 from tandem.trainer.parallel.activation_checkpoint import apply_activation_checkpoint
 from tandem.trainer.micro_batch import ContextShard
-from tandem.trainer.mtp import (MtpLoss, check_mtp_trainable, counted_positions, mtp_layers, mtp_loss, register_predict,
+from tandem.trainer.mtp import (MtpLoss, check_mtp_trainable, counted_positions, mtp_loss, register_predict,
                                unfreeze_mtp_layers)
 from tandem.trainer.parallel.context_parallel import check_context_parallel, context_attention
 from tandem.trainer.parallel.dims import EP, ParallelDims

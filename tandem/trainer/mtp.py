@@ -29,6 +29,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from tandem.models.attention import AttentionBackend
 from tandem.models.dsa import Indexer
 from tandem.models.moe import MoE
+from tandem.models.multi_token import mtp_layers
 from tandem.trainer.logprobs import token_logprobs
 from tandem.trainer.router import score_bias_of
 
@@ -44,12 +45,6 @@ class MtpLoss:
 
     def metric_sums(self) -> dict[str, torch.Tensor]:
         return {"mtp/loss_sum": self.loss_sum.detach(), "mtp/tokens": self.num_tokens}
-
-
-def mtp_layers(lm: nn.Module) -> nn.ModuleList:
-    """The model's MTP layers (an empty list for a model without them)."""
-    layers = getattr(getattr(lm, "model", None), "mtp_layers", None)
-    return layers if layers is not None else nn.ModuleList()
 
 
 def check_mtp_trainable(lm: nn.Module, ep_size: int, source: str) -> None:

@@ -74,11 +74,11 @@ def reference_drafts(model, hidden: torch.Tensor, tokens: list[int], num_drafts:
     return drafts
 
 
-def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none", device: str = "cpu") -> None:
+def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none", device: str = "cpu"):
     """Run prompts through an engine drafting with the MTP layer; each proposal equals the layer's greedy drafts
     called on a teacher-forced pass: all of them on the CPU in the model's dtype; where the engine's arithmetic
     differs from the reference's in its roundings (FP8 activations quantized per batch row, the engine's kernels on
-    CUDA), a near tie of the layer's logits may draft otherwise, so most of them."""
+    CUDA), a near tie of the layer's logits may draft otherwise, so most of them. Returns the engine."""
     fp8 = quantization == "fp8"
     engine = engine_for(folder, speculative={"method": "mtp", "num_tokens": 3}, quantization=quantization, fp8_experts=fp8,
                         device=device, **SETTINGS[settings])
@@ -109,6 +109,7 @@ def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none
         equal.append(drafts == reference_drafts(model, hidden[seq][:num_tokens], tokens, len(drafts)))
         assert fp8 or device != "cpu" or equal[-1], tokens
     assert sum(equal) >= 0.9 * len(equal)
+    return engine
 
 
 @pytest.mark.parametrize("shape, settings, quantization", [("glm5-sparse", "roomy", "none"),
@@ -130,9 +131,7 @@ def test_on_cuda_the_mtp_layers_experts_run_the_engines_kernels(quantization, tm
     """fp32 on CUDA: the layer's mixture of experts runs the engine's fused kernels as the trunk's do (its routing not
     recorded), in FP8 on FP8 experts, and the drafts stay the layer's own."""
     folder = write_model(shape_config(SHAPES["glm5-sparse"]), tmp_path / "m")
-    check_drafts_are_the_layers(folder, "roomy", quantization, "cuda")
-    engine = engine_for(folder, speculative={"method": "mtp", "num_tokens": 3}, quantization=quantization,
-                        fp8_experts=quantization == "fp8", device="cuda", **SETTINGS["roomy"])
+    engine = check_drafts_are_the_layers(folder, "roomy", quantization, "cuda")
     forward = engine.weight_target.model.mtp_layers[0].mlp.forward
     assert forward.func is fused_moe_forward and forward.args[2] is None
 

@@ -35,6 +35,7 @@ from tandem.kernels.moe_tiles import TileTable, shape_key, shipped_table_path
 from tandem.models.eager_rounding import compile_like_eager
 from tandem.models.fp8 import Fp8Experts
 from tandem.models.moe import MoE, MoEArgs, route
+from tandem.models.multi_token import mtp_layers
 
 
 class RoutingRecorder:
@@ -73,8 +74,7 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
 def draft_moe_blocks(model: nn.Module) -> list[MoE]:
     """The MoE feed-forwards of the model's multi-token prediction layers (`model.mtp_layers`), which a speculative
     draft runs apart from the model's forward."""
-    layers = getattr(getattr(model, "model", None), "mtp_layers", None)
-    return [m for m in layers.modules() if isinstance(m, MoE)] if layers is not None else []
+    return [m for m in mtp_layers(model).modules() if isinstance(m, MoE)]
 
 
 def apply_fused_moe(model: nn.Module, recorder: RoutingRecorder | None = None, kernels: bool = True,

@@ -354,8 +354,13 @@ class LLMEngine:
         return (self.scheduler.has_unfinished or self.in_flight is not None or bool(self.prefilled)
                 or bool(self.waiting_prefilled))
 
+    @torch.no_grad()
     def step(self) -> list[SequenceOutput]:
-        """Launch the next step; return the outputs of the step read now (this one, or with `overlap` the previous one)."""
+        """Launch the next step; return the outputs of the step read now (this one, or with `overlap` the previous one).
+
+        Without autograd throughout, whatever runs the model in it (the runner, a speculative draft's own calls: an
+        MTP layer): a model that writes the paged cache under autograd makes the cache a node of a graph that every
+        later write extends, held for good."""
         if self.step_records is None:
             return self._step()
         self.step_records.start_step()

@@ -47,6 +47,7 @@ from tandem.models.glm_moe_dsa import LatentMoeArgs
 from tandem.inference.engine.mapped_base import SidePathAdapters, load_mapped_model
 from tandem.models.loading import is_native, load_causal_lm, resolve_dtype
 from tandem.models.lora import LoraSpec, adapted_parameters, targeted_linears
+from tandem.models.multi_token import mtp_layers
 
 log = logging.getLogger(__name__)
 
@@ -290,14 +291,13 @@ def cache_layout(model: torch.nn.Module, fp8: bool = False, mtp: bool = False
     `mtp`: room for the multi-token prediction layers' entries too, as the layers after the blocks (their
     `layer_idx`)."""
     args = model.args
+    num_layers = args.num_hidden_layers + (args.num_nextn_predict_layers if mtp else 0)
     if isinstance(args, LatentMoeArgs):
-        num_layers = args.num_hidden_layers + (args.num_nextn_predict_layers if mtp else 0)
         indexed = [i for i, kind in enumerate(args.indexer_types) if kind == "full"]
         indexed += list(range(args.num_hidden_layers, num_layers)) if args.has_dsa else []  # each MTP layer indexes
         return LatentCache, dict(num_layers=num_layers, entry_dim=args.kv_lora_rank + args.qk_rope_head_dim,
                                  indexed_layers=indexed, index_dim=args.index_head_dim, fp8=fp8,
                                  rope_dim=args.qk_rope_head_dim)
-    num_layers = args.num_hidden_layers + (args.num_nextn_predict_layers if mtp else 0)
     return KVCache, dict(num_layers=num_layers, num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim, fp8=fp8)
 
 
@@ -315,10 +315,10 @@ def cache_for(model: torch.nn.Module, num_blocks: int, block_size: int, device: 
 def check_mtp_layers(model: torch.nn.Module, model_config: ModelConfig) -> None:
     """`engine.speculative.method` = 'mtp' drafts with the policy's multi-token prediction layer: refused for a model
     that has none (a checkpoint without `num_nextn_predict_layers`, a family that keeps none)."""
-    if not getattr(getattr(model, "args", None), "num_nextn_predict_layers", 0):
+    if not mtp_layers(model):
         raise ValueError(f"`engine.speculative.method` = 'mtp', but `model.name` = {model_config.name!r} "
                          f"({model.hf_config.get('model_type')!r}) has no multi-token prediction layer tandem runs "
-                         "(`num_nextn_predict_layers` = 0, or a family that keeps none; GLM-5 and DeepSeek-V3 "
+                         "(`num_nextn_predict_layers` = 0, or a family that keeps none; GLM-5, DeepSeek-V3 and GLM-4.5 "
                          "checkpoints carry one, `tandem model add-draft-head` gives Qwen3, Qwen3-MoE and MiniMax-M2 "
                          "models one); choose 'ngram' or 'draft_model'")
 

@@ -403,8 +403,6 @@ class MtpProposer:
         """Always: draft step 0 writes the layer's entries of every decoding sequence (see the class docstring)."""
         return True
 
-    @torch.no_grad()  # as the runner's steps: a layer that writes the cache under autograd makes the cache a node of
-    # a graph that every later write extends, held for good (memory that grows with every step)
     def propose(self, batch: ScheduledBatch) -> dict[Sequence, torch.Tensor]:
         active, starts = [], []
         for i, seq in enumerate(batch.seqs):
@@ -446,7 +444,6 @@ class MtpProposer:
         attention = self.runner.attention_for(step_metadata(inputs, self.inputs.block_tables[:len(active)]))
         return self.model.predict_after_next(hidden[None], inputs.input_ids[None], inputs.positions[None], attention)[0]
 
-    @torch.no_grad()
     def observe(self, batch: ScheduledBatch) -> None:
         forward, self.runner.last_forward = self.runner.last_forward, None
         if forward is None or not batch.seqs:
