@@ -281,4 +281,4 @@ class DecoderLM(nn.Module):
         """Random weights in place (`tandem.models.random_init`: values set by seed, name and device kind)."""
         with torch.no_grad():
             for name, p in self.named_parameters():
-                p.copy_(initial_value(name, p.shape, seed, p.device).to(p.dtype))
+                p.copy_(initial_value(name, p.shape, seed, p.device))  # copy_ rounds to p's dtype

@@ -26,7 +26,7 @@ def initial_value(name: str, shape: torch.Size | tuple[int, ...], seed: int, dev
         return torch.zeros(shape, device=device)
     # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of its seed.
     generator = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    return torch.randn(shape, generator=generator, device=device) * STD
+    return torch.randn(shape, generator=generator, device=device).mul_(STD)  # in place: one fp32 copy at a time
 
 
 class RandomWeights(Mapping):
