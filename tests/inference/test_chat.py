@@ -30,6 +30,12 @@ def test_incremental_text_equals_the_full_decode_across_split_characters():
     pieces = [detok.push(ids[:i + 1]) for i in range(len(ids))]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + detok.flush(ids) == "héllo → wörld 🙂"
+    # Ids without text (past the vocabulary: a model's padded rows) between every byte, inside characters too: the
+    # window grows over them, from a start whose text is kept, and the text is the same.
+    padded = [t for token in ids for t in (token, 300, 301)]
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    pieces = [detok.push(padded[:i + 1]) for i in range(len(padded))]
+    assert "".join(pieces) + detok.flush(padded) == "héllo → wörld 🙂"
 
 
 def test_the_detokenizers_decode_is_the_tokenizers():

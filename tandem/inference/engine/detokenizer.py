@@ -39,19 +39,27 @@ class IncrementalDetokenizer:
         """Start of the decoding window: tokens before it are already text."""
         self.read_offset = 0
         """End of the tokens whose text has been emitted."""
+        self._prefix: str | None = None
+        """The text of the tokens [prefix_offset, read_offset) once decoded: while tokens add no text (an incomplete
+        character, ids without text) the window only grows, and its start needs no decoding again."""
 
     def push(self, token_ids: list[int]) -> str:
         """New text given all completion tokens so far ("" while a character is incomplete)."""
-        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        prefix = self._prefix_text(token_ids)
         full = self._decode(token_ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith(INCOMPLETE):
-            self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+            self.prefix_offset, self.read_offset, self._prefix = self.read_offset, len(token_ids), None
             return full[len(prefix):]
         return ""
 
     def flush(self, token_ids: list[int]) -> str:
         """The text still held back (an incomplete last character) when the completion ends."""
-        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        prefix = self._prefix_text(token_ids)
         full = self._decode(token_ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(token_ids)
+        self.prefix_offset, self.read_offset, self._prefix = len(token_ids), len(token_ids), None
         return full[len(prefix):]
+
+    def _prefix_text(self, token_ids: list[int]) -> str:
+        if self._prefix is None:
+            self._prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        return self._prefix
