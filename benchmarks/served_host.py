@@ -6,11 +6,11 @@ One batch, two ways: `--num-decoding` requests (`--prompt-len` prompt tokens, `-
 seeded, EOS ignored) given to an engine in this process as a server gives them (incremental outputs: a text piece
 per token), then streamed to a `tandem inference` server in its own process, as `disaggregated.py` sends them
 (`/v1/completions`, `stream`, `return_token_ids`). Figures per setup, over the steps that read a token for every
-request and computed no prompt: the median step (`interval`) and the engine thread's CPU time in it (step records,
-`engine.num_step_records`). For the server also, over the decoding phase, the CPU time per step of the whole
-process and of its threads but the engine's (the event loop that streams the tokens, mostly: it shares the
-interpreter lock with the engine thread), and the client's time between tokens. A CPU step computes its forward on
-the engine thread, so both setups hold the same forward; what the server adds is its own.
+request and computed no prompt: the median step (`interval`), the engine thread's CPU time in it and how often the
+thread blocked (step records, `engine.num_step_records`). For the server also, over the decoding phase, the CPU
+time per step of the whole process and of its threads but the engine's (the event loop that streams the tokens,
+mostly: it shares the interpreter lock with the engine thread), and the client's time between tokens. A CPU step
+computes its forward on the engine thread, so both setups hold the same forward; what the server adds is its own.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def figures(steps: list[dict]) -> dict:
         return 1e3 * statistics.median(s[key] for s in steps)
     cpu = sorted(s["cpu_s"] for s in steps)
     return {"num_steps": len(steps), "interval_ms": median_ms("interval_s"), "engine_cpu_ms": median_ms("cpu_s"),
-            "engine_cpu_p99_ms": 1e3 * cpu[int(0.99 * len(cpu))]}
+            "engine_cpu_p99_ms": 1e3 * cpu[int(0.99 * len(cpu))],
+            "engine_blocked": statistics.median(s["num_blocked"] for s in steps)}
 
 
 def in_process(args: argparse.Namespace, engine_config: EngineConfig, model: ModelConfig, vocab: int) -> dict:
