@@ -6,7 +6,8 @@ one window (the decoding phase of a workload) that read tokens, marks each with 
 it slow, and compares the slowest percent (interval at or above the p99) with the steps around the median: mean
 parts and counts of each class, and per cause how many steps had it, how long they took and which share of the
 slow steps did. A cause that is as common among the median steps as among the slow ones did not make them slow.
-`device_ms` is the time the device worked on the call that launched the step read (its admissions included).
+`device_ms` is the time the device worked on the call that launched the step read (its admissions included);
+`num_blocked`, how often the engine thread blocked (for the interpreter lock, mostly) per step.
 
 Causes:
 - `joined`: a prompt handed over by a prefill server sampled its first token in the step;
@@ -84,6 +85,7 @@ def summary(steps: list[dict], marks: list[set[str]]) -> dict:
     known = [t for t in map(device_s, steps) if t is not None]
     out["device_ms"] = 1000 * sum(known) / len(known) if known else None
     out |= {count: sum(s["read"][count] for s in steps) / n for count in COUNTS}
+    out["num_blocked"] = sum(s["num_blocked"] for s in steps) / n
     out["causes"] = {cause: sum(cause in m for m in marks) / n for cause in CAUSES}
     return out
 

@@ -11,11 +11,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import step_breakdown  # noqa: E402
 
 
-def record(end: float, interval: float, joined: int = 0, gc: float = 0.0, num_seqs: int = 8) -> dict:
+def record(end: float, interval: float, joined: int = 0, gc: float = 0.0, num_seqs: int = 8, blocked: int = 1) -> dict:
     shape = {"launched_at": end - interval / 2, "num_seqs": num_seqs, "num_tokens": num_seqs, "num_prefill_tokens": 0,
              "num_joined": joined, "num_imported_tokens": 100 * joined, "graph": True, "busy": (end - interval, end)}
     return {"end": end, "interval_s": interval, "between_s": interval / 10, "host_s": interval / 10, "admit_s": 0.0,
-            "wait_s": 0.8 * interval, "cpu_s": interval, "gc_s": gc, "read": shape, "launched": shape}
+            "wait_s": 0.8 * interval, "cpu_s": interval, "gc_s": gc, "num_blocked": blocked, "read": shape,
+            "launched": shape}
 
 
 def test_slow_steps_are_told_apart_by_what_they_held():
@@ -25,7 +26,8 @@ def test_slow_steps_are_told_apart_by_what_they_held():
     for i in range(200):
         interval = 0.030 if i % 50 == 25 else 0.015 if i == 120 else 0.010
         end += interval
-        steps.append(record(end, interval, joined=int(i % 50 == 25), gc=0.005 if i == 120 else 0.0))
+        steps.append(record(end, interval, joined=int(i % 50 == 25), gc=0.005 if i == 120 else 0.0,
+                            blocked=5 if i % 50 == 25 else 1))
     peer_from = steps[175]["end"] - 0.005
     peer = [{"end": peer_from + 0.050, "launched": {"num_prefill_tokens": 4096, "busy": (peer_from, peer_from + 0.050)}},
             {"end": 0.0, "launched": None}]
@@ -36,6 +38,7 @@ def test_slow_steps_are_told_apart_by_what_they_held():
     assert slow["num_steps"] == 2 and slow["causes"]["joined"] == 1 and median["causes"]["joined"] == 0
     assert slow["num_imported_tokens"] == 100 and round(slow["interval_ms"], 6) == 30
     assert slow["device_ms"] > median["device_ms"]
+    assert slow["num_blocked"] == 5 and median["num_blocked"] == 1
     causes = result["by_cause"]
     assert causes["joined"]["num_steps"] == 4 and causes["joined"]["share_of_slow"] == 1
     assert causes["gc"]["num_steps"] == 1 and causes["gc"]["share_of_slow"] == 0

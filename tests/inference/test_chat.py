@@ -3,7 +3,7 @@
 import json
 
 from tandem.inference.chat import parse_tool_calls
-from tandem.inference.engine.detokenizer import IncrementalDetokenizer
+from tandem.inference.engine.detokenizer import IncrementalDetokenizer, text_decoder
 from tandem.models.byte_tokenizer import build_byte_tokenizer
 
 
@@ -30,3 +30,21 @@ def test_incremental_text_equals_the_full_decode_across_split_characters():
     pieces = [detok.push(ids[:i + 1]) for i in range(len(ids))]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + detok.flush(ids) == "héllo → wörld 🙂"
+    # Ids without text (past the vocabulary: a model's padded rows) between every byte, inside characters too: the
+    # window grows over them, from a start whose text is kept, and the text is the same.
+    padded = [t for token in ids for t in (token, 300, 301)]
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    pieces = [detok.push(padded[:i + 1]) for i in range(len(padded))]
+    assert "".join(pieces) + detok.flush(padded) == "héllo → wörld 🙂"
+
+
+def test_the_detokenizers_decode_is_the_tokenizers():
+    """The Rust tokenizer's decode, where the detokenizer calls it directly, gives `decode`'s text: bytes, special
+    tokens (kept or skipped) and ids past the vocabulary (a model's padded rows) alike."""
+    tokenizer = build_byte_tokenizer()
+    ids = list(range(tokenizer.vocab_size + 4)) * 2
+    for skip in (True, False):
+        decode = text_decoder(tokenizer, skip)
+        assert decode.func == tokenizer.backend_tokenizer.decode  # the direct path, which the rest checks
+        for window in (ids[:1], ids[250:262], ids, ids[::-7]):
+            assert decode(window) == tokenizer.decode(window, skip_special_tokens=skip)

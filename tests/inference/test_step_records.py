@@ -4,6 +4,8 @@ imported KV tokens included; `GET /engine/steps` serves them. Records change no 
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from inference_helpers import make_config
@@ -28,12 +30,29 @@ def test_each_step_is_recorded_with_its_parts_and_shape_and_tokens_do_not_change
     for record in records:
         assert record.between_s + record.host_s + record.wait_s == pytest.approx(record.interval_s, abs=1e-9)
         assert 0 <= record.admit_s <= record.host_s and record.cpu_s >= 0 and record.gc_s >= 0
+        assert record.num_blocked >= 0
         if record.launched is not None:  # the CPU computes a step within the call that launches it
             busy_from, busy_to = record.launched.busy
             assert record.end - record.interval_s <= busy_from <= busy_to == record.end
     assert [b.end > a.end for a, b in zip(records, records[1:])] == [True] * (len(records) - 1)
     if overlap:  # each step is read by the call after the one that launched it
         assert all(later.read is earlier.launched for earlier, later in zip(records, records[1:]))
+
+
+def test_a_step_in_which_the_engine_thread_blocks_counts_it(tiny_dir):
+    """`num_blocked` counts the thread's blocking waits (a sleep here; a server's: the interpreter lock)."""
+    engine = engine_for(tiny_dir, num_step_records=100)
+    forward = engine.runner.run
+
+    def sleeping_forward(*args, **kwargs):
+        time.sleep(0.001)
+        return forward(*args, **kwargs)
+
+    engine.runner.run = sleeping_forward
+    engine.add_request("a", PROMPT, PARAMS)
+    run(engine)
+    launched = [r for r in engine.step_records.records if r.launched is not None]
+    assert len(launched) == PARAMS.max_tokens and all(r.num_blocked >= 1 for r in launched)
 
 
 def test_a_handed_over_prompt_is_recorded_joining_with_its_imported_tokens(tiny_dir):
@@ -64,7 +83,8 @@ def test_the_records_are_served_where_asked_and_refused_naming_the_key_elsewhere
         steps = httpx.get(f"{server.url}/engine/steps").json()["steps"]
         assert len(steps) == 4  # the last four of the request's six steps
         assert [s["read"]["num_seqs"] for s in steps] == [1] * 4 and steps[-1]["read"]["num_prefill_tokens"] == 0
-        assert set(steps[0]) >= {"interval_s", "between_s", "host_s", "admit_s", "wait_s", "cpu_s", "gc_s", "launched"}
+        assert set(steps[0]) >= {"interval_s", "between_s", "host_s", "admit_s", "wait_s", "cpu_s", "gc_s",
+                                 "num_blocked", "launched"}
         refused = httpx.get(f"{plain.url}/engine/steps")
         assert refused.status_code == 404 and "engine.num_step_records" in refused.json()["error"]["message"]
     finally:

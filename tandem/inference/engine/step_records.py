@@ -6,19 +6,22 @@ CUDA graph replaying, the engine thread's host work or the interpreter lock held
 collection, another process computing on the same device); a benchmark attributes them by comparing what the slow
 steps held with what the median ones did. So each record splits the time since the previous record into the
 engine thread's time before `step()` (`between_s`), its host work inside (`host_s`, of which `admit_s` took
-handed-over prompts in) and its wait for the device (`wait_s`); and it holds the shape (`StepShape`) of the step
-whose tokens the call read and of the one it launched (with overlapped steps, the one read next), each with the
-time the device worked on it.
+handed-over prompts in) and its wait for the device (`wait_s`); it counts the engine thread's CPU time and how often
+the thread blocked (`cpu_s`, `num_blocked`: waiting for the interpreter lock, which the HTTP side's Python work
+holds, blocks the thread without costing it CPU time); and it holds the shape (`StepShape`) of the step whose
+tokens the call read and of the one it launched (with overlapped steps, the one read next), each with the time the
+device worked on it.
 
-Cheap by design: a few clock reads, two CUDA events and one append to a bounded deque per step, no device sync
-(the events' times are read when the records are, from events that have completed by then). Off unless
-`engine.num_step_records` > 0. Times are `time.perf_counter()`, the system's monotonic clock on Linux, so records of
-two servers on one host (a prefill and a decode server sharing a GPU) line up.
+Cheap by design: a few clock reads, one `getrusage` call, two CUDA events and one append to a bounded deque per
+step, no device sync (the events' times are read when the records are, from events that have completed by then).
+Off unless `engine.num_step_records` > 0. Times are `time.perf_counter()`, the system's monotonic clock on Linux, so
+records of two servers on one host (a prefill and a decode server sharing a GPU) line up.
 """
 
 from __future__ import annotations
 
 import gc
+import resource
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -76,6 +79,9 @@ class StepRecord:
     thread held the interpreter lock, or no core was free. (A CUDA wait spins, so it counts here too.)"""
     gc_s: float
     """Garbage collection, in any thread of the process, over the interval (it stops every Python thread)."""
+    num_blocked: int
+    """How often the engine thread blocked over the interval (its voluntary context switches): for the interpreter
+    lock while another thread held it, mostly, as each torch call lets go of the lock; a CUDA wait spins instead."""
     read: StepShape | None
     """The step whose tokens this call read (the one it launched, or with overlapped steps the previous one)."""
     launched: StepShape | None
@@ -86,6 +92,11 @@ class StepRecord:
         out["read"] = self.read.as_dict() if self.read is not None else None
         out["launched"] = self.launched.as_dict() if self.launched is not None else None
         return out
+
+
+def num_blocked() -> int:
+    """The calling thread's voluntary context switches so far: the times it blocked (a lock, a sleep, I/O)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
 
 
 class GCClock:
@@ -127,6 +138,8 @@ class StepRecords:
         self._last_end = time.perf_counter()
         self._last_cpu: float | None = None
         """The engine thread's CPU clock at the last record (`time.thread_time` is per thread: read there only)."""
+        self._last_blocked = 0
+        """The engine thread's voluntary context switches at the last record (per thread too)."""
         self._last_gc = self.gc.total_s
         self._step_start = 0.0
         self._start_event: torch.cuda.Event | None = None
@@ -140,7 +153,7 @@ class StepRecords:
     def start_step(self) -> None:
         self._step_start = time.perf_counter()
         if self._last_cpu is None:
-            self._last_cpu = time.thread_time()
+            self._last_cpu, self._last_blocked = time.thread_time(), num_blocked()
         if self._anchor is not None:
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
@@ -175,7 +188,7 @@ class StepRecords:
         next record)."""
         if self._read is None and self._launched is None:
             return
-        end, cpu, gc_total = time.perf_counter(), time.thread_time(), self.gc.total_s
+        end, cpu, blocked, gc_total = time.perf_counter(), time.thread_time(), num_blocked(), self.gc.total_s
         if self._launched is not None:
             if self._launched.events is not None:
                 done = torch.cuda.Event(enable_timing=True)
@@ -186,8 +199,9 @@ class StepRecords:
         inside = end - self._step_start
         self.records.append(StepRecord(end, end - self._last_end, self._step_start - self._last_end,
                                        inside - self._wait_s, self.admit_s, self._wait_s, cpu - self._last_cpu,
-                                       gc_total - self._last_gc, self._read, self._launched))
-        self._last_end, self._last_cpu, self._last_gc = end, cpu, gc_total
+                                       gc_total - self._last_gc, blocked - self._last_blocked, self._read,
+                                       self._launched))
+        self._last_end, self._last_cpu, self._last_blocked, self._last_gc = end, cpu, blocked, gc_total
 
     def snapshot(self) -> list[dict]:
         """The records as plain dicts, oldest first (from any thread: a copy of the deque is taken at once); the
