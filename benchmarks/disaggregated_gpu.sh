@@ -10,7 +10,7 @@
 #     bash benchmarks/disaggregated_gpu.sh OUT_DIR        # PYTHON=... picks the interpreter (default: python)
 source "$(dirname "$0")/gpu_script.sh" "$@"
 
-run tests 100 "$python" -m pytest -q -rfEs -p no:cacheprovider tests/inference/test_gpu_hand_off.py \
+run_tests tests 100 tests/inference/test_gpu_hand_off.py \
     tests/inference/test_gpu_disaggregated.py
 tail -20 "$out/tests.log"
 run pd 180 "$python" benchmarks/disaggregated.py --device cuda --preset qwen3-0.6b --num-decoding 64 \

@@ -7,7 +7,7 @@
 #     bash benchmarks/exact_gpu.sh OUT_DIR        # PYTHON=... picks the interpreter (default: python)
 source "$(dirname "$0")/gpu_script.sh" "$@"
 
-run tests 150 "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_batch_invariant.py tests/trainer/test_exact_parity.py \
+run_tests tests 150 tests/kernels/test_batch_invariant.py tests/trainer/test_exact_parity.py \
     -k "cuda" --junitxml "$out/tests.xml"
 model=$(mktemp -d)/qwen3-0.6b
 run model 60 "$python" -c "from pathlib import Path; from tandem.models.presets import init_model; init_model('qwen3-0.6b', Path('$model'))"

@@ -9,7 +9,7 @@
 source "$(dirname "$0")/gpu_script.sh" "$@"
 shape=(--preset qwen3-0.6b --device cuda --requests 64 --prompt-tokens 128 --max-tokens 256 --breakdown)
 
-run tests 50 "$python" -m pytest -q -x -p no:cacheprovider tests/inference/test_gpu_speculative.py
+run_tests tests 50 tests/inference/test_gpu_speculative.py
 tail -4 "$out/tests.log"
 echo "== n-gram against the default engine, T = 0 and 1"
 run ngram 80 "$python" benchmarks/speculative.py "${shape[@]}" --temperatures 0,1 --engines default,ngram \
