@@ -476,39 +476,47 @@ class VerifiedSample:
     """A verifying step's emitted tokens on their way to the host; `result()` also sets seeded generators back
     to where the emitted tokens' draws leave them (deterministic drafts)."""
 
-    def __init__(self, first_rows: list[int], num_drafts: list[int], emitted: torch.Tensor, accepted: torch.Tensor,
-                 logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, num_top: list[int],
-                 rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]]):
+    def __init__(self, first_rows: list[int], drafts: list[list[int]], emitted: torch.Tensor,
+                 accepted: torch.Tensor | None, logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 num_top: list[int], rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]]):
+        """`accepted`: per row, whether its draft was accepted, where some drafts were sampled; None where every
+        draft is deterministic: a draft is then accepted when the row emits it, which the host checks."""
         self._first_rows = first_rows
         """Per sequence, its first row of the step's sampled rows (its last token's); then one per draft."""
-        self._num_drafts = num_drafts
-        self._read = HostRead([torch.stack([emitted.double(), accepted.double(), logprobs.double()]), *(top or ())])
+        self._drafts = drafts
+        rows = [emitted.double(), logprobs.double()] + ([accepted.double()] if accepted is not None else [])
+        self._read = HostRead([torch.stack(rows), *(top or ())])
         self._num_top = num_top
         self._rewinds = rewinds
         """Per sequence index, its generator and its states before each row's draw."""
 
     def result(self) -> SampleResult:
         host = self._read.values()
-        emitted, accepted, logprobs = host[0].tolist()
+        emitted, logprobs, *accepted = host[0].tolist()
         top_values, top_ids = (host[1].tolist(), host[2].tolist()) if len(host) == 3 else (None, None)
-        token_ids, own_logprobs, own_top, drafts = [], [], [], []
-        for i, (first, d) in enumerate(zip(self._first_rows, self._num_drafts)):
+        token_ids, own_logprobs, own_top, accepted_drafts = [], [], [], []
+        for i, (first, drafts) in enumerate(zip(self._first_rows, self._drafts)):
+            d = len(drafts)
             a = 0
-            while a < d and accepted[first + a]:
-                a += 1
+            if accepted:
+                while a < d and accepted[0][first + a]:
+                    a += 1
+            else:
+                while a < d and emitted[first + a] == drafts[a]:
+                    a += 1
             rows = []
             for r in range(first, first + a + 1):
                 k = self._num_top[r]
                 top = tuple(zip(top_ids[r][:k], top_values[r][:k])) if top_ids is not None else ()
                 rows.append((int(emitted[r]), logprobs[r], top))
-            drafts.append(rows[:-1])
+            accepted_drafts.append(rows[:-1])
             token_ids.append(rows[-1][0])
             own_logprobs.append(rows[-1][1])
             own_top.append(rows[-1][2])
             if i in self._rewinds and a < d:
                 generator, states = self._rewinds[i]
                 generator.set_state(states[a + 1])
-        return SampleResult(token_ids, own_logprobs, own_top, drafts)
+        return SampleResult(token_ids, own_logprobs, own_top, accepted_drafts)
 
 
 class Speculator:
@@ -543,9 +551,9 @@ class Speculator:
         temps = [p.temperature for p in row_params]
         logits = logits.float()
         logprobs = self.sampler.reported_logprobs(logits, temps)
-        greedy = [p.is_greedy for p in row_params]
         rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]] = {}
-        if all(greedy):  # no noise to draw (and no sampled draft: those are drawn for sampling requests only)
+        if all(seq.params.is_greedy for seq in seqs):
+            # No noise to draw (and no sampled draft: those are drawn for sampling requests only).
             sample = logits.argmax(-1)
         else:
             filtered = filter_logprobs(logprobs, row_params)
@@ -560,22 +568,24 @@ class Speculator:
                 if seq not in self._distributions:
                     rewinds[i] = (seq.generator, states)
             sample = race(filtered, noise)
+            greedy = [p.is_greedy for p in row_params]
             if any(greedy):
                 sample = torch.where(to_device(greedy, torch.bool, device), logits.argmax(-1), sample)
-        next_draft = to_device([t for d in drafts for t in d + [-1]], torch.long, device)
-        accepted = sample == next_draft
-        replacement = sample
+        # A deterministic draft is accepted when the row samples it, so every row emits its sample: the host tells
+        # the accepted drafts from the emitted tokens (`VerifiedSample.result`), nothing to compare on the device.
+        emitted, accepted = sample, None
         rejection_rows = [r for i, seq in enumerate(seqs) if seq in self._distributions
                           for r in range(first_rows[i], first_rows[i] + len(drafts[i]))]
         if rejection_rows:
-            accepted, replacement = self._rejection_sample(seqs, filtered, noise, next_draft, accepted, sample,
-                                                           rejection_rows)
-        emitted = torch.where(accepted, next_draft, replacement)
+            next_draft = to_device([t for d in drafts for t in d + [-1]], torch.long, device)
+            accepted, replacement = self._rejection_sample(seqs, filtered, noise, next_draft, sample == next_draft,
+                                                           sample, rejection_rows)
+            emitted = torch.where(accepted, next_draft, replacement)
         chosen = logprobs.gather(-1, emitted[:, None])[:, 0]
         num_top = [p.num_top_logprobs for p in row_params]
         top = logprobs.topk(max(num_top), dim=-1) if max(num_top) > 0 else None
         self._distributions = {}
-        return VerifiedSample(first_rows, [len(d) for d in drafts], emitted, accepted, chosen, top, num_top, rewinds)
+        return VerifiedSample(first_rows, drafts, emitted, accepted, chosen, top, num_top, rewinds)
 
     def _rejection_sample(self, seqs: list[Sequence], filtered: torch.Tensor, noise: torch.Tensor,
                           next_draft: torch.Tensor, accepted: torch.Tensor, sample: torch.Tensor,
