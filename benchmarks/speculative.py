@@ -58,12 +58,13 @@ from tandem.models.presets import PRESETS, init_model
 
 BREAKDOWN = {"should_draft": (Speculator, "should_draft"), "schedule": (Scheduler, "schedule"),
              "launch": (LLMEngine, "_launch"), "propose": (Speculator, "propose"), "runner": (PagedModelRunner, "run"),
+             "observe": (Speculator, "observe"),
              "inputs": (StepInputBuilder, "build"), "verify_inputs": (StepInputBuilder, "build_verify"),
              "forward": (PagedModelRunner, "_forward"), "head": (PagedModelRunner, "_logits"),
              "sample": (Sampler, "sample"), "verify": (Speculator, "verify"), "read": (LLMEngine, "_read"),
              "wait": (HostRead, "values")}
 """Engine parts timed by `--breakdown`: `launch` includes `propose`, `runner` (step inputs, graph replay or eager
-forward), `sample` and `verify`; `runner` includes `inputs` or `verify_inputs` (the step's tensors), `forward` (an
+forward), `observe` (the proposer's work after the policy's forward is launched), `sample` and `verify`; `runner` includes `inputs` or `verify_inputs` (the step's tensors), `forward` (an
 eager step's model, on CPU its compute) and `head` (the LM head); `read` includes `wait`. A step's wall time past
 `should_draft` + `schedule` + `launch` + `read` is the engine's own bookkeeping."""
 

@@ -59,6 +59,32 @@ def test_ngram_drafts_continue_the_latest_occurrence_of_the_longest_suffix():
     assert drafts([4, 4, 4], 3, 4) == [4]  # the suffix may overlap what it proposes
 
 
+def test_drafts_indexed_ahead_leave_the_index_of_the_tokens_that_came():
+    """Drafts indexed while they are verified, then the tokens that came (some drafts accepted, then another
+    token; or, after steps that did not look, many tokens at once): the index, its hit rate bit for bit and its
+    drafts are those of indexing only the tokens that came."""
+    rng = random.Random(5)
+    for _ in range(20):
+        piece = [rng.randrange(12) for _ in range(rng.randint(2, 6))]
+        tokens = piece * 3 + [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+        ahead, plain = NgramIndex(3), NgramIndex(3)
+        ahead.extend(tokens)
+        plain.extend(tokens)
+        for _ in range(30):
+            drafts = ahead.drafts(4)
+            ahead.extend_ahead(drafts)
+            if rng.random() < 0.1:
+                came = [rng.randrange(12) for _ in range(rng.randint(40, 80))]
+            else:
+                came = drafts[:rng.randint(0, len(drafts))] + [rng.randrange(12)]
+            tokens += came
+            ahead.extend(tokens)
+            plain.extend(tokens)
+            assert (ahead.tokens, ahead.latest, ahead.previous) == (plain.tokens, plain.latest, plain.previous)
+            assert ahead.hit_rate == plain.hit_rate
+            assert ahead.drafts(4) == plain.drafts(4)
+
+
 def test_deterministic_drafts_are_accepted_up_to_the_first_row_that_samples_another_token():
     """Greedy rows: each draft that the row before samples is accepted; the first row that samples another token,
     or the last row, gives the sequence's own token; every emitted token reports its row's logprob."""

@@ -70,7 +70,12 @@ class NgramIndex:
     `previous` at each place), so indexing a token allocates no container the garbage collector would scan. Only
     the latest `MAX_PLACES` places are tried (a frequent token's older places are older contexts). The index also
     keeps `hit_rate`: how often, over the sequence's recent tokens, the first draft would have been the token that
-    came, which says whether drafting for it pays."""
+    came, which says whether drafting for it pays.
+
+    Drafts being verified can be indexed ahead (`extend_ahead`), while the device computes the verifying step:
+    the lookups that score them then run before the host waits for it, not after. `extend` keeps those that came
+    and takes the others back with their scores, so the index and its hit rate are those of indexing only the
+    tokens that came."""
 
     MAX_PLACES = 64
     HIT_RATE_TOKENS = 16
@@ -84,25 +89,89 @@ class NgramIndex:
         self.previous: list[int] = []
         """Per position p before the last token's: the position of the same token before p, or -1."""
         self.hit_rate = 0.0
+        self._ahead: list[float] = []
+        """Per token indexed ahead (the last ones of `tokens`), the hit rate before it was scored."""
+        self._first_drafts: dict[int, int] = {}
+        """First drafts looked up (-1: none) by the number of tokens they follow, while those tokens stay indexed."""
+
+    @property
+    def num_settled(self) -> int:
+        """Tokens indexed, those indexed ahead left out."""
+        return len(self.tokens) - len(self._ahead)
 
     def extend(self, token_ids: list[int]) -> None:
-        """Catch up with `token_ids` (the sequence's tokens, which only grow). Only the last `HIT_RATE_TOKENS` * 4
-        of a long stretch (a prompt) are scored: older ones would weigh nothing in the average."""
+        """Catch up with `token_ids` (the sequence's tokens, which only grow), keeping the tokens indexed ahead that
+        came. Only the last `HIT_RATE_TOKENS` * 4 of a long stretch (a prompt) are scored: older ones would weigh
+        nothing in the average."""
+        if self._ahead:
+            self._settle(token_ids)
         first_scored = len(token_ids) - 4 * self.HIT_RATE_TOKENS
-        tokens, latest, previous = self.tokens, self.latest, self.previous
-        for position in range(len(tokens), len(token_ids)):
-            token = token_ids[position]
-            if tokens:
-                if position >= first_scored:
-                    # Lookup guesses nothing after a token not seen before (most tokens of text that does not
-                    # repeat): a miss, scored without the lookup.
-                    guess = self.drafts(1) if tokens[-1] in latest else None
-                    hit = 1.0 if guess and guess[0] == token else 0.0
-                    self.hit_rate += (hit - self.hit_rate) / self.HIT_RATE_TOKENS
+        self._index(token_ids, len(self.tokens), None, first_scored)
+        self._first_drafts.clear()
+
+    def extend_ahead(self, drafts: list[int]) -> None:
+        """Index `drafts`, each scored as if it came, and look up the first draft after them (what the token that
+        follows them is scored with), before the step that verifies them is read."""
+        self._index(drafts, 0, self._ahead, 0)
+        self._first_draft()
+
+    def _index(self, new: list[int], start: int, rates_before: list[float] | None, first_scored: int) -> None:
+        """Append `new[start:]`, scoring those at positions from `first_scored` on (where a token precedes them);
+        `rates_before`: where to keep the hit rate before each. One loop, the method calls left out: it runs for
+        every token of every sequence."""
+        tokens, latest, previous, first_drafts = self.tokens, self.latest, self.previous, self._first_drafts
+        for token in new[start:] if start else new:
+            length = len(tokens)
+            if length and length >= first_scored:
+                if rates_before is not None:
+                    rates_before.append(self.hit_rate)
+                guess = first_drafts.get(length)
+                if guess is None:
+                    guess = self._first_draft()
+                self.hit_rate += ((1.0 if guess == token else 0.0) - self.hit_rate) / self.HIT_RATE_TOKENS
+            if length:
                 before = tokens[-1]  # now an earlier occurrence
                 previous.append(latest.get(before, -1))
-                latest[before] = position - 1
+                latest[before] = length - 1
             tokens.append(token)
+
+    def _settle(self, token_ids: list[int]) -> None:
+        """Keep the tokens indexed ahead that `token_ids` holds at their places; take back the others, their
+        scores and the first drafts looked up after them. All are taken back where `extend` would leave the first
+        of them unscored (many tokens came since)."""
+        start = self.num_settled
+        kept = 0
+        if start >= len(token_ids) - 4 * self.HIT_RATE_TOKENS:
+            while (kept < len(self._ahead) and start + kept < len(token_ids)
+                   and token_ids[start + kept] == self.tokens[start + kept]):
+                kept += 1
+        if kept < len(self._ahead):
+            self.hit_rate = self._ahead[kept]
+            for length in range(len(self.tokens), start + kept, -1):
+                self._first_drafts.pop(length, None)
+                self._pop()
+        self._ahead.clear()
+
+    def _first_draft(self) -> int:
+        """The first draft after the tokens (-1: none), looked up once for a given number of tokens. Lookup guesses
+        nothing after a token not seen before (most tokens of text that does not repeat), known without it."""
+        length = len(self.tokens)
+        if length not in self._first_drafts:
+            if self.tokens[-1] in self.latest:
+                self.drafts(1)
+            else:
+                self._first_drafts[length] = -1
+        return self._first_drafts[length]
+
+    def _pop(self) -> None:
+        """Take back the last token `_index` appended."""
+        self.tokens.pop()
+        before = self.tokens[-1]
+        earlier = self.previous.pop()
+        if earlier < 0:
+            del self.latest[before]
+        else:
+            self.latest[before] = earlier
 
     def drafts(self, num_drafts: int) -> list[int]:
         """At most `num_drafts` tokens after the latest earlier occurrence of the longest suffix; none without one."""
@@ -110,6 +179,7 @@ class NgramIndex:
         last = len(tokens) - 1
         end = self.latest.get(tokens[last], -1) if last > 0 else -1
         if end < 0:
+            self._first_drafts[len(tokens)] = -1
             return []
         longest = min(self.ngram_max, last)
         best, best_length = -1, 0
@@ -124,6 +194,7 @@ class NgramIndex:
             end = self.previous[end]
             if end < 0:
                 break
+        self._first_drafts[len(tokens)] = tokens[best + 1]
         return tokens[best + 1:best + 1 + num_drafts]
 
 
@@ -265,12 +336,17 @@ class NgramProposer:
                 self._indexes = {s: i for s, i in self._indexes.items() if not s.is_finished}
                 self._prune_at = max(self._prune_at, 2 * len(self._indexes))
             index = self._indexes[seq] = NgramIndex(self.ngram_max)
-        if len(index.tokens) < len(seq.token_ids):
+        if index.num_settled < len(seq.token_ids):
             index.extend(seq.token_ids)
         return index
 
     def observe(self, batch: ScheduledBatch) -> None:
-        pass
+        """The policy's verifying forward is launched: index each sequence's drafts ahead (`NgramIndex.extend_ahead`),
+        so that the lookups scoring them run while the device computes, not after the step is read, where the next
+        step waits for them."""
+        for seq, drafts in zip(batch.seqs, batch.drafts):
+            if drafts:
+                self._indexes[seq].extend_ahead(drafts)
 
     def handed_state(self, seq: Sequence) -> torch.Tensor | None:
         return None
