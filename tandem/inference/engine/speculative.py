@@ -113,7 +113,8 @@ class NgramIndex:
         """Index `drafts`, each scored as if it came, and look up the first draft after them (what the token that
         follows them is scored with), before the step that verifies them is read."""
         self._index(drafts, 0, self._ahead, 0)
-        self._first_draft()
+        if self.tokens[-1] in self.latest:
+            self.drafts(1)  # kept for scoring the token after them
 
     def _index(self, new: list[int], start: int, rates_before: list[float] | None, first_scored: int) -> None:
         """Append `new[start:]`, scoring those at positions from `first_scored` on (where a token precedes them);
@@ -122,17 +123,22 @@ class NgramIndex:
         tokens, latest, previous, first_drafts = self.tokens, self.latest, self.previous, self._first_drafts
         for token in new[start:] if start else new:
             length = len(tokens)
-            if length and length >= first_scored:
+            if not length:
+                tokens.append(token)
+                continue
+            before = tokens[-1]  # now an earlier occurrence
+            if length >= first_scored:
                 if rates_before is not None:
                     rates_before.append(self.hit_rate)
                 guess = first_drafts.get(length)
                 if guess is None:
-                    guess = self._first_draft()
+                    # Lookup guesses nothing after a token not seen before (most tokens of text that does not
+                    # repeat): a miss, scored without the lookup.
+                    found = self.drafts(1) if before in latest else None
+                    guess = found[0] if found else -1
                 self.hit_rate += ((1.0 if guess == token else 0.0) - self.hit_rate) / self.HIT_RATE_TOKENS
-            if length:
-                before = tokens[-1]  # now an earlier occurrence
-                previous.append(latest.get(before, -1))
-                latest[before] = length - 1
+            previous.append(latest.get(before, -1))
+            latest[before] = length - 1
             tokens.append(token)
 
     def _settle(self, token_ids: list[int]) -> None:
@@ -151,17 +157,6 @@ class NgramIndex:
                 self._first_drafts.pop(length, None)
                 self._pop()
         self._ahead.clear()
-
-    def _first_draft(self) -> int:
-        """The first draft after the tokens (-1: none), looked up once for a given number of tokens. Lookup guesses
-        nothing after a token not seen before (most tokens of text that does not repeat), known without it."""
-        length = len(self.tokens)
-        if length not in self._first_drafts:
-            if self.tokens[-1] in self.latest:
-                self.drafts(1)
-            else:
-                self._first_drafts[length] = -1
-        return self._first_drafts[length]
 
     def _pop(self) -> None:
         """Take back the last token `_index` appended."""
