@@ -92,7 +92,8 @@ class NgramIndex:
         self._ahead: list[float] = []
         """Per token indexed ahead (the last ones of `tokens`), the hit rate before it was scored."""
         self._first_drafts: dict[int, int] = {}
-        """First drafts looked up (-1: none) by the number of tokens they follow, while those tokens stay indexed."""
+        """First drafts looked up (-1: none) by the number of tokens they follow, kept for the scoring that needs them
+        (a step's drafts, those indexed ahead) until `extend` catches up."""
 
     @property
     def num_settled(self) -> int:
@@ -106,17 +107,17 @@ class NgramIndex:
         if self._ahead:
             self._settle(token_ids)
         first_scored = len(token_ids) - 4 * self.HIT_RATE_TOKENS
-        self._index(token_ids, len(self.tokens), None, first_scored)
+        self._append_tokens(token_ids, len(self.tokens), None, first_scored)
         self._first_drafts.clear()
 
     def extend_ahead(self, drafts: list[int]) -> None:
         """Index `drafts`, each scored as if it came, and look up the first draft after them (what the token that
         follows them is scored with), before the step that verifies them is read."""
-        self._index(drafts, 0, self._ahead, 0)
+        self._append_tokens(drafts, 0, self._ahead, 0)
         if self.tokens[-1] in self.latest:
             self.drafts(1)  # kept for scoring the token after them
 
-    def _index(self, new: list[int], start: int, rates_before: list[float] | None, first_scored: int) -> None:
+    def _append_tokens(self, new: list[int], start: int, rates_before: list[float] | None, first_scored: int) -> None:
         """Append `new[start:]`, scoring those at positions from `first_scored` on (where a token precedes them);
         `rates_before`: where to keep the hit rate before each. One loop, the method calls left out: it runs for
         every token of every sequence."""
@@ -159,7 +160,7 @@ class NgramIndex:
         self._ahead.clear()
 
     def _pop(self) -> None:
-        """Take back the last token `_index` appended."""
+        """Take back the last token `_append_tokens` appended."""
         self.tokens.pop()
         before = self.tokens[-1]
         earlier = self.previous.pop()
