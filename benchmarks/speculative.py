@@ -51,17 +51,22 @@ from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine.scheduler import Scheduler
 from tandem.inference.engine.setup import build_engine
 from tandem.inference.engine.speculative import Speculator
+from tandem.inference.engine.step_inputs import StepInputBuilder
 from tandem.inference.server import settle_heap
 from tandem.models.presets import PRESETS, init_model
 
 
 BREAKDOWN = {"should_draft": (Speculator, "should_draft"), "schedule": (Scheduler, "schedule"),
              "launch": (LLMEngine, "_launch"), "propose": (Speculator, "propose"), "runner": (PagedModelRunner, "run"),
+             "observe": (Speculator, "observe"),
+             "inputs": (StepInputBuilder, "build"), "verify_inputs": (StepInputBuilder, "build_verify"),
+             "forward": (PagedModelRunner, "_forward"), "head": (PagedModelRunner, "_logits"),
              "sample": (Sampler, "sample"), "verify": (Speculator, "verify"), "read": (LLMEngine, "_read"),
              "wait": (HostRead, "values")}
 """Engine parts timed by `--breakdown`: `launch` includes `propose`, `runner` (step inputs, graph replay or eager
-forward), `sample` and `verify`; `read` includes `wait`. A step's wall time past `should_draft` + `schedule` +
-`launch` + `read` is the engine's own bookkeeping."""
+forward), `observe` (the proposer's work after the policy's forward is launched), `sample` and `verify`; `runner` includes `inputs` or `verify_inputs` (the step's tensors), `forward` (an
+eager step's model, on CPU its compute) and `head` (the LM head); `read` includes `wait`. A step's wall time past
+`should_draft` + `schedule` + `launch` + `read` is the engine's own bookkeeping."""
 
 
 @contextmanager
@@ -101,8 +106,11 @@ def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float, b
     outputs = {}
     step_seconds = []
     parts: dict[str, float] = collections.defaultdict(float)
+    verifying_parts: dict[str, float] = collections.defaultdict(float)
+    """The parts of the steps that verified drafts (read with the step that launched them: overlap off)."""
     drafted_before = engine.num_draft_tokens
     num_verifying = 0
+    verifying_seconds = 0.0
     once_only = once_only_counts(engine.device)
     collections_before = [g["collections"] for g in gc.get_stats()]
     with timed_parts(parts) if breakdown else nullcontext():
@@ -110,10 +118,15 @@ def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float, b
         while engine.has_unfinished:
             step_start = time.perf_counter()
             drafted = engine.num_draft_tokens
+            parts_before = dict(parts)
             for out in engine.step():
                 outputs[out.request_id] = (out.token_ids, out.logprobs)
             step_seconds.append(time.perf_counter() - step_start)
-            num_verifying += engine.num_draft_tokens > drafted
+            if engine.num_draft_tokens > drafted:
+                num_verifying += 1
+                verifying_seconds += step_seconds[-1]
+                for name, seconds in parts.items():
+                    verifying_parts[name] += seconds - parts_before.get(name, 0.0)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
         seconds = time.perf_counter() - start
@@ -124,9 +137,12 @@ def run(engine, prompts: list[list[int]], max_tokens: int, temperature: float, b
     steps = {"num_steps": len(ms), "num_verifying_steps": num_verifying, "median_step_ms": statistics.median(ms),
              "p90_step_ms": ms[int(0.9 * (len(ms) - 1))], "max_step_ms": ms[-1],
              "drafted_per_verifying_step": (engine.num_draft_tokens - drafted_before) / max(num_verifying, 1),
+             "mean_verifying_step_ms": 1e3 * verifying_seconds / max(num_verifying, 1),
              "once_only": once_only, "gc_collections": gc_collections}
     if breakdown:
         steps["ms_per_step"] = {name: 1e3 * parts[name] / len(ms) for name in BREAKDOWN}
+        if num_verifying:
+            steps["ms_per_verifying_step"] = {name: 1e3 * verifying_parts[name] / num_verifying for name in BREAKDOWN}
     return outputs, seconds, steps
 
 
@@ -194,8 +210,10 @@ def main() -> int:
                 print(f"    once-only work {steps['once_only']}, garbage collections per generation "
                       f"{steps['gc_collections']}", file=sys.stderr)
                 if args.breakdown:
-                    print("    ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in steps["ms_per_step"].items()),
-                          file=sys.stderr)
+                    for label, key in (("ms/step", "ms_per_step"), ("ms/verifying step", "ms_per_verifying_step")):
+                        if key in steps:
+                            print(f"    {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in steps[key].items()),
+                                  file=sys.stderr)
             del engine
             gc.collect()
             if args.device.startswith("cuda"):

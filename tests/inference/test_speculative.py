@@ -19,6 +19,7 @@ from test_fallback import tiny_llama
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine.model_runner import RecomputeModelRunner
+from tandem.inference.engine.sampler import Sampler
 from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.engine import speculative
 from tandem.inference.engine.speculative import NgramIndex, expected_accepted, steps_that_cannot_draft
@@ -56,6 +57,56 @@ def test_ngram_drafts_continue_the_latest_occurrence_of_the_longest_suffix():
     assert drafts([2, 3, 5, 2, 3], 4, 1) == [5]  # a match may start at the first token
     assert drafts([5, 6, 7], 3, 4) == []  # nothing earlier to copy
     assert drafts([4, 4, 4], 3, 4) == [4]  # the suffix may overlap what it proposes
+
+
+def test_drafts_indexed_ahead_leave_the_index_of_the_tokens_that_came():
+    """Drafts indexed while they are verified, then the tokens that came (some drafts accepted, then another
+    token; or, after steps that did not look, many tokens at once): the index, its hit rate bit for bit and its
+    drafts are those of indexing only the tokens that came."""
+    rng = random.Random(5)
+    for _ in range(20):
+        piece = [rng.randrange(12) for _ in range(rng.randint(2, 6))]
+        tokens = piece * 3 + [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+        ahead, plain = NgramIndex(3), NgramIndex(3)
+        ahead.extend(tokens)
+        plain.extend(tokens)
+        for _ in range(30):
+            drafts = ahead.drafts(4)
+            ahead.extend_ahead(drafts)
+            if rng.random() < 0.1:
+                came = [rng.randrange(12) for _ in range(rng.randint(40, 80))]
+            else:
+                came = drafts[:rng.randint(0, len(drafts))] + [rng.randrange(12)]
+            tokens += came
+            ahead.extend(tokens)
+            plain.extend(tokens)
+            assert (ahead.tokens, ahead.latest, ahead.previous) == (plain.tokens, plain.latest, plain.previous)
+            assert ahead.hit_rate == plain.hit_rate
+            assert ahead.drafts(4) == plain.drafts(4)
+
+
+def test_deterministic_drafts_are_accepted_up_to_the_first_row_that_samples_another_token():
+    """Greedy rows: each draft that the row before samples is accepted; the first row that samples another token,
+    or the last row, gives the sequence's own token; every emitted token reports its row's logprob."""
+
+    class Drafting:
+        """What `verify` reads of a sequence."""
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        generator = None
+
+    drafts = [[3, 5, 1], [], [6, 6], [2]]
+    samples = [3, 5, 2, 7, 4, 6, 6, 0, 1, 1]  # each row's argmax
+    logits = torch.randn(len(samples), 8, generator=torch.Generator().manual_seed(0))
+    logits[range(len(samples)), samples] += 10
+    speculator = speculative.Speculator(speculative.NgramProposer(3, 1.0), Sampler(torch.device("cpu"), 0))
+    result = speculator.verify(logits, [Drafting() for _ in drafts], drafts).result()
+    logprobs = logits.log_softmax(-1)
+    assert [[token for token, _, _ in accepted] for accepted in result.accepted_drafts] == [[3, 5], [], [6, 6], []]
+    assert result.token_ids == [2, 4, 0, 1]
+    emitted_rows = [[0, 1, 2], [4], [5, 6, 7], [8]]
+    reported = [[logprob for _, logprob, _ in accepted] + [own]
+                for accepted, own in zip(result.accepted_drafts, result.logprobs)]
+    assert reported == [[pytest.approx(logprobs[r, samples[r]].item()) for r in rows] for rows in emitted_rows]
 
 
 def seeded_requests(num: int) -> list[tuple[str, list[int], SamplingParams]]:

@@ -70,7 +70,12 @@ class NgramIndex:
     `previous` at each place), so indexing a token allocates no container the garbage collector would scan. Only
     the latest `MAX_PLACES` places are tried (a frequent token's older places are older contexts). The index also
     keeps `hit_rate`: how often, over the sequence's recent tokens, the first draft would have been the token that
-    came, which says whether drafting for it pays."""
+    came, which says whether drafting for it pays.
+
+    Drafts being verified can be indexed ahead (`extend_ahead`), while the device computes the verifying step:
+    the lookups that score them then run before the host waits for it, not after. `extend` keeps those that came
+    and takes the others back with their scores, so the index and its hit rate are those of indexing only the
+    tokens that came."""
 
     MAX_PLACES = 64
     HIT_RATE_TOKENS = 16
@@ -84,25 +89,85 @@ class NgramIndex:
         self.previous: list[int] = []
         """Per position p before the last token's: the position of the same token before p, or -1."""
         self.hit_rate = 0.0
+        self._ahead: list[float] = []
+        """Per token indexed ahead (the last ones of `tokens`), the hit rate before it was scored."""
+        self._first_drafts: dict[int, int] = {}
+        """First drafts looked up (-1: none) by the number of tokens they follow, kept for the scoring that needs them
+        (a step's drafts, those indexed ahead) until `extend` catches up."""
+
+    @property
+    def num_settled(self) -> int:
+        """Tokens indexed, those indexed ahead left out."""
+        return len(self.tokens) - len(self._ahead)
 
     def extend(self, token_ids: list[int]) -> None:
-        """Catch up with `token_ids` (the sequence's tokens, which only grow). Only the last `HIT_RATE_TOKENS` * 4
-        of a long stretch (a prompt) are scored: older ones would weigh nothing in the average."""
+        """Catch up with `token_ids` (the sequence's tokens, which only grow), keeping the tokens indexed ahead that
+        came. Only the last `HIT_RATE_TOKENS` * 4 of a long stretch (a prompt) are scored: older ones would weigh
+        nothing in the average."""
+        if self._ahead:
+            self._settle(token_ids)
         first_scored = len(token_ids) - 4 * self.HIT_RATE_TOKENS
-        tokens, latest, previous = self.tokens, self.latest, self.previous
-        for position in range(len(tokens), len(token_ids)):
-            token = token_ids[position]
-            if tokens:
-                if position >= first_scored:
+        self._append_tokens(token_ids, len(self.tokens), None, first_scored)
+        self._first_drafts.clear()
+
+    def extend_ahead(self, drafts: list[int]) -> None:
+        """Index `drafts`, each scored as if it came, and look up the first draft after them (what the token that
+        follows them is scored with), before the step that verifies them is read."""
+        self._append_tokens(drafts, 0, self._ahead, 0)
+        if self.tokens[-1] in self.latest:
+            self.drafts(1)  # kept for scoring the token after them
+
+    def _append_tokens(self, new: list[int], start: int, rates_before: list[float] | None, first_scored: int) -> None:
+        """Append `new[start:]`, scoring those at positions from `first_scored` on (where a token precedes them);
+        `rates_before`: where to keep the hit rate before each. One loop, the method calls left out: it runs for
+        every token of every sequence."""
+        tokens, latest, previous, first_drafts = self.tokens, self.latest, self.previous, self._first_drafts
+        for token in new[start:] if start else new:
+            length = len(tokens)
+            if not length:
+                tokens.append(token)
+                continue
+            before = tokens[-1]  # now an earlier occurrence
+            if length >= first_scored:
+                if rates_before is not None:
+                    rates_before.append(self.hit_rate)
+                guess = first_drafts.get(length)
+                if guess is None:
                     # Lookup guesses nothing after a token not seen before (most tokens of text that does not
                     # repeat): a miss, scored without the lookup.
-                    guess = self.drafts(1) if tokens[-1] in latest else None
-                    hit = 1.0 if guess and guess[0] == token else 0.0
-                    self.hit_rate += (hit - self.hit_rate) / self.HIT_RATE_TOKENS
-                before = tokens[-1]  # now an earlier occurrence
-                previous.append(latest.get(before, -1))
-                latest[before] = position - 1
+                    found = self.drafts(1) if before in latest else None
+                    guess = found[0] if found else -1
+                self.hit_rate += ((1.0 if guess == token else 0.0) - self.hit_rate) / self.HIT_RATE_TOKENS
+            previous.append(latest.get(before, -1))
+            latest[before] = length - 1
             tokens.append(token)
+
+    def _settle(self, token_ids: list[int]) -> None:
+        """Keep the tokens indexed ahead that `token_ids` holds at their places; take back the others, their
+        scores and the first drafts looked up after them. All are taken back where `extend` would leave the first
+        of them unscored (many tokens came since)."""
+        start = self.num_settled
+        kept = 0
+        if start >= len(token_ids) - 4 * self.HIT_RATE_TOKENS:
+            while (kept < len(self._ahead) and start + kept < len(token_ids)
+                   and token_ids[start + kept] == self.tokens[start + kept]):
+                kept += 1
+        if kept < len(self._ahead):
+            self.hit_rate = self._ahead[kept]
+            for length in range(len(self.tokens), start + kept, -1):
+                self._first_drafts.pop(length, None)
+                self._pop()
+        self._ahead.clear()
+
+    def _pop(self) -> None:
+        """Take back the last token `_append_tokens` appended."""
+        self.tokens.pop()
+        before = self.tokens[-1]
+        earlier = self.previous.pop()
+        if earlier < 0:
+            del self.latest[before]
+        else:
+            self.latest[before] = earlier
 
     def drafts(self, num_drafts: int) -> list[int]:
         """At most `num_drafts` tokens after the latest earlier occurrence of the longest suffix; none without one."""
@@ -110,6 +175,7 @@ class NgramIndex:
         last = len(tokens) - 1
         end = self.latest.get(tokens[last], -1) if last > 0 else -1
         if end < 0:
+            self._first_drafts[len(tokens)] = -1
             return []
         longest = min(self.ngram_max, last)
         best, best_length = -1, 0
@@ -124,6 +190,7 @@ class NgramIndex:
             end = self.previous[end]
             if end < 0:
                 break
+        self._first_drafts[len(tokens)] = tokens[best + 1]
         return tokens[best + 1:best + 1 + num_drafts]
 
 
@@ -265,12 +332,17 @@ class NgramProposer:
                 self._indexes = {s: i for s, i in self._indexes.items() if not s.is_finished}
                 self._prune_at = max(self._prune_at, 2 * len(self._indexes))
             index = self._indexes[seq] = NgramIndex(self.ngram_max)
-        if len(index.tokens) < len(seq.token_ids):
+        if index.num_settled < len(seq.token_ids):
             index.extend(seq.token_ids)
         return index
 
     def observe(self, batch: ScheduledBatch) -> None:
-        pass
+        """The policy's verifying forward is launched: index each sequence's drafts ahead (`NgramIndex.extend_ahead`),
+        so that the lookups scoring them run while the device computes, not after the step is read, where the next
+        step waits for them."""
+        for seq, drafts in zip(batch.seqs, batch.drafts):
+            if drafts:
+                self._indexes[seq].extend_ahead(drafts)
 
     def handed_state(self, seq: Sequence) -> torch.Tensor | None:
         return None
@@ -476,39 +548,47 @@ class VerifiedSample:
     """A verifying step's emitted tokens on their way to the host; `result()` also sets seeded generators back
     to where the emitted tokens' draws leave them (deterministic drafts)."""
 
-    def __init__(self, first_rows: list[int], num_drafts: list[int], emitted: torch.Tensor, accepted: torch.Tensor,
-                 logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, num_top: list[int],
-                 rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]]):
+    def __init__(self, first_rows: list[int], drafts: list[list[int]], emitted: torch.Tensor,
+                 accepted: torch.Tensor | None, logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 num_top: list[int], rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]]):
+        """`accepted`: per row, whether its draft was accepted, where some drafts were sampled; None where every
+        draft is deterministic: a draft is then accepted when the row emits it, which the host checks."""
         self._first_rows = first_rows
         """Per sequence, its first row of the step's sampled rows (its last token's); then one per draft."""
-        self._num_drafts = num_drafts
-        self._read = HostRead([torch.stack([emitted.double(), accepted.double(), logprobs.double()]), *(top or ())])
+        self._drafts = drafts
+        rows = [emitted.double(), logprobs.double()] + ([accepted.double()] if accepted is not None else [])
+        self._read = HostRead([torch.stack(rows), *(top or ())])
         self._num_top = num_top
         self._rewinds = rewinds
         """Per sequence index, its generator and its states before each row's draw."""
 
     def result(self) -> SampleResult:
         host = self._read.values()
-        emitted, accepted, logprobs = host[0].tolist()
+        emitted, logprobs, *accepted = host[0].tolist()
         top_values, top_ids = (host[1].tolist(), host[2].tolist()) if len(host) == 3 else (None, None)
-        token_ids, own_logprobs, own_top, drafts = [], [], [], []
-        for i, (first, d) in enumerate(zip(self._first_rows, self._num_drafts)):
+        token_ids, own_logprobs, own_top, accepted_drafts = [], [], [], []
+        for i, (first, drafts) in enumerate(zip(self._first_rows, self._drafts)):
+            d = len(drafts)
             a = 0
-            while a < d and accepted[first + a]:
-                a += 1
+            if accepted:
+                while a < d and accepted[0][first + a]:
+                    a += 1
+            else:
+                while a < d and emitted[first + a] == drafts[a]:
+                    a += 1
             rows = []
             for r in range(first, first + a + 1):
                 k = self._num_top[r]
                 top = tuple(zip(top_ids[r][:k], top_values[r][:k])) if top_ids is not None else ()
                 rows.append((int(emitted[r]), logprobs[r], top))
-            drafts.append(rows[:-1])
+            accepted_drafts.append(rows[:-1])
             token_ids.append(rows[-1][0])
             own_logprobs.append(rows[-1][1])
             own_top.append(rows[-1][2])
             if i in self._rewinds and a < d:
                 generator, states = self._rewinds[i]
                 generator.set_state(states[a + 1])
-        return SampleResult(token_ids, own_logprobs, own_top, drafts)
+        return SampleResult(token_ids, own_logprobs, own_top, accepted_drafts)
 
 
 class Speculator:
@@ -543,9 +623,9 @@ class Speculator:
         temps = [p.temperature for p in row_params]
         logits = logits.float()
         logprobs = self.sampler.reported_logprobs(logits, temps)
-        greedy = [p.is_greedy for p in row_params]
         rewinds: dict[int, tuple[torch.Generator, list[torch.Tensor]]] = {}
-        if all(greedy):  # no noise to draw (and no sampled draft: those are drawn for sampling requests only)
+        if all(seq.params.is_greedy for seq in seqs):
+            # No noise to draw (and no sampled draft: those are drawn for sampling requests only).
             sample = logits.argmax(-1)
         else:
             filtered = filter_logprobs(logprobs, row_params)
@@ -560,22 +640,24 @@ class Speculator:
                 if seq not in self._distributions:
                     rewinds[i] = (seq.generator, states)
             sample = race(filtered, noise)
+            greedy = [p.is_greedy for p in row_params]
             if any(greedy):
                 sample = torch.where(to_device(greedy, torch.bool, device), logits.argmax(-1), sample)
-        next_draft = to_device([t for d in drafts for t in d + [-1]], torch.long, device)
-        accepted = sample == next_draft
-        replacement = sample
+        # A deterministic draft is accepted when the row samples it, so every row emits its sample: the host tells
+        # the accepted drafts from the emitted tokens (`VerifiedSample.result`), nothing to compare on the device.
+        emitted, accepted = sample, None
         rejection_rows = [r for i, seq in enumerate(seqs) if seq in self._distributions
                           for r in range(first_rows[i], first_rows[i] + len(drafts[i]))]
         if rejection_rows:
-            accepted, replacement = self._rejection_sample(seqs, filtered, noise, next_draft, accepted, sample,
-                                                           rejection_rows)
-        emitted = torch.where(accepted, next_draft, replacement)
+            next_draft = to_device([t for d in drafts for t in d + [-1]], torch.long, device)
+            accepted, replacement = self._rejection_sample(seqs, filtered, noise, next_draft, sample == next_draft,
+                                                           sample, rejection_rows)
+            emitted = torch.where(accepted, next_draft, replacement)
         chosen = logprobs.gather(-1, emitted[:, None])[:, 0]
         num_top = [p.num_top_logprobs for p in row_params]
         top = logprobs.topk(max(num_top), dim=-1) if max(num_top) > 0 else None
         self._distributions = {}
-        return VerifiedSample(first_rows, [len(d) for d in drafts], emitted, accepted, chosen, top, num_top, rewinds)
+        return VerifiedSample(first_rows, drafts, emitted, accepted, chosen, top, num_top, rewinds)
 
     def _rejection_sample(self, seqs: list[Sequence], filtered: torch.Tensor, noise: torch.Tensor,
                           next_draft: torch.Tensor, accepted: torch.Tensor, sample: torch.Tensor,

@@ -13,7 +13,10 @@ one row per batch position. A row is rewritten only when another sequence takes 
 its sequence gained blocks, so a steady decode batch sends a few entries per step, not whole
 tables. Invariant: `_row_owner[i]` is the very `block_table` list whose first `_row_len[i]`
 entries row i holds; the block manager only appends to a sequence's list and replaces it when
-it frees blocks, so an owner that is still the same list has only gained entries.
+it frees blocks, so an owner that is still the same list has only gained entries. The host keeps
+the same tables (`_host_tables`, written with the same updates), so the slots of a step of several
+tokens a sequence are one array lookup for the whole batch, not a conversion and a few small array
+operations per sequence.
 
 A decode-only step with a cascade plan (`cascade.py`) sends its groups in the same copy.
 
@@ -85,6 +88,8 @@ class StepInputBuilder:
         self._width = max_blocks_per_seq
         self._row_owner: list[list[int] | None] = [None] * max_num_seqs
         self._row_len = [0] * max_num_seqs
+        self._host_tables = np.zeros(max_num_seqs * max_blocks_per_seq, dtype=np.int64)
+        """`block_tables`' rows as the host last wrote them, flat."""
         self._host = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]
         """Two staging buffers, taken in turn: filling one never waits for the other's copy."""
         self._copied: list[torch.cuda.Event | None] = [None, None]
@@ -104,7 +109,17 @@ class StepInputBuilder:
             base = i * self._width
             index.extend(range(base + known, base + len(table)))
             value.extend(table[known:])
+        if index:
+            self._host_tables[index] = value
         return index, value
+
+    def _positions_and_slots(self, starts: np.ndarray, query_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each token's position and cache slot, for sequences whose new tokens start at positions `starts` [B]
+        and are packed at `query_start` [B + 1]; after `_table_updates` of the step."""
+        counts = np.diff(query_start)
+        positions = np.arange(query_start[-1]) + np.repeat(starts - query_start[:-1], counts)
+        rows = np.repeat(np.arange(len(starts)) * self._width, counts)
+        return positions, self._host_tables[rows + positions // self.block_size] * self.block_size + positions % self.block_size
 
     def build(self, batch: ScheduledBatch, pad_to: int | None = None, previous_tokens: torch.Tensor | None = None,
               cascade: SharedPrefixes | None = None, members: int = 0) -> StepInputs:
@@ -139,35 +154,30 @@ class StepInputBuilder:
                 ids, positions, slots, seq_lens = ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, seq_lens + [0] * pad
         else:
             assert pad_to is None, "only decode-only steps run as CUDA graphs"
-            id_parts: list[list[int]] = []
-            pos_parts: list[np.ndarray] = []
-            slot_parts: list[np.ndarray] = []
-            seq_lens, query_lens, sample_index = [], [], []
+            ids, seq_lens, sample_index = [], [], []
+            query_lens = list(num_new)
             offset = 0
-            for i, (seq, n) in enumerate(zip(seqs, num_new)):
-                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-                known = seq.token_ids[start:end] + batch.drafts[i]
-                if len(known) < n:  # only the newest token can be pending: the one a decode computes
-                    assert len(known) == n - 1, "an input token two steps old was never read"
-                    known = known + [0]
-                    gather_at.append(offset + n - 1)
-                    gather_from.append(seq.pending_row)
-                id_parts.append(known)
-                pos = np.arange(start, end)
-                pos_parts.append(pos)
-                slot_parts.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
-                seq_lens.append(end)
-                query_lens.append(n)
+            for i, (seq, n, drafts) in enumerate(zip(seqs, num_new, batch.drafts)):
+                start = seq.num_computed_tokens
+                end = start + n
+                ids += seq.token_ids[start:end]
+                ids += drafts
                 offset += n
+                if len(ids) < offset:  # only the newest token can be pending: the one a decode computes
+                    assert len(ids) == offset - 1, "an input token two steps old was never read"
+                    ids.append(0)
+                    gather_at.append(offset - 1)
+                    gather_from.append(seq.pending_row)
+                seq_lens.append(end)
                 if batch.samples(i):
-                    sample_index.extend(range(offset - 1 - len(batch.drafts[i]), offset))
-            ids = [t for part in id_parts for t in part]
+                    sample_index.extend(range(offset - 1 - len(drafts), offset))
             tiles = query_tiles(query_lens, PREFILL_BLOCK_Q)
-            positions = np.concatenate(pos_parts)
-            slots = np.concatenate(slot_parts)
         query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
         update_index, update_value = self._table_updates(batch)
+        if not decode_only:
+            starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+            positions, slots = self._positions_and_slots(starts, query_start)
         parts = [ids, positions, slots, seq_lens, query_start, tiles[0] + tiles[1], sample_index, update_index, update_value,
                  gather_at, gather_from]
         if cascade is not None:
@@ -193,38 +203,33 @@ class StepInputBuilder:
         then the padding sequence), tiles [2, 2 * pad_to] of `block_q` tokens (unused ones start past their
         sequence's tokens, so they do nothing). Every input token is known to the host: a step that drafts was
         planned after the previous one was read."""
-        bs = self.block_size
         b = len(batch.seqs)
         num_rows = pad_to * tokens_per_seq
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        starts: list[int] = []
         seq_lens: list[int] = []
-        query_lens: list[int] = []
         for seq, drafts in zip(batch.seqs, batch.drafts):
             start = seq.num_computed_tokens
             assert start == len(seq.token_ids) - 1, "a verifying step's sequences decode, their last token known"
-            table = seq.block_table
             ids.append(seq.token_ids[start])
-            ids.extend(drafts)
-            for p in range(start, start + 1 + len(drafts)):
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
+            ids += drafts
+            starts.append(start)
             seq_lens.append(start + 1 + len(drafts))
-            query_lens.append(1 + len(drafts))
+        query_lens = list(batch.num_new_tokens)
         num_real = len(ids)
         pad = num_rows - num_real
         ids += [0] * pad
-        positions += [0] * pad
-        slots += [self.pad_slot] * pad
         query_start = np.zeros(pad_to + 2, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:b + 1])
+        update_index, update_value = self._table_updates(batch)
+        positions, slots = self._positions_and_slots(np.asarray(starts, dtype=np.int64), query_start[:b + 1])
+        positions = np.concatenate([positions, np.zeros(pad, dtype=np.int64)])
+        slots = np.concatenate([slots, np.full(pad, self.pad_slot, dtype=np.int64)])
         query_start[b + 1:] = num_rows  # the padding sequence owns the rest; those after it, nothing
         padding_tiles = -(-pad // block_q)
         unused = 2 * pad_to - b - padding_tiles
         tile_seqs = list(range(b)) + [b] * (padding_tiles + unused)
         tile_starts = [0] * b + list(range(0, padding_tiles * block_q, block_q)) + [num_rows] * unused
-        update_index, update_value = self._table_updates(batch)
         views = self._transfer([ids, positions, slots, seq_lens + [0] * (pad_to + 1 - b), query_start,
                                 tile_seqs + tile_starts, list(range(num_real)), update_index, update_value])
         if update_index:
