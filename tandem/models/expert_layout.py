@@ -89,7 +89,8 @@ def to_memory(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torc
     return out
 
 
-def _is_mtp_layer(name: str, hf_config: dict) -> bool:
+def is_mtp_layer(name: str, hf_config: dict) -> bool:
+    """Whether on-disk `name` is a multi-token prediction layer's (`model.layers.{N + i}.*`, i < `num_nextn_predict_layers`)."""
     num_layers, num_mtp = hf_config.get("num_hidden_layers", 0), hf_config.get("num_nextn_predict_layers") or 0
     match = re.match(r"model\.layers\.(\d+)\.", name)
     return match is not None and num_layers <= int(match.group(1)) < num_layers + num_mtp
@@ -129,7 +130,7 @@ def to_disk(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.
         return state
     out = {}
     for name, tensor in state.items():
-        disk_name = name if _is_mtp_layer(name, hf_config) else name.replace(".mlp.", f".{layout.block}.")
+        disk_name = name if is_mtp_layer(name, hf_config) else name.replace(".mlp.", f".{layout.block}.")
         stacked = re.fullmatch(rf"(.*)\.experts\.(gate_up_proj|down_proj)({SCALES})?", disk_name)
         if stacked is None:
             out[disk_name] = tensor

@@ -55,20 +55,25 @@ def has_split_blocks(hf_config: dict) -> bool:
 
 
 def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
-                 source: str = "config.json") -> nn.Module:
+                 source: str = "config.json", keep_mtp: bool = True) -> nn.Module:
     """An uninitialized native model (on `meta` by default: no memory until `to_empty`); `source`
     names the config file in errors. A released FP8 checkpoint's config builds the same layers as its unquantized
     one (the FP8 ones are `tandem.models.fp8.convert_to_fp8`'s choice); any other `quantization_config` is an
-    error naming `source` and the field."""
+    error naming `source` and the field. Without `keep_mtp` the model has none of the config's multi-token
+    prediction layers (as if `num_nextn_predict_layers` were 0), and says how many it left out
+    (`num_mtp_layers_left_out`, whose weights `multi_token.without_left_out_layers` drops from an update)."""
     args_cls, model_cls = NATIVE[hf_config["model_type"]]
     checkpoint_quantization(hf_config, source)
+    num_left_out = 0 if keep_mtp else hf_config.get("num_nextn_predict_layers") or 0
     try:
-        args = args_cls.from_hf({k: v for k, v in hf_config.items() if k != "quantization_config"})
+        args = args_cls.from_hf({k: v for k, v in hf_config.items() if k != "quantization_config"}
+                                | ({"num_nextn_predict_layers": 0} if num_left_out else {}))
     except UnsupportedConfig as err:
         raise ValueError(f"{source}: {err}") from None
     with _InitSkippedOnMeta(), torch.device(device):
         model = model_cls(args)
     model.hf_config = hf_config
+    model.num_mtp_layers_left_out = num_left_out
     model.to(dtype)
     keep_routers_fp32(model)
     return model
@@ -94,11 +99,11 @@ class _InitSkippedOnMeta(TorchFunctionMode):
 
 
 def empty_native(hf_config: dict, device: str | torch.device, dtype: torch.dtype, source: str = "config.json",
-                 quantization: str = "none", fp8_experts: bool = False) -> nn.Module:
+                 quantization: str = "none", fp8_experts: bool = False, keep_mtp: bool = True) -> nn.Module:
     """A native model with uninitialized memory on `device` (built on `meta`: no init work), tied again;
     `quantization` "fp8": its dense projections held in FP8 blocks (`tandem.models.fp8`), and with `fp8_experts` its
-    routed experts."""
-    model = build_native(hf_config, "meta", dtype, source)
+    routed experts; `keep_mtp`: as `build_native`."""
+    model = build_native(hf_config, "meta", dtype, source, keep_mtp)
     if quantization == "fp8":
         convert_to_fp8(model, fp8_experts)
     allocate_empty(model, device)
@@ -184,11 +189,14 @@ def _tied(model: nn.Module) -> bool:
 
 
 def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "auto", trust_remote_code: bool = False,
-                   load_format: str = "safetensors", quantization: str = "none", fp8_experts: bool = False) -> nn.Module:
+                   load_format: str = "safetensors", quantization: str = "none", fp8_experts: bool = False,
+                   keep_mtp: bool = True) -> nn.Module:
     """Load weights of `name` (folder or hub name) onto `device`: meta init, then weights (read,
     or random ones made on the device with `load_format` "dummy"). `quantization` "fp8" (native models):
     the dense projections (and with `fp8_experts` the routed experts) held in FP8 blocks, read as such from an FP8
-    checkpoint, else quantized on load; without it, an FP8 checkpoint's weights are dequantized to `dtype`."""
+    checkpoint, else quantized on load; without it, an FP8 checkpoint's weights are dequantized to `dtype`.
+    Without `keep_mtp` a native model neither holds nor reads the checkpoint's multi-token prediction layers (an
+    engine that does not draft with them: as large as a block each, a mixture of experts in GLM-5)."""
     folder = resolve_model_path(name)
     hf_config = read_hf_config(folder)
     torch_dtype = resolve_dtype(dtype, device)
@@ -197,11 +205,12 @@ def load_causal_lm(name: str, device: str | torch.device = "cpu", dtype: str = "
         raise ValueError(f"{quantization} layers need a model native to tandem; {folder / 'config.json'} says "
                          f"model_type {hf_config.get('model_type')!r}, which loads through transformers")
     if is_native(hf_config):
-        model = empty_native(hf_config, device, torch_dtype, str(folder / "config.json"), quantization, fp8_experts)
+        model = empty_native(hf_config, device, torch_dtype, str(folder / "config.json"), quantization, fp8_experts,
+                             keep_mtp)
         if load_format == "dummy":
             model.init_weights(DUMMY_SEED)
             init_fp8_weights(model, DUMMY_SEED, torch_dtype)
         else:
-            load_weights_into(model, load_state_dict(folder, device), source=f"the weights in {folder}")
+            load_weights_into(model, load_state_dict(folder, device, keep_mtp), source=f"the weights in {folder}")
         return model.eval()
     return HFCausalLM.from_pretrained(folder, device, torch_dtype, trust_remote_code)

@@ -13,6 +13,8 @@ layer is its block class with these parts: `glm_moe_dsa.MultiTokenPrediction` (l
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -23,6 +25,20 @@ def mtp_layers(lm: nn.Module) -> nn.ModuleList:
     """The model's MTP layers (`model.mtp_layers`); an empty list for a model without them (a transformers fallback)."""
     layers = getattr(getattr(lm, "model", None), "mtp_layers", None)
     return layers if layers is not None else nn.ModuleList()
+
+
+MTP_LAYER_NAME = re.compile(r"model\.mtp_layers\.(\d+)\.")
+"""The in-memory names of MTP layer i's tensors."""
+
+
+def without_left_out_layers(lm: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (in-memory names) without the tensors of the MTP layers `lm` was built without
+    (`num_mtp_layers_left_out`: an engine that does not draft with them), which a policy update carries where the
+    trainer has them (weights, block scales, LoRA adapters: `model.mtp_layers.{i}.*`). Any other name stays, so
+    that a name the model lacks is still refused; a model without the attribute (a transformers one) left none out."""
+    num_left_out = getattr(lm, "num_mtp_layers_left_out", 0)
+    return {name: tensor for name, tensor in state.items()
+            if not ((match := MTP_LAYER_NAME.match(name)) and int(match.group(1)) < num_left_out)}
 
 
 class MtpParts(nn.Module):

@@ -14,9 +14,10 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from tandem.models.expert_layout import to_disk, to_memory
+from tandem.models.expert_layout import is_mtp_layer, to_disk, to_memory
 from tandem.transport.paths import STABLE
 
 
@@ -56,14 +57,18 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of the folder under its in-memory HF name (the family read from its config.json)."""
+def load_state_dict(folder: Path, device: str | torch.device = "cpu", keep_mtp: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder under its in-memory HF name (the family read from its config.json); without
+    `keep_mtp`, none of its multi-token prediction layers' (`expert_layout.is_mtp_layer`), which are never read."""
     folder = Path(folder)
+    config = folder / "config.json"
+    hf_config = json.loads(config.read_text()) if config.is_file() else {}
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(folder):
-        state.update(load_file(str(file), device=str(device)))
-    config = folder / "config.json"
-    return to_memory(state, json.loads(config.read_text()) if config.is_file() else {})
+        with safe_open(str(file), framework="pt", device=str(device)) as tensors:
+            state.update({name: tensors.get_tensor(name) for name in tensors.keys()
+                          if keep_mtp or not is_mtp_layer(name, hf_config)})
+    return to_memory(state, hf_config)
 
 
 def save_state_dict(state: dict[str, torch.Tensor], folder: Path, hf_config: dict) -> Path:

@@ -57,12 +57,13 @@ def fp8_reference(folder) -> torch.nn.Module:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_released_fp8_checkpoint_loads_as_it_is_and_the_rest_dequantized(preset, fp8_dirs):
     """The FP8 weights the engine holds are the checkpoint's, bit for bit (each expert's stacked), the multi-token
-    prediction layer's included; kv_b_proj, FP8 on disk, is held dequantized; without `quantization` everything is."""
+    prediction layer's included (an engine that drafts with it); kv_b_proj, FP8 on disk, is held dequantized;
+    without `quantization` everything is."""
     folder = fp8_dirs[preset]
     on_disk = load_file(str(folder / "model.safetensors"))
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     assert f"model.layers.{layers}.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in on_disk  # the MTP layer's
-    engine = engine_for(folder, fp8_experts=True)
+    engine = engine_for(folder, fp8_experts=True, speculative={"method": "mtp"})
     held = fp8_state(engine)
     fp8 = {name for name, t in held.items() if t.dtype == FP8}
     assert fp8 and all(HELD_IN_FP8.fullmatch(name) for name in fp8)
@@ -86,7 +87,7 @@ def test_a_released_fp8_checkpoint_loads_as_it_is_and_the_rest_dequantized(prese
 
     dequantized = {"model.layers.1.self_attn.kv_b_proj.weight": "model.layers.1.self_attn.kv_b_proj.weight",
                    "model.mtp_layers.0.self_attn.kv_b_proj.weight": f"model.layers.{layers}.self_attn.kv_b_proj.weight"}
-    unquantized = engine_for(folder, quantization="none").weight_target.state_dict()
+    unquantized = engine_for(folder, quantization="none", speculative={"method": "mtp"}).weight_target.state_dict()
     assert not any(t.dtype == FP8 for t in unquantized.values())
     for in_memory, disk in dict(dequantized, **{"model.layers.1.self_attn.o_proj.weight":
                                                 "model.layers.1.self_attn.o_proj.weight"}).items():
@@ -119,11 +120,15 @@ def test_the_fp8_latent_engine_computes_the_scheme_and_stays_close_to_bf16(prese
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_bf16_model_names_the_weights_the_engine_holds_in_fp8(preset, bf16_dirs):
-    """What the trainer's broadcast quantizes (`fp8_weight_names` of its bf16 model) is what the engine holds in FP8."""
+    """What the trainer's broadcast quantizes (`fp8_weight_names` of its bf16 model) is what an engine drafting with
+    the multi-token prediction layer holds in FP8; one that does not holds the rest (it passes the layer's over)."""
     folder = bf16_dirs[preset]
     for experts in (True, False):
-        held = {name for name, t in fp8_state(engine_for(folder, fp8_experts=experts)).items() if t.dtype == FP8}
-        assert fp8_weight_names(build_native(read_hf_config(folder), "meta", torch.bfloat16), experts) == held
+        names = fp8_weight_names(build_native(read_hf_config(folder), "meta", torch.bfloat16), experts)
+        drafting, plain = ({name for name, t in fp8_state(engine_for(folder, fp8_experts=experts, speculative=spec)).items()
+                            if t.dtype == FP8} for spec in ({"method": "mtp"}, {}))
+        assert names == drafting
+        assert plain == {name for name in names if not name.startswith("model.mtp_layers.")} != names
 
 
 def test_updates_are_quantized_on_load_and_a_quantized_broadcast_equals_them(bf16_dirs, tmp_path):

@@ -20,6 +20,9 @@ from tandem.config.resolve import free_port
 from tandem.config.weight_transport import BroadcastWeightTransport
 from tandem.inference.server import BackgroundServer
 from tandem.kernels.fp8 import FP8
+from tandem.models.fp8 import fp8_weight_names, quantize_named
+from tandem.models.hub import read_hf_config
+from tandem.models.loading import build_native
 from tandem.models.presets import init_model
 from tandem.models.weights import load_state_dict
 from tandem.orchestrator.inference_pool import InferencePool, InferenceRequestError
@@ -130,15 +133,19 @@ def test_an_fp8_engine_takes_the_trainers_quantized_projections_as_they_are(tiny
 
 def test_an_fp8_latent_engine_takes_the_trainers_quantized_weights_as_they_are(tmp_path):
     """The same for GLM-5's latent blocks: MLA's and the indexer's FP8 projections, the feed-forwards' and the routed
-    experts' cross the group quantized, the multi-token prediction layer's too; kv_b_proj and the layer's eh_proj in
-    the model's dtype."""
+    experts' cross the group quantized, kv_b_proj in the model's dtype. The trainer sends the multi-token prediction
+    layer too (quantized likewise), which an engine that does not draft with it holds not and passes over."""
     start, policy = (init_model("tiny-glm5", tmp_path / f"glm5-{seed}", seed=seed) for seed in (0, 1))
-    _, got = quantized_broadcast(start, policy, tmp_path / "run")
+    output, got = quantized_broadcast(start, policy, tmp_path / "run")
     fp8 = {name for name, t in got.items() if t.dtype == FP8}
     assert "model.layers.1.self_attn.q_b_proj.weight" in fp8 and "model.layers.1.mlp.experts.gate_up_proj" in fp8
     assert "model.layers.0.self_attn.indexer.wk.weight" in fp8
-    assert "model.mtp_layers.0.self_attn.q_b_proj.weight" in fp8 and "model.mtp_layers.0.mlp.experts.down_proj" in fp8
-    assert not any(".kv_b_proj." in name or ".eh_proj." in name for name in fp8)
+    assert not any(".kv_b_proj." in name for name in fp8)
+    names = fp8_weight_names(build_native(read_hf_config(policy), "meta", torch.bfloat16), experts=True)
+    sent = dict(quantize_named(load_state_dict(policy).items(), names))
+    assert sent["model.mtp_layers.0.mlp.experts.down_proj"].dtype == FP8
+    assert f"step 3: {sum(t.numel() * t.itemsize for t in sent.values())} bytes" in output, output
+    assert not any(name.startswith("model.mtp_layers.") for name in got)
 
 
 def test_out_of_order_calls_are_conflicts(server):

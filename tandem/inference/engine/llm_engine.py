@@ -52,6 +52,7 @@ from tandem.inference.engine.speculative import Speculator, VerifiedSample
 from tandem.inference.engine.step_records import StepRecords, StepShape
 from tandem.models.loading import load_weights_into
 from tandem.models.lora import LoraSpec, is_adapter_name
+from tandem.models.multi_token import without_left_out_layers
 
 BASE_WEIGHT_VERSION = 0
 """The weight version base-model outputs report: policy 0 is the base (its adapters' B start at zero)."""
@@ -567,7 +568,9 @@ class LLMEngine:
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None, lora: LoraSpec | None = None) -> int:
         """Load HF-named tensors into the live model, or with `engine.lora` merge LoRA adapters into the kept base
-        (`lora`: the adapters' own spec, where their folder says it); on any mismatch nothing is changed."""
+        (`lora`: the adapters' own spec, where their folder says it); on any mismatch nothing is changed. The
+        tensors of MTP layers the model was built without are passed over (`multi_token.without_left_out_layers`)."""
+        state = without_left_out_layers(self.weight_target, state)
         with_adapters = any(is_adapter_name(name) for name in state)
         if self.adapters is not None:
             served = self.adapters.spec

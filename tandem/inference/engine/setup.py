@@ -6,7 +6,7 @@ any other architecture (loaded through transformers) runs on the recompute path.
 `memory_fraction` leaves after the weights and the activations of a full-budget warmup step. A draft model
 (speculative decoding) gets a paged cache of its own with as many blocks as the policy's, sized with it; a
 multi-token prediction draft (the policy's own MTP layer, or a decoder family's draft head) keeps its entries as
-extra layers of the policy's cache. Beside a
+extra layers of the policy's cache; the policy's MTP layers are built and read only then (`keep_mtp`). Beside a
 LoRA policy the base model is served through a low-rank side path (`lora_side_path.py`) where every adapted
 projection takes it (native decoder blocks and dense feed-forwards). Over the trainer's shared base
 (`lora.share_base`, `mapped_base.py`) the model's weights are mapped, not loaded, and the same side path adds the
@@ -135,8 +135,10 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
                                     f"shared_base.json, which is missing ({shared_base}): start the trainer first")
         model = load_mapped_model(folder, Path(shared_base), device, resolve_dtype(model_config.dtype, device))
     else:
+        # The model's MTP layers only where it drafts with them: nothing else reads them.
         model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code,
-                               model_config.load_format, engine.quantization, engine.fp8_experts)
+                               model_config.load_format, engine.quantization, engine.fp8_experts,
+                               keep_mtp=engine.speculative.method == "mtp")
     if fp8:  # before anything runs the model: its own forward cannot multiply by FP8 layers
         apply_fp8_blocks(model, kernels=engine.fused_blocks, tile_table=engine.fp8_tile_table,
                          max_tokens=max(engine.max_num_batched_tokens, engine.max_num_seqs))
@@ -330,7 +332,7 @@ def load_draft_model(spec: SpeculativeConfig, model_config: ModelConfig, device:
     from transformers import AutoTokenizer
 
     folder = resolve_model_path(spec.draft_model)
-    draft = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code)
+    draft = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, keep_mtp=False)
     key = "`engine.speculative.draft_model`"
     if not is_native(draft.hf_config):
         raise ValueError(f"{key} = {str(folder)!r} is a {draft.hf_config.get('model_type')!r} model: a draft needs a "
