@@ -5,7 +5,7 @@ must read, with DSA on and off (dense MLA), over a latent cache in bf16 and in F
     python benchmarks/latent_decode.py --num-layers 3 --contexts 4096 --batch 8     # dense blocks only, a quick look
     python benchmarks/latent_decode.py --kv-cache-dtypes auto fp8                    # the FP8 cache beside bf16
 
-The `glm-5` preset cut to `--num-layers` blocks (default 4: its 3 dense blocks and 1 of experts; no MTP layer), random weights
+The `glm-5` preset cut to `--num-layers` blocks (default 4: its 3 dense blocks and 1 of experts), random weights
 made on the GPU (`model.load_format = "dummy"`), one engine per mode and cache dtype with CUDA graphs. The cache is
 not prefilled: each sequence's blocks are written with random latent entries and indexer keys (a prefill of 128k
 tokens per
@@ -142,7 +142,6 @@ def step_bytes(engine, args: argparse.Namespace, context: int, index_topk: int) 
 def bench_mode(mode: str, kv_cache_dtype: str, args: argparse.Namespace, bandwidth: float, tmp: Path) -> dict:
     max_model_len = max(args.contexts) + args.block_size
     config = preset_config(args.preset, args.num_layers)
-    config["num_nextn_predict_layers"] = 0  # no speculation here: the MTP layer (an expert block) is never read
     if mode == "dense":
         config["index_topk"] = 2 * max_model_len  # past every context: the indexer is never scored
     index_topk = config["index_topk"]
