@@ -290,6 +290,12 @@ class DisaggregationConfig(Section):
     hold_timeout_s: float = Field(60.0, gt=0)
     """`prefill`: how long a computed prompt's KV waits for its decode server to take it before it is dropped."""
 
+    max_held_mib: float | None = Field(None, gt=0)
+    """`prefill`: the most MiB of computed prompts' KV this server holds for decode servers to take, counting the
+    prompts it is computing at their estimated size; a `POST /prefill` that would pass it is refused (429) before any
+    work, and its decode server prefills the prompt itself. None: the size of this server's KV cache, so the prompts
+    waiting add at most one cache's worth of device memory beside it (outside `engine.memory_fraction`'s share)."""
+
     @model_validator(mode="after")
     def _check_peers(self) -> "DisaggregationConfig":
         if self.role == "decode" and not self.prefill_urls:

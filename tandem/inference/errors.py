@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-               500: "internal_server_error"}
+               429: "rate_limit_error", 500: "internal_server_error"}
 
 
 class APIError(Exception):
@@ -58,6 +58,7 @@ ERROR_DESCRIPTIONS = {
     404: "Unknown model, or no weights where `path` says",
     409: "A weight-transfer call out of order: no group joined, or no weight update open (or one already open)",
     413: "Request body over `server.max_request_bytes`",
+    429: "A prefill server holds `disaggregation.max_held_mib` of prompts its decode servers have not taken yet",
     500: "The engine failed while generating",
     "default": "Any other error",
 }

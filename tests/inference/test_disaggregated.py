@@ -10,11 +10,13 @@ with and without exact mode: without, their pairs are held to bit for bit where 
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import json
 import os
 import signal
 import socket
 import sys
+import weakref
 
 import httpx
 import pytest
@@ -199,6 +201,42 @@ def test_killing_the_prefill_server_mid_run_loses_no_request(tiny_dir, colocated
         counts = stats(decode_url)
     assert got == [generate(colocated.url, p, i, 1, 24) for i, p in enumerate(prompts)]
     assert counts["num_prefills_handed"] >= 1 and counts["num_prefills_failed"] >= 1
+
+
+@pytest.mark.parametrize("kv_transport", ["http", "shared_memory"])
+def test_exported_prompts_are_released_once_taken(tiny_dir, prefill, kv_transport):
+    held = prefill.server.config.app.state.held_prefills
+    exported, put = [], held.put
+    held.put = lambda tensors: exported.append(weakref.ref(tensors[0])) or put(tensors)
+    decode = decode_server(tiny_dir, prefill.url, kv_transport)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda i: generate(decode.url, prompt_of(40 + i), i), range(6)))
+        assert stats(decode.url)["num_prefills_handed"] == 6
+    finally:
+        decode.stop()
+        del held.put
+    gc.collect()
+    assert len(exported) == 6 and not [ref for ref in exported if ref() is not None]
+    assert len(held) == 0 and held.num_bytes == 0
+
+
+def test_a_prefill_over_the_held_budget_is_refused_and_prefilled_by_the_decode_server(tiny_dir, colocated):
+    """A 70-token prompt's blocks take 80 KiB: a 64 KiB budget refuses every one, before any work."""
+    prefill = BackgroundServer(exact_config(tiny_dir, role="prefill", max_held_mib=1 / 16))
+    decode = decode_server(tiny_dir, prefill.url)
+    try:
+        for seed in (18, 19):  # the second still goes there: a refusal does not mark the prefill server down
+            assert generate(decode.url, prompt_of(seed), seed) == generate(colocated.url, prompt_of(seed), seed)
+        assert stats(decode.url) == {"num_prefills_handed": 0, "num_prefills_failed": 2, "num_prefilled_taken": 0,
+                                     "num_prefilled_refused": 0}
+        response = httpx.post(f"{prefill.url}/prefill", json={"prompt_token_ids": prompt_of(20), "weight_version": 0})
+        assert response.status_code == 429
+        assert "`disaggregation.max_held_mib`" in response.json()["error"]["message"]
+        assert prefill.served.engine.stats().num_prompt_tokens == 0  # nothing was computed there
+    finally:
+        decode.stop()
+        prefill.stop()
 
 
 def test_a_shared_memory_decode_server_fails_at_start_on_another_host_or_an_area_it_cannot_map(tiny_dir, prefill):

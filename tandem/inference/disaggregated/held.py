@@ -2,36 +2,88 @@
 
 A decode server asks `POST /prefill`, then takes the tensors through its KV transport: in between they wait here,
 on the engine's device. One that nobody takes within `disaggregation.hold_timeout_s` (its decode server failed or
-timed out and prefilled the prompt itself) is dropped at the next `put`, so the memory comes back.
+timed out and prefilled the prompt itself) is dropped at the next `put` or `reserve`, so the memory comes back.
+
+Nothing but the arrival rate bounds how many prompts wait: a decode server takes one at a time from each prefill
+server, while the engine computes them in batches, so when prompts come faster than they are taken the exports pile
+up beside the cache. Their bytes are therefore bounded (`disaggregation.max_held_mib`): a prompt is admitted only
+if its estimated export fits beside what is held and what prompts being computed reserved. Over the budget a new
+prompt is refused, rather than an old held one dropped: a refusal costs nothing (the decode server prefills the
+prompt itself at once, and keeps sending this server prompts), while dropping one would waste its computed prompt,
+and its decode server, finding it gone, would count a failed transfer and send this server nothing for a while.
+
+Invariant: `num_bytes` = the bytes of the held tensors + the reservations of prompts being computed, at most
+`max_bytes` whenever a `reserve` admits. A taken prompt's tensors leave the count at once, though a transport may
+still read them (one transfer at a time per decode server).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 
 from tandem.inference.serving import random_id
 
 
+class OverBudget(RuntimeError):
+    """The prompt's export would take the held bytes past `disaggregation.max_held_mib`."""
+
+
 class HeldPrefills:
-    def __init__(self, hold_timeout_s: float):
+    def __init__(self, hold_timeout_s: float, max_bytes: int):
         self.hold_timeout_s = hold_timeout_s
+        self.max_bytes = max_bytes
         self._held: dict[str, tuple[float, list[torch.Tensor]]] = {}
+        self._held_bytes = 0
+        self._reserved_bytes = 0
 
     def __len__(self) -> int:
         return len(self._held)
 
+    @property
+    def num_bytes(self) -> int:
+        """Held tensors' bytes and those reserved by prompts being computed."""
+        return self._held_bytes + self._reserved_bytes
+
+    @contextlib.contextmanager
+    def reserve(self, num_bytes: int) -> Iterator[None]:
+        """Room for a prompt whose export takes about `num_bytes`, while it is computed (its `put` holds the real
+        bytes); OverBudget, before any work, if that would pass `max_bytes`."""
+        self._drop_expired()
+        if self.num_bytes + num_bytes > self.max_bytes:
+            raise OverBudget(f"this prefill server holds {self.num_bytes / 2**20:.1f} MiB of prompts not yet taken "
+                             f"or being computed; this one's {num_bytes / 2**20:.1f} MiB would pass "
+                             f"`disaggregation.max_held_mib` ({self.max_bytes / 2**20:.1f} MiB)")
+        self._reserved_bytes += num_bytes
+        try:
+            yield
+        finally:
+            self._reserved_bytes -= num_bytes
+
     def put(self, tensors: list[torch.Tensor]) -> str:
         """Hold `tensors`; returns the id that takes them."""
-        now = time.monotonic()
-        for transfer_id in [t for t, (deadline, _) in self._held.items() if deadline < now]:
-            del self._held[transfer_id]
+        self._drop_expired()
         transfer_id = random_id()
-        self._held[transfer_id] = (now + self.hold_timeout_s, tensors)
+        self._held[transfer_id] = (time.monotonic() + self.hold_timeout_s, tensors)
+        self._held_bytes += _nbytes(tensors)
         return transfer_id
 
     def take(self, transfer_id: str) -> list[torch.Tensor] | None:
         """The tensors of `transfer_id`, given once; None if unknown or dropped."""
         entry = self._held.pop(transfer_id, None)
-        return entry[1] if entry is not None else None
+        if entry is None:
+            return None
+        self._held_bytes -= _nbytes(entry[1])
+        return entry[1]
+
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        for transfer_id in [t for t, (deadline, _) in self._held.items() if deadline < now]:
+            self.take(transfer_id)
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors)

@@ -115,8 +115,8 @@ class PrefillPeers:
                         await asyncio.to_thread(self.transport.connect, url, self.timeout_s, self.headers)
                 response = await self.client.post(f"{url}/prefill", json={
                     "prompt_token_ids": prompt_token_ids, "weight_version": weight_version, "first_block": first_block})
-                if 400 <= response.status_code < 500:  # other weights there for now, or a prompt it cannot take:
-                    self.num_failed += 1              # not the server's failure, which keeps getting prompts
+                if 400 <= response.status_code < 500:  # other weights there for now, a prompt it cannot take, or
+                    self.num_failed += 1              # too many held: not its failure, it keeps getting prompts
                     return None
                 response.raise_for_status()
                 answer = msgspec.json.decode(response.content, type=PrefillAnswer)

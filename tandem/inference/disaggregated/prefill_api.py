@@ -5,7 +5,8 @@ the engine runs) and answers with what it holds; the decode server then takes th
 transport: `GET /kv/{transfer_id}` (`http_body`), `POST /kv/{transfer_id}/send` after `POST /kv/pairs` at its
 start (`torch_distributed`), or `POST /kv/{transfer_id}/stage` after `POST /kv/areas` at its start
 (`shared_memory`). A request for another policy version than this server holds is refused (409)
-before any work, and again if an update landed while the prompt ran.
+before any work, and again if an update landed while the prompt ran; one whose KV would take the prompts held here
+past `disaggregation.max_held_mib` is refused (429) before any work (`held`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.config.inference import DisaggregationConfig
-from tandem.inference.disaggregated.held import HeldPrefills
+from tandem.inference.disaggregated.held import HeldPrefills, OverBudget
 from tandem.inference.disaggregated.http_body import encode
 from tandem.inference.disaggregated.shared_memory import StagingAreas
 from tandem.inference.disaggregated.torch_distributed import PairGroups
@@ -33,11 +34,27 @@ router = APIRouter()
 def install_prefill_routes(app: FastAPI, config: DisaggregationConfig, responses: dict) -> None:
     """Make `app` a prefill server's (its own state: held prompts, pair groups)."""
     served: Served = app.state.served
-    app.state.held_prefills = HeldPrefills(config.hold_timeout_s)
+    app.state.held_prefills = HeldPrefills(config.hold_timeout_s, max_held_bytes(served, config))
     app.state.kv_pairs = PairGroups(served.engine.engine.device, config.peer_timeout_s)
     app.state.staging_areas = StagingAreas(served.engine.engine.device, int(config.staging_mib * 2**20))
     app.state.closers += [app.state.kv_pairs.close, app.state.staging_areas.close]
     app.include_router(router, responses=responses)
+
+
+def max_held_bytes(served: Served, config: DisaggregationConfig) -> int:
+    """`disaggregation.max_held_mib`, or the engine's KV cache size where it is None."""
+    if config.max_held_mib is not None:
+        return int(config.max_held_mib * 2**20)
+    engine = served.engine.engine
+    return engine.block_manager.num_blocks * engine.block_manager.block_size * engine.runner.cache.bytes_per_token
+
+
+def export_bytes(served: Served, body: PrefillRequest) -> int:
+    """About what the prompt's export will take: its KV blocks from `first_block` on (the logits row aside)."""
+    engine = served.engine.engine
+    block_size = engine.block_manager.block_size
+    num_blocks = -(-len(body.prompt_token_ids) // block_size) - body.first_block
+    return max(num_blocks, 0) * block_size * engine.runner.cache.bytes_per_token
 
 
 @router.get("/prefill/info")
@@ -48,18 +65,23 @@ async def prefill_info(request: Request) -> JSON:
                             served.weight_version))
 
 
-@router.post("/prefill", responses=error_responses(400, 409))
+@router.post("/prefill", responses=error_responses(400, 409, 429))
 async def prefill(body: PrefillRequest, request: Request) -> JSON:
     served: Served = request.app.state.served
+    held: HeldPrefills = request.app.state.held_prefills
     _check_version(served.weight_version, body.weight_version)
     try:
         served.engine.check_request(body.prompt_token_ids, SamplingParams(max_tokens=1))
     except ValueError as err:
         raise APIError(400, str(err), "prompt_token_ids") from None
-    prefilled = await served.engine.prefill(random_id(), body.prompt_token_ids, body.first_block)
+    try:
+        with held.reserve(export_bytes(served, body)):
+            prefilled = await served.engine.prefill(random_id(), body.prompt_token_ids, body.first_block)
+    except OverBudget as err:
+        raise APIError(429, str(err), "prompt_token_ids") from None
     _check_version(prefilled.weight_version, body.weight_version)
     tensors = [prefilled.kv_blocks, prefilled.logits] + ([prefilled.draft_state] if prefilled.draft_state is not None else [])
-    transfer_id = request.app.state.held_prefills.put(tensors)
+    transfer_id = held.put(tensors)
     return JSON(PrefillAnswer(transfer_id, prefilled.weight_version, prefilled.first_block,
                               [TensorSpec.of(t) for t in tensors]))
 
