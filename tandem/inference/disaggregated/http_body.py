@@ -18,9 +18,10 @@ from tandem.inference.disaggregated.kv_transport import CopyStream, KVTransport,
 from tandem.inference.disaggregated.wire import PrefillAnswer, TensorSpec
 
 
-def encode(tensors: list[torch.Tensor]) -> bytes:
-    """The prefill server's half: the tensors' bytes, in order."""
-    return b"".join(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
+def encode(tensors: list[torch.Tensor], copies: CopyStream) -> bytes:
+    """The prefill server's half: the tensors' bytes, in order, read to the host on `copies`' stream."""
+    with copies.copying():
+        return b"".join(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
 
 
 def decode(body: bytes, specs: list[TensorSpec]) -> list[torch.Tensor]:

@@ -24,13 +24,16 @@ class TransferError(RuntimeError):
 
 
 class CopyStream:
-    """Where a decode server's transport copies received tensors onto its device: on CUDA a stream of its own.
+    """Where a transport copies KV tensors: on CUDA a stream of its own. A decode server copies received tensors
+    onto its device there; a prefill server copies held ones out (staged, encoded, sent), which are whole by then
+    (the prefill route waits for `PrefilledPrompt.ready`).
 
     On the default stream, where the engine runs its steps, a copy would wait for the steps queued before it and
-    hold back the ones queued after it (a pageable copy from host memory for tens of milliseconds); on its own
-    stream it overlaps them, and waiting for it waits for that copy alone. Tensors made under `copying()` are this
-    stream's allocations: `hand_over` marks them as used by the default stream too, where the engine writes them
-    into its cache, so their memory goes to no later transfer before the engine has read them."""
+    hold back the ones queued after it (a pageable copy from host memory for tens of milliseconds; on a busy prefill
+    server, every piece staged behind a prefill step); on its own stream it overlaps them, and waiting for it waits
+    for that copy alone. Tensors made under `copying()` are this stream's allocations: `hand_over` marks them as
+    used by the default stream too, where the engine writes them into its cache, so their memory goes to no later
+    transfer before the engine has read them."""
 
     def __init__(self, device: torch.device):
         self.device = device

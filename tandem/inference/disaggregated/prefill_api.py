@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from tandem.config.inference import DisaggregationConfig
 from tandem.inference.disaggregated.held import HeldPrefills, OverBudget
 from tandem.inference.disaggregated.http_body import encode
+from tandem.inference.disaggregated.kv_transport import CopyStream
 from tandem.inference.disaggregated.shared_memory import StagingAreas
 from tandem.inference.disaggregated.torch_distributed import PairGroups
 from tandem.inference.disaggregated.wire import (AreaRequest, PairRequest, PrefillAnswer, PrefillInfo, PrefillRequest,
@@ -35,6 +36,7 @@ def install_prefill_routes(app: FastAPI, config: DisaggregationConfig, responses
     """Make `app` a prefill server's (its own state: held prompts, pair groups)."""
     served: Served = app.state.served
     app.state.held_prefills = HeldPrefills(config.hold_timeout_s, max_held_bytes(served, config))
+    app.state.send_copies = CopyStream(served.engine.engine.device)
     app.state.kv_pairs = PairGroups(served.engine.engine.device, config.peer_timeout_s)
     app.state.staging_areas = StagingAreas(served.engine.engine.device, int(config.staging_mib * 2**20))
     app.state.closers += [app.state.kv_pairs.close, app.state.staging_areas.close]
@@ -80,6 +82,8 @@ async def prefill(body: PrefillRequest, request: Request) -> JSON:
     except OverBudget as err:
         raise APIError(429, str(err), "prompt_token_ids") from None
     _check_version(prefilled.weight_version, body.weight_version)
+    if prefilled.ready is not None:  # held tensors are whole: the transports copy them on streams of their own
+        await asyncio.to_thread(prefilled.ready.synchronize)
     tensors = [prefilled.kv_blocks, prefilled.logits] + ([prefilled.draft_state] if prefilled.draft_state is not None else [])
     transfer_id = held.put(tensors)
     return JSON(PrefillAnswer(transfer_id, prefilled.weight_version, prefilled.first_block,
@@ -89,7 +93,8 @@ async def prefill(body: PrefillRequest, request: Request) -> JSON:
 @router.get("/kv/{transfer_id}", responses=error_responses(404))
 async def kv_body(transfer_id: str, request: Request) -> Response:
     tensors = _take(request, transfer_id)
-    return Response(await asyncio.to_thread(encode, tensors), media_type="application/octet-stream")
+    return Response(await asyncio.to_thread(encode, tensors, request.app.state.send_copies),
+                    media_type="application/octet-stream")
 
 
 @router.post("/kv/pairs")

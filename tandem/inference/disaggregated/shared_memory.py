@@ -74,12 +74,6 @@ def map_file(path: Path, num_bytes: int) -> torch.Tensor:
         return torch.frombuffer(mmap.mmap(file.fileno(), num_bytes), dtype=torch.uint8)
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the copies this thread queued: the other process reads or rewrites the area next."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 def with_index(device: torch.device) -> torch.device:
     """`cuda` as the device it means in this process (`cuda:<current>`): torch's pool calls take only a device with
     an index, and the engine's may have none."""
@@ -133,6 +127,7 @@ class StagingAreas:
         self.staging_bytes = staging_bytes
         self.areas: dict[str, Area] = {}
         self._lock = threading.Lock()
+        self._copies = CopyStream(self.device)
 
     def open(self, request: AreaRequest) -> AreaAnswer:
         """A new area for `request.area_id` (one of the same id, which a decode server asks again after a failed
@@ -163,16 +158,18 @@ class StagingAreas:
             area.path.unlink(missing_ok=True)
             area.path = None
         if tensors is not None:
-            area.transfer_id, area.parts = transfer_id, byte_views([t.contiguous() for t in tensors])
+            with self._copies.copying():  # a copy `contiguous` makes is made where the pieces are copied out
+                area.transfer_id, area.parts = transfer_id, byte_views([t.contiguous() for t in tensors])
         elif area.transfer_id != transfer_id:
             raise LookupError(f"transfer {transfer_id!r} is not being staged in area {request.area_id!r}")
         total = sum(part.numel() for part in area.parts)
         if not 0 <= request.start < total:
             raise LookupError(f"byte {request.start} is outside transfer {transfer_id!r} of {total} bytes")
         length = min(self.staging_bytes, total - request.start)
-        for part, offset in pieces(area.parts, request.start, length):
-            area.memory[offset:offset + part.numel()].copy_(part)
-        synchronize(self.device)
+        with self._copies.copying():
+            for part, offset in pieces(area.parts, request.start, length):
+                area.memory[offset:offset + part.numel()].copy_(part)
+        self._copies.wait()  # the decode server reads the area next
         if request.start + length >= total:
             area.transfer_id = area.parts = None
         return StageAnswer(length)

@@ -22,7 +22,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from tandem.inference.disaggregated.kv_transport import KVTransport, TransferError
+from tandem.inference.disaggregated.kv_transport import CopyStream, KVTransport, TransferError
 from tandem.inference.disaggregated.wire import PairAnswer, PairRequest, PrefillAnswer, SendRequest
 from tandem.inference.serving import random_id
 from tandem.transport.broadcast import bare_group
@@ -41,6 +41,7 @@ class PairGroups:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._stores: list[dist.Store] = []
         self._senders: dict[str, threading.Lock] = {}
+        self._copies = CopyStream(device)
 
     def open(self, request: PairRequest) -> PairAnswer:
         """Open the pair's store and join it in a thread (the join returns once the decode server joined too)."""
@@ -64,7 +65,7 @@ class PairGroups:
         group, lock = self.groups[request.pair_id], self._senders[request.pair_id]
 
         def send_all() -> None:
-            with lock:
+            with lock, self._copies.copying():
                 try:
                     for tensor in tensors:
                         group.send([tensor.contiguous()], DECODE_RANK, 0).wait(self.timeout)

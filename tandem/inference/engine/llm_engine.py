@@ -454,8 +454,12 @@ class LLMEngine:
                 continue
             blocks = self.runner.cache.export_blocks(seq.block_table[seq.hand_off_from_block:])
             draft_state = self.speculator.handed_state(seq) if self.speculator is not None else None
-            prefilled = PrefilledPrompt(blocks, logits[row].clone(), self.weight_version, seq.hand_off_from_block,
-                                        draft_state)
+            handed_logits = logits[row].clone()
+            ready = torch.cuda.Event() if blocks.is_cuda else None
+            if ready is not None:
+                ready.record()  # after the exports: a sender waits for them alone (`PrefilledPrompt.ready`)
+            prefilled = PrefilledPrompt(blocks, handed_logits, self.weight_version, seq.hand_off_from_block,
+                                        draft_state, ready)
             self.handed_off.append(SequenceOutput(seq.request_id, seq.index, [], [], [], "", "prefilled",
                                                   self.weight_version, prefilled=prefilled))
             self.scheduler.finish(seq, "prefilled")

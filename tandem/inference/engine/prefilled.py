@@ -28,3 +28,7 @@ class PrefilledPrompt:
     draft_state: torch.Tensor | None = None
     """What the decode engine's speculative draft needs besides the blocks (`Proposer.handed_state`: the MTP
     layer's, the policy's hidden state at the last prompt position); None where the prefill engine keeps none."""
+    ready: torch.cuda.Event | None = None
+    """The prefill engine's (CUDA): recorded on its stream once the tensors above were made. An engine that overlaps
+    steps hands a prompt over before reading the step that exported it; waiting for this event waits for that export
+    alone, not for the steps queued after it, so a sender can copy the tensors on a stream of its own."""
