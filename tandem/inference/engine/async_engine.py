@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -64,26 +64,23 @@ class AsyncEngine:
         """Raise ValueError if the engine cannot run this request (from any thread)."""
         self.engine.check_request(prompt_token_ids, params)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
-                       incremental: bool = True, prefilled: PrefilledPrompt | None = None,
-                       is_base: bool = False) -> AsyncIterator[SequenceOutput]:
-        """The outputs of the request's `n` sequences until all finish; closing the stream aborts it.
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1,
+                 incremental: bool = True, prefilled: PrefilledPrompt | None = None,
+                 is_base: bool = False) -> AsyncGenerator[SequenceOutput, None]:
+        """The outputs of the request's `n` sequences until all finish; the request starts at the first `anext`,
+        and closing the stream (`aclose`, which its caller owes it) aborts what did not finish.
 
         `incremental`: one output per token; else one per sequence, holding its whole completion.
         `prefilled`: the prompt as a prefill server computed it (`LLMEngine.add_prefilled`); where the engine
         cannot continue from it, it prefills the prompt itself.
         `is_base`: sampled from the base model served beside a LoRA policy (`LLMEngine.add_request`).
 
-        A request the engine cannot run raises ValueError here, before anything is queued.
+        A request the engine cannot run raises ValueError here, before anything is queued. No generator of its own
+        around the outputs' queue: every layer costs the event loop a resumption per token.
         """
         self.check_request(prompt_token_ids, params)
-        outputs = self._outputs(request_id, n, lambda: self._add(request_id, prompt_token_ids, params, n, incremental,
-                                                                 prefilled, is_base))
-        try:
-            async for out in outputs:
-                yield out
-        finally:
-            await outputs.aclose()  # now: its own `finally` aborts what did not finish
+        return self._outputs(request_id, n, lambda: self._add(request_id, prompt_token_ids, params, n, incremental,
+                                                              prefilled, is_base))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], first_block: int = 0) -> PrefilledPrompt:
         """The prompt's KV blocks (from `first_block` on) and last logits row, computed and not sampled
