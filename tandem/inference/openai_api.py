@@ -101,10 +101,6 @@ async def completions(body: CompletionRequest, request: Request):
 async def _merged(served: Served, prompts: list[list[int]], params: list, n: int,
                   is_base: bool) -> AsyncIterator[tuple[int, SequenceOutput]]:
     """Outputs of several prompts' streams as they come, tagged with the prompt's position."""
-    if len(prompts) == 1:
-        async for out in served.stream(prompts[0], params[0], n, is_base=is_base):
-            yield 0, out
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(k: int) -> None:
@@ -137,21 +133,30 @@ async def _completion_stream(served: Served, body: CompletionRequest, prompts, p
     counts = [0] * len(prompts)
     last: dict[int, SequenceOutput] = {}  # each choice's latest output: its draft counts run over all its steps
     started: set[int] = set()  # choices that had their first chunk
+
+    def event(k: int, out: SequenceOutput) -> str:
+        """The chunk of an output of prompt `k`."""
+        counts[k] += len(out.token_ids)
+        index = k * body.n + out.index
+        last[index] = out
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = legacy_logprobs(served, out.token_ids, out.logprobs, out.top_logprobs, body.logprobs > 0)
+        first = index not in started
+        started.add(index)
+        return events.event(completion_choice(
+            index, out.text, logprobs, out.finish_reason,
+            out.token_ids if body.return_token_ids else None,
+            prompts[k] if body.return_token_ids and first else None,
+            out.weight_version if out.finish_reason is not None else None))
+
     try:
-        async for k, out in _merged(served, prompts, params, body.n, is_base):
-            counts[k] += len(out.token_ids)
-            index = k * body.n + out.index
-            last[index] = out
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = legacy_logprobs(served, out.token_ids, out.logprobs, out.top_logprobs, body.logprobs > 0)
-            first = index not in started
-            started.add(index)
-            yield events.event(completion_choice(
-                index, out.text, logprobs, out.finish_reason,
-                out.token_ids if body.return_token_ids else None,
-                prompts[k] if body.return_token_ids and first else None,
-                out.weight_version if out.finish_reason is not None else None))
+        if len(prompts) == 1:  # its stream as it comes: no generator between, which costs a resumption per token
+            async for out in served.stream(prompts[0], params[0], body.n, is_base=is_base):
+                yield event(0, out)
+        else:
+            async for k, out in _merged(served, prompts, params, body.n, is_base):
+                yield event(k, out)
         if body.stream_options and body.stream_options.include_usage:
             yield sse({**events.chunk, "choices": [], "usage": served.usage(sum(map(len, prompts)), sum(counts),
                                                                             last.values())})
