@@ -225,7 +225,7 @@ class OutputQueue:
 
     def put(self, item: SequenceOutput | BaseException) -> None:
         self.items.append(item)
-        if self.waiter is not None and not self.waiter.done():  # done: the reader was cancelled
+        if self.waiter is not None and not self.waiter.done():  # done: woken already, or its reader cancelled
             self.waiter.set_result(None)
 
 
