@@ -7,6 +7,9 @@ import json
 import math
 import random
 
+import httpx
+import pytest
+
 from tandem.inference.stream_events import ChunkEvents, completion_choice, sse
 
 TEXTS = ["", "hello", ' said "hi"\\', "é中文🙂", "\x00\x1f\n\t\r\x7f", "\ud800 lone surrogate", "</script>\u2028\u2029"]
@@ -63,3 +66,19 @@ def test_chunk_events_wrap_any_choice_as_json_dumps_does():
     written = ChunkEvents(head, "chat.completion.chunk").event(json.dumps(choice))
     assert written == sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
     assert "-Infinity" in written and written.endswith("]}\n\n")
+
+
+@pytest.mark.parametrize("prompt", ["h\u00e9 \"q\"", ["ab", "cde"]], ids=["one-prompt", "two-prompts"])
+def test_a_served_stream_writes_each_chunk_as_json_dumps_does(server, tiny_dir, prompt):
+    """The server's events, read back and written again by `json.dumps`, are the same bytes, their fields in order."""
+    body = {"model": str(tiny_dir), "prompt": prompt, "n": 2, "max_tokens": 6, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, "logprobs": 2, "seed": 1, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [sse(chunk) for chunk in chunks] == [line + "\n\n" for line in lines[:-1]]
+    assert all(list(chunk)[:5] == ["id", "created", "model", "object", "choices"] for chunk in chunks)
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert len(choices) == 6 * len(prompt if isinstance(prompt, list) else [prompt]) * 2
+    assert all(list(c)[:5] == ["index", "text", "logprobs", "finish_reason", "token_ids"] for c in choices)
