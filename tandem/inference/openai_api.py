@@ -23,6 +23,7 @@ from tandem.inference.engine.sampling_params import SamplingParams
 from tandem.inference.errors import APIError, error_body, error_responses
 from tandem.inference.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.inference.serving import JSON, Choice, Served, off_loop_if_large, random_id
+from tandem.inference.stream_events import ChunkEvents, completion_choice, sse
 from tandem.models.chat import streamable_content
 
 router = APIRouter()
@@ -33,10 +34,6 @@ GENERATION_RESPONSES = {**error_responses(400, 404, 413, 500), 200: {
         "type": "object", "required": ["data"],
         "properties": {"data": {"type": "string", "description": "A chunk's JSON, an error's JSON, or `[DONE]`"},
                        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer", "minimum": 0}}}}}}}
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -104,10 +101,6 @@ async def completions(body: CompletionRequest, request: Request):
 async def _merged(served: Served, prompts: list[list[int]], params: list, n: int,
                   is_base: bool) -> AsyncIterator[tuple[int, SequenceOutput]]:
     """Outputs of several prompts' streams as they come, tagged with the prompt's position."""
-    if len(prompts) == 1:
-        async for out in served.stream(prompts[0], params[0], n, is_base=is_base):
-            yield 0, out
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(k: int) -> None:
@@ -136,28 +129,37 @@ async def _merged(served: Served, prompts: list[list[int]], params: list, n: int
 
 async def _completion_stream(served: Served, body: CompletionRequest, prompts, params, meta,
                              is_base: bool) -> AsyncIterator[str]:
-    chunk = {**meta, "object": "text_completion"}
+    events = ChunkEvents(meta, "text_completion")
     counts = [0] * len(prompts)
     last: dict[int, SequenceOutput] = {}  # each choice's latest output: its draft counts run over all its steps
     started: set[int] = set()  # choices that had their first chunk
+
+    def event(k: int, out: SequenceOutput) -> str:
+        """The chunk of an output of prompt `k`."""
+        counts[k] += len(out.token_ids)
+        index = k * body.n + out.index
+        last[index] = out
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = legacy_logprobs(served, out.token_ids, out.logprobs, out.top_logprobs, body.logprobs > 0)
+        first = index not in started
+        started.add(index)
+        return events.event(completion_choice(
+            index, out.text, logprobs, out.finish_reason,
+            out.token_ids if body.return_token_ids else None,
+            prompts[k] if body.return_token_ids and first else None,
+            out.weight_version if out.finish_reason is not None else None))
+
     try:
-        async for k, out in _merged(served, prompts, params, body.n, is_base):
-            counts[k] += len(out.token_ids)
-            index = k * body.n + out.index
-            last[index] = out
-            choice: dict[str, Any] = {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-            if body.logprobs is not None:
-                choice["logprobs"] = legacy_logprobs(served, out.token_ids, out.logprobs, out.top_logprobs, body.logprobs > 0)
-            if body.return_token_ids:
-                choice["token_ids"] = out.token_ids
-                if index not in started:
-                    choice["prompt_token_ids"] = prompts[k]
-            started.add(index)
-            if out.finish_reason is not None:
-                choice["weight_version"] = out.weight_version
-            yield sse({**chunk, "choices": [choice]})
+        if len(prompts) == 1:  # its stream as it comes: no generator between, which costs a resumption per token
+            async for out in served.stream(prompts[0], params[0], body.n, is_base=is_base):
+                yield event(0, out)
+        else:
+            async for k, out in _merged(served, prompts, params, body.n, is_base):
+                yield event(k, out)
         if body.stream_options and body.stream_options.include_usage:
-            yield sse({**chunk, "choices": [], "usage": served.usage(sum(map(len, prompts)), sum(counts), last.values())})
+            yield sse({**events.chunk, "choices": [], "usage": served.usage(sum(map(len, prompts)), sum(counts),
+                                                                            last.values())})
     except APIError as err:
         yield sse(error_body(err.status, err.message, err.param))
     yield sse("[DONE]")
@@ -229,7 +231,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 async def _chat_stream(served: Served, body: ChatCompletionRequest, prompt: list[int], params, meta,
                        is_base: bool) -> AsyncIterator[str]:
-    chunk = {**meta, "object": "chat.completion.chunk"}
+    events = ChunkEvents(meta, "chat.completion.chunk")
+    chunk = events.chunk
     choices = [Choice(i) for i in range(body.n)]
     sent = [0] * body.n  # characters of content already streamed, per choice
     for i in range(body.n):
@@ -261,7 +264,7 @@ async def _chat_stream(served: Served, body: ChatCompletionRequest, prompt: list
             if reason is not None:
                 choice["weight_version"] = out.weight_version
             if delta or reason is not None or body.logprobs or body.return_token_ids:  # else: text held back
-                yield sse({**chunk, "choices": [choice]})
+                yield events.event(json.dumps(choice))
         if body.stream_options and body.stream_options.include_usage:
             yield sse({**chunk, "choices": [], "usage": served.usage(len(prompt), sum(len(c.token_ids) for c in choices),
                                                                      choices)})

@@ -182,16 +182,17 @@ class Served:
         failures 500s."""
         request_id = random_id()
         prefilled = await self.remote_prefill.fetch(prompt_token_ids, params) if self.remote_prefill else None
-        outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental, prefilled, is_base)
         try:
-            async for out in outputs:
-                yield out
+            outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental, prefilled, is_base)
+            try:
+                async for out in outputs:
+                    yield out
+            finally:
+                await outputs.aclose()
         except ValueError as err:
             raise APIError(400, str(err), getattr(err, "field", None)) from None
         except Exception as err:  # EngineError (a failed step), or the engine refusing the request
             raise APIError(500, f"{type(err).__name__}: {err}") from None
-        finally:
-            await outputs.aclose()
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
                        is_base: bool = False) -> list[Choice]:
