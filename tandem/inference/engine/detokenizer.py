@@ -24,12 +24,13 @@ INCOMPLETE = "\ufffd"
 def text_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """`tokenizer.decode` of a list of ids: the Rust tokenizer's own `decode` for a fast tokenizer whose `decode`
     is `transformers`' (which then returns exactly that text: no subclass changes it, no clean-up of spaces runs);
-    else the tokenizer's `decode`."""
+    else the tokenizer's `decode`, looked up when text is asked for (a sequence that never needs text may have no
+    tokenizer)."""
     kind = type(tokenizer)
     if (isinstance(tokenizer, PreTrainedTokenizerFast) and kind.decode is PreTrainedTokenizerBase.decode
             and kind._decode is PreTrainedTokenizerFast._decode and not tokenizer.clean_up_tokenization_spaces):
         return partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
-    return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
