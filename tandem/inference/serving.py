@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 import time
@@ -183,12 +184,10 @@ class Served:
         request_id = random_id()
         prefilled = await self.remote_prefill.fetch(prompt_token_ids, params) if self.remote_prefill else None
         try:
-            outputs = self.engine.generate(request_id, prompt_token_ids, params, n, incremental, prefilled, is_base)
-            try:
+            async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params, n, incremental,
+                                                                prefilled, is_base)) as outputs:
                 async for out in outputs:
                     yield out
-            finally:
-                await outputs.aclose()
         except ValueError as err:
             raise APIError(400, str(err), getattr(err, "field", None)) from None
         except Exception as err:  # EngineError (a failed step), or the engine refusing the request

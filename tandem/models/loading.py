@@ -60,20 +60,18 @@ def build_native(hf_config: dict, device: str | torch.device = "meta", dtype: to
     names the config file in errors. A released FP8 checkpoint's config builds the same layers as its unquantized
     one (the FP8 ones are `tandem.models.fp8.convert_to_fp8`'s choice); any other `quantization_config` is an
     error naming `source` and the field. Without `keep_mtp` the model has none of the config's multi-token
-    prediction layers (as if `num_nextn_predict_layers` were 0), and says how many it left out
-    (`num_mtp_layers_left_out`, whose weights `multi_token.without_left_out_layers` drops from an update)."""
+    prediction layers (as if `num_nextn_predict_layers` were 0; `multi_token.without_left_out_layers` drops their
+    weights from an update)."""
     args_cls, model_cls = NATIVE[hf_config["model_type"]]
     checkpoint_quantization(hf_config, source)
-    num_left_out = 0 if keep_mtp else hf_config.get("num_nextn_predict_layers") or 0
     try:
         args = args_cls.from_hf({k: v for k, v in hf_config.items() if k != "quantization_config"}
-                                | ({"num_nextn_predict_layers": 0} if num_left_out else {}))
+                                | ({} if keep_mtp else {"num_nextn_predict_layers": 0}))
     except UnsupportedConfig as err:
         raise ValueError(f"{source}: {err}") from None
     with _InitSkippedOnMeta(), torch.device(device):
         model = model_cls(args)
     model.hf_config = hf_config
-    model.num_mtp_layers_left_out = num_left_out
     model.to(dtype)
     keep_routers_fp32(model)
     return model

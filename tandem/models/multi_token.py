@@ -32,11 +32,13 @@ MTP_LAYER_NAME = re.compile(r"model\.mtp_layers\.(\d+)\.")
 
 
 def without_left_out_layers(lm: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` (in-memory names) without the tensors of the MTP layers `lm` was built without
-    (`num_mtp_layers_left_out`: an engine that does not draft with them), which a policy update carries where the
-    trainer has them (weights, block scales, LoRA adapters: `model.mtp_layers.{i}.*`). Any other name stays, so
-    that a name the model lacks is still refused; a model without the attribute (a transformers one) left none out."""
-    num_left_out = getattr(lm, "num_mtp_layers_left_out", 0)
+    """`state` (in-memory names) without the tensors of the MTP layers its config names but `lm` was built without
+    (`loading.build_native`'s `keep_mtp`: an engine that does not draft with them), which a policy update carries
+    where the trainer has them (weights, block scales, LoRA adapters: `model.mtp_layers.{i}.*`). Any other name
+    stays, so that a name the model lacks is still refused. A transformers model (the recompute path) has no
+    `hf_config` of tandem's and left none out."""
+    configured = getattr(lm, "hf_config", {}).get("num_nextn_predict_layers") or 0
+    num_left_out = configured - len(mtp_layers(lm))
     return {name: tensor for name, tensor in state.items()
             if not ((match := MTP_LAYER_NAME.match(name)) and int(match.group(1)) < num_left_out)}
 

@@ -29,11 +29,11 @@ class CopyStream:
     (the prefill route waits for `PrefilledPrompt.ready`).
 
     On the default stream, where the engine runs its steps, a copy would wait for the steps queued before it and
-    hold back the ones queued after it (a pageable copy from host memory for tens of milliseconds; on a busy prefill
-    server, every piece staged behind a prefill step); on its own stream it overlaps them, and waiting for it waits
-    for that copy alone. Tensors made under `copying()` are this stream's allocations: `hand_over` marks them as
-    used by the default stream too, where the engine writes them into its cache, so their memory goes to no later
-    transfer before the engine has read them."""
+    hold back the ones queued after it (a pageable copy from host memory; on a busy prefill server, each staged
+    piece behind the prefill steps queued since its export); on its own stream it overlaps them, and waiting for it
+    waits for that copy alone. Tensors made under `copying()` are this stream's allocations: `hand_over` marks them
+    as used by the default stream too, where the engine writes them into its cache, so their memory goes to no
+    later transfer before the engine has read them."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -214,7 +214,7 @@ class AsyncEngine:
 
 class OutputQueue:
     """One request's outputs on its event loop, waiting to be read: `asyncio.Queue` less its bounds and its
-    waiters' bookkeeping, which cost the event loop microseconds per token. One reader, which waits on `waiter`
+    waiters' bookkeeping, which the event loop would do at every token. One reader, which waits on `waiter`
     while `items` is empty."""
 
     __slots__ = ("items", "waiter")

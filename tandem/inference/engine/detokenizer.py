@@ -7,7 +7,7 @@ emit the difference once it no longer ends in an incomplete character (U+FFFD).
 
 A server streaming a batch decodes twice per sequence and step on the engine thread, so each decode goes straight to
 the Rust tokenizer where that gives the same text: `transformers`' `decode` first walks the ids in Python (type
-checks and a copy, O(window) per call), several times what the decode itself costs.
+checks and a copy, O(window) per call) before the Rust decode.
 """
 
 from __future__ import annotations

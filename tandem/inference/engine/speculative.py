@@ -564,18 +564,15 @@ class VerifiedSample:
 
     def result(self) -> SampleResult:
         host = self._read.values()
-        emitted, logprobs, *accepted = host[0].tolist()
+        emitted, logprobs, *flags = host[0].tolist()
+        accepted = flags[0] if flags else None  # None: a draft is accepted where its row emits it
         top_values, top_ids = (host[1].tolist(), host[2].tolist()) if len(host) == 3 else (None, None)
         token_ids, own_logprobs, own_top, accepted_drafts = [], [], [], []
         for i, (first, drafts) in enumerate(zip(self._first_rows, self._drafts)):
             d = len(drafts)
             a = 0
-            if accepted:
-                while a < d and accepted[0][first + a]:
-                    a += 1
-            else:
-                while a < d and emitted[first + a] == drafts[a]:
-                    a += 1
+            while a < d and (accepted[first + a] if accepted is not None else emitted[first + a] == drafts[a]):
+                a += 1
             rows = []
             for r in range(first, first + a + 1):
                 k = self._num_top[r]
