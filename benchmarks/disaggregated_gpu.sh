@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prefill/decode disaggregation on one GPU, unattended (under 5 minutes): the CUDA tests of the KV hand-off (no host
+# Prefill/decode disaggregation on one GPU, unattended (under 7 minutes): the CUDA tests of the KV hand-off (no host
 # sync in export and import, imports beside a step change no token, step records' device times) and of a
 # disaggregated pair, then the staggered-arrival workload (Qwen3-0.6B shape, 64 requests decoding 128 -> 512 tokens
 # while 8,192-token prompts arrive every 100 ms) colocated against a prefill and a decode server on the same GPU
@@ -10,7 +10,7 @@
 #     bash benchmarks/disaggregated_gpu.sh OUT_DIR        # PYTHON=... picks the interpreter (default: python)
 source "$(dirname "$0")/gpu_script.sh" "$@"
 
-run_tests tests 100 tests/inference/test_gpu_hand_off.py \
+run_tests tests 200 tests/inference/test_gpu_hand_off.py \
     tests/inference/test_gpu_disaggregated.py
 tail -20 "$out/tests.log"
 run pd 180 "$python" benchmarks/disaggregated.py --device cuda --preset qwen3-0.6b --num-decoding 64 \

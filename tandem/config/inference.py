@@ -292,9 +292,11 @@ class DisaggregationConfig(Section):
 
     max_held_mib: float | None = Field(None, gt=0)
     """`prefill`: the most MiB of computed prompts' KV this server holds for decode servers to take, counting the
-    prompts it is computing at their estimated size; a `POST /prefill` that would pass it is refused (429) before any
-    work, and its decode server prefills the prompt itself. None: the size of this server's KV cache, so the prompts
-    waiting add at most one cache's worth of device memory beside it (outside `engine.memory_fraction`'s share)."""
+    prompts it is computing at their estimated size. A `POST /prefill` that would pass it is refused (429) before any
+    work, and its decode server asks again after a pause (within `peer_timeout_s`, then it prefills the prompt
+    itself); one whose KV alone passes it is refused for good (400). None: the size of this server's KV cache, so
+    the prompts waiting add at most one cache's worth of device memory beside it (outside `engine.memory_fraction`'s
+    share)."""
 
     @model_validator(mode="after")
     def _check_peers(self) -> "DisaggregationConfig":

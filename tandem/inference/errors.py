@@ -58,7 +58,8 @@ ERROR_DESCRIPTIONS = {
     404: "Unknown model, or no weights where `path` says",
     409: "A weight-transfer call out of order: no group joined, or no weight update open (or one already open)",
     413: "Request body over `server.max_request_bytes`",
-    429: "A prefill server holds `disaggregation.max_held_mib` of prompts its decode servers have not taken yet",
+    429: "A prefill server holds `disaggregation.max_held_mib` of prompts its decode servers have not taken yet: ask "
+         "again later",
     500: "The engine failed while generating",
     "default": "Any other error",
 }

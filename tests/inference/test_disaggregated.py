@@ -221,8 +221,8 @@ def test_exported_prompts_are_released_once_taken(tiny_dir, prefill, kv_transpor
     assert len(held) == 0 and held.num_bytes == 0
 
 
-def test_a_prefill_over_the_held_budget_is_refused_and_prefilled_by_the_decode_server(tiny_dir, colocated):
-    """A 70-token prompt's blocks take 80 KiB: a 64 KiB budget refuses every one, before any work."""
+def test_a_prompt_larger_than_the_held_budget_is_refused_for_good_and_prefilled_by_the_decode_server(tiny_dir, colocated):
+    """A 70-token prompt's blocks take 80 KiB: a 64 KiB budget refuses every one (400), before any work."""
     prefill = BackgroundServer(exact_config(tiny_dir, role="prefill", max_held_mib=1 / 16))
     decode = decode_server(tiny_dir, prefill.url)
     try:
@@ -231,9 +231,31 @@ def test_a_prefill_over_the_held_budget_is_refused_and_prefilled_by_the_decode_s
         assert stats(decode.url) == {"num_prefills_handed": 0, "num_prefills_failed": 2, "num_prefilled_taken": 0,
                                      "num_prefilled_refused": 0}
         response = httpx.post(f"{prefill.url}/prefill", json={"prompt_token_ids": prompt_of(20), "weight_version": 0})
-        assert response.status_code == 429
-        assert "`disaggregation.max_held_mib`" in response.json()["error"]["message"]
+        assert response.status_code == 400
+        assert "more than `disaggregation.max_held_mib` (0.1 MiB)" in response.json()["error"]["message"]
         assert prefill.served.engine.stats().num_prompt_tokens == 0  # nothing was computed there
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_a_decode_server_waits_for_room_on_a_full_prefill_server_instead_of_prefilling_itself(tiny_dir, colocated):
+    """A 100 KiB budget holds one 70-token prompt (80 KiB). One computed and never taken fills it (a second is
+    refused, 429) until its hold times out; a decode server's prompt meanwhile is asked again until it fits, then
+    handed over: nothing prefilled on the decode server."""
+    prefill = BackgroundServer(exact_config(tiny_dir, role="prefill", max_held_mib=100 / 1024, hold_timeout_s=1.0))
+    decode = decode_server(tiny_dir, prefill.url)
+    try:
+        held = prefill.server.config.app.state.held_prefills
+        ask = {"prompt_token_ids": prompt_of(21), "weight_version": 0}
+        assert httpx.post(f"{prefill.url}/prefill", json=ask, timeout=60).status_code == 200
+        response = httpx.post(f"{prefill.url}/prefill", json=dict(ask, prompt_token_ids=prompt_of(22)))
+        assert response.status_code == 429 and "`disaggregation.max_held_mib`" in response.json()["error"]["message"]
+        assert len(held) == 1
+        assert generate(decode.url, prompt_of(23), 23) == generate(colocated.url, prompt_of(23), 23)
+        assert stats(decode.url) == {"num_prefills_handed": 1, "num_prefills_failed": 0, "num_prefilled_taken": 1,
+                                     "num_prefilled_refused": 0}
+        assert len(held) == 0  # the untaken one expired, which made room; the decode server's was taken
     finally:
         decode.stop()
         prefill.stop()

@@ -27,6 +27,8 @@ DECODES = [3, 17, 40, 600, 9, 0]
 (`chunk_keys`: 256 here), a CUDA-graph padding row (context 0)."""
 MIXED = [(6, 6), (1, 9), (3, 7), (2, 30)]
 """(tokens this step, context after it): a fresh prefill chunk, a decode, a token with two drafts, one with one."""
+ONE_CHUNK = [(13, 40)]
+"""A chunk of one sequence's prompt: the kernels' per-query rows of its one sequence are a view of one element."""
 
 
 def latent_step(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], block_size: int = 4, heads: int = 4,
@@ -135,15 +137,16 @@ def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: fl
 
 def check_backend_against_torch_path(device: str, dtype: torch.dtype, tolerance: float, fp8: bool = False) -> None:
     """`PagedLatentAttention` with the kernels against its torch path, a full DSA layer then a shared one: decodes
-    (top-k below and past the contexts, as a CUDA graph's bound too) and a mixed step (decodes, drafts and a chunk);
-    `fp8`: over an FP8 cache (the torch path dequantizes what it gathers, the kernels in registers)."""
+    (top-k below and past the contexts, as a CUDA graph's bound too), a mixed step (decodes, drafts and a chunk) and
+    one sequence's chunk alone; `fp8`: over an FP8 cache (the torch path dequantizes what it gathers, the kernels in registers)."""
     from tandem.inference.engine import paged_latent_attention
     from tandem.inference.engine.paged_latent_attention import PagedLatentAttention
 
     serve = paged_latent_attention.kernels_serve
     try:
         decodes = [(1, c) for c in DECODES]
-        for shapes, index_topk, bound in ((decodes, 12, None), (decodes, 600, None), (decodes, 300, 640), (MIXED, 5, None)):
+        for shapes, index_topk, bound in ((decodes, 12, None), (decodes, 600, None), (decodes, 300, 640), (MIXED, 5, None),
+                                          (ONE_CHUNK, 5, None)):
             outputs = []
             for kernels in (True, False):
                 paged_latent_attention.kernels_serve = serve if kernels else (lambda cache, rank: False)

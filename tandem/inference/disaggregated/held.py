@@ -8,9 +8,11 @@ Nothing but the arrival rate bounds how many prompts wait: a decode server takes
 server, while the engine computes them in batches, so when prompts come faster than they are taken the exports pile
 up beside the cache. Their bytes are therefore bounded (`disaggregation.max_held_mib`): a prompt is admitted only
 if its estimated export fits beside what is held and what prompts being computed reserved. Over the budget a new
-prompt is refused, rather than an old held one dropped: a refusal costs nothing (the decode server prefills the
-prompt itself at once, and keeps sending this server prompts), while dropping one would waste its computed prompt,
-and its decode server, finding it gone, would count a failed transfer and send this server nothing for a while.
+prompt is refused for now (429), rather than an old held one dropped: its decode server asks again after a pause
+(`tandem.inference.disaggregated.peers`), so the prefill pool's pace paces the hand-offs and the decoding
+sequences never wait on a long prompt computed beside them; dropping a held one would waste its computed prompt. A
+prompt whose export alone passes the budget can never be admitted: refused at once (400), its decode server
+prefills it itself.
 
 Invariant: `num_bytes` = the bytes of the held tensors + the reservations of prompts being computed, at most
 `max_bytes` whenever a `reserve` admits. A taken prompt's tensors leave the count at once, though a transport may
@@ -29,7 +31,11 @@ from tandem.inference.serving import random_id
 
 
 class OverBudget(RuntimeError):
-    """The prompt's export would take the held bytes past `disaggregation.max_held_mib`."""
+    """The prompt's export would take the held bytes past `disaggregation.max_held_mib` for now."""
+
+
+class LargerThanBudget(ValueError):
+    """The prompt's export alone passes `disaggregation.max_held_mib`: no wait admits it."""
 
 
 class HeldPrefills:
@@ -51,7 +57,12 @@ class HeldPrefills:
     @contextlib.contextmanager
     def reserve(self, num_bytes: int) -> Iterator[None]:
         """Room for a prompt whose export takes about `num_bytes`, while it is computed (its `put` holds the real
-        bytes); OverBudget, before any work, if that would pass `max_bytes`."""
+        bytes); before any work, LargerThanBudget if `num_bytes` alone passes `max_bytes`, OverBudget if it would
+        with what is held and reserved now."""
+        if num_bytes > self.max_bytes:
+            raise LargerThanBudget(f"this prompt's KV takes {num_bytes / 2**20:.1f} MiB, more than "
+                                   f"`disaggregation.max_held_mib` ({self.max_bytes / 2**20:.1f} MiB) lets this "
+                                   "prefill server hold")
         self._drop_expired()
         if self.num_bytes + num_bytes > self.max_bytes:
             raise OverBudget(f"this prefill server holds {self.num_bytes / 2**20:.1f} MiB of prompts not yet taken "

@@ -1,9 +1,12 @@
 """A decode server's client of its prefill servers: checked at start-up, asked for prompts, sent weight updates.
 
 A prompt goes to the prefill server with the fewest prompts in flight from this decode server (ties in turn), among
-those that have not failed in the last `disaggregation.peer_retry_s`. Anything that goes wrong with a prefill server
-(refused, unreachable, late, a failed transfer) makes `prefill` return None: the decode server then prefills the
-prompt itself, so no request is lost to a prefill server.
+those that have not failed in the last `disaggregation.peer_retry_s`. One that holds all the prompts it may for now
+(429, `disaggregation.max_held_mib`) is asked again, it or another, after a pause that doubles each time: the
+prompt waits for the prefill pool rather than being computed here beside the decoding sequences, which is what the
+pools are apart for. Anything else that goes wrong with a prefill server (refused, unreachable, a failed transfer),
+or no hand-off within `disaggregation.peer_timeout_s`, makes `prefill` return None: the decode server then prefills
+the prompt itself, so no request is lost to a prefill server.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from tandem.inference.disaggregated.wire import PrefillAnswer, PrefillInfo
 from tandem.inference.engine.prefilled import PrefilledPrompt
 
 log = logging.getLogger("tandem.inference")
+
+BUSY, REFUSED = object(), object()
+"""`PrefillPeers._ask`'s answers other than a hand-off: full for now (429), refused (another 4xx)."""
+BUSY_PAUSES_S = (0.01, 0.5)
+"""The first pause before asking again after a 429, and the longest (each one doubles the last)."""
 
 
 class PeerUnreachable(RuntimeError):
@@ -103,35 +111,52 @@ class PrefillPeers:
 
     async def prefill(self, prompt_token_ids: list[int], first_block: int, weight_version: int) -> PrefilledPrompt | None:
         """`prompt_token_ids` prefilled by a prefill server under policy `weight_version`, its KV blocks from
-        `first_block` on; None when no prefill server handed it over."""
-        url = self._pick()
-        if url is None:
-            return None
-        self._in_flight[url] += 1
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self._connecting[url]:
-                    if not self.transport.is_connected(url):
-                        await asyncio.to_thread(self.transport.connect, url, self.timeout_s, self.headers)
-                response = await self.client.post(f"{url}/prefill", json={
-                    "prompt_token_ids": prompt_token_ids, "weight_version": weight_version, "first_block": first_block})
-                if 400 <= response.status_code < 500:  # other weights there for now, a prompt it cannot take, or
-                    self.num_failed += 1              # too many held: not its failure, it keeps getting prompts
-                    return None
-                response.raise_for_status()
-                answer = msgspec.json.decode(response.content, type=PrefillAnswer)
-                kv_blocks, logits, *draft_state = await self.transport.receive(self.client, url, answer)
-        except (httpx.HTTPError, TransferError, TimeoutError, msgspec.DecodeError, ValueError) as err:
-            self.num_failed += 1
-            self._down_until[url] = time.monotonic() + self.retry_s
-            log.warning("prefill server %s failed a prompt (%s: %s); prefilling it here, and sending it nothing for "
-                        "%.0f s", url, type(err).__name__, err, self.retry_s)
-            return None
-        finally:
-            self._in_flight[url] -= 1
-        self.num_handed += 1
-        return PrefilledPrompt(kv_blocks, logits, answer.weight_version, answer.first_block,
-                               draft_state[0] if draft_state else None)
+        `first_block` on; None when no prefill server handed it over within `peer_timeout_s`."""
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        pause = BUSY_PAUSES_S[0]
+        while (url := self._pick()) is not None:
+            self._in_flight[url] += 1
+            try:
+                async with asyncio.timeout_at(deadline):
+                    answer, tensors = await self._ask(url, prompt_token_ids, first_block, weight_version)
+            except (httpx.HTTPError, TransferError, TimeoutError, msgspec.DecodeError, ValueError) as err:
+                self.num_failed += 1
+                self._down_until[url] = time.monotonic() + self.retry_s
+                log.warning("prefill server %s failed a prompt (%s: %s); prefilling it here, and sending it nothing "
+                            "for %.0f s", url, type(err).__name__, err, self.retry_s)
+                return None
+            finally:
+                self._in_flight[url] -= 1
+            if answer is BUSY and asyncio.get_running_loop().time() + pause < deadline:
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, BUSY_PAUSES_S[1])
+                continue
+            if answer is BUSY or answer is REFUSED:
+                self.num_failed += 1
+                return None
+            kv_blocks, logits, *draft_state = tensors
+            self.num_handed += 1
+            return PrefilledPrompt(kv_blocks, logits, answer.weight_version, answer.first_block,
+                                   draft_state[0] if draft_state else None)
+        return None
+
+    async def _ask(self, url: str, prompt_token_ids: list[int], first_block: int, weight_version: int
+                   ) -> tuple[PrefillAnswer | object, list]:
+        """One `POST /prefill` to `url` and, where it answers, the transfer of what it holds: (answer, tensors), or
+        (BUSY, []) on a 429, (REFUSED, []) on another 4xx (other weights there for now, a prompt it cannot take: not
+        its failure, it keeps getting prompts). Raises what the exchange raises."""
+        async with self._connecting[url]:
+            if not self.transport.is_connected(url):
+                await asyncio.to_thread(self.transport.connect, url, self.timeout_s, self.headers)
+        response = await self.client.post(f"{url}/prefill", json={
+            "prompt_token_ids": prompt_token_ids, "weight_version": weight_version, "first_block": first_block})
+        if response.status_code == 429:
+            return BUSY, []
+        if 400 <= response.status_code < 500:
+            return REFUSED, []
+        response.raise_for_status()
+        answer = msgspec.json.decode(response.content, type=PrefillAnswer)
+        return answer, await self.transport.receive(self.client, url, answer)
 
     async def forward_update(self, path: str, version: int) -> None:
         """Have the prefill servers of `forward_updates_to` load `path` as policy `version`. One that fails keeps

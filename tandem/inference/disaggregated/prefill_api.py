@@ -6,7 +6,8 @@ transport: `GET /kv/{transfer_id}` (`http_body`), `POST /kv/{transfer_id}/send` 
 start (`torch_distributed`), or `POST /kv/{transfer_id}/stage` after `POST /kv/areas` at its start
 (`shared_memory`). A request for another policy version than this server holds is refused (409)
 before any work, and again if an update landed while the prompt ran; one whose KV would take the prompts held here
-past `disaggregation.max_held_mib` is refused (429) before any work (`held`).
+past `disaggregation.max_held_mib` is refused before any work: for now (429) while others are held, for good (400)
+where its KV alone passes it (`held`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.config.inference import DisaggregationConfig
-from tandem.inference.disaggregated.held import HeldPrefills, OverBudget
+from tandem.inference.disaggregated.held import HeldPrefills, LargerThanBudget, OverBudget
 from tandem.inference.disaggregated.http_body import encode
 from tandem.inference.disaggregated.kv_transport import CopyStream
 from tandem.inference.disaggregated.shared_memory import StagingAreas
@@ -84,6 +85,8 @@ async def prefill(body: PrefillRequest, request: Request) -> JSON:
             prefilled = await served.engine.prefill(random_id(), body.prompt_token_ids, body.first_block)
     except OverBudget as err:
         raise APIError(429, str(err), "prompt_token_ids") from None
+    except LargerThanBudget as err:
+        raise APIError(400, str(err), "prompt_token_ids") from None
     _check_version(prefilled.weight_version, body.weight_version)
     if prefilled.ready is not None:  # held tensors are whole: the transports copy them on streams of their own
         await asyncio.to_thread(prefilled.ready.synchronize)
