@@ -166,18 +166,22 @@ SCALED_MM_ROWS = 16
 with 16-byte aligned columns, whose length is the number of rows."""
 
 
-def whole_blocks(weight: BlockFp8Weight) -> bool:
-    """Whether `weight` is whole 128 x 128 blocks, as `scaled_mm` needs: each row's scales are those of row // 128
-    (a stack whose parts are multiples of 128 rows)."""
+def scaled_mm_serves(weight: BlockFp8Weight) -> bool:
+    """Whether `scaled_mm` computes `weight`'s product: whole 128 x 128 blocks (each row's scales are those of
+    row // 128: a stack whose parts are multiples of 128 rows), and weight scales cuBLAS reads as they are held. It
+    reads them as [K / 128, N / 128] with 16-byte aligned columns, so beyond one block of rows K / 128 must be a
+    multiple of 4 (and torch refuses scales padded to it)."""
     rows = torch.arange(weight.weight.shape[0], device=weight.scale_rows.device) // GROUP
-    return torch.equal(weight.scale_rows.long(), rows) and weight.scale_inv.shape[0] == -(-weight.weight.shape[0] // GROUP)
+    row_blocks, column_blocks = weight.scale_inv.shape
+    return (torch.equal(weight.scale_rows.long(), rows) and row_blocks == -(-weight.weight.shape[0] // GROUP)
+            and (column_blocks % 4 == 0 or row_blocks == 1))
 
 
 def scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: BlockFp8Weight, bias: torch.Tensor | None,
               out_dtype: torch.dtype) -> torch.Tensor:
     """`reference_matmul` by cuBLAS's block-scaled product (`torch._scaled_mm`: 1 x 128 activation scales, token-minor
-    as `quantize_activations` gives them, and 128 x 128 weight scales, which it takes as [K / 128, N / 128]). The
-    weight must be whole 128 x 128 blocks (`scale_rows` = row // 128). With a bias the product comes in fp32, so that
+    as `quantize_activations` gives them, and 128 x 128 weight scales, which it takes as [K / 128, N / 128]), for a
+    weight it serves (`scaled_mm_serves`). With a bias the product comes in fp32, so that
     the result is rounded once, after the bias, as the reference rounds it."""
     dtype = out_dtype if bias is None else torch.float32
     out = torch._scaled_mm(x_fp8, weight.weight.t(), scale_a=x_scale, scale_b=weight.scale_inv.t(), out_dtype=dtype)

@@ -80,16 +80,16 @@ class ProductTiles:
 
     @classmethod
     def load(cls, path: Path | None, num_rows: int, num_columns: int, source: str,
-             whole_blocks: bool = True) -> "ProductTiles":
+             scaled_mm_serves: bool = True) -> "ProductTiles":
         """The entries of a weight [`num_rows`, `num_columns`] in the table at `path` (None, or a shape it lacks:
-        the rule); `source` names where the path came from in errors; `whole_blocks`: the weight is whole
-        128 x 128 blocks (else its `scaled_mm` entries take the rule)."""
+        the rule); `source` names where the path came from in errors; `scaled_mm_serves`: cuBLAS's product
+        serves the weight (`tandem.kernels.fp8.scaled_mm_serves`; else its `scaled_mm` entries take the rule)."""
         if path is None:
             return cls([])
         key = shape_key(num_rows, num_columns)
         entries = tile_tables.load_entries(path, key, checked_entry, source, "dense FP8 tile table",
                                            "benchmarks/fp8_matmul.py --table-out")
-        if not whole_blocks:
+        if not scaled_mm_serves:
             entries = [e if e["product"] == "triton" else dict(e, product="triton") for e in entries]
         log.info("FP8 product: %s from %s (%s)", key, path, ", ".join(f"{e['num_tokens']}: {e['product']}" for e in entries))
         return cls(entries)

@@ -321,7 +321,8 @@ def test_a_tile_table_gives_every_projection_its_tiles_under_tritons_interpreter
 def test_fp8_on_cuda_with_a_tile_table_stays_close_to_bf16(tiny_dir, tmp_path):
     """`engine.fp8_tile_table`: each product takes its table's choice by token count (split Triton tiles for decode
     batches; cuBLAS's block-scaled product from 9 rows on, where the weight is whole 128 x 128 blocks, else the rule),
-    every choice warmed at start; the results stay as close to bf16 as the rule's."""
+    every choice warmed at start; the results stay as close to bf16 as the rule's. cuBLAS's entries of a weight it
+    does not serve (`scaled_mm_serves`) take the rule."""
     shapes = tiny_projection_shapes(tiny_dir)
     split = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3, SPLIT_K=2)
     entries = [{"num_tokens": 1, "product": "triton", "tiles": split},
@@ -334,6 +335,7 @@ def test_fp8_on_cuda_with_a_tile_table_stays_close_to_bf16(tiny_dir, tmp_path):
     assert projections.qkv.tiles.choose(100) == ("triton", None)  # q, k, v of 128, 64, 64 rows: not whole blocks
     assert projections.o.tiles.choose(100) == projections.down.tiles.choose(9) == ("scaled_mm", None)
     assert projections.gate_up.tiles.choose(1) == ("triton", split)
+    assert projections.gate_up.tiles.choose(300) == ("triton", None)  # 6 blocks of rows by one of columns
     check_close_to_unquantized(generate(engine), load_causal_lm(str(tiny_dir), "cuda"), "cuda", FACTORS_PER_BLOCK)
 
 

@@ -93,6 +93,8 @@ def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none
     cache = engine.runner.cache
     held = cache.keys if isinstance(cache, KVCache) else cache.entries
     assert not held.requires_grad  # the layer's writes keep no autograd history (it would grow every step)
+    # One requires_grad for every weight: CUDA's compiled router guards on it, and the layer's once differed.
+    assert not any(p.requires_grad for p in engine.weight_target.model.parameters())
     model = load_causal_lm(str(folder), device, quantization=quantization, fp8_experts=fp8)
     if fp8:
         assert isinstance(engine.weight_target.model.mtp_layers[0].self_attn.o_proj, Fp8Linear)

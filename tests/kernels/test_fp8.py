@@ -13,7 +13,7 @@ import torch
 
 from tandem.kernels.fp8 import (FP8, FP8_MAX, GROUP, INV_FP8_MAX, SCALED_MM_ROWS, BlockFp8Weight, expand_scales,
                                 fp8_linear, kernel_serves, matmul, quantize_activations, reference_matmul,
-                                reference_quantize_activations, scaled_mm)
+                                reference_quantize_activations, scaled_mm, scaled_mm_serves)
 from tandem.kernels.fp8_tiles import ProductTiles
 from tandem.models.fp8 import Fp8Linear, dequantize_weight, quantize_weight, stack_fp8_rows
 from triton_interpreter import needs_triton_interpreter, run_interpreted
@@ -233,9 +233,10 @@ def test_kernels_on_cuda_match_the_reference(dtype):
     check_kernel_against_reference("cuda", dtype)
 
 
-WHOLE_BLOCK_SHAPES = [(1, 256, 128), (5, 384, 384), (16, 1024, 1024), (33, 256, 2048), (1000, 512, 256), (4093, 256, 512)]
-"""(M, N, K) of weights of whole 128 x 128 blocks (what `scaled_mm` takes): one token to a prefill chunk of an odd
-number of rows, which the activations' padding makes a multiple of 16."""
+WHOLE_BLOCK_SHAPES = [(1, 128, 384), (5, 384, 512), (16, 1024, 1024), (33, 256, 2048), (1000, 512, 1536), (4093, 256, 512)]
+"""(M, N, K) of weights `scaled_mm` serves (`scaled_mm_serves`: whole 128 x 128 blocks, K / 128 a multiple of 4
+beyond one block of rows): one token to a prefill chunk of an odd number of rows, which the activations' padding
+makes a multiple of 16."""
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernel_serves(torch.device("cuda")),
@@ -248,6 +249,7 @@ def test_cublas_block_scaled_product_on_cuda_matches_the_reference():
     for M, N, K in WHOLE_BLOCK_SHAPES:
         x = (torch.randn(M, K, generator=gen) * torch.logspace(-2, 2, K)).to("cuda", torch.bfloat16)
         weight = fp8_layers([torch.randn(N, K, generator=gen).cuda()])
+        assert scaled_mm_serves(weight)
         for bias in (None, torch.randn(N, generator=gen).to("cuda", torch.bfloat16)):
             q, scale = quantize_activations(x, SCALED_MM_ROWS)
             got = scaled_mm(q, scale, weight, bias, torch.bfloat16)[:M]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tandem.kernels.fp8 import GROUP, BlockFp8Weight, whole_blocks
+from tandem.kernels.fp8 import GROUP, BlockFp8Weight, scaled_mm_serves
 from tandem.kernels.fp8_tiles import ProductTiles, shape_key, shipped_table_path
 
 SPLIT = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, SPLIT_K=4)
@@ -36,7 +36,7 @@ def test_a_product_takes_the_entry_of_the_smallest_tuned_count_that_holds_its_to
     assert ProductTiles.load(path, 1024, 2048, "x").choose(300) == ("triton", None)
     assert ProductTiles.load(None, 5120, 2048, "x").choose(300) == ("triton", None)
     # A weight that is not whole 128 x 128 blocks takes the rule where the table says cuBLAS.
-    parts = ProductTiles.load(path, 5120, 2048, "x", whole_blocks=False)
+    parts = ProductTiles.load(path, 5120, 2048, "x", scaled_mm_serves=False)
     assert parts.choose(4096) == ("triton", None) and parts.choose(16) == ("triton", SPLIT)
 
 
@@ -82,15 +82,19 @@ def test_the_shipped_table_of_a_gpu_is_named_after_it_beside_the_moe_tables():
     assert path.name == "NVIDIA_H100_80GB_HBM3.json" and path.parent.name == "fp8_tile_tables"
 
 
-def test_only_stacks_of_whole_128_row_blocks_are_whole_blocks():
-    def stack(parts: list[int], columns: int = 256) -> BlockFp8Weight:
+def test_cublas_serves_stacks_of_whole_128_row_blocks_whose_scales_it_reads_as_held():
+    def stack(parts: list[int], columns: int = 512) -> BlockFp8Weight:
         """Matrices of `parts` rows stacked, each keeping its own 128-row blocks (as `stack_fp8_rows` stacks them)."""
         scale_rows, blocks = [], 0
         for rows in parts:
             scale_rows.append(torch.arange(rows) // GROUP + blocks)
             blocks += -(-rows // GROUP)
-        return BlockFp8Weight(torch.zeros(sum(parts), columns), torch.ones(blocks, 2), torch.cat(scale_rows).int())
+        return BlockFp8Weight(torch.zeros(sum(parts), columns), torch.ones(blocks, -(-columns // GROUP)),
+                              torch.cat(scale_rows).int())
 
-    assert whole_blocks(stack([256])) and whole_blocks(stack([2048, 512, 512]))  # Qwen3-0.6B's q, k, v
-    assert not whole_blocks(stack([128, 64, 64]))  # parts of 64 rows: blocks of their own
-    assert whole_blocks(stack([300]))  # one matrix: its last block is short, as cuBLAS's would be
+    assert scaled_mm_serves(stack([256])) and scaled_mm_serves(stack([2048, 512, 512]))  # Qwen3-0.6B's q, k, v
+    assert not scaled_mm_serves(stack([128, 64, 64]))  # parts of 64 rows: blocks of their own
+    # cuBLAS reads K / 128 scales a block of rows 16-byte aligned: 2 or 6 of them misread beyond one block of rows.
+    assert not scaled_mm_serves(stack([256], columns=256)) and not scaled_mm_serves(stack([768], columns=768))
+    assert scaled_mm_serves(stack([128], columns=768)) and scaled_mm_serves(stack([384], columns=1536))
+    assert scaled_mm_serves(stack([300]))  # one matrix: its last block is short, as cuBLAS's would be

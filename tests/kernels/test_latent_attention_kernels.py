@@ -126,10 +126,13 @@ def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: fl
         expected = (w_i[:, None] * torch.relu(q_i @ k_i.T * q_i.shape[-1] ** -0.5)).sum(0)
         torch.testing.assert_close(scores[i, :ctx].double(), expected, rtol=tolerance, atol=tolerance)
         assert torch.isinf(scores[i, ctx:]).all()
-        top = expected.topk(min(index_topk, ctx)).indices
-        assert sorted(chosen[i, :counts[i]].tolist()) == sorted(top.tolist())
+        # The top k, up to near ties the scores' tolerance cannot order (FP8 keys in bf16): its attention follows it.
+        picked = chosen[i, :counts[i]].cpu()
+        kth_best = expected.topk(min(index_topk, ctx)).values[-1]
+        assert len(set(picked.tolist())) == min(index_topk, ctx)
+        assert (expected[picked] >= kth_best - tolerance * (1 + kth_best.abs())).all()
         e_i = context_of(entries, meta.block_tables[i], ctx).double()
-        for out, seen in ((dense, torch.arange(ctx)), (sparse, top.cpu())):
+        for out, seen in ((dense, torch.arange(ctx)), (sparse, picked)):
             weights = torch.softmax(q[i].double() @ e_i[seen].T * attention.absorbed_scale, dim=-1)
             expected_out = weights @ e_i[seen, :attention.kv_lora_rank]
             torch.testing.assert_close(out[i].double(), expected_out, rtol=tolerance, atol=tolerance)

@@ -35,7 +35,7 @@ from torch import nn
 from tandem.kernels import pointwise
 from tandem.kernels import fp8_tiles
 from tandem.kernels.fp8 import (MIN_CAPABILITY, SCALED_MM_ROWS, BlockFp8Weight, fp8_linear, fp8_product, kernel_serves,
-                                whole_blocks)
+                                scaled_mm_serves)
 from tandem.models.attention import AttentionBackend, CachedAttention
 from tandem.models.decoder import DecoderLayer, after_attention, attention_residual, normed_rotated
 from tandem.models.dsa import SparseContext
@@ -161,10 +161,10 @@ def choose_products(products: list[Product], dtype: torch.dtype,
     chosen: dict[tuple[int, int, bool], fp8_tiles.ProductTiles] = {}
     warmed: set[tuple[int, int, bool, bool]] = set()
     for weight, bias in products:
-        (num_rows, num_columns), whole = weight.weight.shape, whole_blocks(weight)
-        key = (num_rows, num_columns, whole)
+        (num_rows, num_columns), served = weight.weight.shape, scaled_mm_serves(weight)
+        key = (num_rows, num_columns, served)
         if key not in chosen:
-            chosen[key] = fp8_tiles.ProductTiles.load(path, num_rows, num_columns, source, whole)
+            chosen[key] = fp8_tiles.ProductTiles.load(path, num_rows, num_columns, source, served)
         weight.tiles = chosen[key]
         if max_tokens is not None and (*key, bias is not None) not in warmed:
             warmed.add((*key, bias is not None))

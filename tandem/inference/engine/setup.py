@@ -139,6 +139,9 @@ def build_engine(model_config: ModelConfig, engine: EngineConfig, seed: int, exa
         model = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code,
                                model_config.load_format, engine.quantization, engine.fp8_experts,
                                keep_mtp=engine.speculative.method == "mtp")
+    # The engine never trains: no weight asks for autograd, so the compiled functions' guards see one flag for all
+    # (the MTP layers' would otherwise differ from the trunk's, a recompile each call past dynamo's limit).
+    model.requires_grad_(False)
     if fp8:  # before anything runs the model: its own forward cannot multiply by FP8 layers
         apply_fp8_blocks(model, kernels=engine.fused_blocks, tile_table=engine.fp8_tile_table,
                          max_tokens=max(engine.max_num_batched_tokens, engine.max_num_seqs))
@@ -333,6 +336,7 @@ def load_draft_model(spec: SpeculativeConfig, model_config: ModelConfig, device:
 
     folder = resolve_model_path(spec.draft_model)
     draft = load_causal_lm(str(folder), device, model_config.dtype, model_config.trust_remote_code, keep_mtp=False)
+    draft.requires_grad_(False)
     key = "`engine.speculative.draft_model`"
     if not is_native(draft.hf_config):
         raise ValueError(f"{key} = {str(folder)!r} is a {draft.hf_config.get('model_type')!r} model: a draft needs a "
