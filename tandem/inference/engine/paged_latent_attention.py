@@ -9,7 +9,8 @@ The step's queries form groups, planned once per step and the same for every lay
   group of its own and attends in the expanded form: its many queries share each context token, so expanding the
   token once (kv_b_proj) is cheaper than the absorbed form's wider products for every query and key;
 - the others (decodes; a token and its drafts) form one group padded to the longest query and context, in the
-  absorbed form: each context token's entry is read once for all heads and never expanded.
+  absorbed form: each context token's entry is read once for all heads and never expanded. The kernels below take
+  its real queries alone (`QueryGroup.real`): a step's one short chunk does not multiply every decode's work.
 A decode-only step plans from device tensors alone (the contexts' bound is the step's `max_context`).
 
 DSA (`tandem.models.dsa`): a layer with an indexer scores each query's visible context against the cached indexer
@@ -38,6 +39,7 @@ themselves.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +57,13 @@ QUERY_KEY_PAIRS = 2**22
 
 @dataclass
 class Chosen:
-    """A short-query group's DSA choice."""
+    """A short-query group's DSA choice, per query: [G, L] queries on the torch path, the kernels' queries
+    (`QueryGroup.kernel_queries`) [Q] on theirs."""
 
     positions: torch.Tensor
-    """[G, L, K] context positions of each query's chosen tokens, highest index score first (K <= index_topk)."""
+    """[..., K] context positions of each query's chosen tokens, highest index score first (K <= index_topk)."""
     counts: torch.Tensor
-    """[G, L] how many of them the query sees: its first ones (a query seeing fewer than K tokens has fewer; a top-k
+    """[...] how many of them the query sees: its first ones (a query seeing fewer than K tokens has fewer; a top-k
     ranks the positions it cannot see last)."""
 
     @property
@@ -84,6 +87,18 @@ class QueryGroup:
     """A bound on every context of the group (W x S at most)."""
     expanded: bool
     """Attend in the expanded form (a chunk), else the absorbed one."""
+    real: torch.Tensor | None = None
+    """[Q] where the padding leaves queries out (sequences of fewer than L): the flat [G x L] indices of the others,
+    which the kernels take alone; None: every query is real."""
+
+    @functools.cached_property
+    def kernel_queries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries the kernels take, the real ones: each one's token of the step, row of `blocks` and position,
+        [Q] each; made once a step, for every layer."""
+        G, L = self.rows.shape
+        seqs = torch.arange(G, device=self.rows.device)[:, None].expand(G, L)
+        queries = (self.rows.flatten(), seqs.flatten(), self.positions.flatten())
+        return queries if self.real is None else tuple(t[self.real] for t in queries)
 
     @property
     def visible(self) -> torch.Tensor:
@@ -141,7 +156,11 @@ class PagedLatentAttention:
             offsets = torch.minimum(torch.arange(max(q_lens_host), device=device)[None], q_lens[:, None] - 1)  # [G, L]
             rows = m.query_start[seqs][:, None] + offsets
             positions = (torch.tensor(lens, device=device) - q_lens)[:, None] + offsets
-            groups.append(QueryGroup(rows, positions, m.block_tables[seqs, :-(-max(lens) // S)], S, max(lens), False))
+            L = max(q_lens_host)
+            real = None if min(q_lens_host) == L else torch.tensor(
+                [g * L + j for g, q_len in enumerate(q_lens_host) for j in range(q_len)], device=device)
+            groups.append(QueryGroup(rows, positions, m.block_tables[seqs, :-(-max(lens) // S)], S, max(lens), False,
+                                     real))
         return groups
 
     def attend_latent(self, layer_idx: int, attention: LatentAttention, projections: LatentProjections,
@@ -159,8 +178,8 @@ class PagedLatentAttention:
         out = q_nope.new_empty(*q_nope.shape[:2], attention.v_head_dim)
         for group, chosen in zip(groups, selection or [None] * len(groups)):
             if in_place and not group.expanded:
-                out[group.rows] = self._attend_in_place(attention, q_nope[group.rows], q_rope[group.rows], layer_idx,
-                                                        group, chosen)
+                rows = group.kernel_queries[0]
+                out[rows] = self._attend_in_place(attention, q_nope[rows], q_rope[rows], layer_idx, group, chosen)
                 continue
             if isinstance(chosen, Chosen):
                 out[group.rows] = self._attend_chosen(attention, q_nope[group.rows], q_rope[group.rows], layer_idx,
@@ -205,39 +224,31 @@ class PagedLatentAttention:
 
     def _attend_in_place(self, attention: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_idx: int,
                          group: QueryGroup, chosen: Chosen | None) -> torch.Tensor:
-        """`_attend_chosen`'s result (`chosen`), or the absorbed form's over every visible entry (None), from the
-        kernels reading the cache in place: [G, L, H, Dv]."""
-        G, L = group.rows.shape
-        query_seq, query_pos = self._kernel_queries(group)
-        q = attention.absorbed_queries(q_nope, q_rope).flatten(0, 1)  # [G x L, H, kv_lora_rank + Dr]
+        """`_attend_chosen`'s result (`chosen`), or the absorbed form's over every visible entry (None), of the
+        group's kernel queries (`QueryGroup.kernel_queries`; q_nope [Q, H, Dn], q_rope [Q, H, Dr]), from the kernels
+        reading the cache in place: [Q, H, Dv]."""
+        _, query_seq, query_pos = group.kernel_queries
+        q = attention.absorbed_queries(q_nope, q_rope)  # [Q, H, kv_lora_rank + Dr]
         if chosen is None:
             lengths, bound, positions = (query_pos + 1).clamp(min=0), group.longest, None
         else:
-            positions = chosen.positions.flatten(0, 1)
-            lengths, bound = chosen.counts.flatten(), positions.shape[1]
+            positions, lengths, bound = chosen.positions, chosen.counts, chosen.positions.shape[1]
         out = latent_kernels.latent_attention(q, self.cache.layer(layer_idx), group.blocks, query_seq, lengths, bound,
                                               attention.absorbed_scale, attention.kv_lora_rank, positions,
                                               *self.cache.layer_scales(layer_idx))
-        return attention.latent_values(out).view(G, L, attention.num_heads, attention.v_head_dim)
+        return attention.latent_values(out)
 
     def _select_in_place(self, group: QueryGroup, layer_idx: int, index: IndexerProjections) -> Chosen | None:
-        """`_select` of short queries by the index-score kernel over the cached keys in place."""
+        """`_select` of short queries by the index-score kernel over the cached keys in place: the choice of each of
+        the group's kernel queries (`QueryGroup.kernel_queries`)."""
         if group.longest <= self.index_topk:
             return None
-        G, L = group.rows.shape
-        positions, counts = latent_kernels.choose(index.queries[0][group.rows].flatten(0, 1),
-                                                  index.weights[0][group.rows].flatten(0, 1),
-                                                  self.cache.layer_index_keys(layer_idx), group.blocks,
-                                                  *self._kernel_queries(group), group.longest, self.index_topk,
-                                                  QUERY_KEY_PAIRS, self.cache.layer_index_key_scales(layer_idx))
-        return Chosen(positions.view(G, L, -1), counts.view(G, L))
-
-    @staticmethod
-    def _kernel_queries(group: QueryGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernels' queries of a group: each one's row of the group's blocks and its position, [G x L] each."""
-        G, L = group.rows.shape
-        rows = torch.arange(G, device=group.rows.device)[:, None].expand(G, L)
-        return rows.flatten(), group.positions.flatten()
+        rows, query_seq, query_pos = group.kernel_queries
+        positions, counts = latent_kernels.choose(index.queries[0][rows], index.weights[0][rows],
+                                                  self.cache.layer_index_keys(layer_idx), group.blocks, query_seq,
+                                                  query_pos, group.longest, self.index_topk, QUERY_KEY_PAIRS,
+                                                  self.cache.layer_index_key_scales(layer_idx))
+        return Chosen(positions, counts)
 
     def _select(self, group: QueryGroup, layer_idx: int, index: IndexerProjections) -> torch.Tensor | Chosen | None:
         """The group's DSA choice from a layer's cached indexer keys: a mask [G, L, W x S] for a chunk, the chosen
