@@ -298,6 +298,12 @@ class DisaggregationConfig(Section):
     the prompts waiting add at most one cache's worth of device memory beside it (outside `engine.memory_fraction`'s
     share)."""
 
+    max_received_mib: float | None = Field(None, gt=0)
+    """`decode`: the most MiB of handed prompts' KV this server holds before its engine takes them in (they wait for
+    room in its batch and cache), counting the prompts being fetched at their estimated size; past it a prompt
+    waits, its tokens only, to be asked for, and one whose KV alone passes it is prefilled here. None: the size of
+    this server's KV cache."""
+
     @model_validator(mode="after")
     def _check_peers(self) -> "DisaggregationConfig":
         if self.role == "decode" and not self.prefill_urls:

@@ -182,16 +182,24 @@ class Served:
         """The engine's outputs for one prompt (`is_base`: the base model's); bad requests become 400s, engine
         failures 500s."""
         request_id = random_id()
-        prefilled = await self.remote_prefill.fetch(prompt_token_ids, params) if self.remote_prefill else None
+        prefilled, taken = None, None
+        if self.remote_prefill is not None:  # a decode server: its bytes are held until the engine takes them in
+            prefilled, taken = await self.remote_prefill.fetch(prompt_token_ids, params)
         try:
             async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params, n, incremental,
                                                                 prefilled, is_base)) as outputs:
                 async for out in outputs:
+                    if taken is not None:
+                        taken()
+                        taken = None
                     yield out
         except ValueError as err:
             raise APIError(400, str(err), getattr(err, "field", None)) from None
         except Exception as err:  # EngineError (a failed step), or the engine refusing the request
             raise APIError(500, f"{type(err).__name__}: {err}") from None
+        finally:
+            if taken is not None:
+                taken()
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
                        is_base: bool = False) -> list[Choice]:

@@ -62,9 +62,10 @@ def prefill(tiny_dir):
     server.stop()
 
 
-def decode_server(tiny_dir, prefill_url: str, kv_transport: str = "http") -> BackgroundServer:
+def decode_server(tiny_dir, prefill_url: str, kv_transport: str = "http", **settings) -> BackgroundServer:
     return BackgroundServer(exact_config(tiny_dir, role="decode", prefill_urls=[prefill_url], kv_transport=kv_transport,
-                                         min_remote_prefill_tokens=THRESHOLD, forward_updates_to=[prefill_url]))
+                                         min_remote_prefill_tokens=THRESHOLD, forward_updates_to=[prefill_url],
+                                         **settings))
 
 
 def generate(url: str, prompt: list[int], seed: int, n: int = 1, max_tokens: int = 10) -> list[dict]:
@@ -259,6 +260,37 @@ def test_a_decode_server_waits_for_room_on_a_full_prefill_server_instead_of_pref
     finally:
         decode.stop()
         prefill.stop()
+
+
+def test_a_decode_server_asks_for_no_more_prompts_than_its_received_budget_holds(tiny_dir, colocated, prefill):
+    """A 100 KiB budget holds one 70-token prompt's blocks (80 KiB): of four requests at once, each is asked for only
+    once the engine took the one before in, and all are handed over; a 64 KiB budget holds none, and the prompt is
+    prefilled here without asking."""
+    decode = decode_server(tiny_dir, prefill.url, max_received_mib=100 / 1024)
+    remote = decode.served.remote_prefill
+    asked, ask = [], remote.peers.prefill
+
+    async def counted(*args):
+        asked.append(remote.received_bytes)
+        return await ask(*args)
+
+    remote.peers.prefill = counted
+    try:
+        seeds = [24, 25, 26, 27]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda seed: generate(decode.url, prompt_of(seed), seed), seeds))
+        assert got == [generate(colocated.url, prompt_of(seed), seed) for seed in seeds]
+        assert asked == [80 * 1024] * 4  # each asked for alone: its own bytes, none of another's held
+        assert stats(decode.url)["num_prefills_handed"] == 4 and remote.received_bytes == 0
+    finally:
+        decode.stop()
+    decode = decode_server(tiny_dir, prefill.url, max_received_mib=1 / 16)
+    try:
+        assert generate(decode.url, prompt_of(28), 28) == generate(colocated.url, prompt_of(28), 28)
+        assert stats(decode.url) == {"num_prefills_handed": 0, "num_prefills_failed": 0, "num_prefilled_taken": 0,
+                                     "num_prefilled_refused": 0}
+    finally:
+        decode.stop()
 
 
 def test_a_shared_memory_decode_server_fails_at_start_on_another_host_or_an_area_it_cannot_map(tiny_dir, prefill):

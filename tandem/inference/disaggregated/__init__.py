@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.config.inference import InferenceConfig
+from tandem.config.inference import DisaggregationConfig, InferenceConfig
 from tandem.inference.disaggregated.decode import RemotePrefill
 from tandem.inference.disaggregated.http_body import HTTPBodyTransport
 from tandem.inference.disaggregated.kv_transport import KVTransport
@@ -49,4 +49,12 @@ def connect_prefill_servers(config: InferenceConfig, engine: AsyncEngine) -> Rem
     transport = make_kv_transport(settings.kv_transport, engine.engine.device, settings.peer_timeout_s)
     peers = PrefillPeers(settings, transport, config.server.api_key)
     peers.check(config.model.name, engine.engine.block_manager.block_size, engine.engine.runner.cache.layout)
-    return RemotePrefill(engine, peers, config.disaggregation.min_remote_prefill_tokens)
+    return RemotePrefill(engine, peers, settings.min_remote_prefill_tokens, max_received_bytes(settings, engine))
+
+
+def max_received_bytes(settings: DisaggregationConfig, engine: AsyncEngine) -> int:
+    """`disaggregation.max_received_mib`, or the engine's KV cache size where it is None."""
+    if settings.max_received_mib is not None:
+        return int(settings.max_received_mib * 2**20)
+    llm = engine.engine
+    return llm.block_manager.num_blocks * llm.block_manager.block_size * llm.runner.cache.bytes_per_token
