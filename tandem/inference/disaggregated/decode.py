@@ -15,6 +15,7 @@ queue. A prompt whose blocks alone pass the bound is prefilled here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 
@@ -43,7 +44,7 @@ class RemotePrefill:
     async def fetch(self, prompt_token_ids: list[int], params: SamplingParams
                     ) -> tuple[PrefilledPrompt | None, Callable[[], None]]:
         """The prompt prefilled by a prefill server (None: prefill it here), and what to call once the engine has
-        taken it in (its first output), which gives its bytes back; calling it again does nothing."""
+        taken it in (its first output, or the request's end), once: it gives the prompt's bytes back."""
         if params.return_routed_experts:
             return None, _nothing
         block_manager = self.engine.engine.block_manager
@@ -58,15 +59,15 @@ class RemotePrefill:
             self._released.clear()
             await self._released.wait()
         self.received_bytes += num_bytes
-        release = _once(lambda: self._release(num_bytes))
         try:
             prefilled = await self.peers.prefill(prompt_token_ids, num_cached_blocks, self.engine.stats().weight_version)
         except BaseException:
-            release()
+            self._release(num_bytes)
             raise
         if prefilled is None:
-            release()
-        return prefilled, release
+            self._release(num_bytes)
+            return None, _nothing
+        return prefilled, functools.partial(self._release, num_bytes)
 
     def _release(self, num_bytes: int) -> None:
         self.received_bytes -= num_bytes
@@ -96,15 +97,3 @@ async def stats(request: Request) -> dict[str, int]:
 def _nothing() -> None:
     """The release of a prompt that holds nothing here."""
 
-
-def _once(release: Callable[[], None]) -> Callable[[], None]:
-    """`release`, run at its first call only."""
-    done = False
-
-    def call() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            release()
-
-    return call
