@@ -21,6 +21,7 @@ from tandem.inference.protocol import BroadcastUpdateRequest, UpdateWeightsBody
 from tandem.inference.serving import Served
 from tandem.inference.weight_transfer_api import receive_update
 from tandem.models.lora import LoraSpec, is_adapter_folder, read_adapter_folder
+from tandem.models.multi_token import num_left_out_layers
 from tandem.models.weights import load_state_dict
 
 public = APIRouter()
@@ -52,7 +53,7 @@ async def update_weights(body: UpdateWeightsBody, request: Request) -> dict:
     if not folder.is_dir():
         raise APIError(404, f"weights folder not found: {body.path}", "path")
     try:
-        state, spec = await asyncio.to_thread(read_update_folder, folder)
+        state, spec = await asyncio.to_thread(read_update_folder, folder, served.engine.engine.weight_target)
     except FileNotFoundError as err:  # a folder without weights: what the request names is not there
         raise APIError(404, f"could not read weights from {body.path}: {err}", "path") from None
     except Exception as err:  # unreadable safetensors: the caller's folder is at fault
@@ -66,12 +67,14 @@ async def update_weights(body: UpdateWeightsBody, request: Request) -> dict:
     return {"weight_version": version}
 
 
-def read_update_folder(folder: Path) -> tuple[dict[str, torch.Tensor], LoraSpec | None]:
-    """A policy folder's tensors: a model's weights, or a PEFT LoRA adapter folder's adapters with their spec."""
+def read_update_folder(folder: Path, lm: torch.nn.Module) -> tuple[dict[str, torch.Tensor], LoraSpec | None]:
+    """A policy folder's tensors for the engine's model `lm`: a model's weights (none of the MTP layers `lm` was
+    built without, which it would pass over: `multi_token.without_left_out_layers`), or a PEFT LoRA adapter folder's
+    adapters with their spec."""
     if is_adapter_folder(folder):
         spec, state = read_adapter_folder(folder)
         return state, spec
-    return load_state_dict(folder), None
+    return load_state_dict(folder, keep_mtp=num_left_out_layers(lm) == 0), None
 
 
 @router.post("/pause", responses=error_responses(400))

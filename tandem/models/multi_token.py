@@ -37,10 +37,14 @@ def without_left_out_layers(lm: nn.Module, state: dict[str, torch.Tensor]) -> di
     where the trainer has them (weights, block scales, LoRA adapters: `model.mtp_layers.{i}.*`). Any other name
     stays, so that a name the model lacks is still refused. A transformers model (the recompute path) has no
     `hf_config` of tandem's and left none out."""
-    configured = getattr(lm, "hf_config", {}).get("num_nextn_predict_layers") or 0
-    num_left_out = configured - len(mtp_layers(lm))
+    num_left_out = num_left_out_layers(lm)
     return {name: tensor for name, tensor in state.items()
             if not ((match := MTP_LAYER_NAME.match(name)) and int(match.group(1)) < num_left_out)}
+
+
+def num_left_out_layers(lm: nn.Module) -> int:
+    """How many of the MTP layers its config names `lm` was built without (`without_left_out_layers`)."""
+    return (getattr(lm, "hf_config", {}).get("num_nextn_predict_layers") or 0) - len(mtp_layers(lm))
 
 
 class MtpParts(nn.Module):

@@ -70,12 +70,16 @@ def test_a_folder_read_without_its_mtp_layer_is_the_rest_of_it(name, tmp_path):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_updates_that_carry_the_mtp_layer_apply_to_an_engine_without_it(name, tmp_path):
-    """A folder reload (read as the update route reads it) and the trainer's broadcast (its model's in-memory names)
-    both carry the layer: the engine passes its tensors over and holds, bit for bit, what an engine started from the
-    same folder holds, and samples alike. A name the model lacks is still refused: another MTP layer's, a typo's."""
+    """The update route reads none of the layer's tensors from a folder for an engine without it. A folder's state
+    that carries the layer (as the route reads it for an engine that drafts with it) and the trainer's broadcast (its
+    model's in-memory names): the engine passes the layer's tensors over and holds, bit for bit, what an engine
+    started from the same folder holds, and samples alike. A name the model lacks is still refused: another MTP
+    layer's, a typo's."""
     start, other = model_dir(name, tmp_path / "start"), model_dir(name, tmp_path / "other", seed=1)
     started = engine_for(other, **SETTINGS)
-    folder_state, _ = read_update_folder(other)
+    assert not any(is_mtp_name(n) for n in read_update_folder(other, started.weight_target)[0])
+    drafting = engine_for(other, speculative={"method": "mtp"}, **SETTINGS)
+    folder_state, _ = read_update_folder(other, drafting.weight_target)
     broadcast_state = load_causal_lm(str(other)).state_dict()
     for state in (folder_state, broadcast_state):
         assert any(is_mtp_name(n) for n in state)
@@ -95,7 +99,7 @@ def test_mtp_weights_are_refused_by_a_model_whose_checkpoint_has_no_mtp_layer(ti
     head = model_dir("qwen3-head", tmp_path / "head")
     engine = engine_for(tiny_dir, **SETTINGS)
     with pytest.raises(KeyError, match="model.mtp_layers.0"):
-        engine.update_weights(read_update_folder(head)[0])
+        engine.update_weights(read_update_folder(head, engine.weight_target)[0])
 
 
 def test_a_quantized_broadcast_that_carries_the_mtp_layer_applies_to_an_fp8_engine_without_it(tmp_path):

@@ -193,7 +193,7 @@ def test_a_weight_update_reaches_the_mtp_layer(counting_dir, counting_mtp_dir):
     engine = mtp_engine(counting_dir)
     generate(engine)
     before = engine.stats()
-    state, _ = read_update_folder(counting_mtp_dir)
+    state, _ = read_update_folder(counting_mtp_dir, engine.weight_target)
     assert any(name.startswith("model.mtp_layers.0.") for name in state)
     engine.update_weights(state)
     torch.testing.assert_close(engine.runner.model.model.mtp_layers[0].eh_proj.weight,
