@@ -66,7 +66,7 @@ def test_a_pair_on_one_gpu_hands_prompts_over_through_cuda_ipc_and_matches_one_s
         counts = httpx.get(f"{decode_url}/disaggregation/stats").json()
         want = [generate(prefill_url, prompt, seed) for seed, prompt in enumerate(prompts)]
     assert counts == {"num_prefills_handed": 3, "num_prefills_failed": 0, "num_prefilled_taken": 3,
-                      "num_prefilled_refused": 0}
+                      "num_prefilled_refused": 0, "num_prefill_busy_answers": 0}
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
     assert [lp for g in got for lp in g["logprobs"]] == pytest.approx([lp for w in want for lp in w["logprobs"]],
                                                                       abs=1e-5)

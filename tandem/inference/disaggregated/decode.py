@@ -77,20 +77,23 @@ class RemotePrefill:
         """One line at the end, so a run's log says where its prompts were prefilled."""
         counts = self.stats()
         log.info("prompts handed over by prefill servers: %d; asked and not handed (prefilled here): %d; handed and "
-                 "prefilled here again (another policy, blocks gone): %d", counts["num_prefills_handed"],
-                 counts["num_prefills_failed"], counts["num_prefilled_refused"])
+                 "prefilled here again (another policy, blocks gone): %d; answers of a full prefill server (asked "
+                 "again): %d", counts["num_prefills_handed"], counts["num_prefills_failed"],
+                 counts["num_prefilled_refused"], counts["num_prefill_busy_answers"])
 
     def stats(self) -> dict[str, int]:
         return {"num_prefills_handed": self.peers.num_handed, "num_prefills_failed": self.peers.num_failed,
                 "num_prefilled_taken": self.engine.engine.num_prefilled_taken,
-                "num_prefilled_refused": self.engine.engine.num_prefilled_refused}
+                "num_prefilled_refused": self.engine.engine.num_prefilled_refused,
+                "num_prefill_busy_answers": self.peers.num_busy}
 
 
 @router.get("/disaggregation/stats")
 async def stats(request: Request) -> dict[str, int]:
     """Where this decode server's prompts were prefilled: handed over by a prefill server (`handed`), asked and
     not handed (`failed`), continued here from a handed prompt (`taken`), handed but prefilled here again
-    (`refused`: another policy, or the blocks it left out gone from this cache)."""
+    (`refused`: another policy, or the blocks it left out gone from this cache); and how often a prefill server
+    answered that it was full for now (`busy_answers`, 429: the prompt waited and asked again)."""
     return request.app.state.served.remote_prefill.stats()
 
 

@@ -55,6 +55,8 @@ class PrefillPeers:
         """Prompts a prefill server computed and handed over."""
         self.num_failed = 0
         """Prompts a prefill server was asked for and did not hand over (refused, failed, late)."""
+        self.num_busy = 0
+        """Answers that a prefill server was full for now (429): the prompt waited and asked again."""
 
     def check(self, model: str, block_size: int, cache_layout: str) -> None:
         """At start-up: every prefill server answers within `peer_timeout_s`, serves `model` with KV blocks of
@@ -127,10 +129,12 @@ class PrefillPeers:
                 return None
             finally:
                 self._in_flight[url] -= 1
-            if answer is BUSY and asyncio.get_running_loop().time() + pause < deadline:
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, BUSY_PAUSES_S[1])
-                continue
+            if answer is BUSY:
+                self.num_busy += 1
+                if asyncio.get_running_loop().time() + pause < deadline:
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, BUSY_PAUSES_S[1])
+                    continue
             if answer is BUSY or answer is REFUSED:
                 self.num_failed += 1
                 return None
