@@ -128,13 +128,18 @@ class TopKRouter(nn.Module):
         return route(x, self.weight, score_bias, self.args, self.replayed_ids)
 
 
+def fp32_routers(model: nn.Module) -> list[TopKRouter]:
+    """The routers that compute in fp32 (`router_fp32`): transformers and vLLM keep GLM-4.5's router weight and
+    score bias in fp32, and a bf16 router weight would choose other experts for tokens near a tie. Every cast of a
+    model's weights to a compute dtype leaves their parameters fp32: a load (`keep_routers_fp32`), the trainer's
+    mixed precision and its frozen LoRA base."""
+    return [module for module in model.modules() if isinstance(module, TopKRouter) and module.args.router_fp32]
+
+
 def keep_routers_fp32(model: nn.Module) -> None:
-    """Cast the routers that compute in fp32 (`router_fp32`) back to fp32 after a model-wide cast, in
-    place: transformers and vLLM keep GLM-4.5's router weight and score bias in fp32, and a bf16
-    router weight would choose other experts for tokens near a tie."""
-    for module in model.modules():
-        if isinstance(module, TopKRouter) and module.args.router_fp32:
-            module.float()
+    """Cast `fp32_routers` back to fp32 after a model-wide cast, in place."""
+    for module in fp32_routers(model):
+        module.float()
 
 
 def permute(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,7 @@ from tandem.models.hub import resolve_model_path
 from tandem.models.lora import LoraSpec, apply_lora, initial_adapters, is_adapter_name
 from tandem.models.loading import (DUMMY_SEED, build_native, check_load_format, has_split_blocks, is_native, read_hf_config,
                                    resolve_dtype)
+from tandem.models.moe import fp32_routers
 from tandem.models.multi_token import mtp_layers
 from tandem.models.random_init import RandomWeights
 from tandem.models.weights import load_state_dict
@@ -237,8 +238,9 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         policy.lora = LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), tuple(lora.target_experts))
         apply_lora(lm, policy.lora, source="the trainer's config")
         frozen_dtype = compute_dtype(model, dims.device)  # the base never steps: no fp32 master
+        fp32 = {id(param) for router in fp32_routers(lm) for param in router.parameters()}
         for param in lm.parameters():
-            if not param.requires_grad:
+            if not param.requires_grad and id(param) not in fp32:
                 param.data = param.data.to(frozen_dtype)
     if mtp.train:
         check_mtp_trainable(lm, dims.ep_size, str(folder / "config.json"))

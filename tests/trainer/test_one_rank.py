@@ -14,7 +14,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tandem.config.base import ModelConfig
+from tandem.config.lora import LoraConfig
 from tandem.config.trainer import ActivationCheckpointConfig, AdamWConfig, AIPOLoss, ConstantSchedule, KernelsConfig, ParallelConfig
+from tandem.models.loading import load_causal_lm
+from tandem.models.moe import fp32_routers
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.loss import build_loss
@@ -189,3 +192,27 @@ def test_on_cuda_compiled_one_rank_trains_like_fsdp(tiny_model):
         assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in plain.policy.parameters())
     finally:
         close_parallel()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("fsdp", [False, True], ids=["one-rank", "fsdp"])
+def test_routers_that_compute_in_fp32_stay_fp32_under_bf16_mixed_precision(tiny_glm_model, dims, lora, fsdp):
+    """GLM's router weight and score bias are fp32 in every load (`moe.fp32_routers`), as the engine holds them: the
+    trainer's bf16 mixed precision (the one-rank path's copies, FSDP's units) and its frozen LoRA base keep them so.
+    Rounded to bf16, they chose other experts than the engine for tokens near a tie (exact mode's parity in bf16)."""
+    lora_config = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["o_proj"]) if lora else LoraConfig()
+    policy, _ = build_policy(ModelConfig(name=str(tiny_glm_model), dtype="bfloat16"), ParallelConfig(fsdp_at_one_rank=fsdp),
+                             dims, chunk_size=4, lora=lora_config)
+    seen = []
+    for router in fp32_routers(policy):  # after FSDP's own hook: the gathered parameters
+        router.register_forward_pre_hook(lambda module, args: seen.append(
+            {name: param.detach().clone() for name, param in module.named_parameters()}))
+    mb = step_batches(0, dims.device)[0]
+    with torch.no_grad():
+        policy(mb.input_ids, mb.position_ids, mb.temperatures, mb.loss_mask)
+    held = [dict(router.named_parameters()) for router in fp32_routers(load_causal_lm(str(tiny_glm_model), "cpu", "bfloat16"))]
+    assert len(seen) == len(held) > 0
+    for got, want in zip(seen, held):
+        assert got.keys() == want.keys()
+        for name in got:
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name

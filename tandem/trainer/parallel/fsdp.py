@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from tandem.models.moe import fp32_routers
 from tandem.trainer.parallel.dims import EFSDP
 from tandem.trainer.parallel.expert_parallel import moe_blocks
 
@@ -30,6 +31,12 @@ def apply_fsdp(root: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_d
             # FSDP divides these gradients by the efsdp size, not the world size: the expert-parallel
             # forward scales them by 1 / ep for that (`expert_parallel_forward`).
             fully_shard(moe.experts, mesh=expert_mesh[EFSDP], mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # Routers that compute in fp32 (`moe.fp32_routers`) are units of their own that gather fp32 (their input is cast
+    # by the router itself), kept gathered from forward to backward: a few KiB, which the router's statistics read
+    # after its forward (`tandem.trainer.router`).
+    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    for router in fp32_routers(blocks):
+        fully_shard(router, mesh=mesh, mp_policy=fp32_policy, reshard_after_forward=False)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root's floating inputs stay as they are: casting them to `param_dtype` would round the

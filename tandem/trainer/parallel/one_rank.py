@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tandem.models.moe import fp32_routers
+
 
 class OneRank:
     """Mixed precision over a plain one-rank model; built by `apply_one_rank`."""
@@ -52,6 +54,8 @@ class OneRank:
                 if param is not None:  # a tied parameter has a slot in each module that holds it
                     found.setdefault(id(param), (param, []))[1].append((module, name))
         self.masters = [param for param, _ in found.values()]
+        self.kept_fp32 = {id(param) for router in fp32_routers(root) for param in router.parameters()}
+        """The routers that compute in fp32 (`moe.fp32_routers`): their masters are their compute copies."""
         self.slots = [slots for _, slots in found.values()]
         index = {id(param): i for i, param in enumerate(self.masters)}
         self.block_params = {id(block): [index[id(p)] for p in block.parameters()] for block in blocks}
@@ -69,7 +73,7 @@ class OneRank:
         return any(self._cast(master) for master in self.masters)
 
     def _cast(self, master: nn.Parameter) -> bool:
-        return master.is_floating_point() and master.dtype != self.param_dtype
+        return master.is_floating_point() and master.dtype != self.param_dtype and id(master) not in self.kept_fp32
 
     def _make_copies(self) -> None:
         """The compute copies, once the masters live on their device (after `to_empty` and loading)."""
