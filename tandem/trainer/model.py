@@ -390,13 +390,23 @@ def to_published(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device 
     return rounded.to(device, copy=rounded is tensor)
 
 
+def published_dtypes(policy: PolicyModel, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Each published parameter's dtype: `dtype`, but fp32 for the routers that compute in fp32
+    (`moe.fp32_routers`), which the trainer steps and computes in fp32 and the engine holds so: rounded on the way,
+    they would route tokens near a tie otherwise than the trainer."""
+    fp32 = {id(param) for router in fp32_routers(policy.lm) for param in router.parameters()}
+    return {name: torch.float32 if id(param) in fp32 else dtype for name, param in policy.published_parameters()}
+
+
 def announced_state(policy: PolicyModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Meta tensors of `full_parameters`' names, whole shapes and `dtype`: what a broadcast announces before
-    the tensors themselves come, one at a time."""
-    return {name: torch.empty(param.shape, dtype=dtype, device="meta") for name, param in policy.published_parameters()}
+    """Meta tensors of `full_parameters`' names, whole shapes and dtypes (`published_dtypes`): what a broadcast
+    announces before the tensors themselves come, one at a time."""
+    dtypes = published_dtypes(policy, dtype)
+    return {name: torch.empty(param.shape, dtype=dtypes[name], device="meta") for name, param in policy.published_parameters()}
 
 
 def gather_full_state(policy: PolicyModel, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
-    """The full HF-named state on the host in `dtype` (`to_published` copies). Every rank must call it (see
-    `full_parameters`); only ranks with `keep` hold the result, the others get `{}`."""
-    return {name: to_published(full, dtype, "cpu") for name, full in full_parameters(policy) if keep}
+    """The full HF-named state on the host in `dtype` (`published_dtypes`; `to_published` copies). Every rank must
+    call it (see `full_parameters`); only ranks with `keep` hold the result, the others get `{}`."""
+    dtypes = published_dtypes(policy, dtype)
+    return {name: to_published(full, dtypes[name], "cpu") for name, full in full_parameters(policy) if keep}

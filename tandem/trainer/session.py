@@ -26,7 +26,8 @@ from tandem.monitor.metrics import MetricsWriter
 from tandem.monitor.prometheus import serve_metrics
 from tandem.trainer.broadcast_publish import WeightBroadcaster
 from tandem.trainer.checkpoint import complete_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
-from tandem.trainer.model import PolicyModel, announced_state, build_policy, full_parameters, gather_full_state, to_published
+from tandem.trainer.model import (PolicyModel, announced_state, build_policy, full_parameters, gather_full_state,
+                                  published_dtypes, to_published)
 from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.parallel.context_parallel import check_context_parallel
 from tandem.trainer.parallel.dims import ParallelDims, close_parallel, init_parallel
@@ -69,7 +70,8 @@ class Session:
         if self.broadcaster is not None and step < self.config.max_steps:
             # From the device, one parameter at a time: no host copy, at most a bucket in device memory. The
             # other ranks (no broadcaster) take part in the same gathers through `gather_full_state` below.
-            tensors = ((name, to_published(full, dtype, self.dims.device)) for name, full in full_parameters(self.model))
+            dtypes = published_dtypes(self.model, dtype)
+            tensors = ((name, to_published(full, dtypes[name], self.dims.device)) for name, full in full_parameters(self.model))
             self.log_broadcast(step, self.broadcaster.send(step, announced_state(self.model, dtype), tensors))
             return
         state = gather_full_state(self.model, dtype, keep=self.dims.is_main)

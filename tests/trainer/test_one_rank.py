@@ -21,7 +21,7 @@ from tandem.models.moe import fp32_routers
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.loss import build_loss
-from tandem.trainer.model import build_policy, gather_full_state
+from tandem.trainer.model import announced_state, build_policy, gather_full_state
 from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.parallel.dims import close_parallel, init_parallel
 from tandem.trainer.rl.train import rl_objective
@@ -216,3 +216,23 @@ def test_routers_that_compute_in_fp32_stay_fp32_under_bf16_mixed_precision(tiny_
         assert got.keys() == want.keys()
         for name in got:
             assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name
+
+
+def test_fp32_routers_are_published_in_fp32(tiny_glm_model, dims):
+    """After a step in bf16, a policy update published in bf16 holds the routers as the trainer computes with them
+    (their fp32 masters, which the engine holds in fp32); every other weight in bf16. The broadcast announces the
+    same dtypes."""
+    trainer = Trainer(tiny_glm_model, dims, fsdp=False, dtype="bfloat16")
+    trainer.step(0)
+    policy = trainer.policy
+    routers = {id(param) for router in fp32_routers(policy) for param in router.parameters()}
+    state = gather_full_state(policy, torch.bfloat16, keep=True)
+    announced = announced_state(policy, torch.bfloat16)
+    names = set()
+    for name, param in policy.published_parameters():
+        want = torch.float32 if id(param) in routers else torch.bfloat16
+        assert state[name].dtype == announced[name].dtype == want, name
+        if want == torch.float32:
+            names.add(name)
+            assert torch.equal(state[name], param.detach()), name
+    assert names and all(".mlp.gate." in name for name in names)
