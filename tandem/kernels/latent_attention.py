@@ -201,7 +201,8 @@ def index_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     if num_queries == 0 or bound == 0:
         return out
     queries, weights = queries.contiguous(), weights.float().contiguous()
-    query_seq, query_pos = query_seq.contiguous(), query_pos.contiguous()  # read at offset i: one query's a view
+    # The kernels read query i's sequence row and position at offset i: a strided view (an expanded row) is copied.
+    query_seq, query_pos = query_seq.contiguous(), query_pos.contiguous()
     _index_scores_kernel[(num_queries, triton.cdiv(bound, SCORE_KEYS))](
         queries, weights, keys, key_scales if key_scales is not None else weights, block_tables, query_seq, query_pos,
         out, bound, head_dim ** -0.5, queries.stride(0), queries.stride(1), weights.stride(0), keys.stride(0),
@@ -249,7 +250,7 @@ def latent_attention(q: torch.Tensor, entries: torch.Tensor, block_tables: torch
     part_stats = torch.empty(2, num_queries, heads, num_splits, dtype=torch.float32, device=q.device)
     workspace_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                          part_stats.stride(0), part_stats.stride(1), part_stats.stride(2))
-    q, query_seq, lengths = q.contiguous(), query_seq.contiguous(), lengths.contiguous()
+    q, query_seq, lengths = q.contiguous(), query_seq.contiguous(), lengths.contiguous()  # as in `index_scores`
     if ropes is None:  # the entries hold them, after the latent part
         ropes = entries[..., kv_lora_rank:]
     _latent_chunk_kernel[(heads // group, num_queries, num_splits)](
