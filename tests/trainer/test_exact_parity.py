@@ -73,12 +73,13 @@ def dims(request):
 
 def sample_conversations(model_folder, max_num_batched_tokens: int, staggered: bool, device: str = "cpu",
                          adapters: dict[str, torch.Tensor] | None = None, lora: LoraConfig = LORA,
-                         speculative: dict | None = None,
-                         temperature: float = 0.7) -> tuple[dict[int, list[Turn]], EngineStats]:
+                         speculative: dict | None = None, temperature: float = 0.7,
+                         dtype: str = "auto") -> tuple[dict[int, list[Turn]], EngineStats]:
     """Conversations from an exact engine, and its stats; `staggered`: each new turn joins while others decode
     (mixed batches), else each request runs alone. `adapters`: the policy is `lora` with these adapters.
-    `speculative`: `engine.speculative` (which needs the overlapped step off). `temperature`: 0 for greedy."""
-    engine = build_engine(ModelConfig(name=str(model_folder)), EngineConfig(
+    `speculative`: `engine.speculative` (which needs the overlapped step off). `temperature`: 0 for greedy.
+    `dtype`: `model.dtype`."""
+    engine = build_engine(ModelConfig(name=str(model_folder), dtype=dtype), EngineConfig(
         device=device, num_blocks=128, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens,
         lora=lora if adapters else LoraConfig(), speculative=speculative or {}, overlap_steps=not speculative),
         seed=0, exact=True)
@@ -155,6 +156,13 @@ def test_latent_adapters_keep_exact_parity(sparse_latent_model, dims):
                  lora=LATENT_LORA)
 
 
+def test_latent_adapters_keep_exact_parity_in_bf16_on_the_cpu(sparse_latent_model, dims):
+    """The same in bf16, as CUDA runs it: the trainer's mixed precision and frozen LoRA base keep GLM's routers fp32
+    as the engine holds them (`moe.fp32_routers`); rounded to bf16, a near tie routed one token otherwise."""
+    check_parity(sparse_latent_model, dims, alone=False, adapters=trained_adapters(sparse_latent_model, LATENT_LORA),
+                 lora=LATENT_LORA, dtype="bfloat16")
+
+
 INTERPRETED = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -182,17 +190,19 @@ def test_the_kernel_path_under_tritons_interpreter(tmp_path):
 
 
 def check_parity(tiny_model: Path, dims, alone: bool = True, adapters: dict[str, torch.Tensor] | None = None,
-                 lora: LoraConfig = LORA) -> None:
+                 lora: LoraConfig = LORA, dtype: str = "auto") -> None:
     """Conversations from an exact engine, staggered (and `alone`: each request alone, the same tokens and
-    logprobs), then the trainer's logprobs of their packed samples. `adapters`: a LoRA policy (`lora`) on both sides."""
+    logprobs), then the trainer's logprobs of their packed samples. `adapters`: a LoRA policy (`lora`) on both sides;
+    `dtype`: both sides' `model.dtype`."""
     device = dims.device.type
     mixed, _ = sample_conversations(tiny_model, max_num_batched_tokens=16, staggered=True, device=device,
-                                    adapters=adapters, lora=lora)
+                                    adapters=adapters, lora=lora, dtype=dtype)
     if alone:
-        by_itself, _ = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device)
+        by_itself, _ = sample_conversations(tiny_model, max_num_batched_tokens=512, staggered=False, device=device,
+                                            dtype=dtype)
         # Batch-invariant engine: the same seeds draw the same tokens with the same logprobs in any batch.
         assert_same_conversations(mixed, by_itself)
-    check_trainer_logprobs(tiny_model, dims, mixed, adapters, lora)
+    check_trainer_logprobs(tiny_model, dims, mixed, adapters, lora, dtype)
 
 
 def assert_same_conversations(a: dict[int, list[Turn]], b: dict[int, list[Turn]]) -> None:
@@ -203,16 +213,18 @@ def assert_same_conversations(a: dict[int, list[Turn]], b: dict[int, list[Turn]]
 
 
 def check_trainer_logprobs(tiny_model: Path, dims, turns: dict[int, list[Turn]],
-                           adapters: dict[str, torch.Tensor] | None = None, lora: LoraConfig = LORA) -> None:
-    """The exact trainer's logprobs of the conversations' packed samples equal the engine's bitwise, every one."""
+                           adapters: dict[str, torch.Tensor] | None = None, lora: LoraConfig = LORA,
+                           dtype: str = "auto") -> None:
+    """The exact trainer's logprobs of the conversations' packed samples equal the engine's bitwise, every one
+    (`dtype`: the trainer's `model.dtype`)."""
     samples = [s for c in NUM_TURNS for s in build_samples(turns[c])]
     assert len(samples) == len(NUM_TURNS)  # multi-turn conversations stay one sample each
     batches, _ = pack_step(1, samples, seq_len=256, num_ranks=1, pad_token_id=0)
     rows = decode_batch(encode_batch(batches[0])).rows
     assert any(sum(p == 0 for p in row.position_ids) > 1 for row in rows)  # packed rows: several documents
     # Head chunks of 5 rows: a row's logprob does not depend on the chunk it is computed in.
-    policy, _ = build_policy(ModelConfig(name=str(tiny_model)), ParallelConfig(), dims, chunk_size=5, exact=True,
-                             lora=lora if adapters else LoraConfig())
+    policy, _ = build_policy(ModelConfig(name=str(tiny_model), dtype=dtype), ParallelConfig(), dims, chunk_size=5,
+                             exact=True, lora=lora if adapters else LoraConfig())
     if adapters:
         load_shards(policy, adapters, "the test's adapters", policy.adapter_parameters())
     num_loss_tokens = 0
