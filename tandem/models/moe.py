@@ -136,6 +136,11 @@ def fp32_routers(model: nn.Module) -> list[TopKRouter]:
     return [module for module in model.modules() if isinstance(module, TopKRouter) and module.args.router_fp32]
 
 
+def fp32_router_parameters(model: nn.Module) -> set[int]:
+    """The ids of `fp32_routers`' parameters: what a cast to a compute dtype passes over."""
+    return {id(param) for router in fp32_routers(model) for param in router.parameters()}
+
+
 def keep_routers_fp32(model: nn.Module) -> None:
     """Cast `fp32_routers` back to fp32 after a model-wide cast, in place."""
     for module in fp32_routers(model):

@@ -44,7 +44,7 @@ from tandem.models.hub import resolve_model_path
 from tandem.models.lora import LoraSpec, apply_lora, initial_adapters, is_adapter_name
 from tandem.models.loading import (DUMMY_SEED, build_native, check_load_format, has_split_blocks, is_native, read_hf_config,
                                    resolve_dtype)
-from tandem.models.moe import fp32_routers
+from tandem.models.moe import fp32_router_parameters
 from tandem.models.multi_token import mtp_layers
 from tandem.models.random_init import RandomWeights
 from tandem.models.weights import load_state_dict
@@ -238,7 +238,7 @@ def build_policy(model: ModelConfig, parallel: ParallelConfig, dims: ParallelDim
         policy.lora = LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules), tuple(lora.target_experts))
         apply_lora(lm, policy.lora, source="the trainer's config")
         frozen_dtype = compute_dtype(model, dims.device)  # the base never steps: no fp32 master
-        fp32 = {id(param) for router in fp32_routers(lm) for param in router.parameters()}
+        fp32 = fp32_router_parameters(lm)
         for param in lm.parameters():
             if not param.requires_grad and id(param) not in fp32:
                 param.data = param.data.to(frozen_dtype)
@@ -394,7 +394,7 @@ def published_dtypes(policy: PolicyModel, dtype: torch.dtype) -> dict[str, torch
     """Each published parameter's dtype: `dtype`, but fp32 for the routers that compute in fp32
     (`moe.fp32_routers`), which the trainer steps and computes in fp32 and the engine holds so: rounded on the way,
     they would route tokens near a tie otherwise than the trainer."""
-    fp32 = {id(param) for router in fp32_routers(policy.lm) for param in router.parameters()}
+    fp32 = fp32_router_parameters(policy.lm)
     return {name: torch.float32 if id(param) in fp32 else dtype for name, param in policy.published_parameters()}
 
 

@@ -17,7 +17,7 @@ from tandem.config.base import ModelConfig
 from tandem.config.lora import LoraConfig
 from tandem.config.trainer import ActivationCheckpointConfig, AdamWConfig, AIPOLoss, ConstantSchedule, KernelsConfig, ParallelConfig
 from tandem.models.loading import load_causal_lm
-from tandem.models.moe import fp32_routers
+from tandem.models.moe import fp32_router_parameters, fp32_routers
 from tandem.trainer.micro_batch import MicroBatch
 from tandem.trainer.checkpoint import load_checkpoint, save_checkpoint
 from tandem.trainer.loss import build_loss
@@ -225,7 +225,7 @@ def test_fp32_routers_are_published_in_fp32(tiny_glm_model, dims):
     trainer = Trainer(tiny_glm_model, dims, fsdp=False, dtype="bfloat16")
     trainer.step(0)
     policy = trainer.policy
-    routers = {id(param) for router in fp32_routers(policy) for param in router.parameters()}
+    routers = fp32_router_parameters(policy)
     state = gather_full_state(policy, torch.bfloat16, keep=True)
     announced = announced_state(policy, torch.bfloat16)
     names = set()

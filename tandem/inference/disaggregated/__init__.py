@@ -56,5 +56,4 @@ def max_received_bytes(settings: DisaggregationConfig, engine: AsyncEngine) -> i
     """`disaggregation.max_received_mib`, or the engine's KV cache size where it is None."""
     if settings.max_received_mib is not None:
         return int(settings.max_received_mib * 2**20)
-    llm = engine.engine
-    return llm.block_manager.num_blocks * llm.block_manager.block_size * llm.runner.cache.bytes_per_token
+    return engine.engine.kv_bytes(engine.engine.block_manager.num_blocks)

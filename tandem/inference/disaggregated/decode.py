@@ -51,8 +51,7 @@ class RemotePrefill:
         num_cached_blocks = block_manager.num_cached_blocks(prompt_token_ids)
         if len(prompt_token_ids) - num_cached_blocks * block_manager.block_size < self.min_remote_prefill_tokens:
             return None, _nothing
-        num_bytes = ((block_manager.num_blocks_for(len(prompt_token_ids)) - num_cached_blocks)
-                     * block_manager.block_size * self.engine.engine.runner.cache.bytes_per_token)
+        num_bytes = self.engine.engine.kv_bytes(block_manager.num_blocks_for(len(prompt_token_ids)) - num_cached_blocks)
         if num_bytes > self.max_received_bytes:
             return None, _nothing
         while self.received_bytes + num_bytes > self.max_received_bytes:

@@ -48,19 +48,14 @@ def max_held_bytes(served: Served, config: DisaggregationConfig) -> int:
     """`disaggregation.max_held_mib`, or the engine's KV cache size where it is None."""
     if config.max_held_mib is not None:
         return int(config.max_held_mib * 2**20)
-    return kv_bytes(served, served.engine.engine.block_manager.num_blocks)
+    engine = served.engine.engine
+    return engine.kv_bytes(engine.block_manager.num_blocks)
 
 
 def export_bytes(served: Served, body: PrefillRequest) -> int:
     """About what the prompt's export will take: its KV blocks from `first_block` on (the logits row aside)."""
-    num_blocks = served.engine.engine.block_manager.num_blocks_for(len(body.prompt_token_ids)) - body.first_block
-    return kv_bytes(served, max(num_blocks, 0))
-
-
-def kv_bytes(served: Served, num_blocks: int) -> int:
-    """The bytes of `num_blocks` of the engine's KV cache."""
     engine = served.engine.engine
-    return num_blocks * engine.block_manager.block_size * engine.runner.cache.bytes_per_token
+    return engine.kv_bytes(max(engine.block_manager.num_blocks_for(len(body.prompt_token_ids)) - body.first_block, 0))
 
 
 @router.get("/prefill/info")

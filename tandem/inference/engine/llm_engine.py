@@ -594,6 +594,10 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         return self.weight_version
 
+    def kv_bytes(self, num_blocks: int) -> int:
+        """The bytes of `num_blocks` of this engine's KV cache: what a hand-off of them moves."""
+        return num_blocks * self.block_manager.block_size * self.runner.cache.bytes_per_token
+
     def stats(self) -> EngineStats:
         """Counters for /metrics; plain reads, safe (if a step stale) from another thread."""
         return EngineStats(

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from tandem.models.moe import fp32_routers
+from tandem.models.moe import fp32_router_parameters
 
 
 class OneRank:
@@ -54,7 +54,7 @@ class OneRank:
                 if param is not None:  # a tied parameter has a slot in each module that holds it
                     found.setdefault(id(param), (param, []))[1].append((module, name))
         self.masters = [param for param, _ in found.values()]
-        self.kept_fp32 = {id(param) for router in fp32_routers(root) for param in router.parameters()}
+        self.kept_fp32 = fp32_router_parameters(root)
         """The routers that compute in fp32 (`moe.fp32_routers`): their masters are their compute copies."""
         self.slots = [slots for _, slots in found.values()]
         index = {id(param): i for i, param in enumerate(self.masters)}
