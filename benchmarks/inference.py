@@ -70,7 +70,11 @@ the names above; `fp8`'s carry the suffix `_kv_fp8` (`engine_C_kv_fp8`, `kv_cach
 Weight quantizations (`--quantizations`, `engine.quantization`, default `none`): likewise the engine parts run once
 per value listed (and per KV-cache dtype), each on an engine of its own; `fp8`'s figures carry the suffix `_w_fp8`
 before any KV one (`engine_A_w_fp8`, `engine_A_w_fp8_kv_fp8`), with the ratio `ratio_engine_A_w_fp8_over_engine_A`.
-vLLM runs in the model's dtype whatever this says.
+vLLM runs once per variant too: `fp8` as the same scheme, a checkpoint config of 128 x 128 blocks
+(`quantization_config`: `quant_method = "fp8"`, `weight_block_size = [128, 128]`, dynamic activations; vLLM's dummy
+FP8 weights) as `vllm_w_fp8`, with the ratio `ratio_engine_A_w_fp8_over_vllm_w_fp8_with_logprobs`. Its dense
+products take CUTLASS's block-scaled kernel (`VLLM_USE_DEEP_GEMM=0`: DeepGEMM compiles some thousand kernels at
+start-up, longer than a GPU call lasts), its experts vLLM's Triton FP8 kernel.
 
 Profile (`--profile`, with workload A): after A's timed runs, on the same engine, two prefill steps and ten
 decode steps of a fresh A run under `torch.profiler` (`engine_profile.py`): GPU milliseconds per step by kernel
@@ -388,11 +392,28 @@ def with_site(site: str | None) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
 
 
+VLLM_FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+"""The `quantization_config` of a released block-scaled FP8 checkpoint, as vLLM reads it: the engine's FP8 scheme."""
+
+
+def vllm_folder(folder: Path, quantization: str, tmp: Path) -> Path:
+    """The model folder vLLM loads for a weight quantization: `folder` itself, or for `fp8` a copy of its config whose
+    `quantization_config` makes vLLM build (dummy) FP8 weights of 128 x 128 blocks."""
+    if quantization == "none":
+        return folder
+    quantized = tmp / f"vllm_{quantization}"
+    quantized.mkdir(exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps(dict(config, quantization_config=VLLM_FP8_BLOCKS)))
+    return quantized
+
+
 def bench_vllm(folder: Path, args: argparse.Namespace, workloads: dict, prompts: dict, tmp: Path,
-               kv_cache_dtype: str = "auto") -> dict:
+               kv_cache_dtype: str = "auto", quantization: str = "none") -> dict:
     spec, out = tmp / "vllm_spec.json", tmp / "vllm_result.json"
+    folder = vllm_folder(folder, quantization, tmp)
     spec.write_text(json.dumps({"workloads": workloads, "prompts": prompts}))
-    env = dict(with_site(args.vllm_site), VLLM_USE_FLASHINFER_SAMPLER="0")
+    env = dict(with_site(args.vllm_site), VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_USE_DEEP_GEMM="0")
     child = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_workloads.py")), "--model", str(folder),
                             "--spec", str(spec), "--out", str(out), "--kv-cache-dtype", kv_cache_dtype], env=env)
     if child.returncode != 0:
@@ -548,7 +569,7 @@ def free_device_memory(args: argparse.Namespace) -> None:
 
 
 def add_ratios(results: dict, workloads: list[str], suffixes: list[str]) -> None:
-    """`suffixes`: those of the engine variants run (`variant_suffix`); vLLM's are the KV-cache dtypes' alone."""
+    """`suffixes`: those of the variants run (`variant_suffix`), the engine's and vLLM's alike."""
     engine_a = results.get("engine_A", {}).get("output_tokens_per_s")
     read_each_step = results.get("engine_A_read_each_step", {}).get("output_tokens_per_s")
     if engine_a and read_each_step:
@@ -579,7 +600,7 @@ def add_ratios(results: dict, workloads: list[str], suffixes: list[str]) -> None
                 results[f"ratio_engine_{key}{suffix}_over_vllm{suffix}_with_logprobs"] = engine / alike
 
 
-def summarize(results: dict, workloads: list[str], kv_cache_dtypes: list[str], suffixes: list[str]) -> dict:
+def summarize(results: dict, workloads: list[str], suffixes: list[str]) -> dict:
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items() if k.startswith("ratio")}
     keys = [f"{key}{suffix}" for suffix in suffixes
             for key in ("engine_A", "engine_A_read_each_step", *(f"engine_{k}" for k in workloads if k != "A"),
@@ -596,7 +617,7 @@ def summarize(results: dict, workloads: list[str], kv_cache_dtypes: list[str], s
     replay = results.get("mismatch_B_router_replay", {})
     if replay:
         summary["mismatch_B_router_replay"] = {k: v.get("mean_k3") if isinstance(v, dict) else v for k, v in replay.items()}
-    for vllm in (f"vllm{kv_suffix(kv)}" for kv in kv_cache_dtypes if f"vllm{kv_suffix(kv)}" in results):
+    for vllm in (f"vllm{suffix}" for suffix in suffixes if f"vllm{suffix}" in results):
         summary[vllm] = {k: (v.get("output_tokens_per_s", v.get("error")) if isinstance(v, dict) else v)
                          for k, v in results[vllm].items()}
     return summary
@@ -655,9 +676,9 @@ def main() -> None:
                     attempt(results, f"engine_{name}{suffix}",
                             lambda: bench_long_decode(folder, args, name, workloads[name], prompts[name], bandwidths, kv, q))
         if "vllm" in parts and shared:
-            for kv in kv_cache_dtypes:
-                attempt(results, f"vllm{kv_suffix(kv)}",
-                        lambda: bench_vllm(folder, args, shared, {k: prompts[k] for k in shared}, Path(tmp), kv))
+            for q, kv in variants:
+                attempt(results, f"vllm{variant_suffix(q, kv)}",
+                        lambda: bench_vllm(folder, args, shared, {k: prompts[k] for k in shared}, Path(tmp), kv, q))
         a = scaled(args, "A")
         prompts_a = prompts.get("A") or prompts_for(a, vocab, args.seed)
         if "server" in parts:
@@ -673,7 +694,7 @@ def main() -> None:
                 if "prefill" in results.get(f"profile_A{suffix}", {})}
     if profiles:
         print_comparison(profiles)
-    summary = summarize(results, chosen, kv_cache_dtypes, suffixes)
+    summary = summarize(results, chosen, suffixes)
     print(json.dumps(summary, indent=1, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -35,12 +35,14 @@ def test_latent_engine_matches_a_teacher_forced_pass(shape, dtype, atol, tmp_pat
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU of compute capability 8.9 or newer")
-@pytest.mark.parametrize("shape", [dict(PRESETS["tiny-glm5"], index_topk=16), PRESETS["tiny-deepseek-v3"]],
-                         ids=["glm5-sparse", "deepseek-v3"])
+@pytest.mark.parametrize("shape", [PRESETS["tiny-glm5"], PRESETS["tiny-deepseek-v3"]], ids=["glm5", "deepseek-v3"])
 def test_the_fp8_latent_cache_on_cuda_stays_close_to_the_model(shape, tmp_path):
     """`engine.kv_cache_dtype = "fp8"` on the kernel path in fp32 (the cache write quantizes, the kernels dequantize
     in registers, decodes replayed from CUDA graphs): as close to the model's teacher-forced pass as the CPU's torch
-    path is (`tests/inference/test_fp8_kv_cache.py`)."""
+    path is (`tests/inference/test_fp8_kv_cache.py`), on the same shapes. A top-k far below the contexts (16 of up
+    to 84 tokens) is no test of the kernels here: its rounded indexer keys change choices at most queries, and a
+    changed choice reaches past the tails' bound on the CPU's torch path as on the kernels; that the kernels choose
+    and attend as the torch path over an FP8 cache is `test_engine_with_the_kernels_on_cuda[sparse]`'s."""
     folder = write_model(shape_config(shape), tmp_path / "m")
     engine = build_engine(ModelConfig(name=str(folder), dtype="float32"),
                           EngineConfig(device="cuda", max_num_seqs=16, max_model_len=256, max_num_batched_tokens=40,

@@ -66,8 +66,8 @@ def reference_drafts(model, hidden: torch.Tensor, tokens: list[int], num_drafts:
     hidden, following = hidden[:-1], tokens[1:]
     drafts = []
     for _ in range(num_drafts):
-        positions = torch.arange(len(following))[None]
-        out = model.predict_after_next(hidden[None], torch.tensor([following]), positions)[0, -1]
+        positions = torch.arange(len(following), device=hidden.device)[None]
+        out = model.predict_after_next(hidden[None], torch.tensor([following], device=hidden.device), positions)[0, -1]
         drafts.append(int(model.lm_head(out).argmax()))
         hidden = torch.cat([hidden, out[None]])
         following = following + drafts[-1:]
@@ -184,7 +184,8 @@ def test_tokens_and_logprobs_are_the_policys(counting_mtp_dir, draft_sampling):
     for (rid, _), r in speculated.items():
         prompt, params = requests[rid]
         expected = teacher_forced_logprobs(model, prompt, r["ids"], params.temperature)
-        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=1e-5, rtol=1e-5)
+        # fp32 sums of other batch shapes, and of other orders at more than one torch thread (outside the workers)
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=1e-4, rtol=1e-5)
 
 
 def test_a_weight_update_reaches_the_mtp_layer(counting_dir, counting_mtp_dir):
