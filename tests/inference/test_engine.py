@@ -13,11 +13,11 @@ from tandem.inference.engine.setup import build_engine
 from tandem.models.weights import load_state_dict
 
 
-def engine_for(model_dir, overlap: bool = False, **settings):
+def engine_for(model_dir, overlap: bool = False, dtype: str = "auto", **settings):
     """A CPU engine; `overlap` turns on what CUDA does by default (launch a step before reading the last)."""
     config = {"device": "cpu", "num_blocks": 256, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 512,
               "overlap_steps": overlap, **settings}
-    engine = build_engine(ModelConfig(name=str(model_dir)), EngineConfig(**config), seed=0)
+    engine = build_engine(ModelConfig(name=str(model_dir), dtype=dtype), EngineConfig(**config), seed=0)
     engine.overlap = overlap
     return engine
 

@@ -75,13 +75,14 @@ def reference_drafts(model, hidden: torch.Tensor, tokens: list[int], num_drafts:
 
 
 def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none", device: str = "cpu"):
-    """Run prompts through an engine drafting with the MTP layer; each proposal equals the layer's greedy drafts
-    called on a teacher-forced pass: all of them on the CPU in the model's dtype; where the engine's arithmetic
+    """Run prompts through an engine drafting with the MTP layer, in fp32 (CUDA's default, bf16, ties a tiny model's
+    logits too often to compare drafts); each proposal equals the layer's greedy drafts called on a teacher-forced
+    pass: all of them on the CPU; where the engine's arithmetic
     differs from the reference's in its roundings (FP8 activations quantized per batch row, the engine's kernels on
     CUDA), a near tie of the layer's logits may draft otherwise, so most of them. Returns the engine."""
     fp8 = quantization == "fp8"
     engine = engine_for(folder, speculative={"method": "mtp", "num_tokens": 3}, quantization=quantization, fp8_experts=fp8,
-                        device=device, **SETTINGS[settings])
+                        device=device, dtype="float32", **SETTINGS[settings])
     seen = record_drafts(engine)
     for i in range(4):
         prompt = [(7 * i + 3 * j) % 256 for j in range(5 + 9 * i)]
@@ -95,7 +96,7 @@ def check_drafts_are_the_layers(folder, settings: str, quantization: str = "none
     assert not held.requires_grad  # the layer's writes keep no autograd history (it would grow every step)
     # One requires_grad for every weight: CUDA's compiled router guards on it, and the layer's once differed.
     assert not any(p.requires_grad for p in engine.weight_target.model.parameters())
-    model = load_causal_lm(str(folder), device, quantization=quantization, fp8_experts=fp8)
+    model = load_causal_lm(str(folder), device, "float32", quantization=quantization, fp8_experts=fp8)
     if fp8:
         assert isinstance(engine.weight_target.model.mtp_layers[0].self_attn.o_proj, Fp8Linear)
         apply_fp8_blocks(model, kernels=False)
