@@ -21,7 +21,8 @@ from tandem.inference.engine.sampling_params import SamplingParams
 GROUPS = (
     ("activation_quantization", ("_quantize_kernel",)),
     ("experts", ("_grouped_matmul_kernel", "_count_kernel", "_place_groups_kernel", "_scatter_kernel", "moe")),
-    ("fp8_products", ("_matmul_kernel", "e4m3", "f8f8", "fp8")),
+    # cuBLAS's block-scaled FP8 products are nvjet kernels named with a quantized A and B ("qq") and 128-blocks
+    ("fp8_products", ("_matmul_kernel", "e4m3", "f8f8", "fp8", "_qqtst_", "ablk128")),
     ("attention", ("attention", "_split_decode_kernel", "_combine_splits_kernel", "_shared_prefix_kernel",
                    "_own_keys_kernel", "_merge_kernel", "flash", "fmha")),
     ("pointwise", ("_rms_norm_kernel", "_silu_mul_kernel", "_qk_norm_rope_write_kernel", "triton_poi", "triton_red",
