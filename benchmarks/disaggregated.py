@@ -28,7 +28,8 @@ prefill server's records mark the steps during which it computed prompts on the 
 records themselves are kept beside the servers' logs. `--isolate` tells the decode server's own costs of a hand-off
 from the prefill server's work on a shared device: the same decode server runs the workload with the long prompts
 sent to the prefill server itself (`decode_prefill_busy`: the device shared, nothing handed over), then with none
-(`decode_alone`).
+(`decode_alone`). `--switch-interval-ms` sets every server's `server.switch_interval_ms`: how long the engine thread
+may wait for the interpreter lock that the HTTP side holds.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def parse_args() -> argparse.Namespace:
                         help="on the first transport's decode server, run the workload twice more to tell the causes "
                              "of slow steps apart: the long prompts sent to the prefill server itself (it computes on "
                              "the device, nothing is handed over), then no long prompts at all")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="every server's `server.switch_interval_ms` (unset: Python's 5 ms)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     return parser.parse_args()
@@ -103,6 +106,8 @@ def server(folder: Path, logs: Path, name: str, args: argparse.Namespace, pool: 
     port = free_port()
     max_len = max(args.decode_prompt_len + args.output_len, args.long_prompt_len + 1)
     weights = ["--model.load-format", "dummy"] if args.device == "cuda" else []
+    if args.switch_interval_ms is not None:
+        flags = (*flags, "--server.switch-interval-ms", str(args.switch_interval_ms))
     argv = [sys.executable, "-m", "tandem.cli", "inference", "--model.name", str(folder), "--server.port", str(port),
             "--engine.device", args.device, "--engine.max-model-len", str(max_len), "--seed", str(args.seed),
             "--engine.num-blocks", str(num_blocks(args, pool)),

@@ -33,6 +33,13 @@ class ServerConfig(Section):
     """Broadcast weight transport: longest wait of this server for its group to form or for one
     update's tensors to arrive, after which the call fails (and the run stops) instead of hanging."""
 
+    switch_interval_ms: float | None = Field(None, gt=0)
+    """How long the server's HTTP side may hold Python's interpreter lock while the engine thread waits for it,
+    before it is made to let go (`sys.setswitchinterval`); unset: Python's 5 ms. Each time the engine thread comes
+    back from the device (a step's tokens read) it needs the lock, so under a busy event loop (many streams, KV
+    hand-offs received) a step can wait that long several times; a shorter interval shortens those waits and
+    interrupts the event loop more often."""
+
     max_request_bytes: int = Field(2**20, ge=1024)
     """Largest request body; a longer one is refused (413) before it is read. 1 MiB holds a 128k-token prompt
     as token ids or as text. Parsing a body holds the event loop (tens of milliseconds per MiB, the most for a

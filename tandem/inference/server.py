@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from tandem.config.inference import InferenceConfig
+from tandem.config.inference import InferenceConfig, ServerConfig
 from tandem.inference.app import build_app
 from tandem.inference.disaggregated import connect_prefill_servers
 from tandem.inference.disaggregated.peers import PeerUnreachable
@@ -36,6 +36,13 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def set_switch_interval(server: ServerConfig) -> None:
+    """`server.switch_interval_ms`, for this process's threads (the engine's and the HTTP side's)."""
+    if server.switch_interval_ms is not None:
+        sys.setswitchinterval(server.switch_interval_ms / 1000)
+        log.info("interpreter lock switch interval: %g ms", sys.getswitchinterval() * 1000)
 
 
 def build_served(config: InferenceConfig) -> Served:
@@ -90,6 +97,7 @@ def main(config: InferenceConfig) -> int:
         return 2
     app = build_app(served, config.server, config.disaggregation)
     settle_heap()
+    set_switch_interval(config.server)
     log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
     uvicorn.run(app, host=config.server.host, port=config.server.port, access_log=config.server.access_log, log_level="info")
     return 0
