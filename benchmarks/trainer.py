@@ -50,7 +50,9 @@ MFU = model FLOPs / step time / peak FLOP/s, the same count for both (`tandem.tr
 P_active = the parameters each token goes through (the tied embedding once: it is the LM head's
 matmul; k of the E routed experts of a MoE block; every parameter of a dense model), L = each sequence's
 length: attention counts only the causal sequences actually in the rows, never across packed
-samples. The same per-step count for both runs makes their MFU ratio their tokens/s ratio.
+samples. Latent attention and DSA (GLM-5, DeepSeek-V3) count their own heads' dims and the pairs DSA keeps,
+and DSA's forward-only indexers apart (`tandem.trainer.flops`' docstring). The same per-step count for both runs
+makes their MFU ratio their tokens/s ratio.
 `mfu_trainer_flops` also gives tandem's MFU over the FLOPs it asks for (the LM head on loss
 tokens only, `training_flops`). Recomputation is never counted.
 Peak: 989e12 (dense bf16 of one H100/H200 by the datasheet) per GPU on CUDA (`--peak-flops`
@@ -111,7 +113,8 @@ from step_profile import counts_since, once_only_counts, phase_summary, profile_
 
 H100_BF16_PEAK = 989e12
 MFU_FORMULA = ("(6 * P_active * tokens + sum over sequences of 6 * layers * Hq * D * L^2) / step time / peak; "
-               "P_active = all parameters - sum over MoE blocks of (E - k) / E * routed expert parameters")
+               "P_active = all parameters - sum over MoE blocks of (E - k) / E * routed expert parameters; "
+               "latent attention and DSA as tandem.trainer.flops counts them")
 
 
 @dataclass(frozen=True)
