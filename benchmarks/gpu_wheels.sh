@@ -12,7 +12,7 @@ out=${1:?usage: bash $0 OUT_DIR}
 cd "$(dirname "$0")/.."
 names=(fastapi annotated-doc starlette pydantic pydantic_core annotated-types typing-inspection uvicorn httptools h11
        msgspec sniffio opentelemetry-api tomli_w rich markdown-it-py mdurl Pygments typing_extensions anyio click
-       httpx httpcore certifi idna prometheus_client pytest-timeout openai jiter distro httpx2 httpcore2 truststore)
+       httpx httpcore certifi idna prometheus_client pytest-timeout openai jiter distro httpx2 httpcore2 truststore torchao)
 pins=()
 for name in "${names[@]}"; do
     pin=$(grep -i -m1 -E "^${name//[-_]/[-_]}==" constraints.txt) || { echo "constraints.txt pins no $name" >&2; exit 1; }
