@@ -23,6 +23,20 @@ def test_the_example_resolves(folder, monkeypatch):
     assert sft.output_dir.as_posix() in config.model.name  # RL starts from the model its warm-up writes
 
 
+def test_the_glm5_flagship_overlay_serves_its_warm_up_the_flagship_way(monkeypatch):
+    """`reverse_text_glm5/flagship.toml` on `rl.toml`: the same warm-up's model, a run folder of its own, and the
+    engine, servers and trainer of GLM-5's flagship deployment (tests/launch/test_rl_flagship.py runs it)."""
+    monkeypatch.chdir(EXAMPLES.parent)
+    base = parse_rl_args(["@", "examples/reverse_text_glm5/rl.toml"], environ={})
+    flagship = parse_rl_args(["@", "examples/reverse_text_glm5/rl.toml", "@", "examples/reverse_text_glm5/flagship.toml"],
+                             environ={})
+    assert flagship.model.name == base.model.name and flagship.warmup == base.warmup
+    assert flagship.output_dir != base.output_dir
+    engine = flagship.inference.engine
+    assert (engine.quantization, engine.kv_cache_dtype, engine.speculative.method) == ("fp8", "fp8", "mtp")
+    assert flagship.deployment.is_disaggregated and flagship.trainer.mtp.train
+
+
 class OneGpu:
     """A machine with one CUDA device, for the examples written for one GPU."""
 
