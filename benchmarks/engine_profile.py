@@ -33,6 +33,10 @@ GROUPS = (
 grouped expert matmul before the dense `_matmul_kernel`). What matches none is `other`."""
 TOP_KERNELS = 15
 """Kernels listed per phase."""
+TOP_LAUNCHERS = 8
+"""Launchers listed per phase for the GPU's idle time (`gpu_idle`)."""
+NOT_LINKED = "(no host op: a CUDA graph's replay, or the runtime's own)"
+"""The launcher of a device activity the profiler links to no host op."""
 
 
 def kernel_group(name: str) -> str:
@@ -56,6 +60,43 @@ def grouped_kernels(prof: profile, steps: int) -> dict:
                              "ms_per_step": sum(times) / steps} for name, times in top]}
 
 
+def device_activities(prof: profile) -> list[tuple[float, float, str]]:
+    """Every device activity of a profile (kernels, copies, sets): start and end in microseconds, and the host code
+    that launched it (`launcher`)."""
+    host = {event.id: event for event in prof.events() if event.device_type == DeviceType.CPU}
+    return [(a.start_ns() / 1e3, a.end_ns() / 1e3, launcher(host.get(a.linked_correlation_id())))
+            for a in prof.profiler.kineto_results.events() if a.device_type() == DeviceType.CUDA]
+
+
+def launcher(op) -> str:
+    """The innermost of tandem's Python frames around host op `op` (a profile taken `with_stack`), else the op."""
+    if op is None:
+        return NOT_LINKED
+    frame = op
+    while frame is not None and "tandem/" not in frame.name:
+        frame = frame.cpu_parent
+    return frame.name[frame.name.index("tandem/"):] if frame is not None else op.name
+
+
+def gpu_idle(activities: list[tuple[float, float, str]], steps: int) -> dict:
+    """The device's idle time between its first activity's start and its last one's end (intervals in microseconds,
+    each with its launcher), per step: in all, and by the launcher of the activity that ended each gap: the host code
+    the device waited for, where the host was late (a gap can also be a wait on the host's own reads)."""
+    idle, by_launcher = 0.0, {}
+    busy_until = None
+    for start, end, name in sorted(activities):
+        if busy_until is not None and start > busy_until:
+            gap = by_launcher.setdefault(name, [0.0, 0])
+            gap[0] += start - busy_until
+            gap[1] += 1
+            idle += start - busy_until
+        busy_until = end if busy_until is None else max(busy_until, end)
+    top = sorted(by_launcher.items(), key=lambda item: -item[1][0])[:TOP_LAUNCHERS]
+    return {"gpu_idle_ms_per_step": idle / 1e3 / steps,
+            "idle_before": [{"launcher": name, "ms_per_step": us / 1e3 / steps, "gaps_per_step": n / steps}
+                            for name, (us, n) in top]}
+
+
 def print_phase(label: str, phase: str, figures: dict) -> None:
     print(f"--- {label} {phase}: {figures['wall_per_step_s'] * 1e3:.2f} ms per step (wall), "
           f"{figures['gpu_ms_per_step']:.2f} ms of kernels", flush=True)
@@ -64,11 +105,17 @@ def print_phase(label: str, phase: str, figures: dict) -> None:
     for kernel in figures["top_kernels"]:
         print(f"  {kernel['ms_per_step']:8.3f} ms  {kernel['calls_per_step']:6.1f} calls  {kernel['group']:<24} "
               f"{kernel['name'][:90]}")
+    if "gpu_idle_ms_per_step" in figures:
+        print(f"  GPU idle {figures['gpu_idle_ms_per_step']:.3f} ms per step; before the activities of (traced apart):")
+        for gap in figures["idle_before"]:
+            print(f"  {gap['ms_per_step']:8.3f} ms  {gap['gaps_per_step']:6.1f} gaps  {gap['launcher'][:100]}")
 
 
 def profiled_steps(engine, prompts: list[list[int]], output_len: int, num_decode: int, label: str = "") -> dict:
     """Add `prompts` (each to `output_len` tokens) and profile two prefill steps, then, once every prompt is in and
-    8 more steps ran, `num_decode` decode steps; the requests then run to their end."""
+    8 more steps ran, `num_decode` decode steps; the requests then run to their end. On CUDA each phase also gives
+    the GPU's idle time per step, and, from as many more steps traced with Python stacks (slower on the host, so
+    apart), the host code each idle gap waited for (`gpu_idle`)."""
     params = SamplingParams(max_tokens=output_len, temperature=1.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profiled-{i}", prompt, params, incremental=False)
@@ -88,6 +135,13 @@ def profiled_steps(engine, prompts: list[list[int]], output_len: int, num_decode
             synchronize(engine.device)
             wall = (time.perf_counter() - t0) / steps
         out[phase] = {"wall_per_step_s": wall, "steps": steps, **grouped_kernels(prof, steps)}
+        if engine.device.type == "cuda":  # the idle time untraced; its launchers from as many steps traced
+            out[phase]["gpu_idle_ms_per_step"] = gpu_idle(device_activities(prof), steps)["gpu_idle_ms_per_step"]
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as traced:
+                for _ in range(steps):
+                    engine.step()
+                synchronize(engine.device)
+            out[phase]["idle_before"] = gpu_idle(device_activities(traced), steps)["idle_before"]
         print_phase(label, phase, out[phase])
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
     while engine.has_unfinished:
