@@ -166,4 +166,6 @@ def print_comparison(profiles: dict[str, dict]) -> None:
         for group in [g for g, _ in GROUPS] + ["other"]:
             print(f"  {group:<24}" + "".join(f"{c['groups_ms_per_step'][group]:14.3f}" for c in columns.values()))
         print(f"  {'all kernels':<24}" + "".join(f"{c['gpu_ms_per_step']:14.3f}" for c in columns.values()))
+        if all("gpu_idle_ms_per_step" in c for c in columns.values()):
+            print(f"  {'GPU idle':<24}" + "".join(f"{c['gpu_idle_ms_per_step']:14.3f}" for c in columns.values()))
         print(f"  {'wall':<24}" + "".join(f"{c['wall_per_step_s'] * 1e3:14.3f}" for c in columns.values()), flush=True)
