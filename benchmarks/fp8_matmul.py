@@ -61,13 +61,14 @@ TOKEN_COUNTS = (1, 16, 64, 256, 2048)
 
 def dense_grid(m: int) -> list[dict]:
     """Tiles of the Triton product tried for `m` rows (BLOCK_K is the scale group). Few rows (decode): a row block of
-    16 (or one that holds them), column tiles of 64 or 128 and splits of the reduction (`SPLIT_K`), so that enough
-    programs share the weight's reads; a few hundred: blocks of 64 or 128 rows; many (prefill): large tiles, 8 warps,
-    3 or 4 stages. Each tile is a kernel of its own to compile (about a second): the grid stays near 25 tiles, so that
-    a sweep of every shape stays near a minute."""
+    16 (or one that holds them), column tiles of 32, 64 or 128 and splits of the reduction (`SPLIT_K`), so that enough
+    programs share the weight's reads (a column tile of 64 gives 80 programs for 5,120 columns, fewer than an H100's
+    132 SMs); a few hundred: blocks of 64 or 128 rows; many (prefill): large tiles, 8 warps, 3 or 4 stages. Each tile
+    is a kernel of its own to compile (about a second): the grid stays near 30 tiles, so that a sweep of every shape
+    stays near a minute."""
     if m <= 64:
         return [dict(BLOCK_M=bm, BLOCK_N=n, num_warps=4, num_stages=4, SPLIT_K=k)
-                for bm, n, k in itertools.product(sorted({16, min(64, max(16, 1 << (m - 1).bit_length()))}), (64, 128), (1, 2, 4))]
+                for bm, n, k in itertools.product(sorted({16, min(64, max(16, 1 << (m - 1).bit_length()))}), (32, 64, 128), (1, 2, 4))]
     if m <= 256:
         return [dict(BLOCK_M=bm, BLOCK_N=n, num_warps=4 if bm < 128 else 8, num_stages=3, SPLIT_K=k)
                 for bm, n, k in ((64, 64, 1), (64, 128, 1), (128, 64, 1), (128, 128, 1), (64, 64, 2), (64, 128, 2))]
