@@ -32,6 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts and lengths")
+    parser.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths only")
     add_engine_arguments(parser)
     parser.add_argument("--exact", action="store_true", help="`run.exact`: the engine's batch-invariant path")
     parser.add_argument("--out", help="write the figures to this JSON file")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,3 +39,19 @@ def test_the_launcher_is_the_innermost_tandem_frame_around_the_op():
     assert engine_profile.launcher(op) == "tandem/inference/engine/sampler.py(40): sample"
     assert engine_profile.launcher(SimpleNamespace(name="aten::mm", cpu_parent=module)) == "aten::mm"
     assert engine_profile.launcher(None) == engine_profile.NOT_LINKED
+
+
+def test_profile_engine_runs_on_the_cpu(tmp_path):
+    """`benchmarks/profile_engine.py` end to end at a tiny scale: its timed run and its profiled phases, written out
+    (on the CPU no device activity: no idle time to tell)."""
+    out = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_engine.py"), "--preset", "tiny",
+                             "--device", "cpu", "--scale", "0.05", "--out", str(out)],
+                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["timed"]["steps"] > 0
+    assert set(figures["profiled"]) == {"prefill", "decode"}
+    assert all(phase["wall_per_step_s"] > 0 and "gpu_idle_ms_per_step" not in phase
+               for phase in figures["profiled"].values())
