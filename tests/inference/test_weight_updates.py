@@ -31,11 +31,17 @@ def test_update_in_the_middle_of_32_requests(fresh_server, tiny_model, tiny_othe
     bodies = [{"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(1, 50))], "max_tokens": 120,
                "seed": i, "ignore_eos": True} for i in range(32)]
     stats = fresh_server.served.engine.stats
+    scheduler = fresh_server.served.engine.engine.scheduler
+
+    def every_request_began() -> bool:
+        """Each of the 32 sequences holds a token of version 0 (a count of tokens alone can come from fewer)."""
+        running = list(scheduler.running)
+        return len(running) == 32 and all(seq.oldest_weight_version == 0 for seq in running)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=fresh_server.url, timeout=120) as http:
             in_flight = [asyncio.create_task(http.post("/v1/generate", json=b)) for b in bodies]
-            while stats().num_generation_tokens < 32 * 5:  # every request has tokens from version 0
+            while stats().num_generation_tokens < 32 * 5 or not every_request_began():
                 await asyncio.sleep(0.005)
             update = await http.post("/update_weights", json={"path": str(tiny_other_dir)})
             unfinished = sum(not t.done() for t in in_flight)
