@@ -11,12 +11,12 @@
 #     bash benchmarks/latent_gpu.sh OUT_DIR        # default OUT_DIR: $OUT; PYTHON=... picks the interpreter
 source "$(dirname "$0")/gpu_script.sh" "$@"
 
-run_tests tests 140 tests/kernels/test_latent_attention_kernels.py \
+run_tests tests 220 tests/kernels/test_latent_attention_kernels.py \
     tests/inference/test_gpu_latent_cache.py \
     tests/inference/test_fp8_latent_engine.py::test_fp8_latent_engine_on_cuda_stays_close_to_bf16 \
     tests/inference/test_mtp_draft.py::test_on_cuda_the_mtp_layers_experts_run_the_engines_kernels
 tail -40 "$out/tests.log"
-run latent_decode 180 "$python" benchmarks/latent_decode.py --modes dsa dense --kv-cache-dtypes auto fp8 --repeats 10 \
+run latent_decode 120 "$python" benchmarks/latent_decode.py --modes dsa dense --kv-cache-dtypes auto fp8 --repeats 10 \
     --out "$out/latent-decode.json"
 tail -30 "$out/latent_decode.log"
 run_tests exact 120 tests/trainer/test_exact_parity.py -k "cuda and (latent or mtp)"
