@@ -93,6 +93,20 @@ def context_of(cache_layer: torch.Tensor, table: torch.Tensor, ctx: int) -> torc
     return cache_layer[table[positions // S], positions % S]
 
 
+def float64_index_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """DSA's index scores of one query (queries [H, D], weights [H]) over keys [C, D], in float64: [C]."""
+    q, w, k = queries.double(), weights.double(), keys.double()
+    return (w[:, None] * torch.relu(q @ k.T * q.shape[-1] ** -0.5)).sum(0)
+
+
+def assert_top_k_up_to_ties(scores: torch.Tensor, chosen: list[int], k: int, tolerance: float) -> None:
+    """`chosen` holds min(k, context) distinct positions, each scored within the tolerance of the k-th best of
+    `scores` [context]: the top k up to near ties the scores' precision cannot order."""
+    kth_best = scores.topk(min(k, scores.shape[0])).values[-1]
+    assert len(set(chosen)) == len(chosen) == min(k, scores.shape[0]), chosen
+    assert (scores[sorted(chosen)] >= kth_best - tolerance * (1 + kth_best.abs())).all(), chosen
+
+
 def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: float, index_topk: int = 12,
                                   heads: int = 4, fp8: bool = False) -> None:
     """The three kernels on a decode-only step (`DECODES`) against float64 formulas over each gathered context (`fp8`:
@@ -121,16 +135,13 @@ def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: fl
         if ctx == 0:  # a padding row: nothing seen, zeros out
             assert torch.isinf(scores[i]).all() and not dense[i].any() and not sparse[i].any()
             continue
-        k_i = context_of(keys, meta.block_tables[i], ctx).double()
-        q_i, w_i = index.queries[0, i].double(), index.weights[0, i].double()
-        expected = (w_i[:, None] * torch.relu(q_i @ k_i.T * q_i.shape[-1] ** -0.5)).sum(0)
+        expected = float64_index_scores(index.queries[0, i], index.weights[0, i],
+                                        context_of(keys, meta.block_tables[i], ctx))
         torch.testing.assert_close(scores[i, :ctx].double(), expected, rtol=tolerance, atol=tolerance)
         assert torch.isinf(scores[i, ctx:]).all()
         # The top k, up to near ties the scores' tolerance cannot order (FP8 keys in bf16): its attention follows it.
         picked = chosen[i, :counts[i]].cpu()
-        kth_best = expected.topk(min(index_topk, ctx)).values[-1]
-        assert len(set(picked.tolist())) == min(index_topk, ctx)
-        assert (expected[picked] >= kth_best - tolerance * (1 + kth_best.abs())).all()
+        assert_top_k_up_to_ties(expected.cpu(), picked.tolist(), index_topk, tolerance)
         e_i = context_of(entries, meta.block_tables[i], ctx).double()
         for out, seen in ((dense, torch.arange(ctx)), (sparse, picked)):
             weights = torch.softmax(q[i].double() @ e_i[seen].T * attention.absorbed_scale, dim=-1)
@@ -167,13 +178,10 @@ def check_near_tie(cache, meta, index, row: int, index_topk: int, choices: tuple
     seq = int(torch.searchsorted(meta.query_start, torch.tensor(row, device=meta.query_start.device), right=True)) - 1
     position = int(meta.seq_lens[seq]) - (int(meta.query_start[seq + 1]) - row)
     every_block = torch.arange(cache.entries.shape[1], device=meta.block_tables.device)
-    keys = context_of(cache.read_index_keys(0, every_block), meta.block_tables[seq], position + 1).double()
-    q, w = index.queries[0, row].double(), index.weights[0, row].double()
-    scores = (w[:, None] * torch.relu(q @ keys.T * q.shape[-1] ** -0.5)).sum(0).cpu()
-    kth_best = scores.topk(min(index_topk, position + 1)).values[-1]
+    keys = context_of(cache.read_index_keys(0, every_block), meta.block_tables[seq], position + 1)
+    scores = float64_index_scores(index.queries[0, row], index.weights[0, row], keys).cpu()
     for choice in choices:
-        assert len(choice) == min(index_topk, position + 1), (row, choice)
-        assert (scores[sorted(choice)] >= kth_best - tolerance * (1 + kth_best.abs())).all(), (row, choices)
+        assert_top_k_up_to_ties(scores, list(choice), index_topk, tolerance)
 
 
 def check_backend_against_torch_path(device: str, dtype: torch.dtype, tolerance: float, fp8: bool = False) -> None:
