@@ -97,7 +97,7 @@ from tandem.config.base import ModelConfig, RunConfig
 from tandem.config.trainer import (ActivationCheckpointConfig, AdamWConfig, AIPOLoss, Float8TrainingConfig, KernelsConfig,
                                    ParallelConfig, RolloutDataConfig, TrainerConfig)
 from tandem.models.loading import DUMMY_SEED, build_native
-from tandem.models.presets import PRESETS, init_model
+from tandem.models.presets import PRESETS, preset_config, write_model
 from tandem.models.random_init import initial_value
 from tandem.trainer.batch import prepare_micro_batches
 from tandem.trainer.micro_batch import MicroBatch
@@ -417,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--num-layers", type=int, default=None, help="cut the preset to this many blocks (one GPU)")
+    parser.add_argument("--mtp-layers", type=int, default=None,
+                        help="multi-token prediction layers kept after the blocks (default: the preset's; a trainer "
+                             "holds them, frozen, in fp32 beside the blocks)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of tandem (parallel.ep; under torchrun)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size of tandem (parallel.cp; under torchrun)")
     parser.add_argument("--max-position-embeddings", type=int, default=None,
@@ -473,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         peak, peak_note = H100_BF16_PEAK, "989e12 dense bf16 (H100/H200 datasheet)"
     else:
         peak, peak_note = measured_cpu_peak(), f"measured fp32 matmul peak of this process, {torch.get_num_threads()} threads"
-    results = {"preset": args.preset, "num_layers": args.num_layers, "max_position_embeddings": args.max_position_embeddings,
+    results = {"preset": args.preset, "num_layers": args.num_layers, "mtp_layers": args.mtp_layers, "max_position_embeddings": args.max_position_embeddings,
                "device": str(device), "mfu_formula": MFU_FORMULA, "peak_tflops": peak / 1e12, "peak_note": peak_note,
                "warmup_steps": args.warmup, "environment": environment(device, args.commit), "runs": []}
     if set(args.fp8) != {"off"}:
@@ -495,8 +498,10 @@ def main(argv: list[str] | None = None) -> int:
             tmp.replace(args.out)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = init_model(args.preset, Path(tmp) / "model", seed=0, num_layers=args.num_layers, weights=False,
-                            max_position_embeddings=args.max_position_embeddings)
+        config = preset_config(args.preset, args.num_layers, args.max_position_embeddings)
+        if args.mtp_layers is not None:
+            config["num_nextn_predict_layers"] = args.mtp_layers
+        folder = write_model(config, Path(tmp) / "model", seed=0, weights=False)
         if device.type == "cuda" and is_main:
             hf_config = json.loads((folder / "config.json").read_text())
             results["attention_tflops_fwd_bwd"] = {"seq_len": args.shapes[0].seq_len,

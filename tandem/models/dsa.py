@@ -19,22 +19,24 @@ approximation, so both are left out, as transformers leaves them out.
 
 Where no query sees more than `index_topk` tokens (no document longer), the selection is every visible token:
 `sparse_context` is None and the layers attend densely through the model's attention backend, without indexer.
-Otherwise the selection is a boolean mask [B, T, T] and attention runs under it (`sparse_attend`): a plain PyTorch
-reference whose memory grows with T^2, not a sparse kernel. The index scores would grow with T^2 x index_n_heads in
-fp32: they are made and reduced to their top-k in slices of the queries (`choose`), each of at most `SCORED_PAIRS`
-(query, key) pairs. Nothing of them is kept for backward (they carry no gradient), so activation checkpointing has
-nothing of theirs to save or recompute but the boolean selection.
+Otherwise each query's choice is its positions (`Chosen`) and attention reads only those
+(`tandem.models.chosen_attention`): memory and work grow with T x `index_topk`, not T^2. The index scores would grow
+with T^2 x index_n_heads in fp32: they are made and reduced to their top-k in slices of the queries (`choose`), each of
+at most `SCORED_PAIRS` (query, key) pairs, with each slice's visibility made from the documents' ids (no [T, T] mask).
+Nothing of them is kept for backward (they carry no gradient), so activation checkpointing has nothing of theirs to
+save or recompute but the chosen positions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models.attention import document_causal_mask
+from tandem.models.attention import document_ids
 from tandem.models.layers import projection_weight
 from tandem.models.mla import query_slices, rotate
 
@@ -45,13 +47,25 @@ SCORED_PAIRS = 2**22
 """Most (query, key) pairs whose index scores exist at once: 512 MiB of fp32 at GLM-5's 32 indexer heads."""
 
 
+Visibility = torch.Tensor | Callable[[slice], torch.Tensor]
+"""The keys each query may choose: [B, T, S] bool, or a function of a slice of the queries giving theirs [B, L, S]
+(a trainer's row, whose [T, T] mask is never made whole)."""
+
+
 @dataclass
 class SparseContext:
     """What every DSA layer of one forward shares."""
 
-    visible: torch.Tensor
-    """[B, T, T] bool: key s is in query t's document and s <= t."""
+    documents: torch.Tensor
+    """[B, T] the packed document of each token."""
     index_topk: int
+
+    def visible(self, part: slice) -> torch.Tensor:
+        """[B, L, T] bool: the keys of their document at or before them that the queries of slice `part` see."""
+        T = self.documents.shape[1]
+        keys = torch.arange(T, device=self.documents.device)
+        queries = keys[part]
+        return (self.documents[:, part, None] == self.documents[:, None, :]) & (keys[None, None] <= queries[None, :, None])
 
 
 def sparse_context(position_ids: torch.Tensor, index_topk: int) -> SparseContext | None:
@@ -59,7 +73,23 @@ def sparse_context(position_ids: torch.Tensor, index_topk: int) -> SparseContext
     position_t + 1 tokens (positions restart at each packed document). Reading the longest is a host sync."""
     if int(position_ids.max()) < index_topk:
         return None
-    return SparseContext(document_causal_mask(position_ids), index_topk)
+    return SparseContext(document_ids(position_ids), index_topk)
+
+
+@dataclass
+class Chosen:
+    """The DSA choice of queries [...]: a trainer's row [B, T], an engine group's [G, L] or its kernels' [Q]."""
+
+    positions: torch.Tensor
+    """[..., K] context positions of each query's chosen tokens, highest index score first (K <= index_topk)."""
+    counts: torch.Tensor
+    """[...] how many of them the query sees: its first ones (a query seeing fewer than K tokens has fewer; a top-k
+    ranks the positions it cannot see last)."""
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """[..., K] bool: the position is one the query sees."""
+        return torch.arange(self.positions.shape[-1], device=self.positions.device) < self.counts[..., None]
 
 
 @dataclass
@@ -114,25 +144,20 @@ def top_k(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Te
     return top, visible.gather(-1, top)
 
 
-def choose(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int,
+def choose(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: Visibility, k: int,
            max_pairs: int = SCORED_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
     """`top_k` of the index scores of queries [B, T, H, D] with weights [B, T, H] against keys [B, S, D] (a row's, a
-    gathered row's or a cache's), among the keys `visible` [B, T, S] lets each see; scored in slices of the queries
-    of at most `max_pairs` (query, key) pairs each (one query at least)."""
-    parts = [top_k(index_scores(queries[:, part], keys, weights[:, part]), visible[:, part], k)
-             for part in query_slices(visible.numel(), visible.shape[1], max_pairs)]
+    gathered row's or a cache's), among the keys `visible` lets each see; scored in slices of the queries of at most
+    `max_pairs` (query, key) pairs each (one query at least)."""
+    B, T, S = queries.shape[0], queries.shape[1], keys.shape[1]
+    visible_part = visible if callable(visible) else (lambda part: visible[:, part])
+    parts = [top_k(index_scores(queries[:, part], keys, weights[:, part]), visible_part(part), k)
+             for part in query_slices(B * T * S, T, max_pairs)]
     positions, kept = (torch.cat(chosen, dim=1) for chosen in zip(*parts))
     return positions, kept
 
 
-def select(index: IndexerProjections, keys: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """`choose` of `index`'s queries over `keys` as a mask [B, T, S] bool: the keys each query attends to."""
+def chosen(index: IndexerProjections, keys: torch.Tensor, visible: Visibility, k: int) -> Chosen:
+    """`choose` of `index`'s queries over `keys` as a `Chosen`."""
     positions, kept = choose(index.queries, index.weights, keys, visible, k)
-    return torch.zeros_like(visible).scatter_(-1, positions, kept)
-
-
-def sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
-    """q, k [B, T, H, D], v [B, T, H, Dv] attending to the selected keys only (`selection` [B, T, T]) -> [B, T, H, Dv];
-    the scale is attention's default 1 / sqrt(D), as through a backend."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=selection[:, None])
-    return out.transpose(1, 2)
+    return Chosen(positions, kept.sum(-1))

@@ -30,7 +30,7 @@ from torch import nn
 
 from tandem.models.attention import AttentionBackend, PackedCausalAttention
 from tandem.models.decoder import DecoderLM, PreNormBlock, after_attention
-from tandem.models.dsa import Indexer, SparseContext, select, sparse_attend, sparse_context
+from tandem.models.dsa import Chosen, Indexer, SparseContext, chosen, sparse_context
 from tandem.models.glm4_moe import Glm4MoeArgs, routing_fields
 from tandem.models.hf_config import UnsupportedConfig, decoder_fields, expect, transformers_config
 from tandem.models.layers import MLP, projection_weight, rms_norm, rope_cos_sin
@@ -142,9 +142,9 @@ class LatentAttentionBlock(PreNormBlock):
     x + mlp(norm(x)). Between layers it passes the DSA selection on (`forward`'s second output)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
-                sparse: SparseContext | None = None, selection: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [B, T, hidden] -> (x after the block, the DSA selection [B, T, T] the next `shared` layer reuses).
+                sparse: SparseContext | None = None, selection: Chosen | None = None
+                ) -> tuple[torch.Tensor, Chosen | None]:
+        """x [B, T, hidden] -> (x after the block, the DSA selection the next `shared` layer reuses).
 
         `sparse`: None attends densely through `backend` (no DSA, or no query sees more than `index_topk` tokens);
         else a full layer selects with its indexer and a shared one uses `selection`. A `LatentBackend` (the engine's
@@ -157,8 +157,8 @@ class LatentAttentionBlock(PreNormBlock):
         return x, selection
 
     def attention_output(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
-                         sparse: SparseContext | None, selection: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         sparse: SparseContext | None, selection: Chosen | None
+                         ) -> tuple[torch.Tensor, Chosen | None]:
         """The block's attention before o_proj, [B, T, H, Dv], and the selection `forward` passes on (its
         arguments). Apart from `forward` so that the engine's FP8 block (`tandem.inference.engine.fp8_blocks`)
         computes the same attention and takes over from o_proj on."""
@@ -172,20 +172,22 @@ class LatentAttentionBlock(PreNormBlock):
         return self.attend(h, projections, cos, sin, backend, sparse, selection)
 
     def attend(self, h: torch.Tensor, projections: LatentProjections, cos: torch.Tensor, sin: torch.Tensor,
-               backend: AttentionBackend, sparse: SparseContext | None, selection: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention through a backend of expanded keys and values: [B, T, H, Dv] and the selection."""
+               backend: AttentionBackend, sparse: SparseContext | None, selection: Chosen | None
+               ) -> tuple[torch.Tensor, Chosen | None]:
+        """Attention through a backend of expanded keys and values where every visible token is attended, else over
+        each query's chosen entries in the absorbed form: [B, T, H, Dv] and the selection."""
         attention = self.self_attn
-        q = attention.queries(projections.q_nope, projections.q_rope)
-        k, v = attention.keys_values(projections.entries)
         if sparse is None:
+            q = attention.queries(projections.q_nope, projections.q_rope)
+            k, v = attention.keys_values(projections.entries)
             return backend.attend(self.layer_idx, q, k, v), selection
         if attention.indexer is not None:
             index = attention.indexer.project(h, projections.query_latent, cos, sin)
-            selection = select(index, index.keys, sparse.visible, sparse.index_topk)
+            selection = chosen(index, index.keys, sparse.visible, sparse.index_topk)
         elif selection is None:
             raise ValueError(f"layer {self.layer_idx} shares the DSA selection of an earlier layer, but none came before")
-        return sparse_attend(q, k, v, selection), selection
+        return attention.attend_chosen(projections.q_nope, projections.q_rope, projections.entries, selection.positions,
+                                       selection.kept), selection
 
 
 def latent_block(args: LatentMoeArgs, layer_idx: int, sparse: bool, indexed: bool, cls: type = LatentAttentionBlock) -> nn.Module:

@@ -9,7 +9,7 @@ A decoding cache needs only c (after its norm) and RoPE(k_rope) per token, kv_lo
 together: a latent cache "entry" [c | RoPE(k_rope)]. Attention over entries has two forms, equal in exact arithmetic:
 - expanded (the form training uses, and the engine's for prefill chunks): kv_b_proj turns every entry into each
   head's k_nope and v, then attention per head (Hq = Hkv heads, q and k of Dn + Dr features, v of Dv);
-- absorbed (the engine's for decodes): kv_b_proj = per head [W_UK (Dn x c) ; W_UV (Dv x c)], so
+- absorbed (the engine's for decodes, and training's over DSA's chosen entries): kv_b_proj = per head [W_UK (Dn x c) ; W_UV (Dv x c)], so
   q_nope . (W_UK c) = (W_UK^T q_nope) . c and sum_s p_s W_UV c_s = W_UV sum_s p_s c_s: each query becomes
   [W_UK^T q_nope | q_rope] over the entries themselves (one key head of kv_lora_rank + Dr features shared by every
   query head, values their first kv_lora_rank features), and W_UV applies after attention. A token's keys and values
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.chosen_attention import attend_chosen
 from tandem.models.layers import RMSNorm, apply_rope, projection_weight, rms_norm
 
 if TYPE_CHECKING:
@@ -162,6 +163,14 @@ class LatentAttention(nn.Module):
                                               scale=self.absorbed_scale, enable_gqa=True)
                for part in query_slices(q.shape[0] * q.shape[1] * entries.shape[1], q.shape[1], max_pairs)]
         return self.latent_values(torch.cat(out, dim=2).transpose(1, 2))
+
+    def attend_chosen(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, positions: torch.Tensor,
+                      kept: torch.Tensor) -> torch.Tensor:
+        """What `attend_absorbed` computes where each query [B, T, H, ...] sees only the entries [B, S, ...] at its
+        `positions` [B, T, k] that it keeps (`kept`), without a [T, S] mask (`tandem.models.chosen_attention`):
+        [B, T, H, Dv]."""
+        q = self.absorbed_queries(q_nope, q_rope)
+        return self.latent_values(attend_chosen(q, entries, positions, kept, self.absorbed_scale, self.kv_lora_rank))
 
     def absorbed_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's per-head W_UK [H, Dn, kv_lora_rank] and W_UV [H, Dv, kv_lora_rank]."""

@@ -153,7 +153,7 @@ def chosen_tokens(backend, selection: list | None, kernels: bool) -> dict[int, f
     """Each query's (the step's token row's) chosen context positions in a step's DSA `selection`, whatever form its
     path keeps them in: a chunk's mask, short queries' `Chosen` per [G, L] query or per kernel query; none where a
     group sees every visible token."""
-    from tandem.inference.engine.paged_latent_attention import Chosen
+    from tandem.models.dsa import Chosen
 
     picked: dict[int, frozenset[int]] = {}
     for group, choice in zip(backend.groups(), selection or []):

@@ -153,7 +153,8 @@ def test_mla_and_dsa_equal_the_papers_formulas_as_do_transformers(tmp_path):
                  if k.startswith(f"model.layers.{i}.self_attn.")}, normed, a, None if i == 0 else expected_selection)
             out, selection = block(xs[i][None], cos, sin, None, context, selection)
             torch.testing.assert_close(out[0] - xs[i], expected, atol=1e-7, rtol=0)
-            assert torch.equal(selection[0], expected_selection)
+            chosen = torch.zeros(T, T, dtype=torch.bool).scatter_(-1, selection.positions[0], selection.kept[0])
+            assert torch.equal(chosen, expected_selection)
             attended, _, their_topk = theirs.model.layers[i].self_attn(normed[None], their_embeddings, mask,
                                                                         prev_topk_indices=their_topk)
             torch.testing.assert_close(attended[0], expected, atol=1e-7, rtol=0)
@@ -163,12 +164,11 @@ def test_mla_and_dsa_equal_the_papers_formulas_as_do_transformers(tmp_path):
 @pytest.mark.parametrize("shape", [TINY_GLM5, dict(TINY_DEEPSEEK_V3, rope_parameters=YARN, q_lora_rank=None)],
                          ids=["glm5", "deepseek-v3-yarn-full-query"])
 def test_absorbed_and_expanded_forms_equal_the_models_attention(shape, tmp_path):
-    """The engine's two forms over latent entries (`LatentAttention.attend_expanded`, `attend_absorbed`) against the
-    model's attention of expanded q, k and v on the same inputs, in fp64: causal, and under a DSA-like selection;
-    the queries of every position (a prefill chunk) and of the last three only over the whole context (decodes); all
-    at once and in slices of the queries."""
+    """The forms over latent entries (`LatentAttention.attend_expanded` and `attend_absorbed` under a mask,
+    `attend_chosen` over each query's positions) against attention of the model's expanded q, k and v on the same
+    inputs, in fp64: causal, and under a DSA-like selection; the queries of every position (a prefill chunk) and of
+    the last three only over the whole context (decodes); all at once and in slices of the queries."""
     from tandem.models.attention import PackedCausalAttention
-    from tandem.models.dsa import sparse_attend
 
     model = load_causal_lm(str(write_with_random_biases(shape, tmp_path / "m")), "cpu", "float32").double()
     attention, a, T = model.layers[1].self_attn, model.args, 20
@@ -182,7 +182,8 @@ def test_absorbed_and_expanded_forms_equal_the_models_attention(shape, tmp_path)
     chosen = causal & (torch.rand(1, T, T, generator=generator) < 0.5) | torch.eye(T, dtype=torch.bool)[None]
     dense = PackedCausalAttention(positions).attend(0, q, k, v)
     for visible in (causal, chosen):
-        expected = sparse_attend(q, k, v, visible)  # the model's DSA path; under the causal mask its dense one
+        expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  attn_mask=visible[:, None]).transpose(1, 2)
         if visible is causal:
             torch.testing.assert_close(expected, dense, atol=1e-12, rtol=0)
         for form, max_pairs in itertools.product((attention.attend_expanded, attention.attend_absorbed), (None, 30, 100)):
@@ -190,7 +191,12 @@ def test_absorbed_and_expanded_forms_equal_the_models_attention(shape, tmp_path)
             torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
             last = form(p.q_nope[:, -3:], p.q_rope[:, -3:], p.entries, visible[:, -3:], max_pairs)
             torch.testing.assert_close(last, expected[:, -3:], atol=1e-12, rtol=0)
-    assert (sparse_attend(q, k, v, chosen) - dense).abs().max() > 1e-3  # the selection mattered
+        order = (~visible).to(torch.uint8).argsort(dim=-1, stable=True)[..., :12]  # what each sees first, then others
+        got = attention.attend_chosen(p.q_nope, p.q_rope, p.entries, order, visible.gather(-1, order))
+        seen = visible.sum(-1) <= 12  # the queries whose every visible token is among their 12 positions
+        torch.testing.assert_close(got[seen], expected[seen], atol=1e-12, rtol=0)
+        assert not seen.all() and (got[~seen] - expected[~seen]).abs().max() > 1e-3
+    assert (expected - dense).abs().max() > 1e-3  # the selection mattered
 
 
 def test_glm5_preset_is_the_released_shape():

@@ -37,14 +37,14 @@ def test_sparse_attention_counts_the_pairs_the_indexer_keeps(tmp_path, monkeypat
     config = shape_config(dict(PRESETS["tiny-glm5"], index_topk=topk))
     model = load_causal_lm(str(write_model(config, tmp_path / "m")))
     kept = []
-    select = glm_moe_dsa.select
+    choose = glm_moe_dsa.chosen
 
     def counting(*args):
-        mask = select(*args)
-        kept.append(int(mask.sum()))
-        return mask
+        selection = choose(*args)
+        kept.append(int(selection.counts.sum()))
+        return selection
 
-    monkeypatch.setattr(glm_moe_dsa, "select", counting)
+    monkeypatch.setattr(glm_moe_dsa, "chosen", counting)
     positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     with torch.no_grad():
         model(torch.randint(0, 256, positions.shape), positions)

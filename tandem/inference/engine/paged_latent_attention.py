@@ -47,29 +47,12 @@ import torch
 from tandem.inference.engine.kv_cache import LatentCache
 from tandem.inference.engine.paged_attention import SHORT_QUERY_TOKENS, AttentionMetadata
 from tandem.kernels import latent_attention as latent_kernels
-from tandem.models.dsa import IndexerProjections, choose
+from tandem.models.dsa import Chosen, IndexerProjections, choose
 from tandem.models.exact_latent import TokenContext
 from tandem.models.mla import LatentAttention, LatentProjections
 
 QUERY_KEY_PAIRS = 2**22
 """Most (query, context token) pairs one op of a group scores: the logits of 64 heads in fp32 take 1 GiB."""
-
-
-@dataclass
-class Chosen:
-    """A short-query group's DSA choice, per query: [G, L] queries on the torch path, the kernels' queries
-    (`QueryGroup.kernel_queries`) [Q] on theirs."""
-
-    positions: torch.Tensor
-    """[..., K] context positions of each query's chosen tokens, highest index score first (K <= index_topk)."""
-    counts: torch.Tensor
-    """[...] how many of them the query sees: its first ones (a query seeing fewer than K tokens has fewer; a top-k
-    ranks the positions it cannot see last)."""
-
-    @property
-    def kept(self) -> torch.Tensor:
-        """[G, L, K] bool: the position is one the query sees."""
-        return torch.arange(self.positions.shape[-1], device=self.positions.device) < self.counts[..., None]
 
 
 @dataclass
