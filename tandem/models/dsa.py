@@ -22,9 +22,9 @@ Where no query sees more than `index_topk` tokens (no document longer), the sele
 Otherwise each query's choice is its positions (`Chosen`) and attention reads only those
 (`tandem.models.chosen_attention`): memory and work grow with T x `index_topk`, not T^2. The index scores would grow
 with T^2 x index_n_heads in fp32: they are made and reduced to their top-k in slices of the queries (`choose`), each of
-at most `SCORED_PAIRS` (query, key) pairs, with each slice's visibility made from the documents' ids (no [T, T] mask).
-Nothing of them is kept for backward (they carry no gradient), so activation checkpointing has nothing of theirs to
-save or recompute but the chosen positions.
+at most `SCORED_PAIRS` (query, key) pairs, each slice scoring only the keys up to its last query, under a
+visibility made from the documents' ids (no [T, T] mask). Nothing of them is kept for backward (they carry no
+gradient): only the chosen positions. A checkpointed block recomputing its forward in backward scores again.
 """
 
 from __future__ import annotations
@@ -61,11 +61,12 @@ class SparseContext:
     index_topk: int
 
     def visible(self, part: slice) -> torch.Tensor:
-        """[B, L, T] bool: the keys of their document at or before them that the queries of slice `part` see."""
-        T = self.documents.shape[1]
-        keys = torch.arange(T, device=self.documents.device)
+        """[B, L, E] bool: the keys of their document at or before them that the L queries of slice `part` see,
+        among the E keys up to the slice's last query (none after it sees any)."""
+        end = min(part.stop, self.documents.shape[1])
+        keys = torch.arange(end, device=self.documents.device)
         queries = keys[part]
-        return (self.documents[:, part, None] == self.documents[:, None, :]) & (keys[None, None] <= queries[None, :, None])
+        return (self.documents[:, part, None] == self.documents[:, None, :end]) & (keys[None, None] <= queries[None, :, None])
 
 
 def sparse_context(position_ids: torch.Tensor, index_topk: int) -> SparseContext | None:
@@ -148,11 +149,17 @@ def choose(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
            max_pairs: int = SCORED_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
     """`top_k` of the index scores of queries [B, T, H, D] with weights [B, T, H] against keys [B, S, D] (a row's, a
     gathered row's or a cache's), among the keys `visible` lets each see; scored in slices of the queries of at most
-    `max_pairs` (query, key) pairs each (one query at least)."""
+    `max_pairs` (query, key) pairs each (one query at least). A slice's visibility may be narrower than S: the keys
+    past it are seen by none of its queries and not scored (a causal row's slice scores the keys up to its last
+    query). Positions [B, T, min(k, S)], the unkept ones last."""
     B, T, S = queries.shape[0], queries.shape[1], keys.shape[1]
-    visible_part = visible if callable(visible) else (lambda part: visible[:, part])
-    parts = [top_k(index_scores(queries[:, part], keys, weights[:, part]), visible_part(part), k)
-             for part in query_slices(B * T * S, T, max_pairs)]
+    width = min(k, S)
+    parts = []
+    for part in query_slices(B * T * S, T, max_pairs):
+        seen = visible(part) if callable(visible) else visible[:, part]
+        positions, kept = top_k(index_scores(queries[:, part], keys[:, :seen.shape[-1]], weights[:, part]), seen, k)
+        missing = width - positions.shape[-1]  # a slice that sees fewer keys than k keeps them all
+        parts.append((F.pad(positions, (0, missing)), F.pad(kept, (0, missing))))
     positions, kept = (torch.cat(chosen, dim=1) for chosen in zip(*parts))
     return positions, kept
 

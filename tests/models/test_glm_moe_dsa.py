@@ -199,6 +199,27 @@ def test_absorbed_and_expanded_forms_equal_the_models_attention(shape, tmp_path)
     assert (expected - dense).abs().max() > 1e-3  # the selection mattered
 
 
+def test_a_rows_choice_scoring_each_slice_up_to_its_last_query_equals_the_choice_under_the_whole_mask():
+    """`choose` over a packed row's `SparseContext` (a slice's keys only up to its last query, [T, T] never made)
+    equals `choose` under the row's whole document-causal mask: in slices of one query, of several, all at once.
+    Positive queries and keys: no two index scores tie at ReLU's zero."""
+    from tandem.models.attention import document_causal_mask
+    from tandem.models.dsa import choose, sparse_context
+
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.cat([torch.arange(n) for n in (5, 30, 12, 40)])[None]
+    T, k = positions.shape[1], 10
+    queries, keys = torch.rand(1, T, 3, 8, generator=generator), torch.rand(1, T, 8, generator=generator)
+    weights = torch.randn(1, T, 3, generator=generator)
+    context = sparse_context(positions, k)
+    for max_pairs in (1, 7 * T, T * T):
+        got = choose(queries, weights, keys, context.visible, k, max_pairs)
+        expected = choose(queries, weights, keys, document_causal_mask(positions), k, max_pairs)
+        assert got[0].shape == expected[0].shape == (1, T, k)
+        assert torch.equal(got[1], expected[1]) and torch.equal(got[0][got[1]], expected[0][expected[1]])
+        assert not got[1].all() and got[1].sum(-1).max() == k
+
+
 def test_glm5_preset_is_the_released_shape():
     """Parameter count of the GLM-5 checkpoints' tensors (78 blocks and the multi-token prediction layer)."""
     model = build_native(preset_config("glm-5"), "meta")
