@@ -131,9 +131,15 @@ class Indexer(nn.Module):
 
 def index_scores(queries: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """I[t, s] in fp32 (the module docstring) of queries [B, T, H, D] with weights [B, T, H] against keys [B, S, D]:
-    [B, T, S]. Memory: [B, T, H, S] fp32 at once."""
-    D = queries.shape[-1]
-    scores = F.relu(torch.matmul(queries.float(), keys.float().transpose(-1, -2)[:, None]) * D ** -0.5)  # [B, T, H, S]
+    [B, T, S]. Memory: [B, T, H, S] fp32 at once. On CUDA, half-precision queries and keys multiply on tensor cores
+    into fp32 (`out_dtype`): each product is exact in fp32 and the sums are fp32, as in the engine's score kernel,
+    at the tensor cores' rate rather than fp32's."""
+    B, T, H, D = queries.shape
+    if queries.is_cuda and queries.dtype in (torch.bfloat16, torch.float16) and keys.dtype == queries.dtype:
+        dots = torch.bmm(queries.reshape(B, T * H, D), keys.transpose(1, 2), out_dtype=torch.float32).view(B, T, H, -1)
+    else:
+        dots = torch.matmul(queries.float(), keys.float().transpose(-1, -2)[:, None])
+    scores = F.relu(dots * D ** -0.5)  # [B, T, H, S]
     return torch.matmul(weights[:, :, None], scores)[:, :, 0]
 
 

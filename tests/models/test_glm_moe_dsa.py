@@ -220,6 +220,21 @@ def test_a_rows_choice_scoring_each_slice_up_to_its_last_query_equals_the_choice
         assert not got[1].all() and got[1].sum(-1).max() == k
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_index_scores_of_bf16_on_cuda_are_the_fp32_scores_of_the_same_values():
+    """bf16 queries and keys on CUDA (tensor-core products into fp32) against the fp32 path on the same values
+    upcast: equal but for the order of fp32 sums, at GLM-5's indexer shape (32 heads of 128)."""
+    from tandem.models.dsa import index_scores
+
+    generator = torch.Generator().manual_seed(0)
+    queries = torch.randn(1, 300, 32, 128, generator=generator).bfloat16().cuda()
+    keys = torch.randn(1, 700, 128, generator=generator).bfloat16().cuda()
+    weights = torch.randn(1, 300, 32, generator=generator).cuda()
+    got, expected = index_scores(queries, keys, weights), index_scores(queries.float(), keys.float(), weights)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_glm5_preset_is_the_released_shape():
     """Parameter count of the GLM-5 checkpoints' tensors (78 blocks and the multi-token prediction layer)."""
     model = build_native(preset_config("glm-5"), "meta")
