@@ -150,25 +150,17 @@ def check_kernels_against_float64(device: str, dtype: torch.dtype, tolerance: fl
 
 
 def chosen_tokens(backend, selection: list | None, kernels: bool) -> dict[int, frozenset[int]]:
-    """Each query's (the step's token row's) chosen context positions in a step's DSA `selection`, whatever form its
-    path keeps them in: a chunk's mask, short queries' `Chosen` per [G, L] query or per kernel query; none where a
-    group sees every visible token."""
-    from tandem.models.dsa import Chosen
-
+    """Each query's (the step's token row's) chosen context positions in a step's DSA `selection`, a `Chosen` per
+    [G, L] query of the torch path or per kernel query; none where a group sees every visible token."""
     picked: dict[int, frozenset[int]] = {}
     for group, choice in zip(backend.groups(), selection or []):
         if choice is None:
             continue
-        if isinstance(choice, Chosen):
-            flat = kernels and not group.expanded
-            rows = group.kernel_queries[0] if flat else group.rows.flatten()
-            positions = choice.positions.reshape(len(rows), -1)
-            counts = choice.counts.flatten()
-            sets = [frozenset(positions[i, :counts[i]].tolist()) for i in range(len(rows))]
-        else:
-            rows = group.rows.flatten()
-            sets = [frozenset(torch.nonzero(m).flatten().tolist()) for m in choice.flatten(0, 1)]
-        picked.update(zip(rows.tolist(), sets))
+        flat = kernels and not group.expanded
+        rows = group.kernel_queries[0] if flat else group.rows.flatten()
+        positions = choice.positions.reshape(len(rows), -1)
+        counts = choice.counts.flatten()
+        picked.update(zip(rows.tolist(), [frozenset(positions[i, :counts[i]].tolist()) for i in range(len(rows))]))
     return picked
 
 

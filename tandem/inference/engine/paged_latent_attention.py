@@ -7,7 +7,8 @@ of one of them, S = block size, E = latent entry features (kv_lora_rank + Dr).
 The step's queries form groups, planned once per step and the same for every layer:
 - a sequence that computes a chunk (more than `SHORT_QUERY_TOKENS` new tokens, or nothing cached before them) is a
   group of its own and attends in the expanded form: its many queries share each context token, so expanding the
-  token once (kv_b_proj) is cheaper than the absorbed form's wider products for every query and key;
+  token once (kv_b_proj) is cheaper than the absorbed form's wider products for every query and key (where DSA
+  chooses, it takes the absorbed form over its chosen entries, below);
 - the others (decodes; a token and its drafts) form one group padded to the longest query and context, in the
   absorbed form: each context token's entry is read once for all heads and never expanded. The kernels below take
   its real queries alone (`QueryGroup.real`): a step's one short chunk does not multiply every decode's work.
@@ -15,9 +16,10 @@ A decode-only step plans from device tensors alone (the contexts' bound is the s
 
 DSA (`tandem.models.dsa`): a layer with an indexer scores each query's visible context against the cached indexer
 keys and keeps its `index_topk` best (`dsa.choose`); a group whose contexts all fit in
-`index_topk` keeps every visible token and skips the scores. A chunk attends under the choice as a mask over its
-context; a short query gathers its chosen entries alone from the cache ([G, L, index_topk, E]) and attends to those,
-so that past `index_topk` tokens its attention reads no more entries however long the context. The choice of each
+`index_topk` keeps every visible token and skips the scores. A chunk reads its context once and attends each query
+over its chosen entries of it in the absorbed form (`LatentAttention.attend_chosen`, the trainer's own DSA
+attention); a short query gathers its chosen entries alone from the cache ([G, L, index_topk, E]) and attends to
+those, so that past `index_topk` tokens its attention reads no more entries however long the context. The choice of each
 group is what the block passes on, and a `shared` layer attends under the last one.
 
 Short queries take Triton kernels where they serve the shape (CUDA, `kernels_serve`): DSA's index scores and the
@@ -147,8 +149,8 @@ class PagedLatentAttention:
         return groups
 
     def attend_latent(self, layer_idx: int, attention: LatentAttention, projections: LatentProjections,
-                      index: IndexerProjections | None, selection: list[torch.Tensor | Chosen | None] | None
-                      ) -> tuple[torch.Tensor, list[torch.Tensor | Chosen | None] | None]:
+                      index: IndexerProjections | None, selection: list[Chosen | None] | None
+                      ) -> tuple[torch.Tensor, list[Chosen | None] | None]:
         slots = self.meta.slot_mapping
         self.cache.write(layer_idx, slots, projections.entries[0])
         groups = self.groups()
@@ -164,14 +166,17 @@ class PagedLatentAttention:
                 rows = group.kernel_queries[0]
                 out[rows] = self._attend_in_place(attention, q_nope[rows], q_rope[rows], layer_idx, group, chosen)
                 continue
-            if isinstance(chosen, Chosen):
+            if chosen is not None and not group.expanded:
                 out[group.rows] = self._attend_chosen(attention, q_nope[group.rows], q_rope[group.rows], layer_idx,
                                                       group, chosen)
                 continue
             context = self.cache.read_entries(layer_idx, group.blocks).flatten(1, 2)  # [G, W x S, E]
-            visible = group.visible if chosen is None else chosen
+            if chosen is not None:  # a chunk: the context read once, each query over its chosen entries of it
+                out[group.rows] = attention.attend_chosen(q_nope[group.rows], q_rope[group.rows], context,
+                                                          chosen.positions, chosen.kept)
+                continue
             attend = attention.attend_expanded if group.expanded else attention.attend_absorbed
-            out[group.rows] = attend(q_nope[group.rows], q_rope[group.rows], context, visible, QUERY_KEY_PAIRS)
+            out[group.rows] = attend(q_nope[group.rows], q_rope[group.rows], context, group.visible, QUERY_KEY_PAIRS)
         return out[None], selection
 
     def latent_contexts(self, layer_idx: int, entries: torch.Tensor,
@@ -233,14 +238,12 @@ class PagedLatentAttention:
                                                   self.cache.layer_index_key_scales(layer_idx))
         return Chosen(positions, counts)
 
-    def _select(self, group: QueryGroup, layer_idx: int, index: IndexerProjections) -> torch.Tensor | Chosen | None:
-        """The group's DSA choice from a layer's cached indexer keys: a mask [G, L, W x S] for a chunk, the chosen
-        positions for short queries; None where it is every visible token."""
+    def _select(self, group: QueryGroup, layer_idx: int, index: IndexerProjections) -> Chosen | None:
+        """The group's DSA choice from a layer's cached indexer keys: each query's chosen positions of its context
+        (`QueryGroup.visible`'s W x S); None where it is every visible token."""
         if group.longest <= self.index_topk:
             return None
         context = self.cache.read_index_keys(layer_idx, group.blocks).flatten(1, 2)  # [G, W x S, index_head_dim]
         positions, kept = choose(index.queries[0][group.rows], index.weights[0][group.rows], context, group.visible,
                                  self.index_topk, QUERY_KEY_PAIRS)
-        if group.expanded:
-            return torch.zeros_like(group.visible).scatter_(-1, positions, kept)
         return Chosen(positions, kept.sum(-1))
