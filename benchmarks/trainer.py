@@ -476,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         peak, peak_note = H100_BF16_PEAK, "989e12 dense bf16 (H100/H200 datasheet)"
     else:
         peak, peak_note = measured_cpu_peak(), f"measured fp32 matmul peak of this process, {torch.get_num_threads()} threads"
-    results = {"preset": args.preset, "num_layers": args.num_layers, "mtp_layers": args.mtp_layers, "max_position_embeddings": args.max_position_embeddings,
+    results = {"preset": args.preset, "num_layers": args.num_layers, "mtp_layers": args.mtp_layers,
+               "max_position_embeddings": args.max_position_embeddings,
                "device": str(device), "mfu_formula": MFU_FORMULA, "peak_tflops": peak / 1e12, "peak_note": peak_note,
                "warmup_steps": args.warmup, "environment": environment(device, args.commit), "runs": []}
     if set(args.fp8) != {"off"}:

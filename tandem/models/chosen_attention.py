@@ -48,7 +48,8 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def probabilities(q: torch.Tensor, chosen: torch.Tensor, kept: torch.Tensor, scale: float) -> torch.Tensor:
-    """Scores [L, H, k] (`statistics_dtype`) of queries q [L, H, F] on their gathered entries [L, k, F], -inf where not kept."""
+    """Scores [L, H, k] (`statistics_dtype`) of queries q [L, H, F] on their gathered entries [L, k, F], -inf where
+    not kept."""
     scores = torch.matmul(q, chosen.transpose(1, 2)).to(statistics_dtype(q.dtype)) * scale
     return scores.masked_fill_(~kept[:, None], float("-inf"))
 

@@ -66,7 +66,8 @@ class SparseContext:
         end = min(part.stop, self.documents.shape[1])
         keys = torch.arange(end, device=self.documents.device)
         queries = keys[part]
-        return (self.documents[:, part, None] == self.documents[:, None, :end]) & (keys[None, None] <= queries[None, :, None])
+        same_document = self.documents[:, part, None] == self.documents[:, None, :end]
+        return same_document & (keys[None, None] <= queries[None, :, None])
 
 
 def sparse_context(position_ids: torch.Tensor, index_topk: int) -> SparseContext | None:

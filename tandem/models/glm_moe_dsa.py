@@ -250,10 +250,12 @@ class LatentMoeForCausalLM(DecoderLM):
 
     def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                    sparse: SparseContext | None = None) -> torch.Tensor:
-        """The blocks in order, each passing its DSA selection to the next."""
+        """The blocks in order, each `shared` layer handed the DSA selection before it, a `full` one none: it
+        chooses its own, and a selection handed to a checkpointed block stays alive until that block's backward."""
         selection = None
         for layer in self.model.layers:
-            h, selection = layer(h, cos, sin, backend, sparse, selection)
+            handed = None if layer.self_attn.indexer is not None else selection
+            h, selection = layer(h, cos, sin, backend, sparse, handed)
         return h
 
     def predict_after_next(self, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -7,13 +7,15 @@
 
 A decoding cache needs only c (after its norm) and RoPE(k_rope) per token, kv_lora_rank + Dr numbers for all heads
 together: a latent cache "entry" [c | RoPE(k_rope)]. Attention over entries has two forms, equal in exact arithmetic:
-- expanded (the form training uses, and the engine's for prefill chunks): kv_b_proj turns every entry into each
-  head's k_nope and v, then attention per head (Hq = Hkv heads, q and k of Dn + Dr features, v of Dv);
-- absorbed (the engine's for decodes, and training's over DSA's chosen entries): kv_b_proj = per head [W_UK (Dn x c) ; W_UV (Dv x c)], so
-  q_nope . (W_UK c) = (W_UK^T q_nope) . c and sum_s p_s W_UV c_s = W_UV sum_s p_s c_s: each query becomes
-  [W_UK^T q_nope | q_rope] over the entries themselves (one key head of kv_lora_rank + Dr features shared by every
-  query head, values their first kv_lora_rank features), and W_UV applies after attention. A token's keys and values
-  are never expanded: the step reads kv_lora_rank + Dr numbers per context token, not H x (Dn + Dr + Dv).
+- expanded (the form dense training uses, and the engine's for prefill chunks without DSA): kv_b_proj turns every
+  entry into each head's k_nope and v, then attention per head (Hq = Hkv heads, q and k of Dn + Dr features, v of
+  Dv);
+- absorbed (the engine's for decodes, and trainer's and engine's over DSA's chosen entries): kv_b_proj = per head
+  [W_UK (Dn x c) ; W_UV (Dv x c)], so q_nope . (W_UK c) = (W_UK^T q_nope) . c and sum_s p_s W_UV c_s =
+  W_UV sum_s p_s c_s: each query becomes [W_UK^T q_nope | q_rope] over the entries themselves (one key head of
+  kv_lora_rank + Dr features shared by every query head, values their first kv_lora_rank features), and W_UV
+  applies after attention. A token's keys and values are never expanded: the step reads kv_lora_rank + Dr numbers
+  per context token, not H x (Dn + Dr + Dv).
 
 The scale is 1 / sqrt(Dn + Dr), times YaRN's mscale(factor, mscale_all_dim)^2 where the rope parameters set
 `mscale_all_dim` (DeepSeek-V3). RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`, the

@@ -326,8 +326,9 @@ def test_rounded_indexer_keys_change_few_choices_and_the_next_token_distribution
         visible = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).tril()[None]
         choosing = visible[0].sum(-1) > 8
         for index, keys in indexed:
-            exact, rounded = (torch.zeros_like(visible).scatter_(-1, *dsa.choose(index.queries, index.weights, k, visible, 8))
-                              [0, choosing] for k in (index.keys, keys))
+            masks = [torch.zeros_like(visible).scatter_(-1, *dsa.choose(index.queries, index.weights, key, visible, 8))
+                     for key in (index.keys, keys)]
+            exact, rounded = (mask[0, choosing] for mask in masks)
             changed += int((exact & ~rounded).sum())
             chosen += int(exact.sum())
         indexed.clear()

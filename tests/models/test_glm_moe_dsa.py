@@ -325,6 +325,31 @@ def test_both_names_transformers_gives_the_dsa_layer_read_as_one(tmp_path):
         GlmMoeDsaArgs.from_hf(dict(config, layer_types=["sliding_attention"] * config["num_hidden_layers"]))
 
 
+def test_only_a_shared_layer_is_handed_the_selection_before_it(tmp_path, monkeypatch):
+    """tiny-glm5 (full, shared, full, shared) past top-k: each shared layer gets the choice of the full layer before
+    it, a full layer none (it chooses its own; a choice handed to a checkpointed block would stay alive until its
+    backward, one [T, index_topk] a layer in GLM-5, whose layers are all full)."""
+    from tandem.models.glm_moe_dsa import LatentAttentionBlock
+
+    model = load_causal_lm(str(write_model(shape_config(dict(TINY_GLM5, index_topk=4)), tmp_path / "m")))
+    assert model.args.indexer_types == ["full", "shared", "full", "shared"]
+    handed, made = [], []
+    forward = LatentAttentionBlock.forward
+
+    def recording(block, *args):
+        handed.append(args[-1])
+        out = forward(block, *args)
+        made.append(out[1])
+        return out
+
+    monkeypatch.setattr(LatentAttentionBlock, "forward", recording)
+    ids, positions = packed_row(model.args.vocab_size)
+    with torch.no_grad():
+        model(ids, positions)
+    assert handed[0] is None and handed[2] is None
+    assert handed[1] is made[0] and handed[3] is made[2] and made[0] is not None and made[2] is not made[0]
+
+
 def test_the_indexer_passes_no_gradient(tmp_path):
     """Even with its weights made trainable, the selection is a choice without gradient."""
     model = load_causal_lm(str(write_model(shape_config(dict(TINY_GLM5, index_topk=4)), tmp_path / "m")))
