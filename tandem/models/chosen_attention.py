@@ -36,9 +36,10 @@ def attend_chosen(q: torch.Tensor, entries: torch.Tensor, positions: torch.Tenso
     return out.view(B, T, H, value_dim)
 
 
-def query_parts(num_queries: int, k: int, max_pairs: int) -> list[slice]:
-    """Consecutive slices of the queries, each of at most `max_pairs` (query, entry) pairs, one query at least."""
-    size = max(1, max_pairs // max(k, 1))
+def query_slices(num_pairs: int, num_queries: int, max_pairs: int | None) -> list[slice]:
+    """Consecutive slices of `num_queries` queries (sharing `num_pairs` query-key pairs evenly), each of at most
+    `max_pairs` pairs or of one query; one slice of all where `max_pairs` is None."""
+    size = num_queries if max_pairs is None else max(1, max_pairs * num_queries // num_pairs)
     return [slice(start, start + size) for start in range(0, num_queries, size)]
 
 
@@ -63,7 +64,7 @@ class ChosenAttention(torch.autograd.Function):
         N, H, _ = q.shape
         out = q.new_empty(N, H, value_dim)
         lse = torch.empty(N, H, dtype=statistics_dtype(q.dtype), device=q.device)
-        for part in query_parts(N, rows.shape[1], max_pairs):
+        for part in query_slices(N * rows.shape[1], N, max_pairs):
             chosen = entries.index_select(0, rows[part].flatten()).view(-1, rows.shape[1], entries.shape[1])
             scores = probabilities(q[part], chosen, kept[part], scale)
             lse[part] = torch.logsumexp(scores, dim=-1)
@@ -80,7 +81,7 @@ class ChosenAttention(torch.autograd.Function):
         grad_q = torch.empty_like(q)
         wide = statistics_dtype(q.dtype)
         grad_entries = torch.zeros(entries.shape, dtype=wide, device=entries.device)
-        for part in query_parts(q.shape[0], rows.shape[1], ctx.max_pairs):
+        for part in query_slices(q.shape[0] * rows.shape[1], q.shape[0], ctx.max_pairs):
             index = rows[part].flatten()
             chosen = entries.index_select(0, index).view(-1, rows.shape[1], entries.shape[1])
             p = torch.exp(probabilities(q[part], chosen, kept[part], scale) - lse[part][..., None])  # [L, H, k]

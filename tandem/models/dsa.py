@@ -38,7 +38,8 @@ from torch import nn
 
 from tandem.models.attention import document_ids
 from tandem.models.layers import projection_weight
-from tandem.models.mla import query_slices, rotate
+from tandem.models.chosen_attention import query_slices
+from tandem.models.mla import rotate
 
 INDEXER_NORM_EPS = 1e-6
 """Epsilon of the indexer's key LayerNorm (`indexer.k_norm`)."""

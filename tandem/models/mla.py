@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models.chosen_attention import attend_chosen
+from tandem.models.chosen_attention import attend_chosen, query_slices
 from tandem.models.layers import RMSNorm, apply_rope, projection_weight, rms_norm
 
 if TYPE_CHECKING:
@@ -193,10 +193,3 @@ class LatentAttention(nn.Module):
     def latent_values(self, out: torch.Tensor) -> torch.Tensor:
         """Attention's output over entries [..., H, kv_lora_rank] -> each head's values [..., H, Dv] (W_UV)."""
         return torch.einsum("...hc,hvc->...hv", out, self.absorbed_projections()[1])
-
-
-def query_slices(num_pairs: int, num_queries: int, max_pairs: int | None) -> list[slice]:
-    """Consecutive slices of `num_queries` queries (sharing `num_pairs` query-key pairs evenly), each of at most
-    `max_pairs` pairs or of one query; one slice of all where `max_pairs` is None."""
-    size = num_queries if max_pairs is None else max(1, max_pairs * num_queries // num_pairs)
-    return [slice(start, start + size) for start in range(0, num_queries, size)]

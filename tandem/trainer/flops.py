@@ -17,9 +17,10 @@ flops = 6 * P_blocks * tokens + 6 * P_head * logprob_tokens + attention, where
   actually in the rows count, so packing short samples lowers it (no cross-sample attention).
 Recomputation by activation checkpointing is not counted (MFU, not hardware FLOPs utilization).
 
-Multi-head latent attention (GLM-5, DeepSeek-V3) attends in the expanded form in training: QK^T over the query/key
-heads' Dn + Dr dims and PV over the value heads' Dv, so a causal pair costs 2 Hq (Dn + Dr + Dv) forward (2 Hq 2D for
-D-dim heads: the formula above). DeepSeek sparse attention (GLM-5) attends each query to at most `index_topk`
+Multi-head latent attention (GLM-5, DeepSeek-V3) counts in the expanded form, the model's own math: QK^T over the
+query/key heads' Dn + Dr dims and PV over the value heads' Dv, so a causal pair costs 2 Hq (Dn + Dr + Dv) forward
+(2 Hq 2D for D-dim heads: the formula above). DSA layers compute the absorbed form over their chosen entries
+(`tandem.models.chosen_attention`), whose wider products per pair are not counted (MFU, as for recomputation). DeepSeek sparse attention (GLM-5) attends each query to at most `index_topk`
 tokens: a sequence of L > k tokens has k^2 / 2 + (L - k) k attended pairs instead of L^2 / 2. Its indexers (the
 `full` layers') run forward only (no_grad, frozen): 2 FLOPs per parameter and token for their projections and
 2 * index_n_heads * index_head_dim per visible pair for their scores, counted apart from P, which leaves them out.

@@ -47,7 +47,8 @@ def test_outputs_and_gradients_equal_dense_attention_under_the_mask(max_pairs):
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(grads[0], q.grad, atol=1e-12, rtol=0)
     torch.testing.assert_close(grads[1], entries.grad, atol=1e-12, rtol=0)
-    assert (mask.sum(-1) < K).any() and entries.grad.abs().min() < entries.grad.abs().max()
+    kept_by = torch.zeros(B, S).scatter_add_(1, positions.flatten(1), kept.flatten(1).float())
+    assert (mask.sum(-1) < K).any() and (kept_by > 1).any()  # queries keeping fewer; entries several queries keep
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
