@@ -79,8 +79,9 @@ start-up, longer than a GPU call lasts), its experts vLLM's Triton FP8 kernel.
 Profile (`--profile`, with workload A): after A's timed runs, on the same engine, two prefill steps and ten
 decode steps of a fresh A run under `torch.profiler` (`engine_profile.py`): GPU milliseconds per step by kernel
 group (dense products in FP8 and in bf16, the activations' quantization, experts, attention, pointwise, other), the
-kernels that take most, and the GPU's idle time per step with the host code each idle gap waited for, as `profile_A` (with each variant's suffix), and a table of the groups side by side
-for every variant run (`--quantizations none,fp8`: bf16 against FP8).
+kernels that take most, and the GPU's idle time per step with the host code each idle gap waited for, as
+`profile_A` (with each variant's suffix), and a table of the groups side by side for every variant run
+(`--quantizations none,fp8`: bf16 against FP8).
 
 Each part that fails is recorded in the result file with its error and the run goes on (GPU
 time is scarce; one broken baseline should not cost the others).
